@@ -1,0 +1,303 @@
+"""DeepSpeed config factories and per-role resolution of "auto" values.
+
+The factories return plain dicts so that tests (and users) can assert on them.
+Resolution happens per role, at build time, once the role's model and the
+data-parallel size are known; nothing is shared between roles.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from typing import Any
+
+import torch
+
+AUTO = "auto"
+
+_DTYPES = ("fp32", "bf16", "fp16")
+
+# Top-level keys DeepSpeed understands (the common ones). Anything else is almost always a typo,
+# which DeepSpeed itself would silently ignore; we reject it with a suggestion instead.
+KNOWN_TOP_LEVEL_KEYS = frozenset(
+    {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
+        "gradient_predivide_factor", "gradient_clipping", "sparse_gradients", "zero_optimization",
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer", "scheduler",
+        "fp16", "bf16", "bfloat16", "amp", "torch_autocast", "data_types", "communication_data_type",
+        "seq_parallel_communication_data_type", "activation_checkpointing", "flops_profiler",
+        "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "aio", "checkpoint",
+        "data_efficiency", "curriculum_learning", "elasticity", "autotuning", "pipeline",
+        "compression_training", "hybrid_engine", "memory_breakdown", "disable_allgather",
+        "load_universal_checkpoint", "use_node_local_storage", "graph_harvesting", "compile",
+        "weight_quantization", "nebula", "eigenvalue", "progressive_layer_drop", "quantize_training",
+        "sequence_parallel_size", "timers", "zero_quantized_weights", "zero_quantized_gradients",
+        "mics_shard_size", "mics_hierarchical_params_gather", "dataloader_drop_last",
+        "use_data_before_expert_parallelism", "expert_parallel", "tensor_parallel", "monitor_config",
+        "gradient_accumulation_dtype", "seed",
+    }
+)
+
+
+class ConfigError(ValueError):
+    """A config value that DeepSpeed (or this project) would reject, with the key, the value and the fix."""
+
+
+def _suggest(key: str, valid: Any) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _dtype_section(dtype: str) -> dict[str, Any]:
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {list(_DTYPES)}.")
+    return {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
+
+
+def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool, trainable: bool) -> dict[str, Any]:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3.")
+    if offload_params and stage != 3:
+        raise ConfigError(
+            f"offload_params=True needs stage=3 (got stage={stage}): only ZeRO-3 partitions parameters."
+        )
+    if offload_optimizer and (not trainable or stage == 0):
+        raise ConfigError(
+            "offload_optimizer=True needs a trainable role at stage 1, 2 or 3 "
+            f"(got stage={stage}, trainable={trainable})."
+        )
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(
+            {
+                "offload_param": {"device": "cpu" if offload_params else "none"},
+                "stage3_param_persistence_threshold": AUTO,
+                "stage3_prefetch_bucket_size": AUTO,
+                "stage3_max_live_parameters": 3e7,
+                "stage3_max_reuse_distance": 1e7,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
+    if trainable and stage >= 1:
+        zero["offload_optimizer"] = {"device": "cpu" if offload_optimizer else "none"}
+        zero["reduce_bucket_size"] = AUTO
+        zero["contiguous_gradients"] = True
+        zero["overlap_comm"] = False  # overlap buys nothing on gloo and costs memory
+    return zero
+
+
+def train_ds_config(
+    stage: int = 2,
+    dtype: str = "bf16",
+    micro_batch_size: int | str = AUTO,
+    grad_accum: int | str = AUTO,
+    train_batch_size: int | str = AUTO,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    gradient_clipping: float | None = 1.0,
+    steps_per_print: int = 10**9,
+) -> dict[str, Any]:
+    """DeepSpeed config for a trainable role (one with an optimizer).
+
+    Batch keys left as "auto" are resolved per role at build time:
+    train_batch_size = micro_batch_size * grad_accum * data_parallel_size.
+    """
+    cfg: dict[str, Any] = {
+        "train_batch_size": train_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "steps_per_print": steps_per_print,
+        "zero_optimization": _zero_section(stage, offload_params, offload_optimizer, trainable=True),
+        "wall_clock_breakdown": False,
+        # Optimizers come from the role's factory (any torch optimizer), as in transformers' Trainer.
+        "zero_allow_untested_optimizer": True,
+    }
+    cfg.update(_dtype_section(dtype))
+    if gradient_clipping is not None:
+        cfg["gradient_clipping"] = float(gradient_clipping)
+    return cfg
+
+
+def eval_ds_config(
+    stage: int = 0,
+    dtype: str = "bf16",
+    offload_params: bool = False,
+    micro_batch_size: int | str = AUTO,
+) -> dict[str, Any]:
+    """DeepSpeed config for a frozen role (no optimizer, forward only).
+
+    DeepSpeed refuses ZeRO-1/2 without an optimizer, and those stages split only optimizer
+    state and gradients, which a frozen role has none of: the registry builds such a role
+    at stage 0 and says so in its memory report. Batch keys are still present because
+    DeepSpeed insists on them.
+    """
+    cfg: dict[str, Any] = {
+        "train_batch_size": AUTO,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": _zero_section(stage, offload_params, False, trainable=False),
+        "wall_clock_breakdown": False,
+    }
+    cfg.update(_dtype_section(dtype))
+    return cfg
+
+
+def load_ds_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A deep copy of a config dict, or the dict read from a DeepSpeed JSON file."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ConfigError(f"ds_config={path!r} is neither a dict nor an existing JSON file.")
+    with open(path) as f:
+        return json.load(f)
+
+
+def zero_stage(config: dict[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def config_dtype(config: dict[str, Any]) -> torch.dtype:
+    if config.get("bf16", config.get("bfloat16", {})).get("enabled") is True:
+        return torch.bfloat16
+    if config.get("fp16", {}).get("enabled") is True:
+        return torch.float16
+    return torch.float32
+
+
+def validate_ds_config(role: str, config: dict[str, Any]) -> None:
+    """Reject keys and values DeepSpeed would reject (or silently ignore), naming the role and key."""
+    for key in config:
+        if key not in KNOWN_TOP_LEVEL_KEYS:
+            raise ConfigError(
+                f"role '{role}': unknown DeepSpeed config key '{key}'.{_suggest(key, KNOWN_TOP_LEVEL_KEYS)}"
+            )
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"role '{role}': 'zero_optimization' must be a dict, got {zero!r}.")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # pydantic model that forbids extras
+
+    fields = set(DeepSpeedZeroConfig.model_fields)
+    aliases = {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    for key in zero:
+        if key not in fields and key not in aliases:
+            raise ConfigError(
+                f"role '{role}': unknown key 'zero_optimization.{key}'.{_suggest(key, fields | aliases)}"
+            )
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"role '{role}': zero_optimization.stage={stage!r}; use 0, 1, 2 or 3.")
+    if config.get("fp16", {}).get("enabled") and config.get("bf16", {}).get("enabled"):
+        raise ConfigError(f"role '{role}': fp16.enabled and bf16.enabled are both true; pick one.")
+
+
+def model_hidden_size(model: torch.nn.Module) -> int | None:
+    """The width used to size ZeRO-3 buckets: config.hidden_size (or d_model / hidden_sizes) when
+    the model has one, else the largest Linear/Conv width. A UNet has no hidden_size, which is why
+    accelerate's "auto" fails on it."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for attr in ("hidden_size", "d_model", "n_embd"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        sizes = getattr(cfg, "hidden_sizes", None)
+        if isinstance(sizes, (list, tuple)) and sizes:
+            return int(max(sizes))
+    widest = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            widest = max(widest, module.in_features, module.out_features)
+        elif isinstance(module, torch.nn.modules.conv._ConvNd):
+            widest = max(widest, module.in_channels, module.out_channels)
+    return widest or None
+
+
+# DeepSpeed's own defaults, used when a model gives us no width to size from.
+_DEFAULT_BUCKETS = {
+    "reduce_bucket_size": int(5e8),
+    "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_param_persistence_threshold": int(1e5),
+}
+
+
+def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) -> None:
+    """Fill "auto" batch keys in place: train_batch_size = micro * accumulation * dp.
+
+    Any two of the three determine the third; a value that cannot be met is an error naming
+    the keys, never a silent correction.
+    """
+    tbs = config.get("train_batch_size", AUTO)
+    micro = config.get("train_micro_batch_size_per_gpu", AUTO)
+    gas = config.get("gradient_accumulation_steps", AUTO)
+    for key, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
+                       ("gradient_accumulation_steps", gas)):
+        if value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"role '{role}': {key}={value!r} must be a positive integer or \"auto\".")
+    if tbs == AUTO:
+        micro = 1 if micro == AUTO else micro
+        gas = 1 if gas == AUTO else gas
+        tbs = micro * gas * dp_world_size
+    elif micro == AUTO:
+        gas = 1 if gas == AUTO else gas
+        if tbs % (gas * dp_world_size):
+            raise ConfigError(
+                f"role '{role}': train_batch_size={tbs} is not divisible by gradient_accumulation_steps={gas}"
+                f" x data-parallel size {dp_world_size}; set train_batch_size to a multiple of"
+                f" {gas * dp_world_size} or give train_micro_batch_size_per_gpu."
+            )
+        micro = tbs // (gas * dp_world_size)
+    elif gas == AUTO:
+        if tbs % (micro * dp_world_size):
+            raise ConfigError(
+                f"role '{role}': train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu={micro}"
+                f" x data-parallel size {dp_world_size}; set train_batch_size to a multiple of"
+                f" {micro * dp_world_size}."
+            )
+        gas = tbs // (micro * dp_world_size)
+    elif tbs != micro * gas * dp_world_size:
+        raise ConfigError(
+            f"role '{role}': train_batch_size={tbs} != train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={gas} x data-parallel size {dp_world_size} = {micro * gas * dp_world_size};"
+            " set train_batch_size to \"auto\" or fix one of the three."
+        )
+    config["train_batch_size"] = tbs
+    config["train_micro_batch_size_per_gpu"] = micro
+    config["gradient_accumulation_steps"] = gas
+
+
+def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None) -> None:
+    """Fill "auto" ZeRO bucket sizes in place from the role's own width (as transformers does:
+    reduce = h*h, prefetch = 0.9*h*h, persistence threshold = 10*h), else DeepSpeed's defaults."""
+    zero = config.get("zero_optimization", {})
+    if hidden_size:
+        derived = {
+            "reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+        }
+    else:
+        derived = dict(_DEFAULT_BUCKETS)
+    for key, value in derived.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+    for key, value in zero.items():
+        if value == AUTO:
+            raise ConfigError(f"zero_optimization.{key}=\"auto\" cannot be resolved; give a number.")
+
+
+def find_auto(config: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every value still set to "auto"."""
+    found: list[str] = []
+    if isinstance(config, dict):
+        for key, value in config.items():
+            path = f"{prefix}.{key}" if prefix else key
+            if value == AUTO:
+                found.append(path)
+            elif isinstance(value, dict):
+                found.extend(find_auto(value, path))
+    return found

@@ -1,0 +1,106 @@
+"""A plain-PyTorch stand-in for DeepSpeedEngine, so the same RoleSpecs and pipelines run without
+DeepSpeed. It honours the role's config where PyTorch can: micro batch, gradient accumulation,
+clipping and dtype (frozen roles are cast; trainable ones keep fp32 weights under autocast-free
+fp32 math, since plain PyTorch has no master-weight optimizer)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class TorchEngine(torch.nn.Module):
+    """The subset of DeepSpeedEngine's API that multiengine pipelines use."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: dict[str, Any],
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        world_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.module = module.to(device)
+        self.config = config
+        self.device = device
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self._gas = int(config["gradient_accumulation_steps"])
+        self._clip = float(config.get("gradient_clipping", 0.0) or 0.0)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._ddp: torch.nn.Module | None = None
+        if optimizer is not None and world_size > 1:
+            self._ddp = torch.nn.parallel.DistributedDataParallel(self.module)
+
+    # DeepSpeedEngine-compatible surface -------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return (self._ddp or self.module)(*args, **kwargs)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config["train_micro_batch_size_per_gpu"])
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    def train_batch_size(self) -> int:
+        return int(self.config["train_batch_size"])
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        # Same scaling as DeepSpeed (scale_wrt_gas): the summed micro-batch grads average.
+        (loss / self._gas).backward()
+        return loss
+
+    def step(self) -> None:
+        if self.is_gradient_accumulation_boundary():
+            if self._clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self._clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        torch.save(
+            {
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "global_steps": self.global_steps,
+                "micro_steps": self.micro_steps,
+                "client_state": client_state or {},
+            },
+            os.path.join(save_dir, tag, "torch_engine.pt"),
+        )
+
+    def load_checkpoint(self, load_dir: str, tag: str) -> tuple[str, dict[str, Any]]:
+        path = os.path.join(load_dir, tag, "torch_engine.pt")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.module.load_state_dict(state["module"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        return path, state["client_state"]

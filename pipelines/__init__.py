@@ -1,0 +1,1 @@
+"""Diffusion and RLHF building blocks: pure functions and loops on top of the engine registry."""

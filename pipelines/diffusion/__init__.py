@@ -1,0 +1,1 @@
+"""Diffusion fine-tuning building blocks (roles: unet, vae, text_encoder, ema)."""

@@ -1,0 +1,551 @@
+"""Image-caption data for diffusion fine-tuning: a generated toy dataset, loading, transforms,
+tokenization, collation and a resumable distributed sampler.
+
+Image transforms use PIL + torch only (torchvision does not load beside the CPU torch build).
+Randomness is always drawn from explicit ``torch.Generator`` objects derived from a seed, so data
+order and augmentation are reproducible and a resumed run sees the same samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SHAPES_BACKGROUNDS",
+    "SHAPES_COLORS",
+    "SHAPES_KINDS",
+    "ImageCaptionDataset",
+    "ImageTransform",
+    "ShardedEpochSampler",
+    "collate",
+    "describe_shapes_image",
+    "load_image_caption_dataset",
+    "make_shapes_dataset",
+    "sample_generator",
+    "shapes_captions",
+    "tokenize_captions",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Generated "shapes" dataset
+# ---------------------------------------------------------------------------------------------
+
+# Saturated, mutually distant colours so the attribute can be read back from pixels.
+SHAPES_COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 40),
+    "blue": (30, 60, 220),
+    "yellow": (240, 220, 30),
+    "purple": (140, 40, 180),
+    "orange": (250, 140, 20),
+}
+SHAPES_KINDS: tuple[str, ...] = ("square", "circle", "triangle")
+SHAPES_BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "white": (255, 255, 255),
+    "black": (0, 0, 0),
+    "gray": (128, 128, 128),
+}
+_METADATA = "metadata.jsonl"
+
+
+def _caption(color: str, shape: str, background: str) -> str:
+    return f"a {color} {shape} on a {background} background"
+
+
+def shapes_captions() -> list[str]:
+    """Every caption the shapes dataset can produce (54 strings); also the tokenizer's training text."""
+    return [
+        _caption(c, s, b) for c, s, b in itertools.product(SHAPES_COLORS, SHAPES_KINDS, SHAPES_BACKGROUNDS)
+    ]
+
+
+def _shapes_rows(n: int, resolution: int, seed: int) -> list[dict[str, Any]]:
+    """Deterministic per-image attributes and geometry (no pixels yet)."""
+    rng = random.Random(seed)
+    combos = list(itertools.product(SHAPES_COLORS, SHAPES_KINDS, SHAPES_BACKGROUNDS))
+    rows: list[dict[str, Any]] = []
+    order: list[tuple[str, str, str]] = []
+    for i in range(n):
+        # Cycle through shuffled copies of all combinations so every attribute is balanced.
+        if not order:
+            order = combos[:]
+            rng.shuffle(order)
+        color, shape, background = order.pop()
+        size = max(4, round(resolution * rng.uniform(0.4, 0.7)))
+        left = rng.randint(1, max(1, resolution - size - 1))
+        top = rng.randint(1, max(1, resolution - size - 1))
+        rows.append(
+            {
+                "file_name": f"{i:05d}.png",
+                "text": _caption(color, shape, background),
+                "color": color,
+                "shape": shape,
+                "background": background,
+                "_box": (left, top, size),
+            }
+        )
+    return rows
+
+
+def _draw_shape(row: Mapping[str, Any], resolution: int) -> Image.Image:
+    image = Image.new("RGB", (resolution, resolution), SHAPES_BACKGROUNDS[row["background"]])
+    draw = ImageDraw.Draw(image)
+    left, top, size = row["_box"]
+    right, bottom = left + size - 1, top + size - 1
+    fill = SHAPES_COLORS[row["color"]]
+    if row["shape"] == "square":
+        draw.rectangle((left, top, right, bottom), fill=fill)
+    elif row["shape"] == "circle":
+        draw.ellipse((left, top, right, bottom), fill=fill)
+    else:
+        draw.polygon(((left + right) / 2, top, left, bottom, right, bottom), fill=fill)
+    return image
+
+
+def _shapes_complete(out_dir: str, rows: list[dict[str, Any]], resolution: int) -> bool:
+    meta = os.path.join(out_dir, _METADATA)
+    if not os.path.isfile(meta):
+        return False
+    with open(meta, encoding="utf-8") as f:
+        existing = [json.loads(line) for line in f if line.strip()]
+    expected = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    if existing != expected:
+        return False
+    if not all(os.path.isfile(os.path.join(out_dir, r["file_name"])) for r in rows):
+        return False
+    with Image.open(os.path.join(out_dir, rows[0]["file_name"])) as im:
+        return im.size == (resolution, resolution)
+
+
+def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0) -> str:
+    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds.
+
+    Each PNG (``{i:05d}.png``, ``resolution`` x ``resolution`` RGB) shows one shape (square,
+    circle, triangle) in one of :data:`SHAPES_COLORS` on one of :data:`SHAPES_BACKGROUNDS`;
+    ``metadata.jsonl`` has ``file_name``, ``text`` (e.g. "a red square on a white background")
+    and the attributes ``color``, ``shape``, ``background`` so generations can be checked with
+    :func:`describe_shapes_image`. Same ``(n, resolution, seed)`` -> byte-identical files; an
+    existing complete folder is left as is. Safe to call from several processes at once.
+
+    Returns:
+        ``out_dir``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if resolution < 8:
+        raise ValueError(f"resolution must be >= 8, got {resolution}")
+    rows = _shapes_rows(n, resolution, seed)
+    if _shapes_complete(out_dir, rows, resolution):
+        logger.info("shapes dataset already complete at %s", out_dir)
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    # Write-then-rename per file, metadata last: concurrent ranks never see a torn file, and the
+    # folder only counts as complete once metadata.jsonl is in place.
+    tag = f".tmp{os.getpid()}"
+    for row in rows:
+        path = os.path.join(out_dir, row["file_name"])
+        _draw_shape(row, resolution).save(path + tag, format="PNG")
+        os.replace(path + tag, path)
+    meta = os.path.join(out_dir, _METADATA)
+    with open(meta + tag, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}) + "\n")
+    os.replace(meta + tag, meta)
+    logger.info("wrote %d shapes images to %s", n, out_dir)
+    return out_dir
+
+
+def _nearest(rgb: np.ndarray, palette: Mapping[str, tuple[int, int, int]]) -> str:
+    names = list(palette)
+    dist = [float(np.sum((rgb - np.asarray(palette[k], dtype=np.float64)) ** 2)) for k in names]
+    return names[int(np.argmin(dist))]
+
+
+def describe_shapes_image(image: Image.Image) -> dict[str, str]:
+    """Read ``color``, ``shape`` and ``background`` back from a shapes image (real or generated).
+
+    Background = palette colour nearest the mean of the four corners; colour = palette colour
+    nearest the median of pixels far from the background; shape from how much of its bounding
+    box the shape fills (square ~1, circle ~pi/4, triangle ~1/2). Meant for scoring generations
+    from a model trained on :func:`make_shapes_dataset`, so it is deliberately simple.
+    """
+    arr = np.asarray(image.convert("RGB"), dtype=np.float64)
+    corners = np.stack([arr[0, 0], arr[0, -1], arr[-1, 0], arr[-1, -1]]).mean(axis=0)
+    background = _nearest(corners, SHAPES_BACKGROUNDS)
+    bg = np.asarray(SHAPES_BACKGROUNDS[background], dtype=np.float64)
+    mask = np.sqrt(((arr - bg) ** 2).sum(axis=-1)) > 60.0
+    if not mask.any():
+        return {"color": "none", "shape": "none", "background": background}
+    color = _nearest(np.median(arr[mask], axis=0), SHAPES_COLORS)
+    ys, xs = np.nonzero(mask)
+    box = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
+    fill = mask.sum() / box
+    shape = "square" if fill > 0.9 else "circle" if fill > 0.66 else "triangle"
+    return {"color": color, "shape": shape, "background": background}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_image_caption_dataset(
+    source: str,
+    image_column: str = "image",
+    caption_column: str = "text",
+    split: str = "train",
+    **load_kwargs: Any,
+):
+    """Load an image-caption ``datasets.Dataset``.
+
+    ``source`` may be:
+      * a local directory -> ``load_dataset("imagefolder", data_dir=source)`` (images +
+        ``metadata.jsonl``/``.csv``/``.parquet`` with ``file_name`` and caption columns);
+      * a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file -> the matching builder; a string
+        image column holds paths, resolved relative to the file's folder, and is cast to images;
+      * anything else -> a hub dataset name, ``load_dataset(source, split=split)``.
+
+    Extra ``load_kwargs`` (``cache_dir``, ``name``...) go to ``datasets.load_dataset``.
+
+    Raises:
+        ValueError: if ``image_column`` or ``caption_column`` is missing (lists available columns).
+    """
+    import datasets
+
+    if os.path.isdir(source):
+        ds = datasets.load_dataset("imagefolder", data_dir=source, split=split, **load_kwargs)
+    elif os.path.isfile(source):
+        ext = os.path.splitext(source)[1].lower()
+        if ext not in _FILE_BUILDERS:
+            raise ValueError(
+                f"Unsupported data file {source!r}: expected one of {sorted(_FILE_BUILDERS)} or a folder"
+            )
+        ds = datasets.load_dataset(_FILE_BUILDERS[ext], data_files=source, split=split, **load_kwargs)
+    else:
+        ds = datasets.load_dataset(source, split=split, **load_kwargs)
+
+    for role, column in (("image_column", image_column), ("caption_column", caption_column)):
+        if column not in ds.column_names:
+            raise ValueError(
+                f"{role}={column!r} not found in dataset {source!r}; available columns: {ds.column_names}"
+            )
+
+    feature = ds.features[image_column]
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        # Paths in a data file are relative to that file, not to the current directory.
+        base = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
+
+        def _resolve(example: dict[str, Any]) -> dict[str, Any]:
+            path = example[image_column]
+            if base is not None and not os.path.isabs(path) and "://" not in path:
+                path = os.path.join(base, path)
+            return {image_column: path}
+
+        ds = ds.map(_resolve)
+        ds = ds.cast_column(image_column, datasets.Image())
+    elif isinstance(feature, dict) and "bytes" in feature:
+        ds = ds.cast_column(image_column, datasets.Image())
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Transforms
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A CPU generator determined only by ``(seed, epoch, index)``.
+
+    Hashing (rather than ``seed + index``) keeps streams for neighbouring samples/epochs
+    uncorrelated, and makes a sample's augmentation independent of which worker or rank loads it,
+    or whether the run was resumed.
+    """
+    digest = hashlib.sha256(f"{seed}:{epoch}:{index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+class ImageTransform:
+    """Resize shorter side (bilinear) -> center/random crop -> optional horizontal flip -> tensor.
+
+    Output: float32 tensor ``[3, R, R]`` in ``[-1, 1]`` (the scale VAEs expect). Equivalent to
+    torchvision's ``Resize(R) / CenterCrop(R) or RandomCrop(R) / RandomHorizontalFlip /
+    ToTensor / Normalize([0.5], [0.5])`` as used in diffusers' training scripts.
+
+    Randomness comes from ``generator`` when one is passed to ``__call__`` (use
+    :func:`sample_generator` for per-sample reproducibility), else from an internal generator
+    seeded with ``seed``.
+    """
+
+    def __init__(self, resolution: int, center_crop: bool = True, random_flip: bool = False, seed: int = 0):
+        if resolution < 1:
+            raise ValueError(f"resolution must be >= 1, got {resolution}")
+        self.resolution = resolution
+        self.center_crop = center_crop
+        self.random_flip = random_flip
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __repr__(self) -> str:
+        return (
+            f"ImageTransform(resolution={self.resolution}, center_crop={self.center_crop}, "
+            f"random_flip={self.random_flip})"
+        )
+
+    def _resize(self, image: Image.Image) -> Image.Image:
+        w, h = image.size
+        r = self.resolution
+        # Same rounding as torchvision's Resize(int): the long side is truncated, not rounded.
+        if w <= h:
+            size = (r, max(r, int(r * h / w)))
+        else:
+            size = (max(r, int(r * w / h)), r)
+        if size == (w, h):
+            return image
+        return image.resize(size, resample=Image.BILINEAR)
+
+    def apply(
+        self, image: Image.Image, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Transform and also return the parameters used.
+
+        Returns:
+            ``(pixels [3, R, R], params)`` with ``params`` = ``original_size`` (h, w) before
+            resizing, ``crop_top_left`` (top, left) in the resized image, ``flipped`` (bool) --
+            what SDXL-style micro-conditioning needs.
+        """
+        g = generator if generator is not None else self._generator
+        image = image.convert("RGB")
+        original_size = (image.height, image.width)
+        image = self._resize(image)
+        r = self.resolution
+        w, h = image.size
+        if self.center_crop:
+            top = round((h - r) / 2.0)
+            left = round((w - r) / 2.0)
+        else:
+            top = int(torch.randint(0, h - r + 1, (1,), generator=g))
+            left = int(torch.randint(0, w - r + 1, (1,), generator=g))
+        image = image.crop((left, top, left + r, top + r))
+        flipped = bool(self.random_flip and float(torch.rand(1, generator=g)) < 0.5)
+        if flipped:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1)
+        pixels = pixels.float().div(127.5).sub(1.0)
+        return pixels, {"original_size": original_size, "crop_top_left": (top, left), "flipped": flipped}
+
+    def __call__(self, image: Image.Image, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Returns ``[3, R, R]`` float32 in ``[-1, 1]``."""
+        return self.apply(image, generator)[0]
+
+
+class ImageCaptionDataset(torch.utils.data.Dataset):
+    """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str}``.
+
+    Augmentation for item ``i`` uses :func:`sample_generator` ``(seed, epoch, i)``, so it does not
+    depend on worker count or resumption. A caption column holding lists picks one caption with
+    the same generator. Call :meth:`set_epoch` before each epoch (with ``persistent_workers`` the
+    workers keep the epoch they started with).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        transform: ImageTransform,
+        image_column: str = "image",
+        caption_column: str = "text",
+        seed: int = 0,
+    ):
+        for role, column in (("image_column", image_column), ("caption_column", caption_column)):
+            if column not in dataset.column_names:
+                raise ValueError(f"{role}={column!r} not found; available columns: {dataset.column_names}")
+        self.dataset = dataset
+        self.transform = transform
+        self.image_column = image_column
+        self.caption_column = caption_column
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.dataset[int(index)]
+        g = sample_generator(self.seed, self.epoch, int(index))
+        pixels = self.transform(row[self.image_column], generator=g)
+        caption = row[self.caption_column]
+        if isinstance(caption, (list, tuple)):
+            if not caption:
+                raise ValueError(f"empty caption list at index {index}")
+            caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
+        if not isinstance(caption, str):
+            raise TypeError(
+                f"caption at index {index} is {type(caption).__name__}, expected str or list of str"
+            )
+        return {"pixel_values": pixels, "caption": caption}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization and collation
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenize_captions(tokenizer: Any, captions: Sequence[str]) -> torch.Tensor:
+    """Tokenize to fixed length (CLIP text encoders are trained on padded 77-token inputs).
+
+    Returns:
+        ``LongTensor [B, tokenizer.model_max_length]`` (padded with the pad token, truncated).
+    """
+    if isinstance(captions, str):
+        raise TypeError("captions must be a sequence of strings, not a single string")
+    for i, c in enumerate(captions):
+        if not isinstance(c, str):
+            raise TypeError(f"caption {i} is {type(c).__name__}, expected str")
+    out = tokenizer(
+        list(captions),
+        max_length=tokenizer.model_max_length,
+        padding="max_length",
+        truncation=True,
+        return_tensors="pt",
+    )
+    return out.input_ids.long()
+
+
+def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dict[str, Any]:
+    """Batch ``{"pixel_values": [3, R, R], "caption": str[, "input_ids": [L]]}`` examples.
+
+    ``input_ids`` are stacked when every example has them, otherwise built with ``tokenizer``
+    (bind it with ``functools.partial(collate, tokenizer=tok)`` for a ``DataLoader``).
+
+    Returns:
+        ``{"pixel_values": float32 [B, 3, R, R] (contiguous), "input_ids": long [B, L],
+        "captions": list[str]}``.
+    """
+    if not examples:
+        raise ValueError("cannot collate an empty batch")
+    pixel_values = torch.stack([e["pixel_values"] for e in examples]).float().contiguous()
+    captions = [e["caption"] for e in examples]
+    if all("input_ids" in e for e in examples):
+        input_ids = torch.stack([torch.as_tensor(e["input_ids"]) for e in examples]).long()
+    elif tokenizer is not None:
+        input_ids = tokenize_captions(tokenizer, captions)
+    else:
+        raise ValueError("examples have no 'input_ids' and no tokenizer was given to collate")
+    return {"pixel_values": pixel_values, "input_ids": input_ids, "captions": captions}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampler
+# ---------------------------------------------------------------------------------------------
+
+
+class ShardedEpochSampler(torch.utils.data.Sampler[int]):
+    """Deterministic, resumable, distributed sampler.
+
+    Epoch ``e``'s order is ``randperm(n)`` from a generator seeded with ``seed + e`` (or
+    ``range(n)`` without shuffle), truncated to a multiple of ``world_size`` (so every rank does
+    the same number of steps and no collective hangs), and rank ``r`` takes ``order[r::world_size]``.
+
+    ``position`` counts indices this rank has already yielded in the current epoch; iteration
+    starts there, so ``load_state_dict(state_dict())`` resumes at the same sample. When a
+    DataLoader prefetches (``num_workers > 0``) the sampler runs ahead of training: pass the
+    number of samples actually trained on as ``state_dict(consumed=...)``.
+
+    A new iteration after a fully consumed epoch moves to the next epoch by itself, so forgetting
+    :meth:`set_epoch` does not replay the same order; the move happens lazily (at the next
+    ``__iter__``) so a checkpoint taken while the last prefetched batches train is still correct.
+    """
+
+    def __init__(self, n: int, world_size: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=}, {rank=}")
+        if n < world_size:
+            raise ValueError(f"dataset of {n} samples cannot feed {world_size} ranks (each needs >= 1)")
+        self.n = n
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Samples per rank per epoch (the full epoch, regardless of ``position``)."""
+        return self.n // self.world_size
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's full index list for ``epoch``."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        total = len(self) * self.world_size
+        return order[:total][self.rank :: self.world_size]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select ``epoch``; resets ``position`` only when the epoch changes (keeps a resumed position)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.position = 0
+
+    def __iter__(self) -> Iterator[int]:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        epoch = self.epoch
+        for index in self.indices(epoch)[self.position :]:
+            if self.epoch != epoch:  # set_epoch/load_state_dict was called mid-iteration
+                return
+            self.position += 1
+            yield index
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, int | bool]:
+        """``{"epoch", "position", "n", "world_size", "rank", "seed", "shuffle"}``.
+
+        Args:
+            consumed: samples of the current epoch this rank has actually trained on; overrides the
+                yielded count (needed when a DataLoader prefetches ahead).
+        """
+        position = self.position if consumed is None else int(consumed)
+        if not 0 <= position <= len(self):
+            raise ValueError(f"consumed={consumed} outside [0, {len(self)}]")
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "n": self.n,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``epoch``/``position``; raises ``ValueError`` if the data/sharding setup differs."""
+        for key in ("n", "world_size", "seed", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                    "resuming would visit different samples"
+                )
+        position = int(state["position"])
+        if not 0 <= position <= len(self):
+            raise ValueError(f"position {position} outside [0, {len(self)}]")
+        self.epoch = int(state["epoch"])
+        self.position = position

@@ -1,0 +1,314 @@
+"""Build a tiny, randomly initialised Stable-Diffusion-style pipeline entirely offline.
+
+Tests and CPU smoke runs need a complete diffusers folder (``model_index.json``, ``unet/``,
+``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``) that ``from_pretrained`` loads like a
+hub checkpoint, without any download. The tokenizer is a real CLIP-format byte-level BPE
+(``vocab.json`` + ``merges.txt``) trained here on the shapes-dataset captions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+import torch
+
+from .data import shapes_captions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TINY_SD_SUBFOLDERS", "build_clip_tokenizer", "build_tiny_clip_text_encoder", "build_tiny_sd"]
+
+TINY_SD_SUBFOLDERS: tuple[str, ...] = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+# CLIP's pre-tokenizer regex (as in transformers' CLIPTokenizer): special tokens, contractions,
+# letter runs, single digits, punctuation runs.
+_CLIP_SPLIT = (
+    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2/CLIP byte -> printable-unicode table, in CLIP's vocabulary order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in cs]
+
+
+def build_clip_tokenizer(
+    out_dir: str, texts: Iterable[str] | None = None, max_merges: int = 400, model_max_length: int = 77
+) -> str:
+    """Train a CLIP-format BPE on ``texts`` and save a loadable ``CLIPTokenizer`` in ``out_dir``.
+
+    The vocabulary is laid out like OpenAI CLIP's: the 256 byte symbols, the same 256 with the
+    ``</w>`` end-of-word suffix, one entry per learned merge, then ``<|startoftext|>`` and
+    ``<|endoftext|>`` last. Having every byte (with and without ``</w>``) means any caption, even
+    with words never seen in ``texts``, tokenizes to ids ``< vocab size`` instead of ``unk``.
+
+    Args:
+        out_dir: folder to write (``vocab.json``, ``merges.txt`` and transformers' tokenizer files).
+        texts: training text; defaults to every shapes-dataset caption.
+        max_merges: cap on learned merges (the vocabulary is ``512 + merges + 2``).
+        model_max_length: padded length used by pipelines (77 like CLIP).
+
+    Returns:
+        ``out_dir``.
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    texts = list(texts) if texts is not None else shapes_captions()
+    alphabet = _bytes_to_unicode()
+    # Same normalizer/pre-tokenizer/suffix as CLIPTokenizer so learned merges are ones it will apply.
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", continuing_subword_prefix=""))
+    bpe.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) * 2 + max_merges,
+        min_frequency=1,
+        initial_alphabet=alphabet,
+        end_of_word_suffix="</w>",
+        show_progress=False,
+        special_tokens=[],
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    merges = json.loads(bpe.to_str())["model"]["merges"][:max_merges]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+
+    vocab: dict[str, int] = {}
+    for token in alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]:
+        vocab.setdefault(token, len(vocab))
+    vocab[BOS_TOKEN] = len(vocab)
+    vocab[EOS_TOKEN] = len(vocab)
+
+    os.makedirs(out_dir, exist_ok=True)
+    vocab_file = os.path.join(out_dir, "vocab.json")
+    merges_file = os.path.join(out_dir, "merges.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merges_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+        f.writelines(f"{a} {b}\n" for a, b in merges)
+
+    tokenizer = CLIPTokenizer.from_pretrained(out_dir, model_max_length=model_max_length)
+    tokenizer.model_max_length = model_max_length
+    tokenizer.save_pretrained(out_dir)
+    logger.info("tokenizer with %d tokens (%d merges) at %s", len(vocab), len(merges), out_dir)
+    return out_dir
+
+
+def build_tiny_clip_text_encoder(
+    out_dir: str | None,
+    hidden_size: int = 32,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    with_projection: bool = False,
+    num_hidden_layers: int = 2,
+    max_position_embeddings: int = 77,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):
+    """A randomly initialised 2-layer ``CLIPTextModel`` (or ``CLIPTextModelWithProjection``).
+
+    ``vocab_size`` and the special-token ids must match the tokenizer: CLIP pools the text
+    embedding at the first ``eos_token_id`` in ``input_ids``, so a wrong id silently pools the
+    wrong position. When ``out_dir`` has a tokenizer (``vocab.json``) and they are not given,
+    they are read from it; otherwise the layout of :func:`build_clip_tokenizer` is assumed.
+    ``with_projection=True`` gives the SDXL ``text_encoder_2`` class.
+
+    Args:
+        out_dir: where to ``save_pretrained`` (``None``: only build).
+        hidden_size: width (also the projection size); heads = ``hidden_size // 8`` at least 1.
+        seed: init seed (the global RNG is left untouched).
+
+    Returns:
+        the model (on CPU, float32, eval mode).
+    """
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    ids: dict[str, int] = {}
+    vocab_path = os.path.join(out_dir, "vocab.json") if out_dir else None
+    if vocab_path and os.path.isfile(vocab_path):
+        with open(vocab_path, encoding="utf-8") as f:
+            vocab = json.load(f)
+        ids = {"vocab_size": len(vocab), "bos": vocab[BOS_TOKEN], "eos": vocab[EOS_TOKEN]}
+    if vocab_size is None:
+        if "vocab_size" not in ids:
+            raise ValueError("vocab_size is required when out_dir has no vocab.json to read it from")
+        vocab_size = ids["vocab_size"]
+    bos = bos_token_id if bos_token_id is not None else ids.get("bos", vocab_size - 2)
+    eos = eos_token_id if eos_token_id is not None else ids.get("eos", vocab_size - 1)
+    pad = pad_token_id if pad_token_id is not None else eos  # CLIPTokenizer pads with <|endoftext|>
+
+    config = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        projection_dim=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=max(1, hidden_size // 8),
+        max_position_embeddings=max_position_embeddings,
+        hidden_act="quick_gelu",
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    model.eval()
+    if out_dir is not None:
+        model.save_pretrained(out_dir)
+    return model
+
+
+def _is_complete(out_dir: str) -> bool:
+    index = os.path.join(out_dir, "model_index.json")
+    if not os.path.isfile(index):
+        return False
+    for sub in TINY_SD_SUBFOLDERS:
+        folder = os.path.join(out_dir, sub)
+        if not os.path.isdir(folder) or not os.listdir(folder):
+            return False
+    return all(
+        any(name.endswith((".safetensors", ".bin")) for name in os.listdir(os.path.join(out_dir, sub)))
+        for sub in ("unet", "vae", "text_encoder")
+    )
+
+
+def build_tiny_sd(out_dir: str, seed: int = 0, resolution: int = 32, prediction_type: str = "epsilon") -> str:
+    """Write a tiny random Stable Diffusion folder that ``StableDiffusionPipeline.from_pretrained`` loads.
+
+    Components: ``UNet2DConditionModel`` (channels 32/64, 1 layer per block, cross-attention dim
+    32), ``AutoencoderKL`` (channels 32/64 -> 2x downsampling, 4 latent channels), 2-layer
+    ``CLIPTextModel`` (hidden 32), a CLIP BPE tokenizer trained on the shapes captions, and a
+    ``DDPMScheduler`` with SD's scaled-linear betas. No safety checker. Under 2M parameters.
+
+    Idempotent: a complete existing folder is returned untouched. The folder is built in a
+    temporary sibling and renamed into place, so concurrent callers (several ranks) never see a
+    half-written pipeline.
+
+    Args:
+        out_dir: destination folder.
+        seed: initialisation seed (global RNG state is preserved).
+        resolution: pixel size the UNet's ``sample_size`` is set for (latents are ``resolution // 2``).
+        prediction_type: scheduler prediction type (``epsilon``, ``v_prediction``, ``sample``).
+
+    Returns:
+        ``out_dir``.
+    """
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTokenizer
+
+    if _is_complete(out_dir):
+        logger.info("tiny SD pipeline already complete at %s", out_dir)
+        return out_dir
+    if resolution % 2:
+        raise ValueError(
+            f"resolution must be even (2x VAE downsampling, 2x UNet downsampling), got {resolution}"
+        )
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny_sd_", dir=parent)
+    try:
+        tok_dir = os.path.join(tmp, "tokenizer")
+        build_clip_tokenizer(tok_dir)
+        tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
+        text_encoder = build_tiny_clip_text_encoder(
+            None,
+            hidden_size=32,
+            seed=seed,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=tokenizer.model_max_length,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            vae = AutoencoderKL(
+                in_channels=3,
+                out_channels=3,
+                down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+                up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+                block_out_channels=(32, 64),
+                layers_per_block=1,
+                latent_channels=4,
+                norm_num_groups=8,
+                sample_size=resolution,
+            )
+            torch.manual_seed(seed + 2)
+            unet = UNet2DConditionModel(
+                sample_size=resolution // 2,
+                in_channels=4,
+                out_channels=4,
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                block_out_channels=(32, 64),
+                layers_per_block=1,
+                cross_attention_dim=32,
+                attention_head_dim=8,
+                norm_num_groups=8,
+            )
+        # SD v1 schedule; clip_sample=False because latents are not bounded to [-1, 1]; steps_offset=1
+        # as in SD's own config (diffusers warns on 0).
+        scheduler = DDPMScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            steps_offset=1,
+            prediction_type=prediction_type,
+        )
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            # out_dir exists: either another process finished first, or it is an empty/partial folder.
+            if _is_complete(out_dir):
+                logger.info("another process completed %s first", out_dir)
+                return out_dir
+            # model_index.json last: it is what marks the folder complete.
+            for name in sorted(os.listdir(tmp), key=lambda x: x == "model_index.json"):
+                dst = os.path.join(out_dir, name)
+                if os.path.isdir(dst):
+                    shutil.rmtree(dst)
+                os.replace(os.path.join(tmp, name), dst)
+        logger.info("built tiny SD pipeline at %s", out_dir)
+        return out_dir
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)

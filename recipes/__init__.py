@@ -1,0 +1,1 @@
+"""Runnable recipes, their YAML configs and the `multiengine` CLI."""

@@ -1,0 +1,50 @@
+"""Launch real multi-rank workers (torch.distributed.run, gloo, DeepSpeed's CPU accelerator)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 900,
+           expect_fail: bool = False) -> list[dict]:
+    """Run tests/distributed/workers/<worker>.py on `nproc` ranks; return each rank's result JSON."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), str(WORKERS / f"{worker}.py"), str(out_dir), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if expect_fail:
+        assert proc.returncode != 0, f"{worker} {args} was expected to fail but exited 0"
+        return []
+    if proc.returncode != 0:
+        pytest.fail(f"{worker} {args} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr ---\n{proc.stderr[-8000:]}")
+    results = []
+    for rank in range(nproc):
+        with open(out_dir / f"rank{rank}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """A tiny OPT causal LM, a tiny CLIP text encoder and a tiny UNet, saved with save_pretrained."""
+    sys.path.insert(0, str(WORKERS))
+    from common import save_tiny_models
+
+    return save_tiny_models(str(tmp_path_factory.mktemp("tiny_models")))

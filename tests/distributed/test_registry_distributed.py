@@ -1,0 +1,115 @@
+"""The registry on 2 real ranks: DeepSpeed's CPU accelerator, gloo, no mocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import launch
+
+pytestmark = pytest.mark.distributed
+
+
+def test_stage3_trainable_and_frozen_roles_are_partitioned(tmp_path):
+    ranks = launch("zero3_roles", tmp_path)
+    for r in ranks:
+        for name in ("policy", "frozen"):
+            role = r["per_role"][name]
+            # Each rank holds its half (DeepSpeed pads each tensor's partition to a multiple of N).
+            assert role["total"] == 64 * 64 * 3 + 64 * 3 + 64 + 1
+            assert abs(role["local"] - role["total"] / 2) <= 8, role
+            assert r["partitioned_at_build"][name] is True  # zero.Init was active inside model()
+            assert role["shapes_inside_gather"][0] == [64, 64]
+            assert all(0 in shape for shape in map(tuple, role["shapes_outside_gather"]))
+        assert r["policy_changed"] > 1e-3
+        assert r["frozen_changed"] == 0.0
+        assert r["frozen_output_requires_grad"] is False
+        assert r["frozen_requires_grad"] is False
+        assert r["frozen_training_mode"] is False
+        assert r["frozen_optimizer"] != "AdamW"
+        rows = {row["role"]: row for row in r["report"]}
+        assert rows["policy"]["trainable"] and not rows["frozen"]["trainable"]
+        assert rows["frozen"]["grad_bytes"] == 0 and rows["frozen"]["optimizer_bytes"] == 0
+        assert rows["policy"]["optimizer_bytes"] > 0
+        assert 0.45 < rows["frozen"]["local_fraction"] < 0.55
+        assert "policy" in r["report_text"] and "frozen" in r["report_text"]
+    # The same loss on both ranks would mean the data were not per rank.
+    assert ranks[0]["losses"] != ranks[1]["losses"]
+
+
+def test_mixed_stages_from_pretrained(tmp_path, tiny_models):
+    ranks = launch("mixed_stages", tmp_path, json.dumps(tiny_models))
+    for r in ranks:
+        assert r["partitioned"] == {"actor": True, "reward": False, "encoder": False, "unet": True}
+        assert r["stages"] == {"actor": 3, "reward": 0, "encoder": 0, "unet": 3}
+        assert "stage 2 requested" in r["notes"]["reward"]
+        # HfDeepSpeedConfig lives only while a stage-3 role builds.
+        assert r["zero3_flag_during_build"] == {"actor": True, "reward": False, "encoder": False, "unet": True}
+        assert r["zero3_flag_after_build"] is False
+        assert 0.45 < r["local_fraction"]["actor"] < 0.55
+        assert 0.45 < r["local_fraction"]["unet"] < 0.55
+        assert r["local_fraction"]["reward"] == 1.0
+        for name, err in r["errors"].items():
+            assert err < 1e-4, (name, err)
+
+
+def test_losses_match_across_zero_stages(tmp_path):
+    ranks = launch("stage_equivalence", tmp_path)
+    losses = ranks[0]["losses"]
+    assert losses["s0"][-1] < losses["s0"][0]  # it learns
+    for stage in ("s2", "s3"):
+        for a, b in zip(losses["s0"], losses[stage]):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-6), (stage, losses)
+    assert ranks[0]["train_batch_size"] == {"s0": 16, "s2": 16, "s3": 16}
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+def test_several_trainable_roles(tmp_path, backend):
+    ranks = launch("two_trainables", tmp_path, backend)
+    for r in ranks:
+        assert r["backend"] == backend
+        assert r["a_after_one_micro"] == 0.0  # accumulation 2: no update after one micro batch
+        assert r["a_after_boundary"] > 1e-4
+        assert r["b_phase1"] == 0.0 and r["z_phase1"] == 0.0  # a's step touches only a
+        assert r["a_phase2"] == 0.0
+        assert r["b_phase2"] > 0.0
+        assert r["z_phase2"] == 0.0  # lr 0 stays unchanged
+        assert r["b_update_norm"] <= 2 * 0.5 * 0.01 * 1.001  # two clipped SGD steps
+        assert r["lr_a"] == pytest.approx([0.005, 0.0025])
+        assert r["train_batch_size"] == {"a": 8, "b": 8, "z": 6}
+        assert r["gas"] == {"a": 2, "b": 1, "z": 1}
+    # Data-parallel replicas stay identical although each rank saw different data.
+    assert ranks[0]["a_param_sum"] == pytest.approx(ranks[1]["a_param_sum"], abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+def test_resume_continues_identically(tmp_path, backend):
+    full = launch("ckpt", tmp_path / "full", "full", str(tmp_path / "unused"), backend)
+    ckpt = tmp_path / "ckpt"
+    launch("ckpt", tmp_path / "p1", "part1", str(ckpt), backend)
+    assert (ckpt / "latest").read_text() == "step_00000003"
+    manifest = json.loads((ckpt / "step_00000003" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and set(manifest["roles"]) == {"actor", "critic"}
+    assert manifest["frozen_roles"] == ["ref"]
+    assert not (ckpt / "step_00000003" / "ref").exists()  # frozen roles are rebuilt from source
+    resumed = launch("ckpt", tmp_path / "p2", "part2", str(ckpt), backend)
+    for r_full, r_res in zip(full, resumed):
+        assert r_res["client_state"] == {"step": 3, "data_position": 3}
+        assert r_res["losses"] == pytest.approx(r_full["losses"][6:], rel=1e-5)
+        for name in ("actor", "critic"):
+            assert r_res["params"][name] == pytest.approx(r_full["params"][name], rel=1e-5, abs=1e-6)
+
+
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    launch("ckpt", tmp_path / "crash", "crash", str(ckpt), "deepspeed", expect_fail=True)
+    before = json.loads((tmp_path / "crash" / "rank0.json").read_text())
+    assert (ckpt / "latest").read_text() == "step_00000002"
+    assert (ckpt / ".tmp-step_00000003").is_dir()  # the half-written save, never pointed to
+    ranks = launch("ckpt", tmp_path / "verify", "verify", str(ckpt), "deepspeed")
+    for r in ranks:
+        assert r["client_state"]["step"] == 2
+        assert r["params"]["actor"] == pytest.approx(before["params_at_2"]["actor"], rel=1e-6)
+        assert "trains ['actor']" in r["errors"]["roles"]
+    world = launch("ckpt", tmp_path / "world", "world", str(ckpt), "deepspeed", nproc=1)
+    assert "written by 2 ranks, this run has 1" in world[0]["error"]
