@@ -7,6 +7,7 @@ are imported where they are needed.
 from .checkpoint import CheckpointError, latest_tag, list_checkpoints
 from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
 from .dist import DistEnv, read_env
+from .ema import ema_decay, ema_update
 from .memory import MemoryReport, current_rss_bytes, peak_rss_bytes
 from .registry import EngineRegistry, Role, RoleSpec, UnknownRoleError
 
@@ -21,6 +22,8 @@ __all__ = [
     "RoleSpec",
     "UnknownRoleError",
     "current_rss_bytes",
+    "ema_decay",
+    "ema_update",
     "eval_ds_config",
     "latest_tag",
     "list_checkpoints",

@@ -9,9 +9,12 @@ Layout of a checkpoint directory:
         client_state/rank_0.pt  the caller's client state + this rank's RNG states
         actor/state/...       DeepSpeed's own checkpoint of each trainable role
         critic/state/...
+        ema/rank_0.pt         a stateful frozen role (EMA): this rank's parameter partitions
       .tmp-step_00000020/     a save in progress: never pointed to by `latest`
 
-Frozen roles are not saved: they are rebuilt from their source. Every rank takes part
+Frozen roles are not saved: they are rebuilt from their source, except stateful ones (an EMA),
+whose local partitions are saved per rank (an inference-only DeepSpeed engine has no checkpoint
+engine of its own). Every rank takes part
 (a ZeRO checkpoint is written by all ranks); rank 0 commits with two renames.
 """
 
@@ -41,6 +44,11 @@ _TAG_PREFIX = "step_"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that does not match the registry that tries to load it."""
+
+
+def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameter storage this rank owns: ZeRO-3 partitions (ds_tensor), else the full tensors."""
+    return [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in module.parameters()]
 
 
 def rng_state() -> dict[str, Any]:
@@ -124,6 +132,12 @@ def save(registry: EngineRegistry, save_dir: str, client_state: dict[str, Any], 
 
     for role in trainable:
         role.engine.save_checkpoint(os.path.join(tmp, role.name), tag="state")
+    for role in registry.stateful_frozen_roles():
+        if registry.is_main:
+            os.makedirs(os.path.join(tmp, role.name), exist_ok=True)
+        barrier()
+        torch.save([t.detach().cpu() for t in local_tensors(role.module)],
+                   os.path.join(tmp, role.name, f"rank_{registry.rank}.pt"))
     torch.save({"client_state": client_state, "rng": rng_state()},
                os.path.join(tmp, "client_state", f"rank_{registry.rank}.pt"))
     barrier()
@@ -136,6 +150,7 @@ def save(registry: EngineRegistry, save_dir: str, client_state: dict[str, Any], 
             "backend": registry.backend,
             "roles": {r.name: {"stage": r.stage, "dtype": str(r.dtype).replace("torch.", "")} for r in trainable},
             "frozen_roles": [r.name for r in registry.roles() if not r.trainable],
+            "stateful_roles": [r.name for r in registry.stateful_frozen_roles()],
             "versions": _versions(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
@@ -187,6 +202,17 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
         loaded, _ = role.engine.load_checkpoint(os.path.join(path, role.name), tag="state")
         if loaded is None:
             raise CheckpointError(f"role '{role.name}': DeepSpeed found no state under {path!r}.")
+    stateful = {r.name for r in registry.stateful_frozen_roles()}
+    if stateful != set(manifest.get("stateful_roles", [])):
+        raise CheckpointError(
+            f"checkpoint {path!r} holds stateful frozen roles {sorted(manifest.get('stateful_roles', []))}, but this"
+            f" registry has {sorted(stateful)}; build the same roles (e.g. the same EMA setting) to resume."
+        )
+    for role in registry.stateful_frozen_roles():
+        saved = torch.load(os.path.join(path, role.name, f"rank_{registry.rank}.pt"), weights_only=True)
+        with torch.no_grad():
+            for target, value in zip(local_tensors(role.module), saved, strict=True):
+                target.copy_(value.to(target.device, target.dtype))
     state = torch.load(os.path.join(path, "client_state", f"rank_{registry.rank}.pt"), weights_only=False)
     set_rng_state(state["rng"])
     barrier()

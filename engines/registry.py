@@ -55,6 +55,8 @@ class RoleSpec:
     trainable:    defaults to "has an optimizer"; a trainable role without one, or a frozen role
                   with one, is an error.
     hidden_size:  width for "auto" ZeRO bucket sizes when the model exposes none.
+    stateful:     a frozen role whose weights change during training (an EMA copy): saved in
+                  checkpoints as this rank's partitions instead of being rebuilt from source.
     """
 
     name: str
@@ -64,6 +66,7 @@ class RoleSpec:
     lr_scheduler: SchedulerFactory | None = None
     trainable: bool | None = None
     hidden_size: int | None = None
+    stateful: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -191,6 +194,9 @@ class EngineRegistry:
 
     def trainable_roles(self) -> list[Role]:
         return [r for r in self.roles() if r.trainable]
+
+    def stateful_frozen_roles(self) -> list[Role]:
+        return [r for r in self.roles() if not r.trainable and r.spec.stateful]
 
     # --- building -----------------------------------------------------------------------------
     def resolve_config(self, spec: RoleSpec) -> tuple[dict[str, Any], int, str]:

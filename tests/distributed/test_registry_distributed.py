@@ -22,6 +22,8 @@ def test_stage3_trainable_and_frozen_roles_are_partitioned(tmp_path):
             assert role["shapes_inside_gather"][0] == [64, 64]
             assert all(0 in shape for shape in map(tuple, role["shapes_outside_gather"]))
         assert r["policy_changed"] > 1e-3
+        assert r["ema_error"] < 1e-6  # updated on local partitions, no full copy
+        assert r["ema_local"] == r["per_role"]["policy"]["local"]
         assert r["frozen_changed"] == 0.0
         assert r["frozen_output_requires_grad"] is False
         assert r["frozen_requires_grad"] is False
@@ -90,13 +92,13 @@ def test_resume_continues_identically(tmp_path, backend):
     assert (ckpt / "latest").read_text() == "step_00000003"
     manifest = json.loads((ckpt / "step_00000003" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and set(manifest["roles"]) == {"actor", "critic"}
-    assert manifest["frozen_roles"] == ["ref"]
+    assert manifest["frozen_roles"] == ["ref", "ema"] and manifest["stateful_roles"] == ["ema"]
     assert not (ckpt / "step_00000003" / "ref").exists()  # frozen roles are rebuilt from source
     resumed = launch("ckpt", tmp_path / "p2", "part2", str(ckpt), backend)
     for r_full, r_res in zip(full, resumed):
         assert r_res["client_state"] == {"step": 3, "data_position": 3}
         assert r_res["losses"] == pytest.approx(r_full["losses"][6:], rel=1e-5)
-        for name in ("actor", "critic"):
+        for name in ("actor", "critic", "ema"):
             assert r_res["params"][name] == pytest.approx(r_full["params"][name], rel=1e-5, abs=1e-6)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from common import MLP, dump, full_params, seeded
 
-from multiengine.engines import CheckpointError, EngineRegistry, RoleSpec, eval_ds_config, train_ds_config
+from multiengine.engines import CheckpointError, EngineRegistry, RoleSpec, ema_update, eval_ds_config, train_ds_config
 from multiengine.engines import checkpoint as ckpt_module
 
 mode, ckpt_dir, backend = sys.argv[2], sys.argv[3], sys.argv[4]
@@ -34,6 +34,9 @@ def build(trainable=("actor", "critic"), backend=backend):
                               train_ds_config(stage=2, dtype="fp32", micro_batch_size=4),
                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
     registry.add(RoleSpec("ref", seeded(MLP, 1), eval_ds_config(stage=3, dtype="fp32")))
+    if "actor" in trainable:
+        registry.add(RoleSpec("ema", seeded(lambda: MLP(dropout=0.1), 1), eval_ds_config(stage=3, dtype="fp32"),
+                              stateful=True))
     return registry.build()
 
 
@@ -50,11 +53,12 @@ def train(registry, start, stop, data_position):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        ema_update(registry["ema"].module, registry["actor"].module, decay=0.5)
     return losses, data_position
 
 
 def fingerprint(registry):
-    return {n: [p.sum().item() for p in full_params(registry, n)] for n in ("actor", "critic")}
+    return {n: [p.sum().item() for p in full_params(registry, n)] for n in ("actor", "critic", "ema")}
 
 
 torch.manual_seed(1234)

@@ -3,7 +3,7 @@
 import torch
 from common import MLP, batch, dump, full_params, max_diff, seeded
 
-from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_ds_config
+from multiengine.engines import EngineRegistry, RoleSpec, ema_update, eval_ds_config, train_ds_config
 
 seen_partitioned_at_build = {}
 
@@ -21,6 +21,7 @@ registry = EngineRegistry()
 registry.add(RoleSpec("policy", factory("policy"), train_ds_config(stage=3, dtype="fp32", micro_batch_size=4),
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
 registry.add(RoleSpec("frozen", factory("frozen"), eval_ds_config(stage=3, dtype="fp32")))
+registry.add(RoleSpec("ema", factory("ema"), eval_ds_config(stage=3, dtype="fp32"), stateful=True))
 registry.build()
 
 per_role = {}
@@ -44,6 +45,9 @@ for step in range(3):
     frozen_out = registry["frozen"](x)
     losses.append(loss.item())
 after = {n: full_params(registry, n) for n in ("policy", "frozen")}
+ema_update(registry["ema"].module, registry["policy"].module, decay=0.75)
+expected_ema = [0.75 * b + 0.25 * a for b, a in zip(before["policy"], after["policy"])]
+ema_error = max_diff(full_params(registry, "ema"), expected_ema)
 
 report = registry.memory_report()
 dump({
@@ -56,6 +60,8 @@ dump({
     "frozen_training_mode": registry["frozen"].module.training,
     "frozen_optimizer": type(registry["frozen"].optimizer).__name__,
     "losses": losses,
+    "ema_error": ema_error,
+    "ema_local": sum(p.ds_tensor.numel() for p in registry["ema"].module.parameters()),
     "report": list(report),
     "report_text": str(report),
 })

@@ -1,0 +1,162 @@
+"""Metrics (JSON lines, optional TensorBoard), logging setup and the run summary file.
+
+Imports neither torch nor numpy: tensors and numpy values are recognised by duck typing
+(`.item()` / `.tolist()`), so this module stays cheap to import from the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger(__name__)
+
+_LOG_FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+# Marks the handler that setup_logging installed, so a second call replaces it instead of
+# stacking a duplicate, and leaves other handlers (pytest's caplog, the user's) alone.
+_HANDLER_FLAG = "_multiengine_handler"
+
+
+def setup_logging(rank: int, stream: Any = None) -> None:
+    """Root logging: INFO on rank 0, WARNING on the others (N ranks repeating each line is noise)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, _HANDLER_FLAG, False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT.format(rank=rank), datefmt="%H:%M:%S"))
+    setattr(handler, _HANDLER_FLAG, True)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def _to_number(key: str, value: Any) -> float | int:
+    """A metric as a plain number: tensors / numpy scalars via .item(); bools and ints stay exact."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    if hasattr(value, "item"):
+        try:
+            item = value.item()  # raises for multi-element tensors/arrays: a metric must be a scalar
+        except (ValueError, RuntimeError) as e:
+            raise TypeError(f"metric {key!r} is not a scalar: {e}") from None
+        return int(item) if isinstance(item, bool) else item
+    raise TypeError(f"metric {key!r} has non-numeric value {value!r} ({type(value).__name__})")
+
+
+def to_plain(value: Any) -> Any:
+    """Recursively turn tensors/numpy values, tuples and paths into JSON-serialisable Python values."""
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "tolist"):  # tensors and numpy arrays/scalars; 0-d gives a scalar
+        if hasattr(value, "detach"):
+            value = value.detach().cpu()
+        return to_plain(value.tolist())
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to JSON")
+
+
+class MetricsLogger:
+    """Appends one JSON line per `log` call; mirrors scalars to TensorBoard when it is installed.
+
+    Construct it on every rank with `enabled=(rank == 0)`: disabled loggers are no-ops and create
+    no files, so call sites need no rank checks.
+    """
+
+    def __init__(self, path_jsonl: str, enabled: bool, tensorboard_dir: str | None = None) -> None:
+        self.path = path_jsonl
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        Path(path_jsonl).parent.mkdir(parents=True, exist_ok=True)
+        # Line-buffered append: every line reaches the file as it is logged, so a crashed or
+        # killed run keeps its curve, and a resumed run continues the same file.
+        self._file = open(path_jsonl, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            # Broad: a broken tensorboard/protobuf install fails with more than ImportError, and
+            # tensorboard is optional - the JSONL file is the record that always exists.
+            except Exception:  # noqa: BLE001
+                logger.info("tensorboard is not installed; writing metrics to %s only", path_jsonl)
+            else:
+                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
+        """Write `{"step": step, "<prefix>/<key>": value, ...}`; a non-scalar value is a TypeError."""
+        if not self.enabled or self._file is None:
+            return
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in metrics.items():
+            name = f"{prefix}/{key}" if prefix else str(key)
+            record[name] = _to_number(name, value)
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in record.items():
+                if name != "step" and math.isfinite(value):
+                    self._tb.add_scalar(name, value, int(step))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a metrics file; a torn last line (the run was killed mid-write) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise
+    return records
+
+
+def write_summary(path: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Write `summary` as indented JSON atomically: readers never see a half-written file."""
+    plain = to_plain(summary)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(plain, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a summary is meant to be read by others
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
