@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,8 @@ def default_backend() -> str:
 
 def init_distributed(use_deepspeed: bool, backend: str | None = None) -> DistEnv:
     """Initialise the default process group once (also for a single process, so ZeRO works the same)."""
+    # DeepSpeed calls torch collectives that torch 2.13 marks deprecated, once per bucket: noise for users.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.? is deprecated", category=FutureWarning)
     env = read_env()
     if dist.is_available() and dist.is_initialized():
         return DistEnv(rank=dist.get_rank(), local_rank=env.local_rank, world_size=dist.get_world_size())

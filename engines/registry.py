@@ -208,10 +208,11 @@ class EngineRegistry:
         if not spec.trainable and requested in (1, 2):
             # DeepSpeed refuses ZeRO-1/2 without an optimizer; they would shard nothing here anyway.
             config["zero_optimization"] = {"stage": 0}
-            note = f"frozen: stage {requested} requested, built at stage 0 (ZeRO-1/2 shard only grads and optimizer state)"
+            note = f"frozen: stage {requested} requested, built at stage 0 (ZeRO-1/2 split only grads/optimizer)"
         if config.get("fp16", {}).get("enabled") and self.device.type == "cpu":
             raise ConfigError(
-                f"role '{spec.name}': fp16.enabled=true, but DeepSpeed's CPU accelerator has no fp16; use dtype='bf16' or 'fp32'."
+                f"role '{spec.name}': fp16.enabled=true, but DeepSpeed's CPU accelerator has no fp16;"
+                " use dtype='bf16' or 'fp32'."
             )
         resolve_batch_keys(spec.name, config, self.world_size)
         return config, requested, note

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a recipe", allow_abbrev=False, description="Run a recipe. Overrides are key=value "
+    run = sub.add_parser("run", help="run a recipe", allow_abbrev=False,
+                         description="Run a recipe. Overrides are key=value "
                          "with dotted keys and YAML values: max_steps=3 roles.actor.stage=2 prompts=[a,b]")
     run.add_argument("recipe")
     run.add_argument("--config", help="shipped config name (see `multiengine ls`) or path to a YAML file")

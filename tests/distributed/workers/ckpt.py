@@ -14,8 +14,14 @@ import sys
 import numpy as np
 import torch
 from common import MLP, dump, full_params, seeded
-
-from multiengine.engines import CheckpointError, EngineRegistry, RoleSpec, ema_update, eval_ds_config, train_ds_config
+from multiengine.engines import (
+    CheckpointError,
+    EngineRegistry,
+    RoleSpec,
+    ema_update,
+    eval_ds_config,
+    train_ds_config,
+)
 from multiengine.engines import checkpoint as ckpt_module
 
 mode, ckpt_dir, backend = sys.argv[2], sys.argv[3], sys.argv[4]
@@ -43,7 +49,7 @@ def build(trainable=("actor", "critic"), backend=backend):
 def train(registry, start, stop, data_position):
     """Data comes from the position-indexed stream; noise from the RNG (so RNG restore matters)."""
     losses = []
-    for step in range(start, stop):
+    for _ in range(start, stop):
         g = torch.Generator().manual_seed(data_position * 10 + registry.rank)
         x = torch.randn(4, 64, generator=g) + 0.01 * torch.randn(4, 64) + float(np.random.rand())
         data_position += 1

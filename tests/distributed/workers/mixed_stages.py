@@ -1,11 +1,11 @@
 """Stage-3 actor + stage-2 reward + stage-0 encoder (+ a stage-3 diffusers UNet), all from_pretrained."""
 
 import json
+import os
 import sys
 
 import torch
 from common import dump
-
 from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_ds_config
 
 paths = json.loads(sys.argv[2])
@@ -53,7 +53,9 @@ with torch.no_grad():
         "unet": (registry["unet"](sample, t, encoder_hidden_states=ctx).sample
                  - ref_unet(sample, t, encoder_hidden_states=ctx).sample).abs().max().item(),
     }
+exported = registry.export(os.path.join(sys.argv[1], "export"), roles=["actor", "unet"])
 dump({
+    "exported": exported,
     "partitioned": partitioned,
     "zero3_flag_during_build": flags_during_build,
     "zero3_flag_after_build": is_deepspeed_zero3_enabled(),

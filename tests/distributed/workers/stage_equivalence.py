@@ -3,7 +3,6 @@
 import torch
 import torch.distributed as dist
 from common import MLP, batch, dump, seeded
-
 from multiengine.engines import EngineRegistry, RoleSpec, train_ds_config
 
 registry = EngineRegistry()

@@ -7,7 +7,6 @@ import sys
 
 import torch
 from common import MLP, batch, dump, full_params, max_diff, seeded
-
 from multiengine.engines import EngineRegistry, RoleSpec, train_ds_config
 
 backend = sys.argv[2]

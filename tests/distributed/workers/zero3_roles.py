@@ -2,7 +2,6 @@
 
 import torch
 from common import MLP, batch, dump, full_params, max_diff, seeded
-
 from multiengine.engines import EngineRegistry, RoleSpec, ema_update, eval_ds_config, train_ds_config
 
 seen_partitioned_at_build = {}

@@ -1,0 +1,142 @@
+"""Config factories, "auto" resolution and validation: plain dicts, asserted on directly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from multiengine.engines import (
+    ConfigError,
+    RoleSpec,
+    eval_ds_config,
+    load_ds_config,
+    model_hidden_size,
+    train_ds_config,
+)
+from multiengine.engines.config import find_auto, resolve_batch_keys, resolve_bucket_sizes, validate_ds_config
+
+
+def test_train_config_is_a_plain_dict_with_the_requested_stage():
+    cfg = train_ds_config(stage=3, dtype="bf16", micro_batch_size=4, grad_accum=2, offload_optimizer=True)
+    assert type(cfg) is dict
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "none"}
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["gradient_clipping"] == 1.0
+    json.dumps(cfg)  # serialisable as a DeepSpeed JSON
+
+
+def test_eval_config_has_batch_keys_and_no_optimizer_sections():
+    cfg = eval_ds_config(stage=3, dtype="fp32", offload_params=True)
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    assert "offload_optimizer" not in cfg["zero_optimization"]
+    assert "reduce_bucket_size" not in cfg["zero_optimization"]
+    assert "optimizer" not in cfg and "gradient_clipping" not in cfg
+    assert {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"} <= set(cfg)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"stage": 4}, "stage=4"),
+    ({"dtype": "float16"}, "dtype='float16'"),
+    ({"stage": 2, "offload_params": True}, "offload_params=True needs stage=3"),
+    ({"stage": 0, "offload_optimizer": True}, "offload_optimizer=True needs"),
+])
+def test_factory_rejects_bad_values_naming_them(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        train_ds_config(**kwargs)
+
+
+@pytest.mark.parametrize("micro, gas, tbs, dp, expected", [
+    ("auto", "auto", "auto", 2, (2, 1, 1)),
+    (4, 2, "auto", 2, (16, 4, 2)),
+    ("auto", 2, 16, 2, (16, 4, 2)),
+    (4, "auto", 16, 2, (16, 4, 2)),
+    (3, 1, "auto", 4, (12, 3, 1)),
+])
+def test_batch_keys_resolve_per_role(micro, gas, tbs, dp, expected):
+    cfg = {"train_batch_size": tbs, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+    resolve_batch_keys("actor", cfg, dp)
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    assert tuple(cfg[k] for k in keys) == expected
+
+
+def test_batch_keys_that_cannot_be_met_are_errors_not_corrections():
+    cfg = {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}
+    with pytest.raises(ConfigError, match="role 'actor': train_batch_size=10 is not divisible"):
+        resolve_batch_keys("actor", cfg, 2)
+    cfg = {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    with pytest.raises(ConfigError, match="!= train_micro_batch_size_per_gpu=4"):
+        resolve_batch_keys("actor", cfg, 2)
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        resolve_batch_keys("x", {"train_micro_batch_size_per_gpu": 0}, 1)
+
+
+def test_bucket_sizes_follow_the_role_width():
+    cfg = train_ds_config(stage=3)
+    resolve_bucket_sizes(cfg, 64)
+    zero = cfg["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 64 * 64
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert zero["stage3_param_persistence_threshold"] == 640
+    cfg = train_ds_config(stage=3)
+    resolve_bucket_sizes(cfg, None)  # no width: DeepSpeed's defaults
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
+    assert find_auto(cfg) == ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+
+
+def test_hidden_size_comes_from_config_or_widest_layer():
+    class WithConfig(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"hidden_size": 96})()
+
+    conv = torch.nn.Sequential(torch.nn.Conv2d(4, 32, 3), torch.nn.Conv2d(32, 128, 3), torch.nn.Linear(128, 8))
+    assert model_hidden_size(WithConfig()) == 96
+    assert model_hidden_size(conv) == 128  # a UNet has no hidden_size; accelerate's "auto" fails there
+    assert model_hidden_size(torch.nn.ReLU()) is None
+
+
+def test_unknown_keys_are_rejected_with_a_suggestion():
+    cfg = train_ds_config(stage=3)
+    cfg["gradient_acumulation_steps"] = 2
+    with pytest.raises(ConfigError, match="role 'actor': unknown DeepSpeed config key 'gradient_acumulation_steps'"
+                                          ".*Did you mean 'gradient_accumulation_steps'"):
+        validate_ds_config("actor", cfg)
+    cfg = train_ds_config(stage=3)
+    cfg["zero_optimization"]["stage3_prefetch_bucket"] = 10
+    with pytest.raises(ConfigError, match="zero_optimization.stage3_prefetch_bucket'.*stage3_prefetch_bucket_size"):
+        validate_ds_config("actor", cfg)
+    bad = eval_ds_config()
+    bad["fp16"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="both true"):
+        validate_ds_config("ref", bad)
+
+
+def test_a_full_deepspeed_json_is_accepted(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    cfg = load_ds_config(str(path))
+    validate_ds_config("actor", cfg)
+    assert cfg["zero_optimization"]["stage"] == 2
+    with pytest.raises(ConfigError, match="neither a dict nor an existing JSON file"):
+        load_ds_config(str(tmp_path / "missing.json"))
+
+
+def _model():
+    return torch.nn.Linear(2, 2)
+
+
+def test_role_spec_requires_optimizer_exactly_for_trainable_roles():
+    assert RoleSpec("actor", _model, train_ds_config(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).trainable
+    assert not RoleSpec("ref", _model, eval_ds_config()).trainable
+    with pytest.raises(ConfigError, match="role 'actor': trainable=True but no optimizer"):
+        RoleSpec("actor", _model, train_ds_config(), trainable=True)
+    with pytest.raises(ConfigError, match="role 'ref': trainable=False but an optimizer was given"):
+        RoleSpec("ref", _model, eval_ds_config(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), trainable=False)
+    with pytest.raises(ConfigError, match="must be an identifier"):
+        RoleSpec("my role", _model, eval_ds_config())
+    with pytest.raises(ConfigError, match="lr_scheduler given for a frozen role"):
+        RoleSpec("ref", _model, eval_ds_config(), lr_scheduler=lambda o: None)

@@ -1,0 +1,33 @@
+"""The README carries exactly two set-up commands, and CI runs the second one verbatim."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)\n```", section, flags=re.DOTALL)
+
+
+def test_readme_has_two_setup_commands_that_install_what_they_need():
+    commands = _readme_commands()
+    assert len(commands) == 2, commands
+    main_job, tests = commands
+    for command in commands:
+        assert "\n" not in command
+        assert command.startswith("python -m pip install torch==2.13.0 && python -m pip install -e ")
+    assert "multiengine run" in main_job and "--nproc-per-node 2" in main_job and "--config tiny" in main_job
+    assert "pytest" in tests and '".[test]"' in tests
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci  # pytest's exit 5 (no tests) fails CI
+    command = _readme_commands()[1]
+    quiet = command.replace("pip install ", "pip install -q ")
+    assert quiet in ci, (quiet, ci)
