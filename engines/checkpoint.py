@@ -51,6 +51,23 @@ def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in module.parameters()]
 
 
+def refresh_full_copies(module: torch.nn.Module) -> None:
+    """After writing ZeRO-3 partitions (ds_tensor) directly, re-gather the parameters that are
+    currently held whole. DeepSpeed keeps persistent parameters (small ones, below
+    stage3_param_persistence_threshold) gathered between forwards once its trace is complete;
+    their full copy would otherwise keep the old values for every later forward and gather.
+    Collective when any such parameter exists: all ranks must call it (they share the trace)."""
+    from_zero = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
+    if not from_zero:
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    held = [p for p in from_zero if p.ds_status == ZeroParamStatus.AVAILABLE]
+    if held:
+        held[0].partition(param_list=held, has_been_updated=False)  # drop the stale full copies
+        held[0].all_gather(param_list=held)  # and rebuild them from the updated partitions
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -213,6 +230,7 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
         with torch.no_grad():
             for target, value in zip(local_tensors(role.module), saved, strict=True):
                 target.copy_(value.to(target.device, target.dtype))
+        refresh_full_copies(role.module)
     state = torch.load(os.path.join(path, "client_state", f"rank_{registry.rank}.pt"), weights_only=False)
     set_rng_state(state["rng"])
     barrier()

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import local_tensors
+from .checkpoint import local_tensors, refresh_full_copies
 
 
 @torch.no_grad()
 def ema_update(ema: torch.nn.Module, source: torch.nn.Module, decay: float) -> None:
     """ema <- decay * ema + (1 - decay) * source, on this rank's partitions.
 
-    Both modules must have the same parameter shapes and the same ZeRO stage/world size.
+    Both modules must have the same parameter shapes and the same ZeRO stage/world size. All ranks
+    must call it under ZeRO-3 (persistent parameters held whole are re-gathered afterwards).
     """
     if not 0.0 <= decay <= 1.0:
         raise ValueError(f"ema decay={decay!r} must be in [0, 1].")
@@ -30,6 +31,7 @@ def ema_update(ema: torch.nn.Module, source: torch.nn.Module, decay: float) -> N
                 " ZeRO stage as its source."
             )
         t.lerp_(s.to(t.dtype), 1.0 - decay)
+    refresh_full_copies(ema)
 
 
 def ema_decay(step: int, max_decay: float = 0.9999, warmup: bool = True) -> float:

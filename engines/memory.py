@@ -62,6 +62,9 @@ def optimizer_state_bytes(engine: Any) -> int:
     total = _tensor_bytes(list(base.state.values()), seen, model_ptrs)
     for group in base.param_groups:
         total += _tensor_bytes(group["params"], seen, model_ptrs)
+    # ZeRO-3 swaps its fp32 master partitions into param_groups only during step(): count them here.
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        total += _tensor_bytes(getattr(opt, attr, None), seen, model_ptrs)
     return total
 
 
