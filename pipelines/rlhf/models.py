@@ -1,0 +1,249 @@
+"""Scalar-head models for RLHF: the reward model (step 2) and the critic (step 3).
+
+A :class:`ScalarHeadModel` is a transformer body without its LM head (``AutoModel``, e.g.
+``OPTModel``) plus a bias-free ``Linear(hidden, 1)``. It saves as a normal Hugging Face folder for the
+body plus ``value_head.safetensors``, so the same folder loads as a reward model, as a critic
+(DeepSpeed-Chat initialises the critic from the reward model), or, for a fresh head, from any
+causal-LM folder.
+
+ZeRO-3: when the body is loaded under ``HfDeepSpeedConfig``/``deepspeed.zero.Init`` and the head is
+created inside an active ``deepspeed.zero.Init``, the head weight is partitioned (shape ``[0]`` on each
+rank); initialising or loading it then happens under
+``deepspeed.zero.GatheredParameters(weight, modifier_rank=0)`` so rank 0's values are what every
+shard ends up with.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    # Import torch._dynamo now: transformers imports it lazily with the model class, and when that first
+    # import happens inside deepspeed.zero.Init (which patches Tensor.__new__) dynamo's polyfill loader
+    # raises "Signature mismatch ... tensor_pynew" (torch 2.13 / DeepSpeed 0.19.8).
+    import torch._dynamo  # noqa: F401
+except ImportError:  # pragma: no cover - builds without dynamo
+    pass
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VALUE_HEAD_FILE", "ScalarHeadModel", "last_token_index", "pairwise_loss"]
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def _hidden_size(config: Any) -> int:
+    """Width of the body's last hidden state (OPT projects it to ``word_embed_proj_dim``)."""
+    for name in ("word_embed_proj_dim", "hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError(f"cannot infer the hidden size from {type(config).__name__}")
+
+
+def _is_partitioned(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def _gathered(params: list[torch.Tensor], modifier_rank: int | None):
+    """``GatheredParameters`` over the ZeRO-3 partitioned ``params``; a no-op context otherwise."""
+    partitioned = [p for p in params if _is_partitioned(p)]
+    if not partitioned:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real (mask = 1) token in each row, ``[B, T] -> [B]`` (long).
+
+    Correct for right padding (the usual case for scoring) and for left padding; a row with no real
+    token gets index 0.
+    """
+    mask = attention_mask.bool()
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, torch.zeros_like(positions)).max(dim=-1).values
+
+
+class ScalarHeadModel(nn.Module):
+    """LM body + ``nn.Linear(hidden, 1, bias=False)``: one scalar per position.
+
+    Args:
+        body: a base transformer returning ``last_hidden_state`` (e.g. ``OPTModel``).
+        value_head: optional ready head; by default a new one is created (not initialised here, see
+            :meth:`init_head`).
+    """
+
+    def __init__(self, body: nn.Module, value_head: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.body = body
+        self.config = body.config
+        self.value_head = value_head if value_head is not None else nn.Linear(
+            _hidden_size(body.config), 1, bias=False
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-position scalar values.
+
+        Args:
+            input_ids: ``[B, T]``.
+            attention_mask: ``[B, T]`` (1 = real token).
+
+        Returns:
+            ``[B, T]`` values in the head's dtype.
+        """
+        out = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Sequence score: the value at the last real token (right padding assumed, left works too).
+
+        Args:
+            input_ids: ``[B, T]``.
+            attention_mask: ``[B, T]``.
+
+        Returns:
+            ``[B]`` scores.
+        """
+        values = self.forward(input_ids, attention_mask)
+        index = last_token_index(attention_mask)
+        return values.gather(1, index.unsqueeze(1)).squeeze(1)
+
+    # ---------------------------------------------------------------------------------------------
+    def init_head(self, std: float | None = None, seed: int | None = None) -> None:
+        """Normal(0, std) init of the head, std = ``1 / (hidden + 1)`` by default (OpenRLHF).
+
+        Under ZeRO-3 the weight is gathered with ``modifier_rank=0``; rank 0's draw is broadcast.
+        """
+        weight = self.value_head.weight
+        with _gathered([weight], modifier_rank=0), torch.no_grad():
+            hidden = weight.shape[-1]
+            std = 1.0 / (hidden + 1) if std is None else std
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=weight.device)
+                generator.manual_seed(seed)
+            weight.copy_(torch.randn(weight.shape, generator=generator, device=weight.device) * std)
+
+    def load_head(self, path: str | Path) -> None:
+        """Load ``value_head.safetensors`` (key ``weight``) into the head, gathered under ZeRO-3."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+        weight = self.value_head.weight
+        with _gathered([weight], modifier_rank=0), torch.no_grad():
+            if tuple(state["weight"].shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"value head in {path} has shape {tuple(state['weight'].shape)}, the model expects "
+                    f"{tuple(weight.shape)}"
+                )
+            weight.copy_(state["weight"].to(weight.dtype))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        zero3: bool = False,
+        dtype: torch.dtype | None = None,
+        head_seed: int | None = None,
+        **body_kwargs: Any,
+    ) -> ScalarHeadModel:
+        """Body via ``AutoModel.from_pretrained(path)``; head from ``value_head.safetensors`` or fresh.
+
+        Args:
+            path: a scalar-head folder (saved by :meth:`save_pretrained`) or any causal-LM folder.
+            zero3: the caller is building under ZeRO-3: a transformers ``HfDeepSpeedConfig`` (stage 3)
+                must be alive (checked; ``RuntimeError`` otherwise), and the call may also be wrapped
+                in ``deepspeed.zero.Init`` so the head is created partitioned. A partitioned head is
+                initialised/loaded under ``GatheredParameters(modifier_rank=0)``; an unpartitioned one
+                (no ``zero.Init`` around the call) is set normally and partitioned by the engine.
+            dtype: cast body and head to this dtype (the engine dtype, e.g. ``torch.bfloat16``).
+            head_seed: seed for a fresh head's init (identical on every rank).
+            body_kwargs: passed to ``AutoModel.from_pretrained``.
+        """
+        from transformers import AutoModel
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if zero3 and not is_deepspeed_zero3_enabled():
+            # Without it transformers neither partitions nor loads the body the ZeRO-3 way; inside an
+            # explicit zero.Init it even fails in its weight init (IndexError on the padding row).
+            raise RuntimeError(
+                "ScalarHeadModel.from_pretrained(zero3=True) needs a live transformers HfDeepSpeedConfig "
+                "with ZeRO stage 3 (keep a reference to it while loading)"
+            )
+        if dtype is not None:
+            body_kwargs.setdefault("dtype", dtype)
+        body = AutoModel.from_pretrained(str(path), **body_kwargs)
+        model = cls(body)
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if zero3 and not _is_partitioned(model.value_head.weight):
+            logger.info(
+                "zero3=True but the value head is not partitioned (created outside deepspeed.zero.Init); "
+                "the engine will partition it"
+            )
+        if head_file.is_file():
+            model.load_head(head_file)
+        else:
+            logger.info("no %s in %s: initialising a new value head", VALUE_HEAD_FILE, path)
+            model.init_head(seed=head_seed)
+        if dtype is not None:
+            model.value_head.to(dtype)
+        return model
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write the body with ``save_pretrained`` and the head to ``value_head.safetensors``.
+
+        Under ZeRO-3 every rank must call this (parameters are gathered collectively); rank 0
+        writes. Returns ``out_dir``.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        params = list(self.parameters())
+        with _gathered(params, modifier_rank=None):
+            if _is_rank0():
+                out.mkdir(parents=True, exist_ok=True)
+                if any(_is_partitioned(p) for p in params):
+                    # the gathered full tensors; state_dict() of a partitioned body would be empty
+                    state = {k: v.detach().cpu().clone() for k, v in self.body.state_dict().items()}
+                    self.body.save_pretrained(str(out), state_dict=state)
+                else:
+                    self.body.save_pretrained(str(out))
+                head = self.value_head.weight.detach().cpu().contiguous().clone()
+                save_file({"weight": head}, str(out / VALUE_HEAD_FILE))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return out
+
+
+def pairwise_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bradley-Terry reward loss ``-logsigmoid(c - r).mean()`` and the pair accuracy ``mean(c > r)``.
+
+    Args:
+        chosen_scores: ``[B]``.
+        rejected_scores: ``[B]``.
+
+    Returns:
+        ``(loss, accuracy)`` scalars; accuracy is detached.
+    """
+    diff = chosen_scores.float() - rejected_scores.float()
+    loss = -F.logsigmoid(diff).mean()
+    accuracy = (diff > 0).float().mean().detach()
+    return loss, accuracy

@@ -1,0 +1,373 @@
+"""The embedded default for RLHF: a tiny word-listing task, its judge, tokenizer and model.
+
+Task. A prompt asks for ``n`` words of a topic, e.g. ``"list 3 fruits :"``; the answer is a
+space-separated list of words, e.g. ``"apple pear plum"``. :func:`judge` scores an answer in
+``[0, 1]``::
+
+    hits   = min(#on-topic words that differ from the word before them, n)
+    extras = #words - hits          (off-topic words, stutters, or more than n words)
+    score  = clip((hits - 0.5 * extras) / n, 0, 1)
+
+so only exactly ``n`` on-topic words without a stutter ("apple apple") score 1. Repeats are judged
+only between neighbours on purpose: a stutter is a local pattern a 2-layer reward model learns
+reliably, whereas "any duplicate anywhere" was learned so poorly (about 80% pair accuracy on policy
+samples) that PPO against the learned reward model drifted to answers like "tram tram tram truck"
+and the judge score fell. The SFT demonstrations mix perfect answers with mediocre ones (an
+off-topic word, a stutter, a wrong count), so a model that imitates them
+scores clearly below 1; preference pairs are ranked by the judge, and PPO can push the policy towards
+the perfect answers. Everything is word level (one token per word), so prompts are 5 tokens and
+answers at most ``n + 3`` tokens: a 2-layer, 64-wide model learns it on CPU in minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BOS_TOKEN",
+    "COUNTS",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "TOPICS",
+    "UNK_TOKEN",
+    "build_corpus",
+    "build_tiny_causal_lm",
+    "judge",
+    "make_prompt",
+    "parse_prompt",
+    "prepare_builtin",
+    "task_vocabulary",
+    "train_tokenizer",
+    "write_builtin_dataset",
+]
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+
+TOPICS: dict[str, tuple[str, ...]] = {
+    "fruits": ("apple", "pear", "plum", "mango", "grape", "lemon", "peach", "cherry", "melon", "kiwi"),
+    "animals": ("cat", "dog", "horse", "tiger", "lion", "mouse", "zebra", "camel", "wolf", "bear"),
+    "colors": ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown"),
+    "tools": ("hammer", "saw", "drill", "wrench", "chisel", "pliers", "file", "axe", "spade", "rake"),
+    "vehicles": ("car", "bus", "train", "truck", "bike", "boat", "plane", "tram", "van", "ship"),
+    "instruments": ("piano", "violin", "drum", "flute", "guitar", "harp", "cello", "trumpet", "oboe", "banjo"),
+    "sports": ("tennis", "golf", "rugby", "hockey", "boxing", "rowing", "soccer", "cricket", "judo", "polo"),
+    "countries": ("france", "spain", "italy", "japan", "chile", "peru", "kenya", "egypt", "norway", "india"),
+}
+COUNTS: tuple[int, ...] = (2, 3, 4)
+_VERBS: tuple[str, ...] = ("list", "name", "give", "write", "say", "tell")
+_PROMPT_RE = re.compile(r"^\s*(\w+)\s+(\d+)\s+(\w+)\s*:\s*$")
+
+
+def make_prompt(verb: str, n: int, topic: str) -> str:
+    """``"list 3 fruits :"``."""
+    return f"{verb} {n} {topic} :"
+
+
+def parse_prompt(prompt: str) -> tuple[int, str] | None:
+    """``(n, topic)`` of a task prompt, or ``None`` if it is not one."""
+    match = _PROMPT_RE.match(prompt)
+    if match is None or match.group(3) not in TOPICS:
+        return None
+    return int(match.group(2)), match.group(3)
+
+
+def judge(prompt: str, answer: str) -> float:
+    """Programmatic reward in ``[0, 1]`` (see the module docstring); 0 for unknown prompts.
+
+    Special tokens left in a decoded answer (``</s>``, ``<pad>``) are ignored; the answer is read up to
+    the first ``</s>``.
+    """
+    parsed = parse_prompt(prompt)
+    if parsed is None:
+        return 0.0
+    n, topic = parsed
+    answer = answer.split(EOS_TOKEN, 1)[0]
+    words = [w for w in answer.split() if w not in (PAD_TOKEN, BOS_TOKEN, UNK_TOKEN)]
+    on_topic = set(TOPICS[topic])
+    hits = min(sum(w in on_topic and (i == 0 or w != words[i - 1]) for i, w in enumerate(words)), n)
+    extras = len(words) - hits
+    return float(min(max((hits - 0.5 * extras) / n, 0.0), 1.0))
+
+
+def task_vocabulary() -> list[str]:
+    """Every word the task can use (prompts and answers), so a tokenizer never needs ``<unk>``."""
+    words = {w for ws in TOPICS.values() for w in ws}
+    words |= set(TOPICS) | set(_VERBS) | {str(n) for n in range(1, 10)} | {":"}
+    return sorted(words)
+
+
+# --------------------------------------------------------------------------------------------------
+# corpus
+# --------------------------------------------------------------------------------------------------
+
+
+def _sample_prompt(rng: random.Random) -> tuple[str, int, str]:
+    topic = rng.choice(sorted(TOPICS))
+    n = rng.choice(COUNTS)
+    return make_prompt(rng.choice(_VERBS), n, topic), n, topic
+
+
+def _good_answer(rng: random.Random, n: int, topic: str) -> list[str]:
+    return rng.sample(TOPICS[topic], n)
+
+
+def _mediocre_answer(rng: random.Random, n: int, topic: str) -> list[str]:
+    """A plausible but flawed answer (score roughly 0.25-0.8): one of four typical mistakes."""
+    words = _good_answer(rng, n, topic)
+    other = rng.choice([t for t in sorted(TOPICS) if t != topic])
+    kind = rng.randrange(4)
+    if kind == 0:  # one word from another topic
+        words[rng.randrange(n)] = rng.choice(TOPICS[other])
+    elif kind == 1:  # a stutter: the last word repeats the one before it
+        words[-1] = words[-2]
+    elif kind == 2:  # one word too many (may be off topic)
+        words.append(rng.choice(TOPICS[rng.choice((topic, other))]))
+    else:  # one word too few
+        words = words[:-1]
+    return words
+
+
+def _bad_answer(rng: random.Random, n: int, topic: str) -> list[str]:
+    """Mostly off-topic or wrong-length answers (score roughly 0-0.25)."""
+    other = rng.choice([t for t in sorted(TOPICS) if t != topic])
+    k = rng.choice((1, n, n + 2))
+    words = [rng.choice(TOPICS[other]) for _ in range(k)]
+    if rng.random() < 0.5:
+        words[0] = rng.choice(TOPICS[topic])
+    return words
+
+
+def _degenerate_answer(rng: random.Random, n: int, topic: str) -> list[str]:
+    """What a policy drifts to under an imperfect reward model: stutters and over-long lists.
+
+    Reward pairs must contain these, or the reward model never learns to penalise them and PPO
+    exploits it (observed: "trumpet trumpet trumpet trumpet" for "list 4 instruments :").
+    """
+    kind = rng.randrange(3)
+    if kind == 0:  # one on-topic word over and over
+        return [rng.choice(TOPICS[topic])] * rng.randint(2, n + 3)
+    if kind == 1:  # a good answer followed by stutters of its last word
+        words = _good_answer(rng, n, topic)
+        return words + [words[-1]] * rng.randint(1, 3)
+    return rng.sample(TOPICS[topic], min(len(TOPICS[topic]), n + rng.randint(2, 4)))  # far too long
+
+
+def _noisy_answer(rng: random.Random, n: int, topic: str) -> list[str]:
+    """Several mistakes at once, like samples of a half-trained policy (e.g. "tram bus black car chisel"):
+    a length near ``n``, each word on topic with probability 0.7 (drawn with replacement, so repeats
+    happen) or from another topic."""
+    others = [w for t in sorted(TOPICS) if t != topic for w in TOPICS[t]]
+    length = max(1, n + rng.choice((-1, 0, 0, 1, 2)))
+    return [rng.choice(TOPICS[topic]) if rng.random() < 0.7 else rng.choice(others) for _ in range(length)]
+
+
+def _corrupt(rng: random.Random, words: list[str], n: int, topic: str) -> list[str]:
+    """A minimal edit of a good answer that lowers its score: one stutter, off-topic word, extra or
+    missing word, or all words the same. Minimal pairs teach the reward model each rule separately."""
+    words = list(words)
+    other = rng.choice([t for t in sorted(TOPICS) if t != topic])
+    kind = rng.randrange(5)
+    if kind == 0:
+        i = rng.randrange(1, n)
+        words[i] = words[i - 1]
+    elif kind == 1:
+        words[rng.randrange(n)] = rng.choice(TOPICS[other])
+    elif kind == 2:
+        words.insert(rng.randrange(n + 1), rng.choice(words + [rng.choice(TOPICS[other])]))
+    elif kind == 3:
+        del words[rng.randrange(n)]
+    else:
+        words = [words[0]] * n
+    return words
+
+
+def build_corpus(
+    seed: int = 0,
+    n_sft: int = 2000,
+    n_reward: int = 6000,
+    n_ppo: int = 1000,
+    n_eval: int = 128,
+    sft_good_fraction: float = 0.4,
+) -> dict[str, list[dict[str, str]]]:
+    """Deterministic splits of the built-in task.
+
+    Returns:
+        ``{"sft": [{prompt, response}], "reward": [{prompt, chosen, rejected}], "ppo": [{prompt}],
+        "eval": [{prompt}]}``. SFT responses are good with probability ``sft_good_fraction`` and
+        mediocre otherwise. Half the reward pairs are minimal pairs (an answer and a one-edit
+        corruption of it), half compare two candidates drawn from good, mediocre, noisy (several mistakes), bad
+        (off-topic) and degenerate (repeats, over-long) answers; each pair is ordered by :func:`judge` (ties are
+        redrawn).
+    """
+    rng = random.Random(seed)
+    sft = []
+    for _ in range(n_sft):
+        prompt, n, topic = _sample_prompt(rng)
+        make = _good_answer if rng.random() < sft_good_fraction else _mediocre_answer
+        sft.append({"prompt": prompt, "response": " ".join(make(rng, n, topic))})
+
+    makers = (
+        _good_answer, _good_answer, _mediocre_answer, _noisy_answer, _noisy_answer, _bad_answer, _degenerate_answer
+    )
+    reward = []
+    while len(reward) < n_reward:
+        prompt, n, topic = _sample_prompt(rng)
+        if rng.random() < 0.5:  # minimal pair: an answer and a slightly worse edit of it
+            words = rng.choice(makers)(rng, n, topic)
+            if len(words) < n:
+                continue
+            a, b = " ".join(words), " ".join(_corrupt(rng, words[:n], n, topic) + words[n:])
+        else:
+            a = " ".join(rng.choice(makers)(rng, n, topic))
+            b = " ".join(rng.choice(makers)(rng, n, topic))
+        sa, sb = judge(prompt, a), judge(prompt, b)
+        if sa == sb:
+            continue  # a tie carries no preference
+        chosen, rejected = (a, b) if sa > sb else (b, a)
+        reward.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+
+    ppo = [{"prompt": _sample_prompt(rng)[0]} for _ in range(n_ppo)]
+    evaluation = [{"prompt": _sample_prompt(rng)[0]} for _ in range(n_eval)]
+    return {"sft": sft, "reward": reward, "ppo": ppo, "eval": evaluation}
+
+
+def write_builtin_dataset(out_dir: str | Path, seed: int = 0, **sizes: int) -> dict[str, Path]:
+    """Write :func:`build_corpus` splits as ``{split}.jsonl`` (DeepSpeed-Chat column names).
+
+    ``sft.jsonl`` has ``prompt``/``response``, ``reward.jsonl`` ``prompt``/``chosen``/``rejected``,
+    ``ppo.jsonl`` and ``eval.jsonl`` ``prompt``. Returns the path of each split.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in build_corpus(seed, **sizes).items():
+        path = out / f"{split}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        paths[split] = path
+    logger.info("wrote built-in RLHF dataset (seed %d) to %s", seed, out)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer and model
+# --------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a word-level tokenizer on ``texts`` and save it as a ``PreTrainedTokenizerFast``.
+
+    Words are split on whitespace, one token per word (the task is word level, and short sequences
+    keep the model tiny). Special tokens: ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3;
+    every encoded text starts with ``<s>``; padding side is left (for prompts, so generation continues
+    right after the last prompt token). Loadable with ``AutoTokenizer.from_pretrained(out_dir)``.
+
+    Returns:
+        The ``PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN]
+    tok = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins word tokens with spaces
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=specials)
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="left",
+        model_max_length=128,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    logger.info("trained word-level tokenizer (%d tokens) in %s", len(fast), out)
+    return fast
+
+
+def build_tiny_causal_lm(
+    out_dir: str | Path, tokenizer_dir: str | Path, hidden: int = 64, layers: int = 2, seed: int = 0
+) -> Path:
+    """Randomly initialised OPT-shaped causal LM, saved with ``save_pretrained`` (plus the tokenizer).
+
+    Dropout is 0 (actor and ref must agree token for token), ``max_position_embeddings`` is 128 and
+    ``word_embed_proj_dim == hidden`` (no projection, like the real OPT-125m). Loadable with
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, OPTConfig, OPTForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    heads = max(1, hidden // 16)
+    config = OPTConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        ffn_dim=4 * hidden,
+        num_attention_heads=heads,
+        max_position_embeddings=128,
+        word_embed_proj_dim=hidden,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layerdrop=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    # Seed only a private generator state: the caller's global RNG stream is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = OPTForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    logger.info("built tiny OPT (%d params) in %s", sum(p.numel() for p in model.parameters()), out)
+    return out
+
+
+def prepare_builtin(
+    out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2, **sizes: int
+) -> dict[str, Path]:
+    """Data, tokenizer and a random tiny model for the built-in task, all under ``out_dir``.
+
+    Returns:
+        Paths: ``data`` (folder of ``{split}.jsonl``), each split by name, ``tokenizer`` and ``model``.
+    """
+    out = Path(out_dir)
+    paths = write_builtin_dataset(out / "data", seed, **sizes)
+    train_tokenizer(task_vocabulary(), out / "tokenizer")
+    model_dir = build_tiny_causal_lm(out / "model", out / "tokenizer", hidden=hidden, layers=layers, seed=seed)
+    return {"data": out / "data", **paths, "tokenizer": out / "tokenizer", "model": model_dir}
