@@ -5,7 +5,6 @@ import os
 import sys
 
 import torch
-
 from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_ds_config
 
 out_dir = next(a for a in sys.argv[1:] if not a.startswith("--"))

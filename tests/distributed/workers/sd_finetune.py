@@ -1,0 +1,111 @@
+"""The sd_finetune recipe on 2 ranks, five runs in one process group (one launch keeps the test short):
+
+  zero3     unet + vae + text_encoder + ema all ZeRO-3, 4 steps, checkpoints at 2 and 4, export
+  resume    from zero3's step-2 checkpoint to step 4
+  seed      seed_baseline mode (vae/text_encoder full copies), same seed and data
+  lora      LoRA adapters on the unet, 3 steps, export of the adapter
+  sdxl      a tiny SDXL-style model: text_encoder + text_encoder_2 as two frozen ZeRO-3 roles
+
+argv: out_dir
+"""
+
+import os
+
+import torch
+from common import dump, out_dir
+from multiengine.engines.checkpoint import local_tensors
+from multiengine.recipes import sd_finetune as recipe
+from multiengine.recipes.config import load_config
+
+ROOT = out_dir()
+COMMON = [
+    "max_steps=4", "data.builtin_size=40", "data.resolution=32", "train.micro_batch_size=4",
+    "train.gradient_checkpointing=true", "eval.heldout_size=4", "eval.timesteps=4",
+    "validation.prompts=[a red square on a white background,a blue circle on a black background]",
+    "validation.num_inference_steps=2", "checkpoint.every=2", "export.roles=[unet,ema]",
+]
+
+
+def run(name: str, *overrides: str):
+    cfg = load_config("sd_finetune", "tiny", [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides])
+    job = recipe.SDFinetune(cfg)
+    job.setup()
+    hook = CHECKS_BEFORE.get(name)
+    before = hook(job) if hook else None
+    job.train()
+    hook = CHECKS_AFTER.get(name)
+    checks = hook(job, before) if hook else {}
+    exported = job.export()
+    summary = job.summary(exported)
+    result = {
+        "losses": job.losses,
+        "heldout": job.heldout,
+        "memory": {row["role"]: row for row in job.registry.memory_report()},
+        "export": exported,
+        "validations": [v["file"] for v in job.validations],
+        "stages": {r.name: r.stage for r in job.registry.roles()},
+        "step_time_s": summary["metrics"]["step_time_s_median"],
+        "lr": job.registry["unet"].get_lr()[0],
+        "sampler": job.sampler.state_dict(consumed=job.consumed),
+    }
+    result.update(checks)
+    job.cleanup()
+    return result
+
+
+def gathered_cpu(job, role, names=None):
+    module = job.registry.role(role).module
+    with job.registry.gathered(role):
+        return {n: p.detach().float().clone() for n, p in module.named_parameters() if names is None or n in names}
+
+
+def ema_full_copies_current(job, _):
+    """Persistent (always-gathered) EMA parameters must carry the updated values, not stale ones."""
+    worst = 0.0
+    held = 0
+    for p in job.registry.role("ema").module.parameters():
+        if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel:
+            held += 1
+            parts = [torch.empty_like(p.ds_tensor) for _ in range(job.registry.world_size)]
+            torch.distributed.all_gather(parts, p.ds_tensor.contiguous())
+            full = torch.cat(parts)[: p.ds_numel].view(p.ds_shape)
+            worst = max(worst, (full - p.data).abs().max().item())
+    raw, ema = gathered_cpu(job, "unet"), gathered_cpu(job, "ema")
+    return {"ema_persistent_held": held, "ema_persistent_error": worst,
+            "ema_vs_unet": max((raw[n] - ema[n]).abs().max().item() for n in raw),
+            "ema_local_numel": sum(t.numel() for t in local_tensors(job.registry.role("ema").module))}
+
+
+def lora_snapshot(job):
+    module = job.registry.role("unet").module
+    return {
+        "base": {n: t for n, t in gathered_cpu(job, "unet").items() if "lora_" not in n},
+        "lora": {n: t for n, t in gathered_cpu(job, "unet").items() if "lora_" in n},
+        "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
+    }
+
+
+def lora_after(job, before):
+    after = gathered_cpu(job, "unet")
+    base_change = max((after[n] - t).abs().max().item() for n, t in before["base"].items())
+    lora_change = max((after[n] - t).abs().max().item() for n, t in before["lora"].items())
+    return {"base_change": base_change, "lora_change": lora_change, "n_lora": len(before["lora"]),
+            "trainable_all_lora": all("lora_" in n for n in before["trainable"]) and bool(before["trainable"])}
+
+
+CHECKS_BEFORE = {"lora": lora_snapshot}
+CHECKS_AFTER = {"zero3": ema_full_copies_current, "lora": lora_after}
+
+results = {"zero3": run("zero3")}
+model = os.path.join(ROOT, "zero3", "tiny_sd")
+data = os.path.join(ROOT, "zero3", "data", "shapes")
+shared = [f"model.pretrained={model}", f"data.source={data}"]
+ckpt = os.path.join(ROOT, "zero3", "checkpoints", "step_00000002")
+results["resume"] = run("resume", *shared, f"resume_from={ckpt}")
+results["seed"] = run("seed", *shared, "mode=seed_baseline")
+results["lora"] = run("lora", *shared, "lora.enabled=true", "ema.enabled=false", "max_steps=3", "train.lr=1.0e-2",
+                      "checkpoint.every=0", "validation.enabled=false")
+results["sdxl"] = run("sdxl", f"data.source={data}", "model.tiny_text_encoders=2", "max_steps=2",
+                      "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]")
+results["paths"] = {"model": model, "root": ROOT}
+dump(results)
