@@ -9,7 +9,8 @@ from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_
 
 out_dir = next(a for a in sys.argv[1:] if not a.startswith("--"))
 registry = EngineRegistry()
-registry.add(RoleSpec("actor", lambda: torch.nn.Linear(64, 64), train_ds_config(stage=3, dtype="fp32", micro_batch_size=2),
+registry.add(RoleSpec("actor", lambda: torch.nn.Linear(64, 64),
+                      train_ds_config(stage=3, dtype="fp32", micro_batch_size=2),
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1)))
 registry.add(RoleSpec("ref", lambda: torch.nn.Linear(64, 64), eval_ds_config(stage=3, dtype="fp32")))
 registry.build()
