@@ -95,6 +95,15 @@ def device_for(local_rank: int, use_deepspeed: bool) -> torch.device:
     return torch.device("cpu")
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly: a barrier first, so no rank tears down gloo while a peer is
+    still inside a collective (that peer then aborts in C++: "terminate called without an active
+    exception"), then destroy it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

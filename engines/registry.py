@@ -31,7 +31,7 @@ from .config import (
     validate_ds_config,
     zero_stage,
 )
-from .dist import DistEnv, deepspeed_available, device_for, init_distributed
+from .dist import DistEnv, deepspeed_available, device_for, init_distributed, shutdown
 from .torch_backend import TorchEngine
 from .zero_scope import role_build_scope
 
@@ -322,6 +322,11 @@ class EngineRegistry:
     def export(self, out_dir: str, roles: Iterable[str] | None = None) -> dict[str, str]:
         """Consolidated full weights per role: save_pretrained for HF models, safetensors otherwise."""
         return _ckpt.export(self, out_dir, list(roles) if roles is not None else self.names())
+
+    def close(self) -> None:
+        """End of the run, on every rank: drop the engines and leave the process group cleanly."""
+        self._roles.clear()
+        shutdown()
 
     def describe(self) -> dict[str, Any]:
         """The resolved config of every role (for summary.json)."""

@@ -199,6 +199,9 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         return _launch(cmd, _launch_env(args.nproc_per_node, package))
     result = _run_loaded(args.recipe, cfg, package, configs_dir)
+    from multiengine.engines.dist import shutdown
+
+    shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
     if rank == 0 and result:
         print(json.dumps(to_plain(result), indent=2, sort_keys=True))
     return 0

@@ -353,7 +353,8 @@ class ImageTransform:
 
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
-    """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str}``.
+    """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str,
+    "original_size": (h, w), "crop_top_left": (top, left)}`` (the last two for SDXL micro-conditioning).
 
     Augmentation for item ``i`` uses :func:`sample_generator` ``(seed, epoch, i)``, so it does not
     depend on worker count or resumption. A caption column holding lists picks one caption with
@@ -388,7 +389,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.dataset[int(index)]
         g = sample_generator(self.seed, self.epoch, int(index))
-        pixels = self.transform(row[self.image_column], generator=g)
+        pixels, params = self.transform.apply(row[self.image_column], generator=g)
         caption = row[self.caption_column]
         if isinstance(caption, (list, tuple)):
             if not caption:
@@ -398,7 +399,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             raise TypeError(
                 f"caption at index {index} is {type(caption).__name__}, expected str or list of str"
             )
-        return {"pixel_values": pixels, "caption": caption}
+        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
+                "crop_top_left": params["crop_top_left"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,19 +437,24 @@ def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dic
 
     Returns:
         ``{"pixel_values": float32 [B, 3, R, R] (contiguous), "input_ids": long [B, L],
-        "captions": list[str]}``.
+        "captions": list[str]}``, plus ``original_sizes``/``crop_top_lefts`` (long ``[B, 2]``) when
+        every example has ``original_size``/``crop_top_left``.
     """
     if not examples:
         raise ValueError("cannot collate an empty batch")
     pixel_values = torch.stack([e["pixel_values"] for e in examples]).float().contiguous()
     captions = [e["caption"] for e in examples]
+    extra: dict[str, torch.Tensor] = {}
+    for key, out_key in (("original_size", "original_sizes"), ("crop_top_left", "crop_top_lefts")):
+        if all(key in e for e in examples):
+            extra[out_key] = torch.tensor([list(e[key]) for e in examples], dtype=torch.long)
     if all("input_ids" in e for e in examples):
         input_ids = torch.stack([torch.as_tensor(e["input_ids"]) for e in examples]).long()
     elif tokenizer is not None:
         input_ids = tokenize_captions(tokenizer, captions)
     else:
         raise ValueError("examples have no 'input_ids' and no tokenizer was given to collate")
-    return {"pixel_values": pixel_values, "input_ids": input_ids, "captions": captions}
+    return {"pixel_values": pixel_values, "input_ids": input_ids, "captions": captions, **extra}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,3 +120,8 @@ elif mode == "world":
     except CheckpointError as exc:
         result["error"] = str(exc)
 dump(result)
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

@@ -22,3 +22,8 @@ registry["ref"](x)
 with open(os.path.join(out_dir, f"rank{registry.rank}.json"), "w") as f:
     json.dump({"rank": registry.rank, "world": registry.world_size,
                "local": {r.name: sum(p.ds_tensor.numel() for p in r.module.parameters()) for r in registry.roles()}}, f)
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

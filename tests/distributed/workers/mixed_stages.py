@@ -64,3 +64,8 @@ dump({
     "local_fraction": {k: v["local_fraction"] for k, v in report.items()},
     "errors": errors,
 })
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

@@ -1,6 +1,7 @@
 """The sd_finetune recipe on 2 ranks, five runs in one process group (one launch keeps the test short):
 
-  zero3     unet + vae + text_encoder + ema all ZeRO-3, 4 steps, checkpoints at 2 and 4, export
+  zero3     unet + vae + text_encoder + ema all ZeRO-3, 4 steps of 2 x 2 micro batches (accumulation),
+            checkpoints at 2 and 4, export
   resume    from zero3's step-2 checkpoint to step 4
   seed      seed_baseline mode (vae/text_encoder full copies), same seed and data
   lora      LoRA adapters on the unet, 3 steps, export of the adapter
@@ -19,8 +20,9 @@ from multiengine.recipes.config import load_config
 
 ROOT = out_dir()
 COMMON = [
-    "max_steps=4", "data.builtin_size=40", "data.resolution=32", "train.micro_batch_size=4",
-    "train.gradient_checkpointing=true", "eval.heldout_size=4", "eval.timesteps=4",
+    "max_steps=4", "model.tiny_vae_steps=0", "data.builtin_size=40", "data.resolution=32",
+    "train.micro_batch_size=2", "train.grad_accum=2", "train.gradient_checkpointing=true",
+    "eval.heldout_size=4", "eval.timesteps=4",
     "validation.prompts=[a red square on a white background,a blue circle on a black background]",
     "validation.num_inference_steps=2", "checkpoint.every=2", "export.roles=[unet,ema]",
 ]
@@ -109,3 +111,8 @@ results["sdxl"] = run("sdxl", f"data.source={data}", "model.tiny_text_encoders=2
                       "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]")
 results["paths"] = {"model": model, "root": ROOT}
 dump(results)
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

@@ -25,3 +25,8 @@ for step in range(6):
             dist.all_reduce(mean)
             losses[name].append(mean.item() / registry.world_size)
 dump({"losses": losses, "train_batch_size": {n: registry[n].train_batch_size() for n in registry.names()}})
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

@@ -63,3 +63,8 @@ dump({
     "a_param_sum": sum(p.sum().item() for p in full_params(registry, "a")),
     "backend": registry.backend,
 })
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

@@ -64,3 +64,8 @@ dump({
     "report": list(report),
     "report_text": str(report),
 })
+
+# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
+from multiengine.engines.dist import shutdown  # noqa: E402
+
+shutdown()

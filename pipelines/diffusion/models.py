@@ -1,0 +1,340 @@
+"""The roles of a diffusion fine-tune, each its own engine in an :class:`EngineRegistry`.
+
+* ``unet`` - trainable (full fine-tune, or LoRA adapters only), ZeRO-3 by default;
+* ``vae``, ``text_encoder`` (and ``text_encoder_2`` ... for SDXL-style models) - frozen, ZeRO-3 by
+  default, each with its own stage, dtype and offload;
+* ``ema`` - optional EMA of the unet: a frozen, stateful role sharded like the unet.
+
+Two modes:
+
+* ``"zero3"`` - every role as configured (all ZeRO-3 by default): no rank holds a full copy of any model;
+* ``"seed_baseline"`` - what diffusers' ``train_text_to_image.py`` does under DeepSpeed ZeRO-3: only
+  the unet goes through ZeRO-3; the vae and text encoders are full copies on every rank (built here
+  as stage-0 roles), and the EMA is a full copy updated by gathering the unet every step.
+
+Models load with ``from_pretrained`` from a diffusers folder (``model_index.json``, ``unet/``,
+``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``); the classes come from ``model_index.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry, RoleSpec, ema_decay, ema_update, eval_ds_config, train_ds_config
+from multiengine.engines.dist import barrier
+
+logger = logging.getLogger(__name__)
+
+ZERO3 = "zero3"
+SEED_BASELINE = "seed_baseline"
+MODES: tuple[str, ...] = (ZERO3, SEED_BASELINE)
+_TEXT_ENCODER = re.compile(r"^text_encoder(_\d+)?$")
+
+__all__ = [
+    "MODES",
+    "SEED_BASELINE",
+    "ZERO3",
+    "LoraOptions",
+    "Placement",
+    "build_diffusion_registry",
+    "call_engine",
+    "diffusion_role_specs",
+    "read_model_index",
+    "resolve_model_path",
+    "text_encoder_names",
+    "tokenizer_name",
+    "update_ema",
+]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how one role lives: ZeRO stage, dtype (``fp32``/``bf16``/``fp16``) and offload.
+
+    ``offload_optimizer`` applies to the trainable unet only (it then uses DeepSpeed's CPU Adam).
+    """
+
+    stage: int = 3
+    dtype: str = "bf16"
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA adapters on the unet's attention projections, as in diffusers' ``train_text_to_image_lora.py``
+    (``lora_alpha`` defaults to the rank, gaussian init, ``to_k/to_q/to_v/to_out.0``)."""
+
+    rank: int = 4
+    alpha: float | None = None
+    target_modules: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
+
+
+# --- the model folder --------------------------------------------------------------------------
+def resolve_model_path(name_or_path: str, revision: str | None = None, variant: str | None = None) -> str:
+    """A local diffusers folder for ``name_or_path``: the folder itself, or a hub snapshot that rank 0
+    downloads while the others wait (then every rank reads the same cache). All ranks must call it."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    from diffusers import DiffusionPipeline
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    kwargs: dict[str, Any] = {"revision": revision, "variant": variant}
+    if rank == 0:
+        DiffusionPipeline.download(name_or_path, **kwargs)
+    barrier()
+    return str(DiffusionPipeline.download(name_or_path, **kwargs))
+
+
+def read_model_index(model_path: str) -> dict[str, Any]:
+    """``model_index.json`` of a diffusers folder (component name -> [library, class])."""
+    path = os.path.join(model_path, "model_index.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_path!r} is not a diffusers folder: it has no model_index.json.")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def text_encoder_names(model_path: str) -> list[str]:
+    """The text encoders of a diffusers folder, in order: ``["text_encoder"]`` for SD 1.x/2.x,
+    ``["text_encoder", "text_encoder_2"]`` for SDXL. Each becomes its own frozen role."""
+    index = read_model_index(model_path)
+    names = [k for k, v in index.items() if _TEXT_ENCODER.match(k) and isinstance(v, list) and v[0]]
+    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]) if n[-1].isdigit() else 1)
+
+
+def tokenizer_name(encoder_name: str) -> str:
+    """``text_encoder`` -> ``tokenizer``, ``text_encoder_2`` -> ``tokenizer_2``."""
+    return encoder_name.replace("text_encoder", "tokenizer", 1)
+
+
+def _component_class(model_path: str, name: str) -> type:
+    index = read_model_index(model_path)
+    if name not in index or not isinstance(index[name], list) or not index[name][0]:
+        raise KeyError(f"{model_path!r} has no component '{name}' in model_index.json.")
+    library, class_name = index[name]
+    module = __import__(library, fromlist=[class_name])
+    return getattr(module, class_name)
+
+
+def load_component(model_path: str, name: str, variant: str | None = None) -> torch.nn.Module:
+    """``<class from model_index>.from_pretrained(model_path, subfolder=name)``. Inside a stage-3 role's
+    build scope this loads partitioned (transformers via HfDeepSpeedConfig, diffusers via the registry's
+    loader); anywhere else it loads a full copy."""
+    cls = _component_class(model_path, name)
+    kwargs: dict[str, Any] = {"subfolder": name}
+    if variant:
+        kwargs["variant"] = variant
+    return cls.from_pretrained(model_path, **kwargs)
+
+
+# --- role factories ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _zero_init_paused() -> Iterator[None]:
+    """Create parameters as ordinary full tensors even inside zero.Init. peft initialises lora_A with
+    kaiming_uniform_, which fails on an (empty) ZeRO-3 partition; deepspeed.initialize later converts
+    these parameters to ZeRO-3 ones, broadcasting rank 0's values."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    except ImportError:
+        yield
+        return
+    shutdown_init_context()
+    try:
+        yield
+    finally:
+        restore_init_context()
+
+
+def unet_factory(
+    model_path: str,
+    variant: str | None = None,
+    gradient_checkpointing: bool = False,
+    lora: LoraOptions | None = None,
+    seed: int = 0,
+) -> Callable[[], torch.nn.Module]:
+    """The unet's model factory. With ``lora``, the base is frozen and adapters are added (seeded
+    identically on every rank); otherwise every parameter trains."""
+
+    def build() -> torch.nn.Module:
+        unet = load_component(model_path, "unet", variant)
+        if lora is not None:
+            from peft import LoraConfig
+
+            unet.requires_grad_(False)
+            config = LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
+                init_lora_weights="gaussian",
+                target_modules=list(lora.target_modules),
+            )
+            with _zero_init_paused(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                unet.add_adapter(config)
+        if gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        return unet
+
+    return build
+
+
+def _optimizer_factory(
+    lr: float, betas: tuple[float, float], weight_decay: float, eps: float, cpu_adam: bool
+) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if cpu_adam:
+            # An offloaded optimizer steps on the host: DeepSpeed's vectorised CPU Adam, AdamW mode.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+
+    return build
+
+
+def _scheduler_factory(name: str, warmup_steps: int, total_steps: int) -> Callable[[Any], Any]:
+    def build(optimizer: torch.optim.Optimizer) -> Any:
+        from diffusers.optimization import get_scheduler
+
+        # DeepSpeed steps the scheduler once per optimizer step (not once per process, as accelerate
+        # does), so warm-up and total are counted in optimizer steps.
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+
+    return build
+
+
+def diffusion_role_specs(
+    model_path: str,
+    *,
+    mode: str = ZERO3,
+    unet: Placement = Placement(),
+    vae: Placement = Placement(),
+    text_encoder: Placement = Placement(),
+    ema: Placement | None = None,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+    max_grad_norm: float | None = 1.0,
+    lr: float = 1e-5,
+    adam_betas: tuple[float, float] = (0.9, 0.999),
+    adam_weight_decay: float = 1e-2,
+    adam_epsilon: float = 1e-8,
+    lr_scheduler: str = "constant",
+    lr_warmup_steps: int = 0,
+    max_steps: int = 1,
+    gradient_checkpointing: bool = False,
+    lora: LoraOptions | None = None,
+    variant: str | None = None,
+    seed: int = 0,
+) -> list[RoleSpec]:
+    """RoleSpecs for ``unet`` (trainable), ``vae`` and every text encoder (frozen), and ``ema`` when
+    ``ema`` is given (its placement; its stage follows the unet's in ``zero3`` mode so that the update
+    runs on matching local partitions). ``text_encoder`` applies to every text encoder role.
+
+    In ``seed_baseline`` mode the vae and text encoders are forced to stage 0 (full copies on every
+    rank) and the EMA to a full stage-0 copy, as in diffusers' example.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; use one of {list(MODES)}.")
+    if mode == SEED_BASELINE:
+        vae = Placement(stage=0, dtype=vae.dtype)
+        text_encoder = Placement(stage=0, dtype=text_encoder.dtype)
+        if ema is not None:
+            ema = Placement(stage=0, dtype=ema.dtype)
+    elif ema is not None and ema.stage != unet.stage:
+        logger.info("ema: stage %d requested, built at the unet's stage %d (updates run on matching partitions)",
+                    ema.stage, unet.stage)
+        ema = Placement(stage=unet.stage, dtype=ema.dtype, offload_params=ema.offload_params and unet.stage == 3)
+
+    make_unet = unet_factory(model_path, variant, gradient_checkpointing, lora, seed)
+    specs = [
+        RoleSpec(
+            "unet",
+            make_unet,
+            train_ds_config(
+                stage=unet.stage, dtype=unet.dtype, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                offload_optimizer=unet.offload_optimizer, offload_params=unet.offload_params,
+                gradient_clipping=max_grad_norm,
+            ),
+            optimizer=_optimizer_factory(lr, adam_betas, adam_weight_decay, adam_epsilon, unet.offload_optimizer),
+            lr_scheduler=_scheduler_factory(lr_scheduler, lr_warmup_steps, max_steps),
+        ),
+        RoleSpec(
+            "vae",
+            lambda: load_component(model_path, "vae", variant),
+            eval_ds_config(stage=vae.stage, dtype=vae.dtype, offload_params=vae.offload_params),
+        ),
+    ]
+    for name in text_encoder_names(model_path):
+        specs.append(RoleSpec(
+            name,
+            lambda name=name: load_component(model_path, name, variant),
+            eval_ds_config(stage=text_encoder.stage, dtype=text_encoder.dtype,
+                           offload_params=text_encoder.offload_params),
+        ))
+    if ema is not None:
+        # Same weights as the unet at step 0 (same factory, same seed); no checkpointing needed.
+        specs.append(RoleSpec(
+            "ema",
+            unet_factory(model_path, variant, False, lora, seed),
+            eval_ds_config(stage=ema.stage, dtype=ema.dtype, offload_params=ema.offload_params),
+            stateful=True,
+        ))
+    return specs
+
+
+def build_diffusion_registry(
+    model_path: str, *, registry: EngineRegistry | None = None, backend: str = "auto", **options: Any
+) -> EngineRegistry:
+    """The roles of :func:`diffusion_role_specs` (same keyword arguments) added to ``registry`` (a new
+    one with ``backend`` when None) and built. All ranks must call it."""
+    registry = registry if registry is not None else EngineRegistry(backend=backend)
+    for spec in diffusion_role_specs(model_path, **options):
+        registry.add(spec)
+    return registry.build()
+
+
+# --- using the engines ---------------------------------------------------------------------------
+def call_engine(engine: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``engine.module.<method>(*args, **kwargs)`` (e.g. the vae's ``encode``/``decode``), routed through
+    the engine's forward.
+
+    Under ZeRO-3 the engine's forward and the top module's hooks bracket each call (marking the pass,
+    resetting the parameter-fetch trace); calling ``engine.module.encode`` directly would skip them and
+    let the trace grow by one pass per call. For a frozen role the engine's forward also runs without
+    autograd. Every rank must make the same calls in the same order (each layer's weights are gathered).
+    """
+    module = engine.module
+    module.forward = getattr(module, method)  # instance attribute: nn.Module.__call__ runs it with the hooks
+    try:
+        return engine(*args, **kwargs)
+    finally:
+        del module.forward
+
+
+@torch.no_grad()
+def update_ema(registry: EngineRegistry, step: int, max_decay: float = 0.9999, warmup: bool = True,
+               source: str = "unet", target: str = "ema") -> float:
+    """One EMA update after optimizer step ``step`` (1-based), with diffusers' EMAModel decay
+    (``min(max_decay, (1 + s) / (10 + s))``, ``s = step - 1``). Returns the decay used.
+
+    Same stage for both roles: on local partitions, no gather (:func:`ema_update`). A full EMA copy of a
+    sharded unet (seed_baseline): the unet is gathered on every rank and the copy updated, which is what
+    diffusers' EMAModel does under ZeRO-3. All ranks must call it.
+    """
+    decay = ema_decay(max(0, step - 1), max_decay=max_decay, warmup=warmup)
+    src, dst = registry.role(source), registry.role(target)
+    if src.stage == dst.stage:
+        ema_update(dst.module, src.module, decay)
+        return decay
+    with registry.gathered(source):
+        for t, s in zip(dst.module.parameters(), src.module.parameters(), strict=True):
+            t.data.lerp_(s.data.to(t.device, t.dtype), 1.0 - decay)
+    return decay

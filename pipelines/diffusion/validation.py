@@ -1,0 +1,126 @@
+"""Validation images from a pipeline built on the registry's engines, on all ranks in lockstep.
+
+The pipeline holds the engines' own modules (no copy): under ZeRO-3 every layer gathers its weights
+collectively as it runs, so every rank runs the same pipeline call with the same prompts and seed
+(a forward on rank 0 alone would wait forever for the others). Rank 0 writes the grid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry
+from PIL import Image
+
+from .models import call_engine, read_model_index
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_pipeline", "generate", "image_grid"]
+
+# Pipeline components that fine-tuning never needs: passed as None so from_pretrained skips them.
+_OPTIONAL = ("safety_checker", "feature_extractor", "image_encoder")
+
+
+def build_pipeline(
+    registry: EngineRegistry,
+    model_path: str,
+    text_encoders: Sequence[str],
+    unet_role: str = "unet",
+    prediction_type: str | None = None,
+) -> Any:
+    """The model folder's pipeline class (``_class_name`` in model_index.json, e.g.
+    ``StableDiffusionPipeline``) with the registry's unet (or ``unet_role``, e.g. ``ema``), vae and text
+    encoders; tokenizers and scheduler load from ``model_path``. No weights are copied."""
+    import diffusers
+
+    index = read_model_index(model_path)
+    cls = getattr(diffusers, index["_class_name"])
+    components: dict[str, Any] = {"unet": registry.role(unet_role).module, "vae": registry.role("vae").module}
+    components.update({name: registry.role(name).module for name in text_encoders})
+    components.update({name: None for name in _OPTIONAL if name in index})
+    pipe = cls.from_pretrained(model_path, **components)
+    if prediction_type and pipe.scheduler.config.get("prediction_type") != prediction_type:
+        pipe.scheduler.register_to_config(prediction_type=prediction_type)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(v, dtype) for v in obj)
+    return obj
+
+
+@contextlib.contextmanager
+def _unet_inputs_in_own_dtype(unet: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Pipelines cast latents and prompt embeddings to the *text encoder's* dtype; with roles in
+    different dtypes (an fp32 EMA beside a bf16 text encoder) the unet would get bf16 inputs for fp32
+    weights. Cast its floating inputs - never the timestep, which bf16 would round - to its own dtype."""
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = (_cast_floating(args[0], dtype), *args[1:]) if args else args
+        kwargs = {k: v if k == "timestep" else _cast_floating(v, dtype) for k, v in kwargs.items()}
+        return args, kwargs
+
+    handle = unet.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def generate(
+    pipe: Any,
+    registry: EngineRegistry,
+    prompts: Sequence[str],
+    resolution: int,
+    num_inference_steps: int = 25,
+    guidance_scale: float = 7.5,
+    seed: int = 0,
+) -> list[Image.Image]:
+    """One image per prompt (``resolution`` square), the same on every rank. All ranks must call it.
+
+    The pipeline returns latents; they are decoded through the vae engine (see :func:`call_engine`),
+    so every vae call goes through its engine like in training.
+    """
+    vae = registry.role("vae")
+    generator = torch.Generator().manual_seed(seed)  # CPU: the same draws on any device
+    with _unet_inputs_in_own_dtype(pipe.unet, pipe.unet.dtype):
+        latents = pipe(
+            list(prompts),
+            height=resolution,
+            width=resolution,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            output_type="latent",
+        ).images  # [N, C, h, w], scaled latents
+    config = vae.module.config
+    shift = float(getattr(config, "shift_factor", None) or 0.0)
+    latents = latents.float() / float(config.scaling_factor) + shift
+    images = call_engine(vae.engine, "decode", latents.to(vae.dtype), return_dict=False)[0]  # [N, 3, H, W]
+    return pipe.image_processor.postprocess(images.float().cpu(), output_type="pil")
+
+
+def image_grid(images: Sequence[Image.Image], cols: int | None = None) -> Image.Image:
+    """Paste equally sized images into a grid, row by row (``cols`` defaults to ceil(sqrt(N)))."""
+    if not images:
+        raise ValueError("no images to put in a grid")
+    cols = cols or math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    grid = Image.new("RGB", (cols * w, rows * h), (255, 255, 255))
+    for i, image in enumerate(images):
+        grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * h))
+    return grid

@@ -1,0 +1,112 @@
+"""Single-process pieces of the diffusion fine-tune: configs, model-folder discovery, the step's
+randomness, grids, the tiny vae pretraining. The distributed behaviour is in
+tests/distributed/test_sd_finetune.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from multiengine.pipelines.diffusion.models import (
+    MODES,
+    Placement,
+    diffusion_role_specs,
+    read_model_index,
+    text_encoder_names,
+    tokenizer_name,
+)
+from multiengine.pipelines.diffusion.training import step_generator
+from multiengine.pipelines.diffusion.validation import _cast_floating, image_grid
+from multiengine.recipes.config import list_recipes, load_config
+from PIL import Image
+
+
+@pytest.mark.parametrize("name", ["tiny", "sd15_full", "sd15_lora"])
+def test_shipped_configs_load(name):
+    assert name in list_recipes()["sd_finetune"]
+    cfg = load_config("sd_finetune", name)
+    assert cfg.mode in MODES
+    if name.startswith("sd15"):
+        assert cfg.data.resolution == 512 and cfg.roles.unet.dtype == "bf16"
+        assert cfg.train.lr == (1e-4 if name == "sd15_lora" else 1e-5)
+        assert cfg.lora.enabled == (name == "sd15_lora") and cfg.ema.enabled == (name == "sd15_full")
+    for role in ("unet", "vae", "text_encoder"):
+        assert cfg.roles[role].stage == 3
+
+
+def test_unknown_mode_is_refused(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(ValueError, match="seed_baseline"):
+        diffusion_role_specs(str(folder), mode="zero2")
+
+
+def test_text_encoders_from_model_index(tmp_path):
+    index = {"_class_name": "StableDiffusionXLPipeline", "text_encoder": ["transformers", "CLIPTextModel"],
+             "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"], "unet": ["diffusers", "X"],
+             "text_encoder_3": [None, None], "tokenizer": ["transformers", "CLIPTokenizer"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    assert text_encoder_names(str(tmp_path)) == ["text_encoder", "text_encoder_2"]
+    assert tokenizer_name("text_encoder_2") == "tokenizer_2" and tokenizer_name("text_encoder") == "tokenizer"
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        read_model_index(str(tmp_path / "missing"))
+
+
+def test_seed_baseline_builds_frozen_roles_unsharded(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"text_encoder": ["transformers", "CLIPTextModel"]}))
+    specs = {s.name: s for s in diffusion_role_specs(str(tmp_path), mode="seed_baseline",
+                                                     ema=Placement(stage=3, dtype="fp32"))}
+    assert list(specs) == ["unet", "vae", "text_encoder", "ema"]
+    stage = {n: s.ds_config["zero_optimization"]["stage"] for n, s in specs.items()}
+    assert stage == {"unet": 3, "vae": 0, "text_encoder": 0, "ema": 0}
+    assert specs["unet"].trainable and not specs["vae"].trainable and specs["ema"].stateful
+    assert specs["ema"].ds_config["bf16"]["enabled"] is False  # the EMA keeps fp32
+    zero3 = {s.name: s for s in diffusion_role_specs(str(tmp_path), ema=Placement(stage=2, dtype="fp32"))}
+    assert zero3["ema"].ds_config["zero_optimization"]["stage"] == 3  # follows the unet's stage
+
+
+def test_step_generator_is_a_function_of_its_arguments():
+    def draw(*args):
+        return torch.randn(4, generator=step_generator(*args))
+
+    assert torch.equal(draw(0, 3, 1, 0), draw(0, 3, 1, 0))
+    for other in ((1, 3, 1, 0), (0, 4, 1, 0), (0, 3, 0, 0), (0, 3, 1, 1)):
+        assert not torch.equal(draw(0, 3, 1, 0), draw(*other))
+
+
+def test_image_grid_layout():
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    grid = image_grid([Image.new("RGB", (8, 8), c) for c in colours])
+    assert grid.size == (16, 16)  # 2 x 2, the last cell left white
+    assert [grid.getpixel(p) for p in ((0, 0), (8, 0), (0, 8), (8, 8))] == [*colours, (255, 255, 255)]
+    with pytest.raises(ValueError):
+        image_grid([])
+
+
+def test_cast_floating_keeps_integers():
+    out = _cast_floating({"a": torch.ones(2), "b": [torch.arange(3)], "c": 1.5}, torch.bfloat16)
+    assert out["a"].dtype == torch.bfloat16 and out["b"][0].dtype == torch.long and out["c"] == 1.5
+
+
+def test_pretrain_tiny_vae(tmp_path):
+    from diffusers import AutoencoderKL
+    from multiengine.pipelines.diffusion.data import make_shapes_dataset
+    from multiengine.pipelines.diffusion.tiny import build_tiny_sd, pretrain_tiny_vae
+
+    model = build_tiny_sd(str(tmp_path / "sd"), resolution=16)
+    images = make_shapes_dataset(str(tmp_path / "shapes"), 8, resolution=16)
+    before = AutoencoderKL.from_pretrained(model, subfolder="vae")
+    state = torch.random.get_rng_state()
+    result = pretrain_tiny_vae(model, images, steps=3, batch_size=4)
+    assert torch.equal(state, torch.random.get_rng_state())
+    after = AutoencoderKL.from_pretrained(model, subfolder="vae")
+    assert after.config.scaling_factor == pytest.approx(result["scaling_factor"])
+    assert after.config.scaling_factor != before.config.scaling_factor
+    w = "encoder.conv_in.weight"
+    assert not torch.equal(before.state_dict()[w], after.state_dict()[w])
+    mtime = os.stat(os.path.join(model, "vae", "pretrained.json")).st_mtime_ns
+    assert pretrain_tiny_vae(model, images, steps=3, batch_size=4) == result  # idempotent
+    assert os.stat(os.path.join(model, "vae", "pretrained.json")).st_mtime_ns == mtime
