@@ -1,0 +1,106 @@
+"""A deterministic, resumable, distributed sampler shared by the diffusion and RLHF pipelines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["ShardedEpochSampler"]
+
+
+class ShardedEpochSampler(torch.utils.data.Sampler[int]):
+    """Deterministic, resumable, distributed sampler.
+
+    Epoch ``e``'s order is ``randperm(n)`` from a generator seeded with ``seed + e`` (or
+    ``range(n)`` without shuffle), truncated to a multiple of ``world_size`` (so every rank does
+    the same number of steps and no collective hangs), and rank ``r`` takes ``order[r::world_size]``.
+
+    ``position`` counts indices this rank has already yielded in the current epoch; iteration
+    starts there, so ``load_state_dict(state_dict())`` resumes at the same sample. When a
+    DataLoader prefetches (``num_workers > 0``) the sampler runs ahead of training: pass the
+    number of samples actually trained on as ``state_dict(consumed=...)``.
+
+    A new iteration after a fully consumed epoch moves to the next epoch by itself, so forgetting
+    :meth:`set_epoch` does not replay the same order; the move happens lazily (at the next
+    ``__iter__``) so a checkpoint taken while the last prefetched batches train is still correct.
+    """
+
+    def __init__(self, n: int, world_size: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=}, {rank=}")
+        if n < world_size:
+            raise ValueError(f"dataset of {n} samples cannot feed {world_size} ranks (each needs >= 1)")
+        self.n = n
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Samples per rank per epoch (the full epoch, regardless of ``position``)."""
+        return self.n // self.world_size
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's full index list for ``epoch``."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        total = len(self) * self.world_size
+        return order[:total][self.rank :: self.world_size]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select ``epoch``; resets ``position`` only when the epoch changes (keeps a resumed position)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.position = 0
+
+    def __iter__(self) -> Iterator[int]:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        epoch = self.epoch
+        for index in self.indices(epoch)[self.position :]:
+            if self.epoch != epoch:  # set_epoch/load_state_dict was called mid-iteration
+                return
+            self.position += 1
+            yield index
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, int | bool]:
+        """``{"epoch", "position", "n", "world_size", "rank", "seed", "shuffle"}``.
+
+        Args:
+            consumed: samples of the current epoch this rank has actually trained on; overrides the
+                yielded count (needed when a DataLoader prefetches ahead).
+        """
+        position = self.position if consumed is None else int(consumed)
+        if not 0 <= position <= len(self):
+            raise ValueError(f"consumed={consumed} outside [0, {len(self)}]")
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "n": self.n,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``epoch``/``position``; raises ``ValueError`` if the data/sharding setup differs."""
+        for key in ("n", "world_size", "seed", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                    "resuming would visit different samples"
+                )
+        position = int(state["position"])
+        if not 0 <= position <= len(self):
+            raise ValueError(f"position {position} outside [0, {len(self)}]")
+        self.epoch = int(state["epoch"])
+        self.position = position
