@@ -17,14 +17,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = ("zero3", "seed_baseline")
+# name -> (recipe mode, extra overrides). zero3_gather: the frozen vae/text_encoder are still ZeRO-3
+# sharded but gathered whole once per call (RoleSpec.gather_forward) instead of layer by layer.
+MODES = {
+    "zero3": ("zero3", []),
+    "zero3_gather": ("zero3", ["roles.vae.gather_forward=true", "roles.text_encoder.gather_forward=true"]),
+    "seed_baseline": ("seed_baseline", []),
+}
 ROLES = ("unet", "vae", "text_encoder")
 
 
-def run(mode: str, nproc: int, steps: int, workdir: Path, model_dir: str) -> dict:
-    out = workdir / f"{mode}_n{nproc}"
+def run(name: str, nproc: int, steps: int, workdir: Path, model_dir: str) -> dict:
+    mode, extra = MODES[name]
+    out = workdir / f"{name}_n{nproc}"
     cmd = [sys.executable, "-m", "multiengine.recipes.cli", "run", "sd_finetune", "--config", "tiny",
-           "--nproc-per-node", str(nproc), f"output_dir={out}", f"mode={mode}", f"max_steps={steps}",
+           "--nproc-per-node", str(nproc), f"output_dir={out}", f"mode={mode}", f"max_steps={steps}", *extra,
            f"model.pretrained={model_dir}", f"data.source={workdir / 'data'}", "ema.enabled=false",
            "validation.every=-1", "eval.heldout_size=0", "checkpoint.every=0", "export.enabled=false"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -51,10 +58,39 @@ def per_rank_figures(summary: dict) -> dict:
     return out
 
 
+def plot_memory(results: dict, path: Path) -> Path | None:
+    """Per-rank parameters held (all three roles) against world size, one line per mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    for mode, style in (("seed_baseline", "o--"), ("zero3", "s-")):
+        runs = sorted((r for r in results.values() if r["mode"] == mode), key=lambda r: r["world_size"])
+        worlds = [r["world_size"] for r in runs]
+        ax.plot(worlds, [r["total_params_local"] / 1e6 for r in runs], style, label=mode)
+    ax.set_xlabel("ranks (N)")
+    ax.set_ylabel("parameters held per rank (M)")
+    ax.set_title("tiny SD: unet + vae + text_encoder")
+    ax.set_xticks(sorted({r["world_size"] for r in results.values()}))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="training steps of the N=2 timing runs")
-    parser.add_argument("--memory-steps", type=int, default=3, help="steps of the N=1 and N=4 memory runs")
+    parser.add_argument("--steps", type=int, default=12, help="training steps of the N=2 timing runs")
+    parser.add_argument("--memory-steps", type=int, default=2, help="steps of the N=1 and N=4 memory runs")
     parser.add_argument("--worlds", default="1,2,4")
     args = parser.parse_args()
     from multiengine.pipelines.diffusion.data import make_shapes_dataset
@@ -69,10 +105,12 @@ def main() -> None:
         make_shapes_dataset(str(workdir / "data"), n=128, resolution=32, seed=0)
         for nproc in [int(w) for w in args.worlds.split(",")]:
             steps = args.steps if nproc == 2 else args.memory_steps
-            for mode in MODES:
-                summary = run(mode, nproc, steps, workdir, model_dir)
-                results[f"{mode}_n{nproc}"] = {
-                    "mode": mode, "world_size": nproc, "steps": steps,
+            for name in MODES:
+                if name == "zero3_gather" and nproc != 2:
+                    continue  # same memory as zero3 between calls; only its speed is in question
+                summary = run(name, nproc, steps, workdir, model_dir)
+                results[f"{name}_n{nproc}"] = {
+                    "mode": name, "world_size": nproc, "steps": steps,
                     "step_time_s_median": summary["metrics"]["step_time_s_median"],
                     "final_loss": summary["metrics"]["final_loss"],
                     **per_rank_figures(summary),
@@ -85,8 +123,11 @@ def main() -> None:
                      round(1000 * r["step_time_s_median"], 1) if r["world_size"] == 2 else "-"])
     print(table(["mode", "N", "unet params here/total", "vae", "text_encoder", "model-state MiB/rank",
                  "peak RSS MiB", "median step ms"], rows))
-    z, s = results.get("zero3_n2"), results.get("seed_baseline_n2")
+    z, s, g = results.get("zero3_n2"), results.get("seed_baseline_n2"), results.get("zero3_gather_n2")
     ratios = {}
+    if g and s:
+        ratios["step_time_zero3_gather_over_seed"] = g["step_time_s_median"] / s["step_time_s_median"]
+        print(f"N=2: step time zero3_gather/seed = {ratios['step_time_zero3_gather_over_seed']:.3f}")
     if z and s:
         ratios = {"step_time_zero3_over_seed": z["step_time_s_median"] / s["step_time_s_median"],
                   "model_bytes_zero3_over_seed": z["total_bytes"] / s["total_bytes"],
@@ -97,6 +138,9 @@ def main() -> None:
               f"{'met' if ratios['step_time_zero3_over_seed'] <= 1.15 else 'MISSED'}); model-state bytes "
               f"zero3/seed = {ratios['model_bytes_zero3_over_seed']:.3f}; frozen roles held here: "
               + ", ".join(f"{k} {v:.3f}" for k, v in frozen_fraction.items()))
+    plot = plot_memory(results, Path(__file__).resolve().parents[1] / "docs" / "img" / "sd_memory_vs_world.png")
+    if plot:
+        print(f"plot: {plot}")
     path = write_results("sd_memory_speed", {"runs": results, "ratios": ratios},
                          command="python -m benchmarks.sd_memory_speed " + " ".join(sys.argv[1:]))
     print(f"wrote {path}")

@@ -97,8 +97,9 @@ DEFAULTS: dict[str, Any] = {
     },
     "roles": {
         "unet": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},
-        "vae": {"stage": 3, "dtype": "bf16", "offload_params": False},
-        "text_encoder": {"stage": 3, "dtype": "bf16", "offload_params": False},  # every text encoder
+        # gather_forward: gather a frozen ZeRO-3 role whole for each call (one collective, 1/N between calls)
+        "vae": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": False},
+        "text_encoder": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": False},
     },
     "ema": {"enabled": False, "max_decay": 0.9999, "warmup": True, "dtype": "fp32", "offload_params": False},
     "lora": {"enabled": False, "rank": 4, "alpha": 0.0, "target_modules": ["to_k", "to_q", "to_v", "to_out.0"]},

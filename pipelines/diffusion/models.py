@@ -60,12 +60,15 @@ class Placement:
     """Where and how one role lives: ZeRO stage, dtype (``fp32``/``bf16``/``fp16``) and offload.
 
     ``offload_optimizer`` applies to the trainable unet only (it then uses DeepSpeed's CPU Adam).
+    ``gather_forward`` applies to frozen ZeRO-3 roles: all their parameters are gathered by one
+    collective per call instead of layer by layer (they still hold 1/N between calls).
     """
 
     stage: int = 3
     dtype: str = "bf16"
     offload_params: bool = False
     offload_optimizer: bool = False
+    gather_forward: bool = False
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,7 @@ def diffusion_role_specs(
             "vae",
             lambda: load_component(model_path, "vae", variant),
             eval_ds_config(stage=vae.stage, dtype=vae.dtype, offload_params=vae.offload_params),
+            gather_forward=vae.gather_forward and vae.stage == 3,
         ),
     ]
     for name in text_encoder_names(model_path):
@@ -278,6 +282,7 @@ def diffusion_role_specs(
             lambda name=name: load_component(model_path, name, variant),
             eval_ds_config(stage=text_encoder.stage, dtype=text_encoder.dtype,
                            offload_params=text_encoder.offload_params),
+            gather_forward=text_encoder.gather_forward and text_encoder.stage == 3,
         ))
     if ema is not None:
         # Same weights as the unet at step 0 (same factory, same seed); no checkpointing needed.

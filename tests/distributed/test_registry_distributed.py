@@ -23,6 +23,7 @@ def test_stage3_trainable_and_frozen_roles_are_partitioned(tmp_path):
             assert all(0 in shape for shape in map(tuple, role["shapes_outside_gather"]))
         assert r["policy_changed"] > 1e-3
         assert r["ema_error"] < 1e-6  # updated on local partitions, no full copy
+        assert r["gathered_error"] == 0.0 and r["gathered_released"] is True  # gather_forward: same output, 1/N after
         assert r["ema_local"] == r["per_role"]["policy"]["local"]
         assert r["frozen_changed"] == 0.0
         assert r["frozen_output_requires_grad"] is False

@@ -21,6 +21,7 @@ registry.add(RoleSpec("policy", factory("policy"), train_ds_config(stage=3, dtyp
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
 registry.add(RoleSpec("frozen", factory("frozen"), eval_ds_config(stage=3, dtype="fp32")))
 registry.add(RoleSpec("ema", factory("ema"), eval_ds_config(stage=3, dtype="fp32"), stateful=True))
+registry.add(RoleSpec("gathered", factory("gathered"), eval_ds_config(stage=3, dtype="fp32"), gather_forward=True))
 registry.build()
 
 per_role = {}
@@ -45,6 +46,10 @@ for step in range(3):
     losses.append(loss.item())
 after = {n: full_params(registry, n) for n in ("policy", "frozen")}
 ema_update(registry["ema"].module, registry["policy"].module, decay=0.75)
+gathered_out = registry["gathered"](x)
+gathered_error = (gathered_out - registry["frozen"](x)).abs().max().item()
+gathered_released = all(p.numel() == 0 for p in registry["gathered"].module.parameters()
+                        if not getattr(p, "ds_persist", False))
 expected_ema = [0.75 * b + 0.25 * a for b, a in zip(before["policy"], after["policy"])]
 ema_error = max_diff(full_params(registry, "ema"), expected_ema)
 
@@ -60,6 +65,8 @@ dump({
     "frozen_optimizer": type(registry["frozen"].optimizer).__name__,
     "losses": losses,
     "ema_error": ema_error,
+    "gathered_error": gathered_error,
+    "gathered_released": gathered_released,
     "ema_local": sum(p.ds_tensor.numel() for p in registry["ema"].module.parameters()),
     "report": list(report),
     "report_text": str(report),
