@@ -20,7 +20,7 @@ from pathlib import Path
 # name -> (recipe mode, extra overrides). zero3_gather: the frozen vae/text_encoder are still ZeRO-3
 # sharded but gathered whole once per call (RoleSpec.gather_forward) instead of layer by layer.
 MODES = {
-    "zero3": ("zero3", []),
+    "zero3": ("zero3", ["roles.vae.gather_forward=false", "roles.text_encoder.gather_forward=false"]),
     "zero3_gather": ("zero3", ["roles.vae.gather_forward=true", "roles.text_encoder.gather_forward=true"]),
     "seed_baseline": ("seed_baseline", []),
 }

@@ -98,8 +98,8 @@ DEFAULTS: dict[str, Any] = {
     "roles": {
         "unet": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},
         # gather_forward: gather a frozen ZeRO-3 role whole for each call (one collective, 1/N between calls)
-        "vae": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": False},
-        "text_encoder": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": False},
+        "vae": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": True},
+        "text_encoder": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": True},
     },
     "ema": {"enabled": False, "max_decay": 0.9999, "warmup": True, "dtype": "fp32", "offload_params": False},
     "lora": {"enabled": False, "rank": 4, "alpha": 0.0, "target_modules": ["to_k", "to_q", "to_v", "to_out.0"]},
