@@ -96,17 +96,25 @@ class ScalarHeadModel(nn.Module):
         )
 
     # ---------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Per-position scalar values.
 
         Args:
             input_ids: ``[B, T]``.
             attention_mask: ``[B, T]`` (1 = real token).
+            position_ids: ``[B, T]``, optional; pass them for left-padded rows of models that do not derive
+                positions from the mask (OPT does, Llama does not).
 
         Returns:
             ``[B, T]`` values in the head's dtype.
         """
-        out = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        out = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
