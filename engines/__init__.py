@@ -10,6 +10,7 @@ from .dist import DistEnv, read_env
 from .ema import ema_decay, ema_update
 from .memory import MemoryReport, current_rss_bytes, peak_rss_bytes
 from .registry import EngineRegistry, Role, RoleSpec, UnknownRoleError
+from .zero_scope import zero_init_paused
 
 __all__ = [
     "AUTO",
@@ -32,4 +33,5 @@ __all__ = [
     "peak_rss_bytes",
     "read_env",
     "train_ds_config",
+    "zero_init_paused",
 ]

@@ -100,6 +100,26 @@ def _diffusers_zero3_loading() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def zero_init_paused() -> Iterator[None]:
+    """Inside a stage-3 role's model(): create parameters as ordinary full tensors for a while.
+
+    For code that cannot run on empty ZeRO-3 shards, e.g. peft's kaiming init of lora_A; every
+    rank must build the same values (seed them), and deepspeed.initialize partitions them after.
+    A no-op outside zero.Init or without DeepSpeed.
+    """
+    try:
+        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    except ImportError:
+        yield
+        return
+    shutdown_init_context()
+    try:
+        yield
+    finally:
+        restore_init_context()
+
+
+@contextlib.contextmanager
 def role_build_scope(ds_config: dict[str, Any], stage: int, use_deepspeed: bool) -> Iterator[None]:
     """The context a role's model() runs in: for stage 3, zero.Init + HfDeepSpeedConfig + the
     diffusers loader, all with this role's config; for any other stage, nothing global at all."""

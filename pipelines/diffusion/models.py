@@ -18,17 +18,24 @@ Models load with ``from_pretrained`` from a diffusers folder (``model_index.json
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, RoleSpec, ema_decay, ema_update, eval_ds_config, train_ds_config
+from multiengine.engines import (
+    EngineRegistry,
+    RoleSpec,
+    ema_decay,
+    ema_update,
+    eval_ds_config,
+    train_ds_config,
+    zero_init_paused,
+)
 from multiengine.engines.dist import barrier
 
 logger = logging.getLogger(__name__)
@@ -140,21 +147,6 @@ def load_component(model_path: str, name: str, variant: str | None = None) -> to
 
 
 # --- role factories ----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _zero_init_paused() -> Iterator[None]:
-    """Create parameters as ordinary full tensors even inside zero.Init. peft initialises lora_A with
-    kaiming_uniform_, which fails on an (empty) ZeRO-3 partition; deepspeed.initialize later converts
-    these parameters to ZeRO-3 ones, broadcasting rank 0's values."""
-    try:
-        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
-    except ImportError:
-        yield
-        return
-    shutdown_init_context()
-    try:
-        yield
-    finally:
-        restore_init_context()
 
 
 def unet_factory(
@@ -179,7 +171,7 @@ def unet_factory(
                 init_lora_weights="gaussian",
                 target_modules=list(lora.target_modules),
             )
-            with _zero_init_paused(), torch.random.fork_rng(devices=[]):
+            with zero_init_paused(), torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 unet.add_adapter(config)
         if gradient_checkpointing:

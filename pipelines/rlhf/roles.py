@@ -18,14 +18,13 @@ value head is initialised under ``GatheredParameters(modifier_rank=0)`` (see mod
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_ds_config
+from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_ds_config, zero_init_paused
 
 from .models import ScalarHeadModel
 
@@ -136,24 +135,6 @@ def disable_dropout(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-@contextlib.contextmanager
-def _zero_init_paused() -> Iterator[None]:
-    """Create parameters as ordinary tensors even inside ``zero.Init``.
-
-    peft initialises ``lora_A`` with ``kaiming_uniform_``, which fails on an empty ZeRO-3 shard;
-    ``deepspeed.initialize`` converts these full tensors into ZeRO-3 parameters afterwards. Every rank
-    seeds the adapter init identically, so the copies agree.
-    """
-    try:
-        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
-    except ImportError:  # pragma: no cover - torch backend without deepspeed
-        yield
-        return
-    shutdown_init_context()
-    try:
-        yield
-    finally:
-        restore_init_context()
 
 
 def set_gradient_checkpointing(module: torch.nn.Module, enabled: bool) -> bool:
@@ -205,7 +186,7 @@ def load_causal_lm(
         from peft import get_peft_model
 
         model.requires_grad_(False)
-        with _zero_init_paused(), torch.random.fork_rng(devices=[]):
+        with zero_init_paused(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = get_peft_model(model, lora.peft_config("CAUSAL_LM"))
         if dtype is not None:
@@ -237,7 +218,7 @@ def load_scalar_model(
         from peft import get_peft_model
 
         model.body.requires_grad_(False)
-        with _zero_init_paused(), torch.random.fork_rng(devices=[]):
+        with zero_init_paused(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model.body = get_peft_model(model.body, lora.peft_config(None))
         model.value_head.requires_grad_(True)
