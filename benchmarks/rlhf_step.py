@@ -7,6 +7,7 @@ fixed-length random prompts, greedy generation. Configurations:
   zero3_gather       everything ZeRO-3, the actor gathered once per batch for generate()
   zero3_per_token    everything ZeRO-3, generate(synced_gpus=True): every token re-gathers every layer
   zero3_offload      ZeRO-3, gather-once, ref and reward parameters offloaded to CPU
+  zero3_frozen_gather  ZeRO-3, gather-once generation, ref and reward gathered whole per forward
 
     python -m benchmarks.rlhf_step            # 2 CPU ranks; both shapes (4 x 32+32 and 8 x 128+128)
 """
@@ -23,6 +24,7 @@ CONFIGS = {
     "zero3_gather": {"stage": 3, "gen": "gather", "offload": False},
     "zero3_per_token": {"stage": 3, "gen": "per_token", "offload": False},
     "zero3_offload": {"stage": 3, "gen": "gather", "offload": True},
+    "zero3_frozen_gather": {"stage": 3, "gen": "gather", "offload": False, "frozen_gather": True},
 }
 SHAPES = {"small": (4, 32, 32), "large": (8, 128, 128)}  # prompts per rank, prompt tokens, answer tokens
 
@@ -51,7 +53,8 @@ def worker(config: str, shape: str, steps: int, warmup: int, model_dir: str) -> 
     batch, prompt_len, answer_len = SHAPES[shape]
     registry = EngineRegistry()
     train = Placement(stage=c["stage"], dtype="fp32")
-    frozen = Placement(stage=c["stage"], dtype="fp32", offload_params=c["offload"]) if c["stage"] == 3 else None
+    frozen = (Placement(stage=3, dtype="fp32", offload_params=c["offload"],
+                        gather_forward=c.get("frozen_gather", False)) if c["stage"] == 3 else None)
     build_rlhf_roles(registry, model_dir, model_dir, actor=train, critic=train, ref=frozen, reward=frozen,
                      actor_optim=OptimSettings(lr=1e-5), critic_optim=OptimSettings(lr=1e-5),
                      micro_batch_size=batch)
