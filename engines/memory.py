@@ -85,7 +85,8 @@ def role_memory(role: Any, world_size: int) -> dict[str, Any]:
         "stage": role.stage,
         "requested_stage": role.requested_stage,
         "trainable": role.trainable,
-        "dtype": str(role.dtype).replace("torch.", ""),
+        "dtype": str(role.dtype).replace("torch.", ""),  # of the weights held
+        "compute_dtype": str(getattr(role, "compute_dtype", role.dtype)).replace("torch.", ""),
         "params_total": total,
         "params_local": partition,
         "params_persistent": persistent,

@@ -39,8 +39,10 @@ def setup_logging(rank: int, stream: Any = None) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _to_number(key: str, value: Any) -> float | int:
+def _to_number(key: str, value: Any) -> float | int | None:
     """A metric as a plain number: tensors / numpy scalars via .item(); bools and ints stay exact."""
+    if value is None:
+        return None
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, (int, float)):
@@ -60,6 +62,8 @@ def to_plain(value: Any) -> Any:
         return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/Infinity
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, os.PathLike):
@@ -69,7 +73,7 @@ def to_plain(value: Any) -> Any:
             value = value.detach().cpu()
         return to_plain(value.tolist())
     if hasattr(value, "item"):
-        return value.item()
+        return to_plain(value.item())
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to JSON")
 
 
@@ -102,17 +106,20 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=tensorboard_dir)
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
-        """Write `{"step": step, "<prefix>/<key>": value, ...}`; a non-scalar value is a TypeError."""
+        """Write `{"step": step, "<prefix>/<key>": value, ...}` (non-finite values as null); a non-scalar
+        value is a TypeError."""
         if not self.enabled or self._file is None:
             return
         record: dict[str, Any] = {"step": int(step)}
         for key, value in metrics.items():
             name = f"{prefix}/{key}" if prefix else str(key)
             record[name] = _to_number(name, value)
-        self._file.write(json.dumps(record) + "\n")
+        # JSON has no NaN/Infinity: a non-finite value is written as null (the file stays valid JSON).
+        plain = {k: (v if v is None or math.isfinite(v) else None) for k, v in record.items()}
+        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
         if self._tb is not None:
-            for name, value in record.items():
-                if name != "step" and math.isfinite(value):
+            for name, value in plain.items():
+                if name != "step" and value is not None:
                     self._tb.add_scalar(name, value, int(step))
 
     def close(self) -> None:

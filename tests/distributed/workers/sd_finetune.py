@@ -14,7 +14,7 @@ import os
 
 import torch
 from common import dump, out_dir
-from multiengine.engines.checkpoint import local_tensors
+from multiengine.engines.partition import local_tensors
 from multiengine.recipes import sd_finetune as recipe
 from multiengine.recipes.config import load_config
 
