@@ -9,8 +9,8 @@ from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hid
 from .dist import DistEnv, barrier, mean_over_ranks, read_env, sum_over_ranks
 from .ema import ema_decay, ema_update
 from .export import atomic_dir, cast_folder, save_role, write_role
-from .memory import MemoryReport, current_rss_bytes, peak_rss_bytes
-from .metrics import MetricsLogger, read_jsonl, setup_logging, write_summary
+from .memory import MemoryReport, current_rss_bytes, gather_memory, peak_rss_bytes
+from .metrics import MetricsLogger, plot_curves, read_jsonl, setup_logging, write_summary
 from .partition import local_tensors, refresh_full_copies
 from .registry import EngineRegistry, JointLossError, Role, RoleSpec, UnknownRoleError
 from .roles import (
@@ -24,7 +24,7 @@ from .roles import (
     torch_dtype,
     trainable_role,
 )
-from .sampler import ShardedBatches, ShardedEpochSampler
+from .sampler import ShardedBatches, ShardedEpochSampler, shard_batches
 from .seeding import derive_seed, generator, seed_everything
 from .zero_scope import zero_init_paused
 
@@ -55,6 +55,7 @@ __all__ = [
     "ema_update",
     "eval_ds_config",
     "frozen_role",
+    "gather_memory",
     "generator",
     "is_lora",
     "latest_tag",
@@ -64,6 +65,7 @@ __all__ = [
     "mean_over_ranks",
     "model_hidden_size",
     "peak_rss_bytes",
+    "plot_curves",
     "read_env",
     "read_jsonl",
     "refresh_full_copies",
@@ -71,6 +73,7 @@ __all__ = [
     "seed_everything",
     "set_gradient_checkpointing",
     "setup_logging",
+    "shard_batches",
     "sum_over_ranks",
     "torch_dtype",
     "train_ds_config",

@@ -204,7 +204,7 @@ def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str |
     module = registry.role(name).module
     lora = merge_lora and is_lora(module)
     written = {"model": folder}
-    if lora and hasattr(module, "peft_config"):
+    if lora and hasattr(module, "get_base_model"):  # a peft wrapper: its adapter folder loads with PeftModel
         written["adapter"] = os.path.join(folder, "adapter")
     with registry.gathered(name):
         if registry.is_main:

@@ -99,6 +99,22 @@ def role_memory(role: Any, world_size: int) -> dict[str, Any]:
     }
 
 
+def gather_memory(registry: Any) -> list[dict[str, Any]]:
+    """Per rank: the registry's per-role memory rows and the process's peak RSS (and CUDA peak), as a
+    list indexed by rank. Collective: every rank must call it."""
+    import torch.distributed as dist
+
+    mine: dict[str, Any] = {"rank": registry.rank, "roles": list(registry.memory_report()),
+                            "peak_rss_bytes": peak_rss_bytes()}
+    if torch.cuda.is_available():
+        mine["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    if registry.world_size == 1 or not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * registry.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -167,3 +167,43 @@ def write_summary(path: str | os.PathLike, summary: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def plot_curves(records: list[dict[str, Any]], out_png: str | os.PathLike,
+                panels: list[tuple[str, list[str]]], title: str = "", xlabel: str = "step") -> str | None:
+    """One panel per ``(ylabel, metric keys)`` against ``step``, written atomically; returns the PNG path,
+    or None (with a log line) when matplotlib is missing or no panel has a point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: skipping the plot %s (pip install matplotlib)", out_png)
+        return None
+    panels = [(label, keys) for label, keys in panels
+              if any(r.get(k) is not None for r in records for k in keys)]
+    if not panels:
+        logger.info("no metric of the plot's panels was logged: skipping %s", out_png)
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (label, keys) in zip(axes[0], panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 15 else None, markersize=3, label=key)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(out_png)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return str(path)

@@ -445,14 +445,16 @@ class EngineRegistry:
             self._gather_depth[name] -= 1
 
     @contextlib.contextmanager
-    def generation(self, name: str) -> Iterator[torch.nn.Module]:
+    def generation(self, name: str, gather: bool = True) -> Iterator[torch.nn.Module]:
         """The role's module, ready for ``generate`` (or any other inference), for the block.
 
         A ZeRO-3 role is gathered once with its hooks detached (see ``gathered``): every token runs on
         whole local weights, with no communication; it costs one full copy of the role per rank while
-        the block runs. Eval mode, gradient checkpointing off (it forces ``use_cache=False``) and
-        torch's own ``F.linear``; all restored on exit. Below stage 3 and on the torch backend there is
-        nothing to gather. All ranks must enter it.
+        the block runs. ``gather=False`` keeps ZeRO-3's layer-by-layer fetching instead (no rank ever
+        holds the whole model; pass ``synced_gpus=True`` to ``generate`` when several ranks run it).
+        Eval mode, gradient checkpointing off (it forces ``use_cache=False``) and torch's own
+        ``F.linear``; all restored on exit. Below stage 3 and on the torch backend there is nothing to
+        gather. All ranks must enter it.
         """
         role = self.role(name)
         module = role.module
@@ -460,7 +462,7 @@ class EngineRegistry:
         had_checkpointing = set_gradient_checkpointing(module, False)
         module.eval()
         try:
-            with self.gathered(name), _plain_linear():
+            with self.gathered(name) if gather else contextlib.nullcontext(), _plain_linear():
                 yield module
         finally:
             module.train(was_training)

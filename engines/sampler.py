@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardedBatches", "ShardedEpochSampler"]
+__all__ = ["ShardedBatches", "ShardedEpochSampler", "shard_batches"]
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler[int]):
@@ -159,3 +159,14 @@ class ShardedBatches:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._it = None
+
+
+def shard_batches(rows: Sequence[Any], collate: Callable[[list[Any]], Any], batch_size: int, world_size: int = 1,
+                  rank: int = 0, limit: int = 0) -> list[Any]:
+    """A fixed evaluation set: the first ``limit`` rows (all when 0), dealt round-robin over ranks (the
+    tail that does not divide evenly is dropped, so every rank runs the same number of forwards) and
+    batched in order."""
+    n = len(rows) if not limit else min(limit, len(rows))
+    per_rank = n // world_size
+    mine = list(range(rank, per_rank * world_size, world_size))
+    return [collate([rows[i] for i in mine[j:j + batch_size]]) for j in range(0, len(mine), batch_size)]

@@ -51,7 +51,7 @@ def run(name: str, *overrides: str):
         "sampler": job.sampler.state_dict(consumed=job.consumed),
     }
     result.update(checks)
-    job.cleanup()
+    job.close()
     return result
 
 
