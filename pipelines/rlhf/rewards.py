@@ -41,6 +41,7 @@ __all__ = [
     "load_reward_function",
     "reward_function",
     "reward_model",
+    "reward_sources",
 ]
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
@@ -126,6 +127,23 @@ def reward_function(fn: RewardFn | str, weight: float = 1.0, name: str | None = 
     else:
         label = name or getattr(fn, "__name__", "reward_fn")
     return RewardSource(name=label, weight=float(weight), fn=fn)
+
+
+def reward_sources(
+    models: Mapping[str, float] | None = None,
+    functions: Sequence[str | tuple[str, float]] | Mapping[str, float] | None = None,
+) -> list[RewardSource]:
+    """Reward sources from flat settings, as a config names them: ``models`` maps reward-model roles
+    to weights (``{"reward": 1.0}``); ``functions`` lists specs (weight 1) or maps spec -> weight
+    (``{"builtin:judge": 1.0, "my_pkg.rewards:length": 0.1}``). Function names must be unique."""
+    out = [reward_model(role, float(weight)) for role, weight in (models or {}).items()]
+    items = functions.items() if isinstance(functions, Mapping) else (functions or [])
+    for item in items:
+        spec, weight = (item, 1.0) if isinstance(item, str) else item
+        out.append(reward_function(spec, float(weight)))
+    if not out:
+        raise ValueError("no reward source: name at least one reward-model role or reward function.")
+    return out
 
 
 def check_sources(sources: Sequence[RewardSource], registry: EngineRegistry) -> None:
