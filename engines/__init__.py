@@ -6,7 +6,7 @@ are imported where they are needed.
 
 from .checkpoint import CheckpointError, latest_tag, list_checkpoints
 from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
-from .dist import DistEnv, barrier, mean_over_ranks, read_env, sum_over_ranks
+from .dist import DistEnv, all_reduce_sum, barrier, global_moments, mean_over_ranks, read_env, sum_over_ranks
 from .ema import ema_decay, ema_update
 from .export import atomic_dir, cast_folder, save_role, write_role
 from .memory import MemoryReport, current_rss_bytes, gather_memory, peak_rss_bytes
@@ -45,6 +45,7 @@ __all__ = [
     "ShardedBatches",
     "ShardedEpochSampler",
     "UnknownRoleError",
+    "all_reduce_sum",
     "apply_lora",
     "atomic_dir",
     "barrier",
@@ -57,6 +58,7 @@ __all__ = [
     "frozen_role",
     "gather_memory",
     "generator",
+    "global_moments",
     "is_lora",
     "latest_tag",
     "list_checkpoints",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import warnings
@@ -113,19 +114,42 @@ def barrier() -> None:
         dist.barrier()
 
 
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """A float64 CPU copy of ``values`` summed over all ranks (float64: means of many small numbers stay
+    exact enough). Collective when a process group exists; NCCL gets a device copy."""
+    out = values.detach().to(dtype=torch.float64).clone()
+    if dist.is_available() and dist.is_initialized():
+        if out.device.type == "cpu" and dist.get_backend() == "nccl":
+            out = out.cuda()
+        dist.all_reduce(out)
+    return out.cpu()
+
+
+def global_moments(x: torch.Tensor) -> tuple[float, float, float]:
+    """Mean, population std and count of the entries of ``x`` across all ranks (one all-reduce)."""
+    x = x.detach().to(torch.float64).reshape(-1).cpu()
+    stats = all_reduce_sum(torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=x.dtype)]))
+    total, total_sq, n = stats.tolist()
+    mean = total / max(n, 1.0)
+    return mean, math.sqrt(max(total_sq / max(n, 1.0) - mean * mean, 0.0)), n
+
+
 def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Each value summed over all ranks, with one all-reduce (float64). Every rank must call it with the
     same keys; without a process group the values come back as they are."""
     keys = sorted(values)
     if not keys:
         return {}
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    t = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
     return dict(zip(keys, t.tolist()))
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Each value averaged over all ranks, with one all-reduce (float64); see :func:`sum_over_ranks`."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = world_size()
     return {k: v / world for k, v in sum_over_ranks(values).items()}

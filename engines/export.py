@@ -176,8 +176,8 @@ def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: s
         save(out, state_dict=state)
     elif _is_diffusers(target):
         target.save_config(out)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "diffusion_pytorch_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in state.items()},
+                  os.path.join(out, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
     else:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
                   metadata={"format": "pt"})

@@ -353,7 +353,8 @@ class EngineRegistry:
             except ConfigError:
                 raise
             except Exception as exc:
-                raise RuntimeError(f"role '{spec.name}': its model factory failed: {type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(
+                    f"role '{spec.name}': its model factory failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"role '{spec.name}': model() returned {type(model).__name__}, not a torch.nn.Module.")
         resolve_bucket_sizes(config, spec.hidden_size or model_hidden_size(model))

@@ -110,13 +110,15 @@ class OptimSpec:
 
             close = difflib.get_close_matches(self.scheduler, names, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of {names}.")
+            raise ConfigError(
+                f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of {names}.")
 
     @property
     def clip(self) -> float | None:
         return float(self.max_grad_norm) if self.max_grad_norm else None
 
-    def optimizer_factory(self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def optimizer_factory(
+            self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
         def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
             params = list(params)
             if self.name == "sgd":
@@ -190,7 +192,8 @@ def _task_type(model: torch.nn.Module) -> str | None:
     return None
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraSpec, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lora: LoraSpec, seed: int = 0,
+               dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Freeze ``model`` and add LoRA adapters; returns the model to train (peft may wrap it).
 
     The adapters are created with ZeRO-3 paused (peft's init cannot run on empty shards) from a private

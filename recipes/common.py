@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from multiengine.engines import LoraSpec, OptimSpec, Placement
+from multiengine.engines import LoraSpec, OptimSpec, Placement, ShardedBatches, shard_batches
 
-__all__ = ["RLHF_BETAS", "lora_spec", "optim_spec", "placement"]
+__all__ = ["RLHF_BETAS", "demonstrations", "evaluation_prompts", "lora_spec", "optim_spec", "placement",
+           "tiny_assets"]
 
 # Adam betas of DeepSpeed-Chat and OpenRLHF for every RLHF role (beta2 = 0.95 tolerates the noisier
 # gradients of RL better than the 0.999 default).
@@ -56,3 +57,48 @@ def lora_spec(section: Any, **overrides: Any) -> LoraSpec | None:
               "dropout": float(section.get("dropout", 0.0)), "target_modules": tuple(section.target_modules)}
     values.update(overrides)
     return LoraSpec(**values)
+
+
+# --- the RLHF recipes' shared data setup (the built-in task by default) ---------------------------------
+def tiny_assets(recipe: Any, needed: bool) -> dict[str, str]:
+    """The embedded default (built-in dataset, tokenizer, random tiny OPT) under ``output_dir/tiny`` when
+    ``needed`` (a model folder or the data source was left empty), else ``{}``."""
+    from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
+
+    if not needed:
+        return {}
+    model = recipe.cfg.get("model") or {}
+    return prepare_tiny_assets(recipe.path("tiny"), recipe.registry, recipe.cfg.seed,
+                               model.get("tiny_hidden", 64), model.get("tiny_layers", 2))
+
+
+def demonstrations(recipe: Any, source: str, tokenizer: Any, batch_size: int) -> tuple[ShardedBatches, list[Any]]:
+    """Prompt + response rows (``sft`` split) as a checkpointed training stream (``add_state("batches")``)
+    and a held-out tail of ``data.heldout_size`` rows (at most a tenth) that is never trained on."""
+    from multiengine.pipelines.rlhf.data import SFTCollator
+    from multiengine.pipelines.rlhf.runs import load_split
+
+    cfg, registry = recipe.cfg, recipe.registry
+    rows = load_split(source, "sft", registry, cfg.data.train_split)
+    n_heldout = min(cfg.data.heldout_size, len(rows) // 10)
+    collate = SFTCollator(tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
+    batches = registry.add_state("batches", ShardedBatches(
+        rows.select(range(len(rows) - n_heldout)), collate, batch_size, registry.world_size, registry.rank,
+        seed=cfg.seed))
+    heldout = shard_batches(rows.select(range(len(rows) - n_heldout, len(rows))), collate, batch_size,
+                            registry.world_size, registry.rank)
+    return batches, heldout
+
+
+def evaluation_prompts(recipe: Any, source: str, tokenizer: Any) -> list[dict[str, Any]]:
+    """``eval.size`` evaluation prompts (``eval`` split) in batches of ``eval.batch_size``, equal shares per
+    rank; ``[]`` when ``eval.size`` is 0."""
+    from multiengine.pipelines.rlhf.data import PromptCollator
+    from multiengine.pipelines.rlhf.runs import load_split
+
+    cfg, registry = recipe.cfg, recipe.registry
+    if not cfg.eval.size:
+        return []
+    rows = load_split(source, "eval", registry, cfg.data.eval_split)
+    return shard_batches(rows, PromptCollator(tokenizer, cfg.data.max_prompt_len), cfg.eval.batch_size,
+                         registry.world_size, registry.rank, limit=cfg.eval.size)

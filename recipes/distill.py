@@ -20,24 +20,21 @@ import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import (
-    Placement,
-    ShardedBatches,
-    barrier,
-    frozen_role,
-    mean_over_ranks,
-    save_role,
-    shard_batches,
-    trainable_role,
-)
+from multiengine.engines import Placement, barrier, frozen_role, mean_over_ranks, save_role, trainable_role
 from multiengine.pipelines.distill import DIVERGENCES, distillation_loss
 from multiengine.pipelines.rlhf import tiny
-from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
+from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import load_causal_lm
-from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
-from multiengine.pipelines.rlhf.trainer import evaluate_policy
-from multiengine.recipes.common import RLHF_BETAS, optim_spec, placement
+from multiengine.pipelines.rlhf.runs import builtin_judge, resolve_tokenizer
+from multiengine.recipes.common import (
+    RLHF_BETAS,
+    demonstrations,
+    evaluation_prompts,
+    optim_spec,
+    placement,
+    tiny_assets,
+)
 from multiengine.recipes.config import RecipeConfigError
 from multiengine.recipes.lifecycle import Recipe, with_common
 
@@ -108,9 +105,7 @@ class Distill(Recipe):
         if cfg.distill.loss not in DIVERGENCES:
             raise RecipeConfigError(f"distill.loss={cfg.distill.loss!r}; use one of {list(DIVERGENCES)}.")
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
-        assets: dict[str, str] = {}
-        if not (cfg.data.source and cfg.model.student and cfg.model.teacher):
-            assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed)
+        assets = tiny_assets(self, not (cfg.data.source and cfg.model.student and cfg.model.teacher))
         source = cfg.data.source or assets["data"]
         self.teacher_path = cfg.model.teacher or _teacher_from_sft(cfg, self.path("teacher"), source, assets["model"])
         self.student_path = cfg.model.student or self._tiny_student(assets["tokenizer"])
@@ -127,20 +122,8 @@ class Distill(Recipe):
         registry.build()
 
         # 3. data: demonstrations (prompt + response), a held-out tail, evaluation prompts
-        rows = load_split(source, "sft", registry, cfg.data.train_split)
-        n_heldout = min(cfg.data.heldout_size, len(rows) // 10)
-        collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches = registry.add_state("batches", ShardedBatches(
-            rows.select(range(len(rows) - n_heldout)), collate, t.micro_batch_size, registry.world_size,
-            registry.rank, seed=cfg.seed))
-        self.heldout = shard_batches(rows.select(range(len(rows) - n_heldout, len(rows))), collate,
-                                     t.micro_batch_size, registry.world_size, registry.rank)
-        self.eval_prompts: list[dict[str, Any]] = []
-        if cfg.eval.size:
-            eval_rows = load_split(source, "eval", registry, cfg.data.eval_split)
-            self.eval_prompts = shard_batches(eval_rows, PromptCollator(self.tokenizer, cfg.data.max_prompt_len),
-                                              cfg.eval.batch_size, registry.world_size, registry.rank,
-                                              limit=cfg.eval.size)
+        self.batches, self.heldout = demonstrations(self, source, self.tokenizer, t.micro_batch_size)
+        self.eval_prompts = evaluation_prompts(self, source, self.tokenizer)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
                                              temperature=cfg.generation.temperature)

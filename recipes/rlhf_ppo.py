@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from multiengine.engines import Placement, ShardedBatches, save_role, shard_batches
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
+from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
 from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
-from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer, evaluate_policy
 from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
 from multiengine.recipes.config import RecipeConfigError
 from multiengine.recipes.lifecycle import Recipe, with_common
@@ -141,9 +142,10 @@ class RLHFPPO(Recipe):
             ref=placement(roles.ref, actor, trainable=False), reward=placement(roles.reward, critic, trainable=False),
             ema=Placement(actor.stage, cfg.ema.dtype or actor.dtype, cfg.ema.offload_params)
             if cfg.ema.enabled else None,
-            actor_optim=optim_spec(roles.actor, cfg.max_steps * steps_per_rollout // roles.actor.grad_accum, betas=RLHF_BETAS),
+            actor_optim=optim_spec(roles.actor, cfg.max_steps * steps_per_rollout // roles.actor.grad_accum,
+                                   betas=RLHF_BETAS),
             critic_optim=optim_spec(roles.critic, cfg.max_steps * steps_per_rollout // roles.critic.grad_accum,
-                                     betas=RLHF_BETAS),
+                                    betas=RLHF_BETAS),
             micro_batch_size=s.mini_batch_size,
             actor_grad_accum=roles.actor.grad_accum, critic_grad_accum=roles.critic.grad_accum,
             actor_lora=lora_spec(cfg.lora.actor), critic_lora=lora_spec(cfg.lora.critic),

@@ -18,10 +18,11 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
 from multiengine.pipelines.rlhf.data import PairCollator
+from multiengine.pipelines.rlhf.evaluation import pair_accuracy
 from multiengine.pipelines.rlhf.roles import critic_spec
-from multiengine.pipelines.rlhf.runs import load_split, prepare_tiny_assets, resolve_tokenizer
-from multiengine.pipelines.rlhf.trainer import pair_accuracy, reward_loss
-from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
+from multiengine.pipelines.rlhf.runs import load_split, resolve_tokenizer
+from multiengine.pipelines.rlhf.steps import reward_loss
+from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement, tiny_assets
 from multiengine.recipes.lifecycle import Recipe, with_common
 
 DEFAULTS: dict[str, Any] = with_common({
@@ -55,10 +56,7 @@ class RLHFReward(Recipe):
 
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
-        assets: dict[str, str] = {}
-        if not cfg.data.source or not cfg.model.pretrained:
-            assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
-                                         cfg.model.tiny_layers)
+        assets = tiny_assets(self, not (cfg.data.source and cfg.model.pretrained))
         self.model_path = cfg.model.pretrained or assets["model"]
         self.tokenizer = resolve_tokenizer(self.model_path, assets.get("tokenizer", ""))
         t = cfg.train

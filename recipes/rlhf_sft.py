@@ -16,13 +16,21 @@ import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
-from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
+from multiengine.engines import mean_over_ranks, save_role
+from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import actor_spec
-from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
-from multiengine.pipelines.rlhf.trainer import causal_lm_loss, evaluate_policy
-from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
+from multiengine.pipelines.rlhf.runs import builtin_judge, resolve_tokenizer
+from multiengine.pipelines.rlhf.steps import causal_lm_loss
+from multiengine.recipes.common import (
+    RLHF_BETAS,
+    demonstrations,
+    evaluation_prompts,
+    lora_spec,
+    optim_spec,
+    placement,
+    tiny_assets,
+)
 from multiengine.recipes.lifecycle import Recipe, with_common
 
 DEFAULTS: dict[str, Any] = with_common({
@@ -56,34 +64,20 @@ class RLHFSFT(Recipe):
 
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
-        assets: dict[str, str] = {}
-        if not cfg.data.source or not cfg.model.pretrained:
-            assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
-                                         cfg.model.tiny_layers)
+        assets = tiny_assets(self, not (cfg.data.source and cfg.model.pretrained))
         self.model_path = cfg.model.pretrained or assets["model"]
         self.tokenizer = resolve_tokenizer(self.model_path, assets.get("tokenizer", ""))
         t = cfg.train
-        registry.add(actor_spec(self.model_path, placement(cfg.roles.actor), optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
-                                micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                                lora=lora_spec(cfg.lora), gradient_checkpointing=t.gradient_checkpointing,
+        registry.add(actor_spec(self.model_path, placement(cfg.roles.actor),
+                                optim_spec(t, cfg.max_steps, betas=RLHF_BETAS), micro_batch_size=t.micro_batch_size,
+                                grad_accum=t.grad_accum, lora=lora_spec(cfg.lora),
+                                gradient_checkpointing=t.gradient_checkpointing,
                                 seed=cfg.seed))
         registry.build()
 
         source = cfg.data.source or assets["data"]
-        rows = load_split(source, "sft", registry, cfg.data.train_split)
-        n_heldout = min(cfg.data.heldout_size, len(rows) // 10)
-        collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches = registry.add_state("batches", ShardedBatches(
-            rows.select(range(len(rows) - n_heldout)), collate, t.micro_batch_size, registry.world_size,
-            registry.rank, seed=cfg.seed))
-        self.heldout = shard_batches(rows.select(range(len(rows) - n_heldout, len(rows))), collate,
-                                     t.micro_batch_size, registry.world_size, registry.rank)
-        self.eval_prompts: list[dict[str, Any]] = []
-        if cfg.eval.size:
-            eval_rows = load_split(source, "eval", registry, cfg.data.eval_split)
-            self.eval_prompts = shard_batches(eval_rows, PromptCollator(self.tokenizer, cfg.data.max_prompt_len),
-                                              cfg.eval.batch_size, registry.world_size, registry.rank,
-                                              limit=cfg.eval.size)
+        self.batches, self.heldout = demonstrations(self, source, self.tokenizer, t.micro_batch_size)
+        self.eval_prompts = evaluation_prompts(self, source, self.tokenizer)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
                                              temperature=cfg.generation.temperature)

@@ -27,7 +27,6 @@ from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.export import export_pipeline, export_roles, save_lora
 from multiengine.pipelines.diffusion.models import (
     MODES,
-    UNET_LORA_TARGETS,
     diffusion_role_specs,
     resolve_model_path,
     text_encoder_names,
@@ -153,7 +152,8 @@ class SDFinetune(Recipe):
                           total_steps=cfg.max_steps, max_grad_norm=t.max_grad_norm or None)
         for spec in diffusion_role_specs(
             self.model_path, mode=cfg.mode, unet=placement(cfg.roles.unet),
-            vae=placement(cfg.roles.vae, trainable=False), text_encoder=placement(cfg.roles.text_encoder, trainable=False),
+            vae=placement(cfg.roles.vae, trainable=False),
+            text_encoder=placement(cfg.roles.text_encoder, trainable=False),
             ema=placement({"stage": cfg.roles.unet.stage, "dtype": cfg.ema.dtype,
                            "offload_params": cfg.ema.offload_params}, trainable=False) if cfg.ema.enabled else None,
             optim=optim, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, all_reduce_sum
 
-from .collective import all_reduce_sum
 from .evaluation import preference_accuracy
 from .losses import DPO_LOSSES, dpo_loss
 from .preference import REF_KEYS, PreferenceCollator, pair_logprobs

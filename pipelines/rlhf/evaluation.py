@@ -9,10 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
-from .collective import all_reduce_sum
 from .generation import GenerationSettings, generate
 from .losses import dpo_loss
 from .preference import REF_KEYS, pair_logprobs

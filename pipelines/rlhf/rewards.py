@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import tiny
-from .collective import all_reduce_sum
 from .scoring import eval_mode, sequence_scores
 
 __all__ = [

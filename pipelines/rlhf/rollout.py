@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, all_reduce_sum, global_moments, mean_over_ranks
 
 from . import ppo
-from .collective import all_reduce_mean, all_reduce_sum, global_moments
 from .generation import GenerationSettings, generate
 from .rewards import RewardSource, compute_scores
 from .scoring import role_logprobs, role_values
@@ -186,7 +185,7 @@ def rollout_metrics(exp: Experience, judge: Judge | None = None) -> dict[str, fl
     if exp.rewards is not None:
         out["reward/total_mean"] = global_moments((exp.rewards * mask).sum(-1))[0]
     if exp.values is not None:
-        out["values/mean"] = all_reduce_mean(ppo.masked_mean(exp.values, mask))
+        out["values/mean"] = mean_over_ranks({"v": float(ppo.masked_mean(exp.values, mask))})["v"]
     if exp.group_size > 1:
         # groups whose completions all scored the same carry no signal for the group estimators
         g = exp.score.reshape(-1, exp.group_size)

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
-from .collective import all_reduce_sum
 from .generation import position_ids_from_mask
 from .losses import kl_loss, loss_units, policy_gradient_loss
 from .rollout import Experience

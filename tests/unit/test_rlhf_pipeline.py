@@ -4,12 +4,13 @@ torch backend (the 2-rank DeepSpeed runs are in tests/distributed/test_rlhf.py).
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
+from multiengine.engines import LoraSpec, ShardedBatches, apply_lora, is_lora, shard_batches
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
-from multiengine.engines import LoraSpec, ShardedBatches, apply_lora, is_lora, shard_batches
 from multiengine.pipelines.rlhf.roles import load_causal_lm, load_scalar_model
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.config import list_recipes, load_config
@@ -97,10 +98,9 @@ def test_roles_load_without_dropout_and_lora_trains_only_adapters(assets, tmp_pa
 
 def test_ppo_step_on_the_torch_backend(assets):
     """One process, no DeepSpeed: experience, rewards on the last action, critic warm-up, an actor update."""
-    from multiengine.engines import EngineRegistry
-    from multiengine.engines import OptimSpec, Placement
+    from multiengine.engines import EngineRegistry, OptimSpec, Placement
+    from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
     from multiengine.pipelines.rlhf.roles import build_rlhf_roles
-    from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
 
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
     registry = EngineRegistry(backend="torch")

@@ -50,6 +50,15 @@ def full_params(registry, name: str) -> list[torch.Tensor]:
         return [p.detach().float().clone() for p in registry[name].module.parameters()]
 
 
+def gathered_state_dict(registry, role: str) -> dict[str, torch.Tensor] | None:
+    """Full CPU copies of a role's weights on rank 0 (None elsewhere); collective under ZeRO-3."""
+    state = None
+    with registry.gathered(role):
+        if registry.is_main:
+            state = {k: v.detach().to("cpu").clone() for k, v in registry.role(role).module.state_dict().items()}
+    return state
+
+
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 

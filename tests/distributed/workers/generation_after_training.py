@@ -55,7 +55,7 @@ def per_token() -> torch.Tensor:
 
 result = {"rounds": []}
 seq = torch.randint(3, 120, (4, 14), generator=g)
-for round_ in range(3):
+for _ in range(3):
     losses = [train_step(seq)]
     with registry.generation("actor") as module:
         state_inside = {"training": module.training,

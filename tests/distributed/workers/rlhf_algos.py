@@ -17,18 +17,16 @@ import gc
 import os
 
 import torch
-from common import dump, out_dir
-from multiengine.engines import EngineRegistry
-from multiengine.engines.dist import barrier
+from common import dump, gathered_state_dict, out_dir
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, barrier
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PairCollator, PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
-from multiengine.pipelines.rlhf.export import gathered_state_dict
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.rewards import reward_function, reward_model
-from multiengine.pipelines.rlhf.roles import OptimSettings, Placement, actor_spec, ref_spec, reward_spec
+from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
 from transformers import AutoTokenizer
 
 ROOT = out_dir()
@@ -70,7 +68,7 @@ def prompts(step: int, rank: int) -> dict:
 def build(actor_stage: int, ref_stage: int, reward_stage: int | None = None, lr: float = 1e-3,
           grad_accum: int = 1, micro: int = 4) -> EngineRegistry:
     registry = EngineRegistry()
-    registry.add(actor_spec(MODEL, Placement(actor_stage, "fp32"), OptimSettings(lr=lr, total_steps=10),
+    registry.add(actor_spec(MODEL, Placement(actor_stage, "fp32"), OptimSpec(lr=lr, total_steps=10),
                             micro_batch_size=micro, grad_accum=grad_accum))
     registry.add(ref_spec(MODEL, Placement(ref_stage, "fp32")))
     if reward_stage is not None:

@@ -19,7 +19,7 @@ import os
 import time
 
 import torch
-from common import dump, out_dir
+from common import dump, gathered_state_dict, out_dir
 from multiengine.engines import (
     EngineRegistry,
     LoraSpec,
@@ -33,8 +33,8 @@ from multiengine.engines import (
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
+from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
-from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
 from multiengine.recipes import rlhf_ppo
 from multiengine.recipes.config import load_config
 from transformers import AutoTokenizer
@@ -56,15 +56,6 @@ COLLATE = PromptCollator(TOKENIZER, 16)
 
 
 LORA = LoraSpec(rank=4, target_modules=("q_proj", "k_proj", "v_proj", "out_proj"))
-
-
-def gathered_state_dict(registry: EngineRegistry, role: str) -> dict[str, torch.Tensor] | None:
-    """Full CPU copies of a role's weights on rank 0 (None elsewhere); collective under ZeRO-3."""
-    state = None
-    with registry.gathered(role):
-        if registry.is_main:
-            state = {k: v.detach().to("cpu").clone() for k, v in registry.role(role).module.state_dict().items()}
-    return state
 
 
 def stream(rows, collate, batch_size: int, registry: EngineRegistry, seed: int) -> ShardedBatches:
