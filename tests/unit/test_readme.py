@@ -31,3 +31,11 @@ def test_ci_runs_the_readme_test_command():
     command = _readme_commands()[1]
     quiet = command.replace("pip install ", "pip install -q ")
     assert quiet in ci, (quiet, ci)
+
+
+def test_registry_guide_names_every_public_engine_name():
+    import multiengine.engines as engines
+
+    guide = (ROOT / "docs" / "registry-guide.md").read_text()
+    missing = [name for name in engines.__all__ if f"`{name}`" not in guide and f"`{name}," not in guide]
+    assert not missing, missing
