@@ -51,7 +51,8 @@ class FamilyRoles:
 
     ``pooled_from``: the text encoder(s) whose pooled output conditions the denoiser, in the order the
     pipeline concatenates them; ``objective``: ``ddpm`` (noise/v prediction, unet) or ``flow`` (rectified
-    flow, transformer); ``pipeline``: the diffusers class that loads and generates from the folder.
+    flow, transformer); ``pipeline``: the diffusers class that loads and generates from the folder;
+    ``lora_targets``: the denoiser modules diffusers' LoRA scripts adapt by default (peft ``target_modules``).
     """
 
     family: str
@@ -61,6 +62,7 @@ class FamilyRoles:
     tokenizers: tuple[str, ...]
     pooled_from: tuple[str, ...]
     objective: str
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def frozen(self) -> tuple[str, ...]:
@@ -68,15 +70,23 @@ class FamilyRoles:
         return ("vae", *self.text_encoders)
 
 
+# train_text_to_image_lora(_sdxl).py, train_dreambooth_lora_sd3.py, train_dreambooth_lora_flux.py defaults.
+_UNET_LORA = ("to_k", "to_q", "to_v", "to_out.0")
+_JOINT_ATTENTION_LORA = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                         "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
+_FLUX_LORA = _JOINT_ATTENTION_LORA + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+
 _ROLES: dict[str, FamilyRoles] = {
-    "sd": FamilyRoles("sd", "StableDiffusionPipeline", "unet", ("text_encoder",), ("tokenizer",), (), "ddpm"),
+    "sd": FamilyRoles("sd", "StableDiffusionPipeline", "unet", ("text_encoder",), ("tokenizer",), (), "ddpm",
+                      _UNET_LORA),
     "sdxl": FamilyRoles("sdxl", "StableDiffusionXLPipeline", "unet", ("text_encoder", "text_encoder_2"),
-                        ("tokenizer", "tokenizer_2"), ("text_encoder_2",), "ddpm"),
+                        ("tokenizer", "tokenizer_2"), ("text_encoder_2",), "ddpm", _UNET_LORA),
     "sd3": FamilyRoles("sd3", "StableDiffusion3Pipeline", "transformer",
                        ("text_encoder", "text_encoder_2", "text_encoder_3"),
-                       ("tokenizer", "tokenizer_2", "tokenizer_3"), ("text_encoder", "text_encoder_2"), "flow"),
+                       ("tokenizer", "tokenizer_2", "tokenizer_3"), ("text_encoder", "text_encoder_2"), "flow",
+                       _JOINT_ATTENTION_LORA),
     "flux": FamilyRoles("flux", "FluxPipeline", "transformer", ("text_encoder", "text_encoder_2"),
-                        ("tokenizer", "tokenizer_2"), ("text_encoder",), "flow"),
+                        ("tokenizer", "tokenizer_2"), ("text_encoder",), "flow", _FLUX_LORA),
 }
 
 

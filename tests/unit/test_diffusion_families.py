@@ -149,3 +149,50 @@ def test_folders_generate_with_diffusers_alone_in_a_fresh_process(folders):
         r = out[family]
         assert r["class"] == cls and r["shape"] == [1, 32, 32, 3], (family, r)
         assert r["finite"] and r["same"] and r["differs"], (family, r)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_targets_exist_in_the_tiny_denoisers(folders, family):
+    """diffusers' default LoRA target modules of each family match modules of its tiny denoiser (peft)."""
+    from multiengine.pipelines.diffusion.models import load_component
+    from peft import LoraConfig
+
+    roles = family_roles(family)
+    model = load_component(folders[family], roles.denoiser)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian",
+                                 target_modules=list(roles.lora_targets)))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    for target in roles.lora_targets:
+        assert any(n == target or n.endswith("." + target) for n in adapted), (family, target)
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+
+
+def test_sdxl_embeddings_and_time_ids_equal_the_pipeline(folders):
+    """DiffusionObjective on the tiny SDXL: prompt embeddings, pooled embedding and micro-conditioning as
+    StableDiffusionXLPipeline builds them."""
+    from diffusers import DDPMScheduler, StableDiffusionXLPipeline
+    from multiengine.engines import EngineRegistry, RoleSpec, eval_ds_config, train_ds_config
+    from multiengine.pipelines.diffusion.models import load_component
+    from multiengine.pipelines.diffusion.training import DiffusionObjective, prompt_input_ids
+
+    path = folders["sdxl"]
+    registry = EngineRegistry(backend="torch")
+    registry.add(RoleSpec("unet", lambda: load_component(path, "unet"), train_ds_config(stage=0, dtype="fp32"),
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    for name in family_roles("sdxl").frozen:
+        registry.add(RoleSpec(name, lambda name=name: load_component(path, name), eval_ds_config(dtype="fp32")))
+    registry.build()
+    alphas = DDPMScheduler.from_pretrained(path, subfolder="scheduler").alphas_cumprod
+    objective = DiffusionObjective(registry, ["text_encoder", "text_encoder_2"], alphas, resolution=32)
+    pipe = StableDiffusionXLPipeline.from_pretrained(path)
+    captions = shapes_captions()[:2]
+    ids = prompt_input_ids([pipe.tokenizer, pipe.tokenizer_2], captions)
+    hidden, pooled = objective.encode_prompts([ids["input_ids"], ids["input_ids_2"]])
+    with torch.no_grad():
+        ref, _, ref_pooled, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False)
+    torch.testing.assert_close(hidden, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pooled, ref_pooled, rtol=1e-5, atol=1e-6)
+    batch = {"original_sizes": torch.tensor([[40, 48], [32, 32]]), "crop_top_lefts": torch.tensor([[4, 8], [0, 0]])}
+    expected = torch.stack([pipe._get_add_time_ids((40, 48), (4, 8), (32, 32), torch.float32, 32)[0],
+                            pipe._get_add_time_ids((32, 32), (0, 0), (32, 32), torch.float32, 32)[0]])
+    torch.testing.assert_close(objective.time_ids(batch, 2), expected)
