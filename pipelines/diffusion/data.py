@@ -510,9 +510,9 @@ def make_shapes_controlnet_dataset(out_dir: str, n: int, resolution: int = 32, s
         raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
     rows = _shapes_rows(n, resolution, seed)
     meta = os.path.join(out_dir, _METADATA)
+    attributes = [{k: v for k, v in r.items() if not k.startswith("_") and k != "file_name"} for r in rows]
     expected = [{"file_name": r["file_name"], "conditioning_image_file_name": f"conditioning/{r['file_name']}",
-                 "conditioning_kind": kind, **{k: v for k, v in r.items() if not k.startswith("_") and k != "file_name"}}
-                for r in rows]
+                 "conditioning_kind": kind, **a} for r, a in zip(rows, attributes)]
     if os.path.isfile(meta):
         with open(meta, encoding="utf-8") as f:
             if [json.loads(line) for line in f if line.strip()] == expected:

@@ -32,7 +32,6 @@ from multiengine.engines import EngineRegistry
 
 from . import flow
 from .families import family_roles
-
 from .math import (
     PREDICTION_TYPES,
     add_noise,
