@@ -456,3 +456,84 @@ def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dic
     else:
         raise ValueError("examples have no 'input_ids' and no tokenizer was given to collate")
     return {"pixel_values": pixel_values, "input_ids": input_ids, "captions": captions, **extra}
+
+
+# ---------------------------------------------------------------------------------------------
+# ControlNet conditioning for the shapes dataset
+# ---------------------------------------------------------------------------------------------
+
+CONDITIONING_KINDS: tuple[str, ...] = ("edge", "mask")
+
+
+def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str = "edge") -> Image.Image:
+    """The ControlNet conditioning image of one shapes row, drawn from the same geometry as its image.
+
+    ``mask``: the shape filled white on black; ``edge``: the mask's boundary (mask pixels with a 4-neighbour
+    outside it), one pixel thick, white on black - what an edge detector returns for the drawn shape. RGB,
+    ``resolution`` square. Pure: the same row gives the same pixels.
+    """
+    if kind not in CONDITIONING_KINDS:
+        raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
+    image = Image.new("L", (resolution, resolution), 0)
+    draw = ImageDraw.Draw(image)
+    left, top, size = row["_box"]
+    right, bottom = left + size - 1, top + size - 1
+    if row["shape"] == "square":
+        draw.rectangle((left, top, right, bottom), fill=255)
+    elif row["shape"] == "circle":
+        draw.ellipse((left, top, right, bottom), fill=255)
+    else:
+        draw.polygon(((left + right) / 2, top, left, bottom, right, bottom), fill=255)
+    mask = np.asarray(image) > 0
+    if kind == "edge":
+        padded = np.pad(mask, 1)
+        inner = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+        mask = mask & ~inner
+    return Image.fromarray(np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), mode="RGB")
+
+
+def make_shapes_controlnet_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0,
+                                   kind: str = "edge") -> str:
+    """The shapes dataset of :func:`make_shapes_dataset` (same rows, same pixels for the same arguments) with
+    a conditioning image per row: ``{i:05d}.png`` and ``conditioning/{i:05d}.png``; ``metadata.jsonl`` has
+    ``file_name``, ``conditioning_image_file_name`` (``datasets``' imagefolder loads it as an image column
+    ``conditioning_image``), ``text`` and the attributes. Idempotent and safe to call from several processes.
+
+    Returns:
+        ``out_dir``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if resolution < 8:
+        raise ValueError(f"resolution must be >= 8, got {resolution}")
+    if kind not in CONDITIONING_KINDS:
+        raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
+    rows = _shapes_rows(n, resolution, seed)
+    meta = os.path.join(out_dir, _METADATA)
+    attributes = [{k: v for k, v in r.items() if not k.startswith("_") and k != "file_name"} for r in rows]
+    expected = [{"file_name": r["file_name"], "conditioning_image_file_name": f"conditioning/{r['file_name']}",
+                 "conditioning_kind": kind, **a} for r, a in zip(rows, attributes)]
+    if os.path.isfile(meta):
+        with open(meta, encoding="utf-8") as f:
+            if [json.loads(line) for line in f if line.strip()] == expected:
+                return out_dir
+    os.makedirs(os.path.join(out_dir, "conditioning"), exist_ok=True)
+    tag = f".tmp{os.getpid()}"
+    for row, entry in zip(rows, expected):
+        for name, image in ((entry["file_name"], _draw_shape(row, resolution)),
+                            (entry["conditioning_image_file_name"], shapes_conditioning_image(row, resolution, kind))):
+            path = os.path.join(out_dir, name)
+            image.save(path + tag, format="PNG")
+            os.replace(path + tag, path)
+    with open(meta + tag, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(e) + "\n" for e in expected)
+    os.replace(meta + tag, meta)  # metadata last: the folder counts as complete only then
+    logger.info("wrote %d shapes images with %s conditioning to %s", n, kind, out_dir)
+    return out_dir
+
+
+def conditioning_pixels(image: Image.Image, resolution: int, center_crop: bool = True) -> torch.Tensor:
+    """A conditioning image as the ControlNet takes it: resized and cropped like the training image
+    (:class:`ImageTransform`, no flip) but in ``[0, 1]``, not ``[-1, 1]`` (diffusers' conditioning transform
+    has no normalisation). Returns float32 ``[3, R, R]``."""
+    return ImageTransform(resolution, center_crop=center_crop, random_flip=False)(image).add(1.0).div(2.0)

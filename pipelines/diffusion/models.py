@@ -208,16 +208,18 @@ def call_engine(engine: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 @torch.no_grad()
-def update_ema(registry: EngineRegistry, step: int, max_decay: float = 0.9999, warmup: bool = True,
+def update_ema(registry: EngineRegistry, step: int, decay: float = 0.9999, use_ema_warmup: bool = False, *,
+               min_decay: float = 0.0, update_after_step: int = 0, inv_gamma: float = 1.0, power: float = 2 / 3,
                source: str = "unet", target: str = "ema") -> float:
-    """One EMA update after optimizer step ``step`` (1-based), with diffusers' EMAModel decay
-    (``min(max_decay, (1 + s) / (10 + s))``, ``s = step - 1``). Returns the decay used.
+    """One EMA update after optimizer step ``step`` (1-based: EMAModel's ``optimization_step``), with the decay
+    of diffusers' ``EMAModel`` for the same options (:func:`ema_decay`). Returns the decay used.
 
     Same stage for both roles: on local partitions, no gather (:func:`ema_update`). A full EMA copy of a
     sharded unet (seed_baseline): the unet is gathered on every rank and the copy updated, which is what
     diffusers' EMAModel does under ZeRO-3. All ranks must call it.
     """
-    decay = ema_decay(max(0, step - 1), max_decay=max_decay, warmup=warmup)
+    decay = ema_decay(step, decay=decay, min_decay=min_decay, update_after_step=update_after_step,
+                      use_ema_warmup=use_ema_warmup, inv_gamma=inv_gamma, power=power)
     src, dst = registry.role(source), registry.role(target)
     if src.stage == dst.stage:
         ema_update(dst.module, src.module, decay)

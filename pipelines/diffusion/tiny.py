@@ -27,6 +27,15 @@ __all__ = [
     "build_tiny_clip_text_encoder",
     "build_tiny_sd",
     "pretrain_tiny_vae",
+    # other families
+    "T5_SPECIAL_TOKENS",
+    "build_t5_tokenizer",
+    "build_tiny",
+    "build_tiny_flux",
+    "build_tiny_sd3",
+    "build_tiny_sdxl",
+    "build_tiny_t5_encoder",
+    "build_tiny_vae",
 ]
 
 TINY_SD_SUBFOLDERS: tuple[str, ...] = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -300,6 +309,7 @@ def build_tiny_sd(out_dir: str, seed: int = 0, resolution: int = 32, prediction_
             requires_safety_checker=False,
         )
         pipe.save_pretrained(tmp, safe_serialization=True)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the folder private to this user
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -393,3 +403,269 @@ def pretrain_tiny_vae(
     logger.info("pretrained the tiny vae for %d steps: reconstruction MSE %.4f, scaling_factor %.4f",
                 steps, mse, 1.0 / std)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny folders of the other families: SDXL, SD3 (CLIP-L + CLIP-G + T5, SD3Transformer2DModel) and
+# FLUX (CLIP-L + T5, FluxTransformer2DModel), and build_tiny(family, ...) for all four.
+# ---------------------------------------------------------------------------------------------
+
+T5_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5's vocabulary
+
+
+def build_t5_tokenizer(out_dir: str, texts: Iterable[str] | None = None, model_max_length: int = 512) -> str:
+    """A T5 tokenizer (``tokenizer.json``, loads with ``T5TokenizerFast.from_pretrained``) whose Unigram
+    vocabulary has every whitespace-separated word of ``texts`` (default: the shapes captions) as one
+    ``▁word`` piece, scored by its log frequency, plus ``▁`` and the printable ASCII characters as low-scored
+    fall-back pieces: caption words are single tokens, other text splits into characters (``<unk>`` only
+    for characters outside ASCII). Ids: ``<pad>`` 0, ``</s>`` 1 (appended to every sequence), ``<unk>`` 2;
+    no sentinel tokens.
+
+    The vocabulary is written out rather than trained: the tokenizers Unigram trainer keeps only
+    characters and short fragments on a corpus this small.
+
+    Returns:
+        ``out_dir``.
+    """
+    import collections
+    import math
+    import string
+
+    from transformers import T5TokenizerFast
+
+    texts = list(texts) if texts is not None else shapes_captions()
+    counts = collections.Counter(w for t in texts for w in t.split())
+    total = sum(counts.values()) or 1
+    vocab: list[tuple[str, float]] = [(t, 0.0) for t in T5_SPECIAL_TOKENS]
+    vocab += [("\u2581" + w, math.log(c / total)) for w, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    seen = {p for p, _ in vocab}
+    # A word built from k fall-back pieces scores about -20 k: any listed word wins over its characters.
+    fallback = ["\u2581"] + sorted({c for w in counts for c in w} | set(string.ascii_letters + string.digits
+                                                                      + string.punctuation))
+    vocab += [(p, -20.0) for p in fallback if p not in seen]
+    tokenizer = T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    logger.info("T5 tokenizer with %d pieces (%d words) at %s", len(vocab), len(counts), out_dir)
+    return out_dir
+
+
+def build_tiny_t5_encoder(out_dir: str | None, vocab_size: int, d_model: int = 64, seed: int = 0,
+                          num_layers: int = 2, num_heads: int = 4):
+    """A randomly initialised ``T5EncoderModel`` (``d_model`` wide, ``d_kv = d_model / num_heads``), the
+    class of SD3's ``text_encoder_3`` and FLUX's ``text_encoder_2``; ``vocab_size`` must match the
+    tokenizer. Saved with ``save_pretrained`` when ``out_dir`` is given; the global RNG is left untouched."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=d_model // num_heads, d_ff=d_model * 2, num_layers=num_layers,
+        num_heads=num_heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        dropout_rate=0.0, feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = T5EncoderModel(config)
+    model.eval()
+    if out_dir is not None:
+        model.save_pretrained(out_dir)
+    return model
+
+
+def build_tiny_vae(seed: int = 0, resolution: int = 32, latent_channels: int = 4, flow: bool = False):
+    """The tiny ``AutoencoderKL`` (channels 32/64 -> 2x downsampling). ``latent_channels=4`` with SD's
+    quant convs and scaling factor (the vae of :func:`build_tiny_sd`); ``flow=True`` is shaped like SD3's
+    and FLUX's vae: no quant convs and an explicit ``shift_factor`` (0 here, ``scaling_factor`` 1 until
+    :func:`pretrain_tiny_vae` measures it)."""
+    from diffusers import AutoencoderKL
+
+    extra = {"use_quant_conv": False, "use_post_quant_conv": False, "shift_factor": 0.0,
+             "scaling_factor": 1.0} if flow else {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoencoderKL(
+            in_channels=3, out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(32, 64), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
+            sample_size=resolution, **extra,
+        )
+
+
+def _folder_complete(out_dir: str) -> bool:
+    """model_index.json present and every component it names is a non-empty folder."""
+    index = os.path.join(out_dir, "model_index.json")
+    if not os.path.isfile(index):
+        return False
+    with open(index, encoding="utf-8") as f:
+        components = [k for k, v in json.load(f).items() if isinstance(v, list) and v and v[0]]
+    return all(os.path.isdir(os.path.join(out_dir, c)) and os.listdir(os.path.join(out_dir, c)) for c in components)
+
+
+def _save_pipeline_atomically(pipe, out_dir: str) -> str:
+    """``pipe.save_pretrained`` into a temporary sibling, renamed into place: concurrent callers (several
+    ranks) never see a half-written folder, and a folder another caller completed first is kept."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny_", dir=parent)
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the folder private to this user
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if _folder_complete(out_dir):
+                return out_dir
+            for name in sorted(os.listdir(tmp), key=lambda x: x == "model_index.json"):  # the marker last
+                dst = os.path.join(out_dir, name)
+                if os.path.isdir(dst):
+                    shutil.rmtree(dst)
+                os.replace(os.path.join(tmp, name), dst)
+        return out_dir
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _clip_tokenizer_and_encoders(workdir: str, seed: int, projections: Iterable[bool], hidden_size: int = 32):
+    """One CLIP tokenizer (trained on the shapes captions) and a tiny CLIP encoder per entry of
+    ``projections`` (True: ``CLIPTextModelWithProjection``), seeded ``seed``, ``seed + 3``, ..."""
+    from transformers import CLIPTokenizer
+
+    tok = CLIPTokenizer.from_pretrained(build_clip_tokenizer(os.path.join(workdir, "clip_tokenizer")))
+    encoders = []
+    for i, with_projection in enumerate(projections):
+        encoders.append(build_tiny_clip_text_encoder(
+            None, hidden_size=hidden_size, seed=seed + 3 * i, with_projection=with_projection, vocab_size=len(tok),
+            max_position_embeddings=tok.model_max_length, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    return tok, encoders
+
+
+def _t5(workdir: str, seed: int, d_model: int):
+    from transformers import T5TokenizerFast
+
+    tok = T5TokenizerFast.from_pretrained(build_t5_tokenizer(os.path.join(workdir, "t5_tokenizer")))
+    return tok, build_tiny_t5_encoder(None, vocab_size=len(tok), d_model=d_model, seed=seed)
+
+
+def _check_resolution(resolution: int, multiple: int, family: str) -> None:
+    if resolution < multiple or resolution % multiple:
+        raise ValueError(f"resolution={resolution}: the tiny {family} model needs a multiple of {multiple}.")
+
+
+def build_tiny_sdxl(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
+    """A tiny SDXL folder that ``StableDiffusionXLPipeline.from_pretrained`` loads: the tiny vae (4 latent
+    channels), ``text_encoder`` (CLIP, hidden 32) and ``text_encoder_2`` (CLIP with projection, hidden 32)
+    sharing one CLIP tokenizer (saved as ``tokenizer`` and ``tokenizer_2``), a unet with cross-attention
+    width 32 + 32 and ``addition_embed_type="text_time"`` (six size/crop ids x 8 + the pooled 32), DDPM.
+    Idempotent and atomic like :func:`build_tiny_sd`."""
+    from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTokenizer
+
+    if _folder_complete(out_dir):
+        return out_dir
+    _check_resolution(resolution, 4, "sdxl")
+    with tempfile.TemporaryDirectory() as work:
+        tok = CLIPTokenizer.from_pretrained(build_clip_tokenizer(os.path.join(work, "tok")))
+        kw = {"hidden_size": 32, "vocab_size": len(tok), "max_position_embeddings": tok.model_max_length,
+              "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+        text_encoder = build_tiny_clip_text_encoder(None, seed=seed, **kw)
+        text_encoder_2 = build_tiny_clip_text_encoder(None, seed=seed + 3, with_projection=True, **kw)
+        vae = build_tiny_vae(seed + 1, resolution)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 4)
+            unet = UNet2DConditionModel(
+                sample_size=resolution // 2, in_channels=4, out_channels=4,
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=64, attention_head_dim=8,
+                norm_num_groups=8, addition_embed_type="text_time", addition_time_embed_dim=8,
+                projection_class_embeddings_input_dim=6 * 8 + 32,
+            )
+        scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                  beta_schedule="scaled_linear", clip_sample=False, steps_offset=1)
+        pipe = StableDiffusionXLPipeline(
+            vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tok, tokenizer_2=tok,
+            unet=unet, scheduler=scheduler, force_zeros_for_empty_prompt=True, add_watermarker=False)
+        _save_pipeline_atomically(pipe, out_dir)
+    logger.info("built tiny SDXL pipeline at %s", out_dir)
+    return out_dir
+
+
+def build_tiny_sd3(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
+    """A tiny SD3 folder that ``StableDiffusion3Pipeline.from_pretrained`` loads.
+
+    ``text_encoder`` / ``text_encoder_2``: CLIP with projection (hidden 32 each; SD3's CLIP-L / CLIP-G),
+    sharing one CLIP tokenizer (``tokenizer``, ``tokenizer_2``); ``text_encoder_3``: T5 encoder (d_model 64)
+    with a Unigram T5 tokenizer (``tokenizer_3``); vae with 16 latent channels (2x downsampling);
+    ``SD3Transformer2DModel`` (patch 2, 2 layers, 4 heads x 8, ``joint_attention_dim`` 64 = the T5 width >=
+    the CLIP widths 32 + 32, ``pooled_projection_dim`` 64 = the two pooled projections); scheduler
+    ``FlowMatchEulerDiscreteScheduler(shift=3.0)`` like SD3's. Idempotent and atomic.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    if _folder_complete(out_dir):
+        return out_dir
+    _check_resolution(resolution, 4, "sd3")
+    with tempfile.TemporaryDirectory() as work:
+        clip_tok, (clip_l, clip_g) = _clip_tokenizer_and_encoders(work, seed, (True, True))
+        t5_tok, t5 = _t5(work, seed + 5, d_model=64)
+        vae = build_tiny_vae(seed + 1, resolution, latent_channels=16, flow=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 2)
+            transformer = SD3Transformer2DModel(
+                sample_size=resolution // 2, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+                attention_head_dim=8, num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32,
+                pooled_projection_dim=64, pos_embed_max_size=max(16, resolution // 2),
+            )
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+            vae=vae, text_encoder=clip_l, tokenizer=clip_tok, text_encoder_2=clip_g, tokenizer_2=clip_tok,
+            text_encoder_3=t5, tokenizer_3=t5_tok)
+        _save_pipeline_atomically(pipe, out_dir)
+    logger.info("built tiny SD3 pipeline at %s", out_dir)
+    return out_dir
+
+
+def build_tiny_flux(out_dir: str, seed: int = 0, resolution: int = 32, guidance_embeds: bool = True) -> str:
+    """A tiny FLUX folder that ``FluxPipeline.from_pretrained`` loads.
+
+    ``text_encoder``: CLIP without projection (hidden 32, its pooled output conditions the transformer) with a
+    CLIP tokenizer; ``text_encoder_2``: T5 encoder (d_model 64) with a T5 tokenizer (``tokenizer_2``); vae
+    with 16 latent channels; ``FluxTransformer2DModel`` (``in_channels`` 64 = 16 x the 2x2 packing, 1 double
+    + 1 single block, 2 heads x 16 with rotary axes 4 + 6 + 6, ``guidance_embeds`` as FLUX.1-dev);
+    scheduler as FLUX.1-dev's (``shift=3``, dynamic shifting 0.5 -> 1.15). Idempotent and atomic.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    if _folder_complete(out_dir):
+        return out_dir
+    _check_resolution(resolution, 4, "flux")
+    with tempfile.TemporaryDirectory() as work:
+        clip_tok, (clip_l,) = _clip_tokenizer_and_encoders(work, seed, (False,))
+        t5_tok, t5 = _t5(work, seed + 5, d_model=64)
+        vae = build_tiny_vae(seed + 1, resolution, latent_channels=16, flow=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 2)
+            transformer = FluxTransformer2DModel(
+                patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32,
+                guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6),
+            )
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096)
+        pipe = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=clip_l,
+                            tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok)
+        _save_pipeline_atomically(pipe, out_dir)
+    logger.info("built tiny FLUX pipeline at %s", out_dir)
+    return out_dir
+
+
+def build_tiny(family: str, path: str, seed: int = 0, resolution: int = 32) -> str:
+    """The tiny folder of ``family`` (``sd``, ``sdxl``, ``sd3``, ``flux``) at ``path``; see the builders."""
+    builders = {"sd": build_tiny_sd, "sdxl": build_tiny_sdxl, "sd3": build_tiny_sd3, "flux": build_tiny_flux}
+    if family not in builders:
+        raise ValueError(f"family={family!r}; the tiny builders are {sorted(builders)}.")
+    return builders[family](path, seed=seed, resolution=resolution)

@@ -1,0 +1,270 @@
+"""Pure tensor functions for rectified-flow (flow-matching) training: SD3- and FLUX-style transformers.
+
+The forward process is a straight line between data and noise, ``x_sigma = (1 - sigma) * x0 + sigma * noise``,
+and the transformer predicts the velocity ``noise - x0``. Timesteps come from the table of a
+``FlowMatchEulerDiscreteScheduler`` (``timesteps = 1000 * sigmas``, optionally shifted towards noise);
+which entry a sample gets is drawn from a density on ``[0, 1)`` (logit-normal, "mode" or uniform), and
+the loss can be re-weighted per sample (``sigma_sqrt``, ``cosmap``). FLUX additionally packs 2x2 latent
+patches into tokens, gives every token a position id, and feeds a guidance scale to guidance-distilled
+transformers.
+
+Every function is stateless; randomness only through an explicit ``torch.Generator``. Shapes: ``B``
+batch, ``C`` latent channels, ``h``/``w`` latent height/width (pixels / vae factor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# Names as diffusers' SD3/FLUX training scripts use them for --weighting_scheme: the density schemes
+# shape which timesteps are drawn, the weighting schemes draw uniformly and re-weight the loss instead.
+DENSITY_SCHEMES: tuple[str, ...] = ("logit_normal", "mode", "uniform")
+WEIGHTING_SCHEMES: tuple[str, ...] = ("sigma_sqrt", "cosmap", "none")
+SCHEMES: tuple[str, ...] = ("logit_normal", "mode", "sigma_sqrt", "cosmap", "none", "uniform")
+
+__all__ = [
+    "DENSITY_SCHEMES",
+    "SCHEMES",
+    "WEIGHTING_SCHEMES",
+    "check_scheme",
+    "flow_loss_weighting",
+    "flow_match_schedule",
+    "flow_noisy_input",
+    "flow_sigma_shift",
+    "flow_target",
+    "flux_guidance",
+    "flux_image_ids",
+    "flux_text_ids",
+    "dynamic_shift_mu",
+    "pack_latents",
+    "precondition_outputs",
+    "sample_flow_timesteps",
+    "schedule_lookup",
+    "sd3_prompt_embeds",
+    "timestep_density",
+    "unpack_latents",
+]
+
+
+def check_scheme(weighting_scheme: str) -> str:
+    """``weighting_scheme`` if diffusers' scripts know it, else a ValueError naming the valid ones."""
+    if weighting_scheme not in SCHEMES:
+        raise ValueError(f"weighting_scheme={weighting_scheme!r}; use one of {list(SCHEMES)} (diffusers' names).")
+    return weighting_scheme
+
+
+# --- the schedule -------------------------------------------------------------------------------
+def flow_sigma_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's resolution shift ``shift * s / (1 + (shift - 1) * s)``: ``shift > 1`` moves mass towards noise."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flow_match_schedule(
+    num_train_timesteps: int = 1000, shift: float = 1.0, use_dynamic_shifting: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training table of ``FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift, use_dynamic_shifting)``
+    (its ``timesteps`` and ``sigmas`` right after construction, which is what diffusers' scripts index).
+
+    ``sigmas`` runs from 1 (pure noise) down to ``1 / N``, shifted when ``use_dynamic_shifting`` is off (SD3:
+    ``shift=3``); with dynamic shifting (FLUX) the shift depends on the image size and is applied only at
+    inference, so training uses the unshifted line. ``timesteps = sigmas * N``.
+
+    Returns:
+        ``(timesteps [N], sigmas [N])`` float32, descending.
+    """
+    if num_train_timesteps < 1:
+        raise ValueError(f"num_train_timesteps={num_train_timesteps} must be >= 1.")
+    if not shift > 0:
+        raise ValueError(f"shift={shift} must be > 0.")
+    n = int(num_train_timesteps)
+    # float32 linspace, as the scheduler builds it (numpy float32), so the table is bit-identical.
+    import numpy as np
+
+    t = torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy())
+    sigmas = t / n
+    if not use_dynamic_shifting:
+        sigmas = flow_sigma_shift(sigmas, shift)
+    return sigmas * n, sigmas
+
+
+def dynamic_shift_mu(
+    image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """FLUX's resolution-dependent shift exponent: linear in the number of image tokens, from
+    ``base_shift`` at ``base_seq_len`` to ``max_shift`` at ``max_seq_len`` (the sampler then uses
+    ``exp(mu)`` as the shift)."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + base_shift - m * base_seq_len
+
+
+# --- which timesteps ------------------------------------------------------------------------------
+def timestep_density(
+    weighting_scheme: str,
+    batch_size: int,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``u [B]`` in ``[0, 1]``: where on the schedule each sample lands (0 = the first, noisiest entry).
+
+    ``logit_normal``: ``sigmoid(N(logit_mean, logit_std))`` (SD3's default, favours the middle);
+    ``mode``: ``1 - u - mode_scale * (cos(pi u / 2)^2 - 1 + u)`` of a uniform ``u`` (heavier in the middle for
+    ``mode_scale > 0``); anything else (``uniform``, and the weighting-only schemes ``sigma_sqrt``,
+    ``cosmap``, ``none``): uniform. Draws exactly what diffusers' ``compute_density_for_timestep_sampling``
+    draws from the same CPU generator.
+    """
+    check_scheme(weighting_scheme)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1.")
+    if weighting_scheme == "logit_normal":
+        if not logit_std > 0:
+            raise ValueError(f"logit_std={logit_std} must be > 0.")
+        u = torch.normal(mean=float(logit_mean), std=float(logit_std), size=(batch_size,), generator=generator)
+        return torch.sigmoid(u)
+    u = torch.rand((batch_size,), generator=generator)
+    if weighting_scheme == "mode":
+        return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    return u
+
+
+def sample_flow_timesteps(
+    u: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Schedule entries for densities ``u [B]``: index ``floor(u * N)``, as diffusers' scripts compute it.
+
+    The index is clamped to ``N - 1``: the ``mode`` density maps ``u = 0`` to exactly 1, where the scripts
+    would index one past the table (probability ~2^-24 per draw). Otherwise identical.
+
+    Returns:
+        ``(indices [B] long, timesteps [B], sigmas [B])``.
+    """
+    n = timesteps.shape[0]
+    indices = (u * n).long().clamp(0, n - 1)
+    return indices, timesteps[indices], sigmas[indices]
+
+
+def schedule_lookup(
+    values: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor
+) -> torch.Tensor:
+    """``sigmas`` at the table positions whose timestep equals each of ``values [B]`` (diffusers' ``get_sigmas``).
+
+    Raises:
+        ValueError: for a timestep that is not in the table.
+    """
+    hits = values.reshape(-1, 1).to(timesteps.dtype) == timesteps.reshape(1, -1)
+    if not bool(hits.any(dim=1).all()):
+        missing = values.reshape(-1)[~hits.any(dim=1)].tolist()
+        raise ValueError(f"timesteps {missing} are not entries of the scheduler's table.")
+    return sigmas[hits.float().argmax(dim=1)]
+
+
+# --- noise, target, weights ----------------------------------------------------------------------------
+def _per_sample(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if sigmas.ndim != 1 or sigmas.shape[0] != like.shape[0]:
+        raise ValueError(f"sigmas must have shape [B] with B={like.shape[0]}, got {tuple(sigmas.shape)}")
+    return sigmas.reshape((like.shape[0],) + (1,) * (like.ndim - 1)).to(device=like.device, dtype=like.dtype)
+
+
+def flow_noisy_input(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """``(1 - sigma) * x0 + sigma * noise`` per sample; ``x0``/``noise`` ``[B, ...]``, ``sigmas [B]``."""
+    if noise.shape != x0.shape:
+        raise ValueError(f"noise shape {tuple(noise.shape)} != x0 shape {tuple(x0.shape)}")
+    s = _per_sample(sigmas, x0)
+    return (1.0 - s) * x0 + s * noise
+
+
+def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The velocity the transformer predicts: ``noise - x0`` (d x_sigma / d sigma)."""
+    if noise.shape != x0.shape:
+        raise ValueError(f"noise shape {tuple(noise.shape)} != x0 shape {tuple(x0.shape)}")
+    return noise - x0
+
+
+def precondition_outputs(pred: torch.Tensor, noisy: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """EDM-style preconditioning of diffusers' SD3 scripts (``--precondition_outputs``): the velocity
+    prediction turned into an ``x0`` estimate, ``noisy - sigma * pred``; its target is then ``x0``
+    (the same minimiser as the velocity loss, weighted by ``sigma^2``)."""
+    return pred * (-_per_sample(sigmas, pred)) + noisy
+
+
+def flow_loss_weighting(weighting_scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
+    """Per-sample loss weights (diffusers' ``compute_loss_weighting_for_sd3``), float32, shaped like ``sigmas``.
+
+    ``sigma_sqrt``: ``sigma^-2``; ``cosmap``: ``2 / (pi (1 - 2 sigma + 2 sigma^2))``; any other scheme: 1.
+    """
+    check_scheme(weighting_scheme)
+    sigmas = sigmas.float()
+    if weighting_scheme == "sigma_sqrt":
+        return sigmas**-2.0
+    if weighting_scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+    return torch.ones_like(sigmas)
+
+
+# --- conditioning -------------------------------------------------------------------------------
+def sd3_prompt_embeds(
+    clip_hidden: Sequence[torch.Tensor], clip_pooled: Sequence[torch.Tensor], t5_hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``StableDiffusion3Pipeline.encode_prompt`` feeds the transformer.
+
+    The CLIP penultimate hidden states ``[B, 77, D_i]`` are concatenated on the feature axis, zero-padded to
+    the T5 width and put in front of the T5 hidden states ``[B, L, D_t5]`` on the sequence axis; the pooled
+    CLIP projections are concatenated.
+
+    Returns:
+        ``(prompt_embeds [B, 77 + L, D_t5], pooled [B, sum P_i])``.
+
+    Raises:
+        ValueError: when the CLIP widths add up to more than the T5 width (the pipeline would silently crop).
+    """
+    clip = torch.cat(list(clip_hidden), dim=-1)
+    pad = t5_hidden.shape[-1] - clip.shape[-1]
+    if pad < 0:
+        raise ValueError(f"the CLIP hidden widths add up to {clip.shape[-1]}, more than the T5 width "
+                         f"{t5_hidden.shape[-1]}: the transformer's joint_attention_dim must be >= their sum.")
+    clip = F.pad(clip, (0, pad))
+    return torch.cat([clip, t5_hidden.to(clip.dtype)], dim=-2), torch.cat(list(clip_pooled), dim=-1)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """FLUX tokens: ``[B, C, h, w]`` -> ``[B, (h/2)(w/2), 4C]``, each token a 2x2 patch (channel-major)."""
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height and width must be even to pack 2x2 patches, got {h}x{w}")
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latents` for latents of ``height`` x ``width``: ``[B, hw/4, 4C] -> [B, C, h, w]``."""
+    b, n, d = packed.shape
+    if height % 2 or width % 2 or n != (height // 2) * (width // 2) or d % 4:
+        raise ValueError(f"packed shape {tuple(packed.shape)} does not fit latents of {height}x{width}")
+    x = packed.view(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, height, width)
+
+
+def flux_image_ids(height: int, width: int) -> torch.Tensor:
+    """Position ids of the packed tokens of ``height`` x ``width`` latents: ``[(h/2)(w/2), 3]`` with
+    ``(0, row, column)`` per token, in packing order (the rotary embedding reads them)."""
+    rows, cols = height // 2, width // 2
+    ids = torch.zeros(rows, cols, 3)
+    ids[..., 1] = torch.arange(rows)[:, None]
+    ids[..., 2] = torch.arange(cols)[None, :]
+    return ids.reshape(rows * cols, 3)
+
+
+def flux_text_ids(seq_len: int) -> torch.Tensor:
+    """Position ids of the T5 tokens: all zero, ``[seq_len, 3]``."""
+    return torch.zeros(seq_len, 3)
+
+
+def flux_guidance(guidance_scale: float, batch_size: int) -> torch.Tensor:
+    """The guidance input of a guidance-distilled FLUX transformer: ``guidance_scale`` per sample, float32 ``[B]``."""
+    return torch.full((batch_size,), float(guidance_scale), dtype=torch.float32)

@@ -1,0 +1,64 @@
+"""SD3- and FLUX-style flow matching and ControlNet on 2 real ranks (DeepSpeed CPU accelerator, gloo): every
+role ZeRO-3, frozen ones included (each holds half of itself per rank), gives the same losses as diffusers'
+layout (frozen roles whole on every rank) for the same seed and data."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import launch
+
+pytestmark = pytest.mark.distributed
+
+RUNS = {"sd3": "transformer", "flux": "transformer", "controlnet": "controlnet"}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch("flow_families", tmp_path_factory.mktemp("flow_families"), timeout=900)
+
+
+def test_family_detection(ranks):
+    assert ranks[0]["families"] == {"sd3": "sd3", "flux": "flux", "sd": "sd"}
+
+
+def test_every_role_is_sharded_in_the_zero3_layout(ranks):
+    expected = {"sd3": {"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"},
+                "flux": {"transformer", "vae", "text_encoder", "text_encoder_2"},
+                "controlnet": {"controlnet", "unet", "vae", "text_encoder"}}
+    for r in ranks:
+        for run, trained in RUNS.items():
+            z, s = r[f"{run}_zero3"], r[f"{run}_seed"]
+            assert set(z["memory"]) == expected[run]
+            assert set(z["stages"].values()) == {3}, (run, z["stages"])
+            assert s["stages"] == {n: 3 if n == trained else 0 for n in expected[run]}, (run, s["stages"])
+            for role, row in z["memory"].items():
+                # this rank's partition is half of the role (DeepSpeed pads each tensor to a multiple of 2) ...
+                assert 0.49 < row["local_fraction"] < 0.51, (run, role, row)
+                if role != trained:
+                    # ... and with the small tensors kept whole (persistent) a frozen role stays well under all of it
+                    assert row["param_bytes"] < 0.7 * row["params_total"] * 4, (run, role, row)
+                    assert row["optimizer_bytes"] == 0 and s["memory"][role]["local_fraction"] == 1.0
+            assert z["memory"][trained]["optimizer_bytes"] > 0
+
+
+def test_losses_equal_the_seed_layout(ranks):
+    for r in ranks:
+        for run in RUNS:
+            z, s = r[f"{run}_zero3"], r[f"{run}_seed"]
+            assert len(z["losses"]) == 3 and all(math.isfinite(x) and 0 < x < 20 for x in z["losses"])
+            assert s["losses"] == pytest.approx(z["losses"], rel=1e-5, abs=1e-6), run
+            assert s["heldout"] == pytest.approx(z["heldout"], rel=1e-5), run
+            assert len(set(z["losses"])) == 3  # the steps really differ (new data, updated weights)
+    for run in RUNS:  # averaged over ranks: the same numbers on both
+        assert ranks[0][f"{run}_zero3"]["losses"] == ranks[1][f"{run}_zero3"]["losses"]
+
+
+def test_only_the_trained_role_changes(ranks):
+    for r in ranks:
+        for run in RUNS:
+            for layout in ("zero3", "seed"):
+                out = r[f"{run}_{layout}"]
+                assert out["trained_change"] > 1e-3 and out["frozen_change"] == 0.0, (run, layout)
+        assert r["flux_zero3"]["guidance"] == 3.5 and r["sd3_zero3"]["guidance"] is None
