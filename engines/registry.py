@@ -163,7 +163,7 @@ class EngineRegistry:
     backend: "deepspeed", "torch", or "auto" (DeepSpeed when it imports, else plain PyTorch).
     """
 
-    def __init__(self, backend: str = "auto", dist_backend: str | None = None) -> None:
+    def __init__(self, backend: str = "auto", dist_backend: str | None = None, timeout_s: float | None = None) -> None:
         if backend not in ("auto", "deepspeed", "torch"):
             raise ConfigError(f"backend={backend!r}; use 'auto', 'deepspeed' or 'torch'.")
         if backend == "auto":
@@ -171,7 +171,8 @@ class EngineRegistry:
         if backend == "deepspeed" and not deepspeed_available():
             raise ConfigError("backend='deepspeed' but deepspeed does not import; install it or use backend='torch'.")
         self.backend = backend
-        self.env: DistEnv = init_distributed(use_deepspeed=backend == "deepspeed", backend=dist_backend)
+        self.env: DistEnv = init_distributed(use_deepspeed=backend == "deepspeed", backend=dist_backend,
+                                             timeout_s=timeout_s)
         self.device = device_for(self.env.local_rank, backend == "deepspeed")
         self._specs: dict[str, RoleSpec] = {}
         self._roles: dict[str, Role] = {}
