@@ -76,7 +76,8 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
     global _timeout_s
     # DeepSpeed calls torch collectives that torch 2.13 marks deprecated, once per bucket: noise for users.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.? is deprecated", category=FutureWarning)
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
         from .config import ConfigError
 
         raise ConfigError(f"timeout_s={timeout_s!r}: give a number of seconds > 0 (or None for the defaults).")

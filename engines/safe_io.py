@@ -198,7 +198,7 @@ def safe_torch_load(path: str, map_location: Any = None, allow: list[Any] | tupl
     except pickle.UnpicklingError as exc:
         detail = str(exc)
         start = detail.find("Unsupported global")
-        wanted = detail[start:].splitlines()[0] if start >= 0 else detail.splitlines()[0]
+        wanted = (detail[start:] if start >= 0 else detail).splitlines()[0].split(" was not an allowed")[0]
         raise UnsafeCheckpointError(
             f"refusing to load {path}: it needs unpickling of something that is not plain tensors/containers"
             f" ({wanted}). Unpickling can run arbitrary code, so only files whose pickled classes are on the"

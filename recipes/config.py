@@ -12,6 +12,15 @@ a silently ignored setting. Types follow the default value (bool, int, float - i
 str, list); `null` is accepted anywhere and a `${...}` interpolation is accepted for any key.
 A default of `None` accepts any value; an empty dict `{}` is a free-form section whose keys are
 not checked (for pass-through settings such as extra DeepSpeed config).
+
+Optionally, a recipe module also defines
+* `CHECKS: dict` - dotted key (a `*` part matches any key of a section) -> Range / Choice /
+  Length / PathExists / Each / Satisfies (or a list of them), applied by load_config to the
+  resolved values, so every value error names the key, the value, where it was set and the fix;
+* `validate(cfg)` - cross-field, data, path and vocabulary checks, run once before any rank starts
+  (`multiengine validate`, and `multiengine run` before launching); raises config_problem(...);
+* `HELP: dict` - dotted key -> one-line meaning, for keys whose DEFAULTS entry has no trailing
+  `# comment` (the comments are what `multiengine run <recipe> --help` shows).
 """
 
 from __future__ import annotations
