@@ -227,7 +227,7 @@ def deepspeed_loads_refusing_pickles(engine: Any) -> Iterator[None]:
     """Within the block, DeepSpeed's load_checkpoint on `engine` reads every file with
     weights_only=True (DeepSpeed's own checkpoint engine unpickles them without restriction)."""
     if engine.load_universal_checkpoint():
-        # Universal checkpoints are read by the optimizer with its own torch.load(weights_only=False).
+        # Universal checkpoints are read by the optimizer with its own, unrestricted torch.load.
         raise CheckpointError("DeepSpeed's 'checkpoint.load_universal' is on; its loader unpickles files without"
                               " restriction, so multiengine does not use it. Turn it off to resume.")
     inner = engine.checkpoint_engine
