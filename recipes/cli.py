@@ -248,7 +248,11 @@ def _launch(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
         received.append(signum)
         _signal_job(proc.pid, signal.SIGKILL if len(received) > 1 else signum, groups)  # twice: no more waiting
 
-    handled = (signal.SIGTERM, signal.SIGINT)
+    import threading
+
+    # Handlers can only be installed from the main thread (cli.main called from another thread
+    # still runs the job, without forwarding).
+    handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, forward) for s in handled}
     try:
         deadline = None

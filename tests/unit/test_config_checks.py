@@ -81,7 +81,7 @@ def validate(cfg):
     marker = Path(cfg.output_dir) / "validated"
     marker.parent.mkdir(parents=True, exist_ok=True)
     with open(marker, "a") as f:
-        f.write(os.environ.get("RANK", "parent") + "\\n")
+        f.write((os.environ["RANK"] if "TORCHELASTIC_RUN_ID" in os.environ else "parent") + "\\n")
     if cfg.data.path:
         rows = Path(cfg.data.path).read_text().splitlines()
         if cfg.data.heldout >= len(rows):
@@ -293,8 +293,9 @@ def test_run_help_lists_every_key(toy, capsys):
 
 # --- errors at run time: once, with the fix, traceback to a file --------------------------------------
 def _run(toy, *args, timeout=180):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([toy["src"], os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items()  # not what an in-process registry of another test left
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([toy["src"], os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "multiengine.recipes.cli", *cli_args(toy, "run", "checked", *args)],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
