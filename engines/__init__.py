@@ -4,7 +4,7 @@ Imports only torch (and deepspeed, lazily where it is used); transformers, diffu
 are imported where they are needed.
 """
 
-from .checkpoint import CheckpointError, latest_tag, list_checkpoints
+from .checkpoint import CheckpointError, UnsafeCheckpointError, latest_tag, list_checkpoints
 from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
 from .dist import DistEnv, all_reduce_sum, barrier, global_moments, mean_over_ranks, read_env, sum_over_ranks
 from .ema import ema_decay, ema_update
@@ -45,6 +45,7 @@ __all__ = [
     "ShardedBatches",
     "ShardedEpochSampler",
     "UnknownRoleError",
+    "UnsafeCheckpointError",
     "all_reduce_sum",
     "apply_lora",
     "atomic_dir",

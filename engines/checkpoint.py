@@ -3,19 +3,26 @@
 Layout of a checkpoint directory:
 
     save_dir/
-      latest                  text: the tag of the newest complete checkpoint (replaced atomically)
+      latest                  text: the folder of the newest complete checkpoint (replaced atomically)
       step_00000010/
-        manifest.json         roles, stages, world size, step, versions
-        client_state/rank_0.pt  the caller's client state + this rank's RNG states
-        actor/state/...       DeepSpeed's own checkpoint of each trainable role
+        manifest.json         format, roles, stages, world size, step, versions
+        client_state/rank_0.json + .safetensors   the caller's client state, per rank
+        rng/rank_0.json + .safetensors            this rank's python/numpy/torch RNG states
+        actor/state/...       DeepSpeed's own checkpoint of each trainable role (torch backend:
+                              torch_engine.json + .safetensors)
         critic/state/...
-        ema/rank_0.pt         a stateful frozen role (EMA): this rank's parameter partitions
+        ema/rank_0.json + .safetensors            a stateful frozen role (EMA): this rank's partitions
       .tmp-step_00000020/     a save in progress: never pointed to by `latest`
+      .old-step_00000010/     only while re-saving the tag `latest` names: the previous copy, which
+                              `latest` points to until the new one is in place
 
 Frozen roles are not saved: they are rebuilt from their source, except stateful ones (an EMA),
 whose local partitions are saved per rank (an inference-only DeepSpeed engine has no checkpoint
 engine of its own). Every rank takes part
-(a ZeRO checkpoint is written by all ranks); rank 0 commits with two renames.
+(a ZeRO checkpoint is written by all ranks); rank 0 fsyncs the files, then commits with renames.
+
+Nothing here is unpickled without restriction: our own state is JSON + safetensors, and
+DeepSpeed's files are read with weights_only=True and a short allow-list (see safe_io.py).
 """
 
 from __future__ import annotations
@@ -33,18 +40,18 @@ import torch
 
 from .dist import barrier
 from .partition import local_tensors, refresh_full_copies
+from .safe_io import CheckpointError, deepspeed_loads_refusing_pickles, load_tree, save_tree
+from .safe_io import UnsafeCheckpointError as UnsafeCheckpointError  # re-exported
 
 if TYPE_CHECKING:
     from .registry import EngineRegistry
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: client state, RNG and EMA partitions as JSON + safetensors (1 pickled them: not read any more).
+FORMAT_VERSION = 2
 _TAG_PREFIX = "step_"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that does not match the registry that tries to load it."""
+_ASIDE_PREFIX = ".old-"
 
 
 def rng_state() -> dict[str, Any]:
@@ -85,15 +92,65 @@ def _fsync_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """Every file, then every folder (bottom-up), so the data and the names are on disk before the
+    rename that makes them visible."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # no data copied: the old files just get a second name
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _remove_tree(path: str) -> None:
+    if os.path.lexists(path):
+        shutil.rmtree(path)
+
+
+def _point_latest(save_dir: str, name: str) -> None:
+    _fsync_write(os.path.join(save_dir, "latest.tmp"), name)
+    os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+    _fsync_path(save_dir)
+
+
 def _commit(save_dir: str, tmp: str, tag: str) -> None:
     """Rank 0 only: make the finished save visible. Until `latest` is replaced, readers see the
-    previous checkpoint; a crash anywhere before that leaves only a .tmp- folder behind."""
+    previous checkpoint; a crash anywhere before that leaves only a .tmp- folder behind.
+
+    Re-saving the tag that `latest` names: the old folder is first linked (hard links, no copy)
+    to .old-<tag> and `latest` pointed there, so at every moment `latest` names a complete
+    checkpoint; the old copy goes once the new one is in place."""
     final = os.path.join(save_dir, tag)
+    _fsync_tree(tmp)
+    aside = None
     if os.path.exists(final):
-        shutil.rmtree(final)
+        if latest_tag(save_dir) == tag:
+            aside = os.path.join(save_dir, _ASIDE_PREFIX + tag)
+            _remove_tree(aside)  # a leftover of an earlier crash, not what `latest` names
+            shutil.copytree(final, aside, copy_function=_link_or_copy)
+            _fsync_tree(aside)
+            _point_latest(save_dir, _ASIDE_PREFIX + tag)
+        _remove_tree(final)
     os.replace(tmp, final)
-    _fsync_write(os.path.join(save_dir, "latest.tmp"), tag)
-    os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+    _fsync_path(save_dir)
+    _point_latest(save_dir, tag)
+    for name in os.listdir(save_dir):  # this aside and any left by a crash in an earlier re-save
+        if name.startswith(_ASIDE_PREFIX):
+            _remove_tree(os.path.join(save_dir, name))
 
 
 def list_checkpoints(save_dir: str) -> list[str]:
@@ -106,6 +163,7 @@ def list_checkpoints(save_dir: str) -> list[str]:
 
 
 def latest_tag(save_dir: str) -> str | None:
+    """The folder `latest` names (a tag, or .old-<tag> while that tag is being re-saved)."""
     path = os.path.join(save_dir, "latest")
     if not os.path.isfile(path):
         return None
@@ -124,18 +182,20 @@ def save(registry: EngineRegistry, save_dir: str, client_state: dict[str, Any], 
         if os.path.exists(tmp):
             shutil.rmtree(tmp)  # a leftover from a crashed save of the same tag
         os.makedirs(os.path.join(tmp, "client_state"))
+        os.makedirs(os.path.join(tmp, "rng"))
     barrier()
 
+    # Client state first: a value it cannot store fails here, on every rank, before any role is written.
+    save_tree(client_state, os.path.join(tmp, "client_state", f"rank_{registry.rank}"), what="client state")
+    save_tree(rng_state(), os.path.join(tmp, "rng", f"rank_{registry.rank}"), what="RNG state")
     for role in trainable:
         role.engine.save_checkpoint(os.path.join(tmp, role.name), tag="state")
     for role in registry.stateful_frozen_roles():
         if registry.is_main:
             os.makedirs(os.path.join(tmp, role.name), exist_ok=True)
         barrier()
-        torch.save([t.detach().cpu() for t in local_tensors(role.module)],
-                   os.path.join(tmp, role.name, f"rank_{registry.rank}.pt"))
-    torch.save({"client_state": client_state, "rng": rng_state()},
-               os.path.join(tmp, "client_state", f"rank_{registry.rank}.pt"))
+        save_tree([t.detach().cpu() for t in local_tensors(role.module)],
+                  os.path.join(tmp, role.name, f"rank_{registry.rank}"), what=f"role '{role.name}' partitions")
     barrier()
     if registry.is_main:
         manifest = {
@@ -162,8 +222,15 @@ def save(registry: EngineRegistry, save_dir: str, client_state: dict[str, Any], 
 
 
 def read_manifest(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
+    file = os.path.join(path, "manifest.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}); the checkpoint is corrupt or was replaced.") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file} is not a multiengine manifest.")
+    return manifest
 
 
 def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dict[str, Any]:
@@ -177,6 +244,13 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         raise CheckpointError(f"{path!r} is not a complete checkpoint (no manifest.json).")
     manifest = read_manifest(path)
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path!r} has format {manifest.get('format')!r}; this multiengine reads format"
+            f" {FORMAT_VERSION}. Format 1 stored client state as a pickle, which can run code when loaded,"
+            " so it is no longer read: restart from the exported weights or resume from a checkpoint written"
+            " by this version."
+        )
     ours = {r.name for r in registry.trainable_roles()}
     theirs = set(manifest["roles"])
     if ours != theirs:
@@ -195,7 +269,11 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
                 f"role '{role.name}' was saved at ZeRO stage {manifest['roles'][role.name]['stage']} and is built at"
                 f" stage {role.stage}; build it at the saved stage to resume."
             )
-        loaded, _ = role.engine.load_checkpoint(os.path.join(path, role.name), tag="state")
+        if role.backend == "deepspeed":
+            with deepspeed_loads_refusing_pickles(role.engine):
+                loaded, _ = role.engine.load_checkpoint(os.path.join(path, role.name), tag="state")
+        else:
+            loaded, _ = role.engine.load_checkpoint(os.path.join(path, role.name), tag="state")
         if loaded is None:
             raise CheckpointError(f"role '{role.name}': DeepSpeed found no state under {path!r}.")
     stateful = {r.name for r in registry.stateful_frozen_roles()}
@@ -205,12 +283,16 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
             f" registry has {sorted(stateful)}; build the same roles (e.g. the same EMA setting) to resume."
         )
     for role in registry.stateful_frozen_roles():
-        saved = torch.load(os.path.join(path, role.name, f"rank_{registry.rank}.pt"), weights_only=True)
+        saved = load_tree(os.path.join(path, role.name, f"rank_{registry.rank}"))
+        targets = local_tensors(role.module)
+        if not isinstance(saved, list) or len(saved) != len(targets):
+            raise CheckpointError(f"role '{role.name}': the checkpoint holds {len(saved)} partitions, the role has"
+                                  f" {len(targets)}; build the same model to resume.")
         with torch.no_grad():
-            for target, value in zip(local_tensors(role.module), saved, strict=True):
+            for target, value in zip(targets, saved, strict=True):
                 target.copy_(value.to(target.device, target.dtype))
         refresh_full_copies(role.module)
-    state = torch.load(os.path.join(path, "client_state", f"rank_{registry.rank}.pt"), weights_only=False)
-    set_rng_state(state["rng"])
+    client_state = load_tree(os.path.join(path, "client_state", f"rank_{registry.rank}"))
+    set_rng_state(load_tree(os.path.join(path, "rng", f"rank_{registry.rank}")))
     barrier()
-    return state["client_state"]
+    return client_state

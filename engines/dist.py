@@ -6,7 +6,11 @@ import datetime
 import logging
 import math
 import os
+import signal
 import socket
+import sys
+import threading
+import traceback
 import warnings
 from dataclasses import dataclass
 
@@ -56,15 +60,36 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+_timeout_s: float | None = None  # what this process's group was created with (None: the defaults)
+
+
+def _launched() -> bool:
+    """Started by a launcher (torchrun, deepspeed, accelerate, mpirun), not as a plain process."""
+    return any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
 def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s: float | None = None) -> DistEnv:
     """Initialise the default process group once (also for a single process, so ZeRO works the same).
 
-    timeout_s: collective timeout (torch's default, 30 minutes, when None)."""
+    timeout_s: how long any collective may wait for the other ranks before it fails on this rank
+    (gloo raises in the waiting call; NCCL's watchdog aborts the process). None keeps torch's and
+    DeepSpeed's defaults (30 and 10 minutes)."""
+    global _timeout_s
     # DeepSpeed calls torch collectives that torch 2.13 marks deprecated, once per bucket: noise for users.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.? is deprecated", category=FutureWarning)
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        from .config import ConfigError
+
+        raise ConfigError(f"timeout_s={timeout_s!r}: give a number of seconds > 0 (or None for the defaults).")
     env = read_env()
     if dist.is_available() and dist.is_initialized():
+        if timeout_s is not None and timeout_s != _timeout_s:
+            logger.warning("process group already initialised (timeout %s s); timeout_s=%s is ignored",
+                           _timeout_s, timeout_s)
         return DistEnv(rank=dist.get_rank(), local_rank=env.local_rank, world_size=dist.get_world_size())
+    if _launched():
+        watch_launcher()
     os.environ.setdefault("RANK", str(env.rank))
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
@@ -80,13 +105,100 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
         torch.cuda.set_device(env.local_rank)
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
     if use_deepspeed:
+        # DeepSpeed may JIT-build an op during its start (on CPU: the shared-memory comm op); a lock
+        # left by a killed build would make it wait for ever.
+        from .jit_locks import remove_stale_locks
+
+        remove_stale_locks()
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **timeout)
     else:
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, **timeout)
-    logger.info("process group up: rank %d of %d (%s)", env.rank, env.world_size, backend)
+    _timeout_s = timeout_s
+    logger.info("process group up: rank %d of %d (%s%s)", env.rank, env.world_size, backend,
+                "" if timeout_s is None else f", collective timeout {timeout_s:g} s")
     return env
+
+
+# --- a rank whose launcher is gone ---------------------------------------------------------------
+_watch_lock = threading.Lock()
+_watching: int | None = None
+
+
+def watch_launcher(poll_s: float = 1.0) -> None:
+    """Exit this process when its parent (the launcher) dies: an orphaned rank would otherwise
+    keep training, holding memory and the checkpoint folder, after the job was stopped.
+    Idempotent. Set MULTIENGINE_WATCH_LAUNCHER=0 to turn it off."""
+    global _watching
+    if os.environ.get("MULTIENGINE_WATCH_LAUNCHER", "1") == "0" or not hasattr(os, "getppid"):
+        return
+    with _watch_lock:
+        if _watching == os.getpid():
+            return
+        _watching = os.getpid()
+    parent = os.getppid()
+    if parent <= 1:
+        return
+
+    def watch() -> None:
+        import time
+
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:  # re-parented: the launcher died
+                msg = (f"rank {os.environ.get('RANK', '?')}: launcher (pid {parent}) is gone; "
+                       "exiting so no orphaned rank keeps running")
+                logger.error(msg)
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+                os._exit(128 + signal.SIGHUP)  # works even while the main thread is inside a collective
+
+    threading.Thread(target=watch, name="multiengine-launcher-watch", daemon=True).start()
+
+
+# --- collective timeouts -------------------------------------------------------------------------
+# gloo: "Timed out waiting 10000ms for recv operation"; NCCL: "Watchdog caught collective operation
+# timeout"; the store: "... timed out after N seconds".
+_TIMEOUT_MARKERS = ("Timed out waiting", "Watchdog caught collective operation timeout", "timed out after")
+
+
+def collective_timeout_message(exc: BaseException) -> str | None:
+    """For an exception raised by a collective that timed out: one line naming the collective,
+    where it was called from and the timeout (the caller adds the rank). None for any other exception."""
+    text = f"{type(exc).__name__}: {exc}"
+    timeout_types = tuple(t for t in (getattr(dist, "DistBackendError", None), getattr(dist, "DistError", None),
+                                      RuntimeError) if t is not None)
+    if not isinstance(exc, timeout_types) or not any(m in text for m in _TIMEOUT_MARKERS):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    ds_dir = os.sep + "deepspeed" + os.sep
+
+    def wrapper(f: traceback.FrameSummary) -> bool:  # decorators that only pass the call through
+        return f.filename.startswith(torch_dir) or f.filename.endswith(os.path.join("deepspeed", "utils", "nvtx.py"))
+
+    c10d = [f for f in frames if f.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
+    inner = [f for f in frames if not wrapper(f)]
+    if c10d:
+        op = c10d[-1].name
+    elif inner:
+        f = inner[-1]
+        op = f"{f.name} in {_short_path(f.filename)}:{f.lineno} (waiting on an asynchronous collective)"
+    else:
+        op = "(unknown)"
+    user = [f for f in inner if ds_dir not in f.filename]
+    where = f", reached from {_short_path(user[-1].filename)}:{user[-1].lineno} ({user[-1].name})" if user else ""
+    limit = f"{_timeout_s:g} s" if _timeout_s is not None else "the default timeout"
+    return (f"collective {op}{where}, timed out after {limit}: another rank stopped responding "
+            "(stopped, hung, or far slower than this one)")
+
+
+def _short_path(path: str) -> str:
+    marker = "site-packages" + os.sep
+    if marker in path:
+        return path[path.rindex(marker) + len(marker):]
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
 
 
 def device_for(local_rank: int, use_deepspeed: bool) -> torch.device:

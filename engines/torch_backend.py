@@ -13,6 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .safe_io import load_tree, save_tree
+
+_STATE_FILE = "torch_engine"  # + .json / .safetensors
+
 
 class TorchEngine(torch.nn.Module):
     """The subset of DeepSpeedEngine's API that multiengine pipelines use."""
@@ -96,10 +100,12 @@ class TorchEngine(torch.nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> None:
+        """Rank 0 writes torch_engine.json + .safetensors (replicas are identical): no pickle, so a
+        checkpoint from elsewhere cannot run code when loaded."""
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
-        torch.save(
+        save_tree(
             {
                 "module": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -108,15 +114,16 @@ class TorchEngine(torch.nn.Module):
                 "micro_steps": self.micro_steps,
                 "client_state": client_state or {},
             },
-            os.path.join(save_dir, tag, "torch_engine.pt"),
+            os.path.join(save_dir, tag, _STATE_FILE),
+            what="torch engine state",
         )
 
     def load_checkpoint(self, load_dir: str, tag: str) -> tuple[str, dict[str, Any]]:
-        path = os.path.join(load_dir, tag, "torch_engine.pt")
-        state = torch.load(path, map_location=self.device, weights_only=False)
-        self.module.load_state_dict(state["module"])
+        path = os.path.join(load_dir, tag, _STATE_FILE)
+        state = load_tree(path)
+        self.module.load_state_dict({k: v.to(self.device) for k, v in state["module"].items()})
         if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])  # moves state to the parameters' device
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.global_steps = state["global_steps"]

@@ -1,11 +1,20 @@
-"""The `multiengine` command: run a recipe (in this process or on N ranks), list and copy configs.
+"""The `multiengine` command: run a recipe (in this process or on N ranks), check, list and copy configs.
 
     multiengine ls
     multiengine cp registry_demo/tiny my.yaml
+    multiengine validate registry_demo --config tiny max_steps=3
+    multiengine run registry_demo --help                      # every key: type, default, meaning
     multiengine run registry_demo --config tiny max_steps=3
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
 
 The config is validated here before any rank starts, so a typo costs a second, not a launch.
+
+Failures are reported once: each failing rank writes its traceback to
+<output_dir>/logs/rank<N>-error.log and a one-line record; this process prints the root cause as
+one `error:` line (naming the rank when ranks disagree) plus the fix. Exit codes: 0 success,
+1 a failure, 2 a user error (bad config, key, value, checkpoint), 128+N stopped by signal N.
+SIGTERM and SIGINT are forwarded to the launcher and to every rank (each rank runs in its own
+session, so the terminal's process group does not reach them); ranks that lose their launcher exit.
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,15 +41,22 @@ from .config import (
     RecipeConfigError,
     config_header,
     config_path,
+    format_key_help,
     list_recipes,
     load_config,
     load_recipe,
     resolve_config_file,
+    validate_config,
 )
 
 logger = logging.getLogger(__name__)
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2  # bad recipe, config, key or value (argparse's own usage errors use 2 as well)
+ENV_ERROR_DIR = "MULTIENGINE_ERROR_DIR"  # where ranks leave their error records for this process
+ENV_VALIDATED = "MULTIENGINE_VALIDATED"  # the launching process already ran the recipe's validate(cfg)
+STOP_GRACE_S = 20.0  # after forwarding a stop signal, how long ranks get before SIGKILL
+_LAUNCH = "_launch"  # hidden sub-command: the launcher process (torchrun's agent, quiet)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a recipe", allow_abbrev=False,
+    run = sub.add_parser("run", help="run a recipe", allow_abbrev=False, add_help=False,
                          description="Run a recipe. Overrides are key=value "
                          "with dotted keys and YAML values: max_steps=3 roles.actor.stage=2 prompts=[a,b]")
-    run.add_argument("recipe")
+    run.add_argument("-h", "--help", action="store_true",
+                     help="show this help and, with a recipe, every config key: type, default, meaning")
+    run.add_argument("recipe", nargs="?")
     run.add_argument("--config", help="shipped config name (see `multiengine ls`) or path to a YAML file")
     run.add_argument("--nproc-per-node", type=int, help="launch N ranks with torch.distributed.run")
     run.add_argument("--nnodes", type=int, default=1)
@@ -66,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1)")
     run.add_argument("--master-port", type=int, help="rank 0's port (default: a free one on one node)")
     run.add_argument("overrides", nargs="*", metavar="key=value")
+
+    val = sub.add_parser("validate", help="check a config (types, ranges, choices, paths, data) without running",
+                         allow_abbrev=False, add_help=False,
+                         description="Check a recipe config in this process, in seconds, without building models:"
+                         " the same checks `run` does before any rank starts.")
+    val.add_argument("-h", "--help", action="store_true", help="show this help and the recipe's config keys")
+    val.add_argument("recipe", nargs="?")
+    val.add_argument("--config", help="shipped config name or path to a YAML file")
+    val.add_argument("--print", action="store_true", dest="print_config", help="print the resolved config")
+    val.add_argument("overrides", nargs="*", metavar="key=value")
 
     sub.add_parser("ls", help="list recipes and their shipped configs")
 
@@ -103,7 +134,8 @@ def build_launch_command(
     package: str = RECIPES_PACKAGE,
     configs_dir: str | Path = CONFIGS_DIR,
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m multiengine.recipes.cli run <recipe> ...` for every rank."""
+    """`python -m multiengine.recipes.cli _launch <torchrun options> -m multiengine.recipes.cli run <recipe> ...`:
+    torchrun's launcher (run quietly in its own process, see _launch_main), starting every rank."""
     if nproc_per_node < 1:
         raise RecipeConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -111,7 +143,7 @@ def build_launch_command(
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise RecipeConfigError("--nnodes > 1 needs --master-addr and --master-port (rank 0's host and port)")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "multiengine.recipes.cli", _LAUNCH,
         "--nproc_per_node", str(nproc_per_node),
         "--nnodes", str(nnodes),
         "--node_rank", str(node_rank),
@@ -139,21 +171,269 @@ def _launch_env(nproc_per_node: int, package: str) -> dict[str, str]:
     return env
 
 
-def _launch(cmd: list[str], env: dict[str, str]) -> int:
-    logger.info("launching: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env)
+# --- the job's processes: signals and their tree ----------------------------------------------------
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (Linux); empty elsewhere."""
+    out: dict[int, list[int]] = {}
     try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # Let the launcher stop its workers itself; killing it outright would orphan them.
-        proc.send_signal(signal.SIGINT)
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait()
-        return 130
-    return 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # the command may contain spaces and ')'
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    children = _children_map()
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_job(root: int, sig: int, seen_groups: set[int]) -> None:
+    """`sig` to the launcher and SIGTERM (or SIGKILL) to every rank's process group: torchrun starts
+    each rank in its own session, so only its group reaches the rank's own children too."""
+    rank_sig = signal.SIGKILL if sig == signal.SIGKILL else signal.SIGTERM
+    own = os.getpgid(0)
+    for pid in _descendants(root):
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            continue
+        if pgid != own:
+            seen_groups.add(pgid)
+    for pgid in seen_groups:
+        for s in (rank_sig, signal.SIGCONT):  # SIGCONT: a stopped rank acts on its SIGTERM at once
+            try:
+                os.killpg(pgid, s)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        os.kill(root, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _exit_with_parent() -> None:
+    """In the launcher child, before exec: get SIGTERM when this CLI dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _launch(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    """Run the launcher; forward SIGTERM/SIGINT to it and to every rank, then wait for them.
+    Returns (exit code, the stop signal received or None)."""
+    logger.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_exit_with_parent if sys.platform.startswith("linux") else None)
+    received: list[int] = []
+    groups: set[int] = set()
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        _signal_job(proc.pid, signal.SIGKILL if len(received) > 1 else signum, groups)  # twice: no more waiting
+
+    import threading
+
+    # Handlers can only be installed from the main thread (cli.main called from another thread
+    # still runs the job, without forwarding).
+    handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        deadline = None
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if received and deadline is None:
+                    deadline = time.monotonic() + STOP_GRACE_S
+                if deadline is not None and time.monotonic() > deadline:
+                    _signal_job(proc.pid, signal.SIGKILL, groups)
+                    deadline = float("inf")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:  # the launcher is gone; make sure no rank outlived it
+        for pgid in groups:
+            for s in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(pgid, s)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
+    return code, (received[0] if received else None)
+
+
+def _launch_main(argv: list[str]) -> int:
+    """The launcher process: torchrun's agent with its log lines sent to a file instead of the
+    terminal (the CLI reports failures itself, once), and its failure summary written as a record."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    error_dir = os.environ.get(ENV_ERROR_DIR)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
+        log = logging.getLogger(name)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
+        if error_dir:
+            file_handler = logging.FileHandler(os.path.join(error_dir, "launcher.log"))
+            file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            log.addHandler(file_handler)
+        else:
+            log.addHandler(logging.NullHandler())
+    try:
+        torchrun(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        failures = {str(rank): {"exitcode": f.exitcode, "signal": f.signal_name() if f.exitcode < 0 else None,
+                                "pid": f.pid} for rank, f in exc.failures.items()}
+        if error_dir:
+            _write_json(os.path.join(error_dir, "launcher.json"), {"failures": failures})
+            with open(os.path.join(error_dir, "launcher.log"), "a") as f:
+                f.write(exc.format_msg() + "\n")
+        else:
+            print(exc.format_msg(), file=sys.stderr)
+        return EXIT_FAILURE
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
+# --- errors: recorded per rank, reported once -------------------------------------------------------
+# gloo's words for "the peer went away": a consequence of another rank's failure, not a cause.
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+              "connection refused")
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    if _is_config_error(exc):
+        return True
+    ckpt = sys.modules.get("multiengine.engines.safe_io")
+    return ckpt is not None and isinstance(exc, ckpt.CheckpointError)
+
+
+def _describe(exc: BaseException) -> tuple[str, str | None]:
+    """(the error line, the fix or None) for an exception raised while running a recipe."""
+    dist_mod = sys.modules.get("multiengine.engines.dist")
+    timeout = dist_mod.collective_timeout_message(exc) if dist_mod is not None else None
+    if timeout:
+        return timeout, ("find out why the other rank stalled (its log; py-spy dump --pid); if a step really"
+                         " takes that long, raise the collective timeout (dist_timeout_s)")
+    if _is_user_error(exc):
+        text = str(exc)
+        return text, getattr(exc, "fix", None)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__, None
+
+
+def _write_json(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _logs_dir(output_dir: str | None) -> str:
+    """<output_dir>/logs, or a fresh temp folder if there is none or it cannot be created."""
+    if output_dir:
+        path = os.path.join(output_dir, "logs")
+        try:
+            os.makedirs(path, exist_ok=True)
+            return path
+        except OSError:
+            pass
+    return tempfile.mkdtemp(prefix="multiengine-logs-")
+
+
+def _record_failure(exc: BaseException, output_dir: str | None, rank: int, world: int) -> int:
+    """A rank's failure: traceback to its log file; then either a record for the launching CLI
+    (which prints the job's error once) or, launched some other way, one `error:` line here."""
+    user = _is_user_error(exc)
+    message, fix = _describe(exc)
+    error_dir = os.environ.get(ENV_ERROR_DIR)
+    log_dir = error_dir or _logs_dir(output_dir)
+    log_path = os.path.join(log_dir, f"rank{rank}-error.log")
+    try:
+        with open(log_path, "w") as f:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=f)
+    except OSError:
+        log_path = "(could not be written)"
+    if error_dir:
+        secondary = any(m.lower() in str(exc).lower() for m in _SECONDARY)
+        _write_json(os.path.join(error_dir, f"rank{rank}-error.json"),
+                    {"rank": rank, "world": world, "message": message, "fix": fix, "user": user,
+                     "secondary": secondary, "log": log_path, "time": time.time()})
+    else:
+        who = f"rank {rank}: " if world > 1 else ""
+        _print_error(f"{who}{message}", fix, log_path)
+    return EXIT_USAGE if user else EXIT_FAILURE
+
+
+def _print_error(message: str, fix: str | None, log_path: str | None) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    if fix:
+        print(f"  fix: {fix}", file=sys.stderr)
+    if log_path:
+        print(f"  traceback: {log_path}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _how_ended(failure: dict[str, Any]) -> str:
+    return f"killed by {failure['signal']}" if failure.get("signal") else f"exit code {failure['exitcode']}"
+
+
+def _report_job(error_dir: str, code: int, stop: int | None, nproc: int) -> int:
+    """After the launcher exits: print the job's failure once and choose the exit code."""
+    if stop is not None:
+        print(f"multiengine: stopped by {signal.Signals(stop).name}; every rank was stopped", file=sys.stderr)
+        return 128 + stop
+    records = []
+    for path in sorted(Path(error_dir).glob("rank*-error.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    launcher: dict[str, Any] = {}
+    try:
+        launcher = json.loads((Path(error_dir) / "launcher.json").read_text()).get("failures", {})
+    except (OSError, ValueError):
+        pass
+    if code == 0 and not records:
+        return 0
+    if records:
+        first = min(records, key=lambda r: (r["secondary"], r["time"]))
+        same = len(records) == first["world"] and all(r["message"] == first["message"] for r in records)
+        who = "" if same and first["world"] > 1 else f"rank {first['rank']}: " if first["world"] > 1 else ""
+        _print_error(f"{who}{first['message']}", first.get("fix"), first.get("log"))
+        reported = {r["rank"] for r in records}
+        silent = [f"rank {r} ({_how_ended(f)})" for r, f in sorted(launcher.items()) if int(r) not in reported]
+        if silent and not same:
+            print(f"  ended without reporting an error: {', '.join(silent)}", file=sys.stderr)
+        return EXIT_USAGE if first["user"] else EXIT_FAILURE
+    dead = [f"rank {r} {_how_ended(f)}" for r, f in sorted(launcher.items())]
+    log = Path(error_dir) / "launcher.log"
+    _print_error(f"{', '.join(dead) or 'the launcher failed'} without reporting an error (out of memory? killed?)",
+                 None, str(log) if log.is_file() else None)
+    return EXIT_FAILURE if code == 0 else code
 
 
 def run_recipe(
@@ -164,8 +444,10 @@ def run_recipe(
     package: str = RECIPES_PACKAGE,
     configs_dir: str | Path = CONFIGS_DIR,
 ) -> dict[str, Any]:
-    """Load the config and run the recipe's main(cfg) in this process; returns its summary."""
+    """Load and check the config (CHECKS and validate(cfg)), run the recipe's main(cfg) in this
+    process; returns its summary."""
     cfg = load_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
+    validate_config(recipe, cfg, package=package, configs_dir=configs_dir)
     return _run_loaded(recipe, cfg, package, configs_dir)
 
 
@@ -177,18 +459,52 @@ def _run_loaded(recipe: str, cfg: Any, package: str, configs_dir: str | Path) ->
     return {} if result is None else result
 
 
-def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
-    package, configs_dir = args.recipes_package, args.configs_dir
-    # Validate first, in this process: a bad key must fail before any rank starts.
-    cfg = load_config(args.recipe, args.config, overrides, package=package, configs_dir=configs_dir)
-    from multiengine.engines.metrics import setup_logging, to_plain  # imports torch: only on `run`
+def _print_run_help(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    sub.print_help()
+    if args.recipe:
+        print()
+        print(format_key_help(args.recipe, load_recipe(args.recipe, args.recipes_package, args.configs_dir)))
+    else:
+        print(f"\n`multiengine {args.command} <recipe> --help` also lists the recipe's config keys.")
+    return 0
 
+
+def _load_checked(args: argparse.Namespace, overrides: list[str], hook: bool) -> Any:
+    """load_config (types, unknown keys, CHECKS) and, if `hook`, the recipe's validate(cfg)."""
+    if not args.recipe:
+        raise RecipeConfigError(f"`multiengine {args.command}` needs a recipe name (see `multiengine ls`)")
+    cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
+    if hook:
+        validate_config(args.recipe, cfg, package=args.recipes_package, configs_dir=args.configs_dir)
+    return cfg
+
+
+def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.help:
+        return _print_run_help(parser, args)
+    cfg = _load_checked(args, overrides, hook=True)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+    print(f"ok: config for recipe '{args.recipe}' is valid")
+    return 0
+
+
+def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.help:
+        return _print_run_help(parser, args)
+    package, configs_dir = args.recipes_package, args.configs_dir
     multinode = (args.nnodes, args.node_rank, args.master_addr, args.master_port) != (1, 0, None, None)
     if args.nproc_per_node is None and multinode:
         raise RecipeConfigError("--nnodes/--node-rank/--master-addr/--master-port need --nproc-per-node")
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(rank)
     if args.nproc_per_node is not None:
+        # Validate first, in this process: a bad key or value must fail before any rank starts.
+        cfg = _load_checked(args, overrides, hook=True)
+        from multiengine.engines.metrics import setup_logging  # imports neither torch nor numpy
+
+        setup_logging(0)
         # The ranks get the resolved file, so a shipped name or relative path means the same to all.
         config_file = str(resolve_config_file(args.recipe, args.config, configs_dir)) if args.config else None
         cmd = build_launch_command(
@@ -197,14 +513,62 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
             master_addr=args.master_addr, master_port=args.master_port,
             package=package, configs_dir=configs_dir,
         )
-        return _launch(cmd, _launch_env(args.nproc_per_node, package))
-    result = _run_loaded(args.recipe, cfg, package, configs_dir)
-    from multiengine.engines.dist import shutdown
+        error_dir = _logs_dir(str(cfg.output_dir))
+        for stale in Path(error_dir).glob("rank*-error.*"):  # records of an earlier run in this output_dir
+            stale.unlink(missing_ok=True)
+        for stale in Path(error_dir).glob("launcher.*"):
+            stale.unlink(missing_ok=True)
+        env = _launch_env(args.nproc_per_node, package)
+        env[ENV_ERROR_DIR] = error_dir
+        env[ENV_VALIDATED] = "1"
+        code, stop = _launch(cmd, env)
+        return _report_job(error_dir, code, stop, args.nproc_per_node)
+    return _run_here(args, overrides)
 
-    shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
+
+def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
+    """This process runs the recipe: alone, or as one rank of a launched job."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if launched:
+        from multiengine.engines.dist import watch_launcher
+
+        watch_launcher()  # from the start: imports and model builds can take minutes
+    cfg = None
+    try:
+        cfg = _load_checked(args, overrides, hook=os.environ.get(ENV_VALIDATED) != "1")
+        from multiengine.engines.metrics import setup_logging, to_plain
+
+        setup_logging(rank)
+        result = _run_loaded(args.recipe, cfg, args.recipes_package, args.configs_dir)
+        from multiengine.engines.dist import shutdown
+
+        shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
+    except Exception as exc:
+        code = _record_failure(exc, _output_dir(cfg), rank, world)
+        if launched and world > 1:
+            # Peers may still be inside a collective with us: skip the process group's teardown
+            # (and atexit hooks) that could wait on them, and leave now.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
+    except KeyboardInterrupt:
+        if launched:
+            os._exit(128 + signal.SIGINT)
+        raise
     if rank == 0 and result:
         print(json.dumps(to_plain(result), indent=2, sort_keys=True))
     return 0
+
+
+def _output_dir(cfg: Any) -> str | None:
+    try:
+        return str(cfg.output_dir) if cfg is not None else None
+    except Exception:
+        return None
 
 
 # --- ls / cp -----------------------------------------------------------------------------
@@ -253,15 +617,20 @@ def _is_config_error(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `multiengine` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [_LAUNCH]:
+        return _launch_main(argv[1:])
     parser = build_parser()
     # parse_known_args lets overrides come after options too (`run r --config c a=1 --nnodes 1 b=2`).
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if a.startswith("-") or args.command != "run"]
+    stray = [a for a in extra if a.startswith("-") or args.command not in ("run", "validate")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     try:
         if args.command == "run":
-            return _cmd_run(args, [*args.overrides, *extra])
+            return _cmd_run(parser, args, [*args.overrides, *extra])
+        if args.command == "validate":
+            return _cmd_validate(parser, args, [*args.overrides, *extra])
         if args.command == "ls":
             return _cmd_ls(args)
         return _cmd_cp(args)
@@ -269,6 +638,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _is_config_error(e):
             raise
         print(f"error: {e}", file=sys.stderr)
+        fix = getattr(e, "fix", None)
+        if fix and f"fix: {fix}" not in str(e):
+            print(f"  fix: {fix}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -12,15 +12,29 @@ a silently ignored setting. Types follow the default value (bool, int, float - i
 str, list); `null` is accepted anywhere and a `${...}` interpolation is accepted for any key.
 A default of `None` accepts any value; an empty dict `{}` is a free-form section whose keys are
 not checked (for pass-through settings such as extra DeepSpeed config).
+
+Optionally, a recipe module also defines
+* `CHECKS: dict` - dotted key (a `*` part matches any key of a section) -> Range / Choice /
+  Length / PathExists / Each / Satisfies (or a list of them), applied by load_config to the
+  resolved values, so every value error names the key, the value, where it was set and the fix;
+* `validate(cfg)` - cross-field, data, path and vocabulary checks, run once before any rank starts
+  (`multiengine validate`, and `multiengine run` before launching); raises config_problem(...);
+* `HELP: dict` - dotted key -> one-line meaning, for keys whose DEFAULTS entry has no trailing
+  `# comment` (the comments are what `multiengine run <recipe> --help` shows).
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import difflib
 import importlib
+import inspect
+import io
+import json
 import pkgutil
 import re
+import tokenize
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
@@ -207,14 +221,20 @@ class _Ctx:
     """What an error message needs: the recipe, the full DEFAULTS and where the value came from."""
 
     def __init__(
-        self, recipe: str, defaults: dict, source: str, raw: str | None = None, raw_key: str | None = None
+        self, recipe: str, defaults: dict, source: str, raw: str | None = None, raw_key: str | None = None,
+        where: dict[str, str] | None = None,
     ) -> None:
         self.recipe = recipe
         self.defaults = defaults
         self.source = source
+        self.where = where  # dotted key -> where its value was last set (for value-check messages)
         # An override's text after '=' and its key, so that a str key keeps exactly what was typed.
         self.raw = raw
         self.raw_key = raw_key
+
+    def record(self, path: str) -> None:
+        if self.where is not None:
+            self.where[path] = self.source
 
     def unknown(
         self, path: str, value: Any, siblings: Iterable[str] | None, note: str = ""
@@ -314,10 +334,12 @@ def _merge(target: dict, defaults: dict, data: dict, prefix: str, ctx: _Ctx) -> 
                 raise ctx.wrong_type(path, value, "a mapping")
             if not default:
                 _deep_merge(target[key], value)
+                ctx.record(path)
             else:
                 _merge(target[key], default, value, path + ".", ctx)
         else:
             target[key] = _check_value(path, default, value, ctx)
+            ctx.record(path)
 
 
 _KEY_RE = re.compile(r"[A-Za-z_][\w-]*(?:\.[\w-]+)*")
@@ -343,11 +365,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _apply_override(merged: dict, text: str, ctx_base: tuple[str, dict]) -> None:
+def _apply_override(merged: dict, text: str, ctx_base: tuple[str, dict], where: dict[str, str] | None = None) -> None:
     key, value = parse_override(text)
     raw = text.split("=", 1)[1]
     recipe, defaults = ctx_base
-    ctx = _Ctx(recipe, defaults, f"in override '{text}'", raw=raw, raw_key=key)
+    ctx = _Ctx(recipe, defaults, f"in override '{text}'", raw=raw, raw_key=key, where=where)
     parts = key.split(".")
     node_d, node_t = defaults, merged
     for i, part in enumerate(parts[:-1]):
@@ -363,6 +385,7 @@ def _apply_override(merged: dict, text: str, ctx_base: tuple[str, dict]) -> None
                     sub[p] = {}
                 sub = sub[p]
             sub[parts[-1]] = copy.deepcopy(value)
+            ctx.record(key)
             return
         node_d, node_t = node_d[part], node_t[part]
     prefix = key[: -len(parts[-1])]
@@ -403,6 +426,7 @@ def load_config(
     module = load_recipe(recipe, package, configs_dir)
     defaults = copy.deepcopy(module.DEFAULTS)
     merged = copy.deepcopy(defaults)
+    where: dict[str, str] = {}
     if config is not None:
         path = resolve_config_file(recipe, config, configs_dir)
         try:
@@ -413,18 +437,19 @@ def load_config(
             data = {}
         if not isinstance(data, dict):
             raise UnknownConfigError(f"config file {path} must be a mapping of keys, got {type(data).__name__}")
-        _merge(merged, defaults, data, "", _Ctx(recipe, defaults, f"in {path}"))
+        _merge(merged, defaults, data, "", _Ctx(recipe, defaults, f"in {path}", where=where))
     for text in overrides:
-        _apply_override(merged, text, (recipe, defaults))
+        _apply_override(merged, text, (recipe, defaults), where)
 
     cfg = OmegaConf.create(merged)
     OmegaConf.set_struct(cfg, True)
     for path in _free_form_paths(defaults):
         OmegaConf.set_struct(OmegaConf.select(cfg, path), False)
     try:  # resolve once now so a broken ${...} fails here, not hours into the run
-        OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         raise RecipeConfigError(f"config for recipe '{recipe}': {str(e).splitlines()[0]}") from None
+    run_checks(recipe, module, resolved, where)
     return cfg
 
 
@@ -433,3 +458,448 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     out = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
+
+
+# --- value checks: a recipe's CHECKS and its validate(cfg) hook -------------------------------------
+# A recipe module may define
+#   CHECKS = {"max_steps": Range(1), "mode": Choice("full", "lora"), "roles.*.stage": Range(0, 3),
+#             "data.path": PathExists("file")}
+# (a dotted key, `*` standing for any one key of a section, mapped to one Check or a list of them)
+# and `validate(cfg)`, called once before any rank starts, for what needs more than one value or a
+# look at the data: cross-field rules, dataset columns and sizes, tokenizer vs model vocabulary. It
+# raises config_problem(...) (or any RecipeConfigError). CHECKS run inside load_config, so every
+# rank re-checks them for free; validate(cfg) runs in `multiengine validate` and before `run` starts.
+
+
+class ConfigValueError(RecipeConfigError):
+    """Config values that break a recipe's CHECKS or its validate(cfg) hook."""
+
+    def __init__(self, message: str, problems: list[Problem]) -> None:
+        super().__init__(message)
+        self.problems = problems
+        self.fix = problems[0].fix if len(problems) == 1 else None
+
+    @property
+    def key(self) -> str:
+        return self.problems[0].key
+
+
+class Problem:
+    """One bad value: the key, the value, what is wrong with it and how to fix it."""
+
+    def __init__(self, key: str, value: Any, message: str, fix: str) -> None:
+        self.key, self.value, self.message, self.fix = key, value, message, fix
+
+    def __repr__(self) -> str:
+        return f"Problem({self.key!r}, {self.value!r}, {self.message!r})"
+
+
+def _problems_error(recipe: str | None, problems: list[Problem]) -> ConfigValueError:
+    if len(problems) == 1:
+        p = problems[0]
+        return ConfigValueError(f"{p.message}; fix: {p.fix}", problems)
+    lines = [f"{p.message}; fix: {p.fix}" for p in problems]
+    who = f" for recipe '{recipe}'" if recipe else ""
+    return ConfigValueError(f"config{who} has {len(problems)} problems:\n  - " + "\n  - ".join(lines), problems)
+
+
+def config_problem(key: str, value: Any, problem: str, fix: str) -> ConfigValueError:
+    """The error a recipe's validate(cfg) raises: `problem` completes "config key '<key>' ...",
+    e.g. config_problem("data.path", path, "has no rows", "point data.path at a non-empty JSONL file")."""
+    return _problems_error(None, [Problem(key, value, f"config key '{key}' {problem} (value {value!r})", fix)])
+
+
+def _fmt_num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+class Check:
+    """A constraint on one config value (see CHECKS above).
+
+    allow_none: whether null passes; None (the default) means "if the key's default is null".
+    Subclasses implement problem(value) -> None or what is wrong ("must be >= 1"),
+    describe() for --help, and fix(key)."""
+
+    allow_none: bool | None = None
+
+    def problem(self, value: Any) -> str | None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def fix(self, key: str, value: Any) -> str:
+        return f"set {key} to a value that is {self.describe()}"
+
+
+class Range(Check):
+    """min <= value <= max for ints and floats (either bound optional; exclusive if asked)."""
+
+    def __init__(self, min: float | None = None, max: float | None = None, *, min_exclusive: bool = False,
+                 max_exclusive: bool = False, allow_none: bool | None = None) -> None:
+        if min is None and max is None:
+            raise TypeError("Range needs min, max or both")
+        self.min, self.max = min, max
+        self.min_exclusive, self.max_exclusive = min_exclusive, max_exclusive
+        self.allow_none = allow_none
+
+    def describe(self) -> str:
+        if self.max is None:
+            return f"{'>' if self.min_exclusive else '>='} {_fmt_num(self.min)}"
+        if self.min is None:
+            return f"{'<' if self.max_exclusive else '<='} {_fmt_num(self.max)}"
+        left, right = "(" if self.min_exclusive else "[", ")" if self.max_exclusive else "]"
+        return f"in {left}{_fmt_num(self.min)}, {_fmt_num(self.max)}{right}"
+
+    def problem(self, value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number {self.describe()}"
+        if value != value:  # NaN compares false with every bound
+            return f"must be {self.describe()}"
+        low_ok = self.min is None or (value > self.min if self.min_exclusive else value >= self.min)
+        high_ok = self.max is None or (value < self.max if self.max_exclusive else value <= self.max)
+        return None if low_ok and high_ok else f"must be {self.describe()}"
+
+
+class Choice(Check):
+    """One of a fixed set of values (an enum)."""
+
+    def __init__(self, *choices: Any, allow_none: bool | None = None) -> None:
+        if not choices:
+            raise TypeError("Choice needs at least one choice")
+        self.choices = choices
+        self.allow_none = allow_none
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(json.dumps(c) if not isinstance(c, str) else c for c in self.choices)
+
+    def problem(self, value: Any) -> str | None:
+        return None if value in self.choices else f"must be {self.describe()}"
+
+    def fix(self, key: str, value: Any) -> str:
+        close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)
+        hint = f"did you mean {key}={close[0]}? " if close else ""
+        return f"{hint}use one of: {', '.join(str(c) for c in self.choices)}"
+
+
+class Length(Check):
+    """A list or string with at least `min` / at most `max` items (characters)."""
+
+    def __init__(self, min: int | None = None, max: int | None = None, *, allow_none: bool | None = None) -> None:
+        if min is None and max is None:
+            raise TypeError("Length needs min, max or both")
+        self.min, self.max = min, max
+        self.allow_none = allow_none
+
+    def describe(self) -> str:
+        if self.max is None:
+            return "non-empty" if self.min == 1 else f"at least {self.min} long"
+        if self.min is None:
+            return f"at most {self.max} long"
+        return f"{self.min} to {self.max} long"
+
+    def problem(self, value: Any) -> str | None:
+        try:
+            n = len(value)
+        except TypeError:
+            return f"must be a list or string, {self.describe()}"
+        if (self.min is not None and n < self.min) or (self.max is not None and n > self.max):
+            return f"must be {self.describe()} (it has {n})"
+        return None
+
+
+class PathExists(Check):
+    """A path that must exist: kind "file", "dir" or "any". An empty string counts as unset, like null."""
+
+    def __init__(self, kind: str = "any", *, allow_none: bool | None = None) -> None:
+        if kind not in ("any", "file", "dir"):
+            raise TypeError(f"PathExists kind must be 'any', 'file' or 'dir', got {kind!r}")
+        self.kind = kind
+        self.allow_none = allow_none
+
+    def describe(self) -> str:
+        return {"any": "an existing path", "file": "an existing file", "dir": "an existing folder"}[self.kind]
+
+    def problem(self, value: Any) -> str | None:
+        path = Path(str(value)).expanduser()
+        ok = {"any": path.exists, "file": path.is_file, "dir": path.is_dir}[self.kind]()
+        if ok:
+            return None
+        if path.exists():
+            return f"must be {self.describe()} (it is a {'folder' if path.is_dir() else 'file'})"
+        return f"must be {self.describe()} (no such path)"
+
+    def fix(self, key: str, value: Any) -> str:
+        return f"point {key} at {self.describe()}, or create it"
+
+
+class Each(Check):
+    """Apply a check to every item of a list."""
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+        self.allow_none = check.allow_none
+
+    def describe(self) -> str:
+        return f"a list whose items are each {self.check.describe()}"
+
+    def problem(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)):
+            return f"must be {self.describe()}"
+        for i, item in enumerate(value):
+            p = self.check.problem(item)
+            if p:
+                return f"item {i} ({item!r}) {p}"
+        return None
+
+
+class Satisfies(Check):
+    """A custom rule: predicate(value) -> bool, with the phrase that describes it
+    (e.g. Satisfies(lambda v: v % 8 == 0, "a multiple of 8"))."""
+
+    def __init__(self, predicate: Any, description: str, *, allow_none: bool | None = None) -> None:
+        self.predicate, self.description = predicate, description
+        self.allow_none = allow_none
+
+    def describe(self) -> str:
+        return self.description
+
+    def problem(self, value: Any) -> str | None:
+        return None if self.predicate(value) else f"must be {self.description}"
+
+
+_MISSING = object()
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    node = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _expand(pattern: str, tree: dict) -> list[str]:
+    """Dotted keys of `tree` matching `pattern`, where a `*` part matches any one key."""
+    keys = [""]
+    for part in pattern.split("."):
+        nxt = []
+        for prefix in keys:
+            node = _lookup(tree, prefix[:-1]) if prefix else tree
+            if not isinstance(node, dict):
+                continue
+            names = list(node) if part == "*" else [part] if part in node else []
+            nxt.extend(f"{prefix}{name}." for name in names)
+        keys = nxt
+    return [k[:-1] for k in keys]
+
+
+def recipe_checks(module: ModuleType) -> dict[str, list[Check]]:
+    """The module's CHECKS, normalised to lists and checked against its DEFAULTS (a bad CHECKS is a bug)."""
+    raw = getattr(module, "CHECKS", None)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise RecipeDefinitionError(f"recipe module {module.__name__}: CHECKS must be a dict of key -> Check")
+    out: dict[str, list[Check]] = {}
+    for pattern, checks in raw.items():
+        checks = list(checks) if isinstance(checks, (list, tuple)) else [checks]
+        bad = [c for c in checks if not isinstance(c, Check)]
+        if bad:
+            raise RecipeDefinitionError(f"recipe module {module.__name__}: CHECKS[{pattern!r}] holds {bad[0]!r},"
+                                        " not a Check (Range, Choice, Length, PathExists, Each, Satisfies)")
+        if not _expand(pattern, module.DEFAULTS):
+            raise RecipeDefinitionError(f"recipe module {module.__name__}: CHECKS key {pattern!r} matches no key of"
+                                        " DEFAULTS")
+        out[pattern] = checks
+    return out
+
+
+def run_checks(recipe: str, module: ModuleType, resolved: dict, where: dict[str, str] | None = None) -> None:
+    """Apply the recipe's CHECKS to the resolved config; ConfigValueError listing every problem."""
+    problems: list[Problem] = []
+    for pattern, checks in recipe_checks(module).items():
+        for key in _expand(pattern, resolved):
+            value = _lookup(resolved, key)
+            default = _lookup(module.DEFAULTS, key)
+            source = (where or {}).get(key, "the default")
+            for check in checks:
+                if value is None or (isinstance(check, PathExists) and value == ""):
+                    allowed = check.allow_none if check.allow_none is not None else default in (None, "")
+                    if allowed:
+                        continue
+                    problem = f"must be set ({check.describe()})"
+                else:
+                    problem = check.problem(value)
+                    if problem is None:
+                        continue
+                problems.append(Problem(
+                    key, value, f"config key '{key}' for recipe '{recipe}' {problem}, got {value!r} ({source})",
+                    check.fix(key, value)))
+                break  # one problem per key is enough
+    if problems:
+        raise _problems_error(recipe, problems)
+
+
+def validate_config(
+    recipe: str, cfg: DictConfig, *, package: str = RECIPES_PACKAGE, configs_dir: str | Path = CONFIGS_DIR
+) -> None:
+    """Run the recipe's validate(cfg) hook, if it has one (CHECKS already ran in load_config)."""
+    module = load_recipe(recipe, package, configs_dir)
+    hook = getattr(module, "validate", None)
+    if hook is None:
+        return
+    if not callable(hook):
+        raise RecipeDefinitionError(f"recipe module {module.__name__}: validate must be a function validate(cfg)")
+    hook(cfg)
+
+
+# --- what each key means (for `multiengine run <recipe> --help`) -------------------------------------
+# A key's meaning is the trailing `# comment` on its line in the DEFAULTS literal (for a section,
+# the comment after its opening brace), read from the module's source with tokenize + ast; a
+# module-level HELP dict (dotted key -> text) adds to or overrides them, for keys whose DEFAULTS are
+# built by code. `**OTHER` entries are followed into OTHER's literal, in this module or the one
+# it is imported from.
+
+
+def _comments(source: str) -> dict[int, tuple[int, str]]:
+    out: dict[int, tuple[int, str]] = {}
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                out[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return out
+
+
+def _dict_literal(tree: ast.Module, name: str) -> ast.Dict | None:
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Dict) and any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return value
+    return None
+
+
+class _Source:
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+        try:
+            text = inspect.getsource(module)
+        except (OSError, TypeError):
+            text = ""
+        self.tree = ast.parse(text) if text else ast.Module(body=[], type_ignores=[])
+        self.comments = _comments(text)
+
+    def resolve(self, node: ast.expr) -> tuple[_Source, ast.Dict] | None:
+        """The dict literal that a `**name` / `**module.name` entry splats, if it can be found."""
+        if isinstance(node, ast.Name):
+            found = _dict_literal(self.tree, node.id)
+            if found is not None:
+                return self, found
+            for imp in self.tree.body:
+                if isinstance(imp, ast.ImportFrom) and any((a.asname or a.name) == node.id for a in imp.names):
+                    original = next(a.name for a in imp.names if (a.asname or a.name) == node.id)
+                    other = self._import(imp.module, imp.level)
+                    if other is not None:
+                        src = _Source(other)
+                        found = _dict_literal(src.tree, original)
+                        return (src, found) if found is not None else None
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            other = getattr(self.module, node.value.id, None)
+            if isinstance(other, ModuleType):
+                src = _Source(other)
+                found = _dict_literal(src.tree, node.attr)
+                return (src, found) if found is not None else None
+        return None
+
+    def _import(self, name: str | None, level: int) -> ModuleType | None:
+        try:
+            if level:
+                return importlib.import_module("." * level + (name or ""), self.module.__package__)
+            return importlib.import_module(name or "")
+        except ImportError:
+            return None
+
+
+def _walk_comments(src: _Source, node: ast.Dict, prefix: str, out: dict[str, str], used: set) -> None:
+    for key, value in zip(node.keys, node.values):
+        if key is None:
+            found = src.resolve(value)
+            if found is not None:
+                _walk_comments(found[0], found[1], prefix, out, set())
+            continue
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            continue
+        path = prefix + key.value
+        line = key.lineno
+        comment = src.comments.get(line)
+        if comment and (id(src), line) not in used and comment[0] > key.col_offset:
+            out.setdefault(path, comment[1])  # the outermost key starting on the line takes it
+            used.add((id(src), line))
+        if isinstance(value, ast.Dict):
+            _walk_comments(src, value, path + ".", out, used)
+
+
+def key_meanings(module: ModuleType) -> dict[str, str]:
+    """Dotted key -> one-line meaning, from DEFAULTS' trailing comments and the module's HELP dict."""
+    src = _Source(module)
+    out: dict[str, str] = {}
+    literal = _dict_literal(src.tree, "DEFAULTS")
+    if literal is not None:
+        _walk_comments(src, literal, "", out, set())
+    help_dict = getattr(module, "HELP", None)
+    if isinstance(help_dict, dict):
+        out.update({str(k): str(v) for k, v in help_dict.items()})
+    return out
+
+
+def _type_name(default: Any) -> str:
+    if default is None:
+        return "any"
+    if isinstance(default, dict):
+        return "mapping (free-form)" if not default else "section"
+    if isinstance(default, (list, tuple)):
+        kinds = {type(d) for d in default}
+        return f"list[{next(iter(kinds)).__name__}]" if len(kinds) == 1 else "list"
+    return type(default).__name__
+
+
+def describe_keys(module: ModuleType) -> list[dict[str, str]]:
+    """One row per key of DEFAULTS (sections too): key, type (with its checks), default, meaning."""
+    meanings = key_meanings(module)
+    checks = recipe_checks(module)
+    per_key: dict[str, list[str]] = {}
+    for pattern, items in checks.items():
+        for key in _expand(pattern, module.DEFAULTS):
+            per_key.setdefault(key, []).extend(c.describe() for c in items)
+    rows = []
+
+    def visit(tree: dict, prefix: str) -> None:
+        for name, default in tree.items():
+            key = prefix + str(name)
+            kind = _type_name(default)
+            if per_key.get(key):
+                kind += ", " + "; ".join(per_key[key])
+            section = isinstance(default, dict) and bool(default)
+            rows.append({"key": key, "type": kind, "default": "" if section else json.dumps(default),
+                         "meaning": meanings.get(key, "")})
+            if section:
+                visit(default, key + ".")
+
+    visit(module.DEFAULTS, "")
+    return rows
+
+
+def format_key_help(recipe: str, module: ModuleType) -> str:
+    rows = describe_keys(module)
+    head = {"key": "KEY", "type": "TYPE", "default": "DEFAULT", "meaning": "MEANING"}
+    widths = {c: min(40, max(len(r[c]) for r in [head, *rows])) for c in ("key", "type", "default")}
+    lines = [f"config keys of recipe '{recipe}' (set them in a YAML file or as key=value overrides):"]
+    for r in [head, *rows]:
+        lines.append("  " + "  ".join(f"{r[c]:<{widths[c]}}" for c in ("key", "type", "default"))
+                     + f"  {r['meaning']}".rstrip())
+    return "\n".join(lines)

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELUDE = """
-import torch, torch.distributed as dist
+import os, torch
 sft_path = rm_path = {opt!r}
-prompt_ids = torch.randint(3, 120, (4, 6), generator=torch.Generator().manual_seed(int(__import__("os").environ["RANK"])))
+prompt_ids = torch.randint(3, 120, (4, 6), generator=torch.Generator().manual_seed(int(os.environ["RANK"])))
 """
 
 

@@ -355,9 +355,9 @@ def test_console_entry_config_error_has_no_traceback(toy, tmp_path):
 def test_build_launch_command(toy):
     cmd = cli.build_launch_command("toy", "/c/tiny.yaml", ["max_steps=3", "prompts=[a, b]"], nproc_per_node=2,
                                    package=toy["package"], configs_dir=toy["configs_dir"])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:4] == [sys.executable, "-m", "multiengine.recipes.cli", "_launch"]  # torchrun's agent, quiet
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2" and cmd[cmd.index("--nnodes") + 1] == "1"
-    tail = cmd[cmd.index("multiengine.recipes.cli") - 1:]
+    tail = cmd[cmd.index("--master_port") + 2:]
     assert tail == ["-m", "multiengine.recipes.cli", "--recipes-package", toy["package"], "--configs-dir",
                     toy["configs_dir"], "run", "toy", "--config", "/c/tiny.yaml", "max_steps=3", "prompts=[a, b]"]
     multi = cli.build_launch_command("toy", None, [], nproc_per_node=4, nnodes=2, node_rank=1,

@@ -1,0 +1,284 @@
+"""Faults on 2 real ranks: crafted checkpoints, a kill inside a re-save, a stopped rank, stop signals,
+a lost launcher, and a stale JIT build lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import launch
+
+pytestmark = pytest.mark.distributed
+
+CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+
+
+# --- crafted checkpoints ------------------------------------------------------------------------
+def test_malicious_pickle_in_any_checkpoint_file_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    prepared = launch("faults_ckpt", tmp_path / "prepare", "prepare", str(ckpt))
+    ranks = launch("faults_ckpt", tmp_path / "poison", "poison", str(ckpt))
+    kinds = ranks[0]["kinds"]
+    # Every file the loader reads: ours (JSON + safetensors) and each DeepSpeed file of both roles.
+    expected = {
+        "manifest.json",
+        "client_state/rank_{r}.json", "client_state/rank_{r}.safetensors",
+        "rng/rank_{r}.json", "rng/rank_{r}.safetensors",
+        "ema/rank_{r}.json", "ema/rank_{r}.safetensors",
+        "actor/state/zero_pp_rank_{r}_mp_rank_00_model_states.pt",  # ZeRO-3: model states per rank
+        "actor/state/zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+        "critic/state/mp_rank_00_model_states.pt",  # ZeRO-2 (bf16)
+        "critic/state/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+    }
+    assert set(kinds) == expected, kinds
+    for r in ranks:
+        for kind in kinds:
+            refused = r["refused"][kind]
+            assert refused is not None, f"{kind} with a malicious pickle was loaded"
+            assert refused["type"] in ("CheckpointError", "UnsafeCheckpointError"), refused
+            assert os.path.basename(kind).split("{r}")[0] in refused["message"], (kind, refused["message"])
+            if kind.endswith(".pt"):
+                assert refused["type"] == "UnsafeCheckpointError" and "GLOBAL exec" in refused["message"], refused
+        assert "format 1" in r["old_format"] and "pickle" in r["old_format"]
+        assert r["markers"] == [], "unpickling ran the attacker's code"
+        # The clean checkpoint still loads: the allow-list covers what DeepSpeed really writes.
+        assert r["client_state"] == {"step": 2, "note": "clean"}
+    for p, q in zip(prepared, ranks):
+        for role in ("actor", "critic", "ema"):
+            assert q["params"][role] == pytest.approx(p["params"][role], rel=1e-6)
+
+
+def test_kill_while_resaving_the_latest_tag_keeps_latest_loadable(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    launch("faults_ckpt", tmp_path / "resave", "resave", str(ckpt), expect_fail=True)
+    before = json.loads((tmp_path / "resave" / "rank0.json").read_text())
+    assert before["entries_after_resave"] == ["latest", "same"]  # a normal re-save leaves no aside copy
+    # Killed after the old 'same' was removed, before the new one was renamed in: `latest` names the aside copy.
+    assert (ckpt / "latest").read_text() == ".old-same"
+    assert not (ckpt / "same").exists() and (ckpt / ".tmp-same").is_dir()
+    ranks = launch("faults_ckpt", tmp_path / "verify", "verify", str(ckpt))
+    for r in ranks:
+        assert r["client_state"] == {"step": 2}
+        for role in ("actor", "critic", "ema"):
+            assert r["params"][role] == pytest.approx(before["params_at_2"][role], rel=1e-6)
+        # The next save clears the aside copy and the stale temp folder of the same tag stays harmless.
+        assert r["latest_after_next"] == "next"
+        assert ".old-same" not in r["entries_after_next"]
+
+
+# --- a stopped rank, stop signals, a lost launcher --------------------------------------------------
+TOY_PKG = "me_fault_recipes"
+
+HANG = '''
+import os
+import signal
+import time
+
+import torch
+from multiengine.engines import EngineRegistry, RoleSpec, train_ds_config
+
+DEFAULTS = {"output_dir": "out", "seed": 0, "max_steps": 40, "dist_timeout_s": 10.0, "stop_at": 3}
+
+
+def main(cfg):
+    registry = EngineRegistry(backend="deepspeed", timeout_s=cfg.dist_timeout_s)
+    torch.manual_seed(0)
+    registry.add(RoleSpec("actor", lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)),
+                          train_ds_config(stage=3, dtype="fp32", micro_batch_size=2),
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01)))
+    registry.build()
+    actor = registry["actor"]
+    for step in range(cfg.max_steps):
+        if step == cfg.stop_at and registry.rank == 1:
+            with open(os.path.join(cfg.output_dir, "stopped_at"), "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, holding its sockets, answering nothing
+        loss = actor(torch.randn(2, 64)).pow(2).mean()
+        actor.backward(loss)
+        actor.step()
+    return {"steps": cfg.max_steps}
+'''
+
+SLEEPER = '''
+import os
+import time
+from pathlib import Path
+
+DEFAULTS = {"output_dir": "out", "seed": 0, "max_steps": 1}
+
+
+def main(cfg):
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+    return {}
+'''
+
+
+@pytest.fixture(scope="module")
+def fault_recipes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault_recipes")
+    pkg = root / TOY_PKG
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "hang.py").write_text(HANG)
+    (pkg / "sleeper.py").write_text(SLEEPER)
+    (root / "configs").mkdir()
+    return root
+
+
+def _cli_env(extra_path=None):
+    path = [str(extra_path)] if extra_path else []
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]))
+
+
+def _toy_cli(root, recipe, *args):
+    return [*CLI, "--recipes-package", TOY_PKG, "--configs-dir", str(root / "configs"), "run", recipe, *args]
+
+
+def _job_processes(marker: str) -> list[str]:
+    """Live processes whose command line contains `marker` (each test's unique output folder)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(f"{pid} [{state}] {cmdline[:160]}")
+    return found
+
+
+def _wait_gone(marker: str, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+        left = _job_processes(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(400)
+def test_stopped_rank_ends_the_job_within_the_timeout(tmp_path, fault_recipes):
+    out = tmp_path / "hang_out"
+    timeout_s = 10
+    proc = subprocess.run(_toy_cli(fault_recipes, "hang", "--nproc-per-node", "2", f"output_dir={out}",
+                                   f"dist_timeout_s={timeout_s}"),
+                          capture_output=True, text=True, timeout=360, env=_cli_env(fault_recipes))
+    ended = time.time()
+    stopped = float((out / "stopped_at").read_text())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ended - stopped <= timeout_s + 60, f"the job took {ended - stopped:.0f} s after the rank stopped"
+    assert _wait_gone(str(out), 5) == []  # the stopped rank too (the launcher kills it)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    # Which rank saw it, which collective, after how long; then who did not answer.
+    assert errors[0].startswith("error: rank 0: collective ") and f"timed out after {timeout_s} s" in errors[0]
+    assert "partition_parameters.py" in errors[0]  # ZeRO-3's parameter all-gather, waited on in the forward
+    assert "rank 1 (killed by SIGKILL)" in proc.stderr and "dist_timeout_s" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_cli_stops_every_rank(tmp_path):
+    out = tmp_path / "demo_sigterm"
+    base = [*CLI, "run", "registry_demo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}"]
+    first = subprocess.run([*base, "max_steps=2"], capture_output=True, text=True, timeout=600, env=_cli_env())
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    tag = (ckpts / "latest").read_text()
+    before = _file_digests(ckpts)
+    proc = subprocess.Popen([*base, "max_steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_cli_env())
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:  # until the second run is training
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 5:
+                break
+            time.sleep(1)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        ranks = [p for p in _job_processes(str(out)) if "multiengine.recipes.cli --recipes-package" in p]
+        assert len(ranks) == 2, _job_processes(str(out))  # both ranks run (in sessions of their own)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in stderr
+    assert _wait_gone(str(out), 30) == []
+    assert (ckpts / "latest").read_text() == tag and _file_digests(ckpts) == before  # the last checkpoint intact
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("victim", ["launcher", "cli"])
+def test_ranks_exit_when_their_launcher_dies(tmp_path, fault_recipes, victim):
+    out = tmp_path / f"sleep_{victim}"
+    proc = subprocess.Popen(_toy_cli(fault_recipes, "sleeper", "--nproc-per-node", "2", f"output_dir={out}"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_cli_env(fault_recipes))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all((out / f"rank{r}.pid").is_file() for r in range(2)):
+            time.sleep(0.5)
+        rank_pids = [int((out / f"rank{r}.pid").read_text()) for r in range(2)]
+        launcher = [int(p.split()[0]) for p in _job_processes(str(out)) if " _launch " in p]
+        assert len(launcher) == 1, _job_processes(str(out))
+        # SIGKILL cannot be caught: the CLI gets no chance to forward anything.
+        os.kill(launcher[0] if victim == "launcher" else proc.pid, signal.SIGKILL)
+        left = _wait_gone(str(out), 20)
+        assert left == [], left
+        assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                       for pid in rank_pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+# --- a stale JIT build lock ---------------------------------------------------------------------------
+STALE_LOCK_SCRIPT = '''
+from multiengine.engines import EngineRegistry
+registry = EngineRegistry(backend="deepspeed")
+registry.close()
+print("started")
+'''
+
+
+@pytest.mark.timeout(300)
+def test_stale_build_lock_does_not_hang_deepspeed_start(tmp_path):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    built = [p for p in Path(get_default_build_root()).glob("py*/deepspeed_shm_comm") if any(p.glob("*.so"))]
+    if not built:
+        pytest.skip("DeepSpeed's shm comm op was never built on this machine (a first start builds it, ~1 min)")
+    exts = tmp_path / "exts"
+    shutil.copytree(built[0], exts / "deepspeed_shm_comm")  # keeps mtimes: ninja finds it up to date
+    lock = exts / "deepspeed_shm_comm" / "lock"
+    lock.write_text("")  # what a build killed half way leaves behind
+    old = time.time() - 60
+    os.utime(lock, (old, old))
+    env = dict(_cli_env(), TORCH_EXTENSIONS_DIR=str(exts))
+    proc = subprocess.run([sys.executable, "-c", STALE_LOCK_SCRIPT], capture_output=True, text=True, timeout=240,
+                          env=env)
+    assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr[-3000:]
+    assert "removed a stale JIT build lock" in proc.stderr and str(lock) in proc.stderr
+    assert not lock.exists()
