@@ -4,6 +4,7 @@
     multiengine cp registry_demo/tiny my.yaml
     multiengine run registry_demo --config tiny max_steps=3
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
+    multiengine plan rlhf_ppo --config opt13b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
 
 The config is validated here before any rank starts, so a typo costs a second, not a launch.
 """
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1)")
     run.add_argument("--master-port", type=int, help="rank 0's port (default: a free one on one node)")
     run.add_argument("overrides", nargs="*", metavar="key=value")
+
+    _add_plan_parser(sub)
 
     sub.add_parser("ls", help="list recipes and their shipped configs")
 
@@ -207,6 +210,86 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# --- plan --------------------------------------------------------------------------------
+EXIT_DOES_NOT_FIT = 1
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan", help="per-role memory plan: will it fit, with which stage and offload per role",
+        allow_abbrev=False,
+        description="Plan a recipe's per-rank memory without loading any weights: per role, the bytes of "
+        "parameters, gradients and optimizer state at each ZeRO stage and offload choice, activation "
+        "estimates, fixed overheads, and the cheapest placement per role that fits. Exits 0 when it fits, "
+        f"{EXIT_DOES_NOT_FIT} when it does not, 2 on a bad argument.")
+    plan.add_argument("recipe")
+    plan.add_argument("--config", help="shipped config name or path to a YAML file")
+    plan.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
+    plan.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 80GiB or 80GB")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    plan.add_argument("--cpu-mem", help="host memory per node, e.g. 512GiB (default: not checked)")
+    plan.add_argument("--margin", type=float, default=None,
+                      help="fragmentation margin as a fraction of the total (default 0.10)")
+    plan.add_argument("--assume", action="append", default=[], metavar="ROLE=MODEL",
+                      help="what a model folder that does not exist yet will hold (folder or built-in name)")
+    plan.add_argument("--write", metavar="FILE", help="write the config with the chosen placements")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from . import plans
+
+    planner = plans.P
+    cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
+    if args.gpus < 1:
+        raise RecipeConfigError(f"--gpus {args.gpus}: plan for at least 1 GPU")
+    if args.nodes < 1 or args.gpus % args.nodes:
+        raise RecipeConfigError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the total "
+                                "number of GPUs, spread evenly over the nodes")
+    if args.margin is not None and not 0 <= args.margin < 1:
+        raise RecipeConfigError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.1")
+    assume = {}
+    for item in args.assume:
+        role, sep, model = item.partition("=")
+        if not sep or not role or not model:
+            raise RecipeConfigError(f"--assume {item!r}: expected ROLE=MODEL, e.g. --assume actor=facebook/opt-1.3b")
+        assume[role] = model
+    try:
+        budget = planner.Budget(
+            world_size=args.gpus, gpus_per_node=args.gpus // args.nodes,
+            gpu_bytes=planner.parse_bytes(args.gpu_mem, "--gpu-mem"),
+            host_bytes=planner.parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
+            margin=planner.FRAGMENTATION_MARGIN if args.margin is None else args.margin)
+        items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir)
+        results = [planner.plan(item.roles, budget) for item in items]
+    except planner.PlanError as e:
+        raise RecipeConfigError(str(e)) from None
+    for item, result in zip(items, results):
+        result.notes.extend(item.notes)
+    fits = all(r.fits for r in results)
+    if args.json:
+        print(json.dumps([dict(r.to_dict(), title=i.title) for i, r in zip(items, results)], indent=2))
+    else:
+        name = f"{args.recipe} --config {args.config}" if args.config else args.recipe
+        for item, result in zip(items, results):
+            print(planner.format_plan(result, title=f"== plan: {item.title} ({name})"))
+            print()
+    if args.write:
+        if not fits:
+            print(f"error: not writing {args.write}: the run does not fit (see above)", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        command = " ".join(["multiengine plan", args.recipe, *(["--config", args.config] if args.config else []),
+                            *overrides, "--gpus", str(args.gpus), "--gpu-mem", args.gpu_mem,
+                            *(["--nodes", str(args.nodes)] if args.nodes > 1 else [])])
+        header = (f"Placements chosen by `{command}`:\n"
+                  + "\n".join(f"  {r.request.name}: {r.chosen.choice.label}" for res in results for r in res.roles))
+        path = plans.write_config(args.recipe, args.config, overrides, items, [r.placements() for r in results],
+                                  args.write, header, configs_dir=args.configs_dir)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
 # --- ls / cp -----------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace) -> int:
     recipes = list_recipes(args.configs_dir)
@@ -256,12 +339,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # parse_known_args lets overrides come after options too (`run r --config c a=1 --nnodes 1 b=2`).
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if a.startswith("-") or args.command != "run"]
+    stray = [a for a in extra if a.startswith("-") or args.command not in ("run", "plan")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     try:
         if args.command == "run":
             return _cmd_run(args, [*args.overrides, *extra])
+        if args.command == "plan":
+            return _cmd_plan(args, [*args.overrides, *extra])
         if args.command == "ls":
             return _cmd_ls(args)
         return _cmd_cp(args)
