@@ -42,8 +42,8 @@ def _numel(model):
 def test_safetensors_header_is_read_without_weights(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"a.weight": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)}, str(tmp_path / "x.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {"a.weight": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
     header = P.read_safetensors_header(tmp_path / "x.safetensors")
     assert header["a.weight"]["dtype"] == "BF16" and header["a.weight"]["shape"] == [3, 4]
     assert header["b"]["dtype"] == "F32" and "__metadata__" not in header
@@ -74,8 +74,8 @@ def test_counts_equal_the_loaded_models(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "opt", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert P.model_info(tmp_path / "bf16").dtypes == {"BF16": info.params}
 
-    clip = CLIPTextModel(CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        vocab_size=100, max_position_embeddings=16))
+    clip = CLIPTextModel(CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, vocab_size=100, max_position_embeddings=16))
     clip.save_pretrained(tmp_path / "clip")
     assert P.model_info(tmp_path / "clip").params == _numel(CLIPTextModel.from_pretrained(tmp_path / "clip"))
 
