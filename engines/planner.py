@@ -680,6 +680,7 @@ class RoleRequest:
     choices: allowed placements, cheapest first; current: the placement the config asks for.
     follows: the name of the role whose stage this one takes (an EMA follows its source); with
         follows_all the whole placement is copied (e.g. text_encoder_2 shares text_encoder's keys).
+    gather_hint: the config setting that gathers layer by layer instead (quoted when it does not fit).
     """
 
     name: str
@@ -698,6 +699,7 @@ class RoleRequest:
     follows_all: bool = False
     source: str = ""
     note: str = ""
+    gather_hint: str = ""  # how the config turns the whole-model gather off (for the message)
 
     @property
     def trainable(self) -> bool:
@@ -754,7 +756,8 @@ def cost_role(req: RoleRequest, choice: Choice, world_size: int) -> RoleOption:
     bucket, fp32_grads = train_buffer_bytes(dtype=req.dtype, stage=choice.stage, world_size=n,
                                             trainable_params=req.trainable_params,
                                             offload_optimizer=choice.offload_optimizer, hidden_size=req.hidden_size)
-    sharded = choice.stage == 3 and n > 1
+    # ZeRO-3 fetches parameters for each use when they are split over ranks or offloaded to the host
+    sharded = choice.stage == 3 and (n > 1 or choice.offload_params)
     best, best_label = fp32_grads, "optimizer step"
     for label, nbytes in req.phases:
         extra = nbytes
@@ -921,12 +924,16 @@ def plan(roles: Sequence[RoleRequest], budget: Budget) -> Plan:
     ]
     best: tuple | None = None
     best_options: list[RoleOption] | None = None
+    leanest: tuple | None = None  # the smallest total, reported when nothing fits
+    leanest_options: list[RoleOption] = []
     for combo in itertools.product(*spaces):
         assignment = {r.name: c for r, c in zip(free, combo)}
         for f, c in zip(follower_offload, combo[len(free):]):
             assignment[f.name] = c
         options = assemble(assignment)
-        _, _, _, total, host = _totals(options, budget)
+        states, _, _, total, host = _totals(options, budget)
+        if leanest is None or (total, states) < leanest:
+            leanest, leanest_options = (total, states), options
         if total > budget.gpu_bytes or (host_limit is not None and host > host_limit):
             continue
         key = (
@@ -944,11 +951,7 @@ def plan(roles: Sequence[RoleRequest], budget: Budget) -> Plan:
         current_options = assemble({r.name: r.current for r in roles})  # type: ignore[misc]
     fits = best_options is not None
     if not fits:
-        # report the most memory-saving placement of every role
-        leanest = {r.name: min(r.allowed(), key=lambda c, r=r: costed(r, c).accelerator_peak) for r in free}
-        for f in follower_offload:
-            leanest[f.name] = Choice(3, offload_params=True)
-        best_options = assemble(leanest)
+        best_options = leanest_options  # report the most memory-saving combination
     assert best_options is not None
     states, peak, margin, total, host = _totals(best_options, budget)
     peak_option = max(best_options, key=lambda o: o.transient)
@@ -986,7 +989,12 @@ def _message(p: Plan, host_limit: float | None) -> str:
     if host_limit is not None and p.host_per_node > host_limit:
         lines.append(f"Offloaded states need {fmt_bytes(p.host_per_node)} of host memory per node "
                      f"(usable: {fmt_bytes(host_limit)}).")
-    if o.transient > o.states.accelerator:
+    gathered = o.transient_phase in biggest.request.full_gather and o.choice.stage == 3
+    if gathered and o.transient > o.states.accelerator:
+        lines.append(f"Its {o.transient_phase} gathers the whole role on every GPU "
+                     f"({fmt_bytes(DTYPE_BYTES[biggest.request.dtype] * biggest.request.params)}): gather it layer by "
+                     f"layer instead{' (' + biggest.request.gather_hint + ')' if biggest.request.gather_hint else ''}.")
+    elif o.transient > o.states.accelerator:
         lines.append("Activations dominate: lower the micro batch or sequence/image size, or turn on gradient "
                      "checkpointing.")
     else:

@@ -12,6 +12,7 @@ The config is validated here before any rank starts, so a typo costs a second, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -261,8 +262,10 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             gpu_bytes=planner.parse_bytes(args.gpu_mem, "--gpu-mem"),
             host_bytes=planner.parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
             margin=planner.FRAGMENTATION_MARGIN if args.margin is None else args.margin)
-        items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir)
-        results = [planner.plan(item.roles, budget) for item in items]
+        # Libraries building the tiny models print to stdout (DeepSpeed's logger): keep --json clean.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir)
+            results = [planner.plan(item.roles, budget) for item in items]
     except planner.PlanError as e:
         raise RecipeConfigError(str(e)) from None
     for item, result in zip(items, results):

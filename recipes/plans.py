@@ -178,7 +178,7 @@ def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current:
           lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0,
           phases: Sequence[tuple[str, int]] = (), full_gather: Sequence[str] = (),
           choices: Sequence[P.Choice] = (), follows: str | None = None, follows_all: bool = False,
-          note: str = "") -> P.RoleRequest:
+          note: str = "", gather_hint: str = "") -> P.RoleRequest:
     params = info.params
     numels = list(info.numels)
     trainable_params = params if trainable else 0
@@ -196,7 +196,7 @@ def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current:
         name=name, params=params, dtype=dtype, trainable_params=trainable_params, numels=tuple(numels),
         hidden_size=info.hidden_size, lora=lora is not None, phases=tuple(phases), full_gather=tuple(full_gather),
         choices=tuple(choices), current=current, follows=follows, follows_all=follows_all, source=info.source,
-        note=note)
+        note=note, gather_hint=gather_hint)
 
 
 def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | None = None,
@@ -322,6 +322,7 @@ def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
     roles.append(_role("vae", vae, vdtype, trainable=False,
                        current=P.Choice(0) if baseline else _current(r.vae.stage, False, r.vae.offload_params),
                        phases=vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
+                       gather_hint="roles.vae.gather_forward=false",
                        choices=fixed0 if baseline else (), note="seed_baseline: full copy" if baseline else ""))
     tdtype = str(r.text_encoder.dtype)
     for i, name in enumerate(encoders):
@@ -333,6 +334,7 @@ def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
             name, info, tdtype, trainable=False,
             current=P.Choice(0) if baseline else _current(r.text_encoder.stage, False, r.text_encoder.offload_params),
             phases=phases, full_gather=("encode",) if r.text_encoder.gather_forward else (),
+            gather_hint="roles.text_encoder.gather_forward=false",
             choices=fixed0 if baseline else (), follows=encoders[0] if i and not baseline else None,
             follows_all=bool(i), note="placed like text_encoder (one roles.text_encoder section)" if i else ""))
     keys = {"unet": _keys("roles.unet")}
@@ -425,7 +427,7 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
                   phases=_lm_phases(adims, actor_dtype, generate=(rollout, prompt, new), forward=(rollout, seq),
                                     train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
                                     label="experience forward"),
-                  full_gather=("generation",) if g.mode == "gather" else ())
+                  full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
     critic = _role("critic", critic_info, critic_dtype, trainable=True, lora=_lora(cfg.lora.critic),
                    extra_trainable=cdims.hidden, current=critic_cur,
                    phases=_lm_phases(cdims, critic_dtype, forward=(rollout, seq), train=(mini, seq), logits=False,
@@ -436,12 +438,14 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
     reward_stage = int(r.reward.stage) if r.reward.stage >= 0 else critic_cur.stage
     ref = _role("ref", actor_info, ref_dtype, trainable=False, current=_current(ref_stage, False, r.ref.offload_params),
                 phases=_lm_phases(adims, ref_dtype, forward=(rollout, seq), label="experience forward"),
-                full_gather=("experience forward",) if r.ref.gather_forward else ())
+                full_gather=("experience forward",) if r.ref.gather_forward else (),
+                gather_hint="roles.ref.gather_forward=false")
     reward = _role("reward", reward_info, reward_dtype, trainable=False,
                    current=_current(reward_stage, False, r.reward.offload_params),
                    phases=_lm_phases(rdims, reward_dtype, forward=(rollout, seq), logits=False,
                                      label="experience forward"),
-                   full_gather=("experience forward",) if r.reward.gather_forward else ())
+                   full_gather=("experience forward",) if r.reward.gather_forward else (),
+                   gather_hint="roles.reward.gather_forward=false")
     roles = [actor, critic, ref, reward]
     keys = {"actor": _keys("roles.actor"), "critic": _keys("roles.critic"),
             "ref": _keys("roles.ref", offload_optimizer=False),
