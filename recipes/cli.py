@@ -5,6 +5,8 @@
     multiengine run registry_demo --config tiny max_steps=3
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
     multiengine plan rlhf_ppo --config opt13b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
+    multiengine run rlhf_ppo --config my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 \
+        --master-addr node0 --master-port 29500          # the same on node1 with --node-rank 1
 
 The config is validated here before any rank starts, so a typo costs a second, not a launch.
 """
@@ -63,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe")
     run.add_argument("--config", help="shipped config name (see `multiengine ls`) or path to a YAML file")
     run.add_argument("--nproc-per-node", type=int, help="launch N ranks with torch.distributed.run")
-    run.add_argument("--nnodes", type=int, default=1)
-    run.add_argument("--node-rank", type=int, default=0)
-    run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1)")
+    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (the command runs once on each)")
+    run.add_argument("--node-rank", type=int, default=None,
+                     help="this node's index, 0 on rank 0's node (static rendezvous; required with --nnodes > 1)")
+    run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1; with c10d: the rendezvous host)")
     run.add_argument("--master-port", type=int, help="rank 0's port (default: a free one on one node)")
+    run.add_argument("--rdzv-backend", choices=RDZV_BACKENDS, default="static",
+                     help="static (default): fixed --node-rank, rank 0's node serves the store at "
+                     "--master-addr:--master-port; c10d: nodes join in any order and are numbered as they arrive")
+    run.add_argument("--rdzv-id", default="multiengine", help="c10d: a job id, the same on every node")
     run.add_argument("overrides", nargs="*", metavar="key=value")
 
     _add_plan_parser(sub)
@@ -94,6 +101,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RDZV_BACKENDS = ("static", "c10d")
+
+
+def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                     rdzv_backend: str, rdzv_id: str) -> list[str]:
+    """torchrun's rendezvous options, checked: a wrong node rank or a missing address would hang every node."""
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise RecipeConfigError(f"--rdzv-backend {rdzv_backend!r}; use one of {list(RDZV_BACKENDS)}")
+    if nnodes < 1:
+        raise RecipeConfigError(f"--nnodes must be >= 1, got {nnodes}")
+    where = ("rank 0's host and port" if rdzv_backend == "static"
+             else "the rendezvous endpoint: one node's host and a free port, the same on every node")
+    if nnodes > 1 and (master_addr is None or master_port is None):
+        raise RecipeConfigError(f"--nnodes > 1 needs --master-addr and --master-port ({where})")
+    addr = master_addr or "127.0.0.1"
+    port = str(master_port if master_port is not None else _free_port())
+    if rdzv_backend == "c10d":
+        if node_rank is not None and nnodes > 1:
+            raise RecipeConfigError("--node-rank has no effect with --rdzv-backend c10d (nodes are numbered as they "
+                                    "join); drop it, or use the static rendezvous")
+        return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr}:{port}", "--rdzv_id", rdzv_id]
+    if node_rank is None:
+        if nnodes > 1:
+            raise RecipeConfigError(
+                f"--nnodes {nnodes} needs --node-rank on every node: 0 on rank 0's node (--master-addr), 1 to "
+                f"{nnodes - 1} on the others (or --rdzv-backend c10d, which numbers nodes as they join)")
+        node_rank = 0
+    if not 0 <= node_rank < nnodes:
+        raise RecipeConfigError(f"--node-rank {node_rank} is not in [0, --nnodes {nnodes})")
+    return ["--node_rank", str(node_rank), "--master_addr", addr, "--master_port", port]
+
+
 def build_launch_command(
     recipe: str,
     config_file: str | None,
@@ -101,26 +140,22 @@ def build_launch_command(
     *,
     nproc_per_node: int,
     nnodes: int = 1,
-    node_rank: int = 0,
+    node_rank: int | None = 0,
     master_addr: str | None = None,
     master_port: int | None = None,
     package: str = RECIPES_PACKAGE,
     configs_dir: str | Path = CONFIGS_DIR,
+    rdzv_backend: str = "static",
+    rdzv_id: str = "multiengine",
 ) -> list[str]:
     """`python -m torch.distributed.run ... -m multiengine.recipes.cli run <recipe> ...` for every rank."""
     if nproc_per_node < 1:
         raise RecipeConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise RecipeConfigError(f"--node-rank {node_rank} is not in [0, --nnodes {nnodes})")
-    if nnodes > 1 and (master_addr is None or master_port is None):
-        raise RecipeConfigError("--nnodes > 1 needs --master-addr and --master-port (rank 0's host and port)")
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc_per_node),
         "--nnodes", str(nnodes),
-        "--node_rank", str(node_rank),
-        "--master_addr", master_addr or "127.0.0.1",
-        "--master_port", str(master_port if master_port is not None else _free_port()),
+        *_rendezvous_args(nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_id),
         "-m", "multiengine.recipes.cli",
         "--recipes-package", package,
         "--configs-dir", str(configs_dir),
@@ -187,9 +222,11 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.recipe, args.config, overrides, package=package, configs_dir=configs_dir)
     from multiengine.engines.metrics import setup_logging, to_plain  # imports torch: only on `run`
 
-    multinode = (args.nnodes, args.node_rank, args.master_addr, args.master_port) != (1, 0, None, None)
+    multinode = ((args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_backend)
+                 != (1, None, None, None, "static"))
     if args.nproc_per_node is None and multinode:
-        raise RecipeConfigError("--nnodes/--node-rank/--master-addr/--master-port need --nproc-per-node")
+        raise RecipeConfigError(
+            "--nnodes/--node-rank/--master-addr/--master-port/--rdzv-backend need --nproc-per-node")
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     if args.nproc_per_node is not None:
@@ -199,7 +236,7 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
             args.recipe, config_file, overrides,
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port,
-            package=package, configs_dir=configs_dir,
+            package=package, configs_dir=configs_dir, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
         )
         return _launch(cmd, _launch_env(args.nproc_per_node, package))
     result = _run_loaded(args.recipe, cfg, package, configs_dir)
