@@ -138,12 +138,10 @@ def _gib(n: int) -> str:
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
-        title = r["title"] + ("" if r["step"] in ("sd3", "flux-lora", "flux-full", "grpo") or
-                              r["step"].startswith(("sd_finetune", "rlhf_ppo")) else f" - {r['step']}")
-        lines += [f"#### {title}", ""]
+        lines += [f"### {r['title']}", ""]
         header = "| role | parameters | trainable |"
         rule = "|---|---:|---:|"
-        for gpus, nodes in LAYOUTS:
+        for gpus, _ in LAYOUTS:
             header += f" {gpus} x 80 GB: placement | GiB/GPU (+host) |"
             rule += "---|---:|"
         lines += [header, rule]
@@ -155,11 +153,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 host = f" (+{_gib(o.states.host)})" if o.states.host else ""
                 row += f" {o.choice.label} | {_gib(o.states.accelerator)}{host} |"
             lines.append(row)
+        def verdict(ok: bool | None) -> str:
+            return "fits" if ok else "DOES NOT FIT"
+
         for label, get in (("peak transient", lambda p: f"{_gib(p.transient)} ({p.transient_role} "
                                                           f"{p.transient_phase})"),
-                           ("total per GPU", lambda p: f"**{_gib(p.total)}** " + ("fits" if p.fits else "DOES NOT FIT")),
+                           ("total per GPU", lambda p: f"**{_gib(p.total)}** {verdict(p.fits)}"),
                            ("as written", lambda p: "-" if p.current_total is None else
-                            f"{_gib(p.current_total)} " + ("fits" if p.current_fits else "DOES NOT FIT"))):
+                            f"{_gib(p.current_total)} {verdict(p.current_fits)}")):
             row = f"| {label} | | |"
             for gpus, _ in LAYOUTS:
                 row += f" {get(r['plans'][gpus])} | |"

@@ -1049,7 +1049,7 @@ def format_plan(p: Plan, title: str = "") -> str:
             rows.append([o.choice.label + f" (follows {r.follows})", fmt_bytes(o.states.params),
                          fmt_bytes(o.states.grads), fmt_bytes(o.states.optimizer), fmt_bytes(o.states.accelerator),
                          fmt_bytes(o.states.host), fmt_bytes(o.transient), "chosen"])
-        out.append(_indent(_table(["placement", "params", "grads", "optimizer", "states", "host", "peak extra", ""],
+        out.append(_indent(_table(["placement", "params", "grads", "optimizer", "states", "host", "transient", ""],
                                   rows)))
     out.append("")
     rows = []

@@ -65,7 +65,7 @@ def _hub_cache(name: str) -> str | None:
         return None
 
 
-def _producer(path: str, role: str, configs_dir: str | Path) -> tuple[str, str] | None:
+def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
     """(model, description) when `path` is `<output_dir>/export/<role>` of a shipped config: the model
     that config starts from (its export has the same architecture)."""
     norm = os.path.normpath(path)
@@ -120,7 +120,7 @@ def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = No
         return P.model_info(cached)
     if known_models.is_known(name):
         return known_models.known_model_info(name)
-    produced = _producer(name, role, configs_dir) if name not in _seen else None
+    produced = _producer(name, configs_dir) if name not in _seen else None
     if produced:
         model, why = produced
         info = resolve_model(model, role, configs_dir=configs_dir, tiny=tiny, _seen=(*_seen, name))
@@ -230,7 +230,7 @@ def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool =
 def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
                   configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     folder = os.path.join(str(cfg.output_dir), "tiny_lm")
-    if assume or os.path.isfile(os.path.join(folder, "config.json")):
+    if (assume and "actor" in assume) or os.path.isfile(os.path.join(folder, "config.json")):
         info = resolve_model(folder, "actor", assume=assume, configs_dir=configs_dir)
     else:
         info = _meta_opt(cfg.model.hidden_size, cfg.model.layers, cfg.model.vocab_size)
