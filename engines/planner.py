@@ -863,7 +863,7 @@ class Plan:
         }
 
 
-def _derive(req: RoleRequest, leader: Choice, own: Choice) -> Choice:
+def follower_choice(req: RoleRequest, leader: Choice, own: Choice) -> Choice:
     """A follower's placement given its leader's (an EMA takes the stage, keeps its own offload)."""
     if req.follows_all:
         return Choice(leader.stage, leader.offload_optimizer and req.trainable, leader.offload_params)
@@ -914,7 +914,7 @@ def plan(roles: Sequence[RoleRequest], budget: Budget) -> Plan:
         chosen = dict(assignment)
         for f in followers:
             own = chosen.get(f.name) or (f.current or f.allowed()[0])
-            chosen[f.name] = _derive(f, chosen[f.follows], own)
+            chosen[f.name] = follower_choice(f, chosen[f.follows], own)
         return [costed(by_name[name], chosen[name]) for name in names]
 
     follower_offload = [f for f in followers if not f.follows_all

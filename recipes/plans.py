@@ -504,6 +504,25 @@ def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,
     return PLANNERS[recipe](cfg, assume, configs_dir)
 
 
+def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None,
+                      configs_dir: str | Path = CONFIGS_DIR) -> dict[str, dict[str, int]]:
+    """Planned per-rank model-state bytes of every role at the placements `cfg` asks for, for the
+    planned-vs-measured check next to `registry.memory_report()` (keys as in the memory report)."""
+    out: dict[str, dict[str, int]] = {}
+    for item in recipe_plans(recipe, cfg, assume, configs_dir):
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            if req.follows:  # derived from the leader exactly as the chooser does
+                choice = P.follower_choice(req, chosen[req.follows], choice)
+            o = P.cost_role(req, choice, world_size)
+            out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
+                             "params_persistent": req.persistent if o.choice.stage == 3 else 0,
+                             "param_bytes": o.states.params, "grad_bytes": o.states.grads,
+                             "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # --write
 # --------------------------------------------------------------------------------------------------

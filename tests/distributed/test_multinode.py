@@ -67,6 +67,19 @@ def test_two_nodes_equal_one_node(tmp_path):
     for name in a:
         assert (a[name] == b[name]).all(), name  # bit-identical weights after 3 steps
 
+    # the planner's per-rank model states at the config's placements equal the measured ones
+    from multiengine.recipes import plans
+    from multiengine.recipes.config import load_config
+
+    planned = plans.configured_states("registry_demo", load_config("registry_demo", "tiny", [f"output_dir={two}"]), 2)
+    for out in (two, one):
+        for row in json.loads((out / "summary.json").read_text())["memory"]["rank0_roles"]:
+            p = planned[row["role"]]
+            assert (p["stage"], p["params_total"], p["params_persistent"]) == (
+                row["stage"], row["params_total"], row["params_persistent"]), row["role"]
+            assert (p["param_bytes"], p["grad_bytes"]) == (row["param_bytes"], row["grad_bytes"]), row["role"]
+            assert 0 <= row["optimizer_bytes"] - p["optimizer_bytes"] <= 4 * 64  # AdamW's step counters
+
 
 def test_checkpoint_from_two_nodes_resumes_on_one_node(tmp_path):
     """tests/distributed/workers/ckpt.py: 3 steps + save on 2 nodes (c10d), load + 3 steps on 1 node,
