@@ -347,3 +347,29 @@ def test_plan_to_dict_is_json():
     assert data["fits"] and data["roles"]["actor"]["chosen"]["stage"] == 0
     assert data["per_gpu"]["total"] == p.total
     assert "role actor" in P.format_plan(p)
+
+
+def test_built_in_architectures_match_published_counts():
+    from multiengine.engines import known_models as K
+
+    published = {  # parameter totals of the released checkpoints
+        "facebook/opt-350m": 331_196_416, "facebook/opt-1.3b": 1_315_758_080, "facebook/opt-13b": 12_853_473_280,
+        "meta-llama/Meta-Llama-3-8B": 8_030_261_248, "openai/clip-vit-large-patch14": 123_060_480,
+        "google/t5-v1_1-xxl": 4_762_310_656,
+    }
+    for name, count in published.items():
+        assert K.known_model_info(name).params == count, name
+    assert K.known_model_info("meta-llama/Llama-3.1-8B").params == published["meta-llama/Meta-Llama-3-8B"]
+    pipelines = {
+        "stable-diffusion-v1-5/stable-diffusion-v1-5": {"unet": 859_520_964, "vae": 83_653_863,
+                                                        "text_encoder": 123_060_480},
+        "stabilityai/stable-diffusion-xl-base-1.0": {"unet": 2_567_463_684, "text_encoder_2": 694_659_840},
+        "stabilityai/stable-diffusion-3-medium-diffusers": {"transformer": 2_028_328_000},
+        "black-forest-labs/FLUX.1-dev": {"transformer": 11_901_408_320, "text_encoder_2": 4_762_310_656},
+    }
+    for name, parts in pipelines.items():
+        infos = K.known_pipeline_info(name)
+        for component, count in parts.items():
+            assert infos[component].params == count, (name, component)
+    with pytest.raises(P.PlanError, match="not a built-in model"):
+        K.known_model_info("acme/unknown-7b")
