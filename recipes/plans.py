@@ -132,7 +132,8 @@ def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = No
         f"hold with --assume {role}=<folder or built-in name>.")
 
 
-def resolve_pipeline(name: str, *, variant: str | None = None, tiny: Callable[[], str] | None = None,
+def resolve_pipeline(name: str, *, variant: str | None = None,
+                     tiny: Callable[[], tuple[dict[str, P.ModelInfo], str]] | None = None,
                      assume: Mapping[str, str] | None = None) -> tuple[dict[str, P.ModelInfo], str]:
     """Per component ModelInfo of a diffusers pipeline (folder, cached hub name or built-in), and its source."""
     from multiengine.engines import known_models
@@ -140,8 +141,7 @@ def resolve_pipeline(name: str, *, variant: str | None = None, tiny: Callable[[]
     if assume and "pipeline" in assume:
         name = assume["pipeline"]
     if not name and tiny is not None:
-        folder = tiny()
-        return P.pipeline_info(folder), folder
+        return tiny()
     if os.path.isdir(name):
         return P.pipeline_info(name, variant), name
     cached = _hub_cache(name)
@@ -265,25 +265,28 @@ def _meta_opt(hidden: int, layers: int, vocab: int) -> P.ModelInfo:
                        tensors=tensors, config=config.to_dict(), class_name="OPTForCausalLM")
 
 
-def _tiny_sd_folder(cfg: Any) -> str:
+def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
     folder = os.path.join(str(cfg.output_dir), "tiny_sd")
     if os.path.isfile(os.path.join(folder, "model_index.json")):
-        return folder
+        return P.pipeline_info(folder), folder
     return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), int(cfg.model.tiny_text_encoders))
 
 
 @functools.cache
-def _build_tiny_sd(seed: int, resolution: int, text_encoders: int) -> str:
+def _build_tiny_sd(seed: int, resolution: int, text_encoders: int) -> tuple[dict[str, P.ModelInfo], str]:
+    """The recipe's tiny SD (under 2M parameters), built in a temporary folder to read its headers."""
     from multiengine.recipes.sd_finetune import build_tiny_model
 
-    folder = os.path.join(tempfile.mkdtemp(prefix="multiengine_plan_"), "tiny_sd")
-    return build_tiny_model(folder, seed, resolution, text_encoders)
+    with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
+        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, text_encoders)
+        parts = P.pipeline_info(folder)
+    return parts, f"the recipe's tiny SD ({text_encoders} text encoder(s), built as the run would)"
 
 
 def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _tiny_sd_folder(cfg), assume=assume)
+                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
     denoiser = "unet" if "unet" in components else "transformer"
     if denoiser != "unet" or "vae" not in components:
         raise RecipeConfigError(f"sd_finetune trains a unet; {source} has components {sorted(components)}.")
