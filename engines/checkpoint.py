@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .dist import barrier
+from .partition import local_tensors, refresh_full_copies
 
 if TYPE_CHECKING:
     from .registry import EngineRegistry
@@ -44,28 +45,6 @@ _TAG_PREFIX = "step_"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that does not match the registry that tries to load it."""
-
-
-def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameter storage this rank owns: ZeRO-3 partitions (ds_tensor), else the full tensors."""
-    return [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in module.parameters()]
-
-
-def refresh_full_copies(module: torch.nn.Module) -> None:
-    """After writing ZeRO-3 partitions (ds_tensor) directly, re-gather the parameters that are
-    currently held whole. DeepSpeed keeps persistent parameters (small ones, below
-    stage3_param_persistence_threshold) gathered between forwards once its trace is complete;
-    their full copy would otherwise keep the old values for every later forward and gather.
-    Collective when any such parameter exists: all ranks must call it (they share the trace)."""
-    from_zero = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
-    if not from_zero:
-        return
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    held = [p for p in from_zero if p.ds_status == ZeroParamStatus.AVAILABLE]
-    if held:
-        held[0].partition(param_list=held, has_been_updated=False)  # drop the stale full copies
-        held[0].all_gather(param_list=held)  # and rebuild them from the updated partitions
 
 
 def rng_state() -> dict[str, Any]:
@@ -235,28 +214,3 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
     set_rng_state(state["rng"])
     barrier()
     return state["client_state"]
-
-
-def _write_module(module: torch.nn.Module, out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    if hasattr(module, "save_pretrained"):
-        module.save_pretrained(out)
-    else:
-        from safetensors.torch import save_model
-
-        save_model(module, os.path.join(out, "model.safetensors"))
-
-
-def export(registry: EngineRegistry, out_dir: str, names: list[str]) -> dict[str, str]:
-    """Gather each role on all ranks (never rank 0 alone: that hangs under ZeRO-3), write on rank 0.
-    Tensors written are full, never the empty shards of a partitioned model."""
-    written: dict[str, str] = {}
-    for name in names:
-        role = registry.role(name)
-        out = os.path.join(out_dir, name)
-        with registry.gathered(name):
-            if registry.is_main:
-                _write_module(role.module, out)
-        barrier()
-        written[name] = out
-    return written

@@ -17,7 +17,7 @@ import torch
 
 AUTO = "auto"
 
-_DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16")
 
 # Top-level keys DeepSpeed understands (the common ones). Anything else is almost always a typo,
 # which DeepSpeed itself would silently ignore; we reject it with a suggestion instead.
@@ -52,8 +52,8 @@ def _suggest(key: str, valid: Any) -> str:
 
 
 def _dtype_section(dtype: str) -> dict[str, Any]:
-    if dtype not in _DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {list(_DTYPES)}.")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {list(DTYPES)}.")
     return {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
 
 

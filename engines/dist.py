@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -54,8 +55,10 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(use_deepspeed: bool, backend: str | None = None) -> DistEnv:
-    """Initialise the default process group once (also for a single process, so ZeRO works the same)."""
+def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s: float | None = None) -> DistEnv:
+    """Initialise the default process group once (also for a single process, so ZeRO works the same).
+
+    timeout_s: collective timeout (torch's default, 30 minutes, when None)."""
     # DeepSpeed calls torch collectives that torch 2.13 marks deprecated, once per bucket: noise for users.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.? is deprecated", category=FutureWarning)
     env = read_env()
@@ -74,12 +77,13 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None) -> DistEnv
     backend = backend or default_backend()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
     if use_deepspeed:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **timeout)
     else:
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, **timeout)
     logger.info("process group up: rank %d of %d (%s)", env.rank, env.world_size, backend)
     return env
 
@@ -107,3 +111,21 @@ def shutdown() -> None:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value summed over all ranks, with one all-reduce (float64). Every rank must call it with the
+    same keys; without a process group the values come back as they are."""
+    keys = sorted(values)
+    if not keys:
+        return {}
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value averaged over all ranks, with one all-reduce (float64); see :func:`sum_over_ranks`."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return {k: v / world for k, v in sum_over_ranks(values).items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import local_tensors, refresh_full_copies
+from .partition import local_tensors, refresh_full_copies
 
 
 @torch.no_grad()

@@ -85,7 +85,8 @@ def role_memory(role: Any, world_size: int) -> dict[str, Any]:
         "stage": role.stage,
         "requested_stage": role.requested_stage,
         "trainable": role.trainable,
-        "dtype": str(role.dtype).replace("torch.", ""),
+        "dtype": str(role.dtype).replace("torch.", ""),  # of the weights held
+        "compute_dtype": str(getattr(role, "compute_dtype", role.dtype)).replace("torch.", ""),
         "params_total": total,
         "params_local": partition,
         "params_persistent": persistent,
@@ -96,6 +97,22 @@ def role_memory(role: Any, world_size: int) -> dict[str, Any]:
         "optimizer_bytes": optimizer_state_bytes(role.engine) if role.trainable else 0,
         "note": role.note,
     }
+
+
+def gather_memory(registry: Any) -> list[dict[str, Any]]:
+    """Per rank: the registry's per-role memory rows and the process's peak RSS (and CUDA peak), as a
+    list indexed by rank. Collective: every rank must call it."""
+    import torch.distributed as dist
+
+    mine: dict[str, Any] = {"rank": registry.rank, "roles": list(registry.memory_report()),
+                            "peak_rss_bytes": peak_rss_bytes()}
+    if torch.cuda.is_available():
+        mine["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    if registry.world_size == 1 or not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * registry.world_size
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def peak_rss_bytes() -> int:

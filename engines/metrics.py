@@ -39,8 +39,10 @@ def setup_logging(rank: int, stream: Any = None) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _to_number(key: str, value: Any) -> float | int:
+def _to_number(key: str, value: Any) -> float | int | None:
     """A metric as a plain number: tensors / numpy scalars via .item(); bools and ints stay exact."""
+    if value is None:
+        return None
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, (int, float)):
@@ -60,6 +62,8 @@ def to_plain(value: Any) -> Any:
         return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/Infinity
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, os.PathLike):
@@ -69,7 +73,7 @@ def to_plain(value: Any) -> Any:
             value = value.detach().cpu()
         return to_plain(value.tolist())
     if hasattr(value, "item"):
-        return value.item()
+        return to_plain(value.item())
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to JSON")
 
 
@@ -102,17 +106,20 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=tensorboard_dir)
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
-        """Write `{"step": step, "<prefix>/<key>": value, ...}`; a non-scalar value is a TypeError."""
+        """Write `{"step": step, "<prefix>/<key>": value, ...}` (non-finite values as null); a non-scalar
+        value is a TypeError."""
         if not self.enabled or self._file is None:
             return
         record: dict[str, Any] = {"step": int(step)}
         for key, value in metrics.items():
             name = f"{prefix}/{key}" if prefix else str(key)
             record[name] = _to_number(name, value)
-        self._file.write(json.dumps(record) + "\n")
+        # JSON has no NaN/Infinity: a non-finite value is written as null (the file stays valid JSON).
+        plain = {k: (v if v is None or math.isfinite(v) else None) for k, v in record.items()}
+        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
         if self._tb is not None:
-            for name, value in record.items():
-                if name != "step" and math.isfinite(value):
+            for name, value in plain.items():
+                if name != "step" and value is not None:
                     self._tb.add_scalar(name, value, int(step))
 
     def close(self) -> None:
@@ -160,3 +167,43 @@ def write_summary(path: str | os.PathLike, summary: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def plot_curves(records: list[dict[str, Any]], out_png: str | os.PathLike,
+                panels: list[tuple[str, list[str]]], title: str = "", xlabel: str = "step") -> str | None:
+    """One panel per ``(ylabel, metric keys)`` against ``step``, written atomically; returns the PNG path,
+    or None (with a log line) when matplotlib is missing or no panel has a point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: skipping the plot %s (pip install matplotlib)", out_png)
+        return None
+    panels = [(label, keys) for label, keys in panels
+              if any(r.get(k) is not None for r in records for k in keys)]
+    if not panels:
+        logger.info("no metric of the plot's panels was logged: skipping %s", out_png)
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (label, keys) in zip(axes[0], panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 15 else None, markersize=3, label=key)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(out_png)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return str(path)

@@ -11,13 +11,14 @@ import copy
 import difflib
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import checkpoint as _ckpt
+from . import export as _export
 from . import memory as _memory
 from .config import (
     AUTO,
@@ -32,6 +33,10 @@ from .config import (
     zero_stage,
 )
 from .dist import DistEnv, deepspeed_available, device_for, init_distributed, shutdown
+from .partition import hooks_detached
+from .roles import set_gradient_checkpointing
+from .seeding import generator as _generator
+from .seeding import role_seed, seed_everything
 from .torch_backend import TorchEngine
 from .zero_scope import role_build_scope
 
@@ -42,6 +47,8 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Client-state key under which registered objects (samplers, controllers) are checkpointed.
+_STATES_KEY = "_registry_states"
 
 
 @dataclass
@@ -60,6 +67,8 @@ class RoleSpec:
     gather_forward: a frozen ZeRO-3 role gathers all its parameters once per forward call (one
                   collective) instead of layer by layer; it still holds 1/N between calls. Worth it
                   for small frozen models called once per step (a VAE, a text encoder).
+    placement, lora: descriptive, set by the role builders (engines.roles): what the role was asked
+                  to be, for reports and exports (a LoRA role's export merges its adapters).
     """
 
     name: str
@@ -71,6 +80,8 @@ class RoleSpec:
     hidden_size: int | None = None
     stateful: bool = False
     gather_forward: bool = False
+    placement: Any = None
+    lora: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -123,8 +134,18 @@ class Role:
         return zero_stage(self.config) if self.backend == "deepspeed" else 0
 
     @property
-    def dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward computes in (the config's)."""
         return config_dtype(self.config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the module's weights are held in. DeepSpeed holds bf16/fp16 weights (the fp32
+        master copy lives in the optimizer); the torch backend keeps a trainable role's weights in
+        fp32 and autocasts its forward."""
+        if self.backend == "torch" and self.trainable:
+            return torch.float32
+        return self.compute_dtype
 
     @property
     def module(self) -> torch.nn.Module:
@@ -157,13 +178,47 @@ class UnknownRoleError(KeyError):
         return str(self.args[0])
 
 
+class JointLossError(RuntimeError):
+    """A loss that reaches several trainable roles was passed to one engine's backward."""
+
+
+@contextlib.contextmanager
+def _plain_linear() -> Iterator[None]:
+    """``torch.nn.functional.linear`` as torch ships it for the block. DeepSpeed replaces it process-wide
+    with its ZeRO-3 variant (``memory_efficient_linear``) once a stage-3 model is built; on weights that
+    are already whole that only adds overhead per call."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as _Init
+    except ImportError:
+        yield
+        return
+    original = getattr(_Init, "linear_bk", None)
+    current = torch.nn.functional.linear
+    if original is None or current is original:
+        yield
+        return
+    torch.nn.functional.linear = original
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = current
+
+
 class EngineRegistry:
     """Named engines, one per model role, each with its own config.
 
-    backend: "deepspeed", "torch", or "auto" (DeepSpeed when it imports, else plain PyTorch).
+    backend:      "deepspeed", "torch", or "auto" (DeepSpeed when it imports, else plain PyTorch).
+    dist_backend: the process-group backend ("gloo", "nccl"); default: nccl on CUDA, gloo otherwise.
+    seed:         when given, ``seed_everything(seed, rank)`` (Python, NumPy, torch get ``seed + rank``)
+                  and the base of ``generator()``; every role's model factory runs under a seed that is
+                  the same on every rank either way (``role_seed``), so random initialisations agree.
+    timeout_s:    collective timeout of the process group (and DeepSpeed's), in seconds.
+
+    The default process group is created here (once per process; an existing one is reused).
     """
 
-    def __init__(self, backend: str = "auto", dist_backend: str | None = None) -> None:
+    def __init__(self, backend: str = "auto", dist_backend: str | None = None, seed: int | None = None,
+                 timeout_s: float | None = None) -> None:
         if backend not in ("auto", "deepspeed", "torch"):
             raise ConfigError(f"backend={backend!r}; use 'auto', 'deepspeed' or 'torch'.")
         if backend == "auto":
@@ -171,10 +226,17 @@ class EngineRegistry:
         if backend == "deepspeed" and not deepspeed_available():
             raise ConfigError("backend='deepspeed' but deepspeed does not import; install it or use backend='torch'.")
         self.backend = backend
-        self.env: DistEnv = init_distributed(use_deepspeed=backend == "deepspeed", backend=dist_backend)
+        self.env: DistEnv = init_distributed(use_deepspeed=backend == "deepspeed", backend=dist_backend,
+                                             timeout_s=timeout_s)
         self.device = device_for(self.env.local_rank, backend == "deepspeed")
+        self.seed = seed
+        if seed is not None:
+            seed_everything(seed, self.env.rank)
         self._specs: dict[str, RoleSpec] = {}
         self._roles: dict[str, Role] = {}
+        self._states: dict[str, Any] = {}
+        self._gather_depth: dict[str, int] = {}
+        self._param_owner: dict[int, str] = {}
 
     # --- the map ------------------------------------------------------------------------------
     @property
@@ -220,30 +282,57 @@ class EngineRegistry:
     def stateful_frozen_roles(self) -> list[Role]:
         return [r for r in self.roles() if not r.trainable and r.spec.stateful]
 
+    # --- randomness and state ----------------------------------------------------------------------
+    def generator(self, step: int, salt: str = "", rank: int | None = None) -> torch.Generator:
+        """A CPU generator for (seed, salt, step, rank): reproducible per step and distinct per rank (pass
+        ``rank=0`` on every rank for a draw all ranks must share). Independent of the global RNG."""
+        return _generator("registry", self.seed or 0, salt, step, self.rank if rank is None else rank)
+
+    def add_state(self, name: str, obj: Any) -> Any:
+        """Checkpoint ``obj`` (anything with ``state_dict()``/``load_state_dict()``: a sampler, a KL
+        controller) with every ``save_checkpoint``, per rank, and restore it in ``load_checkpoint``."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(f"add_state('{name}', ...): {type(obj).__name__} has no state_dict/load_state_dict.")
+        if name in self._states:
+            raise ConfigError(f"add_state: a state named '{name}' is already registered.")
+        self._states[name] = obj
+        return obj
+
     # --- building -----------------------------------------------------------------------------
     def resolve_config(self, spec: RoleSpec) -> tuple[dict[str, Any], int, str]:
         """The role's config with batch keys resolved and the stage it will really be built at."""
         config = load_ds_config(spec.ds_config)
         validate_ds_config(spec.name, config)
         requested = zero_stage(config)
-        note = ""
+        notes = []
         if not spec.trainable and requested in (1, 2):
             # DeepSpeed refuses ZeRO-1/2 without an optimizer; they would shard nothing here anyway.
             config["zero_optimization"] = {"stage": 0}
-            note = f"frozen: stage {requested} requested, built at stage 0 (ZeRO-1/2 split only grads/optimizer)"
+            notes.append(f"frozen: stage {requested} requested, built at stage 0 (ZeRO-1/2 split only grads/optimizer)")
+        if self.backend == "torch" and requested:
+            notes.append(f"torch backend: stage {requested} requested, but plain PyTorch has no ZeRO; every rank holds"
+                         " the whole model" + (" (DDP)" if spec.trainable else ""))
+        if self.backend == "torch" and spec.trainable and config_dtype(config) != torch.float32:
+            name = str(config_dtype(config)).replace("torch.", "")
+            notes.append(f"torch backend: fp32 weights, forward autocast to {name}")
         if config.get("fp16", {}).get("enabled") and self.device.type == "cpu":
             raise ConfigError(
                 f"role '{spec.name}': fp16.enabled=true, but DeepSpeed's CPU accelerator has no fp16;"
                 " use dtype='bf16' or 'fp32'."
             )
         resolve_batch_keys(spec.name, config, self.world_size)
-        return config, requested, note
+        return config, requested, "; ".join(notes)
 
     def build(self) -> EngineRegistry:
         """Build every role added since the last build, in the order they were added."""
         for name, spec in self._specs.items():
             if name not in self._roles:
-                self._roles[name] = self._build_role(spec)
+                role = self._build_role(spec)
+                self._roles[name] = role
+                if role.trainable:
+                    for p in role.module.parameters():
+                        self._param_owner[id(p)] = name
+                    self._guard_backward(role)
         return self
 
     def _build_role(self, spec: RoleSpec) -> Role:
@@ -253,8 +342,18 @@ class EngineRegistry:
         # zero.Init only needs the stage, dtype and offload device; buckets are sized from the model after.
         init_config = copy.deepcopy(config)
         resolve_bucket_sizes(init_config, None)
-        with role_build_scope(init_config, stage, use_ds):
-            model = spec.model()
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        # The same seed on every rank: random weights (a fresh head, a model built from a config) agree
+        # across ranks without a broadcast, and the caller's RNG stream is left where it was.
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(role_seed(self.seed or 0, spec.name))
+            try:
+                with role_build_scope(init_config, stage, use_ds):
+                    model = spec.model()
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"role '{spec.name}': its model factory failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"role '{spec.name}': model() returned {type(model).__name__}, not a torch.nn.Module.")
         resolve_bucket_sizes(config, spec.hidden_size or model_hidden_size(model))
@@ -263,6 +362,8 @@ class EngineRegistry:
             raise ConfigError(f"role '{spec.name}': cannot resolve \"auto\" for {leftover}; give numbers.")
 
         if spec.trainable:
+            if not any(p.requires_grad for p in model.parameters()):
+                raise ConfigError(f"role '{spec.name}': trainable, but no parameter of its model requires grad.")
             model.train()
         else:
             model.requires_grad_(False)
@@ -311,54 +412,237 @@ class EngineRegistry:
             scheduler = spec.lr_scheduler(optimizer) if spec.lr_scheduler else None
         return TorchEngine(model, config, self.device, optimizer, scheduler, self.world_size)
 
-    # --- using the engines ----------------------------------------------------------------------
+    # --- whole weights: gathers and generation ---------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, *names: str, modifier_rank: int | None = None) -> Iterator[None]:
-        """Full parameters of these roles for the duration of the block (once, not per layer).
+        """Full parameters of these roles (all roles when none are named) for the duration of the block,
+        gathered once, not per layer. All ranks must enter it; safe at any point of training.
 
-        All ranks must enter it. With modifier_rank set, changes made on that rank are kept and
-        re-partitioned on exit. Roles below stage 3 already hold full parameters: no-op for them.
+        Inside the block a ZeRO-3 role's fetch/release hooks are detached (its forward runs on the whole
+        weights, no communication) after every prefetch still in flight is drained. Do not train inside
+        it. With ``modifier_rank`` set, changes made on that rank are kept and re-partitioned on exit.
+        Roles below stage 3 already hold full parameters; nesting a role's gather is a no-op.
         """
         roles = [self.role(n) for n in names] if names else self.roles()
         with contextlib.ExitStack() as stack:
             for role in roles:
-                if role.backend == "deepspeed" and role.stage == 3:
-                    import deepspeed
+                if role.backend != "deepspeed" or role.stage != 3 or self._gather_depth.get(role.name):
+                    continue
+                import deepspeed
 
-                    params = list(role.module.parameters())
-                    stack.enter_context(deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank))
+                stack.enter_context(self._depth(role.name))
+                stack.enter_context(hooks_detached(role.engine))
+                stack.enter_context(deepspeed.zero.GatheredParameters(list(role.module.parameters()),
+                                                                      modifier_rank=modifier_rank))
             yield
 
+    @contextlib.contextmanager
+    def _depth(self, name: str) -> Iterator[None]:
+        self._gather_depth[name] = self._gather_depth.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._gather_depth[name] -= 1
+
+    @contextlib.contextmanager
+    def generation(self, name: str, gather: bool = True) -> Iterator[torch.nn.Module]:
+        """The role's module, ready for ``generate`` (or any other inference), for the block.
+
+        A ZeRO-3 role is gathered once with its hooks detached (see ``gathered``): every token runs on
+        whole local weights, with no communication; it costs one full copy of the role per rank while
+        the block runs. ``gather=False`` keeps ZeRO-3's layer-by-layer fetching instead (no rank ever
+        holds the whole model; pass ``synced_gpus=True`` to ``generate`` when several ranks run it).
+        Eval mode, gradient checkpointing off (it forces ``use_cache=False``) and torch's own
+        ``F.linear``; all restored on exit. Below stage 3 and on the torch backend there is nothing to
+        gather. All ranks must enter it.
+        """
+        role = self.role(name)
+        module = role.module
+        was_training = module.training
+        had_checkpointing = set_gradient_checkpointing(module, False)
+        module.eval()
+        try:
+            with self.gathered(name) if gather else contextlib.nullcontext(), _plain_linear():
+                yield module
+        finally:
+            module.train(was_training)
+            if had_checkpointing:
+                set_gradient_checkpointing(module, True)
+
+    # --- a loss over several trainable roles -----------------------------------------------------------
+    def _roles_reached(self, loss: torch.Tensor) -> set[str]:
+        """Trainable roles whose parameters the autograd graph of ``loss`` reaches."""
+        found: set[str] = set()
+        seen: set[int] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            variable = getattr(fn, "variable", None)
+            if variable is not None and id(variable) in self._param_owner:
+                found.add(self._param_owner[id(variable)])
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        return found
+
+    def _guard_backward(self, role: Role) -> None:
+        """Make ``registry[name].backward(loss)`` refuse a loss that also reaches other trainable roles:
+        that one backward already gives them gradients, and a second engine's backward on the same loss
+        would run the graph again (ZeRO then fails on re-partitioned parameters)."""
+        engine = role.engine
+        original = engine.backward
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if len(self._param_owner) and len({*self._param_owner.values()}) > 1 and loss.grad_fn is not None:
+                others = sorted(self._roles_reached(loss) - {role.name})
+                if others:
+                    names = [role.name, *others]
+                    raise JointLossError(
+                        f"registry['{role.name}'].backward(loss): this loss also depends on trainable role(s) {others}."
+                        f" Call registry.backward(loss, roles={names}) once (then registry.step(roles={names}))"
+                        " instead of one engine's backward per role; or detach the other roles' outputs if they"
+                        " should not learn from it.")
+            return original(loss, *args, **kwargs)
+
+        engine.backward = backward
+
+    def backward(self, loss: torch.Tensor, roles: Sequence[str] | None = None, retain_graph: bool = False) -> None:
+        """One backward pass of ``loss`` for several trainable roles (any mix of ZeRO stages, both
+        backends): each role's gradients as its own ``engine.backward`` would give them, i.e. divided by
+        its own accumulation steps (and its fp16 loss scale), reduced the way its stage reduces them.
+
+        Needed whenever one loss depends on more than one trainable role (a dual encoder's contrastive
+        loss, a GAN step through both nets, joint fine-tuning). Follow with ``registry.step(roles)``.
+        All ranks must call it. ``roles`` defaults to every trainable role the loss reaches.
+        """
+        reached = self._roles_reached(loss) if loss.grad_fn is not None else set()
+        names = list(roles) if roles is not None else [r.name for r in self.trainable_roles() if r.name in reached]
+        if not names:
+            raise ConfigError("registry.backward: the loss reaches no trainable role (is it detached?).")
+        targets = [self.role(n) for n in names]
+        frozen = [r.name for r in targets if not r.trainable]
+        if frozen:
+            raise ConfigError(f"registry.backward: role(s) {frozen} are frozen; list trainable roles only.")
+        unlisted = sorted(reached - set(names))
+        if unlisted:
+            raise JointLossError(f"registry.backward(roles={names}): the loss also reaches trainable role(s)"
+                                 f" {unlisted}; list them too, or detach their outputs.")
+        factors = [self._loss_factor(r) for r in targets]
+        hooks: list[Any] = []
+        scaled = loss
+        if len(set(factors)) == 1:
+            scaled = loss * factors[0]
+        else:
+            # Different accumulation steps (or fp16 loss scales): scale each role's gradients on arrival.
+            for role, factor in zip(targets, factors):
+                for p in role.module.parameters():
+                    if p.requires_grad:
+                        hooks.append(p.register_hook(lambda g, f=factor: g * f))
+        try:
+            if self.backend == "deepspeed":
+                self._deepspeed_backward(scaled, [r.engine for r in targets], retain_graph)
+            else:
+                scaled.backward(retain_graph=retain_graph)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _loss_factor(self, role: Role) -> float:
+        """What ``engine.backward`` multiplies the loss by: 1 / accumulation steps (x the fp16 loss scale)."""
+        engine = role.engine
+        factor = 1.0 / engine.gradient_accumulation_steps()
+        optimizer = getattr(engine, "optimizer", None)
+        if role.backend == "deepspeed" and hasattr(optimizer, "scale_if_loss"):
+            probe = torch.ones((), requires_grad=True)
+            factor *= float(optimizer.scale_if_loss(probe).detach())
+        return factor
+
+    @staticmethod
+    def _deepspeed_backward(loss: torch.Tensor, engines: list[Any], retain_graph: bool) -> None:
+        """``engine.backward`` for several engines at once: each engine is marked as inside its own
+        backward (so its output hooks run its prologue but do not rescale, the loss being scaled
+        already), one ``loss.backward()``, then every engine's epilogue (gradient reduction)."""
+        from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER as tracker
+
+        for engine in engines:
+            with engine._running_engine_backward_lock:
+                engine._running_engine_backward_count += 1
+                engine._running_engine_backward = True
+        state = tracker.new_state()
+        handle = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
+        try:
+            loss.backward(retain_graph=retain_graph)
+            for engine in engines:
+                engine._backward_epilogue()
+        finally:
+            handle.remove()
+            tracker.unregister(state)
+            for engine in engines:
+                with engine._running_engine_backward_lock:
+                    engine._running_engine_backward_count -= 1
+                    engine._running_engine_backward = engine._running_engine_backward_count > 0
+
+    def step(self, roles: Sequence[str] | None = None) -> None:
+        """``engine.step()`` of each listed trainable role (all trainable roles by default): each steps its
+        optimizer, clips and schedules at its own accumulation boundary."""
+        for name in roles if roles is not None else [r.name for r in self.trainable_roles()]:
+            role = self.role(name)
+            if not role.trainable:
+                raise ConfigError(f"registry.step: role '{name}' is frozen; it has no optimizer.")
+            role.engine.step()
+
+    # --- reports, checkpoints, exports -------------------------------------------------------------------
     def memory_report(self) -> _memory.MemoryReport:
         """Per role: stage, trainable, parameters on this rank / total, bytes of params, grads, optimizer state."""
         return _memory.MemoryReport([_memory.role_memory(r, self.world_size) for r in self.roles()])
 
     def save_checkpoint(self, save_dir: str, client_state: dict[str, Any] | None = None, tag: str | None = None,
                         keep_last: int | None = None) -> str:
-        """Atomically write every trainable role's engine state, a manifest and client state (+RNG).
-        All ranks must call it. Returns the checkpoint folder."""
-        return _ckpt.save(self, save_dir, client_state or {}, tag=tag, keep_last=keep_last)
+        """Atomically write every trainable role's engine state, a manifest, client state (+RNG) and the
+        state of every object registered with ``add_state``. All ranks must call it. Returns the folder."""
+        state = dict(client_state or {})
+        if self._states:
+            state[_STATES_KEY] = {name: obj.state_dict() for name, obj in self._states.items()}
+        return _ckpt.save(self, save_dir, state, tag=tag, keep_last=keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> dict[str, Any]:
-        """Restore every trainable role, RNG states; returns the client state that was saved."""
-        return _ckpt.load(self, load_dir, tag=tag)
+        """Restore every trainable role, RNG states and registered objects; returns the client state."""
+        state = dict(_ckpt.load(self, load_dir, tag=tag))
+        saved = state.pop(_STATES_KEY, {})
+        missing = sorted(set(self._states) - set(saved))
+        if missing:
+            raise _ckpt.CheckpointError(f"checkpoint in {load_dir!r} has no state for {missing} (registered with"
+                                        " add_state); it was written by a run that did not register them.")
+        for name, obj in self._states.items():
+            obj.load_state_dict(saved[name])
+        return state
 
-    def export(self, out_dir: str, roles: Iterable[str] | None = None) -> dict[str, str]:
-        """Consolidated full weights per role: save_pretrained for HF models, safetensors otherwise."""
-        return _ckpt.export(self, out_dir, list(roles) if roles is not None else self.names())
+    def export(self, out_dir: str, roles: Iterable[str] | None = None, dtype: str | None = None) -> dict[str, str]:
+        """Full weights of each role in ``out_dir/<role>/`` (``save_pretrained`` for transformers/diffusers
+        models, ``model.safetensors`` otherwise; LoRA merged, adapter beside it), each folder written
+        atomically; ``dtype`` casts floating weights (default: the role's own dtype). All ranks call it."""
+        import os
+
+        names = list(roles) if roles is not None else self.names()
+        return {name: _export.save_role(self, name, os.path.join(out_dir, name), dtype=dtype)["model"]
+                for name in names}
 
     def close(self) -> None:
         """End of the run, on every rank: drop the engines and leave the process group cleanly."""
         self._roles.clear()
+        self._param_owner.clear()
         shutdown()
 
     def describe(self) -> dict[str, Any]:
         """The resolved config of every role (for summary.json)."""
         return {
             r.name: {"stage": r.stage, "requested_stage": r.requested_stage, "trainable": r.trainable,
-                     "dtype": str(r.dtype).replace("torch.", ""), "note": r.note, "config": r.config}
+                     "dtype": str(r.dtype).replace("torch.", ""),
+                     "compute_dtype": str(r.compute_dtype).replace("torch.", ""),
+                     "lora": r.spec.lora is not None, "note": r.note, "config": r.config}
             for r in self.roles()
         }
 
 
-__all__ = ["AUTO", "EngineRegistry", "Role", "RoleSpec", "UnknownRoleError"]
+__all__ = ["AUTO", "EngineRegistry", "JointLossError", "Role", "RoleSpec", "UnknownRoleError"]

@@ -1,7 +1,9 @@
 """A plain-PyTorch stand-in for DeepSpeedEngine, so the same RoleSpecs and pipelines run without
 DeepSpeed. It honours the role's config where PyTorch can: micro batch, gradient accumulation,
-clipping and dtype (frozen roles are cast; trainable ones keep fp32 weights under autocast-free
-fp32 math, since plain PyTorch has no master-weight optimizer)."""
+clipping and dtype. A frozen role's weights are cast to the dtype (as DeepSpeed holds them); a
+trainable bf16/fp16 role keeps fp32 weights and runs its forward under ``torch.autocast`` in that
+dtype, which computes with the same rounded weights DeepSpeed's bf16/fp16 copy holds while the
+optimizer updates fp32 values, as DeepSpeed's fp32 master copy does (fp16 adds a GradScaler)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ class TorchEngine(torch.nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self._gas = int(config["gradient_accumulation_steps"])
+        from .config import config_dtype
+
+        dtype = config_dtype(config)
+        self.autocast_dtype = dtype if optimizer is not None and dtype != torch.float32 else None
+        self._scaler = (torch.amp.GradScaler(device.type)
+                        if optimizer is not None and dtype == torch.float16 else None)
         self._clip = float(config.get("gradient_clipping", 0.0) or 0.0)
         self.micro_steps = 0
         self.global_steps = 0
@@ -40,7 +48,10 @@ class TorchEngine(torch.nn.Module):
 
     # DeepSpeedEngine-compatible surface -------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return (self._ddp or self.module)(*args, **kwargs)
+        if self.autocast_dtype is None:
+            return (self._ddp or self.module)(*args, **kwargs)
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            return (self._ddp or self.module)(*args, **kwargs)
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return int(self.config["train_micro_batch_size_per_gpu"])
@@ -56,14 +67,21 @@ class TorchEngine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         # Same scaling as DeepSpeed (scale_wrt_gas): the summed micro-batch grads average.
-        (loss / self._gas).backward()
+        scaled = loss / self._gas
+        (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
         return loss
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
+            if self._scaler is not None:
+                self._scaler.unscale_(self.optimizer)
             if self._clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), self._clip)
-            self.optimizer.step()
+            if self._scaler is not None:
+                self._scaler.step(self.optimizer)
+                self._scaler.update()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

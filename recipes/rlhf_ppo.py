@@ -13,30 +13,19 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, latest_tag
-from multiengine.engines.metrics import MetricsLogger, read_jsonl, write_summary
+from multiengine.engines import Placement, ShardedBatches, save_role, shard_batches
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
-from multiengine.pipelines.rlhf.export import export_causal_lm, export_scalar_model
 from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.roles import LoraSettings, OptimSettings, Placement, build_rlhf_roles
-from multiengine.pipelines.rlhf.runs import (
-    BatchStream,
-    builtin_judge,
-    fixed_batches,
-    gather_memory,
-    load_split,
-    plot_curves,
-    prepare_tiny_assets,
-    resolve_tokenizer,
-)
+from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
 from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer, evaluate_policy
+from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
 from multiengine.recipes.config import RecipeConfigError
-from tqdm import tqdm
+from multiengine.recipes.lifecycle import Recipe, with_common
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +37,9 @@ _TRAIN_ROLE = {
 _LORA = {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
          "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}
 
-DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = with_common({
     "output_dir": "outputs/rlhf_ppo",
-    "seed": 0,
     "max_steps": 50,  # PPO steps: one rollout batch each
-    "backend": "auto",
-    "resume_from": "",  # "" | "latest" (output_dir/checkpoints; fresh start if none) | a checkpoint folder
     "model": {
         "actor": "",  # step 1's export; "" = the random tiny model (mechanics only, nothing to learn from)
         "reward": "",  # step 2's export; "" = the random tiny model with a fresh head
@@ -109,32 +95,8 @@ DEFAULTS: dict[str, Any] = {
         "greedy": True,  # also score greedy answers (the main figures use sampled answers, seeded)
         "seed": 1234,
     },
-    "checkpoint": {"every": 0, "keep_last": 2},
     "export": {"enabled": True, "critic": True, "ema": True},
-    "plot": True,
-    "tensorboard": False,
-}
-
-
-def _placement(section: Any, follow: Placement | None = None) -> Placement:
-    stage = section.stage if section.stage >= 0 else follow.stage
-    dtype = section.dtype or follow.dtype
-    return Placement(stage=stage, dtype=dtype, offload_params=bool(section.offload_params),
-                     offload_optimizer=bool(section.get("offload_optimizer", False)),
-                     gather_forward=bool(section.get("gather_forward", False)))
-
-
-def _optim(section: Any, total_steps: int) -> OptimSettings:
-    return OptimSettings(lr=section.lr, weight_decay=section.weight_decay, scheduler=section.scheduler,
-                         warmup_steps=section.warmup_steps, total_steps=total_steps,
-                         max_grad_norm=section.max_grad_norm or None)
-
-
-def _lora(section: Any) -> LoraSettings | None:
-    if not section.enabled:
-        return None
-    return LoraSettings(rank=section.rank, alpha=section.alpha or None, dropout=section.dropout,
-                        target_modules=tuple(section.target_modules))
+})
 
 
 def ppo_settings(cfg: Any) -> PPOSettings:
@@ -149,26 +111,18 @@ def ppo_settings(cfg: Any) -> PPOSettings:
     )
 
 
-class RLHFPPO:
-    """setup() -> train() -> export() -> summary(); save_checkpoint() on the way."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.step = 0
-        self.history: list[dict[str, Any]] = []  # evaluation results
-        self.step_metrics: list[dict[str, float]] = []
+class RLHFPPO(Recipe):
+    name = "rlhf_ppo"
+    plot_xlabel = "PPO step"
+    postfix_keys = ("reward/mean", "kl")
 
     # --- setup -----------------------------------------------------------------------------------
-    def setup(self) -> None:
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        self.registry = registry = EngineRegistry(backend=cfg.backend)
-        self.builtin = not cfg.data.source
+    def build(self) -> None:
+        cfg, registry = self.cfg, self.registry
         self.assets: dict[str, str] = {}
-        if self.builtin or not (cfg.model.actor and cfg.model.reward):
-            self.assets = prepare_tiny_assets(os.path.join(cfg.output_dir, "tiny"), registry, cfg.seed,
-                                              cfg.model.tiny_hidden, cfg.model.tiny_layers)
+        if not cfg.data.source or not (cfg.model.actor and cfg.model.reward):
+            self.assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
+                                              cfg.model.tiny_layers)
         self.paths = {
             "actor": self._model_path(cfg.model.actor, "actor", "rlhf_sft"),
             "reward": self._model_path(cfg.model.reward, "reward", "rlhf_reward"),
@@ -178,22 +132,21 @@ class RLHFPPO:
         self.tokenizer = resolve_tokenizer(self.paths["actor"], self.assets.get("tokenizer", ""))
 
         roles = cfg.roles
-        actor = _placement(roles.actor)
-        critic = _placement(roles.critic)
-        self.lora = {"actor": _lora(cfg.lora.actor), "critic": _lora(cfg.lora.critic)}
+        actor, critic = placement(roles.actor), placement(roles.critic)
         s = self.settings = ppo_settings(cfg)
         steps_per_rollout = s.ppo_epochs * (s.rollout_batch_size // s.mini_batch_size)
-        self.built = build_rlhf_roles(
+        build_rlhf_roles(
             registry, self.paths["actor"], self.paths["reward"], self.paths["critic"],
             actor=actor, critic=critic,
-            ref=_placement(roles.ref, actor), reward=_placement(roles.reward, critic),
+            ref=placement(roles.ref, actor, trainable=False), reward=placement(roles.reward, critic, trainable=False),
             ema=Placement(actor.stage, cfg.ema.dtype or actor.dtype, cfg.ema.offload_params)
             if cfg.ema.enabled else None,
-            actor_optim=_optim(roles.actor, cfg.max_steps * steps_per_rollout // roles.actor.grad_accum),
-            critic_optim=_optim(roles.critic, cfg.max_steps * steps_per_rollout // roles.critic.grad_accum),
+            actor_optim=optim_spec(roles.actor, cfg.max_steps * steps_per_rollout // roles.actor.grad_accum, betas=RLHF_BETAS),
+            critic_optim=optim_spec(roles.critic, cfg.max_steps * steps_per_rollout // roles.critic.grad_accum,
+                                     betas=RLHF_BETAS),
             micro_batch_size=s.mini_batch_size,
             actor_grad_accum=roles.actor.grad_accum, critic_grad_accum=roles.critic.grad_accum,
-            actor_lora=self.lora["actor"], critic_lora=self.lora["critic"],
+            actor_lora=lora_spec(cfg.lora.actor), critic_lora=lora_spec(cfg.lora.critic),
             actor_gradient_checkpointing=roles.actor.gradient_checkpointing,
             critic_gradient_checkpointing=roles.critic.gradient_checkpointing,
             seed=cfg.seed,
@@ -205,15 +158,13 @@ class RLHFPPO:
             max_new_tokens=cfg.generation.max_new_tokens, mode=cfg.generation.mode, do_sample=False)
         self._setup_data()
         self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
-        self.trainer = PPOTrainer(registry, self.generation, s, self.tokenizer.eos_token_id,
-                                  self.tokenizer.pad_token_id, seed=cfg.seed, judge=self.judge, decode=self.decode)
-        self.metrics = MetricsLogger(
-            os.path.join(cfg.output_dir, "metrics.jsonl"), enabled=registry.is_main,
-            tensorboard_dir=os.path.join(cfg.output_dir, "tensorboard") if cfg.tensorboard else None)
-        if registry.is_main:
-            logger.info("roles built (world size %d):\n%s", registry.world_size, registry.memory_report())
-        if cfg.resume_from:
-            self._resume(cfg.resume_from)
+        self.trainer = registry.add_state("ppo", PPOTrainer(
+            registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.seed,
+            judge=self.judge, decode=self.decode))
+        self.plot_panels = [("reward-model score", ["train/reward/mean", "eval/reward"])]
+        if self.judge is not None:
+            self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
+        self.plot_panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
 
     def _model_path(self, given: str, role: str, recipe: str) -> str:
         if not given:
@@ -232,62 +183,31 @@ class RLHFPPO:
         prompts = load_split(source, "ppo", registry, cfg.data.train_split)
         eval_rows = load_split(source, "eval", registry, cfg.data.eval_split)
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        self.prompts = BatchStream(prompts, collate, self.settings.rollout_batch_size, registry, seed=cfg.seed)
-        self.eval_batches = fixed_batches(eval_rows, collate, cfg.eval.batch_size, registry, limit=cfg.eval.size)
-        self.ptx: BatchStream | None = None
+        self.prompts = registry.add_state("prompts", ShardedBatches(
+            prompts, collate, self.settings.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.eval_batches = shard_batches(eval_rows, collate, cfg.eval.batch_size, registry.world_size,
+                                          registry.rank, limit=cfg.eval.size)
+        self.ptx: ShardedBatches | None = None
         if self.settings.ptx_coef > 0:
             ptx_rows = load_split(cfg.data.ptx_source or source, "sft", registry, cfg.data.train_split)
             ptx_collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_ptx_len)
-            self.ptx = BatchStream(ptx_rows, ptx_collate, self.settings.mini_batch_size, registry, seed=cfg.seed + 1)
+            self.ptx = registry.add_state("ptx", ShardedBatches(
+                ptx_rows, ptx_collate, self.settings.mini_batch_size, registry.world_size, registry.rank,
+                seed=cfg.seed + 1))
 
     def decode(self, response_ids: torch.Tensor) -> list[str]:
         return self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
 
-    def _resume(self, resume_from: str) -> None:
-        path = resume_from
-        if resume_from == "latest":
-            path = os.path.join(self.cfg.output_dir, "checkpoints")
-            if latest_tag(path) is None:
-                logger.info("resume_from=latest: no checkpoint under %s yet, starting fresh", path)
-                return
-        state = self.registry.load_checkpoint(path)
-        self.step = int(state["step"])
-        self.prompts.load_state_dict(state["prompts"])
-        if self.ptx is not None and state.get("ptx") is not None:
-            self.ptx.load_state_dict(state["ptx"])
-        self.trainer.load_state_dict(state["trainer"])
-        self.history = list(state.get("history", []))
-        self.step_metrics = list(state.get("step_metrics", []))
-        logger.info("resumed from %s at step %d (prompt epoch %d, kl_coef %.4f)", path, self.step,
-                    self.prompts.epoch, self.trainer.kl_ctl.value)
-
     # --- training --------------------------------------------------------------------------------
-    def train(self) -> None:
-        cfg, registry = self.cfg, self.registry
-        if self.step == 0:
-            self.evaluate("before")
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="rlhf_ppo", disable=not registry.is_main)
-        while self.step < cfg.max_steps:
-            # 1. this rank's next prompt batch (left padded; sharded, resumable sampler)
-            batch = next(self.prompts)
-            # 2.-5. inside trainer.step: generate (actor gathered once, or per token with synced_gpus);
-            #    actor/ref log-probs, critic values, reward score (every rank, every role, one forward);
-            #    per-token rewards = clipped score on the last action - beta * k1 KL; GAE; whitening over
-            #    all ranks; ppo_epochs x minibatches of actor step then critic step; EMA; KL controller
-            metrics = self.trainer.step(batch, self.step, self.ptx)
-            self.step += 1
-            # 6. log (global means), periodic evaluation and checkpoints (all ranks take part)
-            self.step_metrics.append(metrics)
-            self.metrics.log(self.step, metrics, prefix="train")
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.3f}")
-            last = self.step == cfg.max_steps
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
-                self.evaluate(f"step_{self.step}")
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                self.save_checkpoint()
-        bar.close()
-        self.evaluate("after")
+    def train_step(self) -> dict[str, float]:
+        # 1. this rank's next prompt batch (left padded; sharded, resumable sampler)
+        batch = next(self.prompts)
+        # 2.-5. inside trainer.step: generate (actor gathered once, or per token with synced_gpus);
+        #    actor/ref log-probs, critic values, reward score (every rank, every role, one forward);
+        #    per-token rewards = clipped score on the last action - beta * k1 KL; GAE; whitening over
+        #    all ranks; ppo_epochs x minibatches of actor step then critic step; EMA; KL controller.
+        #    The metrics come back as means over ranks.
+        return self.trainer.step(batch, self.step, self.ptx)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, reward, KL to
@@ -296,122 +216,48 @@ class RLHFPPO:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
                                  judge=self.judge, reward_role="reward", ref_role="ref", seed=self.cfg.eval.seed)
-        samples = result.pop("samples")
         if self.cfg.eval.greedy:
             greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad,
                                      self.decode, judge=self.judge, reward_role="reward")
             result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
         result["seconds"] = time.perf_counter() - t0
-        self.metrics.log(self.step, {k: v for k, v in result.items()}, prefix="eval")
-        self.history.append({"tag": tag, "step": self.step, **result, "samples": samples})
-        logger.info("eval (%s, step %d): %s", tag, self.step,
-                    ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        for prompt, answer in samples[:3]:
-            logger.info("  %s -> %s", prompt, answer)
         return result
-
-    def save_checkpoint(self) -> str:
-        """actor + critic + their optimizers/schedulers (DeepSpeed), EMA partitions, step, RNG, prompt
-        position, ptx position, KL controller, evaluation history."""
-        state = {
-            "step": self.step,
-            "prompts": self.prompts.state_dict(),
-            "ptx": self.ptx.state_dict() if self.ptx is not None else None,
-            "trainer": self.trainer.state_dict(),
-            "history": self.history,
-            "step_metrics": self.step_metrics,
-        }
-        return self.registry.save_checkpoint(os.path.join(self.cfg.output_dir, "checkpoints"), client_state=state,
-                                             keep_last=self.cfg.checkpoint.keep_last or None)
 
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
         cfg, registry = self.cfg, self.registry
         if not cfg.export.enabled:
             return {}
-        root = os.path.join(cfg.output_dir, "export")
-        out: dict[str, Any] = {"actor": export_causal_lm(registry, "actor", os.path.join(root, "actor"),
-                                                         self.tokenizer, self.paths["actor"], self.lora["actor"])}
+        out = {"actor": save_role(registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
         if cfg.export.critic:
-            out["critic"] = export_scalar_model(registry, "critic", os.path.join(root, "critic"), self.tokenizer,
-                                                self.paths["critic"], self.lora["critic"])
+            out["critic"] = save_role(registry, "critic", self.path("export", "critic"), tokenizer=self.tokenizer)
         if cfg.export.ema and "ema" in registry:
-            out["ema"] = export_causal_lm(registry, "ema", os.path.join(root, "ema"), self.tokenizer,
-                                          self.paths["actor"], self.lora["actor"])
+            out["ema"] = save_role(registry, "ema", self.path("export", "ema"), tokenizer=self.tokenizer)
         return out
 
-    def summary(self, export: dict[str, Any]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
-
-        cfg, registry = self.cfg, self.registry
-        before = next((h for h in self.history if h["tag"] == "before"), None)
-        after = next((h for h in reversed(self.history) if h["tag"] == "after"), None)
-        steps = self.step_metrics[1:] or self.step_metrics  # the first step also builds ZeRO-3's fetch trace
-
-        def mean(key: str) -> float | None:
-            vals = [m[key] for m in steps if key in m]
-            return statistics.fmean(vals) if vals else None
-
+    def summary_metrics(self) -> dict[str, Any]:
         metrics: dict[str, Any] = {
-            "steps": self.step,
             "final": self.step_metrics[-1] if self.step_metrics else {},
-            "time/step_s_mean": mean("time/step_s"),
-            "time/generation_s_mean": mean("time/generation_s"),
-            "time/experience_s_mean": mean("time/experience_s"),
-            "time/train_s_mean": mean("time/train_s"),
-            "gen/tokens_per_s_mean": mean("gen/tokens_per_s"),
-            "gen/ms_per_token_mean": mean("gen/ms_per_token"),
-            "generation_mode": cfg.generation.mode,
+            "generation_mode": self.cfg.generation.mode,
+            **{f"{key}_mean": self.mean_step_metric(key)
+               for key in ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s",
+                           "gen/tokens_per_s", "gen/ms_per_token")},
         }
-        for tag, h in (("before", before), ("after", after)):
-            if h:
-                for key in ("judge", "reward", "kl", "response_length", "greedy/judge", "greedy/reward"):
-                    if key in h:
-                        metrics[f"eval/{tag}/{key}"] = h[key]
-        return {
-            "recipe": "rlhf_ppo",
-            "world_size": registry.world_size,
-            "paths": self.paths,
-            "metrics": metrics,
-            "evaluations": self.history,
-            "memory": {"per_rank": gather_memory(registry)},
-            "roles": registry.describe(),
-            "export": export,
-            "config": OmegaConf.to_container(cfg, resolve=True),
-        }
+        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge",
+                                          "greedy/reward")))
+        return metrics
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"paths": self.paths}
 
     def plot(self) -> str | None:
-        cfg = self.cfg
-        if not (cfg.plot and self.registry.is_main):
-            return None
-        records = read_jsonl(os.path.join(cfg.output_dir, "metrics.jsonl"))
-        panels = [("reward-model score", ["train/reward/mean", "eval/reward"])]
-        if self.judge is not None:
-            panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
-        panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
-        return plot_curves(records, os.path.join(cfg.output_dir, "curves.png"), panels,
-                           title=f"rlhf_ppo ({self.registry.world_size} ranks; eval = seeded samples of "
-                                 f"{self.cfg.eval.size} evaluation prompts)")
-
-    def cleanup(self) -> None:
-        self.metrics.close()
-
-
-def main(cfg: Any) -> dict[str, Any]:
-    run = RLHFPPO(cfg)
-    run.setup()
-    try:
-        run.train()
-        export = run.export()
-        summary = run.summary(export)
-        summary["plot"] = run.plot()
-        if run.registry.is_main:
-            write_summary(os.path.join(cfg.output_dir, "summary.json"), summary)
-            logger.info("per-role memory on rank 0:\n%s", run.registry.memory_report())
-            m = summary["metrics"]
+        path = super().plot()
+        if self.registry.is_main:
+            m = self.summary_metrics()
             if "eval/before/judge" in m and "eval/after/judge" in m:
                 logger.info("judge score: %.3f before PPO -> %.3f after (KL to ref %.3f nats per answer)",
                             m["eval/before/judge"], m["eval/after/judge"], m.get("eval/after/kl", float("nan")))
-    finally:
-        run.cleanup()
-    return {"metrics": summary["metrics"], "export": export}
+        return path
+
+
+main = RLHFPPO.main

@@ -5,42 +5,28 @@
 
 One trainable role (``reward``, a :class:`ScalarHeadModel`) on the registry. Loss: Bradley-Terry
 ``-log sigmoid(s_chosen - s_rejected)`` on the score at the last real token (the EOS). Reports held-out
-pair accuracy before and after. Writes metrics.jsonl, summary.json and export/reward (body +
-value_head.safetensors + tokenizer; loads as step 3's reward model and critic) under output_dir.
+pair accuracy before and after. Writes metrics.jsonl, summary.json, curves.png and export/reward (body +
+value_head.safetensors + tokenizer; loads as step 3's reward model and critic) under output_dir;
+``resume_from=latest`` continues a run from its checkpoints.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import statistics
-import time
 from typing import Any
 
-import torch
-from multiengine.engines import EngineRegistry
-from multiengine.engines.metrics import MetricsLogger, write_summary
+from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
 from multiengine.pipelines.rlhf.data import PairCollator
-from multiengine.pipelines.rlhf.export import export_scalar_model
-from multiengine.pipelines.rlhf.roles import LoraSettings, OptimSettings, Placement, critic_spec
-from multiengine.pipelines.rlhf.runs import (
-    BatchStream,
-    fixed_batches,
-    gather_memory,
-    load_split,
-    prepare_tiny_assets,
-    resolve_tokenizer,
-)
-from multiengine.pipelines.rlhf.trainer import all_reduce_mean, pair_accuracy, reward_loss
-from tqdm import tqdm
+from multiengine.pipelines.rlhf.roles import critic_spec
+from multiengine.pipelines.rlhf.runs import load_split, prepare_tiny_assets, resolve_tokenizer
+from multiengine.pipelines.rlhf.trainer import pair_accuracy, reward_loss
+from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
+from multiengine.recipes.lifecycle import Recipe, with_common
 
-logger = logging.getLogger(__name__)
-
-DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = with_common({
     "output_dir": "outputs/rlhf_reward",
-    "seed": 0,
     "max_steps": 300,  # optimizer steps
-    "backend": "auto",
     # "" = the random tiny OPT; InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from
     # a separate pretrained model (OPT-350m): any causal-LM folder or a previous reward export works.
     "model": {"pretrained": "", "tiny_hidden": 64, "tiny_layers": 2},
@@ -59,40 +45,27 @@ DEFAULTS: dict[str, Any] = {
              "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]},
     "eval": {"every": 100},
     "export": {"enabled": True},
-    "tensorboard": False,
-}
+})
 
 
-class RLHFReward:
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.step = 0
-        self.losses: list[float] = []
-        self.accuracies: list[float] = []
-        self.step_times: list[float] = []
-        self.history: list[dict[str, Any]] = []
+class RLHFReward(Recipe):
+    name = "rlhf_reward"
+    postfix_keys = ("loss", "accuracy")
+    plot_panels = [("pairwise loss", ["train/loss"]), ("pair accuracy", ["train/accuracy", "eval/accuracy"])]
 
-    def setup(self) -> None:
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        self.registry = registry = EngineRegistry(backend=cfg.backend)
-        self.builtin = not cfg.data.source
-        assets = {}
-        if self.builtin or not cfg.model.pretrained:
-            assets = prepare_tiny_assets(os.path.join(cfg.output_dir, "tiny"), registry, cfg.seed,
-                                         cfg.model.tiny_hidden, cfg.model.tiny_layers)
+    def build(self) -> None:
+        cfg, registry = self.cfg, self.registry
+        assets: dict[str, str] = {}
+        if not cfg.data.source or not cfg.model.pretrained:
+            assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
+                                         cfg.model.tiny_layers)
         self.model_path = cfg.model.pretrained or assets["model"]
         self.tokenizer = resolve_tokenizer(self.model_path, assets.get("tokenizer", ""))
-        t, r = cfg.train, cfg.roles.reward
-        self.lora = LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha or None, dropout=cfg.lora.dropout,
-                                 target_modules=tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
+        t = cfg.train
         registry.add(critic_spec(
-            self.model_path, Placement(r.stage, r.dtype, r.offload_params, r.offload_optimizer),
-            OptimSettings(lr=t.lr, weight_decay=t.weight_decay, scheduler=t.scheduler, warmup_steps=t.warmup_steps,
-                          total_steps=cfg.max_steps, max_grad_norm=t.max_grad_norm or None),
+            self.model_path, placement(cfg.roles.reward), optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
             micro_batch_size=t.micro_batch_size * 2,  # chosen and rejected rows of each pair in one batch
-            grad_accum=t.grad_accum, lora=self.lora, gradient_checkpointing=t.gradient_checkpointing,
+            grad_accum=t.grad_accum, lora=lora_spec(cfg.lora), gradient_checkpointing=t.gradient_checkpointing,
             seed=cfg.seed, name="reward"))
         registry.build()
 
@@ -107,96 +80,50 @@ class RLHFReward:
             train_rows = rows
             heldout_rows = load_split(source, "reward", registry, cfg.data.eval_split)
             heldout_rows = heldout_rows.select(range(min(cfg.data.heldout_size, len(heldout_rows))))
-        self.batches = BatchStream(train_rows, collate, t.micro_batch_size, registry, seed=cfg.seed)
-        self.heldout = fixed_batches(heldout_rows, collate, t.micro_batch_size, registry)
-        self.metrics = MetricsLogger(
-            os.path.join(cfg.output_dir, "metrics.jsonl"), enabled=registry.is_main,
-            tensorboard_dir=os.path.join(cfg.output_dir, "tensorboard") if cfg.tensorboard else None)
+        self.batches = registry.add_state("batches", ShardedBatches(
+            train_rows, collate, t.micro_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.heldout = shard_batches(heldout_rows, collate, t.micro_batch_size, registry.world_size, registry.rank)
 
-    def train(self) -> None:
-        cfg, registry = self.cfg, self.registry
+    def train_step(self) -> dict[str, float]:
+        registry = self.registry
         engine = registry["reward"]
-        self.evaluate("before")
-        bar = tqdm(total=cfg.max_steps, desc="rlhf_reward", disable=not registry.is_main)
-        while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            losses, accs = [], []
-            for _ in range(engine.gradient_accumulation_steps()):
-                # 1. next micro batch: chosen rows then rejected rows, right padded
-                batch = {k: v.to(registry.device) for k, v in next(self.batches).items()}
-                # 2. scores at the last real token; pairwise loss; 3. backward; 4. step at the boundary
-                loss, acc = reward_loss(engine, batch)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                accs.append(acc.item())
-            self.step += 1
-            # 5. log loss and batch accuracy averaged over ranks; periodic held-out accuracy
-            loss, acc = all_reduce_mean(statistics.fmean(losses)), all_reduce_mean(statistics.fmean(accs))
-            self.losses.append(loss)
-            self.accuracies.append(acc)
-            self.step_times.append(time.perf_counter() - t0)
-            self.metrics.log(self.step, {"loss": loss, "accuracy": acc, "lr": engine.get_lr()[0],
-                                         "step_time_s": self.step_times[-1]}, prefix="train")
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}")
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.max_steps:
-                self.evaluate(f"step_{self.step}")
-        bar.close()
-        self.evaluate("after")
+        losses, accs = [], []
+        for _ in range(engine.gradient_accumulation_steps()):
+            # 1. next micro batch: chosen rows then rejected rows, right padded
+            batch = {k: v.to(registry.device) for k, v in next(self.batches).items()}
+            # 2. scores at the last real token; pairwise loss; 3. backward; 4. step at the boundary
+            loss, acc = reward_loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            accs.append(acc.item())
+        # 5. loss and batch accuracy averaged over micro batches and ranks
+        return mean_over_ranks({"loss": statistics.fmean(losses), "accuracy": statistics.fmean(accs),
+                                "lr": engine.get_lr()[0]})
 
-    def evaluate(self, tag: str) -> dict[str, float]:
-        result = pair_accuracy(self.registry, "reward", self.heldout)
-        self.metrics.log(self.step, result, prefix="eval")
-        self.history.append({"tag": tag, "step": self.step, **result})
-        logger.info("held-out pairs (%s, step %d): accuracy %.4f, margin %.4f over %d pairs", tag, self.step,
-                    result["accuracy"], result["margin"], result["pairs"])
-        return result
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        return pair_accuracy(self.registry, "reward", self.heldout)
 
     def export(self) -> dict[str, Any]:
         if not self.cfg.export.enabled:
             return {}
-        out = os.path.join(self.cfg.output_dir, "export", "reward")
-        return {"reward": export_scalar_model(self.registry, "reward", out, self.tokenizer, self.model_path,
-                                              self.lora)}
+        return {"reward": save_role(self.registry, "reward", self.path("export", "reward"), tokenizer=self.tokenizer)}
 
-    def summary(self, export: dict[str, Any]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
-
-        times = self.step_times[1:] or self.step_times
-        metrics = {
-            "steps": self.step,
-            "first_loss": self.losses[0] if self.losses else None,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "final_train_accuracy": self.accuracies[-1] if self.accuracies else None,
-            "heldout_accuracy_before": self.history[0]["accuracy"],
-            "heldout_accuracy": self.history[-1]["accuracy"],
-            "heldout_margin": self.history[-1]["margin"],
-            "heldout_pairs": self.history[-1]["pairs"],
-            "step_time_s_mean": statistics.fmean(times) if times else None,
-        }
+    def summary_metrics(self) -> dict[str, Any]:
+        before, after = self.evaluation("before"), self.evaluation("after")
+        last = self.step_metrics[-1] if self.step_metrics else {}
         return {
-            "recipe": "rlhf_reward",
-            "world_size": self.registry.world_size,
-            "model_path": self.model_path,
-            "metrics": metrics,
-            "evaluations": self.history,
-            "memory": {"per_rank": gather_memory(self.registry)},
-            "roles": self.registry.describe(),
-            "export": export,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "first_loss": self.step_metrics[0]["loss"] if self.step_metrics else None,
+            "final_loss": last.get("loss"),
+            "final_train_accuracy": last.get("accuracy"),
+            "heldout_accuracy_before": before["accuracy"] if before else None,
+            "heldout_accuracy": after["accuracy"],
+            "heldout_margin": after["margin"],
+            "heldout_pairs": after["pairs"],
         }
 
+    def summary_extra(self) -> dict[str, Any]:
+        return {"model_path": self.model_path}
 
-def main(cfg: Any) -> dict[str, Any]:
-    run = RLHFReward(cfg)
-    run.setup()
-    try:
-        run.train()
-        export = run.export()
-        summary = run.summary(export)
-        if run.registry.is_main:
-            write_summary(os.path.join(cfg.output_dir, "summary.json"), summary)
-    finally:
-        run.metrics.close()
-    return {"metrics": summary["metrics"], "export": export}
+
+main = RLHFReward.main

@@ -5,44 +5,29 @@
 
 One trainable role (``actor``) on the registry, any ZeRO stage, optional LoRA. The loss covers the
 response and its EOS only (prompt tokens are labelled -100). Reports held-out loss and, on the built-in
-task, the judge's score of greedy answers before and after. Writes metrics.jsonl, summary.json and
-export/actor (an HF folder with the tokenizer; merged weights + adapter/ for LoRA) under output_dir.
+task, the judge's score of sampled and greedy answers before and after. Writes metrics.jsonl,
+summary.json, curves.png and export/actor (an HF folder with the tokenizer; merged weights + adapter/
+for LoRA) under output_dir; ``resume_from=latest`` continues a run from its checkpoints.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import statistics
-import time
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
-from multiengine.engines.metrics import MetricsLogger, write_summary
+from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
-from multiengine.pipelines.rlhf.export import export_causal_lm
 from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.roles import LoraSettings, OptimSettings, Placement, actor_spec
-from multiengine.pipelines.rlhf.runs import (
-    BatchStream,
-    builtin_judge,
-    fixed_batches,
-    gather_memory,
-    load_split,
-    prepare_tiny_assets,
-    resolve_tokenizer,
-)
-from multiengine.pipelines.rlhf.trainer import all_reduce_mean, causal_lm_loss, evaluate_policy
-from tqdm import tqdm
+from multiengine.pipelines.rlhf.roles import actor_spec
+from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
+from multiengine.pipelines.rlhf.trainer import causal_lm_loss, evaluate_policy
+from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
+from multiengine.recipes.lifecycle import Recipe, with_common
 
-logger = logging.getLogger(__name__)
-
-DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = with_common({
     "output_dir": "outputs/rlhf_sft",
-    "seed": 0,
     "max_steps": 300,  # optimizer steps
-    "backend": "auto",
     "model": {"pretrained": "", "tiny_hidden": 64, "tiny_layers": 2},  # "" = the random tiny OPT
     "data": {
         "source": "",  # folder of {sft,eval}.jsonl, a file, or a hub name; "" = the built-in task
@@ -61,95 +46,66 @@ DEFAULTS: dict[str, Any] = {
     # judge score of sampled answers (seeded; what PPO optimises) and of greedy answers
     "eval": {"every": 100, "size": 256, "batch_size": 32, "judge": True, "greedy": True, "seed": 1234},
     "export": {"enabled": True},
-    "tensorboard": False,
-}
+})
 
 
-class RLHFSFT:
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.step = 0
-        self.losses: list[float] = []
-        self.step_times: list[float] = []
-        self.history: list[dict[str, Any]] = []
+class RLHFSFT(Recipe):
+    name = "rlhf_sft"
+    plot_panels = [("cross-entropy", ["train/loss", "eval/heldout_loss"]),
+                   ("judge score (built-in task)", ["eval/judge", "eval/greedy/judge"])]
 
-    def setup(self) -> None:
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        self.registry = registry = EngineRegistry(backend=cfg.backend)
-        self.builtin = not cfg.data.source
-        assets = {}
-        if self.builtin or not cfg.model.pretrained:
-            assets = prepare_tiny_assets(os.path.join(cfg.output_dir, "tiny"), registry, cfg.seed,
-                                         cfg.model.tiny_hidden, cfg.model.tiny_layers)
+    def build(self) -> None:
+        cfg, registry = self.cfg, self.registry
+        assets: dict[str, str] = {}
+        if not cfg.data.source or not cfg.model.pretrained:
+            assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
+                                         cfg.model.tiny_layers)
         self.model_path = cfg.model.pretrained or assets["model"]
         self.tokenizer = resolve_tokenizer(self.model_path, assets.get("tokenizer", ""))
         t = cfg.train
-        self.lora = LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha or None, dropout=cfg.lora.dropout,
-                                 target_modules=tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
-        r = cfg.roles.actor
-        registry.add(actor_spec(
-            self.model_path, Placement(r.stage, r.dtype, r.offload_params, r.offload_optimizer),
-            OptimSettings(lr=t.lr, weight_decay=t.weight_decay, scheduler=t.scheduler, warmup_steps=t.warmup_steps,
-                          total_steps=cfg.max_steps, max_grad_norm=t.max_grad_norm or None),
-            micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, lora=self.lora,
-            gradient_checkpointing=t.gradient_checkpointing, seed=cfg.seed))
+        registry.add(actor_spec(self.model_path, placement(cfg.roles.actor), optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
+                                micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                                lora=lora_spec(cfg.lora), gradient_checkpointing=t.gradient_checkpointing,
+                                seed=cfg.seed))
         registry.build()
 
         source = cfg.data.source or assets["data"]
         rows = load_split(source, "sft", registry, cfg.data.train_split)
         n_heldout = min(cfg.data.heldout_size, len(rows) // 10)
-        train_rows = rows.select(range(len(rows) - n_heldout))
         collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches = BatchStream(train_rows, collate, t.micro_batch_size, registry, seed=cfg.seed)
-        self.heldout = fixed_batches(rows.select(range(len(rows) - n_heldout, len(rows))), collate,
-                                     t.micro_batch_size, registry)
+        self.batches = registry.add_state("batches", ShardedBatches(
+            rows.select(range(len(rows) - n_heldout)), collate, t.micro_batch_size, registry.world_size,
+            registry.rank, seed=cfg.seed))
+        self.heldout = shard_batches(rows.select(range(len(rows) - n_heldout, len(rows))), collate,
+                                     t.micro_batch_size, registry.world_size, registry.rank)
         self.eval_prompts: list[dict[str, Any]] = []
         if cfg.eval.size:
             eval_rows = load_split(source, "eval", registry, cfg.data.eval_split)
-            self.eval_prompts = fixed_batches(eval_rows, PromptCollator(self.tokenizer, cfg.data.max_prompt_len),
-                                              cfg.eval.batch_size, registry, limit=cfg.eval.size)
+            self.eval_prompts = shard_batches(eval_rows, PromptCollator(self.tokenizer, cfg.data.max_prompt_len),
+                                              cfg.eval.batch_size, registry.world_size, registry.rank,
+                                              limit=cfg.eval.size)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
                                              temperature=cfg.generation.temperature)
         self.greedy_generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=False)
-        self.metrics = MetricsLogger(
-            os.path.join(cfg.output_dir, "metrics.jsonl"), enabled=registry.is_main,
-            tensorboard_dir=os.path.join(cfg.output_dir, "tensorboard") if cfg.tensorboard else None)
 
     def decode(self, ids: torch.Tensor) -> list[str]:
         return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
 
-    def train(self) -> None:
-        cfg, registry = self.cfg, self.registry
+    def train_step(self) -> dict[str, float]:
+        registry = self.registry
         actor = registry["actor"]
-        self.evaluate("before")
-        bar = tqdm(total=cfg.max_steps, desc="rlhf_sft", disable=not registry.is_main)
-        while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            losses = []
-            for _ in range(actor.gradient_accumulation_steps()):
-                # 1. next micro batch of prompt + response + EOS (labels -100 on prompt and padding)
-                batch = {k: v.to(registry.device) for k, v in next(self.batches).items()}
-                # 2. token-mean cross-entropy on the response; 3. backward; 4. step at the boundary
-                loss = causal_lm_loss(actor, batch)
-                actor.backward(loss)
-                actor.step()
-                losses.append(loss.item())
-            self.step += 1
-            # 5. log the loss averaged over ranks; periodic evaluation (all ranks)
-            loss = all_reduce_mean(statistics.fmean(losses))
-            self.losses.append(loss)
-            self.step_times.append(time.perf_counter() - t0)
-            self.metrics.log(self.step, {"loss": loss, "lr": actor.get_lr()[0], "step_time_s": self.step_times[-1]},
-                             prefix="train")
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.max_steps:
-                self.evaluate(f"step_{self.step}")
-        bar.close()
-        self.evaluate("after")
+        losses = []
+        for _ in range(actor.gradient_accumulation_steps()):
+            # 1. next micro batch of prompt + response + EOS (labels -100 on prompt and padding)
+            batch = {k: v.to(registry.device) for k, v in next(self.batches).items()}
+            # 2. token-mean cross-entropy on the response; 3. backward; 4. step at the boundary
+            loss = causal_lm_loss(actor, batch)
+            actor.backward(loss)
+            actor.step()
+            losses.append(loss.item())
+        # 5. the loss averaged over micro batches and ranks
+        return mean_over_ranks({"loss": statistics.fmean(losses), "lr": actor.get_lr()[0]})
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:
@@ -160,69 +116,32 @@ class RLHFSFT:
         losses = [causal_lm_loss(registry["actor"], {k: v.to(registry.device) for k, v in b.items()}).item()
                   for b in self.heldout]
         module.train(was_training)
-        result: dict[str, Any] = {"heldout_loss": all_reduce_mean(statistics.fmean(losses)) if losses else None}
-        samples: list[Any] = []
+        result: dict[str, Any] = {}
+        if losses:
+            result["heldout_loss"] = mean_over_ranks({"loss": statistics.fmean(losses)})["loss"]
         if self.eval_prompts:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
             gen = evaluate_policy(registry, self.eval_prompts, self.generation, eos, pad, self.decode,
                                   judge=self.judge, seed=self.cfg.eval.seed)
-            samples = gen.pop("samples")
             result.update(gen)
             if self.cfg.eval.greedy:
                 greedy = evaluate_policy(registry, self.eval_prompts, self.greedy_generation, eos, pad, self.decode,
                                          judge=self.judge)
                 result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
-        self.metrics.log(self.step, {k: v for k, v in result.items() if v is not None}, prefix="eval")
-        self.history.append({"tag": tag, "step": self.step, **result, "samples": samples})
-        logger.info("eval (%s, step %d): %s", tag, self.step,
-                    ", ".join(f"{k} {v:.4f}" for k, v in result.items() if v is not None))
-        for prompt, answer in samples[:3]:
-            logger.info("  %s -> %s", prompt, answer)
         return result
 
     def export(self) -> dict[str, Any]:
         if not self.cfg.export.enabled:
             return {}
-        out = os.path.join(self.cfg.output_dir, "export", "actor")
-        return {"actor": export_causal_lm(self.registry, "actor", out, self.tokenizer, self.model_path, self.lora)}
+        return {"actor": save_role(self.registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
 
-    def summary(self, export: dict[str, Any]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
+    def summary_metrics(self) -> dict[str, Any]:
+        losses = [m["loss"] for m in self.step_metrics]
+        return {"first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+                **self.eval_figures(("heldout_loss", "judge", "response_length", "greedy/judge"))}
 
-        before, after = self.history[0], self.history[-1]
-        times = self.step_times[1:] or self.step_times
-        metrics = {
-            "steps": self.step,
-            "first_loss": self.losses[0] if self.losses else None,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "step_time_s_mean": statistics.fmean(times) if times else None,
-        }
-        for tag, h in (("before", before), ("after", after)):
-            for key in ("heldout_loss", "judge", "response_length", "greedy/judge"):
-                if h.get(key) is not None:
-                    metrics[f"eval/{tag}/{key}"] = h[key]
-        return {
-            "recipe": "rlhf_sft",
-            "world_size": self.registry.world_size,
-            "model_path": self.model_path,
-            "metrics": metrics,
-            "evaluations": self.history,
-            "memory": {"per_rank": gather_memory(self.registry)},
-            "roles": self.registry.describe(),
-            "export": export,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-        }
+    def summary_extra(self) -> dict[str, Any]:
+        return {"model_path": self.model_path}
 
 
-def main(cfg: Any) -> dict[str, Any]:
-    run = RLHFSFT(cfg)
-    run.setup()
-    try:
-        run.train()
-        export = run.export()
-        summary = run.summary(export)
-        if run.registry.is_main:
-            write_summary(os.path.join(cfg.output_dir, "summary.json"), summary)
-    finally:
-        run.metrics.close()
-    return {"metrics": summary["metrics"], "export": export}
+main = RLHFSFT.main

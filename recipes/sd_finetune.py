@@ -22,17 +22,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, peak_rss_bytes
-from multiengine.engines.dist import barrier
-from multiengine.engines.memory import current_rss_bytes
-from multiengine.engines.metrics import MetricsLogger, write_summary
+from multiengine.engines import LoraSpec, OptimSpec, barrier, current_rss_bytes, mean_over_ranks, shard_batches
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.export import export_pipeline, export_roles, save_lora
 from multiengine.pipelines.diffusion.models import (
     MODES,
-    LoraOptions,
-    Placement,
-    build_diffusion_registry,
+    UNET_LORA_TARGETS,
+    diffusion_role_specs,
     resolve_model_path,
     text_encoder_names,
     tokenizer_name,
@@ -41,7 +37,8 @@ from multiengine.pipelines.diffusion.models import (
 from multiengine.pipelines.diffusion.tiny import build_tiny_sd, pretrain_tiny_vae
 from multiengine.pipelines.diffusion.training import DiffusionObjective, heldout_loss, step_generator
 from multiengine.pipelines.diffusion.validation import build_pipeline, generate, image_grid
-from tqdm import tqdm
+from multiengine.recipes.common import placement
+from multiengine.recipes.lifecycle import Recipe, with_common
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +49,10 @@ SHAPES_PROMPTS = [
     "a yellow circle on a white background",
 ]
 
-DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = with_common({
     "output_dir": "outputs/sd_finetune",
-    "seed": 0,
     "max_steps": 100,  # optimizer steps
     "mode": "zero3",  # zero3 | seed_baseline
-    "backend": "auto",
-    "resume_from": "",  # "" | "latest" (output_dir/checkpoints, fresh start if none) | a checkpoint folder
     "model": {
         "pretrained": "",  # diffusers folder or hub name; "" = build the tiny SD under output_dir/tiny_sd
         "revision": "",
@@ -118,89 +112,72 @@ DEFAULTS: dict[str, Any] = {
         "every": 0,  # also every N steps when > 0 (always before and after)
         "seed": 1234,
     },
-    "checkpoint": {"every": 0, "keep_last": 2},
     "export": {"enabled": True, "dtype": "fp32", "roles": ["unet"]},
-    "tensorboard": False,
-}
+})
 
 
 def _cfg_str(value: Any) -> str | None:
     return str(value) if value not in (None, "") else None
 
 
-class SDFinetune:
-    """setup() -> train() -> export() -> cleanup(); save_checkpoint() on the way."""
+class SDFinetune(Recipe):
+    """The diffusers text-to-image fine-tune on the shared lifecycle; validation grids before, after and
+    every ``validation.every`` steps."""
+
+    name = "sd_finetune"
+    plot_panels = [("diffusion loss", ["train/loss", "eval/loss", "eval/loss_ema"])]
 
     def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.step = 0
-        self.step_times: list[float] = []
-        self.losses: list[float] = []
+        super().__init__(cfg)
         self.validations: list[dict[str, Any]] = []
-        self.heldout: dict[str, float] = {}
+        self.heldout: dict[str, float] = {}  # "<tag>/loss" (and "<tag>/loss_ema")
+
+    @property
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.step_metrics]
 
     # --- setup -----------------------------------------------------------------------------------
-    def setup(self) -> None:
-        cfg = self.cfg
+    def build(self) -> None:
+        cfg, registry = self.cfg, self.registry
         if cfg.mode not in MODES:
             raise ValueError(f"mode={cfg.mode!r}; use one of {list(MODES)}.")
-        torch.manual_seed(cfg.seed)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        # The process group first: rank 0 builds the tiny model / downloads while the others wait.
-        self.registry = registry = EngineRegistry(backend=cfg.backend)
+        # rank 0 builds the tiny model / downloads while the others wait
         self.data_source = self._data_source()
         self.model_path = self._model_path()
         self.text_encoders = text_encoder_names(self.model_path)
-        build_diffusion_registry(
-            self.model_path,
-            registry=registry,
-            mode=cfg.mode,
-            unet=Placement(**cfg.roles.unet),
-            vae=Placement(**cfg.roles.vae),
-            text_encoder=Placement(**cfg.roles.text_encoder),
-            ema=Placement(stage=cfg.roles.unet.stage, dtype=cfg.ema.dtype, offload_params=cfg.ema.offload_params)
-            if cfg.ema.enabled else None,
-            micro_batch_size=cfg.train.micro_batch_size,
-            grad_accum=cfg.train.grad_accum,
-            max_grad_norm=cfg.train.max_grad_norm,
-            lr=cfg.train.lr,
-            adam_betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
-            adam_weight_decay=cfg.train.adam_weight_decay,
-            adam_epsilon=cfg.train.adam_epsilon,
-            lr_scheduler=cfg.train.lr_scheduler,
-            lr_warmup_steps=cfg.train.lr_warmup_steps,
-            max_steps=cfg.max_steps,
-            gradient_checkpointing=cfg.train.gradient_checkpointing,
-            lora=LoraOptions(rank=cfg.lora.rank, alpha=cfg.lora.alpha or None,
-                             target_modules=tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
-            variant=_cfg_str(cfg.model.variant),
+        t = cfg.train
+        lora = LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha or None, target_modules=tuple(cfg.lora.target_modules),
+                        init="gaussian") if cfg.lora.enabled else None
+        optim = OptimSpec(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
+                          eps=t.adam_epsilon, scheduler=t.lr_scheduler, warmup_steps=t.lr_warmup_steps,
+                          total_steps=cfg.max_steps, max_grad_norm=t.max_grad_norm or None)
+        for spec in diffusion_role_specs(
+            self.model_path, mode=cfg.mode, unet=placement(cfg.roles.unet),
+            vae=placement(cfg.roles.vae, trainable=False), text_encoder=placement(cfg.roles.text_encoder, trainable=False),
+            ema=placement({"stage": cfg.roles.unet.stage, "dtype": cfg.ema.dtype,
+                           "offload_params": cfg.ema.offload_params}, trainable=False) if cfg.ema.enabled else None,
+            optim=optim, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+            gradient_checkpointing=t.gradient_checkpointing, lora=lora, variant=_cfg_str(cfg.model.variant),
             seed=cfg.seed,
-        )
+        ):
+            registry.add(spec)
+        registry.build()
         from diffusers import DDPMScheduler
 
         scheduler = DDPMScheduler.from_pretrained(self.model_path, subfolder="scheduler")
-        self.prediction_type = cfg.train.prediction_type or scheduler.config.prediction_type
+        self.prediction_type = t.prediction_type or scheduler.config.prediction_type
         self.objective = DiffusionObjective(
             registry, self.text_encoders, scheduler.alphas_cumprod, prediction_type=self.prediction_type,
-            snr_gamma=cfg.train.snr_gamma, noise_offset=cfg.train.noise_offset,
-            input_perturbation=cfg.train.input_perturbation, resolution=cfg.data.resolution,
+            snr_gamma=t.snr_gamma, noise_offset=t.noise_offset, input_perturbation=t.input_perturbation,
+            resolution=cfg.data.resolution,
         )
         self._setup_data()
-        self.metrics = MetricsLogger(
-            os.path.join(cfg.output_dir, "metrics.jsonl"), enabled=registry.is_main,
-            tensorboard_dir=os.path.join(cfg.output_dir, "tensorboard") if cfg.tensorboard else None,
-        )
-        if registry.is_main:
-            logger.info("roles built (%s mode, world size %d):\n%s", cfg.mode, registry.world_size,
-                        registry.memory_report())
-        if cfg.resume_from:
-            self._resume(cfg.resume_from)
 
     def _model_path(self) -> str:
         cfg = self.cfg
         if cfg.model.pretrained:
             return resolve_model_path(cfg.model.pretrained, _cfg_str(cfg.model.revision), _cfg_str(cfg.model.variant))
-        path = os.path.join(cfg.output_dir, "tiny_sd")
+        path = self.path("tiny_sd")
         if self.registry.is_main:
             build_tiny_model(path, cfg.seed, cfg.data.resolution, cfg.model.tiny_text_encoders)
             if cfg.model.tiny_vae_steps:
@@ -216,7 +193,7 @@ class SDFinetune:
         cfg = self.cfg
         if cfg.data.source:
             return str(cfg.data.source)
-        source = os.path.join(cfg.output_dir, "data", "shapes")
+        source = self.path("data", "shapes")
         if self.registry.is_main:
             data_lib.make_shapes_dataset(source, cfg.data.builtin_size, cfg.data.resolution, seed=cfg.seed)
         barrier()
@@ -224,13 +201,12 @@ class SDFinetune:
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
-        source = self.data_source
         load_kwargs = {"cache_dir": cfg.data.cache_dir} if cfg.data.cache_dir else {}
         # Rank 0 prepares the datasets cache first; the others then read it instead of racing to write it.
         if not registry.is_main:
             barrier()
         dataset = data_lib.load_image_caption_dataset(
-            source, cfg.data.image_column, cfg.data.caption_column, **load_kwargs)
+            self.data_source, cfg.data.image_column, cfg.data.caption_column, **load_kwargs)
         if registry.is_main:
             barrier()
         n_heldout = cfg.eval.heldout_size
@@ -261,17 +237,13 @@ class SDFinetune:
         self.batches = self._batch_stream()
 
         # Held-out: deterministic transform, the same number of batches on every rank (lockstep forwards).
+        self.heldout_batches: list[dict[str, Any]] = []
         if n_heldout:
             heldout = data_lib.ImageCaptionDataset(
                 dataset.select(range(len(dataset) - n_heldout, len(dataset))),
                 data_lib.ImageTransform(cfg.data.resolution, center_crop=True, random_flip=False),
                 cfg.data.image_column, cfg.data.caption_column, seed=cfg.seed)
-            per_rank = n_heldout // registry.world_size
-            mine = list(range(registry.rank, per_rank * registry.world_size, registry.world_size))
-            self.heldout_batches = [collate([heldout[i] for i in mine[j:j + micro]])
-                                    for j in range(0, len(mine), micro)]
-        else:
-            self.heldout_batches = []
+            self.heldout_batches = shard_batches(heldout, collate, micro, registry.world_size, registry.rank)
         T = self.objective.num_train_timesteps
         k = cfg.eval.timesteps
         self.heldout_timesteps = [int((i + 0.5) * T / k) for i in range(k)]
@@ -287,92 +259,61 @@ class SDFinetune:
                 yield batch
             self.consumed = len(self.sampler)  # the dropped tail counts as seen, like the sampler does
 
-    def _resume(self, resume_from: str) -> None:
-        from multiengine.engines import latest_tag
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(consumed=self.consumed), "heldout": self.heldout}
 
-        path = resume_from
-        if resume_from == "latest":
-            path = os.path.join(self.cfg.output_dir, "checkpoints")
-            if latest_tag(path) is None:
-                logger.info("resume_from=latest: no checkpoint under %s yet, starting fresh", path)
-                return
-        state = self.registry.load_checkpoint(path)
-        self.step = int(state["step"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.heldout = dict(state.get("heldout", {}))
-        self.losses = list(state.get("losses", []))
-        logger.info("resumed from %s at step %d (epoch %d, position %d)", path, self.step, self.sampler.epoch,
-                    self.sampler.position)
+        self.validations = []
 
     # --- training --------------------------------------------------------------------------------
-    def train(self) -> None:
+    def train_step(self) -> dict[str, float]:
         cfg, registry = self.cfg, self.registry
         unet = registry["unet"]
-        accum = unet.gradient_accumulation_steps()
-        if self.step == 0:
-            self.evaluate("before")
-            self.validate("before")
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="sd_finetune", disable=not registry.is_main)
-        while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            micro_losses = []
-            for micro in range(accum):
-                # 1. this rank's next micro batch (sharded, resumable sampler)
-                batch = next(self.batches)
-                # 2. all randomness of the micro batch from (seed, step, micro, rank): stage-independent
-                generator = step_generator(cfg.seed, self.step, micro, registry.rank)
-                # 3. latents via the vae engine, embeddings via the text-encoder engine(s), noise, timesteps,
-                #    target and (min-SNR) MSE; the unet forward gathers its ZeRO-3 shards layer by layer
-                out = self.objective.loss(batch, generator)
-                # 4. backward through the unet engine (it divides by the accumulation steps)
-                unet.backward(out.loss)
-                # 5. optimizer step, gradient clipping and lr schedule at the accumulation boundary only
-                unet.step()
-                micro_losses.append(out.loss.detach().float())
-            self.step += 1
-            # 6. EMA: on matching local partitions (zero3), or by gathering the unet (seed_baseline)
-            decay = update_ema(registry, self.step, cfg.ema.max_decay, cfg.ema.warmup) if cfg.ema.enabled else None
-            # 7. log: loss averaged over micro batches and ranks, lr, step time, memory per role
-            loss = torch.stack(micro_losses).mean()
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(loss)
-                loss /= registry.world_size
-            step_time = time.perf_counter() - t0
-            self.step_times.append(step_time)
-            self.losses.append(loss.item())
-            record = {"loss": loss.item(), "lr": unet.get_lr()[0], "step_time_s": step_time,
-                      **_memory_metrics(registry)}
-            if decay is not None:
-                record["ema_decay"] = decay
-            self.metrics.log(self.step, record, prefix="train")
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-            # 8. periodic held-out loss, validation images and checkpoints (all ranks take part)
-            last = self.step == cfg.max_steps
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
-                self.evaluate(f"step_{self.step}")
-            if cfg.validation.every and self.step % cfg.validation.every == 0 and not last:
-                self.validate(f"step_{self.step}")
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                self.save_checkpoint()
-        bar.close()
-        self.evaluate("after")
-        self.validate("after")
+        micro_losses = []
+        for micro in range(unet.gradient_accumulation_steps()):
+            # 1. this rank's next micro batch (sharded, resumable sampler)
+            batch = next(self.batches)
+            # 2. all randomness of the micro batch from (seed, step, micro, rank): stage-independent
+            generator = step_generator(cfg.seed, self.step, micro, registry.rank)
+            # 3. latents via the vae engine, embeddings via the text-encoder engine(s), noise, timesteps,
+            #    target and (min-SNR) MSE; the unet forward gathers its ZeRO-3 shards layer by layer
+            out = self.objective.loss(batch, generator)
+            # 4. backward through the unet engine (it divides by the accumulation steps)
+            unet.backward(out.loss)
+            # 5. optimizer step, gradient clipping and lr schedule at the accumulation boundary only
+            unet.step()
+            micro_losses.append(out.loss.item())
+        # 6. EMA: on matching local partitions (zero3), or by gathering the unet (seed_baseline)
+        decay = update_ema(registry, self.step + 1, cfg.ema.max_decay, cfg.ema.warmup) if cfg.ema.enabled else None
+        # 7. the loss averaged over micro batches and ranks, lr, memory per role
+        record = {**mean_over_ranks({"loss": statistics.fmean(micro_losses)}), "lr": unet.get_lr()[0],
+                  **_memory_metrics(registry)}
+        if decay is not None:
+            record["ema_decay"] = decay
+        return record
 
-    def evaluate(self, tag: str) -> None:
-        """Held-out loss at fixed noise and timesteps (raw unet, and the EMA when on); all ranks."""
-        if not self.heldout_batches:
-            return
-        cfg = self.cfg
-        result = {"loss": heldout_loss(self.objective, self.heldout_batches, self.heldout_timesteps, cfg.eval.seed)}
-        if cfg.ema.enabled:
-            result["loss_ema"] = heldout_loss(self.objective, self.heldout_batches, self.heldout_timesteps,
-                                              cfg.eval.seed, unet_role="ema")
-        for key, value in result.items():
-            self.heldout[f"{tag}/{key}"] = value
-        self.metrics.log(self.step, result, prefix="heldout")
-        logger.info("held-out loss (%s, step %d): %s", tag, self.step,
-                    ", ".join(f"{k} {v:.5f}" for k, v in result.items()))
+    def after_step(self, last: bool) -> None:
+        every = self.cfg.validation.every
+        if every and self.step % every == 0 and not last:
+            self.validate(f"step_{self.step}")
+
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        """Held-out loss at fixed noise and timesteps (raw unet, and the EMA when on), and validation
+        images before and after training; all ranks."""
+        result: dict[str, Any] = {}
+        if self.heldout_batches:
+            cfg = self.cfg
+            result["loss"] = heldout_loss(self.objective, self.heldout_batches, self.heldout_timesteps, cfg.eval.seed)
+            if cfg.ema.enabled:
+                result["loss_ema"] = heldout_loss(self.objective, self.heldout_batches, self.heldout_timesteps,
+                                                  cfg.eval.seed, unet_role="ema")
+            for key, value in result.items():
+                self.heldout[f"{tag}/{key}"] = value
+        if tag in ("before", "after"):
+            self.validate(tag)
+        return result
 
     def validate(self, tag: str) -> None:
         """Images for the validation prompts, on all ranks in lockstep; rank 0 saves the grid."""
@@ -390,83 +331,46 @@ class SDFinetune:
         finally:
             registry.role("unet").module.train(was_training)
         del pipe
-        path = os.path.join(cfg.output_dir, "validation", f"{self.step:06d}_{tag}.png")
+        path = self.path("validation", f"{self.step:06d}_{tag}.png")
         entry = {"step": self.step, "tag": tag, "file": path, "unet": unet_role,
                  "prompts": list(cfg.validation.prompts), "seconds": time.perf_counter() - t0}
         if registry.is_main:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             image_grid(images).save(path)
-            with open(os.path.join(cfg.output_dir, "validation", "index.jsonl"), "a", encoding="utf-8") as f:
+            with open(self.path("validation", "index.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
             logger.info("validation grid (%s, step %d, unet=%s): %s", tag, self.step, unet_role, path)
         self.metrics.log(self.step, {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
         self.validations.append(entry)
 
-    def save_checkpoint(self) -> str:
-        """unet + optimizer + scheduler (DeepSpeed), EMA partitions, step, RNG, sampler position; keep last K."""
-        state = {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(consumed=self.consumed),
-            "heldout": self.heldout,
-            "losses": self.losses,
-        }
-        return self.registry.save_checkpoint(os.path.join(self.cfg.output_dir, "checkpoints"), client_state=state,
-                                             keep_last=self.cfg.checkpoint.keep_last or None)
-
     # --- outputs ---------------------------------------------------------------------------------
-    def export(self) -> dict[str, str]:
+    def export(self) -> dict[str, Any]:
         cfg, registry = self.cfg, self.registry
         if not cfg.export.enabled:
             return {}
-        root = os.path.join(cfg.output_dir, "export")
-        if cfg.lora.enabled:
-            role = "ema" if cfg.ema.enabled else "unet"
-            return {"lora": save_lora(registry, os.path.join(root, "lora"), role=role)}
-        written = {"pipeline": export_pipeline(
-            registry, self.model_path, os.path.join(root, "pipeline"), self.text_encoders,
-            unet_role="ema" if cfg.ema.enabled else "unet", dtype=cfg.export.dtype,
+        unet_role = "ema" if cfg.ema.enabled else "unet"
+        components = {"unet": unet_role, "vae": "vae", **{name: name for name in self.text_encoders}}
+        written: dict[str, Any] = {"pipeline": export_pipeline(
+            registry, self.model_path, self.path("export", "pipeline"), components, dtype=cfg.export.dtype,
             prediction_type=self.prediction_type)}
+        if cfg.lora.enabled:
+            written["lora"] = save_lora(registry, self.path("export", "lora"), role=unet_role)
         roles = [r for r in cfg.export.roles if r in registry]
-        written.update(export_roles(registry, root, roles, dtype=cfg.export.dtype))
+        written.update(export_roles(registry, self.path("export"), roles, dtype=cfg.export.dtype))
         return written
 
-    def summary(self, export: dict[str, str]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
-
-        registry = self.registry
-        rows = list(registry.memory_report())
-        mine = {"rank": registry.rank, "roles": rows, "peak_rss_bytes": peak_rss_bytes()}
-        if torch.cuda.is_available():
-            mine["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        per_rank: list[Any] = [mine]
-        if torch.distributed.is_initialized() and registry.world_size > 1:
-            per_rank = [None] * registry.world_size
-            torch.distributed.all_gather_object(per_rank, mine)
-        times = self.step_times[1:] or self.step_times  # the first step also builds ZeRO-3's fetch trace
-        metrics: dict[str, Any] = {
-            "steps": self.step,
+    def summary_metrics(self) -> dict[str, Any]:
+        times = [m["step_time_s"] for m in (self.step_metrics[1:] or self.step_metrics)]
+        return {
             "first_loss": self.losses[0] if self.losses else None,
             "final_loss": self.losses[-1] if self.losses else None,
-            "step_time_s_mean": statistics.fmean(times) if times else None,
             "step_time_s_median": statistics.median(times) if times else None,
             **{f"heldout/{k}": v for k, v in self.heldout.items()},
         }
-        return {
-            "recipe": "sd_finetune",
-            "mode": self.cfg.mode,
-            "world_size": registry.world_size,
-            "model_path": self.model_path,
-            "text_encoders": self.text_encoders,
-            "metrics": metrics,
-            "memory": {"per_rank": per_rank},
-            "roles": registry.describe(),
-            "validation": self.validations,
-            "export": export,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-        }
 
-    def cleanup(self) -> None:
-        self.metrics.close()
+    def summary_extra(self) -> dict[str, Any]:
+        return {"mode": self.cfg.mode, "model_path": self.model_path, "text_encoders": self.text_encoders,
+                "validation": self.validations}
 
 
 def build_tiny_model(path: str, seed: int, resolution: int, text_encoders: int = 1) -> str:
@@ -553,16 +457,4 @@ def _memory_metrics(registry: Any) -> dict[str, float]:
     return out
 
 
-def main(cfg: Any) -> dict[str, Any]:
-    run = SDFinetune(cfg)
-    run.setup()
-    try:
-        run.train()
-        export = run.export()
-        summary = run.summary(export)
-        if run.registry.is_main:
-            write_summary(os.path.join(cfg.output_dir, "summary.json"), summary)
-            logger.info("per-role memory on rank 0:\n%s", run.registry.memory_report())
-    finally:
-        run.cleanup()
-    return {"metrics": summary["metrics"], "export": export}
+main = SDFinetune.main

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from multiengine.pipelines.sampler import ShardedEpochSampler
+from multiengine.engines.sampler import ShardedEpochSampler
 from PIL import Image, ImageDraw
 
 logger = logging.getLogger(__name__)

@@ -22,21 +22,23 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from multiengine.engines import (
     EngineRegistry,
+    LoraSpec,
+    OptimSpec,
+    Placement,
     RoleSpec,
+    barrier,
     ema_decay,
     ema_update,
-    eval_ds_config,
-    train_ds_config,
-    zero_init_paused,
+    frozen_role,
+    trainable_role,
 )
-from multiengine.engines.dist import barrier
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +50,8 @@ _TEXT_ENCODER = re.compile(r"^text_encoder(_\d+)?$")
 __all__ = [
     "MODES",
     "SEED_BASELINE",
+    "UNET_LORA_TARGETS",
     "ZERO3",
-    "LoraOptions",
-    "Placement",
     "build_diffusion_registry",
     "call_engine",
     "diffusion_role_specs",
@@ -62,30 +63,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where and how one role lives: ZeRO stage, dtype (``fp32``/``bf16``/``fp16``) and offload.
-
-    ``offload_optimizer`` applies to the trainable unet only (it then uses DeepSpeed's CPU Adam).
-    ``gather_forward`` applies to frozen ZeRO-3 roles: all their parameters are gathered by one
-    collective per call instead of layer by layer (they still hold 1/N between calls).
-    """
-
-    stage: int = 3
-    dtype: str = "bf16"
-    offload_params: bool = False
-    offload_optimizer: bool = False
-    gather_forward: bool = False
-
-
-@dataclass(frozen=True)
-class LoraOptions:
-    """LoRA adapters on the unet's attention projections, as in diffusers' ``train_text_to_image_lora.py``
-    (``lora_alpha`` defaults to the rank, gaussian init, ``to_k/to_q/to_v/to_out.0``)."""
-
-    rank: int = 4
-    alpha: float | None = None
-    target_modules: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
+# LoRA on the unet's attention projections, as diffusers' train_text_to_image_lora.py (gaussian init).
+UNET_LORA_TARGETS: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
 
 
 # --- the model folder --------------------------------------------------------------------------
@@ -149,63 +128,6 @@ def load_component(model_path: str, name: str, variant: str | None = None) -> to
 # --- role factories ----------------------------------------------------------------------------
 
 
-def unet_factory(
-    model_path: str,
-    variant: str | None = None,
-    gradient_checkpointing: bool = False,
-    lora: LoraOptions | None = None,
-    seed: int = 0,
-) -> Callable[[], torch.nn.Module]:
-    """The unet's model factory. With ``lora``, the base is frozen and adapters are added (seeded
-    identically on every rank); otherwise every parameter trains."""
-
-    def build() -> torch.nn.Module:
-        unet = load_component(model_path, "unet", variant)
-        if lora is not None:
-            from peft import LoraConfig
-
-            unet.requires_grad_(False)
-            config = LoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
-                init_lora_weights="gaussian",
-                target_modules=list(lora.target_modules),
-            )
-            with zero_init_paused(), torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                unet.add_adapter(config)
-        if gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
-        return unet
-
-    return build
-
-
-def _optimizer_factory(
-    lr: float, betas: tuple[float, float], weight_decay: float, eps: float, cpu_adam: bool
-) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
-    def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if cpu_adam:
-            # An offloaded optimizer steps on the host: DeepSpeed's vectorised CPU Adam, AdamW mode.
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True)
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
-
-    return build
-
-
-def _scheduler_factory(name: str, warmup_steps: int, total_steps: int) -> Callable[[Any], Any]:
-    def build(optimizer: torch.optim.Optimizer) -> Any:
-        from diffusers.optimization import get_scheduler
-
-        # DeepSpeed steps the scheduler once per optimizer step (not once per process, as accelerate
-        # does), so warm-up and total are counted in optimizer steps.
-        return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-
-    return build
-
-
 def diffusion_role_specs(
     model_path: str,
     *,
@@ -214,18 +136,11 @@ def diffusion_role_specs(
     vae: Placement = Placement(),
     text_encoder: Placement = Placement(),
     ema: Placement | None = None,
+    optim: OptimSpec = OptimSpec(weight_decay=1e-2),
     micro_batch_size: int = 1,
     grad_accum: int = 1,
-    max_grad_norm: float | None = 1.0,
-    lr: float = 1e-5,
-    adam_betas: tuple[float, float] = (0.9, 0.999),
-    adam_weight_decay: float = 1e-2,
-    adam_epsilon: float = 1e-8,
-    lr_scheduler: str = "constant",
-    lr_warmup_steps: int = 0,
-    max_steps: int = 1,
     gradient_checkpointing: bool = False,
-    lora: LoraOptions | None = None,
+    lora: LoraSpec | None = None,
     variant: str | None = None,
     seed: int = 0,
 ) -> list[RoleSpec]:
@@ -246,44 +161,20 @@ def diffusion_role_specs(
     elif ema is not None and ema.stage != unet.stage:
         logger.info("ema: stage %d requested, built at the unet's stage %d (updates run on matching partitions)",
                     ema.stage, unet.stage)
-        ema = Placement(stage=unet.stage, dtype=ema.dtype, offload_params=ema.offload_params and unet.stage == 3)
+        ema = replace(ema, stage=unet.stage, offload_params=ema.offload_params and unet.stage == 3)
 
-    make_unet = unet_factory(model_path, variant, gradient_checkpointing, lora, seed)
+    def component(name: str) -> Callable[[], torch.nn.Module]:
+        return lambda: load_component(model_path, name, variant)
+
     specs = [
-        RoleSpec(
-            "unet",
-            make_unet,
-            train_ds_config(
-                stage=unet.stage, dtype=unet.dtype, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                offload_optimizer=unet.offload_optimizer, offload_params=unet.offload_params,
-                gradient_clipping=max_grad_norm,
-            ),
-            optimizer=_optimizer_factory(lr, adam_betas, adam_weight_decay, adam_epsilon, unet.offload_optimizer),
-            lr_scheduler=_scheduler_factory(lr_scheduler, lr_warmup_steps, max_steps),
-        ),
-        RoleSpec(
-            "vae",
-            lambda: load_component(model_path, "vae", variant),
-            eval_ds_config(stage=vae.stage, dtype=vae.dtype, offload_params=vae.offload_params),
-            gather_forward=vae.gather_forward and vae.stage == 3,
-        ),
+        trainable_role("unet", component("unet"), unet, optim, micro_batch_size=micro_batch_size,
+                       grad_accum=grad_accum, lora=lora, gradient_checkpointing=gradient_checkpointing, seed=seed),
+        frozen_role("vae", component("vae"), vae),
     ]
-    for name in text_encoder_names(model_path):
-        specs.append(RoleSpec(
-            name,
-            lambda name=name: load_component(model_path, name, variant),
-            eval_ds_config(stage=text_encoder.stage, dtype=text_encoder.dtype,
-                           offload_params=text_encoder.offload_params),
-            gather_forward=text_encoder.gather_forward and text_encoder.stage == 3,
-        ))
+    specs += [frozen_role(name, component(name), text_encoder) for name in text_encoder_names(model_path)]
     if ema is not None:
-        # Same weights as the unet at step 0 (same factory, same seed); no checkpointing needed.
-        specs.append(RoleSpec(
-            "ema",
-            unet_factory(model_path, variant, False, lora, seed),
-            eval_ds_config(stage=ema.stage, dtype=ema.dtype, offload_params=ema.offload_params),
-            stateful=True,
-        ))
+        # Same weights as the unet at step 0 (same factory, same LoRA seed); no checkpointing needed.
+        specs.append(frozen_role("ema", component("unet"), ema, stateful=True, lora=lora, seed=seed))
     return specs
 
 

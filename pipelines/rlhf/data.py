@@ -21,7 +21,7 @@ import torch
 
 # One resumable distributed sampler for every pipeline: the diffusion one (same contract: seed + epoch
 # permutation, equal shard per rank, (epoch, position) state) is re-exported rather than duplicated.
-from multiengine.pipelines.sampler import ShardedEpochSampler
+from multiengine.engines.sampler import ShardedEpochSampler
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -1,11 +1,10 @@
 """Generation from a (possibly ZeRO-3 partitioned) actor, two ways.
 
-``mode="gather"`` (default): the actor's parameters are gathered once per batch and DeepSpeed's
-per-module fetch/release hooks are detached for the duration, so every token runs on full local
-weights with no communication (what TRL's ``unwrap_model_for_generation`` does; DeepSpeed's Hybrid
-Engine does the same on the few GPU model families it supports). ``registry.gathered`` alone is not
-enough: the hooks would still release each layer after its forward and re-gather it for the next
-token. Costs one full copy of the actor per rank while it runs.
+``mode="gather"`` (default): ``registry.generation(role)``: the actor's parameters are gathered once
+per batch and DeepSpeed's per-module fetch/release hooks are detached for the duration, so every token
+runs on full local weights with no communication (what TRL's ``unwrap_model_for_generation`` does;
+DeepSpeed's Hybrid Engine does the same on the few GPU model families it supports). Costs one full
+copy of the actor per rank while it runs.
 
 ``mode="per_token"``: the ZeRO-3 path, ``generate(synced_gpus=True)``: every token of every layer is
 gathered and released again (the ~700 ms/token of DeepSpeedExamples#764 on big models), but no rank
@@ -17,20 +16,17 @@ Below stage 3 both modes are plain ``generate``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from multiengine.engines import EngineRegistry
 
 from .ppo import truncate_after_eos
-from .roles import set_gradient_checkpointing
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "generate", "generation_scope", "position_ids_from_mask"]
+__all__ = ["GenerationSettings", "generate", "position_ids_from_mask"]
 
 GENERATION_MODES = ("gather", "per_token")
 
@@ -59,57 +55,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` positions counting real tokens only (left padding safe), as ``generate`` computes them."""
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.masked_fill(attention_mask == 0, 1)
-
-
-def _zero3_offload(engine: object) -> object | None:
-    """The engine's ZeRO-3 parameter-offload object (owner of the fetch/release hooks), or None."""
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None:
-        return None
-    return getattr(optimizer, "parameter_offload", optimizer if hasattr(optimizer, "forward_hooks") else None)
-
-
-@contextlib.contextmanager
-def _hooks_detached(engine: object) -> Iterator[None]:
-    """Detach ZeRO-3's per-module hooks (inside a full gather) and re-attach them afterwards."""
-    offload = _zero3_offload(engine)
-    if offload is None or not hasattr(offload, "forward_hooks"):
-        yield
-        return
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-
-    for param in iter_params(offload.module, recurse=True):
-        param.ds_active_sub_modules.clear()
-    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []
-    try:
-        yield
-    finally:
-        # Re-registering also invalidates the coordinator's prefetch trace, which the generate
-        # forwards (different shapes, no hooks) would otherwise have left inconsistent.
-        offload._register_deepspeed_module(offload.module)
-
-
-@contextlib.contextmanager
-def generation_scope(registry: EngineRegistry, role: str = "actor", mode: str = "gather") -> Iterator[torch.nn.Module]:
-    """Eval mode, gradient checkpointing off (it forces ``use_cache=False``) and, for ``gather`` at stage
-    3, full parameters without hooks. Yields the module to call ``generate`` on. All ranks must enter."""
-    r = registry.role(role)
-    module = r.module
-    was_training = module.training
-    had_ckpt = set_gradient_checkpointing(module, False)
-    module.eval()
-    try:
-        if mode == "gather" and r.backend == "deepspeed" and r.stage == 3:
-            with registry.gathered(role), _hooks_detached(r.engine):
-                yield module
-        else:
-            yield module
-    finally:
-        module.train(was_training)
-        if had_ckpt:
-            set_gradient_checkpointing(module, True)
 
 
 @torch.no_grad()
@@ -144,7 +89,7 @@ def generate(
     )
     if settings.do_sample:
         kwargs.update(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
-    with generation_scope(registry, role, settings.mode) as module:
+    with registry.generation(role, gather=settings.mode == "gather") as module:
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     response = out[:, input_ids.shape[1]:]
     return truncate_after_eos(response, eos_token_id, pad_token_id)

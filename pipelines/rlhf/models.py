@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -61,10 +60,6 @@ def _gathered(params: list[torch.Tensor], modifier_rank: int | None):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
-
-
-def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -213,29 +208,35 @@ class ScalarHeadModel(nn.Module):
             model.value_head.to(dtype)
         return model
 
-    def save_pretrained(self, out_dir: str | Path) -> Path:
-        """Write the body with ``save_pretrained`` and the head to ``value_head.safetensors``.
+    def apply_lora(self, lora: Any, seed: int = 0) -> ScalarHeadModel:
+        """LoRA adapters in the body (peft), the value head trainable: a frozen random head could not
+        learn values. Called by ``multiengine.engines.apply_lora`` for this composite model."""
+        from multiengine.engines import zero_init_paused
+        from peft import get_peft_model
 
-        Under ZeRO-3 every rank must call this (parameters are gathered collectively); rank 0
-        writes. Returns ``out_dir``.
-        """
+        self.body.requires_grad_(False)
+        with zero_init_paused(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.body = get_peft_model(self.body, lora.peft_config())
+        self.value_head.requires_grad_(True)
+        return self
+
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the body with ``save_pretrained`` and the head to ``value_head.safetensors``, from this
+        rank's tensors (no collective): under ZeRO-3 call it inside a gather of every parameter, as
+        ``multiengine.engines.save_role`` does. ``state_dict`` (keys ``body.*`` and ``value_head.weight``)
+        replaces the module's own tensors, e.g. with LoRA merged."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
-        params = list(self.parameters())
-        with _gathered(params, modifier_rank=None):
-            if _is_rank0():
-                out.mkdir(parents=True, exist_ok=True)
-                if any(_is_partitioned(p) for p in params):
-                    # the gathered full tensors; state_dict() of a partitioned body would be empty
-                    state = {k: v.detach().cpu().clone() for k, v in self.body.state_dict().items()}
-                    self.body.save_pretrained(str(out), state_dict=state)
-                else:
-                    self.body.save_pretrained(str(out))
-                head = self.value_head.weight.detach().cpu().contiguous().clone()
-                save_file({"weight": head}, str(out / VALUE_HEAD_FILE))
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        out.mkdir(parents=True, exist_ok=True)
+        if state_dict is None:
+            state_dict = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+        body = {k[len("body."):]: v for k, v in state_dict.items() if k.startswith("body.")}
+        target = self.body.get_base_model() if hasattr(self.body, "get_base_model") else self.body
+        target.save_pretrained(str(out), state_dict=body)
+        head = state_dict["value_head.weight"].detach().cpu().contiguous().clone()
+        save_file({"weight": head}, str(out / VALUE_HEAD_FILE))
         return out
 
 

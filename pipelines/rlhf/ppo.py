@@ -28,6 +28,7 @@ __all__ = [
     "FixedKLController",
     "action_mask",
     "apply_no_eos_penalty",
+    "clipped_surrogate",
     "compute_rewards",
     "entropy_from_logits",
     "gae",
@@ -136,25 +137,24 @@ def _first_eos_onehot(response_ids: torch.Tensor, eos_token_id: int) -> tuple[to
     return first, upto
 
 
-def action_mask(response_ids: torch.Tensor, eos_token_id: int, pad_token_id: int | None) -> torch.Tensor:
-    """Mask of the generated tokens that are actions: up to and including the first EOS, no padding.
+def action_mask(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Mask of the generated tokens that are actions: the prefix up to and including the first EOS.
 
-    Works when ``pad_token_id == eos_token_id`` (common for decoder-only models): the first EOS is
-    kept, everything after it is not.
+    Every token before the first EOS is an action, whatever its id: ``generate`` only writes padding
+    after a row has emitted EOS, so a pad id before it was *sampled* (and attended to while the rest
+    of the row was sampled). Masking it out would punch a hole into a prefix mask (GAE and the returns
+    assume a prefix) and hide it from attention when re-scoring, which shifts the log-probs of every
+    later token away from the sampling distribution. Works when ``pad_token_id == eos_token_id``.
 
     Args:
-        response_ids: ``[B, T]`` generated tokens (prompt removed), right padded.
+        response_ids: ``[B, T]`` generated tokens (prompt removed), padded after the first EOS.
         eos_token_id: stop token.
-        pad_token_id: padding token, or ``None`` if the batch has none.
 
     Returns:
-        ``[B, T]`` bool mask.
+        ``[B, T]`` bool prefix mask; a row without EOS (a truncated answer) is all actions.
     """
-    first, upto = _first_eos_onehot(response_ids, eos_token_id)
-    mask = upto
-    if pad_token_id is not None:
-        mask = mask & ((response_ids != pad_token_id) | first)
-    return mask
+    _, upto = _first_eos_onehot(response_ids, eos_token_id)
+    return upto
 
 
 def truncate_after_eos(
@@ -221,26 +221,40 @@ def _last_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def compute_rewards(
     score: torch.Tensor,
     logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
     action_mask: torch.Tensor,
     kl_coef: float,
     clip_reward: float | None = 5.0,
+    kl_clamp: float | None = None,
 ) -> torch.Tensor:
     """Per-token rewards: ``r_t = -kl_coef * (logp_t - ref_logp_t)`` plus the clipped score on the last action.
+
+    Score position: the scalar sits on the *last action token* (the first EOS, or the last token of an
+    answer cut at ``max_new_tokens``), as OpenRLHF does. TRL and DeepSpeed-Chat add it one position
+    later. Ours keeps the score on a token the policy chose, inside the same prefix mask as the KL
+    terms, so GAE, returns-to-go and every masked mean see one consistent set of actions.
 
     Args:
         score: ``[B]`` reward-model score of each (prompt, response).
         logprobs: ``[B, T]`` rollout (old) policy log-probs.
-        ref_logprobs: ``[B, T]`` reference-model log-probs.
+        ref_logprobs: ``[B, T]`` reference-model log-probs, or ``None`` for no KL term (e.g. when the
+            KL is a loss term instead).
         action_mask: ``[B, T]`` (see :func:`action_mask`).
         kl_coef: beta (0.1 DeepSpeed-Chat, 0.05 TRL); may come from a KL controller.
         clip_reward: clip the score to ``[-clip_reward, clip_reward]``; ``None`` disables.
+        kl_clamp: clamp the per-token k1 estimate to ``[-kl_clamp, kl_clamp]`` first; ``None`` disables.
 
     Returns:
         ``[B, T]`` float32 rewards, zero outside the mask. Rows with no action get nothing.
     """
     mask = action_mask.to(torch.float32)
-    rewards = -kl_coef * kl_k1(logprobs.float(), ref_logprobs.float()) * mask
+    if ref_logprobs is None or kl_coef == 0:
+        rewards = torch.zeros_like(mask)
+    else:
+        kl = kl_k1(logprobs.float(), ref_logprobs.float())
+        if kl_clamp is not None:
+            kl = kl.clamp(-kl_clamp, kl_clamp)
+        rewards = -kl_coef * kl * mask
     score = score.to(torch.float32).reshape(-1)
     if clip_reward is not None:
         score = score.clamp(-clip_reward, clip_reward)
@@ -442,6 +456,50 @@ def _reduce_loss(
 # --------------------------------------------------------------------------------------------------
 
 
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped PPO surrogate ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` (unreduced).
+
+    ``ratio = exp(clamp(logp - old_logp, -20, 20))``. With ``dual_clip = c > 1`` the loss of tokens
+    with ``A < 0`` is additionally capped at ``-c * A`` (Ye et al. 2020), so a huge ratio on a bad
+    action cannot dominate the batch. The reduction over tokens is the caller's (:func:`policy_loss`
+    takes a token mean; ``losses.aggregate_loss`` offers the GRPO-family normalisations).
+
+    Returns:
+        ``(per_token [B, T], stats)``; ``stats`` holds detached masked means ``clip_frac`` (fraction of
+        valid tokens where the clipped branch is active), ``approx_kl`` (``0.5 * E[(logp - old)^2]``),
+        ``ratio_mean``, ``ratio_max`` and, with dual clip, ``dual_clip_frac``.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.float().detach()
+    surr1 = -advantages * ratio
+    surr2 = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.max(surr1, surr2)
+    stats: dict[str, torch.Tensor] = {}
+    mask = action_mask.to(torch.float32)
+    if dual_clip is not None:
+        capped = torch.min(per_token, -dual_clip * advantages)
+        dual_active = (advantages < 0) & (capped < per_token)
+        per_token = torch.where(advantages < 0, capped, per_token)
+        stats["dual_clip_frac"] = masked_mean(dual_active.float(), mask).detach()
+    with torch.no_grad():
+        stats["clip_frac"] = masked_mean((surr2 > surr1).float(), mask)
+        stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, mask)
+        stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
+        valid_ratio = torch.where(mask.bool(), ratio.detach(), torch.zeros_like(ratio))
+        stats["ratio_max"] = valid_ratio.max() if valid_ratio.numel() else torch.zeros(())
+    return per_token, stats
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -451,11 +509,7 @@ def policy_loss(
     dual_clip: float | None = None,
     global_token_count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``, masked.
-
-    ``ratio = exp(clamp(logp - old_logp, -20, 20))``. With ``dual_clip = c > 1`` the loss of tokens
-    with ``A < 0`` is additionally capped at ``-c * A`` (Ye et al. 2020), so a huge ratio on a bad
-    action cannot dominate the batch.
+    """Clipped PPO surrogate (:func:`clipped_surrogate`), averaged over the valid tokens.
 
     Normalisation: without ``global_token_count`` the loss is the mean over this rank's valid
     tokens. With it, the loss is ``sum(valid token losses) / global_token_count``, so the per-rank
@@ -474,33 +528,10 @@ def policy_loss(
         global_token_count: see above (e.g. from :func:`global_token_count`).
 
     Returns:
-        ``(loss, stats)``; ``stats`` holds detached scalars ``clip_frac`` (fraction of valid tokens
-        where the clipped branch is active), ``approx_kl`` (``0.5 * E[(logp - old)^2]``),
-        ``ratio_mean``, ``ratio_max`` and, with dual clip, ``dual_clip_frac``.
+        ``(loss, stats)`` with the statistics of :func:`clipped_surrogate`.
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    advantages = advantages.float().detach()
-    surr1 = -advantages * ratio
-    surr2 = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = torch.max(surr1, surr2)
-    stats: dict[str, torch.Tensor] = {}
-    mask = action_mask.to(torch.float32)
-    if dual_clip is not None:
-        capped = torch.min(per_token, -dual_clip * advantages)
-        dual_active = (advantages < 0) & (capped < per_token)
-        per_token = torch.where(advantages < 0, capped, per_token)
-        stats["dual_clip_frac"] = masked_mean(dual_active.float(), mask).detach()
-    loss = _reduce_loss(per_token, mask, global_token_count)
-    with torch.no_grad():
-        stats["clip_frac"] = masked_mean((surr2 > surr1).float(), mask)
-        stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, mask)
-        stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
-        valid_ratio = torch.where(mask.bool(), ratio.detach(), torch.zeros_like(ratio))
-        stats["ratio_max"] = valid_ratio.max() if valid_ratio.numel() else torch.zeros(())
-    return loss, stats
+    per_token, stats = clipped_surrogate(logprobs, old_logprobs, advantages, action_mask, clip_eps, dual_clip)
+    return _reduce_loss(per_token, action_mask.to(torch.float32), global_token_count), stats
 
 
 def value_loss(

@@ -1,32 +1,21 @@
-"""Plumbing shared by the RLHF recipes (steps 1-3 and the all-in-one run): the embedded tiny
-assets, datasets split across ranks, resumable batch streams, memory rows, summaries and the plot."""
+"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge,
+tokenizer resolution and dataset loading with rank 0 first."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-from multiengine.engines import EngineRegistry, peak_rss_bytes
-from multiengine.engines.dist import barrier
+from multiengine.engines import EngineRegistry, barrier
 
 from . import tiny
-from .data import ShardedEpochSampler, load_rlhf_dataset
+from .data import load_rlhf_dataset
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BatchStream",
-    "builtin_judge",
-    "fixed_batches",
-    "gather_memory",
-    "load_split",
-    "plot_curves",
-    "prepare_tiny_assets",
-    "resolve_tokenizer",
-]
+__all__ = ["builtin_judge", "load_split", "prepare_tiny_assets", "resolve_tokenizer"]
 
 
 def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0, hidden: int = 64,
@@ -81,97 +70,3 @@ def load_split(source: str, stage: str, registry: EngineRegistry, hf_split: str 
     if registry.is_main:
         barrier()
     return dataset
-
-
-class BatchStream:
-    """Endless, resumable batches of this rank's shard: a :class:`ShardedEpochSampler` (equal shards,
-    so every rank makes the same number of steps) feeding ``collate``. Its state is the sampler's."""
-
-    def __init__(self, rows: Any, collate: Callable[[list[Any]], dict[str, Any]], batch_size: int,
-                 registry: EngineRegistry, seed: int = 0, shuffle: bool = True) -> None:
-        self.rows = rows
-        self.collate = collate
-        self.batch_size = batch_size
-        self.sampler = ShardedEpochSampler(len(rows), registry.world_size, registry.rank, seed=seed, shuffle=shuffle)
-        if len(self.sampler) < batch_size:
-            raise ValueError(f"{len(rows)} rows give {len(self.sampler)} per rank, fewer than a batch of {batch_size}.")
-        self._it: Iterator[int] | None = None
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        index: list[int] = []
-        while len(index) < self.batch_size:
-            if self._it is None:
-                self._it = iter(self.sampler)
-            try:
-                index.append(next(self._it))
-            except StopIteration:
-                self._it = None  # the next iter() moves the sampler to the next epoch
-        return self.collate([self.rows[i] for i in index])
-
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
-        self._it = None
-
-
-def fixed_batches(rows: Any, collate: Callable[[list[Any]], dict[str, Any]], batch_size: int,
-                  registry: EngineRegistry, limit: int = 0) -> list[dict[str, Any]]:
-    """The first ``limit`` rows (all if 0), split evenly over ranks (the tail that does not divide is
-    dropped so every rank runs the same forwards) and batched: a deterministic evaluation set."""
-    n = len(rows) if not limit else min(limit, len(rows))
-    per_rank = n // registry.world_size
-    mine = list(range(registry.rank, per_rank * registry.world_size, registry.world_size))
-    return [collate([rows[i] for i in mine[j:j + batch_size]]) for j in range(0, len(mine), batch_size)]
-
-
-def gather_memory(registry: EngineRegistry) -> list[dict[str, Any]]:
-    """Per rank: the registry's per-role memory rows and the process's peak RSS (collective)."""
-    mine = {"rank": registry.rank, "roles": list(registry.memory_report()), "peak_rss_bytes": peak_rss_bytes()}
-    if torch.cuda.is_available():
-        mine["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    if registry.world_size == 1 or not torch.distributed.is_initialized():
-        return [mine]
-    out: list[Any] = [None] * registry.world_size
-    torch.distributed.all_gather_object(out, mine)
-    return out
-
-
-def plot_curves(records: Sequence[dict[str, Any]], out_png: str, panels: Sequence[tuple[str, Sequence[str]]],
-                title: str = "") -> str | None:
-    """One panel per ``(ylabel, metric keys)`` against ``step``; returns the PNG path, or None (with a
-    log line) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib is not installed: skipping the plot %s (pip install matplotlib)", out_png)
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (label, keys) in zip(axes[0], panels):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if key in r]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if len(points) < 15 else None, markersize=3, label=key)
-        ax.set_xlabel("PPO step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(out_png) or ".", exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png

@@ -26,11 +26,14 @@ def test_registry_demo_runs_on_two_ranks_with_an_override(tmp_path):
     assert summary["config"]["max_steps"] == 3
     assert summary["roles"]["actor"]["stage"] == 2  # the override reached the role
     assert summary["roles"]["reward"]["stage"] == 0 and summary["roles"]["reward"]["requested_stage"] == 2
-    rows = {r["role"]: r for r in summary["memory"]["rank0_roles"]}
+    rows = {r["role"]: r for r in summary["memory"]["per_rank"][0]["roles"]}
     assert rows["actor"]["params_local"] == rows["actor"]["params_total"]  # stage 2 keeps full params
     assert rows["actor"]["optimizer_bytes"] > 0
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and "actor/loss" in json.loads(lines[0])
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3] and all("train/loss" in r for r in records)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))  # TensorBoard beside the JSONL
+    assert (out / "curves.png").is_file()
 
     from transformers import AutoModelForCausalLM
 

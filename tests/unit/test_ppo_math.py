@@ -67,20 +67,22 @@ EOS, PAD = 2, 0
     [
         ([5, 6, 2, 0, 0], [1, 1, 1, 0, 0]),  # EOS in the middle, padding after
         ([5, 6, 7, 8, 9], [1, 1, 1, 1, 1]),  # no EOS: truncated answer, all actions
-        ([5, 6, 0, 0, 0], [1, 1, 0, 0, 0]),  # no EOS, padding
         ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),  # EOS first
         ([5, 2, 7, 2, 8], [1, 1, 0, 0, 0]),  # tokens after the first EOS are not actions
+        # a pad id before the first EOS was sampled: an ordinary action, the mask stays a prefix
+        ([5, 0, 6, 2, 0], [1, 1, 1, 1, 0]),
+        ([5, 6, 0, 0, 0], [1, 1, 1, 1, 1]),  # no EOS: every token was sampled, pad ids included
     ],
 )
 def test_action_mask_cases(ids, expected):
-    mask = ppo.action_mask(torch.tensor([ids]), EOS, PAD)
+    mask = ppo.action_mask(torch.tensor([ids]), EOS)
     assert mask.dtype == torch.bool
     assert mask.long().tolist() == [expected]
 
 
 def test_action_mask_pad_equals_eos():
     # decoder-only models often pad with EOS: the first EOS is an action, the rest padding
-    mask = ppo.action_mask(torch.tensor([[5, 2, 2, 2], [5, 6, 7, 2]]), eos_token_id=2, pad_token_id=2)
+    mask = ppo.action_mask(torch.tensor([[5, 2, 2, 2], [5, 6, 7, 2]]), eos_token_id=2)
     assert mask.long().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
 
 

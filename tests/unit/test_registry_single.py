@@ -69,3 +69,32 @@ def test_model_factory_must_return_a_module():
     registry.add(RoleSpec("ref", lambda: "not a model", eval_ds_config()))
     with pytest.raises(ConfigError, match="returned str, not a torch.nn.Module"):
         registry.build()
+
+
+def test_torch_backend_honours_bf16_and_says_what_it_did():
+    from multiengine.engines import OptimSpec, Placement, frozen_role, trainable_role
+
+    registry = EngineRegistry(backend="torch")
+    registry.add(trainable_role("actor", _mlp, Placement(stage=3, dtype="bf16"), OptimSpec(lr=0.1)))
+    registry.add(frozen_role("ref", _mlp, Placement(stage=0, dtype="bf16")))
+    registry.build()
+    actor, ref = registry.role("actor"), registry.role("ref")
+    # trainable: fp32 weights (the optimizer updates them) and a bf16 forward, as DeepSpeed computes it
+    assert all(p.dtype == torch.float32 for p in actor.module.parameters())
+    out = registry["actor"](torch.randn(2, 8))
+    assert out.dtype == torch.bfloat16
+    with torch.no_grad():
+        expected = _mlp().to(torch.bfloat16)(torch.randn(2, 8, generator=torch.Generator().manual_seed(1)).bfloat16())
+        got = registry["actor"](torch.randn(2, 8, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(got, expected)  # same rounded weights as a bf16 copy
+    # frozen: held in bf16
+    assert all(p.dtype == torch.bfloat16 for p in ref.module.parameters())
+    rows = {row["role"]: row for row in registry.memory_report()}
+    assert rows["actor"]["dtype"] == "float32" and rows["actor"]["compute_dtype"] == "bfloat16"
+    assert rows["actor"]["param_bytes"] == sum(p.numel() for p in actor.module.parameters()) * 4
+    assert "autocast to bfloat16" in rows["actor"]["note"] and "stage 3 requested" in rows["actor"]["note"]
+    assert rows["ref"]["dtype"] == "bfloat16" and rows["ref"]["note"] == ""
+    loss = out.float().pow(2).mean()
+    registry["actor"].backward(loss)
+    registry["actor"].step()
+    assert all(p.dtype == torch.float32 for p in actor.module.parameters())

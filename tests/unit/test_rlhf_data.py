@@ -222,7 +222,7 @@ def test_pair_collator_layout(tokenizer):
 
 
 def test_sampler_is_the_shared_one_and_resumes_prompts():
-    from multiengine.pipelines.sampler import ShardedEpochSampler as shared
+    from multiengine.engines import ShardedEpochSampler as shared
 
     assert ShardedEpochSampler is shared  # re-exported, not duplicated
     s = ShardedEpochSampler(20, world_size=2, rank=1, seed=7)

@@ -4,15 +4,14 @@ torch backend (the 2-rank DeepSpeed runs are in tests/distributed/test_rlhf.py).
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
-from multiengine.pipelines.rlhf.roles import LoraSettings, is_lora, load_causal_lm, load_scalar_model
-from multiengine.pipelines.rlhf.runs import BatchStream, builtin_judge, fixed_batches
+from multiengine.engines import LoraSpec, ShardedBatches, apply_lora, is_lora, shard_batches
+from multiengine.pipelines.rlhf.roles import load_causal_lm, load_scalar_model
+from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.config import list_recipes, load_config
 
 
@@ -49,27 +48,23 @@ def test_builtin_judge_only_for_task_prompts():
     assert builtin_judge(["list 3 fruits :"], enabled=False) is None
 
 
-def _fake_registry(rank: int = 0, world: int = 1):
-    return SimpleNamespace(rank=rank, world_size=world)
-
-
 def test_batch_stream_resumes_at_the_same_batch(assets):
     rows = load_rlhf_dataset(assets["data"], "ppo")
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
     collate = PromptCollator(tok, 16)
-    a = BatchStream(rows, collate, 24, _fake_registry(1, 2), seed=3)
+    a = ShardedBatches(rows, collate, 24, world_size=2, rank=1, seed=3)
     for _ in range(2):  # 48 of 32 rows per rank: crosses into epoch 1
         next(a)
     state = a.state_dict()
     expected = next(a)
-    b = BatchStream(rows, collate, 24, _fake_registry(1, 2), seed=3)
+    b = ShardedBatches(rows, collate, 24, world_size=2, rank=1, seed=3)
     b.load_state_dict(state)
     got = next(b)
     assert state["epoch"] == 1 and got["prompts"] == expected["prompts"]
     assert torch.equal(got["input_ids"], expected["input_ids"])
     # fixed batches: equal shares, disjoint across ranks
-    r0 = fixed_batches(rows, collate, 5, _fake_registry(0, 2), limit=15)
-    r1 = fixed_batches(rows, collate, 5, _fake_registry(1, 2), limit=15)
+    r0 = shard_batches(rows, collate, 5, world_size=2, rank=0, limit=15)
+    r1 = shard_batches(rows, collate, 5, world_size=2, rank=1, limit=15)
     p0 = [p for b in r0 for p in b["prompts"]]
     p1 = [p for b in r1 for p in b["prompts"]]
     assert len(p0) == len(p1) == 7 and [len(b["prompts"]) for b in r0] == [5, 2]
@@ -89,10 +84,11 @@ def test_roles_load_without_dropout_and_lora_trains_only_adapters(assets, tmp_pa
     assert model.config.dropout == 0.0 and model.config.attention_dropout == 0.0
     assert not is_lora(model)
 
-    lora = load_causal_lm(str(assets["model"]), lora=LoraSettings(rank=2))
+    spec = LoraSpec(rank=2, target_modules=("q_proj", "v_proj"))
+    lora = apply_lora(load_causal_lm(str(assets["model"])), spec)
     trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    critic = load_scalar_model(str(assets["model"]), zero3=False, lora=LoraSettings(rank=2))
+    assert trainable and all("lora_" in n for n in trainable) and is_lora(lora)
+    critic = apply_lora(load_scalar_model(str(assets["model"]), zero3=False), spec)
     trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
     assert "value_head.weight" in trainable and all("lora_" in n or n == "value_head.weight" for n in trainable)
     ids = torch.tensor([[1, 5, 6, 2]])
@@ -102,13 +98,14 @@ def test_roles_load_without_dropout_and_lora_trains_only_adapters(assets, tmp_pa
 def test_ppo_step_on_the_torch_backend(assets):
     """One process, no DeepSpeed: experience, rewards on the last action, critic warm-up, an actor update."""
     from multiengine.engines import EngineRegistry
-    from multiengine.pipelines.rlhf.roles import OptimSettings, Placement, build_rlhf_roles
+    from multiengine.engines import OptimSpec, Placement
+    from multiengine.pipelines.rlhf.roles import build_rlhf_roles
     from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
 
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
-    opt = OptimSettings(lr=1e-2, total_steps=4)
+    opt = OptimSpec(lr=1e-2, total_steps=4)
     build_rlhf_roles(registry, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
     settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, critic_warmup_steps=1)

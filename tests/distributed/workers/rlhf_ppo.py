@@ -20,14 +20,20 @@ import time
 
 import torch
 from common import dump, out_dir
-from multiengine.engines import EngineRegistry
-from multiengine.engines.dist import barrier
+from multiengine.engines import (
+    EngineRegistry,
+    LoraSpec,
+    OptimSpec,
+    Placement,
+    ShardedBatches,
+    apply_lora,
+    barrier,
+    save_role,
+)
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator, load_rlhf_dataset
-from multiengine.pipelines.rlhf.export import export_causal_lm, export_scalar_model, gathered_state_dict
 from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
-from multiengine.pipelines.rlhf.roles import LoraSettings, OptimSettings, Placement, build_rlhf_roles
-from multiengine.pipelines.rlhf.runs import BatchStream
+from multiengine.pipelines.rlhf.roles import build_rlhf_roles
 from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
 from multiengine.recipes import rlhf_ppo
 from multiengine.recipes.config import load_config
@@ -49,6 +55,22 @@ PROMPTS = load_rlhf_dataset(os.path.join(ASSETS, "data"), "ppo")
 COLLATE = PromptCollator(TOKENIZER, 16)
 
 
+LORA = LoraSpec(rank=4, target_modules=("q_proj", "k_proj", "v_proj", "out_proj"))
+
+
+def gathered_state_dict(registry: EngineRegistry, role: str) -> dict[str, torch.Tensor] | None:
+    """Full CPU copies of a role's weights on rank 0 (None elsewhere); collective under ZeRO-3."""
+    state = None
+    with registry.gathered(role):
+        if registry.is_main:
+            state = {k: v.detach().to("cpu").clone() for k, v in registry.role(role).module.state_dict().items()}
+    return state
+
+
+def stream(rows, collate, batch_size: int, registry: EngineRegistry, seed: int) -> ShardedBatches:
+    return ShardedBatches(rows, collate, batch_size, registry.world_size, registry.rank, seed=seed)
+
+
 def decode(ids: torch.Tensor) -> list[str]:
     return TOKENIZER.batch_decode(ids.cpu(), skip_special_tokens=True)
 
@@ -57,8 +79,8 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
           ema: bool = False, lora: bool = False, settings: PPOSettings | None = None, lr: float = 1e-3,
           mode: str = "gather", checkpointing: bool = False) -> tuple[EngineRegistry, PPOTrainer]:
     registry = EngineRegistry()
-    opt = OptimSettings(lr=lr, total_steps=10)
-    lora_cfg = LoraSettings(rank=4) if lora else None
+    opt = OptimSpec(lr=lr, betas=(0.9, 0.95), total_steps=10)
+    lora_cfg = LORA if lora else None
     build_rlhf_roles(
         registry, MODEL, MODEL, actor=Placement(actor_stage, "fp32"), critic=Placement(critic_stage, "fp32"),
         ref=ref, reward=reward, ema=Placement(actor_stage, "fp32") if ema else None,
@@ -72,10 +94,10 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
 
 def run_steps(registry: EngineRegistry, trainer: PPOTrainer, n: int, ptx=None,
               start: int = 0) -> list[dict[str, float]]:
-    stream = BatchStream(PROMPTS, COLLATE, trainer.settings.rollout_batch_size, registry, seed=start)
+    prompts = stream(PROMPTS, COLLATE, trainer.settings.rollout_batch_size, registry, seed=start)
     out = []
     for step in range(start, start + n):
-        metrics = trainer.step(next(stream), step, ptx)
+        metrics = trainer.step(next(prompts), step, ptx)
         out.append({k: metrics[k] for k in KEYS if k in metrics} | {"time/step_s": metrics["time/step_s"]})
     return out
 
@@ -112,10 +134,10 @@ for mode in ("gather", "per_token", "gather"):
     torch.manual_seed(7 + registry.rank)
     tokens[f"{mode}_sampled"] = generate(registry, ids, mask, GenerationSettings(12, mode=mode), EOS, PAD).tolist()
 step_times = {}
-stream = BatchStream(PROMPTS, COLLATE, 4, registry, seed=0)
+prompts = stream(PROMPTS, COLLATE, 4, registry, seed=0)
 for mode in ("gather", "per_token"):
     trainer.generation = GenerationSettings(max_new_tokens=6, mode=mode)
-    step_times[mode] = trainer.step(next(stream), 10, None)["time/step_s"]
+    step_times[mode] = trainer.step(next(prompts), 10, None)["time/step_s"]
 result["generation"] = {"tokens": tokens, "s_per_token": timing, "ppo_step_s": step_times,
                         "partitioned": all(hasattr(p, "ds_tensor") for p in registry["actor"].module.parameters())}
 # still partitioned after the gathered generation (hooks re-attached, shards released)
@@ -129,8 +151,8 @@ with torch.no_grad(), registry.gathered("actor", "critic"):
     values = registry.role("critic").module(probe.to(registry.device), torch.ones_like(probe)).tolist()
 export_root = os.path.join(ROOT, "export_zero3")
 result["export"] = {
-    "actor": export_causal_lm(registry, "actor", os.path.join(export_root, "actor"), TOKENIZER),
-    "critic": export_scalar_model(registry, "critic", os.path.join(export_root, "critic"), TOKENIZER),
+    "actor": save_role(registry, "actor", os.path.join(export_root, "actor"), tokenizer=TOKENIZER),
+    "critic": save_role(registry, "critic", os.path.join(export_root, "critic"), tokenizer=TOKENIZER),
     "probe": probe.tolist(), "logits": logits, "values": values,
 }
 free(registry, trainer)
@@ -141,7 +163,7 @@ settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, pt
 registry, trainer = build(3, 2, ref=Placement(3, "fp32", offload_params=True), reward=Placement(2, "fp32"),
                           ema=True, settings=settings, checkpointing=True)
 sft_rows = load_rlhf_dataset(os.path.join(ASSETS, "data"), "sft")
-ptx = BatchStream(sft_rows, SFTCollator(TOKENIZER, 16, 16), 2, registry, seed=1)
+ptx = stream(sft_rows, SFTCollator(TOKENIZER, 16, 16), 2, registry, seed=1)
 actor_before = gathered_state_dict(registry, "actor")
 steps = run_steps(registry, trainer, 1, ptx)  # critic warm-up: the actor must not move
 actor_warm = gathered_state_dict(registry, "actor")
@@ -173,10 +195,9 @@ lora_steps = run_steps(registry, trainer, 2)
 lora_after = gathered_state_dict(registry, "actor")
 ref_state = gathered_state_dict(registry, "ref")
 lora = {"steps": lora_steps, "trainable": trainable,
-        "export_actor": export_causal_lm(registry, "actor", os.path.join(ROOT, "export_lora", "actor"), TOKENIZER,
-                                         MODEL, LoraSettings(rank=4)),
-        "export_critic": export_scalar_model(registry, "critic", os.path.join(ROOT, "export_lora", "critic"),
-                                             TOKENIZER, MODEL, LoraSettings(rank=4))}
+        "export_actor": save_role(registry, "actor", os.path.join(ROOT, "export_lora", "actor"), tokenizer=TOKENIZER),
+        "export_critic": save_role(registry, "critic", os.path.join(ROOT, "export_lora", "critic"),
+                                   tokenizer=TOKENIZER)}
 if registry.is_main:
     base = {k: v for k, v in lora_after.items() if "lora_" not in k}
     lora["base_change"] = max((lora_before[k] - base[k]).abs().max().item() for k in base)
@@ -194,7 +215,7 @@ if registry.is_main:
     with torch.no_grad():
         from multiengine.pipelines.rlhf.roles import load_causal_lm
 
-        twin = load_causal_lm(MODEL, lora=LoraSettings(rank=4))
+        twin = apply_lora(load_causal_lm(MODEL), LORA, seed=0)
         twin.load_state_dict(lora_after, strict=False)
         lora["twin_logits"] = twin(input_ids=probe).logits[0, -1].tolist()
 result["lora"] = lora
@@ -220,7 +241,7 @@ def recipe_run(name: str, *overrides: str) -> dict:
     out = {"start": start, "steps": [{k: m[k] for k in (*KEYS, "kl_coef") if k in m} for m in job.step_metrics],
            "prompts": job.prompts.state_dict(), "kl_coef": job.trainer.kl_ctl.value,
            "lr": job.registry["actor"].get_lr()[0], "eval_after": job.history[-1]["judge"]}
-    job.cleanup()
+    job.close()
     free(job)
     return out
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 from common import dump, out_dir
-from multiengine.engines.checkpoint import local_tensors
+from multiengine.engines.partition import local_tensors
 from multiengine.recipes import sd_finetune as recipe
 from multiengine.recipes.config import load_config
 
@@ -51,7 +51,7 @@ def run(name: str, *overrides: str):
         "sampler": job.sampler.state_dict(consumed=job.consumed),
     }
     result.update(checks)
-    job.cleanup()
+    job.close()
     return result
 
 

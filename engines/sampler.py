@@ -1,13 +1,17 @@
-"""A deterministic, resumable, distributed sampler shared by the diffusion and RLHF pipelines."""
+"""Deterministic, resumable, distributed data order: a sampler and an endless batch stream over it.
+
+Both are checkpointable: register them with ``registry.add_state(name, obj)`` and
+``save_checkpoint``/``load_checkpoint`` keep their position.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["ShardedEpochSampler"]
+__all__ = ["ShardedBatches", "ShardedEpochSampler", "shard_batches"]
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler[int]):
@@ -104,3 +108,65 @@ class ShardedEpochSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"position {position} outside [0, {len(self)}]")
         self.epoch = int(state["epoch"])
         self.position = position
+
+
+class ShardedBatches:
+    """Endless, resumable batches of this rank's shard: a :class:`ShardedEpochSampler` (equal shards,
+    so every rank makes the same number of steps) feeding ``collate``. Its state is the sampler's.
+
+    Args:
+        rows: anything indexable with a length (a ``datasets.Dataset``, a list of dicts).
+        collate: ``list of rows -> batch``.
+        batch_size: rows per batch on this rank.
+        world_size / rank: the data-parallel layout (``registry.world_size`` / ``registry.rank``).
+        seed / shuffle: as for :class:`ShardedEpochSampler`.
+    """
+
+    def __init__(self, rows: Sequence[Any], collate: Callable[[list[Any]], Any], batch_size: int,
+                 world_size: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1.")
+        self.rows = rows
+        self.collate = collate
+        self.batch_size = batch_size
+        self.sampler = ShardedEpochSampler(len(rows), world_size, rank, seed=seed, shuffle=shuffle)
+        if len(self.sampler) < batch_size:
+            raise ValueError(f"{len(rows)} rows give {len(self.sampler)} per rank on {world_size} ranks, fewer than"
+                             f" a batch of {batch_size}: use more data or a smaller batch.")
+        self._it: Iterator[int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        index: list[int] = []
+        while len(index) < self.batch_size:
+            if self._it is None:
+                self._it = iter(self.sampler)
+            try:
+                index.append(next(self._it))
+            except StopIteration:
+                self._it = None  # the next iter() moves the sampler to the next epoch
+        return self.collate([self.rows[i] for i in index])
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+        self._it = None
+
+
+def shard_batches(rows: Sequence[Any], collate: Callable[[list[Any]], Any], batch_size: int, world_size: int = 1,
+                  rank: int = 0, limit: int = 0) -> list[Any]:
+    """A fixed evaluation set: the first ``limit`` rows (all when 0), dealt round-robin over ranks (the
+    tail that does not divide evenly is dropped, so every rank runs the same number of forwards) and
+    batched in order."""
+    n = len(rows) if not limit else min(limit, len(rows))
+    per_rank = n // world_size
+    mine = list(range(rank, per_rank * world_size, world_size))
+    return [collate([rows[i] for i in mine[j:j + batch_size]]) for j in range(0, len(mine), batch_size)]

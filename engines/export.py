@@ -1,0 +1,241 @@
+"""Exports: a role's full weights in a folder that real clients load, written atomically.
+
+One routine serves every role and pipeline: gather the role on all ranks (never rank 0 alone: under
+ZeRO-3 that hangs), write on rank 0 into ``<out>.tmp``, fsync, and rename it into place, so a crash
+never leaves a half-written folder where a complete one is expected. Tensors written are full, never
+the empty shards of a partitioned model.
+
+* transformers / diffusers models: ``save_pretrained`` (config + safetensors), loadable with
+  ``AutoModelFor*.from_pretrained`` or the diffusers class;
+* LoRA roles: the adapters merged into the base weights (``W + B A * scale``, computed out of place so
+  the live engine is untouched), plus the peft adapter in ``<out>/adapter`` for a peft-wrapped model;
+* anything else: ``model.safetensors`` of the module's state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .dist import barrier
+
+if TYPE_CHECKING:
+    from .registry import EngineRegistry
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["atomic_dir", "cast_folder", "merged_state_dict", "save_role", "write_role"]
+
+_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _fsync_tree(root: str) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _commit(tmp: str, out: str) -> None:
+    """Replace ``out`` by ``tmp``: the old folder is moved aside first and deleted only afterwards."""
+    _fsync_tree(tmp)
+    old = None
+    if os.path.lexists(out):
+        old = f"{out}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    parent = os.open(os.path.dirname(out) or ".", os.O_RDONLY)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str, main: bool = True) -> Iterator[str]:
+    """A temporary folder beside ``out_dir`` that becomes ``out_dir`` when the block ends without error.
+
+    All ranks enter it (it ends with a barrier); only ``main`` (rank 0) creates, writes and renames. On an
+    exception the temporary folder is removed and ``out_dir`` keeps whatever it held before.
+    """
+    out = os.path.abspath(out_dir).rstrip(os.sep)
+    tmp = out + ".tmp"
+    if main:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)  # a leftover of a crashed export
+        os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier()  # every rank has finished its part of the writes (the gathers)
+    if main:
+        _commit(tmp, out)
+    barrier()
+
+
+def cast_folder(folder: str, dtype: torch.dtype | str) -> None:
+    """Rewrite every safetensors file of a saved model with floating tensors in ``dtype`` (and the dtype
+    recorded in config.json): every component of an export then loads in one dtype."""
+    from safetensors.torch import load_file, save_file
+
+    if isinstance(dtype, str):
+        dtype = _DTYPE_NAMES[dtype]
+    name = str(dtype).replace("torch.", "")
+    for entry in os.listdir(folder):
+        path = os.path.join(folder, entry)
+        if entry.endswith(".safetensors"):
+            tensors = load_file(path)
+            if any(t.is_floating_point() and t.dtype != dtype for t in tensors.values()):
+                tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+                save_file(tensors, path, metadata={"format": "pt"})
+        elif entry == "config.json":
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            keys = [k for k in ("torch_dtype", "dtype") if k in config]
+            if keys:
+                for key in keys:
+                    config[key] = name
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _peft_prefixes(module: torch.nn.Module) -> list[str]:
+    """State-dict prefixes of peft wrappers inside ``module`` ("" for a top-level PeftModel)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return []
+    return [name for name, m in module.named_modules() if isinstance(m, PeftModel)]
+
+
+def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict on the CPU with every LoRA layer merged (``W + delta``) and the peft
+    names undone (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``, no ``lora_`` keys, no
+    ``base_model.model.`` prefix): the keys of the model without adapters. Parameters must be whole."""
+    from peft.tuners.lora import LoraLayer
+
+    state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        key = f"{prefix}.base_layer.weight"
+        weight = state[key]
+        delta = torch.zeros_like(weight, dtype=torch.float32)
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                delta += layer.get_delta_weight(adapter).detach().to("cpu", torch.float32)
+        state[key] = (weight.float() + delta).to(weight.dtype)
+    out: dict[str, torch.Tensor] = {}
+    wrappers = sorted(_peft_prefixes(module), key=len, reverse=True)
+    for key, value in state.items():
+        if "lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        for prefix in wrappers:
+            head = f"{prefix}.base_model.model." if prefix else "base_model.model."
+            if key.startswith(head):
+                key = (f"{prefix}." if prefix else "") + key[len(head):]
+                break
+        out[key] = value
+    return out
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def _is_diffusers(module: torch.nn.Module) -> bool:
+    return any(c.__module__.startswith("diffusers.") and c.__name__ == "ModelMixin" for c in type(module).__mro__)
+
+
+def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: str) -> None:
+    """Write ``state`` (keys of ``module`` without adapters) in the module's own folder format."""
+    from safetensors.torch import save_file
+
+    target = _unwrapped(module)
+    save = getattr(target, "save_pretrained", None)
+    if save is not None and "state_dict" in inspect.signature(save).parameters:
+        save(out, state_dict=state)
+    elif _is_diffusers(target):
+        target.save_config(out)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "diffusion_pytorch_model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def _write_module(module: torch.nn.Module, out: str) -> None:
+    from safetensors.torch import save_model
+
+    if hasattr(module, "save_pretrained"):
+        module.save_pretrained(out)
+    else:
+        save_model(module, os.path.join(out, "model.safetensors"))
+
+
+def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str | torch.dtype | None = None,
+               merge_lora: bool = True) -> dict[str, str]:
+    """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0 (no atomic rename: use
+    :func:`save_role`, or :func:`atomic_dir` around several writes). All ranks must call it.
+
+    Returns ``{"model": folder}`` and, for a peft-wrapped LoRA role, ``"adapter": folder/adapter``.
+    """
+    from .roles import is_lora
+
+    module = registry.role(name).module
+    lora = merge_lora and is_lora(module)
+    written = {"model": folder}
+    if lora and hasattr(module, "get_base_model"):  # a peft wrapper: its adapter folder loads with PeftModel
+        written["adapter"] = os.path.join(folder, "adapter")
+    with registry.gathered(name):
+        if registry.is_main:
+            os.makedirs(folder, exist_ok=True)
+            if lora:
+                _write_state(module, merged_state_dict(module), folder)
+                if "adapter" in written:
+                    module.save_pretrained(written["adapter"])
+            else:
+                _write_module(module, folder)
+    if registry.is_main and dtype is not None:
+        cast_folder(folder, dtype)
+    barrier()
+    return written
+
+
+def save_role(registry: EngineRegistry, name: str, out_dir: str, *, dtype: str | torch.dtype | None = None,
+              merge_lora: bool = True, tokenizer: Any = None,
+              extra_files: Callable[[str], None] | None = None) -> dict[str, str]:
+    """Export role ``name`` to ``out_dir`` atomically: full (gathered) weights, LoRA merged with the adapter
+    in ``out_dir/adapter``, floating weights cast to ``dtype`` when given (else the role's own dtype),
+    the ``tokenizer`` beside them, and ``extra_files(folder)`` called on rank 0 for anything else a
+    client needs. All ranks must call it; returns the paths written (the final ones)."""
+    with atomic_dir(out_dir, registry.is_main) as tmp:
+        written = write_role(registry, name, tmp, dtype=dtype, merge_lora=merge_lora)
+        if registry.is_main:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if extra_files is not None:
+                extra_files(tmp)
+    final = os.path.abspath(out_dir).rstrip(os.sep)
+    if registry.is_main:
+        logger.info("exported role '%s' to %s", name, final)
+    return {k: final + v[len(tmp):] for k, v in written.items()}

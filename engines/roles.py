@@ -1,0 +1,313 @@
+"""Role builders: the one vocabulary for where a role lives, how it trains and whether it has LoRA.
+
+Both pipelines and user code describe roles with these three specs and two builders::
+
+    actor = trainable_role("actor", lambda: AutoModelForCausalLM.from_pretrained(path),
+                           Placement(stage=3, dtype="bf16"), OptimSpec(lr=1e-5),
+                           micro_batch_size=4, grad_accum=2, lora=LoraSpec(rank=8, target_modules=("q_proj", "v_proj")))
+    ref = frozen_role("ref", lambda: AutoModelForCausalLM.from_pretrained(path),
+                      Placement(stage=3, offload_params=True))
+
+They return plain :class:`RoleSpec` objects (config dicts from ``train_ds_config``/``eval_ds_config``),
+so anything a builder does can also be written by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import DTYPES, ConfigError, eval_ds_config, train_ds_config
+from .zero_scope import zero_init_paused
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LoraSpec",
+    "OptimSpec",
+    "Placement",
+    "apply_lora",
+    "frozen_role",
+    "is_lora",
+    "set_gradient_checkpointing",
+    "torch_dtype",
+    "trainable_role",
+]
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` -> ``torch.bfloat16`` (the names the config factories take)."""
+    if name not in _TORCH_DTYPES:
+        raise ConfigError(f"dtype={name!r}; use one of {list(DTYPES)}.")
+    return _TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a role lives: ZeRO stage, dtype and offload.
+
+    ``offload_optimizer`` applies to trainable roles (the optimizer then steps on the host with
+    DeepSpeed's CPU Adam); ``gather_forward`` to frozen ZeRO-3 roles: all their parameters are
+    gathered by one collective per forward call instead of layer by layer (1/N between calls), worth it
+    for small frozen models called once per step (a VAE, a text encoder, a reward model).
+    """
+
+    stage: int = 3
+    dtype: str = "bf16"
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    gather_forward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3.")
+        torch_dtype(self.dtype)
+        if self.offload_params and self.stage != 3:
+            raise ConfigError(f"offload_params=True needs stage=3 (got stage={self.stage}): only ZeRO-3 partitions"
+                              " parameters.")
+
+
+_OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """An optimizer and its learning-rate schedule, counted in optimizer steps.
+
+    ``name``: ``adamw`` (torch's AdamW; DeepSpeed's CPU Adam when the optimizer is offloaded) or ``sgd``.
+    ``scheduler``: a ``transformers.get_scheduler`` name (``constant``, ``constant_with_warmup``,
+    ``linear``, ``cosine``, ...). ``max_grad_norm`` 0 or None turns clipping off.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    scheduler: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in _OPTIMIZERS:
+            raise ConfigError(f"optimizer name={self.name!r}; use one of {list(_OPTIMIZERS)}.")
+        if not self.lr >= 0:
+            raise ConfigError(f"lr={self.lr!r} must be >= 0.")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} and total_steps={self.total_steps} must be >= 0.")
+        from transformers import SchedulerType
+
+        names = [s.value for s in SchedulerType]
+        if self.scheduler not in names:
+            import difflib
+
+            close = difflib.get_close_matches(self.scheduler, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of {names}.")
+
+    @property
+    def clip(self) -> float | None:
+        return float(self.max_grad_norm) if self.max_grad_norm else None
+
+    def optimizer_factory(self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+        def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            params = list(params)
+            if self.name == "sgd":
+                return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+            if offload:
+                # An offloaded optimizer steps on the host: DeepSpeed's vectorised CPU Adam (AdamW mode).
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                        weight_decay=self.weight_decay, adamw_mode=True)
+            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                     weight_decay=self.weight_decay)
+
+        return build
+
+    def scheduler_factory(self) -> Callable[[torch.optim.Optimizer], Any]:
+        def build(optimizer: torch.optim.Optimizer) -> Any:
+            from transformers import get_scheduler
+
+            # DeepSpeed steps the scheduler once per optimizer step, so both counts are optimizer steps.
+            return get_scheduler(self.scheduler, optimizer, num_warmup_steps=self.warmup_steps,
+                                 num_training_steps=max(self.total_steps, 1))
+
+        return build
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters through peft: only the adapters train (plus what a composite model keeps trainable).
+
+    ``alpha`` None means alpha = rank; ``init`` is peft's ``init_lora_weights`` (``True``: kaiming A and
+    zero B; ``"gaussian"``: what diffusers' LoRA scripts use). ``task_type`` None picks it from the model
+    class (``CAUSAL_LM`` for ``*ForCausalLM``, ``SEQ_CLS`` for ``*ForSequenceClassification``).
+    """
+
+    rank: int = 8
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+    init: bool | str = True
+    task_type: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"LoRA rank={self.rank} must be >= 1.")
+        if not self.target_modules:
+            raise ConfigError("LoRA target_modules is empty: name the layers to adapt (e.g. ['q_proj', 'v_proj']).")
+
+    def peft_config(self, task_type: str | None = None) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,
+                          lora_dropout=self.dropout, target_modules=list(self.target_modules),
+                          init_lora_weights=self.init, task_type=task_type or self.task_type)
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    return any("lora_" in name for name, _ in module.named_parameters())
+
+
+def _is_diffusers_model(model: torch.nn.Module) -> bool:
+    return any(c.__module__.startswith("diffusers.") and c.__name__ == "ModelMixin" for c in type(model).__mro__)
+
+
+def _task_type(model: torch.nn.Module) -> str | None:
+    name = type(model).__name__
+    if name.endswith("ForCausalLM"):
+        return "CAUSAL_LM"
+    if name.endswith("ForSequenceClassification"):
+        return "SEQ_CLS"
+    return None
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraSpec, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Freeze ``model`` and add LoRA adapters; returns the model to train (peft may wrap it).
+
+    The adapters are created with ZeRO-3 paused (peft's init cannot run on empty shards) from a private
+    RNG seeded with ``seed``, so every rank builds the same values; the engine partitions them after.
+    A model with its own ``apply_lora(lora, seed)`` method (a composite such as a body + value head)
+    decides itself what trains. diffusers models get ``add_adapter`` (what ``load_lora_weights`` reads
+    back); transformers models ``peft.get_peft_model``.
+    """
+    if hasattr(model, "apply_lora"):
+        out = model.apply_lora(lora, seed)
+    else:
+        model.requires_grad_(False)
+        with zero_init_paused(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if _is_diffusers_model(model):
+                model.add_adapter(lora.peft_config())
+                out = model
+            else:
+                from peft import get_peft_model
+
+                out = get_peft_model(model, lora.peft_config(_task_type(model)))
+    if dtype is not None:
+        for name, p in out.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(dtype)
+    return out
+
+
+def set_gradient_checkpointing(module: torch.nn.Module, enabled: bool) -> bool:
+    """Switch activation (gradient) checkpointing on or off for a transformers or diffusers model (also
+    through a peft wrapper, or a composite with a ``body``); returns the previous state."""
+    target = getattr(module, "body", module)
+    was = any(getattr(m, "gradient_checkpointing", False) is True for m in target.modules())
+    if enabled == was:
+        return was
+    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; diffusers has its own
+    # names. Non-reentrant checkpointing also works when no input requires grad (LoRA on a frozen base).
+    if enabled:
+        if hasattr(target, "activation_checkpointing_enable"):
+            target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(target, "gradient_checkpointing_enable"):
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(target, "enable_gradient_checkpointing"):
+            target.enable_gradient_checkpointing()
+        else:
+            raise ConfigError(f"{type(target).__name__} has no gradient checkpointing switch.")
+    elif hasattr(target, "activation_checkpointing_disable"):
+        target.activation_checkpointing_disable()
+    elif hasattr(target, "gradient_checkpointing_disable"):
+        target.gradient_checkpointing_disable()
+    elif hasattr(target, "disable_gradient_checkpointing"):
+        target.disable_gradient_checkpointing()
+    return was
+
+
+def _factory(model: Callable[[], torch.nn.Module], lora: LoraSpec | None, gradient_checkpointing: bool, seed: int,
+             dtype: torch.dtype) -> Callable[[], torch.nn.Module]:
+    if lora is None and not gradient_checkpointing:
+        return model
+
+    def build() -> torch.nn.Module:
+        module = model()
+        if gradient_checkpointing:
+            set_gradient_checkpointing(module, True)
+        if lora is not None:
+            module = apply_lora(module, lora, seed, dtype)
+        return module
+
+    return build
+
+
+def trainable_role(
+    name: str,
+    model: Callable[[], torch.nn.Module],
+    placement: Placement = Placement(),
+    optim: OptimSpec = OptimSpec(),
+    *,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+    lora: LoraSpec | None = None,
+    gradient_checkpointing: bool = False,
+    seed: int = 0,
+    hidden_size: int | None = None,
+) -> Any:
+    """A trainable role: its own optimizer and schedule (``optim``), ZeRO placement, accumulation and
+    clipping; optional LoRA (only adapters train) and gradient checkpointing, applied after ``model()``."""
+    from .registry import RoleSpec
+
+    if placement.gather_forward:
+        raise ConfigError(f"role '{name}': gather_forward is for frozen roles; a trainable one needs its ZeRO-3"
+                          " hooks for the backward pass.")
+    config = train_ds_config(stage=placement.stage, dtype=placement.dtype, micro_batch_size=micro_batch_size,
+                             grad_accum=grad_accum, offload_optimizer=placement.offload_optimizer,
+                             offload_params=placement.offload_params, gradient_clipping=optim.clip)
+    return RoleSpec(name, _factory(model, lora, gradient_checkpointing, seed, torch_dtype(placement.dtype)), config,
+                    optimizer=optim.optimizer_factory(placement.offload_optimizer),
+                    lr_scheduler=optim.scheduler_factory(), hidden_size=hidden_size, placement=placement, lora=lora)
+
+
+def frozen_role(
+    name: str,
+    model: Callable[[], torch.nn.Module],
+    placement: Placement = Placement(),
+    *,
+    stateful: bool = False,
+    lora: LoraSpec | None = None,
+    seed: int = 0,
+    hidden_size: int | None = None,
+) -> Any:
+    """A frozen role: no optimizer, no gradients, eval mode. ``stateful`` for one whose weights change
+    anyway (an EMA copy; saved in checkpoints); ``lora`` builds the same adapter layout as a LoRA
+    trainable role (an EMA of a LoRA model)."""
+    from .registry import RoleSpec
+
+    if placement.offload_optimizer:
+        raise ConfigError(f"role '{name}': offload_optimizer=True, but a frozen role has no optimizer; drop it.")
+    config = eval_ds_config(stage=placement.stage, dtype=placement.dtype, offload_params=placement.offload_params)
+    return RoleSpec(name, _factory(model, lora, False, seed, torch_dtype(placement.dtype)), config,
+                    stateful=stateful, gather_forward=placement.gather_forward and placement.stage == 3,
+                    hidden_size=hidden_size, placement=placement, lora=lora)

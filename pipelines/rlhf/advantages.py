@@ -1,0 +1,141 @@
+"""Advantage estimators as pure tensor functions: GAE (with a critic, in ppo.py) and the critic-free
+family GRPO, Dr. GRPO, RLOO and REINFORCE++.
+
+Groups. The critic-free estimators compare the ``n = n_samples_per_prompt`` completions of one
+prompt. A rollout repeats each of a rank's prompts ``n`` times *consecutively* on that rank
+(``repeat_interleave``), so a group is ``n`` adjacent rows and never spans ranks: group statistics
+need no communication, and the global batch is still ``W * prompts_per_rank * n`` rows (the layout
+OpenRLHF and verl use). Only REINFORCE++'s whitening is global (one all-reduce).
+
+KL placement. ``kl_in_reward`` puts ``-beta * k1`` into every token's reward (PPO, RLOO, REINFORCE++);
+otherwise the KL is a loss term (``losses.kl_loss``, k3, as GRPO does) and the rewards hold only the
+sequence-level advantage on the last action token.
+
+Shapes: ``B`` rows (a multiple of ``n``), ``T`` response tokens, masks ``[B, T]`` prefix masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ppo
+
+__all__ = [
+    "CRITIC_FREE",
+    "critic_free_advantages",
+    "gae",
+    "grpo_advantages",
+    "returns_to_go",
+    "rloo_advantages",
+]
+
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+gae = ppo.gae
+
+
+def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    scores = scores.reshape(-1).float()
+    if group_size < 1 or scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} rows do not split into groups of n_samples_per_prompt={group_size}.")
+    return scores.view(-1, group_size)
+
+
+def grpo_advantages(scores: torch.Tensor, group_size: int, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's sequence advantage ``(r - mean_group) / (std_group + eps)`` (Shao et al. 2024).
+
+    ``std`` is the sample standard deviation of the group (Bessel's correction, as TRL and OpenRLHF
+    compute it); a group of one, or of equal rewards, has advantage 0. ``scale_by_std=False`` is
+    Dr. GRPO (Liu et al. 2025): only the mean is subtracted, so groups with a small spread (too easy
+    or too hard prompts) are not up-weighted.
+
+    Args:
+        scores: ``[B]`` rewards, ``B`` consecutive groups of ``group_size``.
+
+    Returns:
+        ``[B]`` float32 advantages.
+    """
+    g = _groups(scores, group_size)
+    adv = g - g.mean(-1, keepdim=True)
+    if scale_by_std:
+        std = g.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
+        adv = adv / (std + eps)
+    return adv.reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO's leave-one-out advantage ``r_i - mean_{j != i} r_j`` (Ahmadian et al. 2024): each sample's
+    baseline is the mean reward of the other ``n - 1`` completions of its prompt, so it is unbiased.
+    Equals ``n / (n - 1) * (r_i - mean)``. Needs ``group_size >= 2``. ``[B] -> [B]``."""
+    if group_size < 2:
+        raise ValueError(f"rloo needs n_samples_per_prompt >= 2 (a leave-one-out baseline), got {group_size}.")
+    g = _groups(scores, group_size)
+    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
+    return (g - baseline).reshape(-1)
+
+
+def returns_to_go(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted returns ``G_t = r_t + gamma * G_{t+1}`` over the masked rewards (reverse loop; 0 after
+    the last action). ``[B, T]`` float32, zero outside the mask."""
+    mask = action_mask.to(torch.float32)
+    rewards = rewards.float() * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask
+
+
+def critic_free_advantages(
+    algorithm: str,
+    score: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    action_mask: torch.Tensor,
+    group_size: int,
+    kl_coef: float = 0.0,
+    kl_in_reward: bool = False,
+    kl_clamp: float | None = None,
+    clip_reward: float | None = None,
+    gamma: float = 1.0,
+    std_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token advantages of a critic-free estimator.
+
+    1. clip the scores (``clip_reward``);
+    2. sequence advantage: ``grpo`` group z-score, ``dr_grpo`` group mean removed, ``rloo``
+       leave-one-out, ``reinforce_pp`` the score itself;
+    3. per-token rewards: that value on the last action token (see ``ppo.compute_rewards`` for the
+       position), plus ``-kl_coef * k1`` on every action token when ``kl_in_reward``;
+    4. advantages = returns-to-go (``gamma``); for ``reinforce_pp`` whitened with the masked mean and
+       variance of the *global* batch (all ranks: collective), REINFORCE++'s baseline.
+
+    With the KL as a loss term and ``gamma = 1`` every token of a row gets the row's sequence
+    advantage (GRPO). ``ref_logprobs`` may be ``None`` when ``kl_in_reward`` is off.
+
+    Returns:
+        ``(advantages [B, T], rewards [B, T])``, float32, zero outside the mask.
+    """
+    if algorithm not in CRITIC_FREE:
+        raise ValueError(f"algorithm={algorithm!r}; use one of {list(CRITIC_FREE)} (or gae with a critic).")
+    if kl_in_reward and kl_coef and ref_logprobs is None:
+        raise ValueError("kl_in_reward with kl_coef > 0 needs ref log-probs (a ref role).")
+    score = score.reshape(-1).float()
+    if clip_reward is not None:
+        score = score.clamp(-clip_reward, clip_reward)
+    if algorithm == "grpo":
+        seq = grpo_advantages(score, group_size, True, std_eps)
+    elif algorithm == "dr_grpo":
+        seq = grpo_advantages(score, group_size, False)
+    elif algorithm == "rloo":
+        seq = rloo_advantages(score, group_size)
+    else:
+        seq = score
+    rewards = ppo.compute_rewards(seq, logprobs, ref_logprobs if kl_in_reward else None, action_mask,
+                                  kl_coef if kl_in_reward else 0.0, clip_reward=None, kl_clamp=kl_clamp)
+    advantages = returns_to_go(rewards, action_mask, gamma)
+    if algorithm == "reinforce_pp":
+        advantages = ppo.masked_whiten(advantages, action_mask)
+    return advantages, rewards

@@ -1,0 +1,202 @@
+"""Critic-free policy optimisation on the registry: GRPO, Dr. GRPO, RLOO and REINFORCE++.
+
+Roles: a trainable ``actor``, a frozen ``ref`` (optional when ``kl_coef = 0``) and the reward
+sources (reward-model roles and/or Python reward functions); no critic. Each step samples
+``n_samples_per_prompt`` completions of each of a rank's prompts (a group = consecutive rows on one
+rank), turns the group's rewards into advantages (advantages.py) and runs clipped policy-gradient
+epochs over the rollout (update.py).
+
+Defaults per algorithm (each can be overridden):
+
+============  =============================  ===================  ========================
+algorithm     sequence advantage             KL                   loss normalisation
+============  =============================  ===================  ========================
+grpo          (r - mean_g) / (std_g + eps)   k3 loss term         seq_mean_token_mean
+dr_grpo       r - mean_g                     k3 loss term         seq_mean_token_sum_norm
+rloo          r - mean of the other n-1      k1 in the reward     token_mean
+reinforce_pp  r, then global whitening       k1 in the reward     token_mean
+============  =============================  ===================  ========================
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry
+
+from .advantages import CRITIC_FREE, critic_free_advantages
+from .generation import GenerationSettings
+from .losses import LOSS_AGG_MODES
+from .rewards import RewardSource, RunningMoments, check_sources
+from .rollout import Experience, make_experience, rollout_metrics, step_timings
+from .update import train_on_experience
+
+__all__ = ["GRPOSettings", "GRPOTrainer"]
+
+Judge = Callable[[str, str], float]
+
+_KL_IN_REWARD = {"grpo": False, "dr_grpo": False, "rloo": True, "reinforce_pp": True}
+_LOSS_AGG = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "rloo": "token_mean",
+             "reinforce_pp": "token_mean"}
+
+
+@dataclass
+class GRPOSettings:
+    """Hyper-parameters of the critic-free family (``None`` = the algorithm's default, table above)."""
+
+    algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    n_samples_per_prompt: int = 4
+    rollout_batch_size: int = 4  # prompts per rank per step (rows = prompts x samples)
+    mini_batch_size: int = 8  # rows per rank per forward/backward
+    epochs: int = 1  # passes over one rollout (1: ratio = 1, the plain policy gradient)
+    clip_eps: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.04  # beta (DeepSeekMath's GRPO); 0 = no KL and no ref forward
+    kl_in_reward: bool | None = None  # True: -beta*k1 in the reward; False: beta*k3 loss term
+    kl_clamp: float | None = None  # clamp each token's KL estimate to +/- this
+    loss_agg: str | None = None
+    gamma: float = 1.0  # discount of the returns-to-go (rloo, reinforce_pp with KL in the reward)
+    std_eps: float = 1e-6
+    clip_reward: float | None = 5.0
+    normalize_rewards: bool = False  # running mean/std of the score (all ranks), before clipping
+    no_eos_penalty: float | None = None
+    shuffle_minibatches: bool = True
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in CRITIC_FREE:
+            raise ValueError(f"algorithm={self.algorithm!r}; use one of {list(CRITIC_FREE)} (PPOTrainer for ppo).")
+        n = self.n_samples_per_prompt
+        if n < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}.")
+        if n < 2 and self.algorithm in ("grpo", "dr_grpo", "rloo"):
+            raise ValueError(f"algorithm={self.algorithm} compares completions of one prompt: n_samples_per_prompt="
+                             f"{n} gives zero advantages; use >= 2 (e.g. 4), or algorithm=reinforce_pp.")
+        rows = self.rollout_batch_size * n
+        if self.rollout_batch_size < 1 or self.mini_batch_size < 1 or rows % self.mini_batch_size:
+            raise ValueError(f"rollout_batch_size x n_samples_per_prompt = {rows} rows per rank must be a multiple of "
+                             f"mini_batch_size={self.mini_batch_size}.")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
+        if self.loss_agg is not None and self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg={self.loss_agg!r}; use one of {list(LOSS_AGG_MODES)}.")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"kl_clamp must be > 0 (or None), got {self.kl_clamp}.")
+
+    @property
+    def resolved_kl_in_reward(self) -> bool:
+        return _KL_IN_REWARD[self.algorithm] if self.kl_in_reward is None else self.kl_in_reward
+
+    @property
+    def resolved_loss_agg(self) -> str:
+        return self.loss_agg or _LOSS_AGG[self.algorithm]
+
+
+class GRPOTrainer:
+    """One critic-free step: rollout of ``n`` samples per prompt, group advantages, policy update.
+
+    Args:
+        registry: with a trainable ``actor``, a frozen ``ref`` (unless ``ref=None`` and ``kl_coef = 0``)
+            and the reward-model roles named by ``rewards``.
+        generation: sampling settings (``do_sample`` must be on: a group of identical greedy answers
+            has no spread); ``max_new_tokens`` is Dr. GRPO's normalising constant.
+        settings: :class:`GRPOSettings`.
+        eos_token_id / pad_token_id: the tokenizer's.
+        rewards: reward sources (:func:`rewards.reward_model` / :func:`rewards.reward_function`).
+        decode: ``response_ids [B, T] -> list[str]`` (needed by reward functions and the judge).
+        seed: sampling seeds derive from ``(seed, step, rank)``.
+        judge: optional ``judge(prompt, answer)`` logged as ``judge/mean``.
+    """
+
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        generation: GenerationSettings,
+        settings: GRPOSettings,
+        eos_token_id: int,
+        pad_token_id: int,
+        rewards: Sequence[RewardSource],
+        decode: Callable[[torch.Tensor], list[str]] | None = None,
+        *,
+        actor: str = "actor",
+        ref: str | None = "ref",
+        seed: int = 0,
+        judge: Judge | None = None,
+    ) -> None:
+        if not generation.do_sample:
+            raise ValueError("critic-free estimators compare several samples of a prompt: set do_sample=True.")
+        check_sources(rewards, registry)
+        if actor not in registry or not registry.role(actor).trainable:
+            raise ValueError(f"actor role {actor!r} must be a trainable role of the registry ({registry.names()}).")
+        if settings.kl_coef > 0 and (ref is None or ref not in registry):
+            raise ValueError(f"kl_coef={settings.kl_coef} needs the ref role {ref!r} (registry: {registry.names()}); "
+                             "build one or set kl_coef=0.")
+        if any(s.fn is not None for s in rewards) and decode is None:
+            raise ValueError("reward functions score texts: pass decode= (response ids -> strings).")
+        self.registry = registry
+        self.generation = generation
+        self.settings = settings
+        self.eos, self.pad = int(eos_token_id), int(pad_token_id)
+        self.rewards = list(rewards)
+        self.decode = decode
+        self.actor = actor
+        self.ref = ref if settings.kl_coef > 0 else None
+        self.seed = seed
+        self.judge = judge
+        self.normalizer = RunningMoments() if settings.normalize_rewards else None
+
+    @torch.no_grad()
+    def make_experience(self, batch: dict[str, Any], step: int) -> Experience:
+        """Rollout (``rollout_batch_size`` prompts x ``n_samples_per_prompt`` rows) with rewards and
+        advantages set (collective)."""
+        s = self.settings
+        exp = make_experience(
+            self.registry, batch, step, generation=self.generation, eos_token_id=self.eos, pad_token_id=self.pad,
+            rewards=self.rewards, decode=self.decode, actor=self.actor, ref=self.ref, critic=None,
+            n_samples_per_prompt=s.n_samples_per_prompt, seed=self.seed, no_eos_penalty=s.no_eos_penalty)
+        t0 = time.perf_counter()
+        score = exp.score
+        if self.normalizer is not None:
+            self.normalizer.update(score)
+            score = self.normalizer.normalize(score)
+        exp.advantages, exp.rewards = critic_free_advantages(
+            s.algorithm, score, exp.logprobs, exp.ref_logprobs, exp.action_mask, s.n_samples_per_prompt,
+            kl_coef=s.kl_coef, kl_in_reward=s.resolved_kl_in_reward, kl_clamp=s.kl_clamp,
+            clip_reward=s.clip_reward, gamma=s.gamma, std_eps=s.std_eps)
+        exp.timings["experience_s"] += time.perf_counter() - t0
+        return exp
+
+    def train_on(self, exp: Experience, step: int) -> dict[str, float]:
+        """``epochs`` passes of minibatches over the rollout (KL loss term unless it is in the reward)."""
+        s = self.settings
+        kl_loss_coef = 0.0 if s.resolved_kl_in_reward else s.kl_coef
+        return train_on_experience(
+            self.registry, exp, step, mini_batch_size=s.mini_batch_size, temperature=self.generation.temperature,
+            actor=self.actor, critic=None, epochs=s.epochs, clip_eps=s.clip_eps, dual_clip=s.dual_clip,
+            loss_agg=s.resolved_loss_agg, horizon=self.generation.max_new_tokens, kl_coef=kl_loss_coef,
+            kl_estimator="k3", kl_clamp=s.kl_clamp, shuffle=s.shuffle_minibatches, seed=self.seed)
+
+    def step(self, batch: dict[str, Any], step: int) -> dict[str, float]:
+        """One step: rollout, advantages, update. Returns the step's metrics (global means)."""
+        t0 = time.perf_counter()
+        exp = self.make_experience(batch, step)
+        rollout = rollout_metrics(exp, self.judge)
+        t1 = time.perf_counter()
+        stats = self.train_on(exp, step)
+        t_train = time.perf_counter() - t1
+        return {**rollout, **stats, "kl_coef": self.settings.kl_coef,
+                **step_timings(exp, t_train, time.perf_counter() - t0)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.settings.algorithm,
+                "normalizer": self.normalizer.state_dict() if self.normalizer is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("algorithm", self.settings.algorithm) != self.settings.algorithm:
+            raise ValueError(f"checkpoint was written by algorithm={state['algorithm']!r}, this run is "
+                             f"{self.settings.algorithm!r}.")
+        if self.normalizer is not None and state.get("normalizer") is not None:
+            self.normalizer.load_state_dict(state["normalizer"])

@@ -1,0 +1,250 @@
+"""Where a rollout's scalar reward comes from: reward-model roles and/or Python reward functions,
+combined as a weighted sum; plus a running normaliser of the combined score.
+
+A reward function has the signature ``fn(prompts: list[str], responses: list[str]) -> list[float]``
+(one float per row; responses are decoded without special tokens, up to the first EOS). It is
+named by a spec string, as in a YAML config:
+
+* ``package.module:function`` - importable from the Python path;
+* ``/path/to/file.py:function`` - a file, loaded as a module (it is your code: it runs);
+* ``builtin:judge`` - the built-in task's programmatic judge (:func:`judge_reward`).
+
+Reward functions run on every rank over that rank's rows; reward-model roles run one forward per
+rollout on every rank (collective under ZeRO-3), whichever rows a rank holds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry
+
+from . import tiny
+from .collective import all_reduce_sum
+from .scoring import eval_mode, sequence_scores
+
+__all__ = [
+    "BUILTIN_REWARD_FUNCTIONS",
+    "RewardFn",
+    "RewardSource",
+    "RunningMoments",
+    "check_sources",
+    "compute_scores",
+    "judge_reward",
+    "load_reward_function",
+    "reward_function",
+    "reward_model",
+    "reward_sources",
+]
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+
+def judge_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """The built-in word-listing task's judge (``tiny.judge``) as a batched reward function, in [0, 1]."""
+    return [tiny.judge(p, r) for p, r in zip(prompts, responses)]
+
+
+BUILTIN_REWARD_FUNCTIONS: dict[str, RewardFn] = {"judge": judge_reward}
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """Resolve a reward-function spec (see the module docstring) to a callable.
+
+    Raises:
+        ValueError: malformed spec, a missing module/file/attribute, or an attribute that is not callable;
+            the message names the spec and how to fix it.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward function {spec!r}: expected 'package.module:function', "
+                         "'/path/to/file.py:function' or 'builtin:<name>'.")
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise ValueError(f"reward function {spec!r}: both the module (or file) and the function name are needed.")
+    if target == "builtin":
+        if name not in BUILTIN_REWARD_FUNCTIONS:
+            raise ValueError(f"reward function {spec!r}: no built-in {name!r}; "
+                             f"available: {sorted(BUILTIN_REWARD_FUNCTIONS)}.")
+        return BUILTIN_REWARD_FUNCTIONS[name]
+    if target.endswith(".py") or os.sep in target:
+        path = os.path.abspath(os.path.expanduser(target))
+        if not os.path.isfile(path):
+            raise ValueError(f"reward function {spec!r}: file {path} does not exist.")
+        module_name = "multiengine_reward_" + os.path.splitext(os.path.basename(path))[0]
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"reward function {spec!r}: {path} cannot be loaded as a Python module.")
+        module = importlib.util.module_from_spec(loader_spec)
+        loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"reward function {spec!r}: cannot import {target!r} ({exc}); "
+                             "is it on PYTHONPATH, or did you mean a file path ending in .py?") from exc
+    fn = getattr(module, name, None)
+    if fn is None:
+        public = sorted(k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k)))
+        raise ValueError(f"reward function {spec!r}: {target} has no {name!r}; callables there: {public[:12]}.")
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not a function.")
+    return fn
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    """One term of the reward: ``weight *`` a reward-model role's score or a reward function's value."""
+
+    name: str
+    weight: float = 1.0
+    role: str | None = None
+    fn: RewardFn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.role is None) == (self.fn is None):
+            raise ValueError(f"reward source {self.name!r}: give exactly one of role= or fn=.")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"reward source {self.name!r}: weight must be finite, got {self.weight}.")
+
+
+def reward_model(role: str = "reward", weight: float = 1.0, name: str | None = None) -> RewardSource:
+    """A frozen scalar-head role of the registry (score at the last real token)."""
+    return RewardSource(name=name or role, weight=float(weight), role=role)
+
+
+def reward_function(fn: RewardFn | str, weight: float = 1.0, name: str | None = None) -> RewardSource:
+    """A Python reward function, or a spec string resolved with :func:`load_reward_function`."""
+    if isinstance(fn, str):
+        label = name or fn.rpartition(":")[2]
+        fn = load_reward_function(fn)
+    else:
+        label = name or getattr(fn, "__name__", "reward_fn")
+    return RewardSource(name=label, weight=float(weight), fn=fn)
+
+
+def reward_sources(
+    models: Mapping[str, float] | None = None,
+    functions: Sequence[str | tuple[str, float]] | Mapping[str, float] | None = None,
+) -> list[RewardSource]:
+    """Reward sources from flat settings, as a config names them: ``models`` maps reward-model roles
+    to weights (``{"reward": 1.0}``); ``functions`` lists specs (weight 1) or maps spec -> weight
+    (``{"builtin:judge": 1.0, "my_pkg.rewards:length": 0.1}``). Function names must be unique."""
+    out = [reward_model(role, float(weight)) for role, weight in (models or {}).items()]
+    items = functions.items() if isinstance(functions, Mapping) else (functions or [])
+    for item in items:
+        spec, weight = (item, 1.0) if isinstance(item, str) else item
+        out.append(reward_function(spec, float(weight)))
+    if not out:
+        raise ValueError("no reward source: name at least one reward-model role or reward function.")
+    return out
+
+
+def check_sources(sources: Sequence[RewardSource], registry: EngineRegistry) -> None:
+    """Reject an empty list, duplicate names and reward-model roles the registry does not have."""
+    if not sources:
+        raise ValueError("no reward source: give at least one reward_model(...) or reward_function(...).")
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward source names must be unique, got {names}; pass name= to tell them apart.")
+    for s in sources:
+        if s.role is not None and s.role not in registry:
+            raise ValueError(f"reward source {s.name!r}: role {s.role!r} is not in the registry "
+                             f"(roles: {registry.names()}).")
+
+
+@torch.no_grad()
+def compute_scores(
+    registry: EngineRegistry,
+    sources: Sequence[RewardSource],
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompts: Sequence[str] | None = None,
+    responses: Sequence[str] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The weighted sum of every source's score for each row (collective: every rank, every role).
+
+    Args:
+        sequences / attention_mask: ``[B, L]`` prompt + response, the mask covering the actions.
+        prompts / responses: the rows' texts, needed by reward functions.
+
+    Returns:
+        ``(total [B] float32, {source name: [B] unweighted score})``.
+    """
+    B = sequences.shape[0]
+    total = torch.zeros(B, dtype=torch.float32, device=sequences.device)
+    parts: dict[str, torch.Tensor] = {}
+    for src in sources:
+        if src.role is not None:
+            with eval_mode(registry, src.role) as engine:
+                value = sequence_scores(engine, sequences, attention_mask).float()
+        else:
+            if prompts is None or responses is None or len(prompts) != B or len(responses) != B:
+                raise ValueError(f"reward function {src.name!r} needs the prompt and response texts of all {B} "
+                                 "rows (batch['prompts'] and a decode function).")
+            out = src.fn(list(prompts), list(responses))
+            value = torch.as_tensor([float(v) for v in out], dtype=torch.float32)
+            if value.numel() != B:
+                raise ValueError(f"reward function {src.name!r} returned {value.numel()} values for {B} rows.")
+            if not torch.isfinite(value).all():
+                bad = value[~torch.isfinite(value)][:4].tolist()
+                raise ValueError(f"reward function {src.name!r} returned non-finite rewards {bad}.")
+            value = value.to(sequences.device)
+        parts[src.name] = value
+        total = total + src.weight * value
+    return total, parts
+
+
+class RunningMoments:
+    """Running mean and variance of a stream of scores over every rank (parallel-variance merge of
+    each batch's global count, mean and M2), to normalise rewards as ``(r - mean) / (std + eps)``.
+
+    ``update`` is collective. The state is identical on every rank; ``state_dict`` /
+    ``load_state_dict`` carry it through a checkpoint so a resumed run normalises the same way.
+    """
+
+    def __init__(self, eps: float = 1e-8) -> None:
+        self.eps = float(eps)
+        self.count = 0.0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    @property
+    def var(self) -> float:
+        return self.m2 / self.count if self.count > 0 else 1.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().to(torch.float64).reshape(-1).cpu()
+        total, total_sq, n = all_reduce_sum(torch.stack([x.sum(), (x * x).sum(),
+                                                         torch.tensor(float(x.numel()), dtype=x.dtype)])).tolist()
+        if n == 0:
+            return
+        batch_mean = total / n
+        batch_m2 = max(total_sq - n * batch_mean * batch_mean, 0.0)
+        delta = batch_mean - self.mean
+        new_count = self.count + n
+        self.mean += delta * n / new_count
+        self.m2 += batch_m2 + delta * delta * self.count * n / new_count
+        self.count = new_count
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / (self.std + self.eps)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2, "eps": self.eps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.count = float(state["count"])
+        self.mean = float(state["mean"])
+        self.m2 = float(state["m2"])
+        self.eps = float(state.get("eps", self.eps))

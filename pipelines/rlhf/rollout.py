@@ -1,0 +1,213 @@
+"""Experience making: generate responses, then score them with every role.
+
+One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies
+of a prompt are adjacent rows on the same rank: see advantages.py) and runs, on every rank, one
+forward of each role involved: the actor and the ref for log-probs, the critic (optional) for
+values, each reward-model role for a score; reward functions score the decoded texts. Advantages
+are left to the estimator (GAE in ppo_trainer.py, the critic-free family in grpo.py).
+
+Every function here is collective: all ranks call it with the same number of rows, so every rank
+runs the same number of forwards of every role (under ZeRO-3 each forward gathers layers from all
+ranks, and a rank that skipped one would hang the others).
+
+Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry
+
+from . import ppo
+from .collective import all_reduce_mean, all_reduce_sum, global_moments
+from .generation import GenerationSettings, generate
+from .rewards import RewardSource, compute_scores
+from .scoring import role_logprobs, role_values
+
+__all__ = ["Experience", "expand_prompts", "make_experience", "rollout_metrics", "sampling_seed", "step_timings"]
+
+Judge = Callable[[str, str], float]
+Decode = Callable[[torch.Tensor], list[str]]
+
+_ROW_TENSORS = ("sequences", "attention_mask", "action_mask", "logprobs", "score", "ref_logprobs", "values",
+                "rewards", "advantages", "returns")
+
+
+@dataclass
+class Experience:
+    """One frozen rollout on this rank. All ``[B, T]`` tensors are zero outside ``action_mask``."""
+
+    sequences: torch.Tensor  # [B, L] prompt (left padded) + response (padded after the first EOS)
+    attention_mask: torch.Tensor  # [B, L]: prompt tokens and actions
+    context_length: int  # C
+    action_mask: torch.Tensor  # [B, T] bool prefix mask: up to and including the first EOS
+    logprobs: torch.Tensor  # [B, T] rollout (old) policy
+    score: torch.Tensor  # [B] weighted sum of the reward sources (after the no-EOS penalty)
+    ref_logprobs: torch.Tensor | None = None  # [B, T]; None without a ref role
+    values: torch.Tensor | None = None  # [B, T] critic at rollout time; None without a critic
+    rewards: torch.Tensor | None = None  # [B, T] per-token rewards (set by the estimator)
+    advantages: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T] value targets (GAE only)
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    group_size: int = 1  # consecutive rows that answer the same prompt
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.sequences[:, self.context_length:]
+
+    def rows(self, index: torch.Tensor) -> Experience:
+        """The rows ``index`` (a minibatch; no longer grouped)."""
+        take: dict[str, Any] = {}
+        for key in _ROW_TENSORS:
+            value = getattr(self, key)
+            take[key] = None if value is None else value[index]
+        picked = index.tolist()
+        return Experience(
+            context_length=self.context_length, **take,
+            reward_parts={k: v[index] for k, v in self.reward_parts.items()},
+            prompts=[self.prompts[i] for i in picked] if self.prompts else [],
+            responses=[self.responses[i] for i in picked] if self.responses else [],
+        )
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """Sampling seed of one rollout: from ``(seed, step, rank)``, so a resumed run, or the same run at
+    another ZeRO stage, samples the same tokens."""
+    return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
+
+
+def expand_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
+    """Each prompt ``n`` times in consecutive rows (``[B, C] -> [B*n, C]``, texts likewise)."""
+    if n < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
+    if n == 1:
+        return batch
+    out = {k: v.repeat_interleave(n, dim=0) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if "prompts" in batch:
+        out["prompts"] = [p for p in batch["prompts"] for _ in range(n)]
+    return out
+
+
+@torch.no_grad()
+def make_experience(
+    registry: EngineRegistry,
+    batch: dict[str, Any],
+    step: int,
+    *,
+    generation: GenerationSettings,
+    eos_token_id: int,
+    pad_token_id: int,
+    rewards: Sequence[RewardSource],
+    decode: Decode | None = None,
+    actor: str = "actor",
+    ref: str | None = "ref",
+    critic: str | None = None,
+    n_samples_per_prompt: int = 1,
+    seed: int = 0,
+    no_eos_penalty: float | None = None,
+) -> Experience:
+    """Sample and score one rollout (collective).
+
+    Args:
+        batch: a :class:`PromptCollator` batch: ``input_ids`` / ``attention_mask`` ``[P, C]`` left
+            padded, ``prompts`` (texts; needed by reward functions).
+        step: seeds the sampling (with ``seed`` and the rank).
+        rewards: the reward sources, summed with their weights.
+        decode: ``response_ids [B, T] -> list[str]``; needed by reward functions (and judges).
+        actor / ref / critic: role names; ``ref`` and ``critic`` may be ``None``.
+        n_samples_per_prompt: completions per prompt, in consecutive rows.
+        no_eos_penalty: subtracted from the score of answers that never emitted EOS.
+
+    Returns:
+        An :class:`Experience` of ``P * n_samples_per_prompt`` rows without rewards/advantages.
+    """
+    device = registry.device
+    batch = expand_prompts(batch, n_samples_per_prompt)
+    prompt_ids = batch["input_ids"].to(device)
+    prompt_mask = batch["attention_mask"].to(device)
+    C = prompt_ids.shape[1]
+
+    # 1. sample (seeded per step and rank: resume and stage changes sample the same tokens)
+    t0 = time.perf_counter()
+    torch.manual_seed(sampling_seed(seed, step, registry.rank))
+    response = generate(registry, prompt_ids, prompt_mask, generation, eos_token_id, pad_token_id, role=actor)
+    t_gen = time.perf_counter() - t0
+
+    # 2. sequences; actions = the prefix up to and including the first EOS (a pad id sampled before it is
+    #    an ordinary token, attended to here as it was while sampling)
+    t1 = time.perf_counter()
+    sequences = torch.cat([prompt_ids, response], dim=1)
+    action = ppo.action_mask(response, eos_token_id)
+    attention = torch.cat([prompt_mask, action.to(prompt_mask.dtype)], dim=1)
+    action_f = action.float()
+
+    # 3. one forward per role, every rank
+    logprobs = role_logprobs(registry, actor, sequences, attention, C, generation.temperature)
+    ref_logprobs = None
+    if ref is not None:
+        ref_logprobs = role_logprobs(registry, ref, sequences, attention, C, generation.temperature) * action_f
+    values = role_values(registry, critic, sequences, attention, C) * action_f if critic is not None else None
+
+    # 4. the reward: weighted sum of reward-model scores and reward-function values
+    prompts = list(batch.get("prompts", []))
+    texts = decode(response) if decode is not None else []
+    score, parts = compute_scores(registry, rewards, sequences, attention, prompts or None, texts or None)
+    if no_eos_penalty:
+        score = ppo.apply_no_eos_penalty(score, response, eos_token_id, no_eos_penalty)
+    t_exp = time.perf_counter() - t1
+    return Experience(
+        sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
+        logprobs=logprobs * action_f, score=score, ref_logprobs=ref_logprobs, values=values,
+        reward_parts=parts, prompts=prompts, responses=texts, group_size=n_samples_per_prompt,
+        timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1])},
+    )
+
+
+def rollout_metrics(exp: Experience, judge: Judge | None = None) -> dict[str, float]:
+    """Reward, per-source reward, KL, length (and judge) statistics of a rollout, over all ranks
+    (collective: every rank computes the same keys)."""
+    mask = exp.action_mask.float()
+    score_mean, score_std, _ = global_moments(exp.score)
+    out = {"reward/mean": score_mean, "reward/std": score_std,
+           "response_length": global_moments(mask.sum(-1))[0]}
+    if len(exp.reward_parts) > 1:
+        for name, value in exp.reward_parts.items():
+            out[f"reward/{name}"] = global_moments(value)[0]
+    if exp.ref_logprobs is not None:
+        out["kl"] = global_moments((ppo.kl_k1(exp.logprobs, exp.ref_logprobs) * mask).sum(-1))[0]
+    if exp.rewards is not None:
+        out["reward/total_mean"] = global_moments((exp.rewards * mask).sum(-1))[0]
+    if exp.values is not None:
+        out["values/mean"] = all_reduce_mean(ppo.masked_mean(exp.values, mask))
+    if exp.group_size > 1:
+        # groups whose completions all scored the same carry no signal for the group estimators
+        g = exp.score.reshape(-1, exp.group_size)
+        out["reward/group_std"] = global_moments(g.std(-1))[0]
+        out["reward/flat_groups"] = global_moments((g.max(-1).values == g.min(-1).values).double())[0]
+    if judge is not None and exp.prompts and exp.responses:
+        judged = torch.tensor([judge(p, a) for p, a in zip(exp.prompts, exp.responses)], dtype=torch.float64)
+        out["judge/mean"] = global_moments(judged)[0]
+    return out
+
+
+def step_timings(exp: Experience, t_train: float, t_step: float) -> dict[str, float]:
+    """Time per phase and generation throughput of one step (tokens kept on all ranks per second of
+    generation; ms per decoding step). Collective (one all-reduce)."""
+    gen_tokens = float(all_reduce_sum(exp.action_mask.float().sum().reshape(1))[0])
+    t_gen = exp.timings["generation_s"]
+    return {
+        "time/generation_s": t_gen,
+        "time/experience_s": exp.timings["experience_s"],
+        "time/train_s": t_train,
+        "time/step_s": t_step,
+        "gen/tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+        "gen/ms_per_token": 1000.0 * t_gen / max(exp.timings["generation_steps"], 1.0),
+    }

@@ -1,0 +1,84 @@
+"""Forwards of RLHF roles: policy logits and log-probs, critic values, reward-model scores.
+
+Every call goes through the role's engine, so ZeRO-3 fetch/release hooks run; every rank must make
+the same calls in the same order (each ZeRO-3 forward is a collective).
+
+Shapes: ``B`` rows, ``C`` padded prompt length, ``T`` response length, ``L = C + T``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry
+
+from . import ppo
+from .generation import position_ids_from_mask
+from .losses import sequence_logprob
+from .models import last_token_index
+
+__all__ = [
+    "eval_mode",
+    "policy_logits",
+    "role_logprobs",
+    "role_values",
+    "sequence_logprobs",
+    "sequence_scores",
+]
+
+
+@contextlib.contextmanager
+def eval_mode(registry: EngineRegistry, role: str) -> Iterator[Any]:
+    """The role's engine with its module in eval mode (restored on exit); rollout scoring must see
+    the numbers the training forwards see, without dropout."""
+    module = registry.role(role).module
+    was_training = module.training
+    module.eval()
+    try:
+        yield registry[role]
+    finally:
+        module.train(was_training)
+
+
+def policy_logits(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L, V]`` logits of a causal-LM engine, positions from the mask (left padding safe)."""
+    out = engine(input_ids=input_ids, attention_mask=attention_mask,
+                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    return out.logits
+
+
+def sequence_scores(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` scalar-head scores at the last real token (through the engine, so ZeRO-3 hooks run)."""
+    values = engine(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask))
+    return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
+
+
+@torch.no_grad()
+def role_logprobs(registry: EngineRegistry, role: str, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  context_length: int, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` log-probs of the response tokens under ``role`` (eval mode, no grad)."""
+    with eval_mode(registry, role) as engine:
+        logits = policy_logits(engine, sequences, attention_mask)
+        return ppo.response_logprobs(logits, sequences, context_length, temperature)
+
+
+@torch.no_grad()
+def role_values(registry: EngineRegistry, role: str, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int) -> torch.Tensor:
+    """``[B, T]`` critic values aligned with the response tokens (eval mode, no grad)."""
+    with eval_mode(registry, role) as engine:
+        values = engine(input_ids=sequences, attention_mask=attention_mask,
+                        position_ids=position_ids_from_mask(attention_mask)).float()
+        return ppo.response_values(values, context_length)
+
+
+def sequence_logprobs(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      response_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B]`` log-prob of each row's response: the sum over the tokens where ``response_mask`` is set
+    (DPO's ``log pi(y | x)``), through the engine (with grad if the caller allows it)."""
+    logits = policy_logits(engine, input_ids, attention_mask)
+    return sequence_logprob(logits, input_ids, response_mask, temperature)

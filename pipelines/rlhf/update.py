@@ -1,0 +1,174 @@
+"""The policy (and optional value) update over one frozen rollout: epochs x minibatches, each
+minibatch a forward/backward/step of the actor (clipped surrogate [+ KL loss] [+ ptx]) and, with a
+critic, of the critic (clipped value loss).
+
+Normalisation: each micro-batch's loss is divided by the global count of normalisation units of its
+optimizer step (tokens, or rows for the sequence modes; all ranks, all micro-batches) over ``W * G``,
+so after DeepSpeed's averaging the gradient is that of the whole step's batch in one piece,
+independent of the data-parallel size and of how rows are spread (see ppo.policy_loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from multiengine.engines import EngineRegistry
+
+from . import ppo
+from .collective import all_reduce_sum
+from .generation import position_ids_from_mask
+from .losses import kl_loss, loss_units, policy_gradient_loss
+from .rollout import Experience
+from .scoring import policy_logits
+from .steps import causal_lm_loss
+
+__all__ = ["minibatch_indices", "train_on_experience"]
+
+
+def minibatch_indices(n_rows: int, mini_batch_size: int, shuffle: bool = True, seed: int = 0, step: int = 0,
+                      epoch: int = 0) -> list[torch.Tensor]:
+    """Row indices of the minibatches of one epoch. The permutation is seeded by ``(seed, step,
+    epoch)`` only (not the rank), so every rank shuffles its own rows the same way."""
+    if n_rows % mini_batch_size:
+        raise ValueError(f"{n_rows} rollout rows per rank are not a multiple of mini_batch_size={mini_batch_size}.")
+    if shuffle:
+        g = torch.Generator().manual_seed(seed * 31 + step * 1009 + epoch)
+        order = torch.randperm(n_rows, generator=g)
+    else:
+        order = torch.arange(n_rows)
+    return list(order.split(mini_batch_size))
+
+
+def _denominator(exp: Experience, group: list[torch.Tensor], mode: str, world: int, grad_accum: int,
+                 device: torch.device) -> torch.Tensor:
+    local = sum(float(loss_units(exp.action_mask[idx], mode)) for idx in group)
+    total = float(all_reduce_sum(torch.tensor([local], dtype=torch.float64))[0])
+    return torch.tensor(total / (world * grad_accum), dtype=torch.float32, device=device)
+
+
+def train_on_experience(
+    registry: EngineRegistry,
+    exp: Experience,
+    step: int,
+    *,
+    mini_batch_size: int,
+    temperature: float = 1.0,
+    actor: str = "actor",
+    critic: str | None = None,
+    epochs: int = 1,
+    clip_eps: float = 0.2,
+    dual_clip: float | None = None,
+    value_clip: float | None = 0.2,
+    loss_agg: str = "token_mean",
+    horizon: int | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_clamp: float | None = None,
+    train_actor: bool = True,
+    ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None,
+    ptx_coef: float = 0.0,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``epochs`` passes of minibatches over one frozen rollout (collective).
+
+    Args:
+        exp: with ``advantages`` (and ``returns``/``values`` when a critic trains; ``ref_logprobs``
+            when ``kl_coef > 0``).
+        mini_batch_size: rows per rank per forward/backward; the minibatches of an epoch must be a
+            multiple of each engine's gradient accumulation steps.
+        temperature: the sampling temperature (the log-probs divide the logits by it).
+        critic: the value role to train, or ``None`` (critic-free).
+        loss_agg / horizon: normalisation of the policy and KL losses (``losses.LOSS_AGG_MODES``).
+        kl_coef / kl_estimator / kl_clamp: KL to the ref as a loss term (``0`` = none, e.g. when it is
+            in the reward).
+        train_actor: ``False`` during a critic warm-up.
+        ptx_batches / ptx_coef: SFT batches whose loss is added to the actor's (PPO-ptx).
+        shuffle / seed: minibatch order.
+
+    Returns:
+        Global means over ranks and micro-batches: ``policy_loss`` / ``value_loss`` / ``kl_loss`` (per
+        optimizer step), ``clip_frac``, ``approx_kl``, ``ratio_mean``, ``entropy``, ``value_clip_frac``,
+        ``ptx_loss``, ``kl_loss_kl`` (the mean per-token estimate).
+    """
+    if exp.advantages is None:
+        raise ValueError("the experience has no advantages: run an estimator first.")
+    if kl_coef and exp.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 (KL as a loss term) needs ref log-probs: build a ref role.")
+    if critic is not None and (exp.returns is None or exp.values is None):
+        raise ValueError(f"training the critic {critic!r} needs returns and rollout values (GAE).")
+    world = registry.world_size
+    actor_engine = registry[actor]
+    critic_engine = registry[critic] if critic is not None else None
+    g_actor = actor_engine.gradient_accumulation_steps()
+    g_critic = critic_engine.gradient_accumulation_steps() if critic_engine is not None else 1
+    C = exp.context_length
+    sums: dict[str, float] = {}
+    n_micro = 0
+
+    def add(key: str, value: torch.Tensor | float) -> None:
+        sums[key] = sums.get(key, 0.0) + float(value)
+
+    for epoch in range(epochs):
+        micro = minibatch_indices(exp.sequences.shape[0], mini_batch_size, shuffle, seed, step, epoch)
+        if len(micro) % g_actor or len(micro) % g_critic:
+            raise ValueError(f"{len(micro)} minibatches per epoch is not a multiple of the gradient accumulation"
+                             f" steps (actor {g_actor}, critic {g_critic}).")
+        for i, idx in enumerate(micro):
+            mb = exp.rows(idx)
+            # 1. actor: surrogate on the current policy's log-probs (+ KL loss) (+ pretraining loss)
+            if train_actor:
+                group = micro[i - i % g_actor: i - i % g_actor + g_actor]
+                den = _denominator(exp, group, loss_agg, world, g_actor, registry.device)
+                logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
+                logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
+                pg_loss, pg_stats = policy_gradient_loss(logp, mb.logprobs, mb.advantages, mb.action_mask, clip_eps,
+                                                         dual_clip, loss_agg, den, horizon)
+                loss = pg_loss
+                if kl_coef:
+                    k_loss, k_mean = kl_loss(logp, mb.ref_logprobs, mb.action_mask, kl_estimator, kl_clamp, loss_agg,
+                                             den, horizon)
+                    loss = loss + kl_coef * k_loss
+                    add("kl_loss_global", k_loss.detach() / (world * g_actor))
+                    add("kl_loss_kl", k_mean)
+                with torch.no_grad():
+                    scaled = logits[:, C - 1:-1].float() / temperature
+                    entropy = ppo.masked_mean(ppo.entropy_from_logits(scaled), mb.action_mask)
+                if ptx_coef > 0 and ptx_batches is not None:
+                    ptx = {k: v.to(registry.device) for k, v in next(ptx_batches).items()}
+                    ptx_loss = causal_lm_loss(actor_engine, ptx)
+                    loss = loss + ptx_coef * ptx_loss
+                    add("ptx_loss", ptx_loss.detach())
+                actor_engine.backward(loss)
+                actor_engine.step()
+                # summed over ranks and an optimizer step's micro-batches, loss / (W*G) is that step's loss
+                add("policy_loss_global", pg_loss.detach() / (world * g_actor))
+                for key in ("clip_frac", "approx_kl", "ratio_mean"):
+                    add(key, pg_stats[key])
+                add("entropy", entropy)
+            # 2. critic: clipped value loss against the returns
+            if critic_engine is not None:
+                group = micro[i - i % g_critic: i - i % g_critic + g_critic]
+                den = _denominator(exp, group, "token_mean", world, g_critic, registry.device)
+                values = ppo.response_values(critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
+                                                           position_ids=position_ids_from_mask(mb.attention_mask)), C)
+                v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip, den)
+                critic_engine.backward(v_loss)
+                critic_engine.step()
+                add("value_loss_global", v_loss.detach() / (world * g_critic))
+                add("value_clip_frac", v_stats["clip_frac"])
+            n_micro += 1
+
+    # 3. one all-reduce for every statistic: global sums, then means per micro-batch / optimizer step
+    keys = sorted(sums)
+    totals = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist() if keys else []
+    per_step = {"policy_loss_global": g_actor, "kl_loss_global": g_actor, "value_loss_global": g_critic}
+    out: dict[str, Any] = {}
+    for key, total in zip(keys, totals):
+        if key in per_step:
+            out[key.removesuffix("_global")] = total / max(n_micro / per_step[key], 1.0)
+        else:
+            out[key] = total / (world * max(n_micro, 1))
+    return out
