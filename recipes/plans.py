@@ -489,6 +489,37 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
     return out
 
 
+def distill(cfg: Any, assume: Mapping[str, str] | None = None,
+            configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    """A frozen teacher and a trainable student; the teacher's logits stay alive through the student's step."""
+    m, r, t, d = cfg.model, cfg.roles, cfg.train, cfg.data
+    # "" = the tiny SFT model the recipe trains first (the RLHF recipes' tiny OPT) / a random tiny student
+    teacher_info = _lm_model(str(m.teacher), "teacher", assume, configs_dir, 64, 2, cfg.seed)
+    student_info = _lm_model(str(m.student), "student", assume, configs_dir, int(m.student_hidden),
+                             int(m.student_layers), int(cfg.seed) + 1)
+    tdims, sdims = P.transformer_dims(teacher_info.config), P.transformer_dims(student_info.config)
+    tdtype, sdtype = str(r.teacher.dtype), str(r.student.dtype)
+    batch, seq = int(t.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
+    gen = (int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens)) if cfg.eval.size \
+        else None
+    teacher_logits = batch * seq * tdims.vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
+    student_phases = [(label, nbytes + (teacher_logits if label == "train step" else 0))
+                      for label, nbytes in _lm_phases(sdims, sdtype, train=(batch, seq), generate=gen)]
+    teacher = _role("teacher", teacher_info, tdtype, trainable=False,
+                    current=_current(r.teacher.stage, False, r.teacher.offload_params),
+                    phases=_lm_phases(tdims, tdtype, forward=(batch, seq), generate=gen),
+                    full_gather=("generation", "forward") if r.teacher.gather_forward else ("generation",),
+                    gather_hint="roles.teacher.gather_forward=false")
+    student = _role("student", student_info, sdtype, trainable=True,
+                    current=_current(r.student.stage, True, r.student.offload_params, r.student.offload_optimizer),
+                    phases=student_phases, full_gather=("generation",))
+    notes = [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the teacher's "
+             "logits too"]
+    return [RecipePlan("distill", [teacher, student],
+                       {"teacher": _keys("roles.teacher", offload_optimizer=False), "student": _keys("roles.student")},
+                       notes)]
+
+
 PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "registry_demo": registry_demo,
     "sd_finetune": sd_finetune,
@@ -496,6 +527,7 @@ PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "rlhf_reward": rlhf_reward,
     "rlhf_ppo": rlhf_ppo,
     "rlhf_e2e": rlhf_e2e,
+    "distill": distill,
 }
 
 
