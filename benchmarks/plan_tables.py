@@ -175,8 +175,14 @@ def main() -> None:
     results = run_all()
     text = markdown(results)
     print(text)
+    def brief(p: P.Plan) -> dict[str, Any]:
+        data = p.to_dict()
+        for role in data["roles"].values():
+            role.pop("options")  # every placement of every role: `multiengine plan --json` shows them
+        return data
+
     payload = [{"title": r["title"], "step": r["step"],
-                "plans": {str(g): p.to_dict() for g, p in r["plans"].items()}} for r in results]
+                "plans": {str(g): brief(p) for g, p in r["plans"].items()}} for r in results]
     path = write_results("plan_tables", {"scenarios": payload},
                          command="python -m benchmarks.plan_tables " + " ".join(sys.argv[1:]))
     print(f"\nwrote {path}", file=sys.stderr)
