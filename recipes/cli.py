@@ -6,6 +6,9 @@
     multiengine run registry_demo --help                      # every key: type, default, meaning
     multiengine run registry_demo --config tiny max_steps=3
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
+    multiengine plan rlhf_ppo --config opt13b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
+    multiengine run rlhf_ppo --config my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 \
+        --master-addr node0 --master-port 29500          # the same on node1 with --node-rank 1
 
 The config is validated here before any rank starts, so a typo costs a second, not a launch.
 
@@ -20,6 +23,7 @@ session, so the terminal's process group does not reach them); ranks that lose t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -82,10 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", nargs="?")
     run.add_argument("--config", help="shipped config name (see `multiengine ls`) or path to a YAML file")
     run.add_argument("--nproc-per-node", type=int, help="launch N ranks with torch.distributed.run")
-    run.add_argument("--nnodes", type=int, default=1)
-    run.add_argument("--node-rank", type=int, default=0)
-    run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1)")
+    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (the command runs once on each)")
+    run.add_argument("--node-rank", type=int, default=None,
+                     help="this node's index, 0 on rank 0's node (static rendezvous; required with --nnodes > 1)")
+    run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1; with c10d: the rendezvous host)")
     run.add_argument("--master-port", type=int, help="rank 0's port (default: a free one on one node)")
+    run.add_argument("--rdzv-backend", choices=RDZV_BACKENDS, default="static",
+                     help="static (default): fixed --node-rank, rank 0's node serves the store at "
+                     "--master-addr:--master-port; c10d: nodes join in any order and are numbered as they arrive")
+    run.add_argument("--rdzv-id", default="multiengine", help="c10d: a job id, the same on every node")
     run.add_argument("overrides", nargs="*", metavar="key=value")
 
     val = sub.add_parser("validate", help="check a config (types, ranges, choices, paths, data) without running",
@@ -97,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--config", help="shipped config name or path to a YAML file")
     val.add_argument("--print", action="store_true", dest="print_config", help="print the resolved config")
     val.add_argument("overrides", nargs="*", metavar="key=value")
+
+    _add_plan_parser(sub)
 
     sub.add_parser("ls", help="list recipes and their shipped configs")
 
@@ -121,6 +132,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RDZV_BACKENDS = ("static", "c10d")
+
+
+def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                     rdzv_backend: str, rdzv_id: str) -> list[str]:
+    """torchrun's rendezvous options, checked: a wrong node rank or a missing address would hang every node."""
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise RecipeConfigError(f"--rdzv-backend {rdzv_backend!r}; use one of {list(RDZV_BACKENDS)}")
+    if nnodes < 1:
+        raise RecipeConfigError(f"--nnodes must be >= 1, got {nnodes}")
+    where = ("rank 0's host and port" if rdzv_backend == "static"
+             else "the rendezvous endpoint: one node's host and a free port, the same on every node")
+    if nnodes > 1 and (master_addr is None or master_port is None):
+        raise RecipeConfigError(f"--nnodes > 1 needs --master-addr and --master-port ({where})")
+    addr = master_addr or "127.0.0.1"
+    port = str(master_port if master_port is not None else _free_port())
+    if rdzv_backend == "c10d":
+        if node_rank is not None and nnodes > 1:
+            raise RecipeConfigError("--node-rank has no effect with --rdzv-backend c10d (nodes are numbered as they "
+                                    "join); drop it, or use the static rendezvous")
+        return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr}:{port}", "--rdzv_id", rdzv_id]
+    if node_rank is None:
+        if nnodes > 1:
+            raise RecipeConfigError(
+                f"--nnodes {nnodes} needs --node-rank on every node: 0 on rank 0's node (--master-addr), 1 to "
+                f"{nnodes - 1} on the others (or --rdzv-backend c10d, which numbers nodes as they join)")
+        node_rank = 0
+    if not 0 <= node_rank < nnodes:
+        raise RecipeConfigError(f"--node-rank {node_rank} is not in [0, --nnodes {nnodes})")
+    return ["--node_rank", str(node_rank), "--master_addr", addr, "--master_port", port]
+
+
 def build_launch_command(
     recipe: str,
     config_file: str | None,
@@ -128,27 +171,23 @@ def build_launch_command(
     *,
     nproc_per_node: int,
     nnodes: int = 1,
-    node_rank: int = 0,
+    node_rank: int | None = 0,
     master_addr: str | None = None,
     master_port: int | None = None,
     package: str = RECIPES_PACKAGE,
     configs_dir: str | Path = CONFIGS_DIR,
+    rdzv_backend: str = "static",
+    rdzv_id: str = "multiengine",
 ) -> list[str]:
     """`python -m multiengine.recipes.cli _launch <torchrun options> -m multiengine.recipes.cli run <recipe> ...`:
     torchrun's launcher (run quietly in its own process, see _launch_main), starting every rank."""
     if nproc_per_node < 1:
         raise RecipeConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise RecipeConfigError(f"--node-rank {node_rank} is not in [0, --nnodes {nnodes})")
-    if nnodes > 1 and (master_addr is None or master_port is None):
-        raise RecipeConfigError("--nnodes > 1 needs --master-addr and --master-port (rank 0's host and port)")
     cmd = [
         sys.executable, "-m", "multiengine.recipes.cli", _LAUNCH,
         "--nproc_per_node", str(nproc_per_node),
         "--nnodes", str(nnodes),
-        "--node_rank", str(node_rank),
-        "--master_addr", master_addr or "127.0.0.1",
-        "--master_port", str(master_port if master_port is not None else _free_port()),
+        *_rendezvous_args(nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_id),
         "-m", "multiengine.recipes.cli",
         "--recipes-package", package,
         "--configs-dir", str(configs_dir),
@@ -496,9 +535,11 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
     if args.help:
         return _print_run_help(parser, args)
     package, configs_dir = args.recipes_package, args.configs_dir
-    multinode = (args.nnodes, args.node_rank, args.master_addr, args.master_port) != (1, 0, None, None)
+    multinode = ((args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_backend)
+                 != (1, None, None, None, "static"))
     if args.nproc_per_node is None and multinode:
-        raise RecipeConfigError("--nnodes/--node-rank/--master-addr/--master-port need --nproc-per-node")
+        raise RecipeConfigError(
+            "--nnodes/--node-rank/--master-addr/--master-port/--rdzv-backend need --nproc-per-node")
     if args.nproc_per_node is not None:
         # Validate first, in this process: a bad key or value must fail before any rank starts.
         cfg = _load_checked(args, overrides, hook=True)
@@ -511,7 +552,7 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
             args.recipe, config_file, overrides,
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port,
-            package=package, configs_dir=configs_dir,
+            package=package, configs_dir=configs_dir, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
         )
         error_dir = _logs_dir(str(cfg.output_dir))
         for stale in Path(error_dir).glob("rank*-error.*"):  # records of an earlier run in this output_dir
@@ -571,6 +612,88 @@ def _output_dir(cfg: Any) -> str | None:
         return None
 
 
+# --- plan --------------------------------------------------------------------------------
+EXIT_DOES_NOT_FIT = 1
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan", help="per-role memory plan: will it fit, with which stage and offload per role",
+        allow_abbrev=False,
+        description="Plan a recipe's per-rank memory without loading any weights: per role, the bytes of "
+        "parameters, gradients and optimizer state at each ZeRO stage and offload choice, activation "
+        "estimates, fixed overheads, and the cheapest placement per role that fits. Exits 0 when it fits, "
+        f"{EXIT_DOES_NOT_FIT} when it does not, 2 on a bad argument.")
+    plan.add_argument("recipe")
+    plan.add_argument("--config", help="shipped config name or path to a YAML file")
+    plan.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
+    plan.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 80GiB or 80GB")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    plan.add_argument("--cpu-mem", help="host memory per node, e.g. 512GiB (default: not checked)")
+    plan.add_argument("--margin", type=float, default=None,
+                      help="fragmentation margin as a fraction of the total (default 0.10)")
+    plan.add_argument("--assume", action="append", default=[], metavar="ROLE=MODEL",
+                      help="what a model folder that does not exist yet will hold (folder or built-in name)")
+    plan.add_argument("--write", metavar="FILE", help="write the config with the chosen placements")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from . import plans
+
+    planner = plans.P
+    cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
+    if args.gpus < 1:
+        raise RecipeConfigError(f"--gpus {args.gpus}: plan for at least 1 GPU")
+    if args.nodes < 1 or args.gpus % args.nodes:
+        raise RecipeConfigError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the total "
+                                "number of GPUs, spread evenly over the nodes")
+    if args.margin is not None and not 0 <= args.margin < 1:
+        raise RecipeConfigError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.1")
+    assume = {}
+    for item in args.assume:
+        role, sep, model = item.partition("=")
+        if not sep or not role or not model:
+            raise RecipeConfigError(f"--assume {item!r}: expected ROLE=MODEL, e.g. --assume actor=facebook/opt-1.3b")
+        assume[role] = model
+    try:
+        budget = planner.Budget(
+            world_size=args.gpus, gpus_per_node=args.gpus // args.nodes,
+            gpu_bytes=planner.parse_bytes(args.gpu_mem, "--gpu-mem"),
+            host_bytes=planner.parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
+            margin=planner.FRAGMENTATION_MARGIN if args.margin is None else args.margin)
+        # Libraries building the tiny models print to stdout (DeepSpeed's logger): keep --json clean.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir)
+            results = [planner.plan(item.roles, budget) for item in items]
+    except planner.PlanError as e:
+        raise RecipeConfigError(str(e)) from None
+    for item, result in zip(items, results):
+        result.notes.extend(item.notes)
+    fits = all(r.fits for r in results)
+    if args.json:
+        print(json.dumps([dict(r.to_dict(), title=i.title) for i, r in zip(items, results)], indent=2))
+    else:
+        name = f"{args.recipe} --config {args.config}" if args.config else args.recipe
+        for item, result in zip(items, results):
+            print(planner.format_plan(result, title=f"== plan: {item.title} ({name})"))
+            print()
+    if args.write:
+        if not fits:
+            print(f"error: not writing {args.write}: the run does not fit (see above)", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        command = " ".join(["multiengine plan", args.recipe, *(["--config", args.config] if args.config else []),
+                            *overrides, "--gpus", str(args.gpus), "--gpu-mem", args.gpu_mem,
+                            *(["--nodes", str(args.nodes)] if args.nodes > 1 else [])])
+        header = (f"Placements chosen by `{command}`:\n"
+                  + "\n".join(f"  {r.request.name}: {r.chosen.choice.label}" for res in results for r in res.roles))
+        path = plans.write_config(args.recipe, args.config, overrides, items, [r.placements() for r in results],
+                                  args.write, header, configs_dir=args.configs_dir)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
 # --- ls / cp -----------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace) -> int:
     recipes = list_recipes(args.configs_dir)
@@ -623,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # parse_known_args lets overrides come after options too (`run r --config c a=1 --nnodes 1 b=2`).
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if a.startswith("-") or args.command not in ("run", "validate")]
+    stray = [a for a in extra if a.startswith("-") or args.command not in ("run", "validate", "plan")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     try:
@@ -631,6 +754,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(parser, args, [*args.overrides, *extra])
         if args.command == "validate":
             return _cmd_validate(parser, args, [*args.overrides, *extra])
+        if args.command == "plan":
+            return _cmd_plan(args, [*args.overrides, *extra])
         if args.command == "ls":
             return _cmd_ls(args)
         return _cmd_cp(args)

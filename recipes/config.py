@@ -48,7 +48,7 @@ RECIPES_PACKAGE = "multiengine.recipes"
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 REQUIRED_KEYS = ("output_dir", "seed", "max_steps")
 # Modules of the recipes package that are infrastructure, not recipes.
-_NOT_RECIPES = frozenset({"cli", "common", "config", "lifecycle"})
+_NOT_RECIPES = frozenset({"cli", "common", "config", "lifecycle", "plans"})
 
 
 class RecipeConfigError(ValueError):

@@ -1,0 +1,622 @@
+"""What each recipe's config builds, as the memory planner sees it: one function per recipe.
+
+Each function reads its recipe's config and returns the roles it would build (model, dtype, trainable or
+frozen, LoRA, the batch and sequence/image sizes of each use), the placement the config asks for and the
+config keys each placement lives under (for ``multiengine plan --write``). Models are resolved without
+loading weights (:func:`resolve_model`): a local folder's safetensors headers, the local Hugging Face
+cache, the planner's built-in architectures, or the shipped config that exports the folder a config
+points at. ``assume`` (``--assume role=model``) says what a folder that does not exist yet will hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from multiengine.engines import planner as P
+
+from .config import CONFIGS_DIR, RecipeConfigError, list_recipes, load_config, resolve_config_file
+
+
+@dataclass(frozen=True)
+class RoleKeys:
+    """The config keys a role's placement is written to (None: the config cannot set it)."""
+
+    stage: str | None = None
+    offload_params: str | None = None
+    offload_optimizer: str | None = None
+
+
+@dataclass
+class RecipePlan:
+    """A recipe's roles for the planner and where their placements live in its config."""
+
+    title: str
+    roles: list[P.RoleRequest]
+    keys: dict[str, RoleKeys] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # rlhf_e2e: the step's overrides list (e.g. "sft.overrides") that --write appends the placements to
+    overrides_key: str | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------------
+def _is_pathlike(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or name.count("/") >= 2 or os.path.exists(name)
+
+
+def _hub_cache(name: str) -> str | None:
+    """The local Hugging Face cache's snapshot of `name`, without any network access."""
+    if _is_pathlike(name) or name.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached (or no huggingface_hub): fall through to the built-in table
+        return None
+
+
+def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
+    """(model, description) when `path` is `<output_dir>/export/<role>` of a shipped config: the model
+    that config starts from (its export has the same architecture)."""
+    norm = os.path.normpath(path)
+    for recipe, names in list_recipes(configs_dir).items():
+        for name in names:
+            try:
+                data = yaml.safe_load((Path(configs_dir) / recipe / f"{name}.yaml").read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError):
+                continue
+            if not isinstance(data, dict) or not data.get("output_dir"):
+                continue
+            export = os.path.normpath(os.path.join(str(data["output_dir"]), "export"))
+            if os.path.dirname(norm) != export:
+                continue
+            model = (data.get("model") or {}).get("pretrained")
+            if model:
+                return str(model), f"{recipe}/{name} exports there, starting from {model}"
+            return "tiny:rlhf", f"{recipe}/{name} exports there, starting from its tiny model"
+    return None
+
+
+@functools.cache
+def _tiny_rlhf_model(hidden: int, layers: int, seed: int = 0) -> P.ModelInfo:
+    """The RLHF recipes' random tiny OPT (built in a temporary folder: it is a few hundred KB)."""
+    from multiengine.pipelines.rlhf import tiny
+
+    with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
+        tok = os.path.join(tmp, "tokenizer")
+        tiny.train_tokenizer(tiny.task_vocabulary(), tok)
+        model = tiny.build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed)
+        info = P.model_info(str(model))
+    return P.ModelInfo(source=f"the recipes' tiny OPT (hidden {hidden}, {layers} layers)", tensors=info.tensors,
+                       config=info.config, class_name=info.class_name)
+
+
+def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = None,
+                  configs_dir: str | Path = CONFIGS_DIR, tiny: Callable[[], P.ModelInfo] | None = None,
+                  _seen: tuple[str, ...] = ()) -> P.ModelInfo:
+    """A single model's parameters from `name` (folder, cached hub name, built-in name, or a shipped
+    config's export folder); `assume[role]` replaces `name`."""
+    from multiengine.engines import known_models
+
+    note = ""
+    if assume and role in assume:
+        name, note = assume[role], f" (--assume {role}={assume[role]})"
+    if name == "tiny:rlhf" and tiny is not None:
+        return tiny()
+    if os.path.isdir(name):
+        return P.model_info(name)
+    cached = _hub_cache(name)
+    if cached:
+        return P.model_info(cached)
+    if known_models.is_known(name):
+        return known_models.known_model_info(name)
+    produced = _producer(name, configs_dir) if name not in _seen else None
+    if produced:
+        model, why = produced
+        info = resolve_model(model, role, configs_dir=configs_dir, tiny=tiny, _seen=(*_seen, name))
+        return P.ModelInfo(source=f"{name} (not there yet: {why})", tensors=info.tensors, config=info.config,
+                           class_name=info.class_name)
+    raise RecipeConfigError(
+        f"role '{role}': model {name!r}{note} is not a local folder, not in the local Hugging Face cache and not a "
+        f"built-in architecture ({', '.join(known_models.known_names())}). Download it, or say what it will "
+        f"hold with --assume {role}=<folder or built-in name>.")
+
+
+def resolve_pipeline(name: str, *, variant: str | None = None,
+                     tiny: Callable[[], tuple[dict[str, P.ModelInfo], str]] | None = None,
+                     assume: Mapping[str, str] | None = None) -> tuple[dict[str, P.ModelInfo], str]:
+    """Per component ModelInfo of a diffusers pipeline (folder, cached hub name or built-in), and its source."""
+    from multiengine.engines import known_models
+
+    if assume and "pipeline" in assume:
+        name = assume["pipeline"]
+    if not name and tiny is not None:
+        return tiny()
+    if os.path.isdir(name):
+        return P.pipeline_info(name, variant), name
+    cached = _hub_cache(name)
+    if cached:
+        return P.pipeline_info(cached, variant), f"{name} (local cache)"
+    if known_models.canonical(name) in known_models.PIPELINES:
+        return known_models.known_pipeline_info(name), f"{name} (built-in architecture)"
+    raise RecipeConfigError(
+        f"model.pretrained={name!r} is not a diffusers folder, not in the local Hugging Face cache and not a "
+        f"built-in pipeline ({', '.join(sorted(known_models.PIPELINES))}). Download it, or pass "
+        f"--assume pipeline=<folder or built-in name>.")
+
+
+def _scalar(info: P.ModelInfo) -> P.ModelInfo:
+    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head."""
+    has_head = any(t.name.startswith("value_head") for t in info.tensors)
+    body = info.without("lm_head.")
+    if has_head:
+        return body
+    hidden = P.transformer_dims(info.config).hidden if info.config else (info.hidden_size or 1)
+    return body.plus("value_head.weight", (1, hidden))
+
+
+# --------------------------------------------------------------------------------------------------
+# building role requests
+# --------------------------------------------------------------------------------------------------
+def _current(stage: int, trainable: bool, offload_params: bool = False, offload_optimizer: bool = False) -> P.Choice:
+    if not trainable and stage in (1, 2):
+        stage = 0
+    return P.Choice(stage, bool(offload_optimizer and trainable and stage > 0), bool(offload_params and stage == 3))
+
+
+def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current: P.Choice,
+          lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0,
+          phases: Sequence[tuple[str, int]] = (), full_gather: Sequence[str] = (),
+          choices: Sequence[P.Choice] = (), follows: str | None = None, follows_all: bool = False,
+          note: str = "", gather_hint: str = "") -> P.RoleRequest:
+    params = info.params
+    numels = list(info.numels)
+    trainable_params = params if trainable else 0
+    if lora is not None:
+        rank, targets = lora
+        adapter_numels = P.lora_tensors(info.tensors, rank, targets)
+        adapters = sum(adapter_numels)
+        if not adapters:
+            raise RecipeConfigError(f"role '{name}': LoRA target_modules {list(targets)} match no weight of the "
+                                    f"model ({info.source}).")
+        params += adapters
+        numels += adapter_numels
+        trainable_params = adapters + extra_trainable if trainable else 0
+    return P.RoleRequest(
+        name=name, params=params, dtype=dtype, trainable_params=trainable_params, numels=tuple(numels),
+        hidden_size=info.hidden_size, lora=lora is not None, phases=tuple(phases), full_gather=tuple(full_gather),
+        choices=tuple(choices), current=current, follows=follows, follows_all=follows_all, source=info.source,
+        note=note, gather_hint=gather_hint)
+
+
+def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | None = None,
+               forward: tuple[int, int] | None = None, generate: tuple[int, int, int] | None = None,
+               logits: bool = True, checkpointing: bool = False, label: str = "forward") -> list[tuple[str, int]]:
+    phases = []
+    if generate:
+        batch, prompt, new = generate
+        kv = P.kv_cache_bytes(dims, batch=batch, seq=prompt + new, dtype=dtype)
+        prefill = P.transformer_activation_bytes(dims, batch=batch, seq=prompt, dtype=dtype, trainable=False,
+                                                 logits=False)
+        phases.append(("generation", kv + prefill + batch * dims.vocab * 4))
+    if forward:
+        phases.append((label, P.transformer_activation_bytes(dims, batch=forward[0], seq=forward[1], dtype=dtype,
+                                                             trainable=False, logits=logits)))
+    if train:
+        phases.append(("train step", P.transformer_activation_bytes(
+            dims, batch=train[0], seq=train[1], dtype=dtype, trainable=True, gradient_checkpointing=checkpointing,
+            logits=logits)))
+    return phases
+
+
+def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
+    return RoleKeys(f"{prefix}.stage", f"{prefix}.offload_params" if offload_params else None,
+                    f"{prefix}.offload_optimizer" if offload_optimizer else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# one function per recipe
+# --------------------------------------------------------------------------------------------------
+def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
+                  configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    folder = os.path.join(str(cfg.output_dir), "tiny_lm")
+    if (assume and "actor" in assume) or os.path.isfile(os.path.join(folder, "config.json")):
+        info = resolve_model(folder, "actor", assume=assume, configs_dir=configs_dir)
+    else:
+        info = _meta_opt(cfg.model.hidden_size, cfg.model.layers, cfg.model.vocab_size)
+    dims = P.transformer_dims(info.config)
+    dtype, batch, seq = str(cfg.dtype), int(cfg.micro_batch_size), int(cfg.seq_len)
+    roles = cfg.roles
+    actor = _role("actor", info, dtype, trainable=True,
+                  current=_current(roles.actor.stage, True, roles.actor.offload_params),
+                  phases=_lm_phases(dims, dtype, train=(batch, seq)), choices=P.trainable_choices(False))
+    reward = _role("reward", info, dtype, trainable=False, current=_current(roles.reward.stage, False),
+                   phases=_lm_phases(dims, dtype, forward=(batch, seq)), choices=P.frozen_choices(False))
+    encoder = _role("encoder", info.without("lm_head."), dtype, trainable=False,
+                    current=_current(roles.encoder.stage, False),
+                    phases=_lm_phases(dims, dtype, forward=(batch, seq), logits=False), choices=P.frozen_choices(False))
+    return [RecipePlan("registry_demo", [actor, reward, encoder], {
+        "actor": RoleKeys("roles.actor.stage", "roles.actor.offload_params"),
+        "reward": RoleKeys("roles.reward.stage"), "encoder": RoleKeys("roles.encoder.stage")})]
+
+
+@functools.cache
+def _meta_opt(hidden: int, layers: int, vocab: int) -> P.ModelInfo:
+    """registry_demo's tiny OPT (the recipe's own config values), built on the meta device."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
+                       num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=hidden)
+    with torch.device("meta"):
+        model = OPTForCausalLM(config)
+    tensors = tuple(P.TensorEntry(n, tuple(p.shape), "F32") for n, p in model.named_parameters())
+    return P.ModelInfo(source=f"registry_demo's tiny OPT (hidden {hidden}, {layers} layers, vocab {vocab})",
+                       tensors=tensors, config=config.to_dict(), class_name="OPTForCausalLM")
+
+
+def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
+    folder = os.path.join(str(cfg.output_dir), "tiny_sd")
+    if os.path.isfile(os.path.join(folder, "model_index.json")):
+        return P.pipeline_info(folder), folder
+    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), int(cfg.model.tiny_text_encoders))
+
+
+@functools.cache
+def _build_tiny_sd(seed: int, resolution: int, text_encoders: int) -> tuple[dict[str, P.ModelInfo], str]:
+    """The recipe's tiny SD (under 2M parameters), built in a temporary folder to read its headers."""
+    from multiengine.recipes.sd_finetune import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
+        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, text_encoders)
+        parts = P.pipeline_info(folder)
+    return parts, f"the recipe's tiny SD ({text_encoders} text encoder(s), built as the run would)"
+
+
+def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
+                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
+                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
+    denoiser = "unet" if "unet" in components else "transformer"
+    if denoiser != "unet" or "vae" not in components:
+        raise RecipeConfigError(f"sd_finetune trains a unet; {source} has components {sorted(components)}.")
+    r, t = cfg.roles, cfg.train
+    baseline = cfg.mode == "seed_baseline"
+    res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
+    vae = components["vae"]
+    scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
+    unet = components["unet"]
+    lora = (int(cfg.lora.rank), tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
+    encoders = sorted((n for n in components if n.startswith("text_encoder")), key=lambda n: (len(n), n))
+    tokens = 77
+    if encoders:
+        tokens = int(components[encoders[0]].config.get("max_position_embeddings", 77))
+    udtype = str(r.unet.dtype)
+    prompts = len(cfg.validation.prompts) if cfg.validation.enabled else 0
+    unet_phases = [("train step", P.unet_activation_bytes(
+        unet.config, batch=batch, latent_height=res // scale, latent_width=res // scale, dtype=udtype,
+        gradient_checkpointing=bool(t.gradient_checkpointing), text_tokens=tokens))]
+    if prompts:
+        unet_phases.append(("validation", P.unet_activation_bytes(
+            unet.config, batch=2 * prompts, latent_height=res // scale, latent_width=res // scale, dtype=udtype,
+            trainable=False, text_tokens=tokens)))
+    roles = [_role("unet", unet, udtype, trainable=True, lora=lora,
+                   current=_current(r.unet.stage, True, r.unet.offload_params, r.unet.offload_optimizer),
+                   phases=unet_phases,
+                   note="LoRA: activations estimated as for a full fine-tune (an upper bound)" if lora else "")]
+    vdtype = str(r.vae.dtype)
+    c0 = int(vae.config.get("block_out_channels", (128,))[0])
+    vae_phases = [("encode", P.conv_frozen_activation_bytes(batch=batch, height=res, width=res, channels=c0,
+                                                           dtype=vdtype))]
+    if prompts:
+        vae_phases.append(("validation decode", P.conv_frozen_activation_bytes(
+            batch=prompts, height=res, width=res, channels=c0, dtype=vdtype)))
+    fixed0 = (P.Choice(0),)
+    roles.append(_role("vae", vae, vdtype, trainable=False,
+                       current=P.Choice(0) if baseline else _current(r.vae.stage, False, r.vae.offload_params),
+                       phases=vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
+                       gather_hint="roles.vae.gather_forward=false",
+                       choices=fixed0 if baseline else (), note="seed_baseline: full copy" if baseline else ""))
+    tdtype = str(r.text_encoder.dtype)
+    for i, name in enumerate(encoders):
+        info = components[name]
+        dims = P.transformer_dims(info.config)
+        phases = [("encode", P.transformer_activation_bytes(dims, batch=batch, seq=tokens, dtype=tdtype,
+                                                            trainable=False))]
+        roles.append(_role(
+            name, info, tdtype, trainable=False,
+            current=P.Choice(0) if baseline else _current(r.text_encoder.stage, False, r.text_encoder.offload_params),
+            phases=phases, full_gather=("encode",) if r.text_encoder.gather_forward else (),
+            gather_hint="roles.text_encoder.gather_forward=false",
+            choices=fixed0 if baseline else (), follows=encoders[0] if i and not baseline else None,
+            follows_all=bool(i), note="placed like text_encoder (one roles.text_encoder section)" if i else ""))
+    keys = {"unet": _keys("roles.unet")}
+    if not baseline:
+        keys["vae"] = _keys("roles.vae", offload_optimizer=False)
+        if encoders:
+            keys[encoders[0]] = _keys("roles.text_encoder", offload_optimizer=False)
+    if cfg.ema.enabled:
+        edtype = str(cfg.ema.dtype)
+        stage = 0 if baseline else int(r.unet.stage)
+        ema_info = unet
+        if lora:
+            for i, n in enumerate(P.lora_tensors(unet.tensors, *lora)):
+                ema_info = ema_info.plus(f"lora_{i}", (n,))
+        roles.append(_role(
+            "ema", ema_info, edtype, trainable=False, current=_current(stage, False, cfg.ema.offload_params),
+            choices=fixed0 if baseline else (), follows=None if baseline else "unet",
+            note="seed_baseline: full copy" if baseline else "sharded like the unet (same stage)"))
+        if not baseline:
+            keys["ema"] = RoleKeys(None, "ema.offload_params")
+    notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch {batch}"
+             + (", gradient checkpointing" if t.gradient_checkpointing else "")]
+    return [RecipePlan("sd_finetune", roles, keys, notes)]
+
+
+def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
+              hidden: int, layers: int, seed: int) -> P.ModelInfo:
+    tiny = functools.partial(_tiny_rlhf_model, hidden, layers, seed)
+    if not cfg_model and not (assume and role in assume):
+        return tiny()
+    return resolve_model(cfg_model, role, assume=assume, configs_dir=configs_dir, tiny=tiny)
+
+
+def _lora(section: Any) -> tuple[int, tuple[str, ...]] | None:
+    return (int(section.rank), tuple(section.target_modules)) if section.enabled else None
+
+
+def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
+             configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    info = _lm_model(str(cfg.model.pretrained), "actor", assume, configs_dir, cfg.model.tiny_hidden,
+                     cfg.model.tiny_layers, cfg.seed)
+    dims = P.transformer_dims(info.config)
+    a, t, d = cfg.roles.actor, cfg.train, cfg.data
+    seq = int(d.max_prompt_len) + int(d.max_response_len)
+    phases = _lm_phases(dims, str(a.dtype), train=(int(t.micro_batch_size), seq),
+                        checkpointing=bool(t.gradient_checkpointing),
+                        generate=(int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens))
+                        if cfg.eval.size else None)
+    actor = _role("actor", info, str(a.dtype), trainable=True, lora=_lora(cfg.lora),
+                  current=_current(a.stage, True, a.offload_params, a.offload_optimizer),
+                  phases=phases, full_gather=("generation",))
+    return [RecipePlan("rlhf_sft", [actor], {"actor": _keys("roles.actor")},
+                       [f"sequences of {seq} tokens, micro batch {t.micro_batch_size}"])]
+
+
+def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
+                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    info = _scalar(_lm_model(str(cfg.model.pretrained), "reward", assume, configs_dir, cfg.model.tiny_hidden,
+                             cfg.model.tiny_layers, cfg.seed))
+    dims = P.transformer_dims(info.config)
+    r, t, d = cfg.roles.reward, cfg.train, cfg.data
+    seq = int(d.max_prompt_len) + int(d.max_response_len)
+    lora = _lora(cfg.lora)
+    reward = _role("reward", info, str(r.dtype), trainable=True, lora=lora, extra_trainable=dims.hidden,
+                   current=_current(r.stage, True, r.offload_params, r.offload_optimizer),
+                   phases=_lm_phases(dims, str(r.dtype), train=(2 * int(t.micro_batch_size), seq), logits=False,
+                                     checkpointing=bool(t.gradient_checkpointing)))
+    return [RecipePlan("rlhf_reward", [reward], {"reward": _keys("roles.reward")},
+                       [f"pairs of {seq}-token sequences, micro batch {t.micro_batch_size} pairs "
+                        f"({2 * int(t.micro_batch_size)} rows)"])]
+
+
+def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
+             configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    m, r, p, g, d = cfg.model, cfg.roles, cfg.ppo, cfg.generation, cfg.data
+    hidden, layers, seed = cfg.model.tiny_hidden, cfg.model.tiny_layers, cfg.seed
+    actor_info = _lm_model(str(m.actor), "actor", assume, configs_dir, hidden, layers, seed)
+    reward_base = _lm_model(str(m.reward), "reward", assume, configs_dir, hidden, layers, seed)
+    critic_base = (_lm_model(str(m.critic), "critic", assume, configs_dir, hidden, layers, seed)
+                   if (m.critic or (assume and "critic" in assume)) else reward_base)
+    reward_info, critic_info = _scalar(reward_base), _scalar(critic_base)
+    adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
+    rdims = P.transformer_dims(reward_info.config)
+    prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
+    seq, rollout, mini = prompt + new, int(p.rollout_batch_size), int(p.mini_batch_size)
+    actor_dtype, critic_dtype = str(r.actor.dtype), str(r.critic.dtype)
+    actor_cur = _current(r.actor.stage, True, r.actor.offload_params, r.actor.offload_optimizer)
+    critic_cur = _current(r.critic.stage, True, r.critic.offload_params, r.critic.offload_optimizer)
+    actor = _role("actor", actor_info, actor_dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
+                  phases=_lm_phases(adims, actor_dtype, generate=(rollout, prompt, new), forward=(rollout, seq),
+                                    train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
+                                    label="experience forward"),
+                  full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
+    critic = _role("critic", critic_info, critic_dtype, trainable=True, lora=_lora(cfg.lora.critic),
+                   extra_trainable=cdims.hidden, current=critic_cur,
+                   phases=_lm_phases(cdims, critic_dtype, forward=(rollout, seq), train=(mini, seq), logits=False,
+                                     checkpointing=bool(r.critic.gradient_checkpointing), label="experience forward"))
+    ref_dtype = str(r.ref.dtype) or actor_dtype
+    reward_dtype = str(r.reward.dtype) or critic_dtype
+    ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
+    reward_stage = int(r.reward.stage) if r.reward.stage >= 0 else critic_cur.stage
+    ref = _role("ref", actor_info, ref_dtype, trainable=False, current=_current(ref_stage, False, r.ref.offload_params),
+                phases=_lm_phases(adims, ref_dtype, forward=(rollout, seq), label="experience forward"),
+                full_gather=("experience forward",) if r.ref.gather_forward else (),
+                gather_hint="roles.ref.gather_forward=false")
+    reward = _role("reward", reward_info, reward_dtype, trainable=False,
+                   current=_current(reward_stage, False, r.reward.offload_params),
+                   phases=_lm_phases(rdims, reward_dtype, forward=(rollout, seq), logits=False,
+                                     label="experience forward"),
+                   full_gather=("experience forward",) if r.reward.gather_forward else (),
+                   gather_hint="roles.reward.gather_forward=false")
+    roles = [actor, critic, ref, reward]
+    keys = {"actor": _keys("roles.actor"), "critic": _keys("roles.critic"),
+            "ref": _keys("roles.ref", offload_optimizer=False),
+            "reward": _keys("roles.reward", offload_optimizer=False)}
+    if cfg.ema.enabled:
+        ema_dtype = str(cfg.ema.dtype) or actor_dtype
+        roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(cfg.lora.actor),
+                           current=_current(actor_cur.stage, False, cfg.ema.offload_params), follows="actor",
+                           note="built at the actor's stage"))
+        keys["ema"] = RoleKeys(None, "ema.offload_params")
+    notes = [f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; updates on "
+             f"{mini} rows per forward/backward"]
+    return [RecipePlan("rlhf_ppo", roles, keys, notes)]
+
+
+def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
+             configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    """The three steps rlhf_e2e runs one after another, each planned on its own."""
+    common = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
+    base = str(cfg.model.pretrained)
+    # the reward model starts from the SFT export (same architecture as the base) or its own base
+    rm_base = base if cfg.reward.init_from_sft else (str(cfg.model.reward_pretrained) or base)
+    out = []
+    steps = [
+        ("rlhf_sft", cfg.sft, [f"model.pretrained={base}"] if base else [], "sft.overrides", rlhf_sft),
+        ("rlhf_reward", cfg.reward, [f"model.pretrained={rm_base}"] if rm_base else [], "reward.overrides",
+         rlhf_reward),
+        ("rlhf_ppo", cfg.ppo, ([f"model.actor={base}"] if base else ["model.actor="])
+         + ([f"model.reward={rm_base}"] if rm_base else ["model.reward="]), "ppo.overrides", rlhf_ppo),
+    ]
+    for recipe, section, models, key, fn in steps:
+        sub = load_config(recipe, str(section.config) or None, [*common, *models, *section.overrides],
+                          configs_dir=configs_dir)
+        for item in fn(sub, assume, configs_dir):
+            item.title = f"rlhf_e2e step {recipe} (config {section.config or 'defaults'})"
+            item.overrides_key = key
+            out.append(item)
+    return out
+
+
+def distill(cfg: Any, assume: Mapping[str, str] | None = None,
+            configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    """A frozen teacher and a trainable student; the teacher's logits stay alive through the student's step."""
+    m, r, t, d = cfg.model, cfg.roles, cfg.train, cfg.data
+    # "" = the tiny SFT model the recipe trains first (the RLHF recipes' tiny OPT) / a random tiny student
+    teacher_info = _lm_model(str(m.teacher), "teacher", assume, configs_dir, 64, 2, cfg.seed)
+    student_info = _lm_model(str(m.student), "student", assume, configs_dir, int(m.student_hidden),
+                             int(m.student_layers), int(cfg.seed) + 1)
+    tdims, sdims = P.transformer_dims(teacher_info.config), P.transformer_dims(student_info.config)
+    tdtype, sdtype = str(r.teacher.dtype), str(r.student.dtype)
+    batch, seq = int(t.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
+    gen = (int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens)) if cfg.eval.size \
+        else None
+    teacher_logits = batch * seq * tdims.vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
+    student_phases = [(label, nbytes + (teacher_logits if label == "train step" else 0))
+                      for label, nbytes in _lm_phases(sdims, sdtype, train=(batch, seq), generate=gen)]
+    teacher = _role("teacher", teacher_info, tdtype, trainable=False,
+                    current=_current(r.teacher.stage, False, r.teacher.offload_params),
+                    phases=_lm_phases(tdims, tdtype, forward=(batch, seq), generate=gen),
+                    full_gather=("generation", "forward") if r.teacher.gather_forward else ("generation",),
+                    gather_hint="roles.teacher.gather_forward=false")
+    student = _role("student", student_info, sdtype, trainable=True,
+                    current=_current(r.student.stage, True, r.student.offload_params, r.student.offload_optimizer),
+                    phases=student_phases, full_gather=("generation",))
+    notes = [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the teacher's "
+             "logits too"]
+    return [RecipePlan("distill", [teacher, student],
+                       {"teacher": _keys("roles.teacher", offload_optimizer=False), "student": _keys("roles.student")},
+                       notes)]
+
+
+PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
+    "registry_demo": registry_demo,
+    "sd_finetune": sd_finetune,
+    "rlhf_sft": rlhf_sft,
+    "rlhf_reward": rlhf_reward,
+    "rlhf_ppo": rlhf_ppo,
+    "rlhf_e2e": rlhf_e2e,
+    "distill": distill,
+}
+
+
+def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,
+                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    if recipe not in PLANNERS:
+        raise RecipeConfigError(f"`multiengine plan` does not know recipe '{recipe}' yet; it plans "
+                                f"{', '.join(sorted(PLANNERS))}.")
+    return PLANNERS[recipe](cfg, assume, configs_dir)
+
+
+def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None,
+                      configs_dir: str | Path = CONFIGS_DIR) -> dict[str, dict[str, int]]:
+    """Planned per-rank model-state bytes of every role at the placements `cfg` asks for, for the
+    planned-vs-measured check next to `registry.memory_report()` (keys as in the memory report)."""
+    out: dict[str, dict[str, int]] = {}
+    for item in recipe_plans(recipe, cfg, assume, configs_dir):
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            if req.follows:  # derived from the leader exactly as the chooser does
+                choice = P.follower_choice(req, chosen[req.follows], choice)
+            o = P.cost_role(req, choice, world_size)
+            out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
+                             "params_persistent": req.persistent if o.choice.stage == 3 else 0,
+                             "param_bytes": o.states.params, "grad_bytes": o.states.grads,
+                             "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# --write
+# --------------------------------------------------------------------------------------------------
+def _set(data: dict, dotted: str, value: Any) -> None:
+    node = data
+    *parents, last = dotted.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
+def placement_overrides(item: RecipePlan, placements: Mapping[str, P.Choice]) -> list[str]:
+    """`key=value` overrides that put each role of `item` at its planned placement."""
+    out = []
+    for role, keys in item.keys.items():
+        c = placements[role]
+        for key, value in ((keys.stage, c.stage), (keys.offload_params, c.offload_params),
+                           (keys.offload_optimizer, c.offload_optimizer)):
+            if key is not None:
+                out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def write_config(recipe: str, config: str | None, overrides: Sequence[str], items: Sequence[RecipePlan],
+                 placements: Sequence[Mapping[str, P.Choice]], dest: str | os.PathLike, header: str,
+                 configs_dir: str | Path = CONFIGS_DIR) -> Path:
+    """The config (file + overrides) with every planned placement set, written to `dest` (atomically)."""
+    from .config import _yaml_load, parse_override
+
+    data: dict[str, Any] = {}
+    source_header: list[str] = []
+    if config:
+        path = resolve_config_file(recipe, config, configs_dir)
+        text = path.read_text(encoding="utf-8")
+        data = copy.deepcopy(_yaml_load(text) or {})
+        for line in text.splitlines():
+            if not line.startswith("#"):
+                break
+            source_header.append(line)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set(data, key, value)
+    for item, chosen in zip(items, placements):
+        if item.overrides_key:
+            section, _, name = item.overrides_key.partition(".")
+            existing = list((data.get(section) or {}).get(name) or [])
+            _set(data, item.overrides_key, existing + placement_overrides(item, chosen))
+            continue
+        for text in placement_overrides(item, chosen):
+            key, value = parse_override(text)
+            _set(data, key, value)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110)
+    lines = [f"# {line}" for line in header.splitlines()] + source_header
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.write_text("\n".join(lines) + "\n" + body, encoding="utf-8")
+    os.replace(tmp, dest)
+    load_config(recipe, str(dest.resolve()), configs_dir=configs_dir)  # what we wrote must load
+    return dest

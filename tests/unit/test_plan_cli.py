@@ -1,0 +1,147 @@
+"""`multiengine plan`: every shipped config answers without loading weights, --write round-trips through
+the config loader, and bad input fails with exit 2 and a message naming the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from multiengine.recipes import cli, plans
+from multiengine.recipes.config import list_recipes, load_config
+
+PLANNED = {r: names for r, names in list_recipes().items() if r in plans.PLANNERS}
+GPU_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names if n != "tiny"]
+ALL_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names]
+
+
+def test_every_recipe_has_a_planner():
+    missing = sorted(set(list_recipes()) - set(plans.PLANNERS))
+    assert not missing, f"recipes/plans.py has no planner for {missing}: add one function per recipe"
+
+
+def _plan(capsys, *args: str) -> tuple[int, list[dict], str]:
+    code = cli.main(["plan", *args, "--json"])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if out.out.strip() else []), out.err
+
+
+@pytest.mark.parametrize("recipe,name", ALL_CONFIGS)
+def test_every_shipped_config_gets_a_plan(capsys, tmp_path, recipe, name):
+    code, result, err = _plan(capsys, recipe, "--config", name, f"output_dir={tmp_path}", "--gpus", "8",
+                              "--gpu-mem", "80GiB", "--cpu-mem", "1TiB")
+    assert code in (0, 1), err
+    assert result and all(step["roles"] for step in result)
+    for step in result:
+        for role, data in step["roles"].items():
+            assert data["params"] > 0 and data["chosen"]["param_bytes"] > 0, (role, data)
+
+
+@pytest.mark.parametrize("recipe,name", GPU_CONFIGS)
+def test_shipped_gpu_configs_fit_as_written_on_8_x_80gb(capsys, recipe, name):
+    code, result, err = _plan(capsys, recipe, "--config", name, "--gpus", "8", "--gpu-mem", "80GiB")
+    assert code == 0, err
+    for step in result:
+        assert step["current"]["fits"], (step["title"], step["current"])
+
+
+def test_export_folders_of_other_configs_are_resolved(capsys):
+    _, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt13b_opt350m", "--gpus", "8", "--gpu-mem", "80GiB")
+    roles = result[0]["roles"]
+    assert "rlhf_sft/opt13b exports there, starting from facebook/opt-1.3b" in roles["actor"]["source"]
+    assert roles["actor"]["params"] == roles["ref"]["params"] == roles["ema"]["params"] == 1_315_758_080
+    # critic and reward: OPT-350m's body (the tied LM head is the embedding) + a value head of its width
+    assert roles["critic"]["params"] == roles["reward"]["params"] == 331_196_416 + 1024
+    # ref follows the actor's stage 2 -> a frozen role is built at stage 0
+    assert roles["ref"]["current"]["stage"] == 0
+
+
+def test_scalar_model_count_equals_the_loaded_model(tmp_path):
+    from multiengine.engines import planner as P
+    from multiengine.pipelines.rlhf.models import ScalarHeadModel
+    from transformers import OPTConfig, OPTForCausalLM
+
+    OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                             word_embed_proj_dim=32)).save_pretrained(tmp_path / "lm")
+    model = ScalarHeadModel.from_pretrained(tmp_path / "lm")
+    assert plans._scalar(P.model_info(tmp_path / "lm")).params == sum(p.numel() for p in model.parameters())
+
+
+def test_write_round_trips(capsys, tmp_path):
+    dest = tmp_path / "ppo.yaml"
+    code, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt13b_opt350m", "--gpus", "8", "--gpu-mem", "40GiB",
+                            "--assume", "actor=facebook/opt-13b", "--write", str(dest))
+    assert code == 0
+    chosen = {role: d["chosen"] for role, d in result[0]["roles"].items()}
+    assert chosen["actor"]["stage"] == 3  # 13B parameters do not fit 40 GiB below stage 3
+    text = dest.read_text()
+    assert text.startswith("# Placements chosen by `multiengine plan rlhf_ppo --config opt13b_opt350m")
+    cfg = load_config("rlhf_ppo", str(dest))
+    for role in ("actor", "critic", "ref", "reward"):
+        section = cfg.roles[role]
+        assert section.stage == chosen[role]["stage"], role
+        assert section.offload_params == chosen[role]["offload_params"], role
+    assert cfg.roles.actor.offload_optimizer == chosen["actor"]["offload_optimizer"]
+    assert cfg.ema.offload_params == chosen["ema"]["offload_params"]
+    assert cfg.roles.actor.lr == 9.65e-6  # everything else is the shipped config
+    # the written file plans to the same placements and fits as written
+    code, again, _ = _plan(capsys, "rlhf_ppo", "--config", str(dest), "--gpus", "8", "--gpu-mem", "40GiB",
+                           "--assume", "actor=facebook/opt-13b")
+    assert code == 0 and again[0]["current"]["fits"]
+
+
+def test_write_for_e2e_appends_step_overrides(capsys, tmp_path):
+    dest = tmp_path / "e2e.yaml"
+    code, result, _ = _plan(capsys, "rlhf_e2e", "--config", "opt13b_opt350m", "--gpus", "1", "--gpu-mem", "24GiB",
+                            "--write", str(dest))
+    assert code == 0 and len(result) == 3
+    cfg = load_config("rlhf_e2e", str(dest))
+    sft_stage = result[0]["roles"]["actor"]["chosen"]["stage"]
+    assert f"roles.actor.stage={sft_stage}" in cfg.sft.overrides
+    assert any(o.startswith("roles.critic.stage=") for o in cfg.ppo.overrides)
+
+
+def test_does_not_fit(capsys, tmp_path):
+    dest = tmp_path / "never.yaml"
+    code = cli.main(["plan", "sd_finetune", "--config", "sd15_full", "--gpus", "1", "--gpu-mem", "8GiB",
+                     "train.micro_batch_size=8", "train.gradient_checkpointing=false", "--write", str(dest)])
+    out = capsys.readouterr()
+    assert code == cli.EXIT_DOES_NOT_FIT
+    assert "does not fit" in out.out and "biggest role is 'unet'" in out.out
+    assert "Activations dominate" in out.out
+    assert "not writing" in out.err and not dest.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "8", "--gpu-mem", "80"], "give a number and a unit"),
+    (["--gpus", "6", "--nodes", "4", "--gpu-mem", "80GiB"], "not a multiple of --nodes 4"),
+    (["--gpus", "8", "--gpu-mem", "80GiB", "--assume", "actor"], "expected ROLE=MODEL"),
+    (["--gpus", "8", "--gpu-mem", "80GiB", "model.pretrained=/no/such/model"], "--assume actor=<folder"),
+    (["--gpus", "8", "--gpu-mem", "80GiB", "train.micro_batch=2"], "Did you mean 'train.micro_batch_size'"),
+])
+def test_bad_input_is_a_usage_error(capsys, args, message):
+    code = cli.main(["plan", "rlhf_sft", "--config", "tiny", *args])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE and message in err and "Traceback" not in err
+
+
+def test_offload_needs_host_memory_per_node(capsys):
+    # 8 GPUs on 2 nodes: 4 ranks share each node's host memory
+    args = ["rlhf_sft", "--config", "opt13b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
+            "train.gradient_checkpointing=true", "--gpus", "8", "--nodes", "2", "--gpu-mem", "24GiB"]
+    code, result, _ = _plan(capsys, *args, "--cpu-mem", "512GiB")
+    assert code == 0
+    step = result[0]
+    assert step["gpus_per_node"] == 4
+    chosen = step["roles"]["actor"]["chosen"]
+    assert chosen["offload_optimizer"]
+    assert step["host_per_node"] == 4 * chosen["host_bytes"]
+    code, result, _ = _plan(capsys, *args, "--cpu-mem", "64GiB")
+    assert code == cli.EXIT_DOES_NOT_FIT and "host memory" in result[0]["message"]
+
+
+def test_a_whole_model_gather_is_named_with_its_fix(capsys):
+    code = cli.main(["plan", "rlhf_sft", "--config", "opt13b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
+                     "--gpu-mem", "24GiB", "train.gradient_checkpointing=true"])
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_DOES_NOT_FIT
+    assert "Its generation gathers the whole role on every GPU (23.94 GiB)" in out
