@@ -298,12 +298,13 @@ class ScalarHeadModel(nn.Module):
                 if pad_token_id is not None:
                     config.pad_token_id = int(pad_token_id)
                 if config.pad_token_id is None:
-                    logger.warning("saving a reward model without config.pad_token_id: AutoModelForSequenceClassification "
-                                   "then scores only batches of one (pass the tokenizer's pad id)")
+                    logger.warning("saving a reward model without config.pad_token_id: "
+                                   "AutoModelForSequenceClassification then scores only batches of one (pass the "
+                                   "tokenizer's pad id)")
                 elif config.pad_token_id == getattr(config, "eos_token_id", None):
-                    logger.warning("pad id == eos id (%d): AutoModelForSequenceClassification scores the token before a "
-                                   "final EOS, ScalarHeadModel the EOS itself; use a tokenizer with its own pad token",
-                                   config.pad_token_id)
+                    logger.warning("pad id == eos id (%d): AutoModelForSequenceClassification scores the token "
+                                   "before a final EOS, ScalarHeadModel the EOS itself; use a tokenizer with its own "
+                                   "pad token", config.pad_token_id)
                 prefix = seq_cls.base_model_prefix
                 state = {f"{prefix}.{k}": v for k, v in body_state.items()}
                 state["score.weight"] = head
