@@ -154,7 +154,7 @@ def source_kind(path: str, names: Sequence[str] = ("train",), images: bool = Fal
     p = Path(os.path.expanduser(path))
     if p.is_file():
         if p.suffix.lower() not in DATA_FILE_BUILDERS:
-            raise DataSourceError(f"{key}={path!r}: unsupported data file type {p.suffix!r}; use one of "
+            raise DataSourceError(f"Unsupported data file type {p.suffix!r} ({key}={path!r}); use one of "
                                   f"{sorted(DATA_FILE_BUILDERS)}, a save_to_disk folder or a folder of split files")
         return "file"
     if p.is_dir():
