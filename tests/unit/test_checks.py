@@ -45,8 +45,9 @@ def test_vocabulary_must_fit(lm):
     assert check_vocab_fits(str(lm["root"] / "tok"), lm["model"]) == (108, 108)
     # the chat tokenizer appends three role tokens the model has no rows for
     assert tokenizer_size(lm["chat"]) == 111
-    with pytest.raises(ModelFolderError, match=r"tokenizer of model.reward .* ids up to 110, but the model of "
-                                               r"model.actor .* embeds only 108 tokens.*resize_token_embeddings\(111\)"):
+    expected = (r"tokenizer of model.reward .* ids up to 110, but the model of model.actor .* embeds only 108 "
+                r"tokens.*resize_token_embeddings\(111\)")
+    with pytest.raises(ModelFolderError, match=expected):
         check_vocab_fits(lm["chat"], lm["model"], key="model.actor", tokenizer_key="model.reward")
 
 
