@@ -44,8 +44,8 @@ def test_the_page_has_examples_and_snippets():
 
 
 def _write_all(root: Path):
-    for i, (color, shape) in enumerate([((220, 30, 30), "square"), ((30, 60, 220), "circle"), ((30, 170, 40), "x")]):
-        (root / "images").mkdir(exist_ok=True)
+    (root / "images").mkdir(exist_ok=True)
+    for i, color in enumerate([(220, 30, 30), (30, 60, 220), (30, 170, 40)]):
         Image.new("RGB", (16, 16), color).save(root / "images" / f"{i:05d}.png")
     for e in _examples():
         path = root / e["name"]
