@@ -94,16 +94,21 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
+    alone = "MASTER_PORT" not in os.environ
+    if alone:
         if env.world_size > 1:
             raise RuntimeError(
                 "WORLD_SIZE>1 but MASTER_PORT is not set: launch with deepspeed, torchrun or accelerate launch."
             )
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(_free_port())  # for libraries that read it; nothing listens on it
     backend = backend or default_backend()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
+    if alone:
+        # A process of its own: an in-memory store, no TCP port (a "free" port can be taken by another
+        # process between looking and listening). DeepSpeed adopts the existing group.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     if use_deepspeed:
         # DeepSpeed may JIT-build an op during its start (on CPU: the shared-memory comm op); a lock
         # left by a killed build would make it wait for ever.
@@ -113,7 +118,7 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **timeout)
-    else:
+    elif not alone:
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, **timeout)
     _timeout_s = timeout_s
     logger.info("process group up: rank %d of %d (%s%s)", env.rank, env.world_size, backend,

@@ -166,14 +166,22 @@ def _is_diffusers(module: torch.nn.Module) -> bool:
     return any(c.__module__.startswith("diffusers.") and c.__name__ == "ModelMixin" for c in type(module).__mro__)
 
 
-def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: str) -> None:
+def _save_kwargs(save: Any, pad_token_id: int | None) -> dict[str, Any]:
+    """``pad_token_id`` for a ``save_pretrained`` that takes it (a reward model records its tokenizer's pad)."""
+    if pad_token_id is not None and "pad_token_id" in inspect.signature(save).parameters:
+        return {"pad_token_id": pad_token_id}
+    return {}
+
+
+def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: str,
+                 pad_token_id: int | None = None) -> None:
     """Write ``state`` (keys of ``module`` without adapters) in the module's own folder format."""
     from safetensors.torch import save_file
 
     target = _unwrapped(module)
     save = getattr(target, "save_pretrained", None)
     if save is not None and "state_dict" in inspect.signature(save).parameters:
-        save(out, state_dict=state)
+        save(out, state_dict=state, **_save_kwargs(save, pad_token_id))
     elif _is_diffusers(target):
         target.save_config(out)
         save_file({k: v.contiguous() for k, v in state.items()},
@@ -183,19 +191,20 @@ def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: s
                   metadata={"format": "pt"})
 
 
-def _write_module(module: torch.nn.Module, out: str) -> None:
+def _write_module(module: torch.nn.Module, out: str, pad_token_id: int | None = None) -> None:
     from safetensors.torch import save_model
 
     if hasattr(module, "save_pretrained"):
-        module.save_pretrained(out)
+        module.save_pretrained(out, **_save_kwargs(module.save_pretrained, pad_token_id))
     else:
         save_model(module, os.path.join(out, "model.safetensors"))
 
 
 def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str | torch.dtype | None = None,
-               merge_lora: bool = True) -> dict[str, str]:
+               merge_lora: bool = True, pad_token_id: int | None = None) -> dict[str, str]:
     """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0 (no atomic rename: use
     :func:`save_role`, or :func:`atomic_dir` around several writes). All ranks must call it.
+    ``pad_token_id`` goes to a ``save_pretrained`` that records it (a reward model's).
 
     Returns ``{"model": folder}`` and, for a peft-wrapped LoRA role, ``"adapter": folder/adapter``.
     """
@@ -210,11 +219,11 @@ def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str |
         if registry.is_main:
             os.makedirs(folder, exist_ok=True)
             if lora:
-                _write_state(module, merged_state_dict(module), folder)
+                _write_state(module, merged_state_dict(module), folder, pad_token_id)
                 if "adapter" in written:
                     module.save_pretrained(written["adapter"])
             else:
-                _write_module(module, folder)
+                _write_module(module, folder, pad_token_id)
     if registry.is_main and dtype is not None:
         cast_folder(folder, dtype)
     barrier()
@@ -229,7 +238,8 @@ def save_role(registry: EngineRegistry, name: str, out_dir: str, *, dtype: str |
     the ``tokenizer`` beside them, and ``extra_files(folder)`` called on rank 0 for anything else a
     client needs. All ranks must call it; returns the paths written (the final ones)."""
     with atomic_dir(out_dir, registry.is_main) as tmp:
-        written = write_role(registry, name, tmp, dtype=dtype, merge_lora=merge_lora)
+        written = write_role(registry, name, tmp, dtype=dtype, merge_lora=merge_lora,
+                             pad_token_id=getattr(tokenizer, "pad_token_id", None))
         if registry.is_main:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)

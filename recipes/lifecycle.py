@@ -88,6 +88,7 @@ class Recipe:
         self.step_metrics: list[dict[str, float]] = []
         self.registry: EngineRegistry | None = None
         self.metrics: MetricsLogger | None = None
+        self._saved_at: int | None = None
 
     # --- what a recipe implements -----------------------------------------------------------------
     def build(self) -> None:
@@ -160,6 +161,8 @@ class Recipe:
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.save_checkpoint()
         bar.close()
+        if cfg.checkpoint.every and self._saved_at != self.step:
+            self.save_checkpoint()  # the final state too, so a finished run can be extended with resume_from
         self.run_evaluation("after")
 
     def run_evaluation(self, tag: str) -> dict[str, Any]:
@@ -178,6 +181,7 @@ class Recipe:
         """Every trainable role, registered states, RNG and the recipe's state; keep the newest K."""
         state = {"step": self.step, "recipe": self.state_dict(), "history": self.history,
                  "step_metrics": self.step_metrics}
+        self._saved_at = self.step
         return self.registry.save_checkpoint(self.path("checkpoints"), client_state=state,
                                              keep_last=self.cfg.checkpoint.keep_last or None)
 
@@ -190,6 +194,7 @@ class Recipe:
                 return False
         state = self.registry.load_checkpoint(path)
         self.step = int(state["step"])
+        self._saved_at = self.step
         self.history = list(state.get("history", []))
         self.step_metrics = list(state.get("step_metrics", []))
         self.load_state_dict(state.get("recipe", {}))

@@ -7,18 +7,26 @@ Each step runs its own recipe (rlhf_sft, rlhf_reward, rlhf_ppo) with the shipped
 overrides, under output_dir/{sft,reward,ppo}; this run fills in the model paths: step 1's actor is
 step 3's actor and ref, step 2's reward model is step 3's reward model and critic (and, with
 ``reward.init_from_sft``, step 2 starts from step 1's model, as in InstructGPT). The embedded assets
-(built-in dataset, tokenizer, random tiny OPT) are built once under output_dir/tiny. A step whose
-summary.json exists is skipped (``rerun=true`` to redo). Prints and writes the before/after figures
-(summary.json) and copies step 3's curves to output_dir/curves.png.
+(built-in dataset, tokenizer, random tiny OPT) are built once under output_dir/tiny.
+
+A finished step is reused only when nothing it was made from changed: beside each step's summary.json a
+fingerprint.json records the hash of the step's resolved config and the identity of its inputs (every
+local file or folder the config names outside the step's own output_dir: content hashes of small files,
+size + mtime of large ones). Any difference reruns the step (and, through its new exports, the steps
+after it); ``rerun=true`` reruns all. The log and summary.json say which steps were reused and why.
+Prints and writes the before/after figures (summary.json) and copies step 3's curves to
+output_dir/curves.png.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,16 +48,132 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool) -> dict[str, Any]:
-    from multiengine.recipes.config import load_config, load_recipe
+FINGERPRINT_FILE = "fingerprint.json"
+_SMALL_FILE = 1 << 20  # files up to 1 MiB are identified by content, larger ones by size and mtime
+_MAX_FILES = 5000  # per input folder
 
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _file_identity(path: str) -> str:
+    st = os.stat(path)
+    if st.st_size <= _SMALL_FILE:
+        with open(path, "rb") as f:
+            return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    return f"size:{st.st_size}:mtime_ns:{st.st_mtime_ns}"
+
+
+def path_identity(path: str) -> dict[str, str]:
+    """``{relative file: identity}`` of a file or of every file under a folder (hidden ones and lock files
+    skipped; at most 5000)."""
+    if os.path.isfile(path):
+        return {".": _file_identity(path)}
+    out: dict[str, str] = {}
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or name.endswith(".lock"):
+                continue
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = _file_identity(full)
+            if len(out) >= _MAX_FILES:
+                return out
+    return out
+
+
+def step_fingerprint(recipe: str, resolved: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """What a step's result depends on: its resolved config (hashed) and the identity of every existing
+    local path its config names, except its own output_dir and what lies under it."""
+    text = json.dumps(resolved, sort_keys=True, default=str)
+    own = os.path.abspath(out_dir)
+    cwd = os.path.abspath(os.getcwd())
+    inputs: dict[str, dict[str, str]] = {}
+    for value in sorted(set(_strings(resolved))):
+        if not value or not os.path.exists(value):
+            continue
+        full = os.path.abspath(value)
+        if full == own or full.startswith(own + os.sep) or cwd == full or cwd.startswith(full + os.sep):
+            continue  # the step's own outputs, or a folder holding the working directory (".", "/")
+        inputs[value] = path_identity(full)
+    return {"recipe": recipe, "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "config": resolved,
+            "inputs": inputs}
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def reuse_reason(out_dir: str, fingerprint: dict[str, Any], rerun: bool) -> tuple[bool, str]:
+    """``(reuse, why)`` for a step whose fingerprint would be ``fingerprint``."""
+    if rerun:
+        return False, "rerun=true"
+    if not os.path.isfile(os.path.join(out_dir, "summary.json")):
+        return False, "no summary.json yet"
+    path = os.path.join(out_dir, FINGERPRINT_FILE)
+    if not os.path.isfile(path):
+        return False, f"summary.json has no {FINGERPRINT_FILE} beside it (an older or interrupted run)"
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    changes = []
+    if old.get("config_sha256") != fingerprint["config_sha256"]:
+        before, after = _flatten(old.get("config", {})), _flatten(fingerprint["config"])
+        keys = sorted(k for k in set(before) | set(after) if before.get(k, "<unset>") != after.get(k, "<unset>"))
+        shown = ", ".join(f"{k} ({before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r})" for k in keys[:4])
+        changes.append(f"config changed: {shown}{' ...' if len(keys) > 4 else ''}")
+    old_inputs, new_inputs = old.get("inputs", {}), fingerprint["inputs"]
+    for name in sorted(set(old_inputs) | set(new_inputs)):
+        a, b = old_inputs.get(name), new_inputs.get(name)
+        if a != b:
+            files = sorted(k for k in set(a or {}) | set(b or {}) if (a or {}).get(k) != (b or {}).get(k))
+            changes.append(f"input {name} changed ({', '.join(files[:3])}{' ...' if len(files) > 3 else ''})")
+    if changes:
+        return False, "; ".join(changes)
+    return True, "config and inputs unchanged since it ran"
+
+
+def _on_every_rank(value: Any) -> Any:
+    """Rank 0's value on every rank: one decision, so no rank runs a step the others skip (a hang)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def _run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool,
+              decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from multiengine.recipes.config import load_config, load_recipe
+    from omegaconf import OmegaConf
+
+    cfg = load_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
+    fingerprint = step_fingerprint(recipe, OmegaConf.to_container(cfg, resolve=True), out_dir)
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    reuse, why = _on_every_rank(reuse_reason(out_dir, fingerprint, rerun) if is_main else None)
     summary_path = os.path.join(out_dir, "summary.json")
-    if os.path.isfile(summary_path) and not rerun:
-        logger.info("%s: %s exists, skipping the step (rerun=true to redo it)", recipe, summary_path)
+    decisions[recipe] = {"reused": reuse, "why": why}
+    if reuse:
+        logger.info("%s: reusing %s (%s)", recipe, out_dir, why)
         with open(summary_path) as f:
             return json.load(f)
-    cfg = load_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
-    logger.info("=== %s (config %s) -> %s", recipe, config or "defaults", out_dir)
+    logger.info("=== %s (config %s) -> %s: running (%s)", recipe, config or "defaults", out_dir, why)
+    if is_main and os.path.isfile(os.path.join(out_dir, FINGERPRINT_FILE)):
+        os.remove(os.path.join(out_dir, FINGERPRINT_FILE))  # an interrupted rerun must not look finished
     load_recipe(recipe).main(cfg)
     # Engines of the finished step are garbage now; free them before the next step builds its own.
     gc.collect()
@@ -57,6 +181,8 @@ def _run_step(recipe: str, config: str, overrides: list[str], out_dir: str, reru
         torch.cuda.empty_cache()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+    if is_main:
+        write_summary(os.path.join(out_dir, FINGERPRINT_FILE), fingerprint)
     with open(summary_path) as f:
         return json.load(f)
 
@@ -75,22 +201,23 @@ def main(cfg: Any) -> dict[str, Any]:
     source = cfg.data.source or assets["data"]
     base = cfg.model.pretrained or assets["model"]
     common.append(f"data.source={source}")
+    steps: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
 
     # 1. SFT: base model -> export/actor
     sft = _run_step("rlhf_sft", cfg.sft.config, [*common, f"model.pretrained={base}", *cfg.sft.overrides],
-                    os.path.join(out, "sft"), cfg.rerun)
+                    os.path.join(out, "sft"), cfg.rerun, steps)
     actor = sft["export"]["actor"]["model"]
     # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
     rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
     reward = _run_step("rlhf_reward", cfg.reward.config,
                        [*common, f"model.pretrained={rm_base}", *cfg.reward.overrides],
-                       os.path.join(out, "reward"), cfg.rerun)
+                       os.path.join(out, "reward"), cfg.rerun, steps)
     reward_path = reward["export"]["reward"]["model"]
     # 3. PPO: actor and ref from step 1, reward and critic from step 2
     ppo_overrides = [*common, f"model.actor={actor}", f"model.reward={reward_path}", *cfg.ppo.overrides]
     if cfg.max_steps:
         ppo_overrides.append(f"max_steps={cfg.max_steps}")
-    ppo = _run_step("rlhf_ppo", cfg.ppo.config, ppo_overrides, os.path.join(out, "ppo"), cfg.rerun)
+    ppo = _run_step("rlhf_ppo", cfg.ppo.config, ppo_overrides, os.path.join(out, "ppo"), cfg.rerun, steps)
 
     m_sft, m_rm, m_ppo = sft["metrics"], reward["metrics"], ppo["metrics"]
     figures = {
@@ -117,12 +244,14 @@ def main(cfg: Any) -> dict[str, Any]:
             plot = os.path.join(out, "curves.png")
         write_summary(os.path.join(out, "summary.json"), {
             "recipe": "rlhf_e2e", "world_size": registry.world_size, "figures": figures, "plot": plot,
-            "steps": {"sft": sft, "reward": reward, "ppo": ppo}})
+            "step_runs": steps, "steps": {"sft": sft, "reward": reward, "ppo": ppo}})
+        logger.info("steps: %s", "; ".join(f"{k} {'reused' if v['reused'] else 'ran'} ({v['why']})"
+                                            for k, v in steps.items()))
         if figures["ppo/judge_before"] is not None:
             logger.info(
                 "RLHF on the built-in task: judge score of the actor's sampled answers %.3f after SFT -> %.3f after "
                 "PPO (KL to the SFT model %.3f nats per answer); reward-model held-out pair accuracy %.3f",
                 figures["ppo/judge_before"], figures["ppo/judge_after"], figures["ppo/kl_after"] or float("nan"),
                 figures["reward/heldout_accuracy"] or float("nan"))
-    return {"figures": figures, "plot": plot,
+    return {"figures": figures, "plot": plot, "step_runs": steps,
             "export": {"actor": ppo["export"].get("actor"), "reward": reward["export"].get("reward")}}

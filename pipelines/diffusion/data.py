@@ -20,6 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 from multiengine.engines.sampler import ShardedEpochSampler
+from multiengine.pipelines.sources import (
+    DataSource,
+    DataSourceError,
+    TrainEval,
+    as_sources,
+    load_source,
+    source_kind,
+    split_train_eval,
+)
 from PIL import Image, ImageDraw
 
 logger = logging.getLogger(__name__)
@@ -30,9 +39,13 @@ __all__ = [
     "SHAPES_KINDS",
     "ImageCaptionDataset",
     "ImageTransform",
+    "IMAGE_FIELDS",
     "ShardedEpochSampler",
+    "check_image_caption_data",
     "collate",
     "describe_shapes_image",
+    "image_caption_columns",
+    "load_image_caption_data",
     "load_image_caption_dataset",
     "make_shapes_dataset",
     "sample_generator",
@@ -202,7 +215,20 @@ def describe_shapes_image(image: Image.Image) -> dict[str, str]:
 # Loading
 # ---------------------------------------------------------------------------------------------
 
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+IMAGE_FIELDS: tuple[str, ...] = ("image", "caption")
+
+
+def image_caption_columns(columns: Mapping[str, str] | None = None, image_column: str = "image",
+                          caption_column: str = "text") -> tuple[str, str]:
+    """The dataset's image and caption column names: ``columns`` (``{"image": ..., "caption": ...}``, i.e.
+    ``data.columns.image`` / ``data.columns.caption``) wins over the older ``image_column`` /
+    ``caption_column`` (``data.image_column`` / ``data.caption_column``)."""
+    columns = dict(columns or {})
+    unknown = [k for k in columns if k not in IMAGE_FIELDS]
+    if unknown:
+        raise DataSourceError(f"data.columns maps unknown field(s) {unknown}; image-caption data has the fields "
+                              f"{list(IMAGE_FIELDS)} (e.g. data.columns.caption=prompt)")
+    return columns.get("image", image_column), columns.get("caption", caption_column)
 
 
 def load_image_caption_dataset(
@@ -210,46 +236,54 @@ def load_image_caption_dataset(
     image_column: str = "image",
     caption_column: str = "text",
     split: str = "train",
+    columns: Mapping[str, str] | None = None,
+    key: str = "data.source",
+    split_required: bool = False,
     **load_kwargs: Any,
 ):
-    """Load an image-caption ``datasets.Dataset``.
+    """Load an image-caption ``datasets.Dataset`` (column names as in the source).
 
     ``source`` may be:
+      * a ``save_to_disk`` folder (``Dataset`` or ``DatasetDict``; ``split`` picks the split);
       * a local directory -> ``load_dataset("imagefolder", data_dir=source)`` (images +
         ``metadata.jsonl``/``.csv``/``.parquet`` with ``file_name`` and caption columns);
       * a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file -> the matching builder; a string
         image column holds paths, resolved relative to the file's folder, and is cast to images;
-      * anything else -> a hub dataset name, ``load_dataset(source, split=split)``.
+      * anything else -> a hub dataset name, ``load_dataset(source, split=split)`` (offline: the cache).
 
-    Extra ``load_kwargs`` (``cache_dir``, ``name``...) go to ``datasets.load_dataset``.
+    ``columns`` (``{"image": ..., "caption": ...}``) names the columns; ``image_column`` /
+    ``caption_column`` are the older spelling (see :func:`image_caption_columns`). Extra ``load_kwargs``
+    (``cache_dir``, ``name``...) go to ``datasets.load_dataset``. ``split_required``: ``split`` must exist
+    as a separate split (evaluation rows), see :func:`multiengine.pipelines.sources.load_source`.
 
     Raises:
-        ValueError: if ``image_column`` or ``caption_column`` is missing (lists available columns).
+        ValueError: a missing source (``no such file or folder``), a column that is missing (lists the
+            available columns), or no rows.
     """
     import datasets
 
-    if os.path.isdir(source):
-        ds = datasets.load_dataset("imagefolder", data_dir=source, split=split, **load_kwargs)
-    elif os.path.isfile(source):
-        ext = os.path.splitext(source)[1].lower()
-        if ext not in _FILE_BUILDERS:
-            raise ValueError(
-                f"Unsupported data file {source!r}: expected one of {sorted(_FILE_BUILDERS)} or a folder"
-            )
-        ds = datasets.load_dataset(_FILE_BUILDERS[ext], data_files=source, split=split, **load_kwargs)
-    else:
-        ds = datasets.load_dataset(source, split=split, **load_kwargs)
-
+    image_column, caption_column = image_caption_columns(columns, image_column, caption_column)
+    kind = source_kind(str(source), (split,), images=True, key=key)
+    ds = load_source(str(source), names=(split,), split=split, images=True, key=key, split_required=split_required,
+                     **load_kwargs)
+    if len(ds) == 0:
+        raise DataSourceError(f"{key}={source!r} has no rows (split {split!r})")
     for role, column in (("image_column", image_column), ("caption_column", caption_column)):
         if column not in ds.column_names:
+            field_name = "image" if role == "image_column" else "caption"
             raise ValueError(
-                f"{role}={column!r} not found in dataset {source!r}; available columns: {ds.column_names}"
+                f"{role}={column!r} not found in dataset {source!r}; available columns: {ds.column_names} "
+                f"(name yours with data.columns.{field_name}=<column>)"
             )
 
     feature = ds.features[image_column]
     if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
         # Paths in a data file are relative to that file, not to the current directory.
-        base = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
+        base = None
+        if kind == "file":
+            base = os.path.dirname(os.path.abspath(source))
+        elif kind == "split_files":
+            base = os.path.abspath(source)
 
         def _resolve(example: dict[str, Any]) -> dict[str, Any]:
             path = example[image_column]
@@ -262,6 +296,80 @@ def load_image_caption_dataset(
     elif isinstance(feature, dict) and "bytes" in feature:
         ds = ds.cast_column(image_column, datasets.Image())
     return ds
+
+
+def load_image_caption_data(
+    source: Any,
+    *,
+    columns: Mapping[str, str] | None = None,
+    image_column: str = "image",
+    caption_column: str = "text",
+    train_split: str = "train",
+    eval_source: Any = None,
+    eval_split: float | int | str = 0.0,
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | None = None,
+) -> TrainEval:
+    """Training and held-out image-caption rows from one source or a weighted blend of several.
+
+    Every returned dataset has exactly the columns ``image`` and ``caption`` (whatever the sources call
+    them). ``source`` / ``eval_source`` take a path, a hub name, or a list of ``{path, weight, columns,
+    split}``; ``eval_split`` is a held-out fraction/count of each source (taken before blending) or the name
+    of a split the sources have (``"test"``); see :func:`multiengine.pipelines.sources.split_train_eval`.
+    """
+    several = isinstance(source, (list, tuple)) and len(source) > 1
+    base_key = "data.sources" if several else "data.source"
+
+    def load(src: DataSource, split: str | None, key: str = base_key) -> Any:
+        image, caption = image_caption_columns({**(columns or {}), **dict(src.columns)}, image_column, caption_column)
+        ds = load_image_caption_dataset(src.path, image, caption, split=split or src.split or train_split, key=key,
+                                        split_required=split is not None, cache_dir=cache_dir)
+        ds = ds.select_columns([image, caption])
+        renames = {c: f for c, f in ((image, "image"), (caption, "caption")) if c != f}
+        return ds.rename_columns(renames) if renames else ds
+
+    result = split_train_eval(load, as_sources(source, base_key), eval_source=as_sources(eval_source,
+                              "data.eval_source"), load_eval=lambda s, _: load(s, None, "data.eval_source"),
+                              eval_split=eval_split, seed=seed, size=size, source_key=base_key)
+    logger.info("image-caption rows: %d for training; evaluation: %s%s", len(result.train), result.eval_origin,
+                f" ({len(result.eval)} rows)" if result.eval is not None else "")
+    return result
+
+
+def check_image_caption_data(
+    source: Any,
+    *,
+    columns: Mapping[str, str] | None = None,
+    image_column: str = "image",
+    caption_column: str = "text",
+    split: str = "train",
+    key: str = "data.source",
+    cache_dir: str | None = None,
+) -> dict[str, Any]:
+    """Check image-caption sources before any rank starts: each exists, has the image and caption
+    columns (after mapping) and rows, and its first image decodes and its first caption is text.
+
+    Returns:
+        ``{"rows": total, "sources": [{"path", "rows", "image_column", "caption_column"}]}``.
+    """
+    report = []
+    for src in as_sources(source, key):
+        image, caption = image_caption_columns({**(columns or {}), **dict(src.columns)}, image_column, caption_column)
+        ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
+                                        cache_dir=cache_dir)
+        first = ds[0]
+        if not isinstance(first[image], Image.Image):
+            raise DataSourceError(f"{key}={src.path!r}: column {image!r} holds {type(first[image]).__name__}, not "
+                                  f"images; name the image column with data.columns.image=<column>")
+        text = first[caption]
+        if not (isinstance(text, str) or (isinstance(text, (list, tuple)) and text and isinstance(text[0], str))):
+            raise DataSourceError(f"{key}={src.path!r}: column {caption!r} holds {type(text).__name__}, not text; "
+                                  f"name the caption column with data.columns.caption=<column>")
+        report.append({"path": src.path, "rows": len(ds), "image_column": image, "caption_column": caption})
+    if not report:
+        raise DataSourceError(f"{key} is empty: give an image folder, a data file, a save_to_disk folder or a hub name")
+    return {"rows": sum(r["rows"] for r in report), "sources": report}
 
 
 # ---------------------------------------------------------------------------------------------

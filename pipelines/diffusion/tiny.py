@@ -338,6 +338,7 @@ def pretrain_tiny_vae(
     lr: float = 2e-3,
     seed: int = 0,
     kl_weight: float = 1e-6,
+    progress: bool = True,
 ) -> dict[str, float]:
     """Train the random tiny VAE of ``model_dir`` as an autoencoder on the PNGs of ``image_dir``, so that
     generations of a fine-tuned tiny SD decode to recognisable images instead of noise.
@@ -345,8 +346,9 @@ def pretrain_tiny_vae(
     Loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW, ``lr``), then ``scaling_factor`` is set to
     ``1 / std(latents)`` over the images (how SD's 0.18215 was chosen) and the vae is saved in place
     (written beside and renamed). Deterministic for a seed; the global RNG is left untouched. About a
-    minute on one CPU core for 300 steps at 32 px. Idempotent: a vae already trained with the same
-    ``steps`` and ``seed`` (``vae/pretrained.json``) is left as is.
+    minute on one CPU core for 300 steps at 32 px, with a progress bar on the main process (``progress``).
+    Idempotent: a vae already trained with the same ``steps`` and ``seed`` (``vae/pretrained.json``) is left
+    as is.
 
     Returns:
         ``{"mse": final batch reconstruction MSE, "scaling_factor": float, "steps": steps}``.
@@ -378,7 +380,11 @@ def pretrain_tiny_vae(
     mse = float("nan")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for _ in range(steps):
+        from tqdm import tqdm
+
+        main = int(os.environ.get("RANK", "0")) == 0
+        bar = tqdm(range(steps), desc="tiny vae pretraining", disable=not (progress and main))
+        for _ in bar:
             batch = images[torch.randint(0, len(images), (batch_size,))]
             posterior = vae.encode(batch).latent_dist
             recon = vae.decode(posterior.sample()).sample
@@ -387,6 +393,8 @@ def pretrain_tiny_vae(
             optimizer.zero_grad(set_to_none=True)
             (loss + kl_weight * posterior.kl().mean()).backward()
             optimizer.step()
+            bar.set_postfix(mse=f"{mse:.4f}", refresh=False)
+        bar.close()
     vae.eval()
     with torch.no_grad():
         std = float(torch.cat([vae.encode(images[i:i + 64]).latent_dist.mean for i in range(0, len(images), 64)]).std())

@@ -113,14 +113,60 @@ def generate(
     return pipe.image_processor.postprocess(images.float().cpu(), output_type="pil")
 
 
-def image_grid(images: Sequence[Image.Image], cols: int | None = None) -> Image.Image:
-    """Paste equally sized images into a grid, row by row (``cols`` defaults to ceil(sqrt(N)))."""
+def _wrap(draw: Any, text: str, font: Any, width: int) -> list[str]:
+    """Greedy word wrap of ``text`` to lines at most ``width`` pixels wide (a word wider than that stays whole)."""
+    lines: list[str] = []
+    for word in text.split():
+        candidate = f"{lines[-1]} {word}" if lines else word
+        if lines and draw.textlength(candidate, font=font) <= width:
+            lines[-1] = candidate
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
+def image_grid(
+    images: Sequence[Image.Image],
+    cols: int | None = None,
+    prompts: Sequence[str] | None = None,
+    step: int | None = None,
+    min_size: int = 256,
+) -> Image.Image:
+    """Paste equally sized images into a grid, row by row (``cols`` defaults to ceil(sqrt(N))).
+
+    Each image is upscaled by a whole factor (nearest neighbour, so a tiny model's pixels stay sharp) until
+    its shorter side is at least ``min_size`` pixels. With ``prompts`` and/or ``step`` a white strip under
+    each image carries its prompt and the training step (PIL's default font, wrapped to the image width).
+    """
+    from PIL import ImageDraw, ImageFont
+
     if not images:
         raise ValueError("no images to put in a grid")
+    if prompts is not None and len(prompts) != len(images):
+        raise ValueError(f"{len(prompts)} prompts for {len(images)} images")
     cols = cols or math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / cols)
     w, h = images[0].size
-    grid = Image.new("RGB", (cols * w, rows * h), (255, 255, 255))
+    scale = max(1, math.ceil(min_size / min(w, h)))
+    w, h = w * scale, h * scale
+    labels = []
+    if prompts is not None or step is not None:
+        labels = [" ".join(x for x in ((prompts[i] if prompts is not None else ""),
+                                        (f"(step {step})" if step is not None else "")) if x)
+                  for i in range(len(images))]
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    wrapped = [_wrap(measure, label, font, w - 8) for label in labels]
+    top, bottom = measure.textbbox((0, 0), "Ag", font=font)[1::2]
+    line_height = bottom - top + 4
+    strip = (max(len(x) for x in wrapped) * line_height + 8) if wrapped else 0
+    grid = Image.new("RGB", (cols * w, rows * (h + strip)), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
     for i, image in enumerate(images):
-        grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * h))
+        x, y = (i % cols) * w, (i // cols) * (h + strip)
+        grid.paste(image.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
+        if strip:
+            draw.line([(x, y + h), (x + w - 1, y + h)], fill=(200, 200, 200))  # where the label strip starts
+        for j, line in enumerate(wrapped[i] if wrapped else []):
+            draw.text((x + 4, y + h + 4 + j * line_height), line, fill=(0, 0, 0), font=font)
     return grid

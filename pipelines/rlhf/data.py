@@ -1,19 +1,36 @@
-"""RLHF data: loading DeepSpeed-Chat style datasets, collators for steps 1-3, the resumable sampler.
+"""RLHF data: formats, sources and collators for steps 1-3 (and the resumable sampler).
 
-Schema (DeepSpeed-Chat): ``prompt`` and ``response`` for SFT (``chosen`` is accepted in place of
-``response``, as DeepSpeed-Chat's step 1 does), ``prompt``/``chosen``/``rejected`` for the reward
-model, ``prompt`` for PPO.
+Formats (TRL's conventions), detected from the columns after the column mapping:
 
-Token layout: every collator encodes the prompt the same way (the tokenizer's special tokens, e.g. a
-leading BOS, then the prompt text, truncated from the left so the end of the prompt survives) and the
-response without special tokens followed by EOS, so the reward model in step 2 sees exactly the token
-sequences the actor produces in step 3.
+========================= =============================================== ======================
+format                    columns                                         stages
+========================= =============================================== ======================
+language modelling        ``text``                                        sft
+prompt-completion         ``prompt`` + ``response`` (or ``completion``)   sft (and ppo/eval)
+preference                ``prompt`` + ``chosen`` + ``rejected``          reward, sft (chosen)
+implicit preference       ``chosen`` + ``rejected`` (shared prompt prefix) reward
+prompt-only               ``prompt``                                      ppo, eval
+conversation              ``messages``                                    sft (ppo/eval: its prompt)
+========================= =============================================== ======================
+
+Each of ``prompt``/``response``/``chosen``/``rejected`` may be a string (standard) or a list of
+``{"role", "content"}`` messages (conversational); ``messages`` is always conversational. Conversational
+rows are rendered with the tokenizer's chat template: prompts with ``add_generation_prompt=True`` (what
+the actor continues from), completions as the rest of the rendered conversation; SFT learns only the
+assistant tokens.
+
+Token layout: every collator encodes the prompt the same way (standard: the tokenizer's special tokens,
+e.g. a leading BOS, then the prompt text; conversational: the chat template's rendering, which carries
+its own special tokens; both truncated from the left so the end of the prompt survives) and the response
+after it, ending with EOS (a rendered assistant turn is cut after its EOS, or gets one), so the reward
+model in step 2 sees exactly the token sequences the actor produces in step 3.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +39,15 @@ import torch
 # One resumable distributed sampler for every pipeline: the diffusion one (same contract: seed + epoch
 # permutation, equal shard per rank, (epoch, position) state) is re-exported rather than duplicated.
 from multiengine.engines.sampler import ShardedEpochSampler
+from multiengine.pipelines.sources import (
+    DataSource,
+    DataSourceError,
+    TrainEval,
+    as_sources,
+    load_source,
+    map_columns,
+    split_train_eval,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -29,75 +55,320 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FIELDS",
     "REQUIRED_COLUMNS",
+    "DataFormat",
+    "DataSource",
     "PairCollator",
     "PromptCollator",
     "SFTCollator",
     "ShardedEpochSampler",
+    "TrainEval",
+    "check_chat_template",
+    "check_rlhf_data",
+    "detect_format",
+    "is_conversation",
+    "load_rlhf_data",
     "load_rlhf_dataset",
+    "prompt_text",
 ]
 
+# the minimal columns of each stage's standard format (kept for callers that list them)
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "sft": ("prompt", "response"),
     "reward": ("prompt", "chosen", "rejected"),
     "ppo": ("prompt",),
     "eval": ("prompt",),
 }
-_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# every field a column can be mapped to (``completion`` is read as ``response``)
+FIELDS: tuple[str, ...] = ("prompt", "response", "completion", "chosen", "rejected", "text", "messages")
+_ACCEPTS: dict[str, str] = {
+    "sft": "text | messages | prompt+response (or completion) | prompt+chosen",
+    "reward": "prompt+chosen+rejected | chosen+rejected (the prompt is their shared beginning)",
+    "ppo": "prompt | messages (the prompt is everything before the last assistant turn)",
+    "eval": "prompt | messages (the prompt is everything before the last assistant turn)",
+}
+_EXAMPLE_MAPPING = {"sft": "prompt=question data.columns.response=answer",
+                    "reward": "chosen=good data.columns.rejected=bad",
+                    "ppo": "prompt=question", "eval": "prompt=question"}
 
 
-def _file_for_split(folder: Path, split: str) -> Path:
-    for ext in _LOADERS:
-        candidate = folder / f"{split}{ext}"
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"no {split}.json/.jsonl/.parquet in {folder} (write one with tiny.write_builtin_dataset)"
-    )
+# --------------------------------------------------------------------------------------------------
+# formats
+# --------------------------------------------------------------------------------------------------
 
 
-def load_rlhf_dataset(source: str | Path, split: str, hf_split: str = "train") -> Dataset:
-    """Load the rows of one RLHF stage as a ``datasets.Dataset`` and check its columns.
+def is_conversation(value: Any) -> bool:
+    """A list of ``{"role", "content"}`` messages (a conversational value)."""
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value))
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """What a dataset's rows are: ``kind`` (``text``, ``messages``, ``prompt``, ``prompt_response``,
+    ``preference``, ``implicit_preference``) and whether its values are conversations."""
+
+    kind: str
+    conversational: bool
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({'conversational' if self.conversational else 'standard'})"
+
+
+def detect_format(columns: Sequence[str], example: Mapping[str, Any] | None = None) -> DataFormat | None:
+    """The format of rows with these columns (after the column mapping); ``None`` if none applies.
+
+    ``example`` (one row) decides standard vs conversational; without it, ``messages`` is the only
+    conversational sign.
+    """
+    cols = set(columns)
+    has_response = "response" in cols or "completion" in cols
+    if {"prompt", "chosen", "rejected"} <= cols:
+        kind = "preference"
+    elif {"chosen", "rejected"} <= cols:
+        kind = "implicit_preference"
+    elif "prompt" in cols and has_response:
+        kind = "prompt_response"
+    elif "messages" in cols:
+        kind = "messages"
+    elif "prompt" in cols:
+        kind = "prompt"
+    elif "text" in cols:
+        kind = "text"
+    else:
+        return None
+    conversational = kind == "messages"
+    if example is not None and not conversational:
+        conversational = any(is_conversation(example.get(k)) for k in ("prompt", "response", "completion", "chosen",
+                                                                          "rejected") if k in cols)
+    return DataFormat(kind, conversational)
+
+
+def _common_prefix(a: Any, b: Any) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _split_implicit(row: Mapping[str, Any]) -> dict[str, Any]:
+    """``chosen``/``rejected`` sharing their beginning -> ``prompt`` + the two different endings."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if is_conversation(chosen):
+        n = _common_prefix(chosen, rejected)
+        return {"prompt": list(chosen[:n]), "chosen": list(chosen[n:]), "rejected": list(rejected[n:])}
+    n = _common_prefix(chosen, rejected)
+    if 0 < n < len(chosen) and chosen[n - 1] == " ":
+        n -= 1  # the space belongs to the answer, as a tokenizer would split it
+    return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def _prompt_of_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Everything before the last assistant turn (the whole list when there is none)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    return [dict(m) for m in messages[:last]]
+
+
+def _normalise(ds: Dataset, stage: str, source: str, key: str) -> Dataset:
+    """Rows of ``ds`` in the canonical fields of ``stage`` (``completion`` -> ``response``, implicit
+    prompts made explicit, ...); other columns are kept."""
+    if len(ds) == 0:
+        raise DataSourceError(f"{key}={source!r} has no rows ({stage} stage)")
+    columns = set(ds.column_names)
+    if "completion" in columns and "response" not in columns:
+        ds = ds.rename_column("completion", "response")
+        columns = set(ds.column_names)
+    if stage == "sft":
+        ok = ({"prompt", "response"} <= columns or {"prompt", "chosen"} <= columns
+              or "messages" in columns or "text" in columns)
+    elif stage == "reward":
+        ok = {"chosen", "rejected"} <= columns
+    else:
+        ok = "prompt" in columns or "messages" in columns
+    if not ok:
+        missing = [c for c in REQUIRED_COLUMNS[stage] if c not in columns]
+        raise DataSourceError(
+            f"{key}={source!r} ({stage} stage) has columns {sorted(columns)}: missing {missing} for "
+            f"{'+'.join(REQUIRED_COLUMNS[stage])}, and no other {stage} format fits ({_ACCEPTS[stage]}). Map your "
+            f"columns, e.g. data.columns.{_EXAMPLE_MAPPING[stage]}")
+    if stage == "sft" and "response" not in columns and {"prompt", "chosen"} <= columns:
+        ds = ds.rename_column("chosen", "response")  # DeepSpeed-Chat step 1 trains on chosen
+    if stage == "reward" and "prompt" not in columns:
+        ds = ds.map(_split_implicit, desc="prompt from the shared beginning of chosen/rejected")
+    if stage in ("ppo", "eval") and "prompt" not in columns:
+        ds = ds.map(lambda r: {"prompt": _prompt_of_messages(r["messages"])}, desc="prompts of conversations")
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_one(source: DataSource, stage: str, split: str | None, default_split: str, key: str,
+              columns: Mapping[str, str] | None, cache_dir: str | None) -> Dataset:
+    wanted = split or source.split or default_split
+    names = (split,) if split else (stage, wanted)
+    ds = load_source(source.path, names=names, split=wanted, key=key, split_required=split is not None,
+                     cache_dir=cache_dir)
+    mapping = {**(columns or {}), **dict(source.columns)}
+    ds = map_columns(ds, mapping, FIELDS, source.path, key="data.columns")
+    return _normalise(ds, stage, source.path, key)
+
+
+def load_rlhf_dataset(
+    source: str | Path,
+    split: str,
+    hf_split: str = "train",
+    columns: Mapping[str, str] | None = None,
+    cache_dir: str | None = None,
+    key: str = "data.source",
+) -> Dataset:
+    """Load the rows of one RLHF stage from one source as a ``datasets.Dataset``, format-checked.
 
     Args:
-        source: a ``.json``/``.jsonl``/``.parquet`` file (loader chosen by extension); a folder
-            holding ``{split}.jsonl`` (or ``.json``/``.parquet``), as written by
-            ``tiny.write_builtin_dataset``; or a hub dataset name (needs network or a local cache).
-        split: the RLHF stage, one of ``sft``, ``reward``, ``ppo``, ``eval``; sets required columns.
-        hf_split: the split of the loaded dataset to take (``train`` for local files).
+        source: a ``.json``/``.jsonl``/``.csv``/``.parquet`` file; a ``save_to_disk`` folder; a folder of
+            split files holding ``{split}.jsonl`` (or ``.json``/``.csv``/``.parquet``, or ``{hf_split}.*``),
+            as written by ``tiny.write_builtin_dataset``; or a hub dataset name (``load_dataset``; offline
+            from the local cache).
+        split: the RLHF stage, one of ``sft``, ``reward``, ``ppo``, ``eval``; decides the accepted formats
+            (module docstring).
+        hf_split: the split of a hub dataset / ``DatasetDict`` folder (single files have only ``train``).
+        columns: ``{field: column}`` column mapping, e.g. ``{"prompt": "question", "response": "answer"}``.
+        key: the config key of ``source`` (named in errors).
 
     Raises:
-        ValueError: unknown ``split``, unknown file extension, or missing columns (named).
+        ValueError (``DataSourceError``): unknown stage, missing source, unsupported file, no rows, or no
+        accepted format (the columns it has and the mapping to write are named).
     """
-    from datasets import load_dataset
-
     if split not in REQUIRED_COLUMNS:
         raise ValueError(f"unknown RLHF split {split!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
-    path = Path(source)
-    if path.is_dir():
-        path = _file_for_split(path, split)
-    if path.is_file():
-        loader = _LOADERS.get(path.suffix.lower())
-        if loader is None:
-            raise ValueError(f"unsupported data file {path} (expected one of {sorted(_LOADERS)})")
-        dataset = load_dataset(loader, data_files=str(path), split=hf_split)
-    elif path.suffix.lower() in _LOADERS:
-        raise FileNotFoundError(f"data file {path} does not exist")
-    else:
-        dataset = load_dataset(str(source), split=hf_split)
+    ds = _load_one(DataSource(str(source)), split, None, hf_split, key, columns, cache_dir)
+    logger.info("loaded %d %s rows (%s) from %s", len(ds), split, detect_format(ds.column_names, ds[0]), source)
+    return ds
 
-    columns = set(dataset.column_names)
-    if split == "sft" and "response" not in columns and "chosen" in columns:
-        dataset = dataset.rename_column("chosen", "response")  # DeepSpeed-Chat step 1 trains on chosen
-        columns = set(dataset.column_names)
-    missing = [c for c in REQUIRED_COLUMNS[split] if c not in columns]
-    if missing:
-        raise ValueError(
-            f"dataset {source!s} ({split}) is missing column(s) {missing}; it has {sorted(columns)}. "
-            f"The {split} stage needs {list(REQUIRED_COLUMNS[split])}."
-        )
-    logger.info("loaded %d %s rows from %s", len(dataset), split, source)
-    return dataset
+
+def _canonical(ds: Dataset, stage: str) -> Dataset:
+    keep = {"sft": ("prompt", "response", "messages", "text"), "reward": ("prompt", "chosen", "rejected"),
+            "ppo": ("prompt",), "eval": ("prompt",)}[stage]
+    return ds.select_columns([c for c in ds.column_names if c in keep])
+
+
+def load_rlhf_data(
+    source: Any,
+    stage: str,
+    *,
+    columns: Mapping[str, str] | None = None,
+    train_split: str = "train",
+    eval_source: Any = None,
+    eval_split: float | int | str = 0.0,
+    eval_stage: str | None = None,
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | None = None,
+) -> TrainEval:
+    """Training and evaluation rows of one stage, from one source or a weighted blend of several.
+
+    Args:
+        source: a path / hub name, a list of ``{path, weight, columns, split}`` (``data.sources``) or
+            :class:`DataSource` objects.
+        stage: ``sft``, ``reward``, ``ppo`` (``eval`` for prompt sets).
+        columns: column mapping applied to every source (a source's own ``columns`` win).
+        train_split: the split of hub / ``DatasetDict`` sources to train on.
+        eval_source: separate evaluation rows (same forms as ``source``); never one of the training
+            sources.
+        eval_split: a fraction/count held out of each source (``0.05``), or the name of a split every
+            source has (``"test"``; ``"eval"`` = a folder's ``eval.jsonl``); 0 = no evaluation rows.
+        eval_stage: the stage whose formats the evaluation rows must have (default ``stage``; ``eval``
+            for prompt-only rows).
+        seed: held-out selection and blend order.
+        size: rows of a blend (default: the sum of the sources' rows).
+
+    Returns:
+        :class:`~multiengine.pipelines.sources.TrainEval` ``(train, eval, eval_origin)``. With several
+        sources the rows keep only the stage's fields (the sources' columns must agree after mapping).
+    """
+    if stage not in REQUIRED_COLUMNS:
+        raise ValueError(f"unknown RLHF stage {stage!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
+    eval_stage = eval_stage or stage
+    sources = as_sources(source, "data.sources" if isinstance(source, (list, tuple)) else "data.source")
+    evals = as_sources(eval_source, "data.eval_source")
+    several = len(sources) > 1
+
+    def load(src: DataSource, split: str | None) -> Dataset:
+        this_stage = stage if split is None else eval_stage
+        key = "data.sources" if several else "data.source"
+        ds = _load_one(src, this_stage, split, train_split, key, columns, cache_dir)
+        return _canonical(ds, this_stage) if several else ds
+
+    def load_eval(src: DataSource, split: str | None) -> Dataset:
+        return _load_one(src, eval_stage, None, train_split, "data.eval_source", columns, cache_dir)
+
+    result = split_train_eval(load, sources, eval_source=evals, load_eval=load_eval, eval_split=eval_split,
+                              seed=seed, size=size)
+    logger.info("%s rows: %d for training (%s); evaluation: %s%s", stage, len(result.train),
+                " + ".join(f"{s.path} x{s.weight:g}" for s in sources), result.eval_origin,
+                f" ({len(result.eval)} rows)" if result.eval is not None else "")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# up-front checks (no model is built)
+# --------------------------------------------------------------------------------------------------
+
+
+def check_chat_template(tokenizer: Any, conversational: bool, key: str = "data.source",
+                        tokenizer_key: str = "model.pretrained") -> None:
+    """Raise when conversational data meets a tokenizer without a chat template."""
+    if conversational and not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataSourceError(
+            f"{key} is conversational (lists of {{role, content}} messages) but the tokenizer of {tokenizer_key} "
+            f"({name}) has no chat template. Give the tokenizer one (set tokenizer.chat_template and save_pretrained "
+            f"it into the model folder), use a chat model's tokenizer, or use standard (string) data.")
+
+
+def check_rlhf_data(
+    source: Any,
+    stage: str,
+    *,
+    columns: Mapping[str, str] | None = None,
+    train_split: str = "train",
+    tokenizer: Any = None,
+    key: str = "data.source",
+    tokenizer_key: str = "model.pretrained",
+    cache_dir: str | None = None,
+) -> dict[str, Any]:
+    """Check every source of one stage before any rank starts: it exists, its columns (after mapping)
+    form an accepted format, it has rows, and conversational data has a tokenizer with a chat template.
+
+    Returns:
+        ``{"rows": total rows, "sources": [{"path", "rows", "format"}], "conversational": bool}``.
+
+    Raises:
+        ValueError (``DataSourceError``) naming the key, the file and the fix.
+    """
+    if stage not in REQUIRED_COLUMNS:
+        raise ValueError(f"unknown RLHF stage {stage!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
+    sources = as_sources(source, key)
+    if not sources:
+        raise DataSourceError(f"{key} is empty: give a data file, folder or hub dataset name")
+    report = []
+    for src in sources:
+        ds = _load_one(src, stage, None, train_split, key, columns, cache_dir)
+        fmt = detect_format(ds.column_names, ds[0])
+        report.append({"path": src.path, "rows": len(ds), "format": str(fmt), "conversational": fmt.conversational})
+    kinds = {r["conversational"] for r in report}
+    if len(kinds) > 1:
+        raise DataSourceError(f"{key}: some sources are conversational and some standard ({report}); a blend must "
+                              f"be all one or the other")
+    conversational = kinds.pop()
+    if tokenizer is not None:
+        check_chat_template(tokenizer, conversational, key, tokenizer_key)
+    return {"rows": sum(r["rows"] for r in report), "sources": report, "conversational": conversational}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,12 +385,32 @@ def _pad_token_id(tokenizer: Any) -> int:
     return int(pad)
 
 
-def _field(example: Mapping[str, Any] | str, key: str) -> str:
+def _field(example: Mapping[str, Any] | str, key: str) -> Any:
     if isinstance(example, str):
         if key != "prompt":
             raise TypeError(f"a bare string example has no {key!r}")
         return example
+    if key == "prompt" and "prompt" not in example and "messages" in example:
+        return _prompt_of_messages(example["messages"])
+    if key == "response" and "response" not in example and "completion" in example:
+        return example["completion"]
     return example[key]
+
+
+def prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
+    """A prompt as text for judges and logs: the string itself, or a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    return str(users[-1] if users else prompt[-1]["content"]) if prompt else ""
+
+
+def _as_messages(value: Any, role: str = "assistant") -> list[dict[str, Any]]:
+    if is_conversation(value):
+        return [dict(m) for m in value]
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    raise TypeError(f"expected a string or a list of {{role, content}} messages, got {type(value).__name__}")
 
 
 class _Encoder:
@@ -136,19 +427,127 @@ class _Encoder:
             raise ValueError("tokenizer has no eos token; responses must end with one")
         self.eos_id = int(tokenizer.eos_token_id)
 
-    def prompt_ids(self, text: str) -> list[int]:
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        if len(ids) <= self.max_prompt_len:
-            return ids
-        # keep the end (what the answer continues from) and a leading BOS the model was trained with.
+    # --- standard (string) rows ------------------------------------------------------------------
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        """Positions of a prompt that survive truncation: the end (what the answer continues from) and a
+        leading BOS the model was trained with."""
+        n, cap = len(ids), self.max_prompt_len
+        if n <= cap:
+            return list(range(n))
         bos = self.tokenizer.bos_token_id
-        if bos is not None and ids[0] == bos and self.max_prompt_len > 1:
-            return [bos] + ids[-(self.max_prompt_len - 1) :]
-        return ids[-self.max_prompt_len :]
+        if bos is not None and ids[0] == bos and cap > 1:
+            return [0, *range(n - cap + 1, n)]
+        return list(range(n - cap, n))
 
-    def response_ids(self, text: str) -> list[int]:
+    def _truncate_prompt(self, ids: list[int]) -> list[int]:
+        return [ids[k] for k in self._kept(ids)]
+
+    def prompt_ids(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+        """A prompt's ids: a string with the tokenizer's special tokens, a conversation rendered by the chat
+        template with the generation prompt; truncated from the left."""
+        if is_conversation(prompt):
+            return self._truncate_prompt(self._ids(self.render(prompt, add_generation_prompt=True)))
+        return self._truncate_prompt(list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+
+    def response_ids(self, text: str, eos: bool = True) -> list[int]:
+        """A string response: its ids without special tokens, truncated, then EOS (``eos=False``: a response
+        that was cut off before its EOS)."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not eos:
+            return list(ids[: self.max_response_len])
         return list(ids[: self.max_response_len - 1]) + [self.eos_id]
+
+    # --- conversations ---------------------------------------------------------------------------
+    def _ids(self, text: str) -> list[int]:
+        # a rendered template carries its own special tokens (e.g. BOS): none are added
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        check_chat_template(self.tokenizer, True, key="the data")
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _prefix(self, messages: Sequence[Mapping[str, Any]], cut: int, full: str, add_generation_prompt: bool) -> int:
+        """Length of the rendering of ``messages[:cut]`` inside ``full`` (the rendering of all of them)."""
+        head = self.render(messages[:cut], add_generation_prompt=add_generation_prompt) if cut else ""
+        if not full.startswith(head):
+            raise ValueError(
+                f"the chat template of {getattr(self.tokenizer, 'name_or_path', 'the tokenizer')} does not render the "
+                f"start of a conversation as a prefix of the whole conversation, so the assistant tokens cannot be "
+                f"located (start ...{head[-60:]!r}, whole ...{full[max(0, len(head) - 60):len(head) + 20]!r})")
+        return len(head)
+
+    def _end_response(self, ids: list[int], eos: bool = True) -> list[int]:
+        """A rendered assistant turn as a response: cut after its last EOS (what generation stops on) or given
+        one, truncated to ``max_response_len`` like a string response."""
+        if self.eos_id in ids:
+            ids = ids[: len(ids) - ids[::-1].index(self.eos_id) - 1]  # drop from the last EOS on
+        if not eos:
+            return ids[: self.max_response_len]
+        return ids[: self.max_response_len - 1] + [self.eos_id]
+
+    def conversation_ids(self, prompt: Any, completion: Any, eos: bool = True) -> tuple[list[int], list[int]]:
+        """``(prompt ids, response ids)`` of a conversational prompt and its assistant completion (a string or
+        messages): the prompt rendered with the generation prompt, the response the rest of the rendered
+        conversation."""
+        prompt_msgs = _as_messages(prompt, role="user")
+        messages = prompt_msgs + _as_messages(completion)
+        full = self.render(messages, add_generation_prompt=False)
+        start = self._prefix(messages, len(prompt_msgs), full, add_generation_prompt=True)
+        return self._truncate_prompt(self._ids(full[:start])), self._end_response(self._ids(full[start:]), eos)
+
+    def messages_ids(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int], list[int]]:
+        """A whole conversation for SFT: ``(prompt ids, prompt labels, response ids)``; the prompt is everything
+        before the last assistant turn, and earlier assistant turns in it are labelled (the rest is -100).
+
+        Each piece of the rendering (up to an assistant turn's generation prompt, the turn itself) is
+        tokenized on its own, so the labelled spans are exactly the assistant turns."""
+        messages = [dict(m) for m in messages]
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not assistant:
+            raise ValueError(f"a conversation for SFT has no assistant message: {messages[:3]}")
+        last = assistant[-1]
+        messages = messages[: last + 1]  # anything after the last assistant turn teaches nothing
+        full = self.render(messages, add_generation_prompt=False)
+        spans = [(self._prefix(messages, i, full, True),
+                  self._prefix(messages, i + 1, full, False) if i < last else len(full)) for i in assistant]
+        ids: list[int] = []
+        labels: list[int] = []
+        pos = 0
+        for start, end in spans[:-1]:
+            plain, turn = self._ids(full[pos:start]), self._ids(full[start:end])
+            ids += plain + turn
+            labels += [-100] * len(plain) + turn
+            pos = end
+        plain = self._ids(full[pos:spans[-1][0]])
+        ids += plain
+        labels += [-100] * len(plain)
+        keep = self._kept(ids)
+        ids, labels = [ids[k] for k in keep], [labels[k] for k in keep]
+        return ids, labels, self._end_response(self._ids(full[spans[-1][0]:]))
+
+    def sft_ids(self, example: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+        """``(input ids, labels)`` of one SFT row in any accepted format."""
+        if "messages" in example and example.get("prompt") is None:
+            p, p_labels, r = self.messages_ids(example["messages"])
+            return p + r, p_labels + r
+        if "text" in example and example.get("response") is None and example.get("prompt") is None:
+            p, r = self.prompt_ids(""), self.response_ids(example["text"])
+        else:
+            prompt, response = _field(example, "prompt"), _field(example, "response")
+            if is_conversation(prompt) or is_conversation(response):
+                p, r = self.conversation_ids(prompt, response)
+            else:
+                p, r = self.prompt_ids(prompt), self.response_ids(response)
+        return p + r, [-100] * len(p) + r
+
+    def pair_ids(self, prompt: Any, response: Any, eos: bool = True) -> list[int]:
+        """``prompt + response`` ids for scoring (standard or conversational)."""
+        if is_conversation(prompt) or is_conversation(response):
+            p, r = self.conversation_ids(prompt, response, eos)
+        else:
+            p, r = self.prompt_ids(prompt), self.response_ids(response, eos)
+        return p + r
 
 
 def _pad(rows: Sequence[Sequence[int]], value: int, left: bool) -> torch.Tensor:
@@ -168,25 +567,32 @@ class PromptCollator(_Encoder):
     """Left-padded prompts for generation (step 3).
 
     Returns ``input_ids`` ``[B, C]``, ``attention_mask`` ``[B, C]`` (left padded, so every prompt ends
-    at column ``C - 1`` and generation continues from there) and ``prompts`` (the texts, for judges).
+    at column ``C - 1`` and generation continues from there) and ``prompts`` (texts, for judges: a
+    conversation's last user message); conversational batches also carry ``prompt_messages`` (the
+    message lists, to re-render them for a role with another tokenizer).
     """
 
     def __init__(self, tokenizer: Any, max_prompt_len: int) -> None:
         super().__init__(tokenizer, max_prompt_len)
 
     def __call__(self, examples: Sequence[Mapping[str, Any] | str]) -> dict[str, Any]:
-        texts = [_field(e, "prompt") for e in examples]
-        ids = [self.prompt_ids(t) for t in texts]
+        prompts = [_field(e, "prompt") for e in examples]
+        ids = [self.prompt_ids(p) for p in prompts]
         input_ids = _pad(ids, self.pad_id, left=True)
         attention_mask = _pad([[1] * len(r) for r in ids], 0, left=True)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "prompts": texts}
+        out = {"input_ids": input_ids, "attention_mask": attention_mask, "prompts": [prompt_text(p) for p in prompts]}
+        if any(is_conversation(p) for p in prompts):
+            out["prompt_messages"] = [_as_messages(p, role="user") for p in prompts]
+        return out
 
 
 class SFTCollator(_Encoder):
-    """``prompt + response + EOS``, right padded, for supervised fine-tuning (step 1).
+    """One SFT row per sequence, right padded, for supervised fine-tuning (step 1).
 
+    Standard rows: ``prompt + response + EOS`` (``text`` rows: BOS/specials + text + EOS, all learned).
+    Conversational rows: the chat template's rendering; only assistant tokens are learned.
     Returns ``input_ids``, ``attention_mask`` and ``labels``, each ``[B, L]``; ``labels`` is -100 on
-    the prompt and the padding so only the response (and its EOS) is learned.
+    prompt/user/system tokens and on padding.
     """
 
     def __init__(self, tokenizer: Any, max_prompt_len: int, max_response_len: int = 64) -> None:
@@ -195,9 +601,9 @@ class SFTCollator(_Encoder):
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs, labels = [], []
         for e in examples:
-            p, r = self.prompt_ids(_field(e, "prompt")), self.response_ids(_field(e, "response"))
-            seqs.append(p + r)
-            labels.append([-100] * len(p) + r)
+            ids, lab = self.sft_ids(e)
+            seqs.append(ids)
+            labels.append(lab)
         return {
             "input_ids": _pad(seqs, self.pad_id, left=False),
             "attention_mask": _pad([[1] * len(s) for s in seqs], 0, left=False),
@@ -209,8 +615,8 @@ class PairCollator(_Encoder):
     """Chosen and rejected sequences in one right-padded batch for the reward model (step 2).
 
     Returns ``input_ids`` and ``attention_mask`` ``[2B, L]``: rows ``0..B-1`` are
-    ``prompt + chosen + EOS``, rows ``B..2B-1`` the matching ``prompt + rejected + EOS``; split the
-    model's scores with ``scores[:B], scores[B:]``.
+    ``prompt + chosen + EOS``, rows ``B..2B-1`` the matching ``prompt + rejected + EOS`` (conversational
+    rows rendered by the chat template); split the model's scores with ``scores[:B], scores[B:]``.
     """
 
     def __init__(self, tokenizer: Any, max_prompt_len: int, max_response_len: int = 64) -> None:
@@ -219,9 +625,9 @@ class PairCollator(_Encoder):
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chosen, rejected = [], []
         for e in examples:
-            p = self.prompt_ids(_field(e, "prompt"))
-            chosen.append(p + self.response_ids(_field(e, "chosen")))
-            rejected.append(p + self.response_ids(_field(e, "rejected")))
+            prompt = _field(e, "prompt")
+            chosen.append(self.pair_ids(prompt, _field(e, "chosen")))
+            rejected.append(self.pair_ids(prompt, _field(e, "rejected")))
         seqs = chosen + rejected
         return {
             "input_ids": _pad(seqs, self.pad_id, left=False),

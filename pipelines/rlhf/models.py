@@ -1,10 +1,22 @@
 """Scalar-head models for RLHF: the reward model (step 2) and the critic (step 3).
 
 A :class:`ScalarHeadModel` is a transformer body without its LM head (``AutoModel``, e.g.
-``OPTModel``) plus a bias-free ``Linear(hidden, 1)``. It saves as a normal Hugging Face folder for the
-body plus ``value_head.safetensors``, so the same folder loads as a reward model, as a critic
-(DeepSpeed-Chat initialises the critic from the reward model), or, for a fresh head, from any
-causal-LM folder.
+``OPTModel``) plus a bias-free ``Linear(hidden, 1)``. It saves in Hugging Face's sequence-classification
+form (``*ForSequenceClassification``, ``num_labels=1``: the body's weights under the class's base-model
+prefix plus ``score.weight``), so ``AutoModelForSequenceClassification.from_pretrained`` loads it with
+no missing or unexpected weights and gives the same scores. It loads from
+
+* such a folder, ours or any other (e.g. a reward model trained with TRL): body + its ``score`` head;
+* the older value-head form: a base-model folder plus ``value_head.safetensors``;
+* any causal-LM folder: the body, with a fresh head.
+
+The same folder serves as a reward model and as a critic (DeepSpeed-Chat initialises the critic from
+the reward model).
+
+Score position: the value at the last real token (the last 1 of the attention mask).
+``*ForSequenceClassification`` takes the rightmost token that is not ``config.pad_token_id``; the two
+agree whenever the pad id marks only padding, i.e. the tokenizer's pad token differs from its EOS (with
+pad = EOS the Hugging Face class scores the token before a final EOS; saving warns).
 
 ZeRO-3: when the body is loaded under ``HfDeepSpeedConfig``/``deepspeed.zero.Init`` and the head is
 created inside an active ``deepspeed.zero.Init``, the head weight is partitioned (shape ``[0]`` on each
@@ -34,7 +46,7 @@ except ImportError:  # pragma: no cover - builds without dynamo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VALUE_HEAD_FILE", "ScalarHeadModel", "last_token_index", "pairwise_loss"]
+__all__ = ["VALUE_HEAD_FILE", "ScalarHeadModel", "is_sequence_classification", "last_token_index", "pairwise_loss"]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -46,6 +58,21 @@ def _hidden_size(config: Any) -> int:
         if value:
             return int(value)
     raise ValueError(f"cannot infer the hidden size from {type(config).__name__}")
+
+
+def is_sequence_classification(config: Any) -> bool:
+    """A config saved by a ``*ForSequenceClassification`` model (its ``architectures``)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in (getattr(config, "architectures", None) or ()))
+
+
+def _sequence_classification_class(config: Any) -> type:
+    from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    try:
+        return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)]
+    except KeyError as err:
+        raise ValueError(f"transformers has no *ForSequenceClassification class for {type(config).__name__}; this "
+                         f"model cannot be a Hugging Face reward model") from err
 
 
 def _is_partitioned(param: torch.Tensor) -> bool:
@@ -179,7 +206,7 @@ class ScalarHeadModel(nn.Module):
             head_seed: seed for a fresh head's init (identical on every rank).
             body_kwargs: passed to ``AutoModel.from_pretrained``.
         """
-        from transformers import AutoModel
+        from transformers import AutoConfig, AutoModel
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         if zero3 and not is_deepspeed_zero3_enabled():
@@ -191,19 +218,26 @@ class ScalarHeadModel(nn.Module):
             )
         if dtype is not None:
             body_kwargs.setdefault("dtype", dtype)
-        body = AutoModel.from_pretrained(str(path), **body_kwargs)
-        model = cls(body)
         head_file = Path(path) / VALUE_HEAD_FILE
-        if zero3 and not _is_partitioned(model.value_head.weight):
-            logger.info(
-                "zero3=True but the value head is not partitioned (created outside deepspeed.zero.Init); "
-                "the engine will partition it"
-            )
-        if head_file.is_file():
-            model.load_head(head_file)
+        config = body_kwargs.get("config")
+        if config is None and not head_file.is_file():
+            config = AutoConfig.from_pretrained(str(path))
+        if not head_file.is_file() and is_sequence_classification(config):
+            model = cls._from_sequence_classification(path, config, body_kwargs)
         else:
-            logger.info("no %s in %s: initialising a new value head", VALUE_HEAD_FILE, path)
-            model.init_head(seed=head_seed)
+            body = AutoModel.from_pretrained(str(path), **body_kwargs)
+            model = cls(body)
+            if zero3 and not _is_partitioned(model.value_head.weight):
+                logger.info(
+                    "zero3=True but the value head is not partitioned (created outside deepspeed.zero.Init); "
+                    "the engine will partition it"
+                )
+            if head_file.is_file():
+                model.load_head(head_file)
+            else:
+                logger.info("no %s and no sequence-classification head in %s: initialising a new value head",
+                            VALUE_HEAD_FILE, path)
+                model.init_head(seed=head_seed)
         if dtype is not None:
             model.value_head.to(dtype)
         return model
@@ -221,22 +255,80 @@ class ScalarHeadModel(nn.Module):
         self.value_head.requires_grad_(True)
         return self
 
-    def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the body with ``save_pretrained`` and the head to ``value_head.safetensors``, from this
-        rank's tensors (no collective): under ZeRO-3 call it inside a gather of every parameter, as
-        ``multiengine.engines.save_role`` does. ``state_dict`` (keys ``body.*`` and ``value_head.weight``)
-        replaces the module's own tensors, e.g. with LoRA merged."""
-        from safetensors.torch import save_file
+    @classmethod
+    def _from_sequence_classification(cls, path: str | Path, config: Any, kwargs: dict[str, Any]) -> ScalarHeadModel:
+        """Body and ``score`` head of a ``*ForSequenceClassification`` checkpoint; transformers loads both
+        (partitioned and gathered-on-load under a live ZeRO-3 ``HfDeepSpeedConfig``)."""
+        from transformers import AutoModelForSequenceClassification
+
+        if getattr(config, "num_labels", 1) != 1:
+            raise ValueError(f"{path} is a sequence classifier with num_labels={config.num_labels}; a reward model or "
+                             f"critic has one output (num_labels=1, e.g. TRL's RewardTrainer)")
+        full = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
+        head = getattr(full, "score", None)
+        body = full.base_model
+        if not isinstance(head, nn.Linear) or body is full:
+            raise ValueError(f"{path} ({type(full).__name__}) has no last-token `score` head on a base model (e.g. a "
+                             f"pooled classifier); only decoder-style sequence classifiers can be reward models")
+        if head.bias is not None:
+            raise ValueError(f"the score head of {path} has a bias; ScalarHeadModel's head is bias-free "
+                             f"(as every decoder *ForSequenceClassification in transformers)")
+        logger.info("loaded %s as a scalar-head model (body + its score head)", type(full).__name__)
+        return cls(body, value_head=head)
+
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                        pad_token_id: int | None = None) -> Path:
+        """Write a ``*ForSequenceClassification`` folder (``num_labels=1``): config, body weights under the
+        class's base-model prefix and ``score.weight``, checked to be exactly the class's weights.
+
+        Writes this rank's tensors (no collective): under ZeRO-3 call it inside a gather of every parameter,
+        as ``multiengine.engines.save_role`` does.
+
+        Args:
+            state_dict: keys ``body.*`` and ``value_head.weight`` in place of the module's own tensors (e.g.
+                with LoRA merged, as the export passes them).
+            pad_token_id: the tokenizer's pad id, written to the config (the Hugging Face class scores the
+                last token that is not this id; ``None`` keeps the config's).
+
+        Returns ``out_dir``.
+        """
+        import copy
+
+        from huggingface_hub import save_torch_state_dict
 
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         if state_dict is None:
             state_dict = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        body = {k[len("body."):]: v for k, v in state_dict.items() if k.startswith("body.")}
-        target = self.body.get_base_model() if hasattr(self.body, "get_base_model") else self.body
-        target.save_pretrained(str(out), state_dict=body)
+        body_state = {k[len("body."):]: v.detach().cpu().contiguous() for k, v in state_dict.items()
+                      if k.startswith("body.")}
         head = state_dict["value_head.weight"].detach().cpu().contiguous().clone()
-        save_file({"weight": head}, str(out / VALUE_HEAD_FILE))
+        body = self.body.get_base_model() if hasattr(self.body, "get_base_model") else self.body
+        config = copy.deepcopy(body.config)
+        seq_cls = _sequence_classification_class(config)
+        config.num_labels = 1
+        config.architectures = [seq_cls.__name__]
+        if pad_token_id is not None:
+            config.pad_token_id = int(pad_token_id)
+        if config.pad_token_id is None:
+            logger.warning("saving a reward model without config.pad_token_id: AutoModelForSequenceClassification "
+                           "then scores only batches of one (pass the tokenizer's pad id)")
+        elif config.pad_token_id == getattr(config, "eos_token_id", None):
+            logger.warning("pad id == eos id (%d): AutoModelForSequenceClassification scores the token before a "
+                           "final EOS, ScalarHeadModel the EOS itself; use a tokenizer with its own pad token",
+                           config.pad_token_id)
+        prefix = seq_cls.base_model_prefix
+        state = {f"{prefix}.{k}": v for k, v in body_state.items()}
+        state["score.weight"] = head
+        with torch.device("meta"):
+            expected = set(seq_cls(config).state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise RuntimeError(f"{seq_cls.__name__} would load this model with missing {missing[:5]} / "
+                               f"unexpected {unexpected[:5]} weights (LoRA bodies must be merged first)")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / VALUE_HEAD_FILE).unlink(missing_ok=True)  # an older export's head must not shadow this one
+        config.save_pretrained(str(out))
+        save_torch_state_dict(state, str(out))
         return out
 
 

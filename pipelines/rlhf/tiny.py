@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BOS_TOKEN",
+    "CHAT_ROLE_TOKENS",
+    "CHAT_TEMPLATE",
     "COUNTS",
     "EOS_TOKEN",
     "PAD_TOKEN",
@@ -48,6 +50,7 @@ __all__ = [
     "parse_prompt",
     "prepare_builtin",
     "task_vocabulary",
+    "train_bpe_tokenizer",
     "train_tokenizer",
     "write_builtin_dataset",
 ]
@@ -269,13 +272,27 @@ def write_builtin_dataset(out_dir: str | Path, seed: int = 0, **sizes: int) -> d
 # --------------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+# A minimal chat template for the word-level tokenizer: one role token per turn, each assistant turn closed by
+# EOS (what generation stops on), and the generation prompt "<|assistant|>".
+CHAT_ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+    "{% if m['role'] == 'assistant' %}{{ eos_token }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512,
+                    chat_template: bool = False) -> PreTrainedTokenizerFast:
     """Train a word-level tokenizer on ``texts`` and save it as a ``PreTrainedTokenizerFast``.
 
     Words are split on whitespace, one token per word (the task is word level, and short sequences
     keep the model tiny). Special tokens: ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3;
     every encoded text starts with ``<s>``; padding side is left (for prompts, so generation continues
     right after the last prompt token). Loadable with ``AutoTokenizer.from_pretrained(out_dir)``.
+
+    With ``chat_template=True`` the role tokens :data:`CHAT_ROLE_TOKENS` are appended (after every word, so
+    word ids do not move) and :data:`CHAT_TEMPLATE` is set.
 
     Returns:
         The ``PreTrainedTokenizerFast``.
@@ -302,10 +319,38 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
         padding_side="left",
         model_max_length=128,
     )
+    if chat_template:
+        fast.add_special_tokens({"additional_special_tokens": list(CHAT_ROLE_TOKENS)})
+        fast.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     logger.info("trained word-level tokenizer (%d tokens) in %s", len(fast), out)
+    return fast
+
+
+def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 120) -> PreTrainedTokenizerFast:
+    """A second, different tokenizer for the same task: sub-word BPE (words split into pieces), other special
+    token ids (``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<pad>`` = 3), right padding. For tests of roles with
+    different tokenizers; saved to ``out_dir`` like :func:`train_tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
+    tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=specials)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, tok.token_to_id(BOS_TOKEN))]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                                   pad_token=PAD_TOKEN, unk_token=UNK_TOKEN, padding_side="right", model_max_length=128)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    logger.info("trained BPE tokenizer (%d tokens) in %s", len(fast), out)
     return fast
 
 

@@ -48,7 +48,7 @@ def test_it_learns_and_writes_grids(ranks):
     from PIL import Image
 
     with Image.open(z["validations"][0]) as grid:
-        assert grid.size == (64, 32)  # two 32 px images side by side
+        assert grid.size == (512, 256)  # two 32 px images side by side, each upscaled 8x to a viewable 256 px
 
 
 def test_losses_match_seed_baseline(ranks):

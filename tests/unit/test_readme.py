@@ -39,3 +39,10 @@ def test_registry_guide_names_every_public_engine_name():
     guide = (ROOT / "docs" / "registry-guide.md").read_text()
     missing = [name for name in engines.__all__ if f"`{name}`" not in guide and f"`{name}," not in guide]
     assert not missing, missing
+
+
+def test_test_files_have_unique_basenames():
+    # tests/ has no __init__.py files: pytest imports each file by its basename, so two files with one name
+    # in unit/ and distributed/ make collection fail.
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

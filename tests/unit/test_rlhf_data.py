@@ -152,8 +152,8 @@ def test_load_missing_columns_named(tmp_path):
         load_rlhf_dataset(path, "reward")
     with pytest.raises(ValueError, match="unknown RLHF split"):
         load_rlhf_dataset(path, "dpo")
-    with pytest.raises(ValueError, match="unsupported data file"):
-        bad = tmp_path / "data.csv"
+    with pytest.raises(ValueError, match="Unsupported data file type '.txt'"):
+        bad = tmp_path / "data.txt"
         bad.write_text("prompt\nx\n")
         load_rlhf_dataset(bad, "ppo")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -64,7 +65,9 @@ def test_save_load_roundtrip(model, tmp_path):
     ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 2, 0, 0]])
     mask = (ids != 0).long()
     out = model.save_pretrained(tmp_path / "rm")
-    assert (out / VALUE_HEAD_FILE).is_file() and (out / "config.json").is_file()
+    # Hugging Face's sequence-classification form (tests/unit/test_rlhf_reward_formats.py loads it there)
+    assert not (out / VALUE_HEAD_FILE).is_file() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["OPTForSequenceClassification"]
     loaded = ScalarHeadModel.from_pretrained(out).eval()
     assert torch.equal(loaded.value_head.weight, model.value_head.weight)
     with torch.no_grad():

@@ -79,7 +79,7 @@ def test_step_generator_is_a_function_of_its_arguments():
 
 def test_image_grid_layout():
     colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
-    grid = image_grid([Image.new("RGB", (8, 8), c) for c in colours])
+    grid = image_grid([Image.new("RGB", (8, 8), c) for c in colours], min_size=8)
     assert grid.size == (16, 16)  # 2 x 2, the last cell left white
     assert [grid.getpixel(p) for p in ((0, 0), (8, 0), (0, 8), (8, 8))] == [*colours, (255, 255, 255)]
     with pytest.raises(ValueError):

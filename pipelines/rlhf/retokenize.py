@@ -1,0 +1,154 @@
+"""Tokenizers per role: detect that two roles tokenize differently, and re-encode the actor's sequences
+for a scoring role (reward model, critic) that has its own tokenizer.
+
+The actor samples token ids of *its* vocabulary; a reward model trained with another tokenizer would read
+them as ids of its own and score nonsense, silently. So the actor's sequences are decoded to text and
+encoded again with the scoring role's tokenizer, in exactly the layout that role was trained on (the
+step-2 collators': prompt with its special tokens or chat template, response, EOS when the actor emitted
+one), as OpenRLHF does for remote reward models. Equal vocabularies need no re-encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .data import _Encoder, _pad, is_conversation
+
+__all__ = ["Retokenizer", "needs_reencoding", "vocabularies_match"]
+
+_SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def vocabularies_match(a: Any, b: Any) -> bool:
+    """True when two tokenizers map the same strings to the same ids (added tokens included) and have the
+    same special-token ids; their names do not matter."""
+    if a is b:
+        return True
+    if len(a) != len(b) or any(getattr(a, k, None) != getattr(b, k, None) for k in _SPECIALS):
+        return False
+    return a.get_vocab() == b.get_vocab()
+
+
+def needs_reencoding(source: Any, target: Any, conversational: bool = False) -> bool:
+    """Whether ``target``'s role must get re-encoded sequences: the vocabularies differ, or (for
+    conversational data) the chat templates do."""
+    if not vocabularies_match(source, target):
+        return True
+    return conversational and getattr(source, "chat_template", None) != getattr(target, "chat_template", None)
+
+
+def _visible_chars(text: str) -> int:
+    return len("".join(text.split()))
+
+
+class Retokenizer:
+    """Actor (``source``) sequences -> ids of a scoring role's tokenizer (``target``), ready for scoring.
+
+    Args:
+        source: the actor's tokenizer.
+        target: the reward model's / critic's tokenizer.
+        max_prompt_len, max_response_len: the target role's limits (as its step-2 collator had them).
+        conversational: the prompts are conversations (``prompt_messages`` must be passed then); with
+            equal vocabularies but different chat templates it still re-encodes.
+    """
+
+    def __init__(self, source: Any, target: Any, max_prompt_len: int, max_response_len: int,
+                 conversational: bool = False) -> None:
+        self.source = source
+        self.target = target
+        self.encoder = _Encoder(target, max_prompt_len, max_response_len)
+        self.conversational = conversational
+        self.needed = needs_reencoding(source, target, conversational)
+        self.source_eos = source.eos_token_id
+        self.source_pad = source.pad_token_id if source.pad_token_id is not None else source.eos_token_id
+
+    def response_mask(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """Generated tokens up to and including the first EOS (all of them when there is none)."""
+        is_eos = response_ids == self.source_eos
+        after = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        return (~after).long()
+
+    def __call__(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor | None = None,
+        prompts: Sequence[str] | None = None,
+        prompt_messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+        align: bool = False,
+    ) -> dict[str, Any]:
+        """Sequences for the target role.
+
+        Args:
+            prompt_ids, prompt_mask: ``[B, C]``, left padded (the actor's prompt batch).
+            response_ids: ``[B, T]`` generated ids.
+            response_mask: ``[B, T]`` valid response tokens (default: up to and including the first EOS).
+            prompts: the prompt strings (default: decoded from ``prompt_ids``; pass the originals so a
+                left-truncated prompt is whole again).
+            prompt_messages: the conversations of conversational prompts (``batch["prompt_messages"]``).
+            align: also return ``value_index`` ``[B, T]``: for each actor response token, the position in
+                the new sequence of the target token that ends the same text (for a critic's values).
+
+        Returns:
+            ``input_ids``/``attention_mask`` ``[B, L]`` (right padded; score at the last real token),
+            ``reencoded`` (False: the actor's own sequences, prompt left padded, masked response after),
+            ``responses`` (decoded texts, when re-encoded) and ``value_index`` (with ``align``).
+        """
+        if response_mask is None:
+            response_mask = self.response_mask(response_ids)
+        response_mask = response_mask.long()
+        if self.conversational and prompt_messages is None:
+            raise ValueError("conversational prompts: pass prompt_messages (the PromptCollator's batch has them)")
+        if not self.needed:
+            ids = torch.cat([prompt_ids, torch.where(response_mask.bool(), response_ids,
+                                                     torch.full_like(response_ids, self.source_pad))], dim=1)
+            out: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+                                   "reencoded": False}
+            if align:
+                c = prompt_ids.shape[1]
+                out["value_index"] = torch.arange(c, c + response_ids.shape[1]).expand_as(response_ids).clone()
+            return out
+        rows, texts, index = [], [], []
+        for b in range(response_ids.shape[0]):
+            valid = response_ids[b][response_mask[b].bool()].tolist()
+            ended = bool(valid) and valid[-1] == self.source_eos
+            body = valid[:-1] if ended else valid
+            text = self.source.decode(body, skip_special_tokens=True)
+            if prompt_messages is not None and is_conversation(prompt_messages[b]):
+                p, r = self.encoder.conversation_ids(prompt_messages[b], text, eos=ended)
+            else:
+                prompt = prompts[b] if prompts is not None else self.source.decode(
+                    prompt_ids[b][prompt_mask[b].bool()].tolist(), skip_special_tokens=True)
+                p, r = self.encoder.prompt_ids(prompt), self.encoder.response_ids(text, eos=ended)
+            rows.append(p + r)
+            texts.append(text)
+            if align:
+                index.append(self._align(body, ended, len(p), r, response_ids.shape[1]))
+        out = {"input_ids": _pad(rows, self.encoder.pad_id, left=False),
+               "attention_mask": _pad([[1] * len(r) for r in rows], 0, left=False),
+               "reencoded": True, "responses": texts}
+        if align:
+            out["value_index"] = torch.tensor(index, dtype=torch.long)
+        return out
+
+    def _align(self, body: list[int], ended: bool, start: int, target_response: list[int], width: int) -> list[int]:
+        """For each actor response position, the target position whose decoded text first covers as many
+        visible characters as the actor's tokens so far (padding positions repeat the last one)."""
+        if not target_response:
+            return [max(start - 1, 0)] * width
+        target_body = target_response[:-1] if ended else target_response
+        covered = [_visible_chars(self.target.decode(target_body[: j + 1], skip_special_tokens=True))
+                   for j in range(len(target_body))]
+        last = start + len(target_response) - 1
+        out = []
+        for t in range(len(body)):
+            need = _visible_chars(self.source.decode(body[: t + 1], skip_special_tokens=True))
+            j = next((j for j, c in enumerate(covered) if c >= need), len(covered) - 1)
+            out.append(start + max(j, 0) if covered else last)
+        if ended:
+            out.append(last)  # the actor's EOS -> the target's EOS
+        return (out + [last] * width)[:width]

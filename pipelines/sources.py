@@ -1,0 +1,458 @@
+"""Where a pipeline's rows come from: local data files, ``save_to_disk`` folders, folders of split files,
+imagefolders and hub dataset names; column mapping, weighted blends of several sources and held-out
+evaluation splits. Shared by the RLHF and the diffusion data modules.
+
+A *source* is a path or a hub name. What it is is decided from the path, never guessed from the
+contents of a file:
+
+=============== ========================================================================================
+kind            what
+=============== ========================================================================================
+``file``        an existing ``.json``/``.jsonl``/``.csv``/``.parquet`` file (the matching ``datasets`` builder)
+``disk``        a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``
+``split_files`` a folder holding ``<name>.json[l]``/``.csv``/``.parquet`` for the wanted split name
+``imagefolder`` any other folder, when images are wanted (``load_dataset("imagefolder", data_dir=...)``)
+``hub``         a name that is not a local path (``org/name``): ``load_dataset(name)``, offline from the cache
+=============== ========================================================================================
+
+A local-looking path that does not exist is an error naming the config key, never a hub lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DATA_FILE_BUILDERS",
+    "DataSource",
+    "DataSourceError",
+    "TrainEval",
+    "as_sources",
+    "blend",
+    "heldout_split",
+    "is_hub_name",
+    "load_source",
+    "map_columns",
+    "source_kind",
+    "split_train_eval",
+]
+
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
+
+
+class DataSourceError(ValueError):
+    """A data source that cannot be used as given; the message names the key, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One source of rows.
+
+    Args:
+        path: file, folder or hub dataset name.
+        weight: relative share of this source in a blend (any positive number; normalised).
+        columns: ``{field: column name in this source}``, e.g. ``{"prompt": "question"}``.
+        split: the split to read from a hub dataset, a ``DatasetDict`` folder or a folder of split
+            files; ``None`` = the caller's default (usually ``train``).
+    """
+
+    path: str
+    weight: float = 1.0
+    columns: Mapping[str, str] = field(default_factory=dict)
+    split: str | None = None
+
+
+def as_sources(spec: Any, key: str = "data.sources") -> list[DataSource]:
+    """Normalise ``spec`` to a list of :class:`DataSource`.
+
+    Accepts a path/name (``str``/``Path``), a ``DataSource``, a mapping ``{path, weight, columns, split}``
+    (the YAML form), or a list of those.
+    """
+    if spec is None or spec == "":
+        return []
+    if isinstance(spec, (str, os.PathLike, DataSource)) or isinstance(spec, Mapping):
+        spec = [spec]
+    out: list[DataSource] = []
+    for i, item in enumerate(spec):
+        where = f"{key}[{i}]" if len(spec) > 1 or key.endswith("sources") else key
+        if isinstance(item, DataSource):
+            out.append(item)
+        elif isinstance(item, (str, os.PathLike)):
+            out.append(DataSource(str(item)))
+        elif isinstance(item, Mapping):
+            unknown = set(item) - {"path", "weight", "columns", "split"}
+            if unknown:
+                raise DataSourceError(f"{where} has unknown key(s) {sorted(unknown)}; a source takes path, weight, "
+                                      f"columns and split, e.g. {{path: data/a.jsonl, weight: 2}}")
+            if not item.get("path"):
+                raise DataSourceError(f"{where} has no path; write it as {{path: data/a.jsonl, weight: 1}}")
+            out.append(DataSource(str(item["path"]), float(item.get("weight", 1.0)),
+                                  dict(item.get("columns") or {}), item.get("split") or None))
+        else:
+            raise DataSourceError(f"{where}={item!r} is not a path or a {{path, weight}} mapping")
+    for i, s in enumerate(out):
+        if not (math.isfinite(s.weight) and s.weight > 0):
+            raise DataSourceError(f"{key}[{i}].weight={s.weight!r} ({s.path}): weights must be positive numbers")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# what a source is
+# --------------------------------------------------------------------------------------------------
+
+
+def is_hub_name(path: str) -> bool:
+    """True for strings shaped like a hub repo id (``name`` or ``org/name``) that are not local paths."""
+    if os.path.exists(path) or path.startswith(("/", ".", "~")) or "\\" in path:
+        return False
+    if Path(path).suffix.lower() in DATA_FILE_BUILDERS or "--" in path or ".." in path:
+        return False
+    return bool(_HUB_NAME.match(path))
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    )
+
+
+def _split_file(folder: Path, names: Sequence[str]) -> Path | None:
+    for name in names:
+        for ext in DATA_FILE_BUILDERS:
+            candidate = folder / f"{name}{ext}"
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def source_kind(path: str, names: Sequence[str] = ("train",), images: bool = False,
+                key: str = "data.source") -> str:
+    """``file``, ``disk``, ``split_files``, ``imagefolder`` or ``hub`` (see the module docstring).
+
+    Args:
+        names: file stems a folder of split files may hold for the wanted rows, in order of preference
+            (e.g. ``("sft", "train")``).
+        images: a folder that is neither ``save_to_disk`` output nor split files is an imagefolder.
+
+    Raises:
+        DataSourceError: a local path that does not exist, an unsupported file type, or a folder with
+            none of ``names``.
+    """
+    p = Path(os.path.expanduser(path))
+    if p.is_file():
+        if p.suffix.lower() not in DATA_FILE_BUILDERS:
+            raise DataSourceError(f"Unsupported data file type {p.suffix!r} ({key}={path!r}); use one of "
+                                  f"{sorted(DATA_FILE_BUILDERS)}, a save_to_disk folder or a folder of split files")
+        return "file"
+    if p.is_dir():
+        if _is_saved_dataset(p):
+            return "disk"
+        if _split_file(p, names) is not None:
+            return "split_files"
+        if images:
+            return "imagefolder"
+        present = sorted(f.name for f in p.iterdir() if f.suffix.lower() in DATA_FILE_BUILDERS)
+        raise DataSourceError(
+            f"{key}={path!r} is a folder with no {'/'.join(names)} file ({'/'.join(DATA_FILE_BUILDERS)}) and is not "
+            f"a save_to_disk folder (it has {present or 'no data files'}); point {key} at a file, or name the "
+            f"files {names[0]}.jsonl, ...")
+    if is_hub_name(path):
+        return "hub"
+    raise DataSourceError(f"no such file or folder: {path} ({key}); check the path (relative paths are read from "
+                          f"{os.getcwd()})")
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_source(
+    path: str,
+    *,
+    names: Sequence[str] = ("train",),
+    split: str = "train",
+    images: bool = False,
+    key: str = "data.source",
+    split_required: bool = False,
+    cache_dir: str | None = None,
+    **load_kwargs: Any,
+) -> Dataset:
+    """Load one source as a ``datasets.Dataset``.
+
+    Args:
+        path: the source (see :func:`source_kind`).
+        names: file stems to look for in a folder of split files (first match wins).
+        split: the split of a hub dataset or of a ``DatasetDict`` folder. A ``DatasetDict`` without it
+            but with exactly one split uses that one (logged), unless ``split_required``.
+        images: folders that are not datasets are imagefolders.
+        key: the config key ``path`` came from, for error messages.
+        split_required: ``split`` names rows that must be distinct from the training rows (an
+            evaluation split): a source without such a split (one file, one saved ``Dataset``) is an
+            error instead of all its rows.
+        cache_dir, load_kwargs: passed to ``datasets.load_dataset``.
+    """
+    try:
+        return _load_source(path, names, split, images, key, split_required, cache_dir, load_kwargs)
+    except ValueError as err:
+        if "corresponds to no data" in str(err):  # datasets' words for an empty file or split
+            raise DataSourceError(f"{key}={path!r} has no rows (split {split!r})") from err
+        raise
+
+
+def _load_source(path: str, names: Sequence[str], split: str, images: bool, key: str, split_required: bool,
+                 cache_dir: str | None, load_kwargs: dict[str, Any]) -> Dataset:
+    import datasets
+
+    kind = source_kind(path, names, images, key)
+    kwargs = dict(load_kwargs)
+    if cache_dir:
+        kwargs["cache_dir"] = cache_dir
+    p = os.path.expanduser(path)
+    no_split = (f"{key}={path!r} is a single {'file' if kind == 'file' else 'dataset'} with no {split!r} split; use "
+                f"data.eval_split=0.05 (hold out 5% of its rows) or data.eval_source=<other rows>")
+    if split_required and kind == "file":
+        raise DataSourceError(no_split)
+    if kind == "file":
+        builder = DATA_FILE_BUILDERS[Path(p).suffix.lower()]
+        return datasets.load_dataset(builder, data_files=p, split="train", **kwargs)
+    if kind == "split_files":
+        file = _split_file(Path(p), names)
+        return datasets.load_dataset(DATA_FILE_BUILDERS[file.suffix.lower()], data_files=str(file), split="train",
+                                     **kwargs)
+    if kind == "disk":
+        loaded = datasets.load_from_disk(p)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split in loaded:
+                return loaded[split]
+            if len(loaded) == 1 and not split_required:
+                only = next(iter(loaded))
+                logger.info("%s=%s has the single split %r (asked for %r): using it", key, path, only, split)
+                return loaded[only]
+            raise DataSourceError(f"{key}={path!r} has splits {sorted(loaded)}, not {split!r}; choose one of them "
+                                  f"(the split setting of this source)")
+        if split_required:
+            raise DataSourceError(no_split)
+        return loaded
+    if kind == "imagefolder":
+        return datasets.load_dataset("imagefolder", data_dir=p, split=split, **kwargs)
+    try:
+        return datasets.load_dataset(path, split=split, **kwargs)
+    except (FileNotFoundError, ConnectionError, OSError) as err:
+        offline = os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE")
+        hint = ("it is not in the local datasets cache" if offline else
+                "no network? set HF_DATASETS_OFFLINE=1 to read it from the local cache")
+        raise DataSourceError(f"{key}={path!r}: not a local file or folder, and the hub dataset could not be loaded "
+                              f"({hint}): {err}") from err
+
+
+def map_columns(ds: Dataset, columns: Mapping[str, str] | None, fields: Sequence[str], source: str,
+                key: str = "data.columns") -> Dataset:
+    """Rename the user's columns to the pipeline's field names: ``columns = {field: column}``.
+
+    A column already named like a mapped field, but not the one mapped to it, is dropped (the mapping
+    says which column holds that field).
+
+    Raises:
+        DataSourceError: an unknown field or a column the dataset does not have.
+    """
+    if not columns:
+        return ds
+    unknown = [f for f in columns if f not in fields]
+    if unknown:
+        raise DataSourceError(f"{key} maps unknown field(s) {unknown}; the fields are {list(fields)} "
+                              f"(e.g. {key}.{fields[0]}=<your column>)")
+    have = set(ds.column_names)
+    missing = {f: c for f, c in columns.items() if c not in have}
+    if missing:
+        raise DataSourceError(
+            f"{key}: column(s) {sorted(missing.values())} (for {sorted(missing)}) not in {source}; it has "
+            f"{sorted(have)}")
+    renames = {c: f for f, c in columns.items() if c != f}
+    clash = [f for c, f in renames.items() if f in have and f not in renames]
+    if clash:
+        ds = ds.remove_columns(clash)
+    return ds.rename_columns(renames) if renames else ds
+
+
+# --------------------------------------------------------------------------------------------------
+# blends and held-out splits
+# --------------------------------------------------------------------------------------------------
+
+
+def _generator(seed: int, *salt: int):
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed((int(seed) * 1_000_003 + sum((i + 1) * 7919 * s for i, s in enumerate(salt))) & ((1 << 63) - 1))
+    return g
+
+
+def _counts(weights: Sequence[float], total: int) -> list[int]:
+    """Largest-remainder rounding of ``total * w / sum(w)`` (sums to ``total`` exactly)."""
+    s = float(sum(weights))
+    raw = [total * w / s for w in weights]
+    counts = [int(math.floor(r)) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: (counts[i] - raw[i], i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def blend(datasets_: Sequence[Dataset], weights: Sequence[float], seed: int = 0, size: int | None = None) -> Dataset:
+    """A deterministic weighted mixture of datasets with the same columns.
+
+    The mixture has ``size`` rows (default: the sum of the sources' sizes); source ``i`` contributes
+    ``round(size * w_i / sum(w))`` of them: whole seeded passes over its rows and then part of one more,
+    so no row repeats before every row of that source was used. The result is shuffled with ``seed``.
+    A single source with no ``size`` is returned unchanged.
+    """
+    import datasets
+    import torch
+
+    if len(datasets_) != len(weights):
+        raise ValueError(f"{len(datasets_)} datasets but {len(weights)} weights")
+    if not datasets_:
+        raise ValueError("nothing to blend")
+    if len(datasets_) == 1 and size is None:
+        return datasets_[0]
+    for i, ds in enumerate(datasets_):
+        if len(ds) == 0:
+            raise DataSourceError(f"source {i} of the blend has no rows")
+    total = int(size) if size is not None else sum(len(d) for d in datasets_)
+    parts = []
+    first = datasets_[0]
+    for i, (ds, n) in enumerate(zip(datasets_, _counts(weights, total), strict=True)):
+        index: list[int] = []
+        passes = 0
+        while len(index) < n:
+            index.extend(torch.randperm(len(ds), generator=_generator(seed, i, passes)).tolist())
+            passes += 1
+        part = ds.select(index[:n])
+        if set(part.column_names) != set(first.column_names):
+            raise DataSourceError(f"source {i} of the blend has columns {sorted(part.column_names)}, source 0 has "
+                                  f"{sorted(first.column_names)}; map them to the same fields (columns)")
+        if part.features != first.features:
+            try:
+                part = part.cast(first.features)
+            except (ValueError, TypeError) as err:
+                raise DataSourceError(f"source {i} of the blend has column types {part.features}, source 0 "
+                                      f"{first.features}; they cannot be mixed: {err}") from err
+        parts.append(part)
+    mixed = datasets.concatenate_datasets(parts)
+    return mixed.select(torch.randperm(len(mixed), generator=_generator(seed, 10_007)).tolist())
+
+
+def heldout_split(ds: Dataset, eval_split: float | int, seed: int = 0,
+                  key: str = "data.eval_split") -> tuple[Dataset, Dataset]:
+    """``(train, heldout)``: a seeded random ``eval_split`` fraction (``0 < f < 1``) or count (``>= 1``)
+    of the rows held out; both keep the original row order.
+
+    Raises:
+        DataSourceError: a fraction outside (0, 1), or a split that leaves no training rows.
+    """
+    import torch
+
+    n_rows = len(ds)
+    if isinstance(eval_split, bool) or not isinstance(eval_split, (int, float)) or eval_split <= 0:
+        raise DataSourceError(f"{key}={eval_split!r}: use a fraction in (0, 1) (e.g. 0.05) or a row count >= 1")
+    if isinstance(eval_split, float) and eval_split < 1:
+        n = max(1, round(eval_split * n_rows))
+    elif float(eval_split).is_integer():
+        n = int(eval_split)
+    else:
+        raise DataSourceError(f"{key}={eval_split!r}: use a fraction in (0, 1) (e.g. 0.05) or a row count >= 1")
+    if n >= n_rows:
+        raise DataSourceError(f"{key}={eval_split!r} holds out {n} of {n_rows} rows and leaves none to train on; "
+                              f"use a smaller fraction or more data")
+    perm = torch.randperm(n_rows, generator=_generator(seed, 20_011)).tolist()
+    held = sorted(perm[:n])
+    held_set = set(held)
+    return ds.select([i for i in range(n_rows) if i not in held_set]), ds.select(held)
+
+
+@dataclass
+class TrainEval:
+    """Training rows, evaluation rows (or ``None``) and where the evaluation rows came from."""
+
+    train: Dataset
+    eval: Dataset | None
+    eval_origin: str
+
+
+def split_train_eval(
+    load: Callable[[DataSource, str | None], Dataset],
+    sources: Sequence[DataSource],
+    *,
+    eval_source: Sequence[DataSource] = (),
+    load_eval: Callable[[DataSource, str | None], Dataset] | None = None,
+    eval_split: float | int | str = 0.0,
+    seed: int = 0,
+    size: int | None = None,
+    source_key: str = "data.source",
+) -> TrainEval:
+    """Training and evaluation rows, never silently the same rows.
+
+    Args:
+        load: ``load(source, split_name)`` returns a source's rows; ``split_name=None`` means its training
+            rows, a string a named split (a hub/``DatasetDict`` split, or a file ``<name>.jsonl`` of a
+            folder of split files), which must raise rather than return the training rows when the
+            source has no such split (:func:`load_source` with ``split_required=True``).
+        sources: the training sources (blended with their weights when there are several).
+        eval_source: explicit evaluation sources (concatenated); wins over ``eval_split``.
+        load_eval: the loader for ``eval_source`` (default ``load``), e.g. one with other formats.
+        eval_split: a fraction (``0.05``) or row count held out of *each* training source before the
+            blend (so an oversampled source never leaks its held-out rows into training); or the name of
+            a split every source has (``"test"``, or ``"eval"`` for a folder with ``eval.jsonl``);
+            ``0``/``""`` = no evaluation rows (logged as a warning).
+        seed: for held-out selection and the blend.
+        size: rows of the blended training set (default: the sum of the sources' rows).
+    """
+    import datasets
+
+    if not sources:
+        raise DataSourceError(f"{source_key} is empty: give a data file, folder or hub dataset name")
+    train_parts = [load(s, None) for s in sources]
+    eval_ds: Dataset | None = None
+    if eval_source:
+        train_ids = {(os.path.abspath(s.path), s.split) for s in sources}
+        for e in eval_source:
+            if (os.path.abspath(e.path), e.split) in train_ids:
+                raise DataSourceError(
+                    f"data.eval_source={e.path!r} is also a training source: that evaluates on training rows; "
+                    f"use a separate file, another split of it (split: test), or data.eval_split=0.05")
+        parts = [(load_eval or load)(e, None) for e in eval_source]
+        eval_ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        origin = "data.eval_source=" + ",".join(e.path for e in eval_source)
+    elif isinstance(eval_split, str) and eval_split:
+        parts = [load(s, eval_split) for s in sources]
+        eval_ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        origin = f"split {eval_split!r} of " + ",".join(s.path for s in sources)
+    elif not isinstance(eval_split, str) and eval_split:
+        held = []
+        for i, part in enumerate(train_parts):
+            train_parts[i], h = heldout_split(part, eval_split, seed + i)
+            held.append(h)
+        eval_ds = held[0] if len(held) == 1 else datasets.concatenate_datasets(held)
+        origin = f"held out {eval_split} of the training rows (seed {seed})"
+    else:
+        origin = "none"
+        logger.warning("no evaluation rows: set data.eval_split (e.g. 0.05) or data.eval_source to evaluate on rows "
+                       "that are not trained on")
+    train = blend(train_parts, [s.weight for s in sources], seed=seed, size=size)
+    if eval_ds is not None and len(eval_ds) == 0:
+        raise DataSourceError(f"the evaluation rows ({origin}) are empty")
+    return TrainEval(train, eval_ds, origin)

@@ -1,0 +1,44 @@
+"""A Hugging Face sequence-classification reward model (TRL's format) as reward and critic at ZeRO-3 on 2 ranks,
+and its gathered export loading with AutoModelForSequenceClassification in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import launch
+
+pytestmark = pytest.mark.distributed
+
+
+def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
+    ranks = launch("seqcls_roles", tmp_path / "run", timeout=600)
+    for r in ranks:
+        for name in ("reward", "critic"):
+            role = r[name]
+            # body and score head partitioned over the 2 ranks, loaded by transformers under ZeRO-3
+            assert role["head_partitioned"] and role["head_numel"] == 64 and role["head_local"] == 32
+            assert role["body_local"] < 0.6 * role["body_total"]
+            # the Hugging Face class's scores (last non-pad token, right padding)
+            assert role["max_score_diff"] < 1e-4, (name, role)
+        # the critic trains at ZeRO-3 exactly as the same model does on one process without DeepSpeed
+        assert r["critic_losses"] == pytest.approx(r["plain_losses"], rel=1e-4)
+        assert r["critic_losses"][-1] < r["critic_losses"][0]
+    assert ranks[0]["critic_losses"] == pytest.approx(ranks[1]["critic_losses"])
+    code = (
+        "import json, torch\n"
+        "from transformers import AutoModelForSequenceClassification\n"
+        f"r = json.load(open({str(tmp_path / 'run' / 'rank0.json')!r}))\n"
+        "m, info = AutoModelForSequenceClassification.from_pretrained(r['export'], output_loading_info=True)\n"
+        "with torch.no_grad():\n"
+        "    s = m.eval()(input_ids=torch.tensor(r['ids']), attention_mask=torch.tensor(r['mask'])).logits\n"
+        "print(json.dumps({'scores': s.squeeze(-1).tolist(), 'missing': sorted(info['missing_keys']),"
+        " 'unexpected': sorted(info['unexpected_keys'])}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["missing"] == [] and got["unexpected"] == []
+    assert got["scores"] == pytest.approx(ranks[0]["expected"], abs=1e-5)
