@@ -54,10 +54,31 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def export_local_size() -> None:
+    """Set ``LOCAL_SIZE`` (processes on this node) when the launcher did not.
+
+    DeepSpeed's CPU accelerator takes its device count from ``LOCAL_SIZE``, which only DeepSpeed's
+    own launcher exports; without it every ``device_count()`` runs ``numactl --hardware`` in a
+    subprocess, and ZeRO-3 asks once per gradient bucket it reduces (dozens of launches per step).
+    torchrun and accelerate export the same number as ``LOCAL_WORLD_SIZE``, mpirun as
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``; a plain single process is 1. Other accelerators ignore it.
+    """
+    env = os.environ
+    if "LOCAL_SIZE" in env:
+        return
+    local = env.get("LOCAL_WORLD_SIZE") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if local is None and int(env.get("WORLD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", 1))) == 1:
+        local = "1"
+    if local is not None:
+        env["LOCAL_SIZE"] = str(local)
+
+
 def init_distributed(use_deepspeed: bool, backend: str | None = None) -> DistEnv:
     """Initialise the default process group once (also for a single process, so ZeRO works the same)."""
     # DeepSpeed calls torch collectives that torch 2.13 marks deprecated, once per bucket: noise for users.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.? is deprecated", category=FutureWarning)
+    if use_deepspeed:
+        export_local_size()
     env = read_env()
     if dist.is_available() and dist.is_initialized():
         return DistEnv(rank=dist.get_rank(), local_rank=env.local_rank, world_size=dist.get_world_size())
