@@ -79,6 +79,10 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool, tra
                 "stage3_max_live_parameters": 3e7,
                 "stage3_max_reuse_distance": 1e7,
                 "stage3_gather_16bit_weights_on_model_save": True,
+                # true (DeepSpeed's default) replaces F.linear for the whole process once any ZeRO-3
+                # model is built, so every linear call of every role pays for ZeRO-3's wrapper, even
+                # on weights that are already whole (gather-once generation, stage-0 roles).
+                "memory_efficient_linear": False,
             }
         )
     if trainable and stage >= 1:
@@ -217,12 +221,41 @@ def model_hidden_size(model: torch.nn.Module) -> int | None:
     return widest or None
 
 
-# DeepSpeed's own defaults, used when a model gives us no width to size from.
-_DEFAULT_BUCKETS = {
+def model_param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, trainable parameters) of a model, whole sizes also for ZeRO-3 partitions."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = int(getattr(p, "ds_numel", p.numel()))
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+# DeepSpeed's own defaults (sized for models of a billion parameters and more).
+DS_DEFAULT_BUCKETS = {
     "reduce_bucket_size": int(5e8),
     "stage3_prefetch_bucket_size": int(5e7),
     "stage3_param_persistence_threshold": int(1e5),
 }
+PERSISTENCE_FLOOR = int(1e4)
+
+
+def auto_bucket_sizes(hidden_size: int | None, num_params: int | None = None,
+                      trainable_params: int | None = None) -> dict[str, int]:
+    """The numbers "auto" ZeRO bucket sizes resolve to for one role (the rule: :func:`resolve_bucket_sizes`)."""
+    h = int(hidden_size or 0)
+    reduce = max(DS_DEFAULT_BUCKETS["reduce_bucket_size"], h * h)
+    prefetch = max(DS_DEFAULT_BUCKETS["stage3_prefetch_bucket_size"], int(0.9 * h * h))
+    reduce_cap = trainable_params or num_params
+    if reduce_cap:
+        reduce = min(reduce, int(reduce_cap))
+    if num_params:
+        prefetch = min(prefetch, int(num_params))
+    persistence = DS_DEFAULT_BUCKETS["stage3_param_persistence_threshold"]
+    if h:
+        persistence = min(max(10 * h, PERSISTENCE_FLOOR), persistence)
+    return {"reduce_bucket_size": reduce, "stage3_prefetch_bucket_size": prefetch,
+            "stage3_param_persistence_threshold": persistence}
 
 
 def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) -> None:
@@ -270,19 +303,21 @@ def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) ->
     config["gradient_accumulation_steps"] = gas
 
 
-def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None) -> None:
-    """Fill "auto" ZeRO bucket sizes in place from the role's own width (as transformers does:
-    reduce = h*h, prefetch = 0.9*h*h, persistence threshold = 10*h), else DeepSpeed's defaults."""
+def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None, num_params: int | None = None,
+                         trainable_params: int | None = None) -> None:
+    """Fill "auto" ZeRO bucket sizes in place for one role, from its width ``h`` and its size.
+
+    - ``reduce_bucket_size`` = DeepSpeed's 5e8 (``h^2`` if wider), capped at the role's trainable
+      parameter count;
+    - ``stage3_prefetch_bucket_size`` = DeepSpeed's 5e7 (``0.9 h^2`` if wider), capped at the role's
+      parameter count;
+    - ``stage3_param_persistence_threshold`` = ``10 h`` (transformers' rule), at least 1e4 and at most
+      DeepSpeed's 1e5.
+
+    Without a width or sizes the missing bounds are dropped (no width and no sizes: DeepSpeed's defaults).
+    """
     zero = config.get("zero_optimization", {})
-    if hidden_size:
-        derived = {
-            "reduce_bucket_size": hidden_size * hidden_size,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size,
-        }
-    else:
-        derived = dict(_DEFAULT_BUCKETS)
-    for key, value in derived.items():
+    for key, value in auto_bucket_sizes(hidden_size, num_params, trainable_params).items():
         if zero.get(key) == AUTO:
             zero[key] = value
     for key, value in zero.items():
