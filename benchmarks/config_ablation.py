@@ -3,11 +3,12 @@
 DeepSpeed (`raw`), all built in one process per ZeRO stage and run interleaved (round after round over
 every variant, same prompts), so every variant sees the same load.
 
-Variants (benchmarks/variants.py): +mel_off (memory_efficient_linear false), +persist_floor (today's
-persistence threshold), +bucket_floor (today's reduce/prefetch buckets), +rule (both), +rule_persist_ds
-(today's buckets, DeepSpeed's 1e5 persistence), +overlap (overlap_comm true), +local_size (LOCAL_SIZE
-exported: no numactl launch per ZeRO-3 gradient bucket), +ds_adam (DeepSpeed's CPU Adam),
-default+overlap / default-overlap (today's defaults with overlap_comm flipped on / off).
+Variants (benchmarks/variants.py): +mel_off (memory_efficient_linear false), +buckets (today's "auto"
+reduce/prefetch buckets), +persist1e4 (persistence threshold raised to >= 1e4), +overlap (overlap_comm
+true), +local_size (LOCAL_SIZE exported: no numactl launch per ZeRO-3 gradient bucket), +ds_adam
+(DeepSpeed's CPU Adam); default@persist1e4 / default@persist_ds (today's defaults with a 1e4 floor on
+the persistence threshold / DeepSpeed's 1e5), default+overlap / default-overlap (overlap_comm flipped
+on / off), default+adamw (torch AdamW).
 
     python -m benchmarks.config_ablation                   # ZeRO-3 and ZeRO-2, both shapes (~5 min here)
     python -m benchmarks.config_ablation --stages 3 --shapes small --rounds 5
@@ -22,10 +23,11 @@ import tempfile
 from typing import Any
 
 STAGE_VARIANTS = {
-    3: ["legacy", "+mel_off", "+persist_floor", "+bucket_floor", "+rule", "+rule_persist_ds", "+overlap",
-        "+local_size", "+ds_adam", "default", "default+overlap", "default-overlap"],
-    # memory_efficient_linear and LOCAL_SIZE only act where a ZeRO-3 model exists
-    2: ["legacy", "+rule", "+overlap", "+ds_adam", "default", "default+overlap", "default-overlap"],
+    3: ["legacy", "+mel_off", "+buckets", "+persist1e4", "+overlap", "+local_size", "+ds_adam", "default",
+        "default@persist1e4", "default@persist_ds", "default+overlap", "default-overlap", "default+adamw"],
+    # memory_efficient_linear, LOCAL_SIZE and the persistence threshold only act where a ZeRO-3 model exists
+    2: ["legacy", "+buckets", "+overlap", "+ds_adam", "default", "default+overlap", "default-overlap",
+        "default+adamw"],
 }
 
 

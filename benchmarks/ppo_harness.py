@@ -9,6 +9,7 @@ epoch of 1 mini-batch, and the same PPO math (pipelines.rlhf.ppo).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -160,10 +161,9 @@ class Raw:
     def __init__(self, stage: int, model_dir: str, dtype: str = "bf16") -> None:
         import deepspeed
         from multiengine.engines.optim import build_optimizer
+        from multiengine.pipelines.rlhf.models import ScalarHeadModel
         from transformers import AutoModelForCausalLM
         from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
-
-        from multiengine.pipelines.rlhf.models import ScalarHeadModel
 
         self.name, self.stage = f"raw_zero{stage}", stage
         self.batch = MICRO_BATCH
@@ -208,6 +208,11 @@ class Raw:
     def _values(self, engine: Any, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return engine(input_ids=seq, attention_mask=mask, position_ids=self._positions(mask))
 
+    marker = None  # profile_step sets a phase marker (name -> context manager) here
+
+    def _phase(self, name: str) -> Any:
+        return self.marker(name) if self.marker else contextlib.nullcontext()
+
     def step(self, batch: dict[str, torch.Tensor], step: int, shape: str) -> dict[str, float]:
         from multiengine.pipelines.rlhf import ppo
 
@@ -218,16 +223,16 @@ class Raw:
             t0 = time.perf_counter()
             ids, mask = batch["input_ids"], batch["attention_mask"]
             C = ids.shape[1]
-            # 1. generation: the ZeRO-3 hooks fetch every layer for every token
-            self.actor.module.eval()
-            with torch.no_grad():
+            # 1. generation: the ZeRO-3 hooks fetch every non-persistent layer for every token
+            with self._phase("generation"), torch.no_grad():
+                self.actor.module.eval()
                 out = self.actor.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=SHAPES[shape][2],
                                                  do_sample=False, eos_token_id=EOS, pad_token_id=PAD, use_cache=True,
                                                  synced_gpus=self.stage == 3 and dist.get_world_size() > 1)
-            response = ppo.truncate_after_eos(out[:, C:], EOS, PAD)
+                response = ppo.truncate_after_eos(out[:, C:], EOS, PAD)
             t1 = time.perf_counter()
             # 2. experience: one forward per model, rewards, GAE, whitening over all ranks
-            with torch.no_grad():
+            with self._phase("experience"), torch.no_grad():
                 seq = torch.cat([ids, response], dim=1)
                 action = ppo.action_mask(response, EOS, PAD)
                 attn = torch.cat([mask, action.to(mask.dtype)], dim=1)
@@ -241,20 +246,20 @@ class Raw:
                 advantages, returns = ppo.gae(rewards, values, action, 1.0, 0.95)
                 advantages = ppo.masked_whiten(advantages, action)
             t2 = time.perf_counter()
-            # 3. train: one mini-batch, actor then critic
-            self.actor.module.train()
-            self.critic.module.train()
-            count = ppo.global_token_count(action.float()) / dist.get_world_size()
-            logp = ppo.response_logprobs(self._logits(self.actor, seq, attn), seq, C)
-            pg_loss, _ = ppo.policy_loss(logp, logprobs, advantages, action, 0.2, None, count)
-            self.actor.backward(pg_loss)
-            self.actor.step()
-            count = ppo.global_token_count(action.float()) / dist.get_world_size()
-            new_values = ppo.response_values(self._values(self.critic, seq, attn), C)
-            v_loss, _ = ppo.value_loss(new_values, values, returns, action, 0.2, count)
-            self.critic.backward(v_loss)
-            self.critic.step()
-            # 4. metrics: one all-reduce for the step
+            # 3. train: one mini-batch, actor then critic; 4. metrics: one all-reduce for the step
+            with self._phase("train"):
+                self.actor.module.train()
+                self.critic.module.train()
+                count = ppo.global_token_count(action.float()) / dist.get_world_size()
+                logp = ppo.response_logprobs(self._logits(self.actor, seq, attn), seq, C)
+                pg_loss, _ = ppo.policy_loss(logp, logprobs, advantages, action, 0.2, None, count)
+                self.actor.backward(pg_loss)
+                self.actor.step()
+                count = ppo.global_token_count(action.float()) / dist.get_world_size()
+                new_values = ppo.response_values(self._values(self.critic, seq, attn), C)
+                v_loss, _ = ppo.value_loss(new_values, values, returns, action, 0.2, count)
+                self.critic.backward(v_loss)
+                self.critic.step()
             stats = torch.stack([score.mean(), pg_loss.detach().float(), v_loss.detach().float()]).double()
             dist.all_reduce(stats)
             t3 = time.perf_counter()
@@ -280,7 +285,7 @@ def interleaved(variants: dict[str, Any], shape: str, warmup: int, rounds: int, 
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     batches = [prompts(shape, g) for _ in range(warmup + rounds * steps_per_round)]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
-    for name, v in variants.items():
+    for v in variants.values():
         for i in range(warmup):
             v.step(batches[i], i, shape)
     i = warmup

@@ -18,6 +18,7 @@ import argparse
 import collections
 import contextlib
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -115,6 +116,7 @@ def analyse(prof: Any, top: int) -> dict[str, Any]:
     collectives: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     self_us: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     calls: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for e in events:
         if e.name.startswith("phase::"):
             continue
@@ -122,10 +124,12 @@ def analyse(prof: Any, top: int) -> dict[str, Any]:
         kind = collective_kind(e.name)
         if kind:
             collectives[p][kind] += 1
+            ops[p][e.name] += 1
         self_us[p][e.name] += e.self_cpu_time_total
         calls[p][e.name] += 1
     top_ops = {p: [(name, us / 1000.0, calls[p][name]) for name, us in c.most_common(top)] for p, c in self_us.items()}
-    return {"collectives": {p: dict(c) for p, c in collectives.items()}, "top_ops": top_ops}
+    return {"collectives": {p: dict(c) for p, c in collectives.items()}, "top_ops": top_ops,
+            "collective_ops": {p: dict(c) for p, c in ops.items()}}
 
 
 def profile_one(step: Callable[[], Any], recorder: PhaseRecorder, top: int, with_cprofile: bool) -> dict[str, Any]:
@@ -171,10 +175,21 @@ def rlhf_worker(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.variants import VARIANTS, running
 
     results = {}
-    built = {name: H.Ours(args.config, args.model_dir, VARIANTS[name]) for name in args.variants}
+    stage = H.OURS[args.config]["stage"]
+    built = {name: H.Raw(stage, args.model_dir) if name == "raw"
+             else H.Ours(args.config, args.model_dir, VARIANTS[name]) for name in args.variants}
     g = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
     for name, ours in built.items():
         recorder = PhaseRecorder()
+        if name == "raw":
+            for i in range(args.warmup):
+                ours.step(H.prompts(args.shape, g), i, args.shape)
+            ours.marker = recorder.mark
+            batch = H.prompts(args.shape, g)
+            results[name] = profile_one(functools.partial(ours.step, batch, args.warmup, args.shape), recorder,
+                                        args.top, args.cprofile)
+            results[name]["buckets"] = "DeepSpeed defaults"
+            continue
         trainer = ours.trainer(args.shape)
         for i in range(args.warmup):
             ours.step(H.prompts(args.shape, g), i, args.shape)
@@ -186,8 +201,8 @@ def rlhf_worker(args: argparse.Namespace) -> dict[str, Any]:
         try:
             batch = H.prompts(args.shape, g)
             with running(ours.variant, any_zero3=ours.stage == 3):
-                results[name] = profile_one(lambda: trainer.step(batch, args.warmup), recorder, args.top,
-                                            args.cprofile)
+                results[name] = profile_one(functools.partial(trainer.step, batch, args.warmup), recorder,
+                                            args.top, args.cprofile)
         finally:
             trainer_module.generate = original["generate"]
             del trainer.make_experience, trainer.train_on  # back to the class's methods
@@ -195,12 +210,23 @@ def rlhf_worker(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _sd_step(objective: Any, unet: Any, batch: dict[str, Any], recorder: PhaseRecorder, rank: int, i: int) -> None:
+    """One SD fine-tuning step (the recipe's steps 2-5): vae, text encoder, unet forward, backward, step."""
+    from multiengine.pipelines.diffusion.training import step_generator
+
+    out = objective.loss(batch, step_generator(0, i, 0, rank))
+    with recorder.mark("backward"):
+        unet.backward(out.loss)
+    with recorder.mark("optimizer_step"):
+        unet.step()
+
+
 def sd_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from diffusers import DDPMScheduler
     from multiengine.engines import EngineRegistry
     from multiengine.pipelines.diffusion.models import Placement, diffusion_role_specs
-    from multiengine.pipelines.diffusion.training import DiffusionObjective, step_generator
+    from multiengine.pipelines.diffusion.training import DiffusionObjective
 
     from benchmarks.variants import VARIANTS, building, configure, optimizer_factory, running
 
@@ -228,22 +254,14 @@ def sd_worker(args: argparse.Namespace) -> dict[str, Any]:
              "input_ids": torch.randint(0, te_config.vocab_size, (8, te_config.max_position_embeddings), generator=g)}
     for name, (variant, registry, objective) in setups.items():
         recorder = PhaseRecorder()
-        unet = registry["unet"]
-
-        def step(i: int) -> None:
-            out = objective.loss(batch, step_generator(0, i, 0, registry.rank))
-            with recorder.mark("backward"):
-                unet.backward(out.loss)
-            with recorder.mark("optimizer_step"):
-                unet.step()
-
+        step = functools.partial(_sd_step, objective, registry["unet"], batch, recorder, registry.rank)
         objective.latents = recorder.wrap(objective.latents, "vae")
         objective.encode_prompts = recorder.wrap(objective.encode_prompts, "text_encoder")
         objective.unet_forward = recorder.wrap(objective.unet_forward, "unet_forward")
         with running(variant, any_zero3=True):
             for i in range(args.warmup):
                 step(i)
-            results[name] = profile_one(lambda: step(args.warmup), recorder, args.top, args.cprofile)
+            results[name] = profile_one(functools.partial(step, args.warmup), recorder, args.top, args.cprofile)
         results[name]["buckets"] = {r.name: {k: v for k, v in r.config["zero_optimization"].items()
                                              if "bucket" in k or "threshold" in k or k in ("overlap_comm",
                                                                                            "memory_efficient_linear")}
@@ -284,6 +302,8 @@ def report(workload: str, results: dict[str, Any], top: int) -> str:
         lines.append(f"\n### {workload} / {v}: top {top} ops by self CPU time per phase")
         for phase, ops in sorted(r["top_ops"].items()):
             lines.append(f"{phase}: " + "; ".join(f"{name} {ms:.1f} ms x{n}" for name, ms, n in ops))
+        lines.append("c10d ops: " + "; ".join(f"{phase}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
+                                              for phase, c in sorted(r["collective_ops"].items())))
         for phase, what in r["subprocess_launches"].items():
             for cmd, n in what.items():
                 lines.append(f"subprocess in {phase}: {n} x {cmd}")
@@ -296,7 +316,8 @@ def report(workload: str, results: dict[str, Any], top: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="rlhf,sd")
-    parser.add_argument("--variants", default="legacy,default")
+    parser.add_argument("--variants", default="legacy,default,raw",
+                        help="benchmarks/variants.py names; `raw` = the raw-DeepSpeed step (RLHF only)")
     parser.add_argument("--config", default="zero3_gather", help="RLHF placement (benchmarks.ppo_harness.OURS)")
     parser.add_argument("--shape", default="small", help="RLHF shape: small or large")
     parser.add_argument("--sd-layout", default="zero3_gather", choices=("zero3", "zero3_gather"))
@@ -307,6 +328,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.variants = args.variants.split(",")
+    if args.worker == "sd":
+        args.variants = [v for v in args.variants if v != "raw"]
     from benchmarks.common import emit, run_ranks, write_results
 
     if args.worker:

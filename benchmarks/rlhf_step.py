@@ -134,7 +134,8 @@ def main() -> None:
     print(f"\nmedians of {args.rounds} interleaved rounds after {args.warmup} warm-up step(s); 2 CPU ranks; load "
           f"average (1 min) {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
     path = write_results("rlhf_step", {"world_size": 2, "runs": results, "medians": med, "ratios": ratios,
-                                       "shapes": SHAPES, "load_average_start": load_start, "load_average_end": load_end},
+                                       "shapes": SHAPES, "load_average_start": load_start,
+                                       "load_average_end": load_end},
                          command="python -m benchmarks.rlhf_step " + " ".join(sys.argv[1:]))
     print(f"wrote {path}")
 

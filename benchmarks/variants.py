@@ -49,30 +49,34 @@ def current_rule(h: int | None, total: int | None, trainable: int | None) -> dic
     return auto_bucket_sizes(h, total, trainable)
 
 
-def persist_floor_rule(h: int | None, total: int | None, trainable: int | None) -> dict[str, int]:
-    """legacy reduce/prefetch buckets, today's persistence threshold."""
-    out = legacy_rule(h, total, trainable)
-    out["stage3_param_persistence_threshold"] = current_rule(h, total, trainable)["stage3_param_persistence_threshold"]
-    return out
+Rule = Callable[[int | None, int | None, int | None], dict[str, int]]
 
 
-def bucket_floor_rule(h: int | None, total: int | None, trainable: int | None) -> dict[str, int]:
-    """legacy persistence threshold, today's reduce/prefetch buckets."""
-    out = current_rule(h, total, trainable)
-    out["stage3_param_persistence_threshold"] = legacy_rule(h, total, trainable)["stage3_param_persistence_threshold"]
-    return out
+def _persistence(rule: Rule, threshold: Callable[[int | None], int]) -> Rule:
+    def sized(h: int | None, total: int | None, trainable: int | None) -> dict[str, int]:
+        out = rule(h, total, trainable)
+        out["stage3_param_persistence_threshold"] = threshold(h)
+        return out
+
+    return sized
 
 
-def persist_ds_rule(h: int | None, total: int | None, trainable: int | None) -> dict[str, int]:
-    """today's buckets with DeepSpeed's persistence threshold (1e5: nothing of a tiny model is sharded)."""
-    out = current_rule(h, total, trainable)
-    out["stage3_param_persistence_threshold"] = DS_DEFAULT_BUCKETS["stage3_param_persistence_threshold"]
-    return out
+def _floor_1e4(h: int | None) -> int:
+    return max(10 * (h or 0), int(1e4))
 
 
-RULES: dict[str, Callable[[int | None, int | None, int | None], dict[str, int]]] = {
-    "legacy": legacy_rule, "ds_default": ds_default_rule, "persist_floor": persist_floor_rule,
-    "bucket_floor": bucket_floor_rule, "persist_ds": persist_ds_rule, "current": current_rule,
+def _ds_persistence(h: int | None) -> int:
+    return DS_DEFAULT_BUCKETS["stage3_param_persistence_threshold"]
+
+
+RULES: dict[str, Rule] = {
+    "legacy": legacy_rule,
+    "ds_default": ds_default_rule,
+    "current": current_rule,
+    # the persistence threshold alone, on the old buckets or on today's: a 1e4 floor, or DeepSpeed's 1e5
+    "legacy@persist1e4": _persistence(legacy_rule, _floor_1e4),
+    "current@persist1e4": _persistence(current_rule, _floor_1e4),
+    "current@persist_ds": _persistence(current_rule, _ds_persistence),
 }
 
 
@@ -91,15 +95,14 @@ LEGACY = Variant("legacy", rule="legacy", memory_efficient_linear=True, overlap_
 VARIANTS: dict[str, Variant] = {
     "legacy": LEGACY,
     "+mel_off": replace(LEGACY, name="+mel_off", memory_efficient_linear=False),
-    "+persist_floor": replace(LEGACY, name="+persist_floor", rule="persist_floor"),
-    "+bucket_floor": replace(LEGACY, name="+bucket_floor", rule="bucket_floor"),
-    "+rule": replace(LEGACY, name="+rule", rule="current"),
-    "+rule_persist_ds": replace(LEGACY, name="+rule_persist_ds", rule="persist_ds"),
+    "+buckets": replace(LEGACY, name="+buckets", rule="current"),
+    "+persist1e4": replace(LEGACY, name="+persist1e4", rule="legacy@persist1e4"),
     "+overlap": replace(LEGACY, name="+overlap", overlap_comm=True),
     "+local_size": replace(LEGACY, name="+local_size", local_size=True),
     "+ds_adam": replace(LEGACY, name="+ds_adam", optimizer="ds_adam"),
     "default": Variant("default"),
-    "default@persist10h": Variant("default@persist10h", rule="bucket_floor"),
+    "default@persist1e4": Variant("default@persist1e4", rule="current@persist1e4"),
+    "default@persist_ds": Variant("default@persist_ds", rule="current@persist_ds"),
     "default+overlap": Variant("default+overlap", overlap_comm=True),
     "default-overlap": Variant("default-overlap", overlap_comm=False),
     "default+adamw": Variant("default+adamw", optimizer="adamw"),

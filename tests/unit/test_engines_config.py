@@ -91,7 +91,7 @@ def test_bucket_sizes_are_deepspeed_defaults_capped_at_the_role_size():
     zero = cfg["zero_optimization"]
     assert zero["reduce_bucket_size"] == 165_760
     assert zero["stage3_prefetch_bucket_size"] == 165_760
-    assert zero["stage3_param_persistence_threshold"] == 10_000  # 10 h = 640 raised to the floor
+    assert zero["stage3_param_persistence_threshold"] == 640  # 10 h: the 64 x 64 weights stay sharded
     # a 7B model: DeepSpeed's defaults, persistence 10 h as transformers has it
     assert auto_bucket_sizes(4096, 7_000_000_000, 7_000_000_000) == {
         "reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
@@ -100,9 +100,8 @@ def test_bucket_sizes_are_deepspeed_defaults_capped_at_the_role_size():
     assert auto_bucket_sizes(4096, 7_000_000_000, 4_000_000)["reduce_bucket_size"] == 4_000_000
     # a model smaller than h^2 (widest layer 256, 33k parameters): never a bucket larger than the role
     assert auto_bucket_sizes(256, 33_088, 33_088)["reduce_bucket_size"] == 33_088
-    # very wide: persistence capped at DeepSpeed's 1e5, buckets h^2 / 0.9 h^2 when above the defaults
+    # very wide: buckets h^2 / 0.9 h^2 when above DeepSpeed's defaults
     wide = auto_bucket_sizes(30_000, 10**11, 10**11)
-    assert wide["stage3_param_persistence_threshold"] == 100_000
     assert wide["reduce_bucket_size"] == 30_000**2 and wide["stage3_prefetch_bucket_size"] == int(0.9 * 30_000**2)
     # frozen role: no reduce key, the prefetch cap follows all parameters
     cfg = eval_ds_config(stage=3)
@@ -116,11 +115,23 @@ def test_bucket_sizes_are_deepspeed_defaults_capped_at_the_role_size():
     assert find_auto(cfg) == ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
 
 
+def test_overlap_comm_is_on_only_where_the_accelerator_has_streams():
+    cfg = train_ds_config(stage=3)
+    assert cfg["zero_optimization"]["overlap_comm"] == "auto"
+    gpu, cpu = train_ds_config(stage=2), train_ds_config(stage=2)
+    resolve_bucket_sizes(gpu, 64, num_params=100, trainable_params=100, device_name="cuda")
+    resolve_bucket_sizes(cpu, 64, num_params=100, trainable_params=100, device_name="cpu")
+    assert gpu["zero_optimization"]["overlap_comm"] is True and cpu["zero_optimization"]["overlap_comm"] is False
+    resolve_bucket_sizes(cfg, 64)  # detected: DeepSpeed's CPU accelerator on this machine
+    assert cfg["zero_optimization"]["overlap_comm"] is False
+    assert "overlap_comm" not in eval_ds_config(stage=3)["zero_optimization"]  # frozen roles reduce nothing
+
+
 def test_explicit_bucket_sizes_are_kept():
     cfg = train_ds_config(stage=3)
-    cfg["zero_optimization"]["reduce_bucket_size"] = 1234
-    resolve_bucket_sizes(cfg, 64, num_params=165_760, trainable_params=165_760)
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1234
+    cfg["zero_optimization"].update(reduce_bucket_size=1234, overlap_comm=True)
+    resolve_bucket_sizes(cfg, 64, num_params=165_760, trainable_params=165_760, device_name="cpu")
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1234 and cfg["zero_optimization"]["overlap_comm"] is True
 
 
 def test_memory_efficient_linear_is_off_for_every_zero3_role():

@@ -25,7 +25,7 @@ def test_zero3_roles_leave_f_linear_alone_size_buckets_from_the_role_and_launch_
     n = 64 * 256 + 256 + 256 * 64 + 64
     zero = registry.role("actor").config["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (n, n)  # capped at the role
-    assert zero["stage3_param_persistence_threshold"] == 10_000  # 10 x 256 raised to the floor
+    assert zero["stage3_param_persistence_threshold"] == 2560  # 10 x the widest layer
     assert registry.role("ref").config["zero_optimization"]["stage3_prefetch_bucket_size"] == n
 
     launched = []
