@@ -24,10 +24,9 @@ from typing import Any
 
 STAGE_VARIANTS = {
     3: ["legacy", "+mel_off", "+buckets", "+persist1e4", "+overlap", "+local_size", "+ds_adam", "default",
-        "default@persist1e4", "default@persist_ds", "default+overlap", "default-overlap", "default+adamw"],
+        "default@persist1e4", "default+overlap", "default+adamw"],
     # memory_efficient_linear, LOCAL_SIZE and the persistence threshold only act where a ZeRO-3 model exists
-    2: ["legacy", "+buckets", "+overlap", "+ds_adam", "default", "default+overlap", "default-overlap",
-        "default+adamw"],
+    2: ["legacy", "+buckets", "+overlap", "+ds_adam", "default", "default+overlap", "default+adamw"],
 }
 
 
@@ -45,7 +44,8 @@ def worker(stage: int, shapes: list[str], variants: list[str], rounds: int, warm
            "shapes": {}}
     for shape in shapes:
         timings = H.interleaved(built, shape, warmup=warmup, rounds=rounds)
-        out["shapes"][shape] = {"medians": timings.medians(), "runs": timings.runs}
+        out["shapes"][shape] = {"medians": timings.medians(), "runs": timings.runs,
+                                "vs_legacy": timings.paired_ratios("legacy"), "vs_raw": timings.paired_ratios("raw")}
     if dist.get_rank() == 0:
         emit(out)
 
@@ -82,15 +82,14 @@ def main() -> None:
     rows = []
     for r in results:
         for shape, s in r["shapes"].items():
-            med = s["medians"]
-            base, raw = med["legacy"], med["raw"]
-            for name, m in med.items():
+            for name, m in s["medians"].items():
                 rows.append([f"zero{r['stage']}", shape, name, *(1000 * m[p] for p in PHASES),
-                             *(m[p] / base[p] for p in PHASES), m["total"] / raw["total"]])
+                             *(s["vs_legacy"][name][p] for p in PHASES), s["vs_raw"][name]["total"]])
     print(table(["stage", "shape", "variant", "gen ms", "exp ms", "train ms", "total ms", "gen /legacy",
                  "exp /legacy", "train /legacy", "total /legacy", "total /raw"], rows))
-    print(f"\nmedians of {args.rounds} interleaved rounds after {args.warmup} warm-up step(s) per variant; 2 CPU "
-          f"ranks; load average (1 min) {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
+    print(f"\nms: medians of {args.rounds} interleaved rounds after {args.warmup} warm-up step(s) per variant; ratios:"
+          f" median over rounds of the ratio within a round; 2 CPU ranks; load average (1 min) {load_start[0]:.2f} at"
+          f" start, {load_end[0]:.2f} at end")
     path = write_results("config_ablation", {"world_size": 2, "results": results, "load_average_start": load_start,
                                              "load_average_end": load_end},
                          command="python -m benchmarks.config_ablation " + " ".join(sys.argv[1:]))

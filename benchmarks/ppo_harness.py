@@ -278,6 +278,15 @@ class Timings:
 
         return {name: {p: statistics.median(r[p] for r in rows) for p in PHASES} for name, rows in self.runs.items()}
 
+    def paired_ratios(self, baseline: str) -> dict[str, dict[str, float]]:
+        """Per variant and phase: the median over rounds of (variant / baseline) within each round, which
+        cancels load that drifts between rounds."""
+        import statistics
+
+        base = self.runs[baseline]
+        return {name: {p: statistics.median(r[p] / b[p] for r, b in zip(rows, base)) for p in PHASES}
+                for name, rows in self.runs.items()}
+
 
 def interleaved(variants: dict[str, Any], shape: str, warmup: int, rounds: int, steps_per_round: int = 1) -> Timings:
     """Warm every variant up, then ``rounds`` passes over all variants (``steps_per_round`` steps each),

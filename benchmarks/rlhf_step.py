@@ -16,8 +16,9 @@ Raw DeepSpeed (benchmarks/ppo_harness.py `Raw`: deepspeed.initialize per model, 
 settings, DeepSpeed's CPU Adam, generate() on the module with synced_gpus under ZeRO-3, no registry):
   raw_zero2, raw_zero3
 
-One process per ZeRO stage holds all of that stage's variants; every variant runs one step per round,
-round after round, on the same prompts, so machine load hits all alike.
+One process holds every variant (each its own engines; F.linear as each would have it alone, see
+benchmarks/variants.py); every variant runs one step per round, round after round, on the same prompts,
+and ratios are medians of the ratios within a round, so machine load hits all variants alike.
 
     python -m benchmarks.rlhf_step            # 2 CPU ranks, both shapes, ~3 min here
 """
@@ -30,28 +31,30 @@ import sys
 import tempfile
 from typing import Any
 
-GROUPS = {2: ["zero2"], 3: ["zero3_gather", "zero3_per_token", "zero3_offload", "zero3_frozen_gather"]}
+CONFIGS = ["zero2", "zero3_gather", "zero3_per_token", "zero3_offload", "zero3_frozen_gather", "raw_zero2", "raw_zero3"]
 
 
-def worker(stage: int, shapes: list[str], rounds: int, warmup: int, model_dir: str) -> None:
+def worker(configs: list[str], shapes: list[str], rounds: int, warmup: int, model_dir: str) -> None:
     import torch.distributed as dist
 
     from benchmarks import ppo_harness as H
     from benchmarks.common import emit
     from benchmarks.variants import VARIANTS
 
-    built: dict[str, Any] = {name: H.Ours(name, model_dir, VARIANTS["default"]) for name in GROUPS[stage]}
-    built[f"raw_zero{stage}"] = H.Raw(stage, model_dir)
+    built: dict[str, Any] = {name: H.Raw(int(name[-1]), model_dir) if name.startswith("raw_")
+                             else H.Ours(name, model_dir, VARIANTS["default"]) for name in configs}
     params = {}
     for name, v in built.items():
         if hasattr(v, "registry"):
             rows = {row["role"]: row for row in v.registry.memory_report()}
             params[name] = {role: (row["params_local"], row["params_total"]) for role, row in rows.items()}
-    out: dict[str, Any] = {"stage": stage, "params": params, "shapes": {},
+    out: dict[str, Any] = {"params": params, "shapes": {},
                            "buckets": {k: v.buckets() for k, v in built.items() if hasattr(v, "buckets")}}
     for shape in shapes:
         timings = H.interleaved(built, shape, warmup=warmup, rounds=rounds)
-        out["shapes"][shape] = {"medians": timings.medians(), "runs": timings.runs}
+        out["shapes"][shape] = {"medians": timings.medians(), "runs": timings.runs,
+                                "paired": {base: timings.paired_ratios(base) for base in configs
+                                           if base in ("raw_zero2", "raw_zero3", "zero2", "zero3_gather")}}
     if dist.get_rank() == 0:
         emit(out)
 
@@ -62,35 +65,30 @@ def verdict(value: float, target: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one step per variant each)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (one step per variant each)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--shapes", default="small,large")
-    parser.add_argument("--stages", default="2,3")
-    parser.add_argument("--worker", nargs=2, metavar=("STAGE", "MODEL_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shapes = args.shapes.split(",")
+    shapes, configs = args.shapes.split(","), args.configs.split(",")
     if args.worker:
-        worker(int(args.worker[0]), shapes, args.rounds, args.warmup, args.worker[1])
+        worker(configs, shapes, args.rounds, args.warmup, args.worker)
         return
     from benchmarks.common import run_ranks, table, write_results
     from benchmarks.ppo_harness import PHASES, SHAPES, tiny_lm
 
     load_start = os.getloadavg()
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "tiny_opt")
         tiny_lm(model_dir)
-        for stage in (int(s) for s in args.stages.split(",")):
-            results.append(run_ranks("benchmarks.rlhf_step", 2, ["--shapes", args.shapes, "--rounds", str(args.rounds),
-                                                                  "--warmup", str(args.warmup), "--worker", str(stage),
-                                                                  model_dir]))
+        result = run_ranks("benchmarks.rlhf_step", 2, ["--shapes", args.shapes, "--configs", args.configs, "--rounds",
+                                                       str(args.rounds), "--warmup", str(args.warmup), "--worker",
+                                                       model_dir])
     load_end = os.getloadavg()
-    med = {shape: {} for shape in shapes}
-    params: dict[str, Any] = {}
-    for r in results:
-        params.update(r["params"])
-        for shape in shapes:
-            med[shape].update(r["shapes"][shape]["medians"])
+    med = {shape: result["shapes"][shape]["medians"] for shape in shapes}
+    paired = {shape: result["shapes"][shape]["paired"] for shape in shapes}
+    params = result["params"]
     rows = []
     for shape in shapes:
         batch, _, answer = SHAPES[shape]
@@ -101,22 +99,17 @@ def main() -> None:
     print(table(["shape", "config", "generation ms", "experience ms", "train ms", "step ms", "gen tokens/s",
                  "actor params here/total", "ref params here"], rows))
 
+    # medians over rounds of the ratio within a round (every variant ran in the same process)
     ratios: dict[str, Any] = {}
     ratio_rows = []
     for shape in shapes:
-        m = med[shape]
-        ratios[shape] = {}
-        for ours, raw in (("zero2", "raw_zero2"), ("zero3_gather", "raw_zero3")):
-            if ours in m and raw in m:
-                ratios[shape][f"{ours}/{raw}"] = {k: m[ours][k] / m[raw][k] for k in PHASES}
-                ratio_rows.append([shape, f"{ours} / {raw}", *(m[ours][k] / m[raw][k] for k in PHASES)])
-        if "zero3_gather" in m and "zero2" in m:
-            ratios[shape]["zero3_gather/zero2"] = {k: m["zero3_gather"][k] / m["zero2"][k] for k in PHASES}
-            ratio_rows.append([shape, "zero3_gather / zero2", *(m["zero3_gather"][k] / m["zero2"][k] for k in PHASES)])
-        if "zero3_per_token" in m and "zero3_gather" in m:
-            ratios[shape]["generation_per_token/gather"] = (m["zero3_per_token"]["generation"]
-                                                            / m["zero3_gather"]["generation"])
-    print("\nratios (medians; < 1 = ours faster)")
+        p, ratios[shape] = paired[shape], {}
+        for ours, base in (("zero2", "raw_zero2"), ("zero3_gather", "raw_zero3"), ("zero3_gather", "zero2"),
+                           ("zero3_per_token", "zero3_gather")):
+            if base in p and ours in p[base]:
+                ratios[shape][f"{ours}/{base}"] = p[base][ours]
+                ratio_rows.append([shape, f"{ours} / {base}", *(p[base][ours][k] for k in PHASES)])
+    print("\nratios (< 1 = the first faster)")
     print(table(["shape", "ratio", *PHASES], ratio_rows))
     print("\ntargets:")
     for shape in shapes:
@@ -128,12 +121,13 @@ def main() -> None:
                       f"{verdict(x['train'], 1.0)}, total {verdict(x['total'], total_target)}")
         if "zero3_gather/zero2" in r:
             print(f"  {shape} zero3_gather/zero2 total: {verdict(r['zero3_gather/zero2']['total'], 1.5)}")
-        if "generation_per_token/gather" in r:
-            g = r["generation_per_token/gather"]
+        if "zero3_per_token/zero3_gather" in r:
+            g = r["zero3_per_token/zero3_gather"]["generation"]
             print(f"  {shape} generation per_token/gather: {g:.2f} (target >= 3: {'met' if g >= 3 else 'MISSED'})")
-    print(f"\nmedians of {args.rounds} interleaved rounds after {args.warmup} warm-up step(s); 2 CPU ranks; load "
-          f"average (1 min) {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
-    path = write_results("rlhf_step", {"world_size": 2, "runs": results, "medians": med, "ratios": ratios,
+    print(f"\nms: medians of {args.rounds} interleaved rounds after {args.warmup} warm-up step(s); ratios: medians of "
+          f"the ratios within a round; 2 CPU ranks; load average (1 min) {load_start[0]:.2f} at start, "
+          f"{load_end[0]:.2f} at end")
+    path = write_results("rlhf_step", {"world_size": 2, "result": result, "medians": med, "ratios": ratios,
                                        "shapes": SHAPES, "load_average_start": load_start,
                                        "load_average_end": load_end},
                          command="python -m benchmarks.rlhf_step " + " ".join(sys.argv[1:]))
