@@ -55,6 +55,42 @@ def prompts(shape: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
+class CpuClock:
+    """This process's CPU time (user + system) per phase, exclusive of nested phases. CPU time counts
+    the work a rank does, not the time it waits for its peer or for a core, so it stays readable on a
+    loaded machine where wall times are not; wall time stays the measure the targets are set in."""
+
+    active: CpuClock | None = None
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._child: list[float] = []
+
+    @contextlib.contextmanager
+    def mark(self, name: str) -> Any:
+        self._child.append(0.0)
+        t0 = time.process_time()
+        try:
+            yield
+        finally:
+            elapsed = time.process_time() - t0
+            self.times[name] = self.times.get(name, 0.0) + elapsed - self._child.pop()
+            if self._child:
+                self._child[-1] += elapsed
+
+    @classmethod
+    def phase(cls, name: str) -> Any:
+        return cls.active.mark(name) if cls.active is not None else contextlib.nullcontext()
+
+
+def _clocked(fn: Any, name: str) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with CpuClock.phase(name):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 # --------------------------------------------------------------------------------------------------
 # ours: registry + PPOTrainer
 # --------------------------------------------------------------------------------------------------
@@ -104,24 +140,37 @@ class Ours:
         from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
 
         if shape not in self._trainers:
+            import multiengine.pipelines.rlhf.trainer as trainer_module
+
+            if not getattr(trainer_module.generate, "_cpu_clocked", False):
+                trainer_module.generate = _clocked(trainer_module.generate, "generation")
+                trainer_module.generate._cpu_clocked = True
             batch, _, answer_len = SHAPES[shape]
-            self._trainers[shape] = PPOTrainer(
+            trainer = PPOTrainer(
                 self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode),
                 PPOSettings(rollout_batch_size=batch, mini_batch_size=batch), eos_token_id=EOS, pad_token_id=PAD,
                 seed=0)
+            trainer.make_experience = _clocked(trainer.make_experience, "experience")
+            trainer.train_on = _clocked(trainer.train_on, "train")
+            self._trainers[shape] = trainer
         return self._trainers[shape]
 
     def step(self, batch: dict[str, torch.Tensor], step: int, shape: str) -> dict[str, float]:
         from benchmarks.variants import running
 
         trainer = self.trainer(shape)
-        with running(self.variant, any_zero3=self.stage == 3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            m = trainer.step(batch, step)
-            total = time.perf_counter() - t0
+        clock = CpuClock.active = CpuClock()
+        try:
+            with running(self.variant, any_zero3=self.stage == 3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                with clock.mark("total"):
+                    m = trainer.step(batch, step)
+                total = time.perf_counter() - t0
+        finally:
+            CpuClock.active = None
         return {"generation": m["time/generation_s"], "experience": m["time/experience_s"],
-                "train": m["time/train_s"], "total": total}
+                "train": m["time/train_s"], "total": total, **cpu_times(clock)}
 
     def buckets(self) -> dict[str, dict[str, Any]]:
         keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
@@ -210,15 +259,18 @@ class Raw:
 
     marker = None  # profile_step sets a phase marker (name -> context manager) here
 
+    @contextlib.contextmanager
     def _phase(self, name: str) -> Any:
-        return self.marker(name) if self.marker else contextlib.nullcontext()
+        with CpuClock.phase(name), (self.marker(name) if self.marker else contextlib.nullcontext()):
+            yield
 
     def step(self, batch: dict[str, torch.Tensor], step: int, shape: str) -> dict[str, float]:
         from multiengine.pipelines.rlhf import ppo
 
         from benchmarks.variants import running
 
-        with running(self.variant, any_zero3=self.stage == 3):
+        clock = CpuClock.active = CpuClock()
+        with running(self.variant, any_zero3=self.stage == 3), clock.mark("total"):
             dist.barrier()
             t0 = time.perf_counter()
             ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -263,10 +315,21 @@ class Raw:
             stats = torch.stack([score.mean(), pg_loss.detach().float(), v_loss.detach().float()]).double()
             dist.all_reduce(stats)
             t3 = time.perf_counter()
-        return {"generation": t1 - t0, "experience": t2 - t1, "train": t3 - t2, "total": t3 - t0}
+        CpuClock.active = None
+        return {"generation": t1 - t0, "experience": t2 - t1, "train": t3 - t2, "total": t3 - t0,
+                **cpu_times(clock)}
 
 
 PHASES = ("generation", "experience", "train", "total")
+CPU_PHASES = tuple(f"cpu_{p}" for p in PHASES)
+KEYS = PHASES + CPU_PHASES
+
+
+def cpu_times(clock: CpuClock) -> dict[str, float]:
+    """cpu_<phase> seconds; cpu_total is the whole step (the phases plus what lies between them)."""
+    out = {f"cpu_{p}": clock.times.get(p, 0.0) for p in PHASES}
+    out["cpu_total"] = sum(clock.times.values())
+    return out
 
 
 @dataclass
@@ -276,7 +339,7 @@ class Timings:
     def medians(self) -> dict[str, dict[str, float]]:
         import statistics
 
-        return {name: {p: statistics.median(r[p] for r in rows) for p in PHASES} for name, rows in self.runs.items()}
+        return {name: {p: statistics.median(r[p] for r in rows) for p in KEYS} for name, rows in self.runs.items()}
 
     def paired_ratios(self, baseline: str) -> dict[str, dict[str, float]]:
         """Per variant and phase: the median over rounds of (variant / baseline) within each round, which
@@ -284,7 +347,7 @@ class Timings:
         import statistics
 
         base = self.runs[baseline]
-        return {name: {p: statistics.median(r[p] / b[p] for r, b in zip(rows, base)) for p in PHASES}
+        return {name: {p: statistics.median(r[p] / max(b[p], 1e-9) for r, b in zip(rows, base)) for p in KEYS}
                 for name, rows in self.runs.items()}
 
 

@@ -55,6 +55,7 @@ class PhaseRecorder:
 
     def __init__(self) -> None:
         self.stack: list[str] = []
+        self._child: list[float] = []  # time spent in nested phases, per open phase
         self.launches: collections.Counter[tuple[str, str]] = collections.Counter()
         self.wall: collections.defaultdict[str, float] = collections.defaultdict(float)
 
@@ -67,12 +68,16 @@ class PhaseRecorder:
         import torch
 
         self.stack.append(name)
+        self._child.append(0.0)
         t0 = time.perf_counter()
         try:
             with torch.profiler.record_function(f"phase::{name}"):
                 yield
         finally:
-            self.wall[name] += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.wall[name] += elapsed - self._child.pop()  # exclusive of nested phases
+            if self._child:
+                self._child[-1] += elapsed
             self.stack.pop()
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -296,7 +301,7 @@ def report(workload: str, results: dict[str, Any], top: int) -> str:
             rows.append([phase, v, c["all_gather"], c["reduce_scatter"], c["all_reduce"], c["broadcast"],
                          c["barrier"] + c["other"], sum(c.values()), launches, r["wall_ms"].get(phase, 0.0)])
     lines.append(table(["phase", "variant", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "other",
-                        "collectives", "subprocesses", "wall ms (profiled)"], rows))
+                        "collectives", "subprocesses", "wall ms (profiled, own)"], rows))
     for v in variants:
         r = results[v]
         lines.append(f"\n### {workload} / {v}: top {top} ops by self CPU time per phase")
