@@ -10,7 +10,7 @@ true), +local_size (LOCAL_SIZE exported: no numactl launch per ZeRO-3 gradient b
 the persistence threshold / DeepSpeed's 1e5), default+overlap / default-overlap (overlap_comm flipped
 on / off), default+adamw (torch AdamW).
 
-    python -m benchmarks.config_ablation                   # ZeRO-3 and ZeRO-2, both shapes (~4 min here)
+    python -m benchmarks.config_ablation     # ZeRO-3 and ZeRO-2, both shapes (5.5 min here at load average 6)
     python -m benchmarks.config_ablation --stages 3 --shapes small --rounds 5
 """
 
