@@ -29,9 +29,10 @@ def _configs():
     from multiengine.engines.config import resolve_batch_keys, resolve_bucket_sizes
 
     train, frozen = train_ds_config(stage=3, dtype="fp32", micro_batch_size=8), eval_ds_config(stage=3, dtype="fp32")
+    n = DEPTH * (WIDTH * WIDTH + WIDTH) + WIDTH + 1
     for name, cfg in (("actor", train), ("ref", frozen)):
         resolve_batch_keys(name, cfg, int(os.environ["WORLD_SIZE"]))
-        resolve_bucket_sizes(cfg, WIDTH)
+        resolve_bucket_sizes(cfg, WIDTH, num_params=n, trainable_params=n)
     return train, frozen
 
 
@@ -104,9 +105,9 @@ def worker(steps: int, warmup: int, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=50)
     args = parser.parse_args()
     from benchmarks.common import in_distributed_run
 

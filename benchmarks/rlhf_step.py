@@ -1,15 +1,26 @@
-"""RLHF step 3 (PPO) time per phase under different placements of the four roles.
+"""RLHF step 3 (PPO) time per phase: the library under different placements of the four roles, beside
+the same step written directly on raw DeepSpeed (the reference), all in one run, interleaved.
 
-Tiny OPT-shaped actor/critic/ref/reward (hidden 64, 2 layers, vocab 512, ~0.2M parameters each),
-fixed-length random prompts, greedy generation. Configurations:
+Tiny OPT-shaped actor/critic/ref/reward (hidden 64, 2 layers, vocab 512, 165,760 parameters each), bf16,
+fixed-length random prompts, greedy generation, EOS outside the vocabulary (every answer has its full
+length), 1 PPO epoch of 1 mini-batch. Shapes: `small` = 4 prompts per rank, 32 prompt + 32 answer
+tokens; `large` = 8 per rank, 128 + 128.
 
-  zero2              actor/critic ZeRO-2 (ref follows the actor, reward the critic: stage 0 frozen)
-  zero3_gather       everything ZeRO-3, the actor gathered once per batch for generate()
-  zero3_per_token    everything ZeRO-3, generate(synced_gpus=True): every token re-gathers every layer
-  zero3_offload      ZeRO-3, gather-once, ref and reward parameters offloaded to CPU
+Ours (registry + PPOTrainer, the config factories' defaults):
+  zero2                actor/critic ZeRO-2 (ref follows the actor, reward the critic: stage 0 frozen)
+  zero3_gather         everything ZeRO-3, the actor gathered once per batch for generate()
+  zero3_per_token      everything ZeRO-3, generate(synced_gpus=True): every token re-gathers every layer
+  zero3_offload        ZeRO-3, gather-once, ref and reward parameters offloaded to CPU
   zero3_frozen_gather  ZeRO-3, gather-once generation, ref and reward gathered whole per forward
+Raw DeepSpeed (benchmarks/ppo_harness.py `Raw`: deepspeed.initialize per model, DeepSpeed's default ZeRO
+settings, DeepSpeed's CPU Adam, generate() on the module with synced_gpus under ZeRO-3, no registry):
+  raw_zero2, raw_zero3
 
-    python -m benchmarks.rlhf_step            # 2 CPU ranks; both shapes (4 x 32+32 and 8 x 128+128)
+One process holds every variant (each its own engines; F.linear as each would have it alone, see
+benchmarks/variants.py); every variant runs one step per round, round after round, on the same prompts,
+and ratios are medians of the ratios within a round, so machine load hits all variants alike.
+
+    python -m benchmarks.rlhf_step            # 2 CPU ranks, both shapes, ~3 min here
 """
 
 from __future__ import annotations
@@ -18,106 +29,108 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import Any
 
-CONFIGS = {
-    "zero2": {"stage": 2, "gen": "gather", "offload": False},
-    "zero3_gather": {"stage": 3, "gen": "gather", "offload": False},
-    "zero3_per_token": {"stage": 3, "gen": "per_token", "offload": False},
-    "zero3_offload": {"stage": 3, "gen": "gather", "offload": True},
-    "zero3_frozen_gather": {"stage": 3, "gen": "gather", "offload": False, "frozen_gather": True},
-}
-SHAPES = {"small": (4, 32, 32), "large": (8, 128, 128)}  # prompts per rank, prompt tokens, answer tokens
+CONFIGS = ["zero2", "zero3_gather", "zero3_per_token", "zero3_offload", "zero3_frozen_gather", "raw_zero2", "raw_zero3"]
 
 
-def _tiny_lm(path: str, vocab: int = 512) -> None:
-    import torch
-    from transformers import OPTConfig, OPTForCausalLM
+def worker(configs: list[str], shapes: list[str], rounds: int, warmup: int, model_dir: str) -> None:
+    import torch.distributed as dist
 
-    torch.manual_seed(0)
-    OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, ffn_dim=256,
-                             num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
-                             dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
-                             pad_token_id=0)).save_pretrained(path)
+    from benchmarks import ppo_harness as H
+    from benchmarks.common import emit
+    from benchmarks.variants import VARIANTS
+
+    built: dict[str, Any] = {name: H.Raw(int(name[-1]), model_dir) if name.startswith("raw_")
+                             else H.Ours(name, model_dir, VARIANTS["default"]) for name in configs}
+    params = {}
+    for name, v in built.items():
+        if hasattr(v, "registry"):
+            rows = {row["role"]: row for row in v.registry.memory_report()}
+            params[name] = {role: (row["params_local"], row["params_total"]) for role, row in rows.items()}
+    out: dict[str, Any] = {"params": params, "shapes": {},
+                           "buckets": {k: v.buckets() for k, v in built.items() if hasattr(v, "buckets")}}
+    for shape in shapes:
+        timings = H.interleaved(built, shape, warmup=warmup, rounds=rounds)
+        out["shapes"][shape] = {"medians": timings.medians(), "runs": timings.runs,
+                                "paired": {base: timings.paired_ratios(base) for base in configs
+                                           if base in ("raw_zero2", "raw_zero3", "zero2", "zero3_gather")}}
+    if dist.get_rank() == 0:
+        emit(out)
 
 
-def worker(config: str, shape: str, steps: int, warmup: int, model_dir: str) -> None:
-    import torch
-    from multiengine.engines import EngineRegistry
-    from multiengine.pipelines.rlhf.generation import GenerationSettings
-    from multiengine.pipelines.rlhf.roles import OptimSettings, Placement, build_rlhf_roles
-    from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
-
-    from benchmarks.common import emit, median
-
-    c = CONFIGS[config]
-    batch, prompt_len, answer_len = SHAPES[shape]
-    registry = EngineRegistry()
-    train = Placement(stage=c["stage"], dtype="fp32")
-    frozen = (Placement(stage=3, dtype="fp32", offload_params=c["offload"],
-                        gather_forward=c.get("frozen_gather", False)) if c["stage"] == 3 else None)
-    build_rlhf_roles(registry, model_dir, model_dir, actor=train, critic=train, ref=frozen, reward=frozen,
-                     actor_optim=OptimSettings(lr=1e-5), critic_optim=OptimSettings(lr=1e-5),
-                     micro_batch_size=batch)
-    # EOS outside the vocabulary: every answer runs to its full length, so all configs time the same work.
-    trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=c["gen"]),
-                         PPOSettings(rollout_batch_size=batch, mini_batch_size=batch), eos_token_id=10**6,
-                         pad_token_id=0, seed=0)
-    g = torch.Generator().manual_seed(registry.rank)
-    records = []
-    for step in range(warmup + steps):
-        ids = torch.randint(3, 512, (batch, prompt_len), generator=g)
-        metrics = trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, step)
-        if step >= warmup:
-            records.append(metrics)
-    report = {row["role"]: row for row in registry.memory_report()}
-    if registry.is_main:
-        keys = ("time/generation_s", "time/experience_s", "time/train_s", "time/step_s", "gen/tokens_per_s")
-        emit({"config": config, "shape": shape, **{k: median([r[k] for r in records]) for k in keys},
-              "params_local": {k: v["params_local"] for k, v in report.items()},
-              "params_total": {k: v["params_total"] for k, v in report.items()}})
+def verdict(value: float, target: float) -> str:
+    return f"{value:.2f} (target <= {target}: {'met' if value <= target else 'MISSED'})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (one step per variant each)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--shapes", default="small,large")
-    parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "SHAPE", "MODEL_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shapes, configs = args.shapes.split(","), args.configs.split(",")
     if args.worker:
-        worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.worker[2])
+        worker(configs, shapes, args.rounds, args.warmup, args.worker)
         return
     from benchmarks.common import run_ranks, table, write_results
+    from benchmarks.ppo_harness import CPU_PHASES, PHASES, SHAPES, tiny_lm
 
-    results = []
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "tiny_opt")
-        _tiny_lm(model_dir)
-        for shape in args.shapes.split(","):
-            for config in CONFIGS:
-                results.append(run_ranks("benchmarks.rlhf_step", 2, ["--steps", str(args.steps), "--warmup",
-                                                                    str(args.warmup), "--worker", config, shape,
-                                                                    model_dir]))
-    rows = [[r["shape"], r["config"], 1000 * r["time/generation_s"], 1000 * r["time/experience_s"],
-             1000 * r["time/train_s"], 1000 * r["time/step_s"], r["gen/tokens_per_s"],
-             f"{r['params_local']['actor']:,}/{r['params_total']['actor']:,}",
-             f"{r['params_local']['ref']:,}"] for r in results]
+        tiny_lm(model_dir)
+        result = run_ranks("benchmarks.rlhf_step", 2, ["--shapes", args.shapes, "--configs", args.configs, "--rounds",
+                                                       str(args.rounds), "--warmup", str(args.warmup), "--worker",
+                                                       model_dir])
+    load_end = os.getloadavg()
+    med = {shape: result["shapes"][shape]["medians"] for shape in shapes}
+    paired = {shape: result["shapes"][shape]["paired"] for shape in shapes}
+    params = result["params"]
+    rows = []
+    for shape in shapes:
+        batch, _, answer = SHAPES[shape]
+        for name, m in med[shape].items():
+            p = params.get(name)
+            rows.append([shape, name, *(1000 * m[k] for k in PHASES), 2 * batch * answer / m["generation"],
+                         f"{p['actor'][0]:,}/{p['actor'][1]:,}" if p else "-", f"{p['ref'][0]:,}" if p else "-"])
     print(table(["shape", "config", "generation ms", "experience ms", "train ms", "step ms", "gen tokens/s",
                  "actor params here/total", "ref params here"], rows))
-    ratios = {}
-    for shape in args.shapes.split(","):
-        by = {r["config"]: r for r in results if r["shape"] == shape}
-        ratios[shape] = {
-            "step_zero3_gather_over_zero2": by["zero3_gather"]["time/step_s"] / by["zero2"]["time/step_s"],
-            "generation_per_token_over_gather": by["zero3_per_token"]["time/generation_s"]
-            / by["zero3_gather"]["time/generation_s"],
-        }
+
+    # medians over rounds of the ratio within a round (every variant ran in the same process)
+    ratios: dict[str, Any] = {}
+    ratio_rows = []
+    for shape in shapes:
+        p, ratios[shape] = paired[shape], {}
+        for ours, base in (("zero2", "raw_zero2"), ("zero3_gather", "raw_zero3"), ("zero3_gather", "zero2"),
+                           ("zero3_per_token", "zero3_gather")):
+            if base in p and ours in p[base]:
+                ratios[shape][f"{ours}/{base}"] = p[base][ours]
+                ratio_rows.append([shape, f"{ours} / {base}", *(p[base][ours][k] for k in PHASES),
+                                   *(p[base][ours][k] for k in CPU_PHASES)])
+    print("\nratios (< 1 = the first faster); wall time, then rank 0's CPU time (work done, waits excluded)")
+    print(table(["shape", "ratio", *PHASES, *(f"cpu {k}" for k in PHASES)], ratio_rows))
+    print("\ntargets:")
+    for shape in shapes:
         r = ratios[shape]
-        print(f"{shape}: step zero3_gather/zero2 = {r['step_zero3_gather_over_zero2']:.2f} (target <= 1.5: "
-              f"{'met' if r['step_zero3_gather_over_zero2'] <= 1.5 else 'MISSED'}); generation per_token/gather"
-              f" = {r['generation_per_token_over_gather']:.2f} (target >= 3: "
-              f"{'met' if r['generation_per_token_over_gather'] >= 3 else 'MISSED'})")
-    path = write_results("rlhf_step", {"world_size": 2, "runs": results, "ratios": ratios, "shapes": SHAPES},
+        for ours, raw, total_target in (("zero2", "raw_zero2", 1.0), ("zero3_gather", "raw_zero3", 0.6)):
+            x = r.get(f"{ours}/{raw}")
+            if x:
+                print(f"  {shape} {ours}/{raw}: experience {verdict(x['experience'], 1.0)}, train "
+                      f"{verdict(x['train'], 1.0)}, total {verdict(x['total'], total_target)}")
+        if "zero3_gather/zero2" in r:
+            print(f"  {shape} zero3_gather/zero2 total: {verdict(r['zero3_gather/zero2']['total'], 1.5)}")
+        if "zero3_per_token/zero3_gather" in r:
+            g = r["zero3_per_token/zero3_gather"]["generation"]
+            print(f"  {shape} generation per_token/gather: {g:.2f} (target >= 3: {'met' if g >= 3 else 'MISSED'})")
+    print(f"\nms: medians of {args.rounds} interleaved rounds after {args.warmup} warm-up step(s); ratios: medians of "
+          f"the ratios within a round; 2 CPU ranks; load average (1 min) {load_start[0]:.2f} at start, "
+          f"{load_end[0]:.2f} at end")
+    path = write_results("rlhf_step", {"world_size": 2, "result": result, "medians": med, "ratios": ratios,
+                                       "shapes": SHAPES, "load_average_start": load_start,
+                                       "load_average_end": load_end},
                          command="python -m benchmarks.rlhf_step " + " ".join(sys.argv[1:]))
     print(f"wrote {path}")
 

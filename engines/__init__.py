@@ -11,6 +11,7 @@ from .ema import ema_decay, ema_update
 from .export import atomic_dir, cast_folder, save_role, write_role
 from .memory import MemoryReport, current_rss_bytes, gather_memory, peak_rss_bytes
 from .metrics import MetricsLogger, plot_curves, read_jsonl, setup_logging, write_summary
+from .optim import build_optimizer
 from .partition import local_tensors, refresh_full_copies
 from .registry import EngineRegistry, JointLossError, Role, RoleSpec, UnknownRoleError
 from .roles import (
@@ -50,6 +51,7 @@ __all__ = [
     "apply_lora",
     "atomic_dir",
     "barrier",
+    "build_optimizer",
     "cast_folder",
     "current_rss_bytes",
     "derive_seed",

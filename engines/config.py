@@ -3,6 +3,17 @@
 The factories return plain dicts so that tests (and users) can assert on them.
 Resolution happens per role, at build time, once the role's model and the
 data-parallel size are known; nothing is shared between roles.
+
+Performance defaults, and why (measured with benchmarks/config_ablation.py and profile_step.py):
+
+- ``memory_efficient_linear`` is false for every ZeRO-3 role. DeepSpeed's default (true) replaces
+  ``torch.nn.functional.linear`` for the whole process as soon as one ZeRO-3 model is built, so
+  every linear call of every role, gathered or not, goes through ZeRO-3's autograd wrapper.
+- "auto" bucket sizes follow :func:`resolve_bucket_sizes`: DeepSpeed's defaults capped at the
+  role's size rather than transformers' ``h^2``. Each bucket is one collective; for small and
+  mid-sized roles ``h^2`` means dozens of tiny collectives per step, each paying a full latency.
+- ``overlap_comm`` is on where the accelerator has streams to overlap on (GPUs), off on DeepSpeed's
+  CPU accelerator, where it measured no gain.
 """
 
 from __future__ import annotations
@@ -79,13 +90,17 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool, tra
                 "stage3_max_live_parameters": 3e7,
                 "stage3_max_reuse_distance": 1e7,
                 "stage3_gather_16bit_weights_on_model_save": True,
+                # true (DeepSpeed's default) replaces F.linear for the whole process once any ZeRO-3
+                # model is built, so every linear call of every role pays for ZeRO-3's wrapper, even
+                # on weights that are already whole (gather-once generation, stage-0 roles).
+                "memory_efficient_linear": False,
             }
         )
     if trainable and stage >= 1:
         zero["offload_optimizer"] = {"device": "cpu" if offload_optimizer else "none"}
         zero["reduce_bucket_size"] = AUTO
         zero["contiguous_gradients"] = True
-        zero["overlap_comm"] = False  # overlap buys nothing on gloo and costs memory
+        zero["overlap_comm"] = AUTO  # on where the accelerator has streams to overlap on (resolve_bucket_sizes)
     return zero
 
 
@@ -217,12 +232,38 @@ def model_hidden_size(model: torch.nn.Module) -> int | None:
     return widest or None
 
 
-# DeepSpeed's own defaults, used when a model gives us no width to size from.
-_DEFAULT_BUCKETS = {
+def model_param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, trainable parameters) of a model, whole sizes also for ZeRO-3 partitions."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = int(getattr(p, "ds_numel", p.numel()))
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+# DeepSpeed's own defaults (sized for models of a billion parameters and more).
+DS_DEFAULT_BUCKETS = {
     "reduce_bucket_size": int(5e8),
     "stage3_prefetch_bucket_size": int(5e7),
     "stage3_param_persistence_threshold": int(1e5),
 }
+
+
+def auto_bucket_sizes(hidden_size: int | None, num_params: int | None = None,
+                      trainable_params: int | None = None) -> dict[str, int]:
+    """The numbers "auto" ZeRO bucket sizes resolve to for one role (the rule: :func:`resolve_bucket_sizes`)."""
+    h = int(hidden_size or 0)
+    reduce = max(DS_DEFAULT_BUCKETS["reduce_bucket_size"], h * h)
+    prefetch = max(DS_DEFAULT_BUCKETS["stage3_prefetch_bucket_size"], int(0.9 * h * h))
+    reduce_cap = trainable_params or num_params
+    if reduce_cap:
+        reduce = min(reduce, int(reduce_cap))
+    if num_params:
+        prefetch = min(prefetch, int(num_params))
+    persistence = 10 * h if h else DS_DEFAULT_BUCKETS["stage3_param_persistence_threshold"]
+    return {"reduce_bucket_size": reduce, "stage3_prefetch_bucket_size": prefetch,
+            "stage3_param_persistence_threshold": persistence}
 
 
 def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) -> None:
@@ -270,21 +311,48 @@ def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) ->
     config["gradient_accumulation_steps"] = gas
 
 
-def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None) -> None:
-    """Fill "auto" ZeRO bucket sizes in place from the role's own width (as transformers does:
-    reduce = h*h, prefetch = 0.9*h*h, persistence threshold = 10*h), else DeepSpeed's defaults."""
+def auto_overlap_comm(device_name: str | None = None) -> bool:
+    """What "auto" ``overlap_comm`` resolves to: true where DeepSpeed's accelerator has separate
+    streams for the reduction to overlap with the backward pass (GPUs), false on its CPU accelerator."""
+    if device_name is None:
+        try:
+            from deepspeed.accelerator import get_accelerator
+        except ImportError:  # torch backend: the key is never read
+            return False
+        device_name = get_accelerator().device_name()
+    return device_name != "cpu"
+
+
+def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None, num_params: int | None = None,
+                         trainable_params: int | None = None, device_name: str | None = None) -> None:
+    """Fill "auto" ZeRO bucket sizes (and ``overlap_comm``) in place for one role, from its width ``h``
+    and its size (parameters in the role, trainable ones).
+
+    - ``reduce_bucket_size`` = DeepSpeed's 5e8 (``h^2`` if wider), capped at the role's trainable
+      parameter count;
+    - ``stage3_prefetch_bucket_size`` = DeepSpeed's 5e7 (``0.9 h^2`` if wider), capped at the role's
+      parameter count;
+    - ``stage3_param_persistence_threshold`` = ``10 h`` (transformers' rule);
+    - ``overlap_comm`` = :func:`auto_overlap_comm` (``device_name``: the accelerator, detected if None).
+
+    Without a width or sizes the missing bounds are dropped (neither: DeepSpeed's defaults).
+
+    Why: every bucket is one collective, and below DeepSpeed's defaults (sized for models of a
+    billion parameters) a collective's latency, not its size, is what a step pays; transformers'
+    ``h^2`` suits h = 4096 but gives a role of width 64 a reduce-scatter per 4,096 gradients. The
+    cap at the role's size keeps a small role from allocating DeepSpeed's 5e8-element gradient
+    bucket, which ZeRO-3 allocates whole at start. The persistence threshold (parameters at most
+    this size stay whole on every rank) is left at ``10 h``: a floor of 1e4, or DeepSpeed's 1e5,
+    saves some fetches but ZeRO-3 re-gathers every persistent tensor with a collective of its own
+    after each optimizer step, so the step measured no faster, while small roles would no longer be
+    sharded (a 32-wide text encoder: 76% of it held on each of 2 ranks at 1e4, 51% at 10 h).
+    """
     zero = config.get("zero_optimization", {})
-    if hidden_size:
-        derived = {
-            "reduce_bucket_size": hidden_size * hidden_size,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size,
-        }
-    else:
-        derived = dict(_DEFAULT_BUCKETS)
-    for key, value in derived.items():
+    for key, value in auto_bucket_sizes(hidden_size, num_params, trainable_params).items():
         if zero.get(key) == AUTO:
             zero[key] = value
+    if zero.get("overlap_comm") == AUTO:
+        zero["overlap_comm"] = auto_overlap_comm(device_name)
     for key, value in zero.items():
         if value == AUTO:
             raise ConfigError(f"zero_optimization.{key}=\"auto\" cannot be resolved; give a number.")

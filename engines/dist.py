@@ -60,6 +60,25 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def export_local_size() -> None:
+    """Set ``LOCAL_SIZE`` (processes on this node) when the launcher did not.
+
+    DeepSpeed's CPU accelerator takes its device count from ``LOCAL_SIZE``, which only DeepSpeed's
+    own launcher exports; without it every ``device_count()`` runs ``numactl --hardware`` in a
+    subprocess, and ZeRO-3 asks once per gradient bucket it reduces (dozens of launches per step).
+    torchrun and accelerate export the same number as ``LOCAL_WORLD_SIZE``, mpirun as
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``; a plain single process is 1. Other accelerators ignore it.
+    """
+    env = os.environ
+    if "LOCAL_SIZE" in env:
+        return
+    local = env.get("LOCAL_WORLD_SIZE") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if local is None and int(env.get("WORLD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", 1))) == 1:
+        local = "1"
+    if local is not None:
+        env["LOCAL_SIZE"] = str(local)
+
+
 _timeout_s: float | None = None  # what this process's group was created with (None: the defaults)
 
 
@@ -82,6 +101,8 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
         from .config import ConfigError
 
         raise ConfigError(f"timeout_s={timeout_s!r}: give a number of seconds > 0 (or None for the defaults).")
+    if use_deepspeed:
+        export_local_size()
     env = read_env()
     if dist.is_available() and dist.is_initialized():
         if timeout_s is not None and timeout_s != _timeout_s:
@@ -94,8 +115,11 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    alone = "MASTER_PORT" not in os.environ
-    if alone:
+    # A world of one needs no rendezvous: an in-memory store instead of a TCP one (a port found "free"
+    # can be taken by another process before it listens; a MASTER_PORT inherited from a parent may be
+    # in use).
+    alone = env.world_size == 1
+    if "MASTER_PORT" not in os.environ:
         if env.world_size > 1:
             raise RuntimeError(
                 "WORLD_SIZE>1 but MASTER_PORT is not set: launch with deepspeed, torchrun or accelerate launch."
@@ -105,9 +129,7 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
-    if alone:
-        # A process of its own: an in-memory store, no TCP port (a "free" port can be taken by another
-        # process between looking and listening). DeepSpeed adopts the existing group.
+    if alone:  # DeepSpeed adopts the existing group
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     if use_deepspeed:
         # DeepSpeed may JIT-build an op during its start (on CPU: the shared-memory comm op); a lock

@@ -27,6 +27,7 @@ from .config import (
     find_auto,
     load_ds_config,
     model_hidden_size,
+    model_param_counts,
     resolve_batch_keys,
     resolve_bucket_sizes,
     validate_ds_config,
@@ -357,7 +358,9 @@ class EngineRegistry:
                     f"role '{spec.name}': its model factory failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"role '{spec.name}': model() returned {type(model).__name__}, not a torch.nn.Module.")
-        resolve_bucket_sizes(config, spec.hidden_size or model_hidden_size(model))
+        total, trainable = model_param_counts(model)
+        resolve_bucket_sizes(config, spec.hidden_size or model_hidden_size(model), num_params=total,
+                             trainable_params=trainable if spec.trainable else None)
         leftover = find_auto(config)
         if leftover:
             raise ConfigError(f"role '{spec.name}': cannot resolve \"auto\" for {leftover}; give numbers.")

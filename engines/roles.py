@@ -73,19 +73,20 @@ class Placement:
                               " parameters.")
 
 
-_OPTIMIZERS = ("adamw", "sgd")
+_OPTIMIZERS = ("auto", "adamw", "ds_adam", "sgd")
 
 
 @dataclass(frozen=True)
 class OptimSpec:
     """An optimizer and its learning-rate schedule, counted in optimizer steps.
 
-    ``name``: ``adamw`` (torch's AdamW; DeepSpeed's CPU Adam when the optimizer is offloaded) or ``sgd``.
+    ``name``: ``auto`` (DeepSpeed's Adam on a GPU or with an offloaded optimizer, torch's AdamW on a CPU-only
+    machine), ``adamw`` (torch's), ``ds_adam`` (DeepSpeed's CPU Adam / FusedAdam) or ``sgd``.
     ``scheduler``: a ``transformers.get_scheduler`` name (``constant``, ``constant_with_warmup``,
     ``linear``, ``cosine``, ...). ``max_grad_norm`` 0 or None turns clipping off.
     """
 
-    name: str = "adamw"
+    name: str = "auto"
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -119,18 +120,16 @@ class OptimSpec:
 
     def optimizer_factory(
             self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
-        def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-            params = list(params)
-            if self.name == "sgd":
-                return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
-            if offload:
-                # An offloaded optimizer steps on the host: DeepSpeed's vectorised CPU Adam (AdamW mode).
-                from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from .optim import build_optimizer, resolve_optimizer
 
-                return DeepSpeedCPUAdam(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                        weight_decay=self.weight_decay, adamw_mode=True)
-            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                     weight_decay=self.weight_decay)
+        name = resolve_optimizer(self.name, offload)
+
+        def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            try:
+                return build_optimizer(name, params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                       weight_decay=self.weight_decay, offload=offload)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
         return build
 

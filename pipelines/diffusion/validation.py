@@ -96,7 +96,11 @@ def generate(
     """
     vae = registry.role("vae")
     generator = torch.Generator().manual_seed(seed)  # CPU: the same draws on any device
-    with _unet_inputs_in_own_dtype(pipe.unet, pipe.unet.dtype):
+    # The pipeline calls the text encoders' modules directly, and their embedding layers read weight
+    # shapes before any ZeRO-3 fetch hook has run: gather them (small, frozen) for the call.
+    encoders = [r.name for r in registry.roles() if r.name.startswith("text_encoder")]
+    gather = registry.gathered(*encoders) if encoders else contextlib.nullcontext()
+    with gather, _unet_inputs_in_own_dtype(pipe.unet, pipe.unet.dtype):
         latents = pipe(
             list(prompts),
             height=resolution,

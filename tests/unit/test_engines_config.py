@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,7 +15,16 @@ from multiengine.engines import (
     model_hidden_size,
     train_ds_config,
 )
-from multiengine.engines.config import find_auto, resolve_batch_keys, resolve_bucket_sizes, validate_ds_config
+from multiengine.engines.config import (
+    DS_DEFAULT_BUCKETS,
+    auto_bucket_sizes,
+    find_auto,
+    model_param_counts,
+    resolve_batch_keys,
+    resolve_bucket_sizes,
+    validate_ds_config,
+)
+from multiengine.engines.dist import export_local_size
 
 
 def test_train_config_is_a_plain_dict_with_the_requested_stage():
@@ -74,17 +84,88 @@ def test_batch_keys_that_cannot_be_met_are_errors_not_corrections():
         resolve_batch_keys("x", {"train_micro_batch_size_per_gpu": 0}, 1)
 
 
-def test_bucket_sizes_follow_the_role_width():
+def test_bucket_sizes_are_deepspeed_defaults_capped_at_the_role_size():
+    # the tiny OPT of the RLHF benchmark: all gradients in one reduce-scatter, one prefetch of everything
     cfg = train_ds_config(stage=3)
-    resolve_bucket_sizes(cfg, 64)
+    resolve_bucket_sizes(cfg, 64, num_params=165_760, trainable_params=165_760)
     zero = cfg["zero_optimization"]
-    assert zero["reduce_bucket_size"] == 64 * 64
-    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
-    assert zero["stage3_param_persistence_threshold"] == 640
+    assert zero["reduce_bucket_size"] == 165_760
+    assert zero["stage3_prefetch_bucket_size"] == 165_760
+    assert zero["stage3_param_persistence_threshold"] == 640  # 10 h: the 64 x 64 weights stay sharded
+    # a 7B model: DeepSpeed's defaults, persistence 10 h as transformers has it
+    assert auto_bucket_sizes(4096, 7_000_000_000, 7_000_000_000) == {
+        "reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_param_persistence_threshold": 40_960}
+    # LoRA on it: one bucket holds every trainable gradient
+    assert auto_bucket_sizes(4096, 7_000_000_000, 4_000_000)["reduce_bucket_size"] == 4_000_000
+    # a model smaller than h^2 (widest layer 256, 33k parameters): never a bucket larger than the role
+    assert auto_bucket_sizes(256, 33_088, 33_088)["reduce_bucket_size"] == 33_088
+    # very wide: buckets h^2 / 0.9 h^2 when above DeepSpeed's defaults
+    wide = auto_bucket_sizes(30_000, 10**11, 10**11)
+    assert wide["reduce_bucket_size"] == 30_000**2 and wide["stage3_prefetch_bucket_size"] == int(0.9 * 30_000**2)
+    # frozen role: no reduce key, the prefetch cap follows all parameters
+    cfg = eval_ds_config(stage=3)
+    resolve_bucket_sizes(cfg, 64, num_params=165_760)
+    assert "reduce_bucket_size" not in cfg["zero_optimization"]
+    assert cfg["zero_optimization"]["stage3_prefetch_bucket_size"] == 165_760
+    # no width and no sizes: DeepSpeed's defaults
     cfg = train_ds_config(stage=3)
-    resolve_bucket_sizes(cfg, None)  # no width: DeepSpeed's defaults
-    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
+    resolve_bucket_sizes(cfg, None)
+    assert {k: cfg["zero_optimization"][k] for k in DS_DEFAULT_BUCKETS} == DS_DEFAULT_BUCKETS
     assert find_auto(cfg) == ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+
+
+def test_overlap_comm_is_on_only_where_the_accelerator_has_streams():
+    cfg = train_ds_config(stage=3)
+    assert cfg["zero_optimization"]["overlap_comm"] == "auto"
+    gpu, cpu = train_ds_config(stage=2), train_ds_config(stage=2)
+    resolve_bucket_sizes(gpu, 64, num_params=100, trainable_params=100, device_name="cuda")
+    resolve_bucket_sizes(cpu, 64, num_params=100, trainable_params=100, device_name="cpu")
+    assert gpu["zero_optimization"]["overlap_comm"] is True and cpu["zero_optimization"]["overlap_comm"] is False
+    resolve_bucket_sizes(cfg, 64)  # detected: DeepSpeed's CPU accelerator on this machine
+    assert cfg["zero_optimization"]["overlap_comm"] is False
+    assert "overlap_comm" not in eval_ds_config(stage=3)["zero_optimization"]  # frozen roles reduce nothing
+
+
+def test_explicit_bucket_sizes_are_kept():
+    cfg = train_ds_config(stage=3)
+    cfg["zero_optimization"].update(reduce_bucket_size=1234, overlap_comm=True)
+    resolve_bucket_sizes(cfg, 64, num_params=165_760, trainable_params=165_760, device_name="cpu")
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1234 and cfg["zero_optimization"]["overlap_comm"] is True
+
+
+def test_memory_efficient_linear_is_off_for_every_zero3_role():
+    # true would make DeepSpeed replace F.linear for the whole process at the first ZeRO-3 build
+    assert train_ds_config(stage=3)["zero_optimization"]["memory_efficient_linear"] is False
+    assert eval_ds_config(stage=3)["zero_optimization"]["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in train_ds_config(stage=2)["zero_optimization"]
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig(**train_ds_config(stage=3)["zero_optimization"] | {
+        "stage3_param_persistence_threshold": 1, "stage3_prefetch_bucket_size": 1, "reduce_bucket_size": 1,
+    }).memory_efficient_linear is False
+
+
+def test_param_counts_see_whole_sizes_and_trainable_subset():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    assert model_param_counts(model) == (4 * 8 + 8 + 8 * 2 + 2, 8 * 2 + 2)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, "2"),  # torchrun, accelerate
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "8"}, "4"),  # mpirun
+    ({}, "1"),  # plain python
+    ({"WORLD_SIZE": "4"}, None),  # unknown: leave DeepSpeed to find out
+    ({"LOCAL_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}, "3"),  # DeepSpeed's launcher already set it
+])
+def test_local_size_is_exported_from_the_launchers_variables(monkeypatch, env, expected):
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    export_local_size()
+    assert os.environ.get("LOCAL_SIZE") == expected
 
 
 def test_hidden_size_comes_from_config_or_widest_layer():
