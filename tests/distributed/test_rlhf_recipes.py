@@ -45,7 +45,7 @@ def grpo(tmp_path_factory):
               f"reward.functions=[builtin:judge, {{fn: '{fn_file}:distinct_words', weight: 0.5}}]",
               f"reward.models=[{{role: reward_tiny, path: '{out}/tiny/model', weight: 0.1, stage: 3}}]"]
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "checkpoint.every=2",
-        "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
+        "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
     resumed = root / "resumed"
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
         f"model.actor={out}/sft/export/actor", f"data.source={out}/tiny/data",
@@ -97,9 +97,12 @@ def test_grpo_resume_continues_bit_for_bit(grpo):
 
 
 def test_dpo_cli_with_precomputed_ref_on_the_grpo_runs_actor(grpo):
-    out = grpo["root"] / "dpo"
+    from multiengine.pipelines.rlhf import tiny
+
+    out, data = grpo["root"] / "dpo", grpo["root"] / "pairs"
+    tiny.write_builtin_dataset(data, seed=1, n_sft=16, n_reward=320, n_ppo=16, n_eval=32)  # few pairs to precompute
     cli("rlhf_dpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "max_steps=6",
-        f"model.actor={grpo['out']}/sft/export/actor", f"data.source={grpo['out']}/tiny/data", "roles.actor.stage=2",
+        f"model.actor={grpo['out']}/sft/export/actor", f"data.source={data}", "roles.actor.stage=2",
         "dpo.precompute_ref=true", "train.micro_batch_size=8", "train.grad_accum=2", "train.lr=1e-3",
         "data.heldout_size=64", "eval.size=16", "eval.batch_size=8", "eval.every=3", "checkpoint.every=3")
     summary = json.loads((out / "summary.json").read_text())
