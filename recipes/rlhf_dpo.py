@@ -213,6 +213,11 @@ class RLHFDPO(Recipe):
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths}
 
+    def plot_title(self) -> str:
+        d = self.cfg.dpo
+        extra = f", sft_coef {d.sft_coef:g}" if d.sft_coef else ""
+        return f"{self.name}: {_loss_name(self.cfg)}, beta {d.beta:g}{extra} ({self.registry.world_size} ranks)"
+
     def plot(self) -> str | None:
         path = super().plot()
         if self.registry.is_main:

@@ -201,7 +201,9 @@ class RLHFGRPO(Recipe):
         self.trainer = registry.add_state("grpo", GRPOTrainer(
             registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rewards,
             self.decode, ref=self.ref, seed=cfg.seed, judge=self.judge))
-        self.plot_panels = [("reward (weighted sum)", ["train/reward/mean"])]
+        self.plot_panels = []
+        if [src.fn for src in self.rewards] != [judge_reward] or self.judge is None:  # else the judge panel has it
+            self.plot_panels.append(("reward (weighted sum)", ["train/reward/mean"]))
         if self.reward_role:
             self.plot_panels.append((f"reward-model score ({self.reward_role})", ["eval/reward"]))
         if self.judge is not None:
@@ -272,6 +274,9 @@ class RLHFGRPO(Recipe):
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths, "rewards": [{"name": r.name, "weight": r.weight,
                                                   "kind": "model" if r.role else "function"} for r in self.rewards]}
+
+    def plot_title(self) -> str:
+        return f"{self.name}: {self.settings.algorithm} ({self.registry.world_size} ranks)"
 
     def plot(self) -> str | None:
         path = super().plot()
