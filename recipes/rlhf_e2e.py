@@ -151,8 +151,8 @@ def main(cfg: Any) -> dict[str, Any]:
         if figures[f"{a}/judge_before"] is not None:
             logger.info(
                 "RLHF on the built-in task: judge score of the actor's sampled answers %.3f after SFT -> %.3f after "
-                "%s (KL to the SFT model %.3f nats per answer); reward-model held-out pair accuracy %.3f",
-                figures[f"{a}/judge_before"], figures[f"{a}/judge_after"], a.upper(),
-                figures[f"{a}/kl_after"] or float("nan"), figures["reward/heldout_accuracy"] or float("nan"))
+                "%s (KL to the SFT model %.3f nats per answer)%s", figures[f"{a}/judge_before"],
+                figures[f"{a}/judge_after"], a.upper(), figures[f"{a}/kl_after"] or float("nan"),
+                f"; reward-model held-out pair accuracy {figures['reward/heldout_accuracy']:.3f}" if needs_rm else "")
     return {"figures": figures, "plot": plot,
             "export": {"actor": ppo["export"].get("actor"), "reward": reward["export"].get("reward")}}
