@@ -135,3 +135,30 @@ def test_e2e_feeds_each_final_recipe_valid_keys(algorithm):
         assert [(r.role, r.path) for r in roles] == [("reward", "/rm/export/reward")]
         assert [x.role for x in sources] == ["reward"]
     assert load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]).algorithm == algorithm
+
+
+def test_ppo_recipe_with_reward_functions_only_on_the_torch_backend(tmp_path):
+    """No reward model at all: no `reward` role, the critic starts from the actor's folder (fresh head), and
+    the reward is the judge itself (so the logged reward equals the logged judge score)."""
+    import json
+
+    from multiengine.pipelines.rlhf import tiny
+    from multiengine.recipes import rlhf_ppo
+
+    assets = tiny.prepare_builtin(tmp_path / "assets", hidden=32, layers=1, n_sft=16, n_reward=16, n_ppo=32,
+                                  n_eval=8)
+    cfg = load_config("rlhf_ppo", "tiny", [
+        f"output_dir={tmp_path / 'run'}", "backend=torch", f"model.actor={assets['model']}", "model.reward=",
+        f"data.source={assets['data']}", "reward.functions=[builtin:judge]", "max_steps=2", "eval.every=0",
+        "eval.size=8", "eval.batch_size=4", "eval.greedy=false", "ppo.rollout_batch_size=4",
+        "ppo.mini_batch_size=2", "checkpoint.every=0", "export.critic=false", "plot=false", "tensorboard=false"])
+    rlhf_ppo.main(cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["roles"]) == {"actor", "ref", "critic"}
+    assert summary["paths"]["critic"] == summary["paths"]["actor"] == str(assets["model"])
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in steps if "train/reward/mean" in x]
+    assert len(train) == 2
+    for x in train:
+        assert x["train/reward/mean"] == pytest.approx(x["train/judge/mean"], abs=1e-6)
+    assert "eval/after/reward" not in summary["metrics"] and "eval/after/judge" in summary["metrics"]
