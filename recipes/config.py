@@ -4,7 +4,9 @@ A recipe is a module `<package>.<recipe>` (package `multiengine.recipes` by defa
 
 * `DEFAULTS: dict` - the complete, nested set of valid keys with their default values (and
   therefore their types), which must include `output_dir`, `seed` and `max_steps`;
-* `main(cfg: DictConfig) -> dict` - runs it and returns a summary.
+* `main(cfg: DictConfig) -> dict` - runs it and returns a summary;
+* optionally `check_config(cfg)` - its own checks of values (raising RecipeConfigError), run by
+  `load_config`, so the CLI reports them before any rank starts.
 
 Its shipped configs are `configs/<recipe>/<name>.yaml` next to this file. Every key in a YAML
 file or an override must exist in DEFAULTS: a typo is an error naming the closest valid key, never
@@ -450,6 +452,10 @@ def load_config(
     except OmegaConfBaseException as e:
         raise RecipeConfigError(f"config for recipe '{recipe}': {str(e).splitlines()[0]}") from None
     run_checks(recipe, module, resolved, where)
+    # a recipe's own checks of values (names, ranges, combinations): here, before any rank starts
+    check = getattr(module, "check_config", None)
+    if check is not None:
+        check(cfg)
     return cfg
 
 

@@ -33,6 +33,7 @@ from multiengine.recipes.common import (
     evaluation_prompts,
     optim_spec,
     placement,
+    sft_model,
     tiny_assets,
 )
 from multiengine.recipes.config import RecipeConfigError
@@ -76,23 +77,6 @@ DEFAULTS: dict[str, Any] = with_common({
 })
 
 
-def _teacher_from_sft(cfg: Any, out_dir: str, data_source: str, base_model: str) -> str:
-    """Train the tiny SFT model with the rlhf_sft recipe (once: a finished run is reused) and return its
-    export. Recipes compose in one process: the SFT run builds its own registry on the same ranks."""
-    from multiengine.recipes.config import load_config, load_recipe
-
-    export = os.path.join(out_dir, "export", "actor")
-    if os.path.isfile(os.path.join(out_dir, "summary.json")) and os.path.isdir(export):
-        logger.info("distill: reusing the teacher trained in %s", out_dir)
-        return export
-    overrides = [f"output_dir={out_dir}", f"seed={cfg.seed}", f"backend={cfg.backend}", f"data.source={data_source}",
-                 f"model.pretrained={base_model}", *cfg.teacher_sft.overrides]
-    sft_cfg = load_config("rlhf_sft", cfg.teacher_sft.config or None, overrides)
-    logger.info("distill: training the teacher with rlhf_sft (config %s) in %s", cfg.teacher_sft.config, out_dir)
-    load_recipe("rlhf_sft").main(sft_cfg)
-    return export
-
-
 class Distill(Recipe):
     name = "distill"
     postfix_keys = ("loss", "divergence")
@@ -107,7 +91,8 @@ class Distill(Recipe):
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
         assets = tiny_assets(self, not (cfg.data.source and cfg.model.student and cfg.model.teacher))
         source = cfg.data.source or assets["data"]
-        self.teacher_path = cfg.model.teacher or _teacher_from_sft(cfg, self.path("teacher"), source, assets["model"])
+        self.teacher_path = cfg.model.teacher or sft_model(self, cfg.teacher_sft, self.path("teacher"), source,
+                                                            assets["model"])
         self.student_path = cfg.model.student or self._tiny_student(assets["tokenizer"])
         self.tokenizer = resolve_tokenizer(self.teacher_path, assets.get("tokenizer", ""))
         self._check_vocabularies()

@@ -244,7 +244,10 @@ class Recipe:
             return None
         records = read_jsonl(self.path("metrics.jsonl"))
         return plot_curves(records, self.path("curves.png"), self.plot_panels, xlabel=self.plot_xlabel,
-                           title=f"{self.name} ({self.registry.world_size} ranks)")
+                           title=self.plot_title())
+
+    def plot_title(self) -> str:
+        return f"{self.name} ({self.registry.world_size} ranks)"
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -1,4 +1,4 @@
-"""RLHF steps 1-3 in one run: SFT -> reward model -> PPO, each step's export feeding the next.
+"""RLHF steps 1-3 in one run: SFT -> reward model -> PPO (or GRPO, or DPO), each step's export feeding the next.
 
     multiengine run rlhf_e2e --config tiny --nproc-per-node 2      # the embedded default, a few minutes on CPU
     multiengine run rlhf_e2e --config opt13b_opt350m --nproc-per-node 8
@@ -16,6 +16,10 @@ size + mtime of large ones). Any difference reruns the step (and, through its ne
 after it); ``rerun=true`` reruns all. The log and summary.json say which steps were reused and why.
 Prints and writes the before/after figures (summary.json) and copies step 3's curves to
 output_dir/curves.png.
+
+``algorithm`` picks step 3 (see ``FINAL_STEP``): ``ppo`` (rlhf_ppo, section ``ppo``), ``grpo`` (rlhf_grpo,
+section ``grpo``: the step-2 reward model is its reward) or ``dpo`` (rlhf_dpo, section ``dpo``: trained on
+the preference pairs directly, so step 2 is skipped). Step 3 runs under output_dir/<algorithm>.
 """
 
 from __future__ import annotations
@@ -43,9 +47,29 @@ DEFAULTS: dict[str, Any] = {
     "model": {"pretrained": "", "reward_pretrained": ""},  # "" = the random tiny OPT
     "sft": {"config": "tiny", "overrides": []},
     "reward": {"config": "tiny", "overrides": [], "init_from_sft": True},
+    "algorithm": "ppo",  # step 3: ppo | grpo | dpo
     "ppo": {"config": "tiny", "overrides": []},
+    "grpo": {"config": "tiny", "overrides": []},
+    "dpo": {"config": "tiny", "overrides": []},
     "rerun": False,
 }
+
+# step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
+# step 1's actor (the ref is loaded from the same folder) and step 2's reward model
+FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
+    "ppo": ("rlhf_ppo", True, lambda actor, rm: [f"model.actor={actor}", f"model.reward={rm}"]),
+    "grpo": ("rlhf_grpo", True, lambda actor, rm: [f"model.actor={actor}", f"model.reward={rm}",
+                                                   "reward.models=[{role: reward, weight: 1.0}]",
+                                                   "reward.functions=[]"]),
+    "dpo": ("rlhf_dpo", False, lambda actor, rm: [f"model.actor={actor}"]),
+}
+
+
+def check_config(cfg: Any) -> None:
+    from multiengine.recipes.config import RecipeConfigError
+
+    if cfg.algorithm not in FINAL_STEP:
+        raise RecipeConfigError(f"algorithm={cfg.algorithm!r}; use one of {list(FINAL_STEP)}.")
 
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -208,32 +232,38 @@ def main(cfg: Any) -> dict[str, Any]:
                     os.path.join(out, "sft"), cfg.rerun, steps)
     actor = sft["export"]["actor"]["model"]
     # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
-    rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
-    reward = _run_step("rlhf_reward", cfg.reward.config,
-                       [*common, f"model.pretrained={rm_base}", *cfg.reward.overrides],
-                       os.path.join(out, "reward"), cfg.rerun, steps)
-    reward_path = reward["export"]["reward"]["model"]
-    # 3. PPO: actor and ref from step 1, reward and critic from step 2
-    ppo_overrides = [*common, f"model.actor={actor}", f"model.reward={reward_path}", *cfg.ppo.overrides]
+    recipe, needs_rm, feed = FINAL_STEP[cfg.algorithm]
+    reward: dict[str, Any] = {"metrics": {}, "export": {}}
+    reward_path = None
+    if needs_rm:
+        rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
+        reward = _run_step("rlhf_reward", cfg.reward.config,
+                           [*common, f"model.pretrained={rm_base}", *cfg.reward.overrides],
+                           os.path.join(out, "reward"), cfg.rerun, steps)
+        reward_path = reward["export"]["reward"]["model"]
+    # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
+    final = cfg[cfg.algorithm]
+    ppo_overrides = [*common, *feed(actor, reward_path), *final.overrides]
     if cfg.max_steps:
         ppo_overrides.append(f"max_steps={cfg.max_steps}")
-    ppo = _run_step("rlhf_ppo", cfg.ppo.config, ppo_overrides, os.path.join(out, "ppo"), cfg.rerun, steps)
+    ppo = _run_step(recipe, final.config, ppo_overrides, os.path.join(out, cfg.algorithm), cfg.rerun, steps)
 
     m_sft, m_rm, m_ppo = sft["metrics"], reward["metrics"], ppo["metrics"]
+    a = cfg.algorithm  # figures of step 3 are named after it: ppo/judge_after, grpo/judge_after, ...
     figures = {
         "sft/judge": m_sft.get("eval/after/judge"),
         "sft/heldout_loss": m_sft.get("eval/after/heldout_loss"),
         "reward/heldout_accuracy": m_rm.get("heldout_accuracy"),
         "reward/heldout_accuracy_before": m_rm.get("heldout_accuracy_before"),
-        "ppo/judge_before": m_ppo.get("eval/before/judge"),
-        "ppo/judge_after": m_ppo.get("eval/after/judge"),
-        "ppo/reward_before": m_ppo.get("eval/before/reward"),
-        "ppo/reward_after": m_ppo.get("eval/after/reward"),
-        "ppo/kl_after": m_ppo.get("eval/after/kl"),
-        "ppo/step_s_mean": m_ppo.get("time/step_s_mean"),
-        "ppo/generation_s_mean": m_ppo.get("time/generation_s_mean"),
-        "ppo/experience_s_mean": m_ppo.get("time/experience_s_mean"),
-        "ppo/train_s_mean": m_ppo.get("time/train_s_mean"),
+        f"{a}/judge_before": m_ppo.get("eval/before/judge"),
+        f"{a}/judge_after": m_ppo.get("eval/after/judge"),
+        f"{a}/reward_before": m_ppo.get("eval/before/reward"),
+        f"{a}/reward_after": m_ppo.get("eval/after/reward"),
+        f"{a}/kl_after": m_ppo.get("eval/after/kl"),
+        f"{a}/step_s_mean": m_ppo.get("time/step_s_mean"),
+        f"{a}/generation_s_mean": m_ppo.get("time/generation_s_mean"),
+        f"{a}/experience_s_mean": m_ppo.get("time/experience_s_mean"),
+        f"{a}/train_s_mean": m_ppo.get("time/train_s_mean"),
         "sft/step_s_mean": m_sft.get("step_time_s_mean"),
         "reward/step_s_mean": m_rm.get("step_time_s_mean"),
     }
@@ -244,14 +274,15 @@ def main(cfg: Any) -> dict[str, Any]:
             plot = os.path.join(out, "curves.png")
         write_summary(os.path.join(out, "summary.json"), {
             "recipe": "rlhf_e2e", "world_size": registry.world_size, "figures": figures, "plot": plot,
-            "step_runs": steps, "steps": {"sft": sft, "reward": reward, "ppo": ppo}})
+            "algorithm": a, "step_runs": steps,
+            "steps": {"sft": sft, **({"reward": reward} if needs_rm else {}), a: ppo}})
         logger.info("steps: %s", "; ".join(f"{k} {'reused' if v['reused'] else 'ran'} ({v['why']})"
                                             for k, v in steps.items()))
-        if figures["ppo/judge_before"] is not None:
+        if figures[f"{a}/judge_before"] is not None:
             logger.info(
                 "RLHF on the built-in task: judge score of the actor's sampled answers %.3f after SFT -> %.3f after "
-                "PPO (KL to the SFT model %.3f nats per answer); reward-model held-out pair accuracy %.3f",
-                figures["ppo/judge_before"], figures["ppo/judge_after"], figures["ppo/kl_after"] or float("nan"),
-                figures["reward/heldout_accuracy"] or float("nan"))
+                "%s (KL to the SFT model %.3f nats per answer)%s", figures[f"{a}/judge_before"],
+                figures[f"{a}/judge_after"], a.upper(), figures[f"{a}/kl_after"] or float("nan"),
+                f"; reward-model held-out pair accuracy {figures['reward/heldout_accuracy']:.3f}" if needs_rm else "")
     return {"figures": figures, "plot": plot, "step_runs": steps,
             "export": {"actor": ppo["export"].get("actor"), "reward": reward["export"].get("reward")}}

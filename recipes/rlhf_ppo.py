@@ -5,14 +5,15 @@
     multiengine run rlhf_ppo --config opt13b_opt350m --nproc-per-node 8
 
 Every role is its own DeepSpeed engine with its own stage, dtype and offload (ref follows the actor,
-reward the critic, unless set). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
+reward the critic, unless set). The reward is the ``reward`` role by default, or any weighted sum of
+reward-model roles and Python reward functions named in ``reward.models`` / ``reward.functions`` (as in
+rlhf_grpo). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
 export/{actor,critic}[/adapter] (and export/ema) under output_dir; ``resume_from=latest`` continues a run.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -24,7 +25,16 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
 from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
-from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement
+from multiengine.recipes.common import (
+    REWARD_DEFAULTS,
+    RLHF_BETAS,
+    check_model_path,
+    lora_spec,
+    optim_spec,
+    placement,
+    reward_config,
+    reward_entries,
+)
 from multiengine.recipes.config import RecipeConfigError
 from multiengine.recipes.lifecycle import Recipe, with_common
 
@@ -44,7 +54,7 @@ DEFAULTS: dict[str, Any] = with_common({
     "model": {
         "actor": "",  # step 1's export; "" = the random tiny model (mechanics only, nothing to learn from)
         "reward": "",  # step 2's export; "" = the random tiny model with a fresh head
-        "critic": "",  # "" = the reward model (DeepSpeed-Chat)
+        "critic": "",  # "" = the reward model (DeepSpeed-Chat); the actor's folder when rewards are functions only
         "tiny_hidden": 64,
         "tiny_layers": 2,
     },
@@ -87,6 +97,9 @@ DEFAULTS: dict[str, Any] = with_common({
         "reward": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},
     },
     "ema": {"enabled": False, "decay": 0.992, "dtype": "", "offload_params": False},
+    # reward-model roles and reward functions, summed with weights (see recipes/common.py); empty = the
+    # `reward` role from model.reward at roles.reward, weight 1
+    "reward": dict(REWARD_DEFAULTS),
     "lora": {"actor": dict(_LORA), "critic": dict(_LORA)},
     "eval": {
         "every": 10,  # also every N steps (always before and after)
@@ -108,8 +121,17 @@ def ppo_settings(cfg: Any) -> PPOSettings:
         lam=p.lam, kl_coef=p.kl_coef, adaptive_kl=p.adaptive_kl, kl_target=p.kl_target, kl_horizon=p.kl_horizon,
         clip_reward=p.clip_reward or None, whiten_advantages=p.whiten_advantages,
         no_eos_penalty=p.no_eos_penalty or None, ptx_coef=p.ptx_coef, critic_warmup_steps=p.critic_warmup_steps,
-        ema_decay=cfg.ema.decay, shuffle_minibatches=p.shuffle_minibatches,
+        normalize_rewards=cfg.reward.normalize, ema_decay=cfg.ema.decay, shuffle_minibatches=p.shuffle_minibatches,
     )
+
+
+def check_config(cfg: Any) -> None:
+    """Reward sources and PPO settings, checked before any rank starts."""
+    reward_entries(cfg.reward)
+    try:
+        ppo_settings(cfg)
+    except ValueError as exc:
+        raise RecipeConfigError(f"ppo: {exc}") from None
 
 
 class RLHFPPO(Recipe):
@@ -121,25 +143,37 @@ class RLHFPPO(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         self.assets: dict[str, str] = {}
-        if not cfg.data.source or not (cfg.model.actor and cfg.model.reward):
+        entries, functions = reward_entries(cfg.reward)
+        # the `reward` role's folder is model.reward when the reward config leaves it to it
+        wants_rm = (not entries and not functions) or any(e["role"] == "reward" and not e["path"] for e in entries)
+        if not cfg.data.source or not cfg.model.actor or (wants_rm and not cfg.model.reward):
             self.assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
                                               cfg.model.tiny_layers)
-        self.paths = {
-            "actor": self._model_path(cfg.model.actor, "actor", "rlhf_sft"),
-            "reward": self._model_path(cfg.model.reward, "reward", "rlhf_reward"),
-        }
-        self.paths["critic"] = self._model_path(cfg.model.critic, "critic", "rlhf_reward") if cfg.model.critic \
-            else self.paths["reward"]
-        self.tokenizer = resolve_tokenizer(self.paths["actor"], self.assets.get("tokenizer", ""))
-
+        self.paths = {"actor": self._model_path(cfg.model.actor, "actor", "rlhf_sft")}
         roles = cfg.roles
         actor, critic = placement(roles.actor), placement(roles.critic)
+        default_rm = self._model_path(cfg.model.reward, "reward", "rlhf_reward") if wants_rm else None
+        reward_roles, self.rewards = reward_config(cfg.reward, default_rm,
+                                                   placement(roles.reward, critic, trainable=False))
+        for r in reward_roles:
+            self.paths[r.role] = check_model_path(f"reward.models ({r.role}) path", r.path, "rlhf_reward")
+        main_rm = next((r for r in reward_roles if r.role == "reward"), None)
+        if cfg.model.critic:
+            self.paths["critic"] = self._model_path(cfg.model.critic, "critic", "rlhf_reward")
+        elif reward_roles:  # DeepSpeed-Chat: the critic starts from the reward model
+            self.paths["critic"] = (main_rm or reward_roles[0]).path
+        else:
+            logger.info("rewards from functions only: the critic starts from the actor's folder with a fresh head")
+            self.paths["critic"] = self.paths["actor"]
+        self.reward_role = (main_rm or reward_roles[0]).role if reward_roles else None
+        self.tokenizer = resolve_tokenizer(self.paths["actor"], self.assets.get("tokenizer", ""))
+
         s = self.settings = ppo_settings(cfg)
         steps_per_rollout = s.ppo_epochs * (s.rollout_batch_size // s.mini_batch_size)
         build_rlhf_roles(
-            registry, self.paths["actor"], self.paths["reward"], self.paths["critic"],
+            registry, self.paths["actor"], main_rm.path if main_rm else None, self.paths["critic"],
             actor=actor, critic=critic,
-            ref=placement(roles.ref, actor, trainable=False), reward=placement(roles.reward, critic, trainable=False),
+            ref=placement(roles.ref, actor, trainable=False), reward=main_rm.placement if main_rm else None,
             ema=Placement(actor.stage, cfg.ema.dtype or actor.dtype, cfg.ema.offload_params)
             if cfg.ema.enabled else None,
             actor_optim=optim_spec(roles.actor, cfg.max_steps * steps_per_rollout // roles.actor.grad_accum,
@@ -152,6 +186,7 @@ class RLHFPPO(Recipe):
             actor_gradient_checkpointing=roles.actor.gradient_checkpointing,
             critic_gradient_checkpointing=roles.critic.gradient_checkpointing,
             seed=cfg.seed,
+            extra_rewards=[(r.role, r.path, r.placement) for r in reward_roles if r.role != "reward"],
         )
         self.generation = GenerationSettings(
             max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
@@ -162,8 +197,10 @@ class RLHFPPO(Recipe):
         self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
         self.trainer = registry.add_state("ppo", PPOTrainer(
             registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.seed,
-            judge=self.judge, decode=self.decode))
-        self.plot_panels = [("reward-model score", ["train/reward/mean", "eval/reward"])]
+            judge=self.judge, decode=self.decode, rewards=self.rewards))
+        only_rm = [x.name for x in self.rewards] == ["reward"]
+        self.plot_panels = [("reward-model score" if only_rm else "reward (weighted sum)",
+                             ["train/reward/mean", "eval/reward"])]
         if self.judge is not None:
             self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
         self.plot_panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
@@ -174,10 +211,7 @@ class RLHFPPO(Recipe):
                            "pipeline)", role, self.assets["model"])
             return self.assets["model"]
         # a missing local folder is an error here; "org/name" (one slash) or "name" is a hub model
-        if not os.path.exists(given) and (given.startswith(("/", ".", "~")) or given.count("/") >= 2):
-            raise RecipeConfigError(f"model.{role}={given!r} does not exist; run `multiengine run {recipe} "
-                                    f"--config tiny --nproc-per-node 2` first, or use rlhf_e2e.")
-        return given
+        return check_model_path(f"model.{role}", given, recipe)
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
@@ -217,10 +251,11 @@ class RLHFPPO(Recipe):
         t0 = time.perf_counter()
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
-                                 judge=self.judge, reward_role="reward", ref_role="ref", seed=self.cfg.eval.seed)
+                                 judge=self.judge, reward_role=self.reward_role, ref_role="ref",
+                                 seed=self.cfg.eval.seed)
         if self.cfg.eval.greedy:
             greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad,
-                                     self.decode, judge=self.judge, reward_role="reward")
+                                     self.decode, judge=self.judge, reward_role=self.reward_role)
             result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
         result["seconds"] = time.perf_counter() - t0
         return result

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from .evaluation import preference_accuracy
-from .losses import DPO_LOSSES, dpo_loss
-from .preference import REF_KEYS, PreferenceCollator, pair_logprobs
+from .losses import DPO_LOSSES, chosen_nll, dpo_loss
+from .preference import REF_KEYS, PreferenceCollator, pair_logprobs, preference_response_mask
 from .scoring import eval_mode
 
 __all__ = ["DPOSettings", "DPOTrainer"]
@@ -33,6 +33,7 @@ class DPOSettings:
     beta: float = 0.1
     label_smoothing: float = 0.0  # sigmoid only: assumed probability of a flipped label
     precompute_ref: bool = False  # ref log-probs from the batch (precompute_reference), not a ref forward
+    sft_coef: float = 0.0  # > 0: + sft_coef x per-token NLL of the chosen answer (RPO; TRL's rpo_alpha)
 
     def __post_init__(self) -> None:
         if self.loss not in DPO_LOSSES:
@@ -43,6 +44,8 @@ class DPOSettings:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}.")
         if self.loss == "ipo" and self.label_smoothing:
             raise ValueError("label_smoothing applies to loss=sigmoid only; set it to 0 for ipo.")
+        if self.sft_coef < 0:
+            raise ValueError(f"sft_coef must be >= 0, got {self.sft_coef}.")
 
 
 class DPOTrainer:
@@ -92,6 +95,11 @@ class DPOTrainer:
         stats = {"loss": losses.detach(), "accuracy": (r_chosen > r_rejected).float(),
                  "margin": r_chosen - r_rejected, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
                  "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
+        if s.sft_coef > 0:
+            B = chosen.shape[0]
+            nll = chosen_nll(chosen, preference_response_mask(batch)[:B].sum(-1))
+            stats["nll"] = nll.detach()
+            losses = losses + s.sft_coef * nll
         return losses.mean(), stats
 
     def step(self, batch: Mapping[str, Any]) -> dict[str, float]:

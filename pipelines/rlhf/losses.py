@@ -19,6 +19,7 @@ __all__ = [
     "DPO_LOSSES",
     "LOSS_AGG_MODES",
     "aggregate_loss",
+    "chosen_nll",
     "dpo_loss",
     "kl_estimate",
     "kl_loss",
@@ -206,3 +207,17 @@ def dpo_loss(
     else:
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def chosen_nll(policy_chosen: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """Per-pair negative log-likelihood of the chosen response, per token: ``-logpi(y_w) / |y_w|``.
+
+    Added to the DPO loss with a weight (``DPOSettings.sft_coef``; TRL's ``rpo_alpha``, Pang et al. 2024)
+    it keeps the chosen answers likely: DPO alone only widens the margin, and often does so by lowering
+    the log-probs of chosen and rejected answers alike, moving mass to answers neither of them is.
+
+    Args:
+        policy_chosen: ``[B]`` summed log-probs of the chosen responses (with grad).
+        chosen_tokens: ``[B]`` number of response tokens (EOS included) each sum covers.
+    """
+    return -policy_chosen.float() / chosen_tokens.to(torch.float32).clamp_min(1.0)

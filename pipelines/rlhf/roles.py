@@ -18,6 +18,7 @@ actor's placement, ``reward`` at the critic's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +144,7 @@ class RLHFRoles:
 def build_rlhf_roles(
     registry: EngineRegistry,
     actor_path: str,
-    reward_path: str,
+    reward_path: str | None,
     critic_path: str | None = None,
     *,
     actor: Placement,
@@ -161,16 +162,22 @@ def build_rlhf_roles(
     actor_gradient_checkpointing: bool = False,
     critic_gradient_checkpointing: bool = False,
     seed: int = 0,
+    extra_rewards: Sequence[tuple[str, str, Placement]] = (),
 ) -> RLHFRoles:
     """Add and build actor, ref, critic, reward (and ema) on ``registry``.
 
     ``ref=None`` follows the actor's placement (stage, dtype, parameter offload); ``reward=None``
     follows the critic's; ``critic_path=None`` initialises the critic from the reward model
     (DeepSpeed-Chat). ``ema`` (placement or None) must share the actor's stage for the local update.
+    ``reward_path=None`` builds no ``reward`` role (rewards from functions only; ``critic_path`` is then
+    required); ``extra_rewards`` adds more frozen reward models as ``(role, path, placement)``.
     """
     ref = ref or Placement(actor.stage, actor.dtype, actor.offload_params)
     reward = reward or Placement(critic.stage, critic.dtype, critic.offload_params)
     critic_path = critic_path or reward_path
+    if critic_path is None:
+        raise ValueError("no critic folder: pass critic_path (any causal-LM folder gets a fresh value head) when "
+                         "there is no reward model to start it from.")
     if ema is not None and ema.stage != actor.stage:
         raise ValueError(f"ema stage {ema.stage} != actor stage {actor.stage}: the EMA updates local partitions,"
                          " so it must be sharded like the actor.")
@@ -179,11 +186,16 @@ def build_rlhf_roles(
     registry.add(ref_spec(actor_path, ref))
     registry.add(critic_spec(critic_path, critic, critic_optim, micro_batch_size, critic_grad_accum, critic_lora,
                              critic_gradient_checkpointing, seed))
-    registry.add(reward_spec(reward_path, reward))
-    placements = {"actor": actor, "ref": ref, "critic": critic, "reward": reward}
+    placements = {"actor": actor, "ref": ref, "critic": critic}
+    paths = {"actor": actor_path, "ref": actor_path, "critic": critic_path}
+    if reward_path is not None:
+        registry.add(reward_spec(reward_path, reward))
+        placements["reward"], paths["reward"] = reward, reward_path
     if ema is not None:
         registry.add(ema_spec(actor_path, ema, actor_lora, seed))
         placements["ema"] = ema
+    for name, path, place in extra_rewards:
+        registry.add(reward_spec(path, place, name=name))
+        placements[name], paths[name] = place, path
     registry.build()
-    return RLHFRoles(placements=placements, lora={"actor": actor_lora, "critic": critic_lora},
-                     paths={"actor": actor_path, "ref": actor_path, "critic": critic_path, "reward": reward_path})
+    return RLHFRoles(placements=placements, lora={"actor": actor_lora, "critic": critic_lora}, paths=paths)

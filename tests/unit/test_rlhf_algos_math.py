@@ -203,6 +203,22 @@ def test_ipo_hand_values_and_gradient():
         losses.dpo_loss(pc, pr, rc, rr, loss_type="hinge")
 
 
+def test_chosen_nll_is_the_per_token_nll_and_its_gradient():
+    pc = torch.tensor([-3.0, -2.0], requires_grad=True)
+    # -(-3) / 3 tokens = 1; -(-2) / 4 tokens = 0.5; an empty response counts as one token (no division by 0)
+    close(losses.chosen_nll(pc, torch.tensor([3, 4])).detach(), [1.0, 0.5])
+    losses.chosen_nll(pc, torch.tensor([3, 4])).sum().backward()
+    close(pc.grad, [-1 / 3, -0.25])
+    close(losses.chosen_nll(torch.tensor([-2.0]), torch.tensor([0])), [2.0])
+
+
+def test_dpo_settings_reject_a_negative_sft_coef():
+    from multiengine.pipelines.rlhf.dpo import DPOSettings
+
+    with pytest.raises(ValueError, match="sft_coef"):
+        DPOSettings(sft_coef=-1.0)
+
+
 def test_sequence_logprob_sums_response_tokens_only():
     logits = torch.log(torch.tensor([0.2, 0.3, 0.5])).expand(2, 4, 3)
     ids = torch.tensor([[0, 1, 2, 1], [0, 2, 2, 0]])

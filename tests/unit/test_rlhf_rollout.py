@@ -13,7 +13,7 @@ from multiengine.pipelines.rlhf.data import PairCollator, PromptCollator, load_r
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
-from multiengine.pipelines.rlhf.preference import PreferenceCollator
+from multiengine.pipelines.rlhf.preference import PreferenceCollator, preference_response_mask
 from multiengine.pipelines.rlhf.rewards import judge_reward, reward_function, reward_model
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
 from multiengine.pipelines.rlhf.rollout import make_experience
@@ -199,3 +199,11 @@ def test_dpo_step_precomputed_ref_equals_on_the_fly(assets):
     with pytest.raises(ValueError, match="precompute"):
         pre.step(batch)  # precompute_ref=True and a batch without ref log-probs
     assert pre.state_dict()["steps"] == 2
+
+    # RPO: + sft_coef x the chosen answers' per-token NLL; at the start (policy == ref) the DPO part is ln 2
+    rpo = DPOTrainer(build(), DPOSettings(beta=0.1, sft_coef=0.5))
+    loss, stats = rpo.loss({k: v.to(rpo.registry.device) if torch.is_tensor(v) else v for k, v in batch.items()})
+    n_chosen = preference_response_mask(batch)[:4].sum(-1)
+    expected_nll = -stats["logps/chosen"] / n_chosen
+    assert torch.allclose(stats["nll"], expected_nll, atol=1e-6)
+    assert float(loss) == pytest.approx(math.log(2.0) + 0.5 * float(expected_nll.mean()), abs=1e-5)

@@ -1,0 +1,240 @@
+"""Offline preference optimisation: DPO (sigmoid loss, optional label smoothing) or IPO, with a trainable
+policy (``actor``) and a frozen reference (``ref``), each its own engine (both ZeRO-3 by default).
+
+    multiengine run rlhf_dpo --config tiny --nproc-per-node 2                    # SFT actor trained here first
+    multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.loss=ipo dpo.beta=0.5
+    multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.precompute_ref=true roles.ref.offload_params=true
+    multiengine run rlhf_dpo --config opt13b --nproc-per-node 8
+
+Trains on preference pairs (``prompt``, ``chosen``, ``rejected``: the reward split of the RLHF data). The
+reference log-probs come from one no-grad ref forward per batch, or (``dpo.precompute_ref``) are computed
+once for every training and held-out pair before the first step. Reports held-out preference accuracy,
+reward margin and implicit rewards ``beta * (log pi - log pi_ref)``, and on the built-in task the judge's
+score of sampled answers before and after (``metrics["eval/before/judge"]`` / ``["eval/after/judge"]``).
+With no ``model.actor`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft). Writes
+metrics.jsonl, summary.json, curves.png, checkpoints/ and export/actor; ``resume_from=latest`` continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.pipelines.rlhf.data import PairCollator
+from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
+from multiengine.pipelines.rlhf.evaluation import evaluate_policy
+from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.preference import PreferenceCollator
+from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, resolve_tokenizer
+from multiengine.recipes.common import (
+    RLHF_BETAS,
+    check_model_path,
+    evaluation_prompts,
+    lora_spec,
+    optim_spec,
+    placement,
+    sft_model,
+    tiny_assets,
+)
+from multiengine.recipes.config import RecipeConfigError
+from multiengine.recipes.lifecycle import Recipe, with_common
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = with_common({
+    "output_dir": "outputs/rlhf_dpo",
+    "max_steps": 300,  # optimizer steps
+    "model": {
+        "actor": "",  # a causal-LM folder (the SFT model); "" = train the tiny SFT actor under output_dir/sft
+        "tiny_hidden": 64,
+        "tiny_layers": 2,
+    },
+    "actor_sft": {"config": "tiny", "overrides": []},  # how the tiny SFT actor is trained (rlhf_sft)
+    "data": {
+        "source": "",  # folder with reward.jsonl (+ eval.jsonl), a file, or a hub name; "" = the built-in task
+        "train_split": "train",
+        "eval_split": "test",  # hub datasets: held-out pairs and evaluation prompts come from this split
+        "max_prompt_len": 16,
+        "max_response_len": 16,
+        "heldout_size": 512,  # local data: the last pairs, never trained on
+    },
+    "dpo": {
+        "loss": "sigmoid",  # sigmoid (DPO) | ipo
+        "beta": 0.1,
+        "label_smoothing": 0.0,  # sigmoid only: assumed probability of a flipped label (conservative DPO)
+        "precompute_ref": False,  # ref log-probs of every pair once before training, not a ref forward per batch
+        "precompute_batch_size": 64,  # pairs per ref forward while precomputing
+        "sft_coef": 0.0,  # > 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)
+    },
+    "train": {"micro_batch_size": 8, "grad_accum": 1, "lr": 5e-7, "weight_decay": 0.0, "scheduler": "cosine",
+              "warmup_steps": 10, "max_grad_norm": 1.0, "gradient_checkpointing": False},  # pairs per micro batch
+    "roles": {
+        "actor": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},
+        "ref": {"stage": 3, "dtype": "", "offload_params": False, "gather_forward": False},  # "" dtype = actor's
+    },
+    "lora": {"actor": {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
+                       "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}},
+    "generation": {"max_new_tokens": 8, "temperature": 1.0},
+    "eval": {
+        "every": 100,  # also every N steps (always before and after)
+        "size": 256,  # evaluation prompts for the judge (split evenly over ranks); 0 = none
+        "batch_size": 32,
+        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
+        "seed": 1234,
+    },
+    "export": {"enabled": True},
+})
+
+
+def dpo_settings(cfg: Any) -> DPOSettings:
+    d = cfg.dpo
+    return DPOSettings(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing, precompute_ref=d.precompute_ref,
+                       sft_coef=d.sft_coef)
+
+
+def check_config(cfg: Any) -> None:
+    """Loss settings and batch shapes, checked before any rank starts."""
+    try:
+        dpo_settings(cfg)
+    except ValueError as exc:
+        raise RecipeConfigError(f"dpo: {exc}") from None
+    for key in ("micro_batch_size", "grad_accum"):
+        if cfg.train[key] < 1:
+            raise RecipeConfigError(f"train.{key}={cfg.train[key]}: must be >= 1.")
+    if cfg.dpo.precompute_batch_size < 1:
+        raise RecipeConfigError(f"dpo.precompute_batch_size={cfg.dpo.precompute_batch_size}: must be >= 1.")
+
+
+class RLHFDPO(Recipe):
+    name = "rlhf_dpo"
+    postfix_keys = ("loss", "accuracy")
+    plot_panels = [("DPO loss", ["train/loss", "eval/loss"]),
+                   ("preference accuracy", ["train/accuracy", "eval/accuracy"]),
+                   ("implicit reward margin", ["train/margin", "eval/margin"]),
+                   ("judge score (built-in task)", ["eval/judge"]),
+                   ("KL to ref (nats per answer)", ["eval/kl"])]
+
+    def build(self) -> None:
+        cfg, registry = self.cfg, self.registry
+        # 1. the actor (SFT model, trained here on first use) and the tokenizer
+        assets = tiny_assets(self, not (cfg.data.source and cfg.model.actor))
+        source = cfg.data.source or assets["data"]
+        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or \
+            sft_model(self, cfg.actor_sft, self.path("sft"), source, assets["model"])
+        self.tokenizer = resolve_tokenizer(actor_path, assets.get("tokenizer", ""))
+        self.paths = {"actor": actor_path, "ref": actor_path}
+
+        # 2. roles: the trainable policy and the frozen ref, loaded again from the same folder (never a copy)
+        t, s = cfg.train, dpo_settings(cfg)
+        actor = placement(cfg.roles.actor)
+        registry.add(actor_spec(actor_path, actor, optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
+                                micro_batch_size=2 * t.micro_batch_size,  # chosen and rejected rows of each pair
+                                grad_accum=t.grad_accum, lora=lora_spec(cfg.lora.actor),
+                                gradient_checkpointing=t.gradient_checkpointing, seed=cfg.seed))
+        registry.add(ref_spec(actor_path, placement(cfg.roles.ref, actor, trainable=False)))
+        registry.build()
+        self.trainer = registry.add_state("dpo", DPOTrainer(registry, s))
+
+        # 3. pairs: a training stream (checkpointed) and held-out pairs; ref log-probs precomputed if asked
+        collate = PreferenceCollator(PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len))
+        rows = load_split(source, "reward", registry, cfg.data.train_split)
+        if os.path.exists(source):
+            n_heldout = min(cfg.data.heldout_size, len(rows) // 5)
+            train_rows = rows.select(range(len(rows) - n_heldout))
+            heldout_rows = rows.select(range(len(rows) - n_heldout, len(rows)))
+        else:
+            train_rows = rows
+            heldout_rows = load_split(source, "reward", registry, cfg.data.eval_split)
+            heldout_rows = heldout_rows.select(range(min(cfg.data.heldout_size, len(heldout_rows))))
+        self.precompute_s = 0.0
+        if s.precompute_ref:
+            t0 = time.perf_counter()
+            bs = cfg.dpo.precompute_batch_size
+            train_rows = self.trainer.precompute_reference(train_rows, collate, bs)
+            heldout_rows = self.trainer.precompute_reference(heldout_rows, collate, bs)
+            self.precompute_s = time.perf_counter() - t0
+            logger.info("reference log-probs of %d pairs precomputed in %.1f s", len(train_rows) + len(heldout_rows),
+                        self.precompute_s)
+        pairs_per_step = t.micro_batch_size * t.grad_accum
+        self.batches = registry.add_state("batches", ShardedBatches(
+            train_rows, collate, pairs_per_step, registry.world_size, registry.rank, seed=cfg.seed))
+        self.heldout = shard_batches(heldout_rows, collate, t.micro_batch_size, registry.world_size, registry.rank)
+
+        # 4. evaluation prompts for sampled answers and the built-in judge
+        self.eval_prompts = evaluation_prompts(self, source, self.tokenizer)
+        self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
+        self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
+                                             temperature=cfg.generation.temperature)
+
+    def decode(self, ids: torch.Tensor) -> list[str]:
+        return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
+
+    def train_step(self) -> dict[str, float]:
+        # 1. this rank's next B pairs (chosen rows then rejected rows; ref log-probs when precomputed)
+        batch = next(self.batches)
+        # 2.-4. inside trainer.step, per micro batch of B / G pairs: ref log-probs (a no-grad forward unless
+        #    precomputed), policy log-probs of both responses, the DPO / IPO loss, backward; the policy's
+        #    optimizer steps at the accumulation boundary. 5. global means over pairs.
+        metrics = self.trainer.step(batch)
+        metrics["lr"] = self.registry["actor"].get_lr()[0]
+        return metrics
+
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        """Held-out preference accuracy, margin, implicit rewards and loss; sampled answers' judge score and
+        exact KL to ref."""
+        t0 = time.perf_counter()
+        result: dict[str, Any] = dict(self.trainer.evaluate(self.heldout)) if self.heldout else {}
+        if self.eval_prompts:
+            eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+            result.update(evaluate_policy(self.registry, self.eval_prompts, self.generation, eos, pad, self.decode,
+                                          judge=self.judge, ref_role="ref", seed=self.cfg.eval.seed))
+        result["seconds"] = time.perf_counter() - t0
+        return result
+
+    def export(self) -> dict[str, Any]:
+        if not self.cfg.export.enabled:
+            return {}
+        return {"actor": save_role(self.registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
+
+    def summary_metrics(self) -> dict[str, Any]:
+        d = self.cfg.dpo
+        metrics: dict[str, Any] = {"loss_type": d.loss, "beta": d.beta, "precompute_ref": d.precompute_ref,
+                                   "precompute_s": self.precompute_s,
+                                   "final": self.step_metrics[-1] if self.step_metrics else {}}
+        metrics.update(self.eval_figures(("accuracy", "margin", "chosen_reward", "rejected_reward", "loss", "judge",
+                                          "kl", "response_length")))
+        return metrics
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"paths": self.paths}
+
+    def plot_title(self) -> str:
+        d = self.cfg.dpo
+        extra = f", sft_coef {d.sft_coef:g}" if d.sft_coef else ""
+        return f"{self.name}: {_loss_name(self.cfg)}, beta {d.beta:g}{extra} ({self.registry.world_size} ranks)"
+
+    def plot(self) -> str | None:
+        path = super().plot()
+        if self.registry.is_main:
+            m = self.summary_metrics()
+            if "eval/after/accuracy" in m:
+                logger.info("%s: held-out preference accuracy %.3f -> %.3f, judge score %s -> %s", _loss_name(self.cfg),
+                            m.get("eval/before/accuracy", float("nan")), m["eval/after/accuracy"],
+                            _fmt(m.get("eval/before/judge")), _fmt(m.get("eval/after/judge")))
+        return path
+
+
+def _loss_name(cfg: Any) -> str:
+    return "DPO" if cfg.dpo.loss == "sigmoid" else "IPO"
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+main = RLHFDPO.main

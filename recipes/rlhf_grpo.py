@@ -1,0 +1,292 @@
+"""Critic-free RL on the registry: GRPO, Dr. GRPO, RLOO or REINFORCE++ with an actor, a frozen ref and
+reward sources (reward-model roles and/or Python reward functions); no critic.
+
+    multiengine run rlhf_grpo --config tiny --nproc-per-node 2              # SFT actor trained here first
+    multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.algorithm=rloo
+    multiengine run rlhf_grpo --config tiny --nproc-per-node 2 'reward.models=[{role: reward, weight: 1.0}]' \\
+        model.reward=outputs/rlhf_reward/export/reward
+    multiengine run rlhf_grpo --config opt13b --nproc-per-node 8
+
+Each step samples ``grpo.n_samples_per_prompt`` answers to each of a rank's prompts, scores them with the
+weighted reward sources, turns each prompt's group of scores into advantages (``grpo.algorithm``) and runs
+clipped policy-gradient steps on the actor (KL to the ref as a k3 loss term or a k1 reward penalty). The
+actor is at ZeRO-3 with gather-once generation by default; ``ref`` follows its placement. With no
+``model.actor`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft, in this process).
+Writes metrics.jsonl, summary.json (``metrics["eval/before/judge"]`` / ``["eval/after/judge"]`` on the
+built-in task), curves.png, checkpoints/ and export/actor under output_dir; ``resume_from=latest``
+continues a run exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.pipelines.rlhf import tiny
+from multiengine.pipelines.rlhf.data import PromptCollator
+from multiengine.pipelines.rlhf.evaluation import evaluate_policy
+from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
+from multiengine.pipelines.rlhf.rewards import judge_reward
+from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
+from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, resolve_tokenizer
+from multiengine.recipes.common import (
+    REWARD_DEFAULTS,
+    RLHF_BETAS,
+    check_model_path,
+    lora_spec,
+    optim_spec,
+    placement,
+    reward_config,
+    reward_entries,
+    sft_model,
+    tiny_assets,
+)
+from multiengine.recipes.config import RecipeConfigError
+from multiengine.recipes.lifecycle import Recipe, with_common
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = with_common({
+    "output_dir": "outputs/rlhf_grpo",
+    "max_steps": 100,  # steps: one rollout and its policy update each
+    "model": {
+        "actor": "",  # a causal-LM folder (the SFT model); "" = train the tiny SFT actor under output_dir/sft
+        "reward": "",  # the `reward` role's folder when reward.models names it without a path
+        "tiny_hidden": 64,
+        "tiny_layers": 2,
+    },
+    "actor_sft": {"config": "tiny", "overrides": []},  # how the tiny SFT actor is trained (rlhf_sft)
+    "data": {
+        "source": "",  # folder of {ppo,eval}.jsonl, a file, or a hub name; "" = the built-in task
+        "train_split": "train",
+        "eval_split": "test",
+        "max_prompt_len": 16,
+    },
+    "generation": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                   "mode": "gather"},  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
+    "grpo": {
+        "algorithm": "grpo",  # grpo | dr_grpo | rloo | reinforce_pp
+        "n_samples_per_prompt": 4,  # completions per prompt (a group; >= 2 except reinforce_pp)
+        "rollout_batch_size": 8,  # prompts per rank per step (rows = prompts x samples)
+        "mini_batch_size": 16,  # rows per rank per forward/backward
+        "epochs": 1,  # passes over one rollout (1 = ratio 1, the plain policy gradient)
+        "clip_eps": 0.2,
+        "dual_clip": 0.0,  # 0 = off; > 1 caps the loss of negative-advantage tokens
+        "kl_coef": 0.04,  # beta; 0 = no KL and no ref role
+        "kl_in_reward": None,  # null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for rloo/reinforce_pp)
+        "kl_clamp": 0.0,  # 0 = off; clamp each token's KL estimate to +/- this
+        "loss_agg": "",  # "" = the algorithm's | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+        "gamma": 1.0,
+        "std_eps": 1.0e-6,
+        "clip_reward": 5.0,  # 0 = no clipping
+        "no_eos_penalty": 0.0,  # > 0: subtracted from the score of answers without EOS
+        "shuffle_minibatches": True,
+    },
+    # reward-model roles and reward functions, summed with weights (see recipes/common.py)
+    "reward": dict(REWARD_DEFAULTS),
+    "roles": {
+        "actor": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False, "lr": 1e-6,
+                  "weight_decay": 0.0, "scheduler": "constant", "warmup_steps": 0, "grad_accum": 1,
+                  "gradient_checkpointing": False, "max_grad_norm": 1.0},
+        # -1 / "" = the actor's; gather_forward: at ZeRO-3, one collective per forward instead of one per layer
+        "ref": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},
+        "reward": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},  # -1 = actor's
+    },
+    "lora": {"actor": {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
+                       "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}},
+    "eval": {
+        "every": 25,  # also every N steps (always before and after)
+        "size": 256,  # evaluation prompts (split evenly over ranks)
+        "batch_size": 32,
+        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
+        "greedy": False,  # also score greedy answers
+        "seed": 1234,
+    },
+    "export": {"enabled": True},
+})
+
+
+def grpo_settings(cfg: Any) -> GRPOSettings:
+    g = cfg.grpo
+    return GRPOSettings(
+        algorithm=g.algorithm, n_samples_per_prompt=g.n_samples_per_prompt, rollout_batch_size=g.rollout_batch_size,
+        mini_batch_size=g.mini_batch_size, epochs=g.epochs, clip_eps=g.clip_eps, dual_clip=g.dual_clip or None,
+        kl_coef=g.kl_coef, kl_in_reward=g.kl_in_reward, kl_clamp=g.kl_clamp or None, loss_agg=g.loss_agg or None,
+        gamma=g.gamma, std_eps=g.std_eps, clip_reward=g.clip_reward or None, normalize_rewards=cfg.reward.normalize,
+        no_eos_penalty=g.no_eos_penalty or None, shuffle_minibatches=g.shuffle_minibatches)
+
+
+def check_config(cfg: Any) -> None:
+    """Algorithm settings, reward sources and batch shapes, checked before any rank starts."""
+    if cfg.grpo.kl_in_reward is not None and not isinstance(cfg.grpo.kl_in_reward, bool):
+        raise RecipeConfigError(f"grpo.kl_in_reward={cfg.grpo.kl_in_reward!r}: use null (the algorithm's "
+                                "default), true (k1 in the reward) or false (k3 loss term).")
+    try:
+        s = grpo_settings(cfg)
+    except ValueError as exc:
+        raise RecipeConfigError(f"grpo: {exc}") from None
+    if cfg.generation.mode not in ("gather", "per_token"):
+        raise RecipeConfigError(f"generation.mode={cfg.generation.mode!r}; use gather or per_token.")
+    minibatches = s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size
+    if minibatches % cfg.roles.actor.grad_accum:
+        raise RecipeConfigError(
+            f"roles.actor.grad_accum={cfg.roles.actor.grad_accum} does not divide the {minibatches} minibatches of a "
+            "rollout (grpo.rollout_batch_size x grpo.n_samples_per_prompt / grpo.mini_batch_size); change one of them.")
+    entries, functions = reward_entries(cfg.reward)
+    if not entries and not functions and not cfg.model.reward:
+        raise RecipeConfigError("no reward source: set reward.functions (e.g. reward.functions=[builtin:judge] on the "
+                                "built-in task), reward.models, or model.reward (a reward-model folder).")
+
+
+class RLHFGRPO(Recipe):
+    name = "rlhf_grpo"
+    plot_xlabel = "step"
+    postfix_keys = ("reward/mean", "kl")
+
+    # --- setup -----------------------------------------------------------------------------------
+    def build(self) -> None:
+        cfg, registry = self.cfg, self.registry
+        # 1. the actor (SFT model, trained here on first use), tokenizer and data source
+        assets = tiny_assets(self, not (cfg.data.source and cfg.model.actor))
+        self.source = cfg.data.source or assets["data"]
+        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or \
+            sft_model(self, cfg.actor_sft, self.path("sft"), self.source, assets["model"])
+        self.tokenizer = resolve_tokenizer(actor_path, assets.get("tokenizer", ""))
+        self.paths = {"actor": actor_path}
+
+        # 2. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role
+        s = self.settings = grpo_settings(cfg)
+        roles = cfg.roles
+        actor = placement(roles.actor)
+        follow = placement(roles.reward, actor, trainable=False)
+        reward_roles, self.rewards = reward_config(cfg.reward, cfg.model.reward or None, follow)
+        minibatches = s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size
+        registry.add(actor_spec(
+            actor_path, actor, optim_spec(roles.actor, cfg.max_steps * s.epochs * minibatches // roles.actor.grad_accum,
+                                          betas=RLHF_BETAS),
+            micro_batch_size=s.mini_batch_size, grad_accum=roles.actor.grad_accum, lora=lora_spec(cfg.lora.actor),
+            gradient_checkpointing=roles.actor.gradient_checkpointing, seed=cfg.seed))
+        self.ref = "ref" if s.kl_coef > 0 else None
+        if self.ref:
+            registry.add(ref_spec(actor_path, placement(roles.ref, actor, trainable=False)))
+            self.paths["ref"] = actor_path
+        for r in reward_roles:
+            self.paths[r.role] = check_model_path(f"reward.models ({r.role}) path", r.path, "rlhf_reward")
+            registry.add(reward_spec(r.path, r.placement, name=r.role))
+        registry.build()
+        self.reward_role = reward_roles[0].role if reward_roles else None
+
+        # 3. data: prompts (checkpointed stream), evaluation prompts; the built-in judge where it applies
+        collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
+        prompts = load_split(self.source, "ppo", registry, cfg.data.train_split)
+        self._check_builtin_reward(prompts)
+        self.prompts = registry.add_state("prompts", ShardedBatches(
+            prompts, collate, s.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.eval_batches = []
+        if cfg.eval.size:
+            eval_rows = load_split(self.source, "eval", registry, cfg.data.eval_split)
+            self.eval_batches = shard_batches(eval_rows, collate, cfg.eval.batch_size, registry.world_size,
+                                              registry.rank, limit=cfg.eval.size)
+        self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
+
+        # 4. the trainer: its state (reward normaliser) goes into every checkpoint
+        gen = cfg.generation
+        self.generation = GenerationSettings(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                                             top_k=gen.top_k, top_p=gen.top_p, mode=gen.mode, do_sample=True)
+        self.greedy_generation = GenerationSettings(max_new_tokens=gen.max_new_tokens, mode=gen.mode, do_sample=False)
+        self.trainer = registry.add_state("grpo", GRPOTrainer(
+            registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rewards,
+            self.decode, ref=self.ref, seed=cfg.seed, judge=self.judge))
+        self.plot_panels = []
+        if [src.fn for src in self.rewards] != [judge_reward] or self.judge is None:  # else the judge panel has it
+            self.plot_panels.append(("reward (weighted sum)", ["train/reward/mean"]))
+        if self.reward_role:
+            self.plot_panels.append((f"reward-model score ({self.reward_role})", ["eval/reward"]))
+        if self.judge is not None:
+            self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
+        if self.ref:
+            self.plot_panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
+
+    def _check_builtin_reward(self, rows: Any) -> None:
+        """builtin:judge scores only the built-in task's prompts: anything else would score 0 everywhere."""
+        if not any(src.fn is judge_reward for src in self.rewards):
+            return
+        sample = [rows[i]["prompt"] for i in range(min(len(rows), 64))]
+        if not all(tiny.parse_prompt(p) is not None for p in sample):
+            bad = next(p for p in sample if tiny.parse_prompt(p) is None)
+            raise RecipeConfigError(f"reward.functions has builtin:judge, which scores only the built-in task's prompts"
+                                    f" (e.g. 'list 3 fruits :'); data.source={self.cfg.data.source!r} has {bad!r}. "
+                                    "Use your own reward function or a reward model.")
+
+    def decode(self, response_ids: torch.Tensor) -> list[str]:
+        return self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
+
+    # --- training --------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        # 1. this rank's next prompts (left padded; sharded, resumable stream)
+        batch = next(self.prompts)
+        # 2.-5. inside trainer.step: each prompt n times in consecutive rows; sample (actor gathered once, or
+        #    per token), seeded by (seed, step, rank); actor and ref log-probs and every reward source (every
+        #    rank, every role); group advantages; epochs x minibatches of clipped policy-gradient steps (+ k3
+        #    KL loss). The metrics come back as means over ranks.
+        return self.trainer.step(batch, self.step)
+
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, reward-model
+        score, exact KL to ref; optionally greedy answers."""
+        if not self.eval_batches:
+            return {}
+        t0 = time.perf_counter()
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
+                                 judge=self.judge, reward_role=self.reward_role, ref_role=self.ref,
+                                 seed=self.cfg.eval.seed)
+        if self.cfg.eval.greedy:
+            greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad, self.decode,
+                                     judge=self.judge, reward_role=self.reward_role)
+            result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
+        result["seconds"] = time.perf_counter() - t0
+        return result
+
+    # --- outputs ---------------------------------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        if not self.cfg.export.enabled:
+            return {}
+        return {"actor": save_role(self.registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
+
+    def summary_metrics(self) -> dict[str, Any]:
+        s = self.settings
+        metrics: dict[str, Any] = {
+            "algorithm": s.algorithm, "loss_agg": s.resolved_loss_agg, "kl_in_reward": s.resolved_kl_in_reward,
+            "final": self.step_metrics[-1] if self.step_metrics else {},
+            "generation_mode": self.cfg.generation.mode,
+            **{f"{key}_mean": self.mean_step_metric(key)
+               for key in ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s",
+                           "gen/tokens_per_s", "gen/ms_per_token")},
+        }
+        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge")))
+        return metrics
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"paths": self.paths, "rewards": [{"name": r.name, "weight": r.weight,
+                                                  "kind": "model" if r.role else "function"} for r in self.rewards]}
+
+    def plot_title(self) -> str:
+        return f"{self.name}: {self.settings.algorithm} ({self.registry.world_size} ranks)"
+
+    def plot(self) -> str | None:
+        path = super().plot()
+        if self.registry.is_main:
+            m = self.summary_metrics()
+            if "eval/before/judge" in m and "eval/after/judge" in m:
+                logger.info("%s: judge score %.3f before -> %.3f after (KL to ref %.3f nats per answer)",
+                            self.settings.algorithm, m["eval/before/judge"], m["eval/after/judge"],
+                            m.get("eval/after/kl", float("nan")))
+        return path
+
+
+main = RLHFGRPO.main

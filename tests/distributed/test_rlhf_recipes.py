@@ -1,0 +1,123 @@
+"""rlhf_grpo and rlhf_dpo from the CLI on 2 ranks (DeepSpeed CPU accelerator, gloo), shortened: the tiny
+configs with overrides, their summaries and outputs, a resumed rlhf_grpo run continuing bit for bit, and
+rlhf_dpo with precomputed reference log-probs on the actor trained by the first run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+CLI = [sys.executable, "-m", "multiengine.recipes.cli", "run"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+# timings differ between runs; everything else a step logs must be equal after a resume
+TIMING = ("train/time/", "train/gen/", "train/step_time_s")
+
+
+def cli(*args: str, timeout: int = 600) -> None:
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def train_lines(path) -> list[dict]:
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    return [x for x in lines if any(k.startswith("train/") for k in x)]
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory):
+    """GRPO at ZeRO-3 (actor, ref and a reward model), the reward = 0.1 x a reward model + the built-in judge
+    + 0.5 x a function from a file; the SFT actor trained first (shortened); a checkpoint at step 2 of 4."""
+    root = tmp_path_factory.mktemp("rlhf_grpo")
+    fn_file = root / "my_rewards.py"
+    # dense: a 5-step SFT model's answers score ~0 under the judge, which would leave the advantages at 0
+    fn_file.write_text("def distinct_words(prompts, responses):\n"
+                       "    return [len(set(r.split())) / 6.0 for r in responses]\n")
+    out = root / "run"
+    common = ["grpo.rollout_batch_size=2", "grpo.n_samples_per_prompt=4", "grpo.mini_batch_size=4", "grpo.epochs=2",
+              "eval.size=16", "eval.batch_size=8", "eval.every=2", "reward.normalize=true", "max_steps=4",
+              "generation.max_new_tokens=6",
+              f"reward.functions=[builtin:judge, {{fn: '{fn_file}:distinct_words', weight: 0.5}}]",
+              f"reward.models=[{{role: reward_tiny, path: '{out}/tiny/model', weight: 0.1, stage: 3}}]"]
+    cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "checkpoint.every=2",
+        "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
+    resumed = root / "resumed"
+    cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
+        f"model.actor={out}/sft/export/actor", f"data.source={out}/tiny/data",
+        f"resume_from={out}/checkpoints/step_00000002", *common)
+    return {"root": root, "out": out, "resumed": resumed}
+
+
+def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
+    out = grpo["out"]
+    summary = json.loads((out / "summary.json").read_text())
+    m = summary["metrics"]
+    for key in ("eval/before/judge", "eval/after/judge", "eval/before/kl", "eval/after/kl", "eval/after/reward",
+                "time/step_s_mean", "gen/tokens_per_s_mean"):
+        assert m.get(key) is not None, key
+    assert (m["algorithm"], m["loss_agg"], m["kl_in_reward"], m["steps"]) == ("grpo", "seq_mean_token_mean", False, 4)
+    assert m["eval/before/kl"] == pytest.approx(0.0, abs=1e-6) and m["eval/after/kl"] > 0  # the actor moved
+    roles = summary["roles"]
+    assert (roles["actor"]["stage"], roles["ref"]["stage"], roles["reward_tiny"]["stage"]) == (3, 3, 3)
+    assert roles["actor"]["trainable"] and not roles["ref"]["trainable"] and not roles["reward_tiny"]["trainable"]
+    assert "critic" not in roles
+    assert [(r["name"], r["weight"], r["kind"]) for r in summary["rewards"]] == [
+        ("reward_tiny", 0.1, "model"), ("judge", 1.0, "function"), ("distinct_words", 0.5, "function")]
+    assert [e["tag"] for e in summary["evaluations"]] == ["before", "step_2", "after"]
+    train = train_lines(out / "metrics.jsonl")
+    assert [x["step"] for x in train] == [1, 2, 3, 4]
+    for x in train:
+        for key in ("train/policy_loss", "train/kl_loss", "train/clip_frac", "train/entropy", "train/reward/group_std"):
+            assert key in x, key
+        # the rollout's score is the weighted sum of its sources (means are linear); normalisation comes after
+        parts = 0.1 * x["train/reward/reward_tiny"] + x["train/reward/judge"] + 0.5 * x["train/reward/distinct_words"]
+        assert x["train/reward/mean"] == pytest.approx(parts, abs=1e-5)
+    assert train[-1]["train/kl"] != 0.0
+    assert (out / "sft" / "export" / "actor" / "config.json").is_file()  # the SFT actor was trained first
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()
+
+
+def test_grpo_resume_continues_bit_for_bit(grpo):
+    full = train_lines(grpo["out"] / "metrics.jsonl")
+    resumed = train_lines(grpo["resumed"] / "metrics.jsonl")
+    assert [x["step"] for x in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        keep = {k: v for k, v in a.items() if not k.startswith(TIMING)}
+        assert keep == {k: v for k, v in b.items() if not k.startswith(TIMING)}
+    s_full = json.loads((grpo["out"] / "summary.json").read_text())
+    s_res = json.loads((grpo["resumed"] / "summary.json").read_text())
+    assert s_res["metrics"]["eval/after/judge"] == s_full["metrics"]["eval/after/judge"]
+    assert s_res["metrics"]["eval/after/kl"] == s_full["metrics"]["eval/after/kl"]
+
+
+def test_dpo_cli_with_precomputed_ref_on_the_grpo_runs_actor(grpo):
+    from multiengine.pipelines.rlhf import tiny
+
+    out, data = grpo["root"] / "dpo", grpo["root"] / "pairs"
+    tiny.write_builtin_dataset(data, seed=1, n_sft=16, n_reward=320, n_ppo=16, n_eval=32)  # few pairs to precompute
+    cli("rlhf_dpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "max_steps=6",
+        f"model.actor={grpo['out']}/sft/export/actor", f"data.source={data}", "roles.actor.stage=2",
+        "dpo.precompute_ref=true", "train.micro_batch_size=8", "train.grad_accum=2", "train.lr=1e-3",
+        "data.heldout_size=64", "eval.size=16", "eval.batch_size=8", "eval.every=3", "checkpoint.every=3")
+    summary = json.loads((out / "summary.json").read_text())
+    m = summary["metrics"]
+    for key in ("eval/before/accuracy", "eval/after/accuracy", "eval/after/margin", "eval/after/chosen_reward",
+                "eval/after/rejected_reward", "eval/before/judge", "eval/after/judge", "eval/after/kl"):
+        assert m.get(key) is not None, key
+    assert m["precompute_ref"] and m["precompute_s"] > 0 and m["loss_type"] == "sigmoid"
+    # before any step the policy is the ref: every implicit reward is 0, the loss is ln 2
+    assert m["eval/before/loss"] == pytest.approx(0.693147, abs=1e-5) and m["eval/before/margin"] == 0.0
+    assert m["eval/after/loss"] < m["eval/before/loss"] and m["eval/after/margin"] > 0
+    assert (summary["roles"]["actor"]["stage"], summary["roles"]["ref"]["stage"]) == (2, 3)
+    train = train_lines(out / "metrics.jsonl")
+    assert [x["step"] for x in train] == list(range(1, 7))
+    assert {"train/loss", "train/accuracy", "train/margin", "train/rewards/chosen", "train/lr"} <= set(train[0])
+    assert not (out / "sft").exists()  # model.actor given: no SFT run
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()

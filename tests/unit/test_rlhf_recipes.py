@@ -1,0 +1,164 @@
+"""The RLHF recipes' config layer in one process: the shared reward config (reward-model roles and reward
+functions), each recipe's own checks run by load_config before any rank starts, the shipped configs, and
+the rlhf_e2e step-3 switch feeding valid keys to each recipe. The runs themselves are in
+tests/distributed/test_rlhf_recipes.py."""
+
+from __future__ import annotations
+
+import pytest
+from multiengine.engines import Placement
+from multiengine.pipelines.rlhf.rewards import judge_reward
+from multiengine.recipes.common import reward_config, reward_entries
+from multiengine.recipes.config import RecipeConfigError, list_recipes, load_config
+from omegaconf import OmegaConf
+
+BASE = Placement(stage=3, dtype="fp32", offload_params=True)
+
+
+def section(**values):
+    return OmegaConf.create({"models": [], "functions": [], "normalize": False, **values})
+
+
+@pytest.mark.parametrize("recipe", ["rlhf_grpo", "rlhf_dpo"])
+def test_shipped_configs_load_with_a_header(recipe):
+    names = list_recipes()[recipe]
+    assert "tiny" in names and len(names) >= 2  # the embedded default and a GPU example
+    for name in names:
+        cfg = load_config(recipe, name)
+        assert cfg.output_dir and cfg.max_steps > 0
+    from multiengine.recipes.config import config_header, config_path
+
+    assert config_header(config_path(recipe, "tiny"))
+
+
+def test_reward_models_and_functions_with_weights_and_placements(tmp_path):
+    fn_file = tmp_path / "rewards.py"
+    fn_file.write_text("def length(prompts, responses):\n    return [len(r) for r in responses]\n"
+                       "def judge(prompts, responses):\n    return [0.0 for r in responses]\n")
+    s = section(models=[{"role": "reward", "weight": 0.5},
+                        {"role": "reward_safety", "path": "/models/safety", "weight": 2, "stage": 2, "dtype": "bf16",
+                         "offload_params": False}],
+                functions=["builtin:judge", {"fn": f"{fn_file}:length", "weight": 0.1},
+                           {"fn": f"{fn_file}:judge", "weight": -1.0}])
+    roles, sources = reward_config(s, "/models/rm", BASE)
+    assert [(r.role, r.path, r.weight) for r in roles] == [("reward", "/models/rm", 0.5),
+                                                           ("reward_safety", "/models/safety", 2.0)]
+    assert roles[0].placement == BASE  # follows roles.reward's placement
+    assert (roles[1].placement.stage, roles[1].placement.dtype, roles[1].placement.offload_params) == (2, "bf16", False)
+    assert [(x.name, x.weight, x.role) for x in sources[:2]] == [("reward", 0.5, "reward"),
+                                                                ("reward_safety", 2.0, "reward_safety")]
+    assert sources[2].fn is judge_reward and sources[2].weight == 1.0
+    assert sources[3].name == "length" and sources[3].fn([""], ["abc"]) == [3]
+    # two functions called judge: both keep their whole spec as their name
+    assert sources[2].name == "builtin:judge" and sources[4].name == f"{fn_file}:judge"
+    assert len({x.name for x in sources}) == len(sources)
+
+
+def test_a_placement_that_cannot_work_names_its_entry():
+    # stage 2 with the base's parameter offload: only ZeRO-3 partitions parameters
+    with pytest.raises(RecipeConfigError, match=r"reward.models\[0\] \(role 'reward'\): offload_params=True needs"):
+        reward_config(section(models=[{"role": "reward", "stage": 2}]), "/models/rm", BASE)
+
+
+def test_empty_reward_config_is_the_reward_role_or_a_named_error():
+    roles, sources = reward_config(section(), "/models/rm", BASE)
+    assert [(r.role, r.path, r.weight) for r in roles] == [("reward", "/models/rm", 1.0)]
+    assert [x.role for x in sources] == ["reward"]
+    with pytest.raises(RecipeConfigError, match="no reward source.*reward.functions"):
+        reward_config(section(), None, BASE)
+    roles, sources = reward_config(section(functions=["builtin:judge"]), None, BASE)
+    assert roles == [] and [x.fn for x in sources] == [judge_reward]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"models": [{"role": "rm"}]}, r"reward.models\[0\].role='rm'.*reward_<name>"),
+    ({"models": [{"role": "reward", "wieght": 1.0}]}, r"reward.models\[0\].wieght.*Did you mean 'weight'"),
+    ({"models": [{"role": "reward_x"}]}, r"reward.models\[0\].path is empty"),
+    ({"models": [{"role": "reward"}, {"role": "reward"}]}, "appears twice"),
+    ({"models": [{"role": "reward", "weight": "high"}]}, r"reward.models\[0\].weight='high'"),
+    ({"functions": ["judge"]}, r"reward.functions\[0\].*expected 'package.module:function'"),
+    ({"functions": ["builtin:jugde"]}, r"reward.functions\[0\].*no built-in 'jugde'"),
+    ({"functions": ["/no/such/file.py:f"]}, r"reward.functions\[0\].*does not exist"),
+    ({"functions": ["json:no_such_function"]}, r"json has no 'no_such_function'"),
+    ({"functions": [{"fn": "builtin:judge", "wait": 2}]}, r"reward.functions\[0\].wait.*'weight'"),
+    ({"functions": [{"fn": "builtin:judge", "weight": float("nan")}]}, "finite"),
+    ({"functions": "builtin:judge"}, "expected a list"),
+])
+def test_bad_reward_entries_name_the_key_and_the_fix(values, message):
+    with pytest.raises(RecipeConfigError, match=message):
+        reward_entries(section(**values))
+
+
+@pytest.mark.parametrize("recipe, overrides, message", [
+    ("rlhf_grpo", ["grpo.algorithm=ppo"], "grpo: algorithm='ppo'"),
+    ("rlhf_grpo", ["grpo.n_samples_per_prompt=1"], "n_samples_per_prompt=1 gives zero advantages"),
+    ("rlhf_grpo", ["grpo.algorithm=reinforce_pp", "grpo.n_samples_per_prompt=1", "grpo.rollout_batch_size=6",
+                   "grpo.mini_batch_size=4"], "multiple of mini_batch_size=4"),
+    ("rlhf_grpo", ["grpo.kl_in_reward=yes"], "grpo.kl_in_reward='yes'"),
+    ("rlhf_grpo", ["roles.actor.grad_accum=3"], r"roles.actor.grad_accum=3 does not divide the 2 minibatches"),
+    ("rlhf_grpo", ["reward.functions=[]"], "no reward source"),
+    ("rlhf_grpo", ["reward.functions=[builtin:judgee]"], "no built-in 'judgee'"),
+    ("rlhf_grpo", ["generation.mode=hybrid"], "generation.mode='hybrid'"),
+    ("rlhf_dpo", ["dpo.loss=hinge"], "dpo: loss='hinge'"),
+    ("rlhf_dpo", ["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "label_smoothing applies to loss=sigmoid only"),
+    ("rlhf_dpo", ["dpo.beta=0"], "beta must be > 0"),
+    ("rlhf_ppo", ["reward.models=[{role: critic}]"], "reward.models.0..role='critic'|reward.models\\[0\\].role"),
+    ("rlhf_ppo", ["ppo.rollout_batch_size=6", "ppo.mini_batch_size=4"], "ppo: rollout_batch_size=6"),
+    ("rlhf_e2e", ["algorithm=rloo"], r"algorithm='rloo'; use one of \['ppo', 'grpo', 'dpo'\]"),
+])
+def test_recipe_checks_run_in_load_config(recipe, overrides, message):
+    with pytest.raises(RecipeConfigError, match=message):
+        load_config(recipe, "tiny", overrides)
+
+
+def test_ppo_takes_the_same_reward_config():
+    cfg = load_config("rlhf_ppo", "tiny", ["reward.functions=[builtin:judge]", "reward.models=[{role: reward, "
+                                           "weight: 0.5}]", "reward.normalize=true"])
+    roles, sources = reward_config(cfg.reward, cfg.model.reward, BASE)
+    assert [(x.name, x.weight) for x in sources] == [("reward", 0.5), ("judge", 1.0)]
+    assert roles[0].path == cfg.model.reward
+    from multiengine.recipes.rlhf_ppo import ppo_settings
+
+    assert ppo_settings(cfg).normalize_rewards
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dpo"])
+def test_e2e_feeds_each_final_recipe_valid_keys(algorithm):
+    from multiengine.recipes.rlhf_e2e import FINAL_STEP
+
+    recipe, needs_rm, feed = FINAL_STEP[algorithm]
+    assert needs_rm == (algorithm != "dpo")
+    cfg = load_config(recipe, "tiny", feed("/sft/export/actor", "/rm/export/reward"))
+    assert cfg.model.actor == "/sft/export/actor"
+    if algorithm == "grpo":  # GRPO inside e2e optimises the learned reward model, like PPO
+        roles, sources = reward_config(cfg.reward, cfg.model.reward or None, BASE)
+        assert [(r.role, r.path) for r in roles] == [("reward", "/rm/export/reward")]
+        assert [x.role for x in sources] == ["reward"]
+    assert load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]).algorithm == algorithm
+
+
+def test_ppo_recipe_with_reward_functions_only_on_the_torch_backend(tmp_path):
+    """No reward model at all: no `reward` role, the critic starts from the actor's folder (fresh head), and
+    the reward is the judge itself (so the logged reward equals the logged judge score)."""
+    import json
+
+    from multiengine.pipelines.rlhf import tiny
+    from multiengine.recipes import rlhf_ppo
+
+    assets = tiny.prepare_builtin(tmp_path / "assets", hidden=32, layers=1, n_sft=16, n_reward=16, n_ppo=32,
+                                  n_eval=8)
+    cfg = load_config("rlhf_ppo", "tiny", [
+        f"output_dir={tmp_path / 'run'}", "backend=torch", f"model.actor={assets['model']}", "model.reward=",
+        f"data.source={assets['data']}", "reward.functions=[builtin:judge]", "max_steps=2", "eval.every=0",
+        "eval.size=8", "eval.batch_size=4", "eval.greedy=false", "ppo.rollout_batch_size=4",
+        "ppo.mini_batch_size=2", "checkpoint.every=0", "export.critic=false", "plot=false", "tensorboard=false"])
+    rlhf_ppo.main(cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["roles"]) == {"actor", "ref", "critic"}
+    assert summary["paths"]["critic"] == summary["paths"]["actor"] == str(assets["model"])
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in steps if "train/reward/mean" in x]
+    assert len(train) == 2
+    for x in train:
+        assert x["train/reward/mean"] == pytest.approx(x["train/judge/mean"], abs=1e-6)
+    assert "eval/after/reward" not in summary["metrics"] and "eval/after/judge" in summary["metrics"]
