@@ -30,7 +30,10 @@ def run_ranks(module: str, nproc: int, args: list[str]) -> Any:
            "-m", module, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{module} on {nproc} ranks exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        # the first rank's traceback, not the launcher's report that follows it
+        at = proc.stderr.find("Traceback")
+        raise RuntimeError(f"{module} on {nproc} ranks exited {proc.returncode}:\n"
+                           f"{proc.stderr[max(at, 0):][:6000] if at >= 0 else proc.stderr[-4000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

@@ -1,10 +1,13 @@
-"""The PPO step two ways, for the RLHF benchmarks: through the library (registry + PPOTrainer) under a
-config variant, and written directly on ``deepspeed.initialize`` with DeepSpeed's default ZeRO
-settings and DeepSpeed's Adam (the raw-DeepSpeed reference, no registry).
+"""The RLHF step for the benchmarks: PPO two ways, through the library (registry + PPOTrainer) under a
+config variant and written directly on ``deepspeed.initialize`` with DeepSpeed's default ZeRO settings
+and DeepSpeed's Adam (the raw-DeepSpeed reference, no registry); and GRPO through the library
+(registry + GRPOTrainer: actor, ref, reward model, no critic).
 
-Both run the same models (a tiny OPT actor/ref, scalar-head critic/reward on the same body), the same
-shapes, greedy decoding with EOS outside the vocabulary (every answer has its full length), 1 PPO
-epoch of 1 mini-batch, and the same PPO math (pipelines.rlhf.ppo).
+All run the same models (a tiny OPT actor/ref, scalar-head critic/reward on the same body), the same
+shapes and EOS outside the vocabulary (every answer has its full length), 1 epoch of 1 mini-batch.
+PPO decodes greedily with the same PPO math (pipelines.rlhf.ppo) on both sides; GRPO samples
+``GRPO_SAMPLES`` completions per prompt (a group needs different answers), so its step has that many
+times the rows.
 """
 
 from __future__ import annotations
@@ -28,14 +31,22 @@ LR, BETAS = 1e-5, (0.9, 0.95)
 # set of engines serves both shapes.
 MICRO_BATCH = 4
 
-# ours: name -> stage of the trainable roles, generation mode, frozen-role options
+GRPO_SAMPLES = 4  # completions per prompt in the GRPO rows
+
+# ours: name -> algorithm, stage of the trainable roles, generation mode, frozen-role options
 OURS = {
     "zero2": {"stage": 2, "gen": "gather"},
     "zero3_gather": {"stage": 3, "gen": "gather"},
     "zero3_per_token": {"stage": 3, "gen": "per_token"},
     "zero3_offload": {"stage": 3, "gen": "gather", "offload": True},
     "zero3_frozen_gather": {"stage": 3, "gen": "gather", "frozen_gather": True},
+    "grpo_zero2": {"stage": 2, "gen": "gather", "algorithm": "grpo"},
+    "grpo_zero3_gather": {"stage": 3, "gen": "gather", "algorithm": "grpo"},
 }
+
+
+def rows_per_prompt(config: str) -> int:
+    return GRPO_SAMPLES if OURS.get(config, {}).get("algorithm") == "grpo" else 1
 
 
 def tiny_lm(path: str) -> None:
@@ -97,33 +108,28 @@ def _clocked(fn: Any, name: str) -> Any:
 
 
 class Ours:
-    """The library's PPO step under one variant of the config settings."""
+    """The library's PPO (or GRPO) step under one variant of the config settings."""
 
     def __init__(self, config: str, model_dir: str, variant: Variant, dtype: str = "bf16") -> None:
-        from multiengine.engines import EngineRegistry
-        from multiengine.pipelines.rlhf.roles import (
-            OptimSettings,
-            Placement,
-            actor_spec,
-            critic_spec,
-            ref_spec,
-            reward_spec,
-        )
+        from multiengine.engines import EngineRegistry, OptimSpec, Placement
+        from multiengine.pipelines.rlhf.roles import actor_spec, critic_spec, ref_spec, reward_spec
 
         from benchmarks.variants import building
 
         c = OURS[config]
         self.name, self.variant, self.stage, self.gen_mode = config, variant, c["stage"], c["gen"]
-        batch = MICRO_BATCH
+        self.algorithm = c.get("algorithm", "ppo")
         train = Placement(stage=c["stage"], dtype=dtype)
         if c["stage"] == 3:
             frozen = Placement(stage=3, dtype=dtype, offload_params=c.get("offload", False),
                                gather_forward=c.get("frozen_gather", False))
         else:
             frozen = Placement(stage=c["stage"], dtype=dtype)
-        optim = OptimSettings(lr=LR, betas=BETAS)
-        specs = [actor_spec(model_dir, train, optim, batch), ref_spec(model_dir, frozen),
-                 critic_spec(model_dir, train, optim, batch), reward_spec(model_dir, frozen)]
+        optim = OptimSpec(lr=LR, betas=BETAS)
+        specs = [actor_spec(model_dir, train, optim, MICRO_BATCH), ref_spec(model_dir, frozen),
+                 reward_spec(model_dir, frozen)]
+        if self.algorithm == "ppo":
+            specs.append(critic_spec(model_dir, train, optim, MICRO_BATCH))
         self.registry = EngineRegistry()
         for spec in specs:
             configure(variant, spec.ds_config, spec.trainable)
@@ -135,21 +141,31 @@ class Ours:
         self._trainers: dict[str, Any] = {}
 
     def trainer(self, shape: str) -> Any:
-        """The PPO trainer for a shape (1 epoch, 1 mini-batch of all rows; engines are shared)."""
+        """The trainer for a shape (1 epoch, 1 mini-batch of all rows; engines are shared)."""
         from multiengine.pipelines.rlhf.generation import GenerationSettings
-        from multiengine.pipelines.rlhf.trainer import PPOSettings, PPOTrainer
 
         if shape not in self._trainers:
-            import multiengine.pipelines.rlhf.trainer as trainer_module
+            import multiengine.pipelines.rlhf.rollout as rollout_module
 
-            if not getattr(trainer_module.generate, "_cpu_clocked", False):
-                trainer_module.generate = _clocked(trainer_module.generate, "generation")
-                trainer_module.generate._cpu_clocked = True
+            if not getattr(rollout_module.generate, "_cpu_clocked", False):
+                rollout_module.generate = _clocked(rollout_module.generate, "generation")
+                rollout_module.generate._cpu_clocked = True
             batch, _, answer_len = SHAPES[shape]
-            trainer = PPOTrainer(
-                self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode),
-                PPOSettings(rollout_batch_size=batch, mini_batch_size=batch), eos_token_id=EOS, pad_token_id=PAD,
-                seed=0)
+            if self.algorithm == "grpo":
+                from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
+                from multiengine.pipelines.rlhf.rewards import reward_model
+
+                trainer = GRPOTrainer(
+                    self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=True, mode=self.gen_mode),
+                    GRPOSettings(n_samples_per_prompt=GRPO_SAMPLES, rollout_batch_size=batch,
+                                 mini_batch_size=batch * GRPO_SAMPLES), EOS, PAD, [reward_model("reward")], seed=0)
+            else:
+                from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
+
+                trainer = PPOTrainer(
+                    self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode),
+                    PPOSettings(rollout_batch_size=batch, mini_batch_size=batch), eos_token_id=EOS,
+                    pad_token_id=PAD, seed=0)
             trainer.make_experience = _clocked(trainer.make_experience, "experience")
             trainer.train_on = _clocked(trainer.train_on, "train")
             self._trainers[shape] = trainer

@@ -8,7 +8,8 @@ cached function reference launched it). Subprocess launches are counted by a wra
 ``subprocess.Popen`` that also records the caller, so a launch on the hot path names its origin.
 
     python -m benchmarks.profile_step                       # both workloads, legacy vs default (~2 min)
-    python -m benchmarks.profile_step --workload rlhf --config zero2 --shape large --variants legacy,+rule
+    python -m benchmarks.profile_step --workload rlhf --config zero2 --shape large --variants legacy,+buckets
+    python -m benchmarks.profile_step --workload rlhf --config grpo_zero3_gather
     python -m benchmarks.profile_step --cprofile            # also the top Python functions of the step
 """
 
@@ -172,8 +173,38 @@ def profile_one(step: Callable[[], Any], recorder: PhaseRecorder, top: int, with
 # --------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _rlhf_phases(recorder: PhaseRecorder, trainer: Any) -> Iterator[None]:
+    """Phase marks around the step's parts: generation, experience (the rest of the rollout), train, and
+    metrics (every cross-rank reduction of the step's statistics, wherever the library makes it)."""
+    import multiengine.pipelines.rlhf.grpo as grpo_module
+    import multiengine.pipelines.rlhf.ppo_trainer as ppo_module
+    import multiengine.pipelines.rlhf.rollout as rollout_module
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, attr: str, phase: str) -> None:
+        if hasattr(owner, attr):
+            saved.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, recorder.wrap(getattr(owner, attr), phase))
+
+    wrap(rollout_module, "generate", "generation")
+    for module in (ppo_module, grpo_module):
+        wrap(module, "rollout_metrics", "metrics")
+        wrap(module, "step_timings", "metrics")
+    if hasattr(rollout_module, "StepStats"):  # one reduction for the whole step (absent before it existed)
+        wrap(rollout_module.StepStats, "reduce", "metrics")
+    trainer.make_experience = recorder.wrap(trainer.make_experience, "experience")
+    trainer.train_on = recorder.wrap(trainer.train_on, "train")
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+        del trainer.make_experience, trainer.train_on  # back to the class's methods
+
+
 def rlhf_worker(args: argparse.Namespace) -> dict[str, Any]:
-    import multiengine.pipelines.rlhf.trainer as trainer_module
     import torch
 
     from benchmarks import ppo_harness as H
@@ -198,19 +229,10 @@ def rlhf_worker(args: argparse.Namespace) -> dict[str, Any]:
         trainer = ours.trainer(args.shape)
         for i in range(args.warmup):
             ours.step(H.prompts(args.shape, g), i, args.shape)
-        original = {"generate": trainer_module.generate, "make_experience": trainer.make_experience,
-                    "train_on": trainer.train_on}
-        trainer_module.generate = recorder.wrap(trainer_module.generate, "generation")
-        trainer.make_experience = recorder.wrap(trainer.make_experience, "experience")
-        trainer.train_on = recorder.wrap(trainer.train_on, "train")
-        try:
-            batch = H.prompts(args.shape, g)
-            with running(ours.variant, any_zero3=ours.stage == 3):
-                results[name] = profile_one(functools.partial(trainer.step, batch, args.warmup), recorder,
-                                            args.top, args.cprofile)
-        finally:
-            trainer_module.generate = original["generate"]
-            del trainer.make_experience, trainer.train_on  # back to the class's methods
+        batch = H.prompts(args.shape, g)
+        with _rlhf_phases(recorder, trainer), running(ours.variant, any_zero3=ours.stage == 3):
+            results[name] = profile_one(functools.partial(trainer.step, batch, args.warmup), recorder,
+                                        args.top, args.cprofile)
         results[name]["buckets"] = ours.buckets()
     return results
 
@@ -329,6 +351,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--results-name", default="profile_step",
+                        help="benchmarks/results/<name>.json (e.g. a run against another checkout of the library)")
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -368,7 +392,12 @@ def main() -> None:
     out["load_average_end"] = os.getloadavg()
     print(f"\nload average (1, 5, 15 min): start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, end "
           f"{out['load_average_end'][0]:.2f} {out['load_average_end'][1]:.2f} {out['load_average_end'][2]:.2f}")
-    path = write_results("profile_step", out, command="python -m benchmarks.profile_step " + " ".join(sys.argv[1:]))
+    import multiengine.engines
+
+    out["library"] = os.path.dirname(os.path.dirname(os.path.realpath(multiengine.engines.__file__)))
+    print(f"library: {out['library']}")
+    path = write_results(args.results_name, out,
+                         command="python -m benchmarks.profile_step " + " ".join(sys.argv[1:]))
     print(f"wrote {path}")
 
 

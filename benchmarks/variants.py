@@ -1,15 +1,20 @@
 """Config variants for side-by-side measurements in ONE process (so every variant sees the same load).
 
 A variant is one set of choices for the settings issue 13 changed: the "auto" bucket rule, DeepSpeed's
-``memory_efficient_linear``, ``overlap_comm``, the optimizer, and whether ``LOCAL_SIZE`` is exported
+``memory_efficient_linear``, ``overlap_comm``, the optimizer, whether ``LOCAL_SIZE`` is exported
 (DeepSpeed's CPU accelerator runs ``numactl --hardware`` for its device count without it, once per
-ZeRO-3 gradient bucket). ``legacy`` is what the config factories did before; ``default`` is what they
-do now; the ``+x`` variants change one thing on top of ``legacy``.
+ZeRO-3 gradient bucket), and how whole-parameter gathers are made (``registry.gathered``,
+``registry.generation``, ``gather_forward``): one coalesced all-gather per bucket, persistent tensors
+left whole (today), or DeepSpeed's ``GatheredParameters``, one all-gather per tensor, everything
+re-partitioned on exit (before). ``legacy`` is what the library did before issue 13; ``default`` is
+what it does now; the ``+x`` variants change one thing on top of ``legacy``; ``default@x`` change one
+thing of ``default`` back.
 
-Two of these settings are process-wide in DeepSpeed, so several variants in one process need them set
-per variant while it runs (``running``): ``memory_efficient_linear`` replaces ``F.linear`` for the
-whole process once any ZeRO-3 model is built with it, and ``LOCAL_SIZE`` is an environment variable.
-Setting ``F.linear`` back and forth reproduces exactly what separate processes would see.
+Three of these settings are process-wide, so several variants in one process need them set per
+variant while it runs (``running``): ``memory_efficient_linear`` replaces ``F.linear`` for the whole
+process once any ZeRO-3 model is built with it, ``LOCAL_SIZE`` is an environment variable, and the
+gather functions are module globals of the registry. Setting them back and forth reproduces exactly
+what separate processes would see.
 """
 
 from __future__ import annotations
@@ -86,12 +91,13 @@ class Variant:
     rule: str = "current"
     memory_efficient_linear: bool = False
     overlap_comm: bool | None = None  # None: the factories' choice
-    optimizer: str = "ds_adam"
+    optimizer: str = "auto"  # OptimSpec's default: torch AdamW on a CPU-only machine, DeepSpeed's Adam on GPUs
     local_size: bool = True
+    gather: str = "coalesced"  # or "per_tensor": DeepSpeed's GatheredParameters
 
 
 LEGACY = Variant("legacy", rule="legacy", memory_efficient_linear=True, overlap_comm=False, optimizer="adamw",
-                 local_size=False)
+                 local_size=False, gather="per_tensor")
 VARIANTS: dict[str, Variant] = {
     "legacy": LEGACY,
     "+mel_off": replace(LEGACY, name="+mel_off", memory_efficient_linear=False),
@@ -100,7 +106,10 @@ VARIANTS: dict[str, Variant] = {
     "+overlap": replace(LEGACY, name="+overlap", overlap_comm=True),
     "+local_size": replace(LEGACY, name="+local_size", local_size=True),
     "+ds_adam": replace(LEGACY, name="+ds_adam", optimizer="ds_adam"),
+    "+coalesced": replace(LEGACY, name="+coalesced", gather="coalesced"),
     "default": Variant("default"),
+    "default@per_tensor": Variant("default@per_tensor", gather="per_tensor"),
+    "default+ds_adam": Variant("default+ds_adam", optimizer="ds_adam"),
     "default@persist1e4": Variant("default@persist1e4", rule="current@persist1e4"),
     "default@persist_ds": Variant("default@persist_ds", rule="current@persist_ds"),
     "default+overlap": Variant("default+overlap", overlap_comm=True),
@@ -121,9 +130,9 @@ def configure(variant: Variant, ds_config: dict[str, Any], trainable: bool) -> d
 
 def optimizer_factory(variant: Variant, lr: float = 1e-5, betas: tuple[float, float] = (0.9, 0.95),
                       offload: bool = False) -> Callable[[Any], torch.optim.Optimizer]:
-    from multiengine.engines.optim import build_optimizer
+    from multiengine.engines.optim import build_optimizer, resolve_optimizer
 
-    name = "ds_adam" if offload else variant.optimizer
+    name = "ds_adam" if offload else resolve_optimizer(variant.optimizer, offload)
     return lambda params: build_optimizer(name, params, lr=lr, betas=betas, eps=1e-8, weight_decay=0.0,
                                           offload=offload)
 
@@ -153,8 +162,61 @@ def building(variant: Variant) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def per_tensor_whole_parameters(params: Any, modifier_rank: int | None = None, **_: Any) -> Iterator[None]:
+    """The gather before issue 13: DeepSpeed's GatheredParameters (one all-gather per tensor; on exit every
+    tensor is re-partitioned, persistent ones too)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank):
+        yield
+
+
+def _releasing_hooks_detached(engine: Any) -> Any:
+    from multiengine.engines.partition import zero3_offload
+
+    @contextlib.contextmanager
+    def detached() -> Iterator[None]:
+        offload = zero3_offload(engine)
+        if offload is None:
+            yield
+            return
+        from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+        offload.get_param_coordinator().release_and_reset_all(offload.module)
+        for param in iter_params(offload.module, recurse=True):
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+
+    return detached()
+
+
+@contextlib.contextmanager
+def _gathers(kind: str) -> Iterator[None]:
+    """The registry's whole-parameter gathers as ``kind`` ("coalesced": today's; "per_tensor": before)."""
+    import multiengine.engines.registry as registry_module
+
+    if kind == "coalesced" or not hasattr(registry_module, "whole_parameters"):
+        yield  # today's, or a library from before the change (which only has the per-tensor one)
+        return
+    saved = registry_module.whole_parameters, registry_module.hooks_detached
+    registry_module.whole_parameters, registry_module.hooks_detached = (per_tensor_whole_parameters,
+                                                                        _releasing_hooks_detached)
+    try:
+        yield
+    finally:
+        registry_module.whole_parameters, registry_module.hooks_detached = saved
+
+
+@contextlib.contextmanager
 def running(variant: Variant, any_zero3: bool) -> Iterator[None]:
-    """While a variant's steps run: F.linear and LOCAL_SIZE as a process of its own would have them."""
+    """While a variant's steps run: F.linear, LOCAL_SIZE and the registry's gathers as a process of its
+    own would have them."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
     old_linear, old_env = torch.nn.functional.linear, os.environ.get("LOCAL_SIZE")
@@ -165,7 +227,8 @@ def running(variant: Variant, any_zero3: bool) -> Iterator[None]:
     else:
         os.environ.pop("LOCAL_SIZE", None)
     try:
-        yield
+        with _gathers(variant.gather):
+            yield
     finally:
         torch.nn.functional.linear = old_linear
         if old_env is None:

@@ -34,7 +34,7 @@ from .config import (
     zero_stage,
 )
 from .dist import DistEnv, deepspeed_available, device_for, init_distributed, shutdown
-from .partition import hooks_detached
+from .partition import hooks_detached, whole_parameters
 from .roles import set_gradient_checkpointing
 from .seeding import generator as _generator
 from .seeding import role_seed, seed_everything
@@ -154,15 +154,14 @@ class Role:
 
 
 def _gathered_forward(forward: Callable[..., Any], params: list[torch.nn.Parameter]) -> Callable[..., Any]:
-    """Run forward with all parameters gathered by one collective; the ZeRO-3 hooks then find every
-    parameter present and fetch nothing. Released (back to 1/N) when the call returns."""
+    """Run forward with all parameters gathered by one coalesced collective; the ZeRO-3 hooks then find
+    every parameter present and fetch nothing. Released (back to 1/N) when the call returns, persistent
+    parameters (whole between forwards anyway) excepted."""
     import functools
-
-    import deepspeed
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with deepspeed.zero.GatheredParameters(params):
+        with whole_parameters(params):
             return forward(*args, **kwargs)
 
     return run
@@ -423,21 +422,23 @@ class EngineRegistry:
         gathered once, not per layer. All ranks must enter it; safe at any point of training.
 
         Inside the block a ZeRO-3 role's fetch/release hooks are detached (its forward runs on the whole
-        weights, no communication) after every prefetch still in flight is drained. Do not train inside
-        it. With ``modifier_rank`` set, changes made on that rank are kept and re-partitioned on exit.
+        weights, no communication) after every prefetch still in flight is drained. The parameters of
+        all the roles travel in one coalesced all-gather (per bucket of ``partition.GATHER_BUCKET_NUMEL``
+        elements), and on exit go back to 1/N, except ZeRO-3's persistent ones, which it keeps whole
+        between forwards anyway. Do not train inside it. Without ``modifier_rank`` the block is
+        read-only; with it, changes made on that rank are broadcast and re-partitioned on exit.
         Roles below stage 3 already hold full parameters; nesting a role's gather is a no-op.
         """
         roles = [self.role(n) for n in names] if names else self.roles()
         with contextlib.ExitStack() as stack:
+            params: list[torch.nn.Parameter] = []
             for role in roles:
                 if role.backend != "deepspeed" or role.stage != 3 or self._gather_depth.get(role.name):
                     continue
-                import deepspeed
-
                 stack.enter_context(self._depth(role.name))
                 stack.enter_context(hooks_detached(role.engine))
-                stack.enter_context(deepspeed.zero.GatheredParameters(list(role.module.parameters()),
-                                                                      modifier_rank=modifier_rank))
+                params.extend(role.module.parameters())
+            stack.enter_context(whole_parameters(params, modifier_rank=modifier_rank))
             yield
 
     @contextlib.contextmanager

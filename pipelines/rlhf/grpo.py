@@ -32,7 +32,7 @@ from .advantages import CRITIC_FREE, critic_free_advantages
 from .generation import GenerationSettings
 from .losses import LOSS_AGG_MODES
 from .rewards import RewardSource, RunningMoments, check_sources
-from .rollout import Experience, make_experience, rollout_metrics, step_timings
+from .rollout import Experience, StepStats, make_experience, rollout_metrics, step_timings
 from .update import train_on_experience
 
 __all__ = ["GRPOSettings", "GRPOTrainer"]
@@ -169,26 +169,32 @@ class GRPOTrainer:
         exp.timings["experience_s"] += time.perf_counter() - t0
         return exp
 
-    def train_on(self, exp: Experience, step: int) -> dict[str, float]:
-        """``epochs`` passes of minibatches over the rollout (KL loss term unless it is in the reward)."""
+    def train_on(self, exp: Experience, step: int, stats: StepStats | None = None) -> dict[str, float]:
+        """``epochs`` passes of minibatches over the rollout (KL loss term unless it is in the reward).
+        With ``stats``, the statistics are added to it and ``{}`` is returned."""
         s = self.settings
         kl_loss_coef = 0.0 if s.resolved_kl_in_reward else s.kl_coef
         return train_on_experience(
             self.registry, exp, step, mini_batch_size=s.mini_batch_size, temperature=self.generation.temperature,
             actor=self.actor, critic=None, epochs=s.epochs, clip_eps=s.clip_eps, dual_clip=s.dual_clip,
             loss_agg=s.resolved_loss_agg, horizon=self.generation.max_new_tokens, kl_coef=kl_loss_coef,
-            kl_estimator="k3", kl_clamp=s.kl_clamp, shuffle=s.shuffle_minibatches, seed=self.seed)
+            kl_estimator="k3", kl_clamp=s.kl_clamp, shuffle=s.shuffle_minibatches, seed=self.seed, stats=stats)
+
+    def rollout_metrics(self, exp: Experience, stats: StepStats | None = None) -> dict[str, float]:
+        """Reward, KL, length and group statistics of a rollout, over all ranks (with ``stats``: added to it)."""
+        return rollout_metrics(exp, self.judge, stats)
 
     def step(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """One step: rollout, advantages, update. Returns the step's metrics (global means)."""
         t0 = time.perf_counter()
         exp = self.make_experience(batch, step)
-        rollout = rollout_metrics(exp, self.judge)
+        stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
+        self.rollout_metrics(exp, stats)
         t1 = time.perf_counter()
-        stats = self.train_on(exp, step)
+        self.train_on(exp, step, stats)
         t_train = time.perf_counter() - t1
-        return {**rollout, **stats, "kl_coef": self.settings.kl_coef,
-                **step_timings(exp, t_train, time.perf_counter() - t0)}
+        timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
+        return {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings}
 
     def state_dict(self) -> dict[str, Any]:
         return {"algorithm": self.settings.algorithm,

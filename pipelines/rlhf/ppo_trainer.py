@@ -15,7 +15,7 @@ from multiengine.engines import EngineRegistry, ema_update
 from . import ppo
 from .generation import GenerationSettings
 from .rewards import RewardSource, RunningMoments, check_sources, reward_model
-from .rollout import Experience, make_experience, rollout_metrics, sampling_seed, step_timings
+from .rollout import Experience, StepStats, make_experience, rollout_metrics, sampling_seed, step_timings
 from .update import train_on_experience
 
 __all__ = ["PPOSettings", "PPOTrainer"]
@@ -145,18 +145,19 @@ class PPOTrainer:
         exp.timings["experience_s"] += time.perf_counter() - t0
         return exp
 
-    def train_on(self, exp: Experience, step: int,
-                 ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
+    def train_on(self, exp: Experience, step: int, ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None,
+                 stats: StepStats | None = None) -> dict[str, float]:
         """``ppo_epochs`` passes of minibatches over one frozen rollout; actor and critic step separately.
 
-        Returns global means (over ranks and micro-batches) of the losses and statistics.
+        Returns global means (over ranks and micro-batches) of the losses and statistics (with
+        ``stats``: added to it instead, ``{}`` returned).
         """
         s = self.settings
         return train_on_experience(
             self.registry, exp, step, mini_batch_size=s.mini_batch_size, temperature=self.generation.temperature,
             actor=self.actor, critic=self.critic, epochs=s.ppo_epochs, clip_eps=s.clip_eps, dual_clip=s.dual_clip,
             value_clip=s.value_clip, train_actor=step >= s.critic_warmup_steps, ptx_batches=ptx_batches,
-            ptx_coef=s.ptx_coef, shuffle=s.shuffle_minibatches, seed=self.seed)
+            ptx_coef=s.ptx_coef, shuffle=s.shuffle_minibatches, seed=self.seed, stats=stats)
 
     # ---------------------------------------------------------------------------------------------
     def step(self, batch: dict[str, Any], step: int,
@@ -164,20 +165,22 @@ class PPOTrainer:
         """One PPO step: experience, update, EMA, KL-controller update. Returns the step's metrics."""
         t0 = time.perf_counter()
         exp = self.make_experience(batch, step)
-        rollout = self.rollout_metrics(exp)
+        stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
+        self.rollout_metrics(exp, stats)
         t1 = time.perf_counter()
-        stats = self.train_on(exp, step, ptx_batches)
+        self.train_on(exp, step, ptx_batches, stats)
         t_train = time.perf_counter() - t1
         if self.has_ema:
             ema_update(self.registry[self.ema].module, self.registry[self.actor].module, self.settings.ema_decay)
+        timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
+        metrics = stats.reduce()
         n_rows = exp.sequences.shape[0] * self.registry.world_size
-        self.kl_ctl.update(rollout["kl"], n_rows)
-        return {**rollout, **stats, "kl_coef": self.kl_ctl.value,
-                **step_timings(exp, t_train, time.perf_counter() - t0)}
+        self.kl_ctl.update(metrics["kl"], n_rows)
+        return {**metrics, "kl_coef": self.kl_ctl.value, **timings}
 
-    def rollout_metrics(self, exp: Experience) -> dict[str, float]:
-        """Reward, KL and length statistics of a rollout, over all ranks."""
-        return rollout_metrics(exp, self.judge)
+    def rollout_metrics(self, exp: Experience, stats: StepStats | None = None) -> dict[str, float]:
+        """Reward, KL and length statistics of a rollout, over all ranks (with ``stats``: added to it)."""
+        return rollout_metrics(exp, self.judge, stats)
 
     # ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -15,20 +15,22 @@ Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, all_reduce_sum, global_moments, mean_over_ranks
+from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
 from .generation import GenerationSettings, generate
 from .rewards import RewardSource, compute_scores
 from .scoring import role_logprobs, role_values
 
-__all__ = ["Experience", "expand_prompts", "make_experience", "rollout_metrics", "sampling_seed", "step_timings"]
+__all__ = ["Experience", "StepStats", "expand_prompts", "make_experience", "rollout_metrics", "sampling_seed",
+           "step_timings"]
 
 Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
@@ -170,43 +172,93 @@ def make_experience(
     )
 
 
-def rollout_metrics(exp: Experience, judge: Judge | None = None) -> dict[str, float]:
+class StepStats:
+    """The scalar statistics of one step from every rank, reduced by ONE all-reduce.
+
+    Each entry puts local sums into one float64 vector, with a function of their global sums that gives
+    its value; :meth:`reduce` sums the vector over ranks at once (collective) and returns ``{key: value}``.
+    Every rank must add the same entries in the same order. Used by the trainers to reduce a rollout's
+    metrics, the update's statistics and the throughput together (each collective on gloo costs a
+    latency of about a millisecond, whatever its size).
+    """
+
+    def __init__(self) -> None:
+        self._sums: list[float] = []
+        self._entries: list[tuple[str, int, int, Callable[..., float]]] = []
+
+    def add(self, key: str, sums: Sequence[float | torch.Tensor], finish: Callable[..., float]) -> None:
+        """``key = finish(*global sums)``."""
+        start = len(self._sums)
+        self._sums.extend(float(v) for v in sums)
+        self._entries.append((key, start, len(self._sums), finish))
+
+    def mean(self, key: str, x: torch.Tensor) -> None:
+        """Mean of all entries of ``x`` on all ranks."""
+        x = x.detach().double().reshape(-1)
+        self.add(key, [x.sum(), x.numel()], lambda total, n: total / max(n, 1.0))
+
+    def moments(self, mean_key: str, std_key: str, x: torch.Tensor) -> None:
+        """Mean and population std of all entries of ``x`` on all ranks."""
+        x = x.detach().double().reshape(-1)
+        self.add(mean_key, [x.sum(), x.numel()], lambda total, n: total / max(n, 1.0))
+        self.add(std_key, [x.sum(), (x * x).sum(), x.numel()], _std)
+
+    def reduce(self) -> dict[str, float]:
+        """Every entry's value over all ranks (collective: one all-reduce)."""
+        totals = all_reduce_sum(torch.tensor(self._sums, dtype=torch.float64)).tolist() if self._sums else []
+        return {key: float(finish(*totals[start:end])) for key, start, end, finish in self._entries}
+
+
+def _std(total: float, total_sq: float, n: float) -> float:
+    mean = total / max(n, 1.0)
+    return math.sqrt(max(total_sq / max(n, 1.0) - mean * mean, 0.0))
+
+
+def rollout_metrics(exp: Experience, judge: Judge | None = None, stats: StepStats | None = None) -> dict[str, float]:
     """Reward, per-source reward, KL, length (and judge) statistics of a rollout, over all ranks
-    (collective: every rank computes the same keys)."""
+    (collective, one all-reduce: every rank computes the same keys). With ``stats``, the entries are
+    added to it instead (reduced by the caller with the step's other statistics) and ``{}`` is returned."""
+    own = stats is None
+    stats = StepStats() if stats is None else stats
     mask = exp.action_mask.float()
-    score_mean, score_std, _ = global_moments(exp.score)
-    out = {"reward/mean": score_mean, "reward/std": score_std,
-           "response_length": global_moments(mask.sum(-1))[0]}
+    stats.moments("reward/mean", "reward/std", exp.score)
+    stats.mean("response_length", mask.sum(-1))
     if len(exp.reward_parts) > 1:
         for name, value in exp.reward_parts.items():
-            out[f"reward/{name}"] = global_moments(value)[0]
+            stats.mean(f"reward/{name}", value)
     if exp.ref_logprobs is not None:
-        out["kl"] = global_moments((ppo.kl_k1(exp.logprobs, exp.ref_logprobs) * mask).sum(-1))[0]
+        stats.mean("kl", (ppo.kl_k1(exp.logprobs, exp.ref_logprobs) * mask).sum(-1))
     if exp.rewards is not None:
-        out["reward/total_mean"] = global_moments((exp.rewards * mask).sum(-1))[0]
+        stats.mean("reward/total_mean", (exp.rewards * mask).sum(-1))
     if exp.values is not None:
-        out["values/mean"] = mean_over_ranks({"v": float(ppo.masked_mean(exp.values, mask))})["v"]
+        # the mean over ranks of each rank's masked mean
+        stats.add("values/mean", [ppo.masked_mean(exp.values, mask), 1.0], lambda total, n: total / n)
     if exp.group_size > 1:
         # groups whose completions all scored the same carry no signal for the group estimators
         g = exp.score.reshape(-1, exp.group_size)
-        out["reward/group_std"] = global_moments(g.std(-1))[0]
-        out["reward/flat_groups"] = global_moments((g.max(-1).values == g.min(-1).values).double())[0]
+        stats.mean("reward/group_std", g.std(-1))
+        stats.mean("reward/flat_groups", (g.max(-1).values == g.min(-1).values).double())
     if judge is not None and exp.prompts and exp.responses:
         judged = torch.tensor([judge(p, a) for p, a in zip(exp.prompts, exp.responses)], dtype=torch.float64)
-        out["judge/mean"] = global_moments(judged)[0]
-    return out
+        stats.mean("judge/mean", judged)
+    return stats.reduce() if own else {}
 
 
-def step_timings(exp: Experience, t_train: float, t_step: float) -> dict[str, float]:
+def step_timings(exp: Experience, t_train: float, t_step: float, stats: StepStats | None = None) -> dict[str, float]:
     """Time per phase and generation throughput of one step (tokens kept on all ranks per second of
-    generation; ms per decoding step). Collective (one all-reduce)."""
-    gen_tokens = float(all_reduce_sum(exp.action_mask.float().sum().reshape(1))[0])
+    generation; ms per decoding step). Collective (one all-reduce for the token count), or, with
+    ``stats``, the token count joins the caller's reduction (``gen/tokens_per_s`` is then in its result)."""
     t_gen = exp.timings["generation_s"]
-    return {
+    out = {
         "time/generation_s": t_gen,
         "time/experience_s": exp.timings["experience_s"],
         "time/train_s": t_train,
         "time/step_s": t_step,
-        "gen/tokens_per_s": gen_tokens / max(t_gen, 1e-9),
         "gen/ms_per_token": 1000.0 * t_gen / max(exp.timings["generation_steps"], 1.0),
     }
+    own = stats is None
+    target = StepStats() if own else stats
+    target.add("gen/tokens_per_s", [exp.action_mask.float().sum()], lambda tokens: tokens / max(t_gen, 1e-9))
+    if own:
+        out.update(target.reduce())
+    return out

@@ -19,7 +19,7 @@ from multiengine.engines import EngineRegistry, all_reduce_sum
 from . import ppo
 from .generation import position_ids_from_mask
 from .losses import kl_loss, loss_units, policy_gradient_loss
-from .rollout import Experience
+from .rollout import Experience, StepStats
 from .scoring import policy_logits
 from .steps import causal_lm_loss
 
@@ -40,11 +40,23 @@ def minibatch_indices(n_rows: int, mini_batch_size: int, shuffle: bool = True, s
     return list(order.split(mini_batch_size))
 
 
-def _denominator(exp: Experience, group: list[torch.Tensor], mode: str, world: int, grad_accum: int,
-                 device: torch.device) -> torch.Tensor:
-    local = sum(float(loss_units(exp.action_mask[idx], mode)) for idx in group)
-    total = float(all_reduce_sum(torch.tensor([local], dtype=torch.float64))[0])
-    return torch.tensor(total / (world * grad_accum), dtype=torch.float32, device=device)
+def _denominators(exp: Experience, epochs: list[list[torch.Tensor]], groups: list[tuple[str, str, int]], world: int,
+                  device: torch.device) -> dict[tuple[str, int, int], torch.Tensor]:
+    """Every optimizer step's loss denominator of the update, from one all-reduce: ``(role, epoch, first
+    micro-batch) -> global units / (W * G)``. The rows of each step are fixed before it runs (the
+    minibatch order is seeded) and the units only count the action mask, so all can be summed up front."""
+    keys, local = [], []
+    for e, micro in enumerate(epochs):
+        for role, mode, g in groups:
+            for start in range(0, len(micro), g):
+                keys.append((role, e, start))
+                local.append(sum(float(loss_units(exp.action_mask[idx], mode)) for idx in micro[start:start + g]))
+    if not keys:
+        return {}
+    totals = all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+    g_of = {role: g for role, _, g in groups}
+    return {key: torch.tensor(total / (world * g_of[key[0]]), dtype=torch.float32, device=device)
+            for key, total in zip(keys, totals)}
 
 
 def train_on_experience(
@@ -70,8 +82,10 @@ def train_on_experience(
     ptx_coef: float = 0.0,
     shuffle: bool = True,
     seed: int = 0,
+    stats: StepStats | None = None,
 ) -> dict[str, float]:
-    """``epochs`` passes of minibatches over one frozen rollout (collective).
+    """``epochs`` passes of minibatches over one frozen rollout (collective: one all-reduce for every
+    loss denominator, one for the statistics).
 
     Args:
         exp: with ``advantages`` (and ``returns``/``values`` when a critic trains; ``ref_logprobs``
@@ -86,6 +100,8 @@ def train_on_experience(
         train_actor: ``False`` during a critic warm-up.
         ptx_batches / ptx_coef: SFT batches whose loss is added to the actor's (PPO-ptx).
         shuffle / seed: minibatch order.
+        stats: add the statistics to this :class:`StepStats` (the caller reduces them with the step's
+            others) and return ``{}``.
 
     Returns:
         Global means over ranks and micro-batches: ``policy_loss`` / ``value_loss`` / ``kl_loss`` (per
@@ -110,17 +126,21 @@ def train_on_experience(
     def add(key: str, value: torch.Tensor | float) -> None:
         sums[key] = sums.get(key, 0.0) + float(value)
 
-    for epoch in range(epochs):
-        micro = minibatch_indices(exp.sequences.shape[0], mini_batch_size, shuffle, seed, step, epoch)
-        if len(micro) % g_actor or len(micro) % g_critic:
-            raise ValueError(f"{len(micro)} minibatches per epoch is not a multiple of the gradient accumulation"
-                             f" steps (actor {g_actor}, critic {g_critic}).")
+    epoch_micro = [minibatch_indices(exp.sequences.shape[0], mini_batch_size, shuffle, seed, step, epoch)
+                   for epoch in range(epochs)]
+    n_mb = len(epoch_micro[0]) if epoch_micro else 0
+    if n_mb % g_actor or n_mb % g_critic:
+        raise ValueError(f"{n_mb} minibatches per epoch is not a multiple of the gradient accumulation"
+                         f" steps (actor {g_actor}, critic {g_critic}).")
+    groups = ([("actor", loss_agg, g_actor)] if train_actor else []) + \
+        ([("critic", "token_mean", g_critic)] if critic_engine is not None else [])
+    denominators = _denominators(exp, epoch_micro, groups, world, registry.device)
+    for epoch, micro in enumerate(epoch_micro):
         for i, idx in enumerate(micro):
             mb = exp.rows(idx)
             # 1. actor: surrogate on the current policy's log-probs (+ KL loss) (+ pretraining loss)
             if train_actor:
-                group = micro[i - i % g_actor: i - i % g_actor + g_actor]
-                den = _denominator(exp, group, loss_agg, world, g_actor, registry.device)
+                den = denominators[("actor", epoch, i - i % g_actor)]
                 logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
                 logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
                 pg_loss, pg_stats = policy_gradient_loss(logp, mb.logprobs, mb.advantages, mb.action_mask, clip_eps,
@@ -149,8 +169,7 @@ def train_on_experience(
                 add("entropy", entropy)
             # 2. critic: clipped value loss against the returns
             if critic_engine is not None:
-                group = micro[i - i % g_critic: i - i % g_critic + g_critic]
-                den = _denominator(exp, group, "token_mean", world, g_critic, registry.device)
+                den = denominators[("critic", epoch, i - i % g_critic)]
                 values = ppo.response_values(critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
                                                            position_ids=position_ids_from_mask(mb.attention_mask)), C)
                 v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip, den)
@@ -160,14 +179,17 @@ def train_on_experience(
                 add("value_clip_frac", v_stats["clip_frac"])
             n_micro += 1
 
-    # 3. one all-reduce for every statistic: global sums, then means per micro-batch / optimizer step
-    keys = sorted(sums)
-    totals = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist() if keys else []
+    # 3. every statistic in one all-reduce (the caller's, with ``stats``): global sums, then means per
+    #    micro-batch / optimizer step
+    own = stats is None
+    stats = StepStats() if own else stats
     per_step = {"policy_loss_global": g_actor, "kl_loss_global": g_actor, "value_loss_global": g_critic}
-    out: dict[str, Any] = {}
-    for key, total in zip(keys, totals):
+    for key in sorted(sums):
         if key in per_step:
-            out[key.removesuffix("_global")] = total / max(n_micro / per_step[key], 1.0)
+            steps = max(n_micro / per_step[key], 1.0)
+            stats.add(key.removesuffix("_global"), [sums[key]], lambda total, steps=steps: total / steps)
         else:
-            out[key] = total / (world * max(n_micro, 1))
+            count = world * max(n_micro, 1)
+            stats.add(key, [sums[key]], lambda total, count=count: total / count)
+    out: dict[str, Any] = stats.reduce() if own else {}
     return out
