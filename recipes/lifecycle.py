@@ -270,9 +270,8 @@ class Recipe:
         where = f"step {self.step}: non-finite values ({problem})"
         if name == "skip" and self.nonfinite_skips <= max_skips:
             if self.registry.is_main:
-                bar.write(f"warning: {where}; no update was applied, step skipped "
-                          f"({self.nonfinite_skips} of nonfinite.max_skips={max_skips})")
-                logger.warning("%s; step skipped (%d of %d)", where, self.nonfinite_skips, max_skips)
+                logger.warning("%s; step skipped (%d of nonfinite.max_skips=%d)", where, self.nonfinite_skips,
+                               max_skips)
             return
         bar.close()
         tag = latest_tag(self.path("checkpoints"))
