@@ -11,6 +11,7 @@ from .ema import ema_decay, ema_update
 from .export import atomic_dir, cast_folder, save_role, write_role
 from .memory import MemoryReport, current_rss_bytes, gather_memory, peak_rss_bytes
 from .metrics import MetricsLogger, plot_curves, read_jsonl, setup_logging, write_summary
+from .nonfinite import NonFiniteError, NonFiniteUpdate
 from .optim import build_optimizer
 from .partition import local_tensors, refresh_full_copies
 from .registry import EngineRegistry, JointLossError, Role, RoleSpec, UnknownRoleError
@@ -25,6 +26,7 @@ from .roles import (
     torch_dtype,
     trainable_role,
 )
+from .safe_io import set_trust_remote_code, trust_remote_code
 from .sampler import ShardedBatches, ShardedEpochSampler, shard_batches
 from .seeding import derive_seed, generator, seed_everything
 from .zero_scope import zero_init_paused
@@ -39,6 +41,8 @@ __all__ = [
     "LoraSpec",
     "MemoryReport",
     "MetricsLogger",
+    "NonFiniteError",
+    "NonFiniteUpdate",
     "OptimSpec",
     "Placement",
     "Role",
@@ -77,12 +81,14 @@ __all__ = [
     "save_role",
     "seed_everything",
     "set_gradient_checkpointing",
+    "set_trust_remote_code",
     "setup_logging",
     "shard_batches",
     "sum_over_ranks",
     "torch_dtype",
     "train_ds_config",
     "trainable_role",
+    "trust_remote_code",
     "write_role",
     "write_summary",
     "zero_init_paused",

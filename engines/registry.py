@@ -20,6 +20,7 @@ import torch
 from . import checkpoint as _ckpt
 from . import export as _export
 from . import memory as _memory
+from . import nonfinite as _nonfinite
 from .config import (
     AUTO,
     ConfigError,
@@ -237,6 +238,8 @@ class EngineRegistry:
         self._states: dict[str, Any] = {}
         self._gather_depth: dict[str, int] = {}
         self._param_owner: dict[int, str] = {}
+        self._nonfinite_guards: dict[str, Any] = {}
+        self._nonfinite_queue: list[_nonfinite.NonFiniteUpdate] = []
 
     # --- the map ------------------------------------------------------------------------------
     @property
@@ -333,7 +336,15 @@ class EngineRegistry:
                     for p in role.module.parameters():
                         self._param_owner[id(p)] = name
                     self._guard_backward(role)
+                    self._nonfinite_guards[name] = _nonfinite.install_guard(
+                        name, role.engine, self.backend, self.world_size, self._nonfinite_queue)
         return self
+
+    def nonfinite_updates(self) -> list[_nonfinite.NonFiniteUpdate]:
+        """The optimizer updates skipped since the last call because a loss or the global gradient norm was
+        NaN/inf (engines/nonfinite.py: no role ever applies one). The same list on every rank."""
+        out, self._nonfinite_queue[:] = list(self._nonfinite_queue), []
+        return out
 
     def _build_role(self, spec: RoleSpec) -> Role:
         config, requested, note = self.resolve_config(spec)
@@ -533,6 +544,8 @@ class EngineRegistry:
         if unlisted:
             raise JointLossError(f"registry.backward(roles={names}): the loss also reaches trainable role(s)"
                                  f" {unlisted}; list them too, or detach their outputs.")
+        for role in targets:
+            _nonfinite.note_loss(self._nonfinite_guards.get(role.name), loss)
         factors = [self._loss_factor(r) for r in targets]
         hooks: list[Any] = []
         scaled = loss

@@ -238,6 +238,26 @@ def deepspeed_loads_refusing_pickles(engine: Any) -> Iterator[None]:
         engine.checkpoint_engine = inner
 
 
+# --- code shipped inside model folders --------------------------------------------------------------
+# A model or tokenizer folder can name Python files of its own (config.json's `auto_map`); transformers
+# runs them only with trust_remote_code=True. That is the same hazard as a pickle: the folder becomes a
+# program. Every from_pretrained / AutoTokenizer call of the library passes `trust_remote_code()`: False
+# unless a run's config sets `trust_remote_code: true` (the lifecycle calls set_trust_remote_code). With
+# False, a folder that needs its own code fails at once with transformers' message, never by prompting.
+_TRUST_REMOTE_CODE = False
+
+
+def trust_remote_code() -> bool:
+    """Whether model/tokenizer folders may run their own Python code (default False: they may not)."""
+    return _TRUST_REMOTE_CODE
+
+
+def set_trust_remote_code(enabled: bool) -> None:
+    """Process-wide switch behind trust_remote_code(); set from a run's config. Dangerous when True."""
+    global _TRUST_REMOTE_CODE
+    _TRUST_REMOTE_CODE = bool(enabled)
+
+
 __all__ = [
     "CheckpointError",
     "UnsafeCheckpointError",
@@ -246,4 +266,6 @@ __all__ = [
     "load_tree",
     "safe_torch_load",
     "save_tree",
+    "set_trust_remote_code",
+    "trust_remote_code",
 ]

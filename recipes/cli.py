@@ -15,7 +15,8 @@ The config is validated here before any rank starts, so a typo costs a second, n
 Failures are reported once: each failing rank writes its traceback to
 <output_dir>/logs/rank<N>-error.log and a one-line record; this process prints the root cause as
 one `error:` line (naming the rank when ranks disagree) plus the fix. Exit codes: 0 success,
-1 a failure, 2 a user error (bad config, key, value, checkpoint), 128+N stopped by signal N.
+1 a failure, 2 a user error (bad config, key, value, checkpoint), 3 stopped by the non-finite policy
+(a NaN/inf loss or gradient norm; nothing exported, the last checkpoint kept), 128+N stopped by signal N.
 SIGTERM and SIGINT are forwarded to the launcher and to every rank (each rank runs in its own
 session, so the terminal's process group does not reach them); ranks that lose their launcher exit.
 """
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # bad recipe, config, key or value (argparse's own usage errors use 2 as well)
+EXIT_NONFINITE = 3  # the run's nonfinite policy stopped it
 ENV_ERROR_DIR = "MULTIENGINE_ERROR_DIR"  # where ranks leave their error records for this process
 ENV_VALIDATED = "MULTIENGINE_VALIDATED"  # the launching process already ran the recipe's validate(cfg)
 STOP_GRACE_S = 20.0  # after forwarding a stop signal, how long ranks get before SIGKILL
@@ -370,6 +372,17 @@ def _is_user_error(exc: BaseException) -> bool:
     return ckpt is not None and isinstance(exc, ckpt.CheckpointError)
 
 
+def _is_nonfinite_stop(exc: BaseException) -> bool:
+    mod = sys.modules.get("multiengine.engines.nonfinite")
+    return mod is not None and isinstance(exc, mod.NonFiniteError)
+
+
+def _exit_code(exc: BaseException) -> int:
+    if _is_user_error(exc):
+        return EXIT_USAGE
+    return EXIT_NONFINITE if _is_nonfinite_stop(exc) else EXIT_FAILURE
+
+
 def _describe(exc: BaseException) -> tuple[str, str | None]:
     """(the error line, the fix or None) for an exception raised while running a recipe."""
     dist_mod = sys.modules.get("multiengine.engines.dist")
@@ -377,7 +390,7 @@ def _describe(exc: BaseException) -> tuple[str, str | None]:
     if timeout:
         return timeout, ("find out why the other rank stalled (its log; py-spy dump --pid); if a step really"
                          " takes that long, raise the collective timeout (dist_timeout_s)")
-    if _is_user_error(exc):
+    if _is_user_error(exc) or _is_nonfinite_stop(exc):
         text = str(exc)
         return text, getattr(exc, "fix", None)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -407,6 +420,7 @@ def _record_failure(exc: BaseException, output_dir: str | None, rank: int, world
     """A rank's failure: traceback to its log file; then either a record for the launching CLI
     (which prints the job's error once) or, launched some other way, one `error:` line here."""
     user = _is_user_error(exc)
+    code = _exit_code(exc)
     message, fix = _describe(exc)
     error_dir = os.environ.get(ENV_ERROR_DIR)
     log_dir = error_dir or _logs_dir(output_dir)
@@ -419,12 +433,12 @@ def _record_failure(exc: BaseException, output_dir: str | None, rank: int, world
     if error_dir:
         secondary = any(m.lower() in str(exc).lower() for m in _SECONDARY)
         _write_json(os.path.join(error_dir, f"rank{rank}-error.json"),
-                    {"rank": rank, "world": world, "message": message, "fix": fix, "user": user,
+                    {"rank": rank, "world": world, "message": message, "fix": fix, "user": user, "code": code,
                      "secondary": secondary, "log": log_path, "time": time.time()})
     else:
         who = f"rank {rank}: " if world > 1 else ""
         _print_error(f"{who}{message}", fix, log_path)
-    return EXIT_USAGE if user else EXIT_FAILURE
+    return code
 
 
 def _print_error(message: str, fix: str | None, log_path: str | None) -> None:
@@ -467,7 +481,7 @@ def _report_job(error_dir: str, code: int, stop: int | None, nproc: int) -> int:
         silent = [f"rank {r} ({_how_ended(f)})" for r, f in sorted(launcher.items()) if int(r) not in reported]
         if silent and not same:
             print(f"  ended without reporting an error: {', '.join(silent)}", file=sys.stderr)
-        return EXIT_USAGE if first["user"] else EXIT_FAILURE
+        return int(first.get("code", EXIT_USAGE if first["user"] else EXIT_FAILURE))
     dead = [f"rank {r} {_how_ended(f)}" for r, f in sorted(launcher.items())]
     log = Path(error_dir) / "launcher.log"
     _print_error(f"{', '.join(dead) or 'the launcher failed'} without reporting an error (out of memory? killed?)",

@@ -127,7 +127,7 @@ def sft_model(recipe: Any, section: Any, out_dir: str, data_source: str, base_mo
     """Train a model with the rlhf_sft recipe under ``out_dir`` (once: a finished run is reused) and return
     its export. ``section`` has ``config`` (a shipped rlhf_sft config) and ``overrides``. Recipes compose in
     one process: the SFT run builds its own registry on the same ranks."""
-    from multiengine.recipes.config import load_config, load_recipe
+    from multiengine.recipes.config import checked_config, load_recipe
 
     cfg = recipe.cfg
     export = os.path.join(out_dir, "export", "actor")
@@ -136,7 +136,7 @@ def sft_model(recipe: Any, section: Any, out_dir: str, data_source: str, base_mo
         return export
     overrides = [f"output_dir={out_dir}", f"seed={cfg.seed}", f"backend={cfg.backend}", f"data.source={data_source}",
                  f"model.pretrained={base_model}", *section.overrides]
-    sft_cfg = load_config("rlhf_sft", section.config or None, overrides)
+    sft_cfg = checked_config("rlhf_sft", section.config or None, overrides)
     logger.info("%s: training the SFT model with rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
     load_recipe("rlhf_sft").main(sft_cfg)
     return export

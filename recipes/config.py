@@ -4,9 +4,7 @@ A recipe is a module `<package>.<recipe>` (package `multiengine.recipes` by defa
 
 * `DEFAULTS: dict` - the complete, nested set of valid keys with their default values (and
   therefore their types), which must include `output_dir`, `seed` and `max_steps`;
-* `main(cfg: DictConfig) -> dict` - runs it and returns a summary;
-* optionally `check_config(cfg)` - its own checks of values (raising RecipeConfigError), run by
-  `load_config`, so the CLI reports them before any rank starts.
+* `main(cfg: DictConfig) -> dict` - runs it and returns a summary.
 
 Its shipped configs are `configs/<recipe>/<name>.yaml` next to this file. Every key in a YAML
 file or an override must exist in DEFAULTS: a typo is an error naming the closest valid key, never
@@ -15,14 +13,24 @@ str, list); `null` is accepted anywhere and a `${...}` interpolation is accepted
 A default of `None` accepts any value; an empty dict `{}` is a free-form section whose keys are
 not checked (for pass-through settings such as extra DeepSpeed config).
 
-Optionally, a recipe module also defines
+Checks: one mechanism, two hooks, both run before any rank starts. Optionally, a recipe module defines
 * `CHECKS: dict` - dotted key (a `*` part matches any key of a section) -> Range / Choice /
-  Length / PathExists / Each / Satisfies (or a list of them), applied by load_config to the
-  resolved values, so every value error names the key, the value, where it was set and the fix;
-* `validate(cfg)` - cross-field, data, path and vocabulary checks, run once before any rank starts
-  (`multiengine validate`, and `multiengine run` before launching); raises config_problem(...);
+  Length / PathExists / Each / Satisfies / OrFollow (or a list of them): each value on its own.
+  Applied by load_config to the resolved values, so every value error names the key, the value,
+  where it was set and the fix. A recipe on the shared lifecycle (recipes/lifecycle.py) also gets
+  its COMMON_CHECKS (max_steps, backend, checkpoint, resume_from, dist_timeout_s, nonfinite, role
+  placements); its own CHECKS entry for the same key replaces the common one;
+* `validate(cfg)` - what needs more than one value or a look outside the config: cross-field
+  rules, paths, data columns and sizes, tokenizer vs model vocabulary. Run by validate_config
+  once, in the launching process (`multiengine validate`, `multiengine run` before launching, and
+  a recipe that runs another in-process); raises config_problem(...) or any RecipeConfigError.
+  Lifecycle recipes get the common cross-field checks first (lifecycle.validate_common);
 * `HELP: dict` - dotted key -> one-line meaning, for keys whose DEFAULTS entry has no trailing
-  `# comment` (the comments are what `multiengine run <recipe> --help` shows).
+  `# comment` (the comments are what `multiengine run <recipe> --help` shows; for
+  `DEFAULTS = with_common({...})` the comments of COMMON_DEFAULTS in lifecycle.py count too).
+
+There is no third hook: a module-level `check_config` (the name an earlier version ran inside
+load_config) is refused, so a check written for it cannot be skipped silently.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import io
 import json
 import pkgutil
 import re
+import sys
 import tokenize
 from collections.abc import Iterable
 from pathlib import Path
@@ -193,6 +202,10 @@ def load_recipe(recipe: str, package: str = RECIPES_PACKAGE, configs_dir: str | 
         raise RecipeDefinitionError(f"recipe module {modname} must define DEFAULTS as a dict")
     if not callable(getattr(module, "main", None)):
         raise RecipeDefinitionError(f"recipe module {modname} must define main(cfg) -> dict")
+    if hasattr(module, "check_config"):
+        raise RecipeDefinitionError(
+            f"recipe module {modname} defines check_config(cfg); that hook is now validate(cfg) (run once before"
+            " any rank starts, see recipes/config.py): rename it")
     missing = [k for k in REQUIRED_KEYS if k not in defaults]
     if missing:
         raise RecipeDefinitionError(
@@ -452,10 +465,6 @@ def load_config(
     except OmegaConfBaseException as e:
         raise RecipeConfigError(f"config for recipe '{recipe}': {str(e).splitlines()[0]}") from None
     run_checks(recipe, module, resolved, where)
-    # a recipe's own checks of values (names, ranges, combinations): here, before any rank starts
-    check = getattr(module, "check_config", None)
-    if check is not None:
-        check(cfg)
     return cfg
 
 
@@ -474,7 +483,8 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
 # and `validate(cfg)`, called once before any rank starts, for what needs more than one value or a
 # look at the data: cross-field rules, dataset columns and sizes, tokenizer vs model vocabulary. It
 # raises config_problem(...) (or any RecipeConfigError). CHECKS run inside load_config, so every
-# rank re-checks them for free; validate(cfg) runs in `multiengine validate` and before `run` starts.
+# rank re-checks them for free; validate(cfg) runs in `multiengine validate`, before `run` starts,
+# and through checked_config() when a recipe runs another in-process.
 
 
 class ConfigValueError(RecipeConfigError):
@@ -530,6 +540,13 @@ class Check:
 
     def problem(self, value: Any) -> str | None:
         raise NotImplementedError
+
+    def problem_at(self, value: Any, default: Any) -> str | None:
+        """problem(value), for a key whose DEFAULTS value is `default` (OrFollow needs to know it)."""
+        return self.problem(value)
+
+    def describe_at(self, default: Any) -> str:
+        return self.describe()
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -674,6 +691,36 @@ class Satisfies(Check):
         return None if self.predicate(value) else f"must be {self.description}"
 
 
+class OrFollow(Check):
+    """`check`, or the sentinel `follow` (e.g. a stage of -1, a dtype of "": take another role's) - but only
+    where the key's own default is that sentinel, so a role that has nothing to follow cannot ask for it."""
+
+    def __init__(self, check: Check, follow: Any) -> None:
+        self.check, self.follow = check, follow
+        self.allow_none = check.allow_none
+
+    def describe(self) -> str:
+        return f"{self.check.describe()} ({json.dumps(self.follow)} = follow, where that is the default)"
+
+    def describe_at(self, default: Any) -> str:
+        if default == self.follow:
+            return f"{self.check.describe()}, or {json.dumps(self.follow)} = follow"
+        return self.check.describe()
+
+    def problem(self, value: Any) -> str | None:
+        return self.check.problem(value)
+
+    def problem_at(self, value: Any, default: Any) -> str | None:
+        if value == self.follow and type(value) is type(self.follow):
+            if default == self.follow:
+                return None
+            return f"must be {self.check.describe()} (this role has nothing to follow)"
+        return self.check.problem(value)
+
+    def fix(self, key: str, value: Any) -> str:
+        return self.check.fix(key, value)
+
+
 _MISSING = object()
 
 
@@ -701,49 +748,86 @@ def _expand(pattern: str, tree: dict) -> list[str]:
     return [k[:-1] for k in keys]
 
 
-def recipe_checks(module: ModuleType) -> dict[str, list[Check]]:
-    """The module's CHECKS, normalised to lists and checked against its DEFAULTS (a bad CHECKS is a bug)."""
-    raw = getattr(module, "CHECKS", None)
-    if raw is None:
-        return {}
+def _normalise_checks(raw: Any, owner: str, defaults: dict, strict: bool) -> dict[str, list[Check]]:
     if not isinstance(raw, dict):
-        raise RecipeDefinitionError(f"recipe module {module.__name__}: CHECKS must be a dict of key -> Check")
+        raise RecipeDefinitionError(f"{owner}: CHECKS must be a dict of key -> Check")
     out: dict[str, list[Check]] = {}
     for pattern, checks in raw.items():
         checks = list(checks) if isinstance(checks, (list, tuple)) else [checks]
         bad = [c for c in checks if not isinstance(c, Check)]
         if bad:
-            raise RecipeDefinitionError(f"recipe module {module.__name__}: CHECKS[{pattern!r}] holds {bad[0]!r},"
-                                        " not a Check (Range, Choice, Length, PathExists, Each, Satisfies)")
-        if not _expand(pattern, module.DEFAULTS):
-            raise RecipeDefinitionError(f"recipe module {module.__name__}: CHECKS key {pattern!r} matches no key of"
-                                        " DEFAULTS")
+            raise RecipeDefinitionError(f"{owner}: CHECKS[{pattern!r}] holds {bad[0]!r}, not a Check (Range, Choice,"
+                                        " Length, PathExists, Each, Satisfies, OrFollow)")
+        if not _expand(pattern, defaults):
+            if strict:
+                raise RecipeDefinitionError(f"{owner}: CHECKS key {pattern!r} matches no key of DEFAULTS")
+            continue  # a common check for a key this recipe does not have
         out[pattern] = checks
     return out
 
 
-def run_checks(recipe: str, module: ModuleType, resolved: dict, where: dict[str, str] | None = None) -> None:
-    """Apply the recipe's CHECKS to the resolved config; ConfigValueError listing every problem."""
-    problems: list[Problem] = []
+def _lifecycle(module: ModuleType) -> ModuleType | None:
+    """recipes.lifecycle when `module` is a recipe on the shared lifecycle (it uses with_common or Recipe).
+    Looked up, not imported: a module that uses it has imported it, and config.py stays free of torch."""
+    lc = sys.modules.get("multiengine.recipes.lifecycle")
+    if lc is None:
+        return None
+    for value in vars(module).values():
+        if value is lc.with_common or (isinstance(value, type) and issubclass(value, lc.Recipe)):
+            return lc
+    return None
+
+
+def recipe_checks(module: ModuleType) -> dict[str, list[Check]]:
+    """The module's CHECKS, normalised to lists and checked against its DEFAULTS (a bad CHECKS is a bug)."""
+    raw = getattr(module, "CHECKS", None)
+    if raw is None:
+        return {}
+    return _normalise_checks(raw, f"recipe module {module.__name__}", module.DEFAULTS, strict=True)
+
+
+def key_checks(module: ModuleType, tree: dict | None = None) -> dict[str, list[Check]]:
+    """Dotted key of `tree` (default: DEFAULTS) -> the checks that apply to it: the recipe's CHECKS and, for a
+    lifecycle recipe, the COMMON_CHECKS of keys its own CHECKS leave alone."""
+    tree = module.DEFAULTS if tree is None else tree
+    own: dict[str, list[Check]] = {}
     for pattern, checks in recipe_checks(module).items():
-        for key in _expand(pattern, resolved):
-            value = _lookup(resolved, key)
-            default = _lookup(module.DEFAULTS, key)
-            source = (where or {}).get(key, "the default")
-            for check in checks:
-                if value is None or (isinstance(check, PathExists) and value == ""):
-                    allowed = check.allow_none if check.allow_none is not None else default in (None, "")
-                    if allowed:
-                        continue
-                    problem = f"must be set ({check.describe()})"
-                else:
-                    problem = check.problem(value)
-                    if problem is None:
-                        continue
-                problems.append(Problem(
-                    key, value, f"config key '{key}' for recipe '{recipe}' {problem}, got {value!r} ({source})",
-                    check.fix(key, value)))
-                break  # one problem per key is enough
+        for key in _expand(pattern, tree):
+            own.setdefault(key, []).extend(checks)
+    lc = _lifecycle(module)
+    if lc is not None:
+        common = _normalise_checks(lc.COMMON_CHECKS, "recipes.lifecycle", module.DEFAULTS, strict=False)
+        for pattern, checks in common.items():
+            for key in _expand(pattern, tree):
+                if key not in own:
+                    own[key] = list(checks)
+    return own
+
+
+def run_checks(recipe: str, module: ModuleType, resolved: dict, where: dict[str, str] | None = None) -> None:
+    """Apply the recipe's CHECKS (and the common ones) to the resolved config; ConfigValueError listing every
+    problem, in the order of the keys in DEFAULTS."""
+    problems: list[Problem] = []
+    order = {key: i for i, key in enumerate(_all_paths(module.DEFAULTS))}
+    checks_by_key = key_checks(module, resolved)
+    for key in sorted(checks_by_key, key=lambda k: order.get(k, len(order))):
+        value = _lookup(resolved, key)
+        default = _lookup(module.DEFAULTS, key)
+        source = (where or {}).get(key, "the default")
+        for check in checks_by_key[key]:
+            if value is None or (isinstance(check, PathExists) and value == ""):
+                allowed = check.allow_none if check.allow_none is not None else default in (None, "")
+                if allowed:
+                    continue
+                problem = f"must be set ({check.describe()})"
+            else:
+                problem = check.problem_at(value, default)
+                if problem is None:
+                    continue
+            problems.append(Problem(
+                key, value, f"config key '{key}' for recipe '{recipe}' {problem}, got {value!r} ({source})",
+                check.fix(key, value)))
+            break  # one problem per key is enough
     if problems:
         raise _problems_error(recipe, problems)
 
@@ -751,8 +835,13 @@ def run_checks(recipe: str, module: ModuleType, resolved: dict, where: dict[str,
 def validate_config(
     recipe: str, cfg: DictConfig, *, package: str = RECIPES_PACKAGE, configs_dir: str | Path = CONFIGS_DIR
 ) -> None:
-    """Run the recipe's validate(cfg) hook, if it has one (CHECKS already ran in load_config)."""
+    """The checks that need more than one value or a look outside the config, once, before any rank starts:
+    for a lifecycle recipe the common ones (lifecycle.validate_common), then the recipe's validate(cfg)
+    (CHECKS already ran in load_config)."""
     module = load_recipe(recipe, package, configs_dir)
+    lc = _lifecycle(module)
+    if lc is not None:
+        lc.validate_common(cfg)
     hook = getattr(module, "validate", None)
     if hook is None:
         return
@@ -761,31 +850,48 @@ def validate_config(
     hook(cfg)
 
 
+def checked_config(
+    recipe: str, config: str | None = None, overrides: Iterable[str] = (), *, package: str = RECIPES_PACKAGE,
+    configs_dir: str | Path = CONFIGS_DIR,
+) -> DictConfig:
+    """load_config + validate_config: for a recipe that runs another one in-process (its inputs exist now)."""
+    cfg = load_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
+    validate_config(recipe, cfg, package=package, configs_dir=configs_dir)
+    return cfg
+
+
 # --- what each key means (for `multiengine run <recipe> --help`) -------------------------------------
 # A key's meaning is the trailing `# comment` on its line in the DEFAULTS literal (for a section,
-# the comment after its opening brace), read from the module's source with tokenize + ast; a
+# the comment after its opening brace) or else the comment lines right above it, read from the
+# module's source with tokenize + ast; a
 # module-level HELP dict (dotted key -> text) adds to or overrides them, for keys whose DEFAULTS are
-# built by code. `**OTHER` entries are followed into OTHER's literal, in this module or the one
-# it is imported from.
+# built by code. `**OTHER` entries, `dict(OTHER, ...)` values and `with_common({...})` (whose
+# COMMON_DEFAULTS literal lives in recipes/lifecycle.py) are followed into the literals they name, in
+# this module or the one the name is imported from.
 
 
 def _comments(source: str) -> dict[int, tuple[int, str]]:
+    """Line -> (column, text) of its comment; a column of -1 marks a line that is only a comment."""
     out: dict[int, tuple[int, str]] = {}
+    lines = source.splitlines()
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
             if tok.type == tokenize.COMMENT:
-                out[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+                line, col = tok.start
+                alone = not lines[line - 1][:col].strip()
+                out[line] = (-1 if alone else col, tok.string.lstrip("#").strip())
     except (tokenize.TokenError, SyntaxError):
         pass
     return out
 
 
-def _dict_literal(tree: ast.Module, name: str) -> ast.Dict | None:
+def _assigned(tree: ast.Module, name: str) -> ast.expr | None:
+    """The expression assigned to a module-level `name` (`NAME = ...` or `NAME: type = ...`)."""
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, ast.AnnAssign) else []
         value = getattr(node, "value", None)
-        if isinstance(value, ast.Dict) and any(isinstance(t, ast.Name) and t.id == name for t in targets):
+        if value is not None and any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return value
     return None
 
@@ -800,10 +906,10 @@ class _Source:
         self.tree = ast.parse(text) if text else ast.Module(body=[], type_ignores=[])
         self.comments = _comments(text)
 
-    def resolve(self, node: ast.expr) -> tuple[_Source, ast.Dict] | None:
-        """The dict literal that a `**name` / `**module.name` entry splats, if it can be found."""
+    def resolve(self, node: ast.expr) -> tuple[_Source, ast.expr] | None:
+        """The expression a name (`X`, `module.X`) stands for, in this module or the one it is imported from."""
         if isinstance(node, ast.Name):
-            found = _dict_literal(self.tree, node.id)
+            found = _assigned(self.tree, node.id)
             if found is not None:
                 return self, found
             for imp in self.tree.body:
@@ -812,13 +918,13 @@ class _Source:
                     other = self._import(imp.module, imp.level)
                     if other is not None:
                         src = _Source(other)
-                        found = _dict_literal(src.tree, original)
+                        found = _assigned(src.tree, original)
                         return (src, found) if found is not None else None
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             other = getattr(self.module, node.value.id, None)
             if isinstance(other, ModuleType):
                 src = _Source(other)
-                found = _dict_literal(src.tree, node.attr)
+                found = _assigned(src.tree, node.attr)
                 return (src, found) if found is not None else None
         return None
 
@@ -831,12 +937,38 @@ class _Source:
             return None
 
 
-def _walk_comments(src: _Source, node: ast.Dict, prefix: str, out: dict[str, str], used: set) -> None:
+def _walk_expr(src: _Source, node: ast.expr, prefix: str, out: dict[str, str], used: set, depth: int = 0) -> None:
+    """The comments of whatever dict `node` builds: a literal, a name bound to one, `dict(NAME, k=v)`, or
+    `with_common({...})` (the recipe's literal first, so its comments win, then COMMON_DEFAULTS')."""
+    if depth > 8:
+        return
+    if isinstance(node, ast.Dict):
+        _walk_comments(src, node, prefix, out, used, depth)
+    elif isinstance(node, (ast.Name, ast.Attribute)):
+        found = src.resolve(node)
+        if found is not None:
+            _walk_expr(found[0], found[1], prefix, out, set(), depth + 1)
+    elif isinstance(node, ast.Call):
+        func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if func == "dict":
+            for arg in node.args:
+                _walk_expr(src, arg, prefix, out, used, depth + 1)
+        elif func == "with_common":
+            for arg in node.args:
+                _walk_expr(src, arg, prefix, out, used, depth + 1)
+            fn = getattr(src.module, "with_common", None)
+            home = sys.modules.get(getattr(fn, "__module__", "") or "")
+            if home is not None:
+                common = _Source(home)
+                literal = _assigned(common.tree, "COMMON_DEFAULTS")
+                if literal is not None:
+                    _walk_expr(common, literal, prefix, out, set(), depth + 1)
+
+
+def _walk_comments(src: _Source, node: ast.Dict, prefix: str, out: dict[str, str], used: set, depth: int = 0) -> None:
     for key, value in zip(node.keys, node.values):
-        if key is None:
-            found = src.resolve(value)
-            if found is not None:
-                _walk_comments(found[0], found[1], prefix, out, set())
+        if key is None:  # a `**OTHER` entry
+            _walk_expr(src, value, prefix, out, used, depth + 1)
             continue
         if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
             continue
@@ -846,17 +978,25 @@ def _walk_comments(src: _Source, node: ast.Dict, prefix: str, out: dict[str, str
         if comment and (id(src), line) not in used and comment[0] > key.col_offset:
             out.setdefault(path, comment[1])  # the outermost key starting on the line takes it
             used.add((id(src), line))
-        if isinstance(value, ast.Dict):
-            _walk_comments(src, value, path + ".", out, used)
+        elif path not in out and (id(src), -line) not in used:  # else the comment lines right above the key
+            used.add((id(src), -line))  # the outermost key starting on the line takes them
+            above, n = [], line - 1
+            while n in src.comments and src.comments[n][0] == -1:
+                above.insert(0, src.comments[n][1])
+                n -= 1
+            if above:
+                out[path] = " ".join(above)
+        if isinstance(value, (ast.Dict, ast.Call, ast.Name, ast.Attribute)):
+            _walk_expr(src, value, path + ".", out, used, depth + 1)
 
 
 def key_meanings(module: ModuleType) -> dict[str, str]:
     """Dotted key -> one-line meaning, from DEFAULTS' trailing comments and the module's HELP dict."""
     src = _Source(module)
     out: dict[str, str] = {}
-    literal = _dict_literal(src.tree, "DEFAULTS")
-    if literal is not None:
-        _walk_comments(src, literal, "", out, set())
+    expr = _assigned(src.tree, "DEFAULTS")
+    if expr is not None:
+        _walk_expr(src, expr, "", out, set())
     help_dict = getattr(module, "HELP", None)
     if isinstance(help_dict, dict):
         out.update({str(k): str(v) for k, v in help_dict.items()})
@@ -877,11 +1017,8 @@ def _type_name(default: Any) -> str:
 def describe_keys(module: ModuleType) -> list[dict[str, str]]:
     """One row per key of DEFAULTS (sections too): key, type (with its checks), default, meaning."""
     meanings = key_meanings(module)
-    checks = recipe_checks(module)
-    per_key: dict[str, list[str]] = {}
-    for pattern, items in checks.items():
-        for key in _expand(pattern, module.DEFAULTS):
-            per_key.setdefault(key, []).extend(c.describe() for c in items)
+    per_key = {key: [c.describe_at(_lookup(module.DEFAULTS, key)) for c in checks]
+               for key, checks in key_checks(module).items()}
     rows = []
 
     def visit(tree: dict, prefix: str) -> None:

@@ -15,31 +15,47 @@ The base does the rest the same way for all: output folder, seeding, the registr
 collective timeout), ``metrics.jsonl`` + TensorBoard, the tqdm loop with periodic evaluation and
 checkpoints, ``resume_from``, ``summary.json`` (with per-rank memory and every role's resolved config)
 and ``curves.png``. Its module keeps ``DEFAULTS`` (``with_common({...})``) and ``main = MyRecipe.main``.
+
+Every step is checked for non-finite values: the registry never applies an optimizer update whose loss
+or global gradient norm is NaN/inf (engines/nonfinite.py), and the ``nonfinite`` policy decides what the
+run does about a step that had one, or whose loss metrics are not finite: ``stop`` ends it with
+NonFiniteError (exit 3, no export, the last checkpoint kept as it was) and ``skip`` goes on (the step is
+counted and warned about) until more than ``max_skips`` steps were skipped. The decision is taken from
+values summed over ranks, so every rank stops at the same step.
+
+The common keys are checked before any rank starts: COMMON_CHECKS (each value) by load_config and
+validate_common (across keys) by validate_config, besides the recipe's own CHECKS and validate(cfg).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import (
     EngineRegistry,
     MetricsLogger,
+    NonFiniteError,
     gather_memory,
     latest_tag,
     plot_curves,
     read_jsonl,
+    set_trust_remote_code,
+    sum_over_ranks,
     write_summary,
 )
+from multiengine.recipes.config import Choice, Length, OrFollow, Range, Satisfies, config_problem
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMON_DEFAULTS", "Recipe", "with_common"]
+__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "Recipe", "validate_common", "with_common"]
 
 COMMON_DEFAULTS: dict[str, Any] = {
     "output_dir": "outputs/recipe",  # everything the run writes goes under this folder
@@ -48,10 +64,70 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "backend": "auto",  # auto | deepspeed | torch
     "resume_from": "",  # "" | "latest" (output_dir/checkpoints; fresh start if none) | a checkpoint folder
     "dist_timeout_s": 1800.0,  # a collective that waits longer than this fails the run
-    "checkpoint": {"every": 0, "keep_last": 2},  # every N steps (0 = never); keep the newest K
+    "checkpoint": {  # checkpoints under output_dir/checkpoints (written atomically; `latest` names the newest)
+        "every": 0,  # every N steps, and at the end of the run (0 = never)
+        "keep_last": 2,  # keep the newest K (null = all)
+    },
+    "nonfinite": {  # a NaN/inf loss or gradient norm at a step (no role ever applies such an update)
+        "policy": "stop",  # stop: end the run (exit 3), the last checkpoint kept | skip: go on, up to max_skips
+        "max_skips": 10,  # skip: the run stops at the step that would be skip number max_skips + 1
+    },
+    # DANGEROUS: true lets transformers run Python files shipped in a model or tokenizer folder; only for
+    # folders whose code you have read
+    "trust_remote_code": False,
     "tensorboard": True,  # TensorBoard events beside metrics.jsonl
     "plot": True,  # curves.png of the main figures
 }
+
+
+def _resume_source(value: Any) -> bool:
+    if value in ("", "latest"):
+        return True
+    path = os.path.expanduser(str(value))
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("manifest.json", "latest"))
+
+
+# Checks of the common keys, for every recipe on this lifecycle (a recipe's own CHECKS entry for a key
+# replaces its common one). "roles.*" keys apply to recipes whose role sections have them.
+COMMON_CHECKS: dict[str, Any] = {
+    "output_dir": Length(1),
+    "seed": Range(0, 2**32 - 1),
+    "max_steps": Range(1),
+    "backend": Choice("auto", "deepspeed", "torch"),
+    "resume_from": Satisfies(_resume_source, "'', 'latest' or a checkpoint folder (manifest.json, or a 'latest' "
+                             "file in it)"),
+    "dist_timeout_s": Range(0, min_exclusive=True),
+    "checkpoint.every": Range(0),
+    "checkpoint.keep_last": Range(1, allow_none=True),
+    "nonfinite.policy": Choice("stop", "skip"),
+    "nonfinite.max_skips": Range(0),
+    "eval.every": Range(0),
+    "roles.*.stage": OrFollow(Range(0, 3), -1),
+    "roles.*.dtype": OrFollow(Choice("fp32", "bf16", "fp16"), ""),
+}
+
+
+def validate_common(cfg: Any) -> None:
+    """The common checks across keys, before any rank starts (config.validate_config runs them first): the
+    process-wide trust_remote_code switch (the recipe's validate(cfg) may load tokenizers), and every role
+    section's placement (parameter offload needs ZeRO-3)."""
+    set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))
+    roles = cfg.get("roles")
+    if not isinstance(roles, Mapping):
+        return
+    for name, section in roles.items():
+        if not isinstance(section, Mapping):
+            continue
+        stage = section.get("stage")
+        if section.get("offload_params") and isinstance(stage, int) and stage not in (-1, 3):
+            raise config_problem(f"roles.{name}.offload_params", True, f"needs roles.{name}.stage=3 (it is {stage}):"
+                                 " only ZeRO-3 partitions parameters",
+                                 f"set roles.{name}.stage=3, or roles.{name}.offload_params=false")
+
+
+def _nonfinite_losses(metrics: dict[str, Any]) -> list[str]:
+    """The loss metrics of a step that are NaN/inf (`loss`, `policy_loss`, `loss/actor`, ...)."""
+    return sorted(k for k, v in metrics.items() if "loss" in k and isinstance(v, float) and not math.isfinite(v))
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +165,7 @@ class Recipe:
         self.registry: EngineRegistry | None = None
         self.metrics: MetricsLogger | None = None
         self._saved_at: int | None = None
+        self.nonfinite_skips = 0  # steps counted by the nonfinite policy (checkpointed)
 
     # --- what a recipe implements -----------------------------------------------------------------
     def build(self) -> None:
@@ -129,6 +206,7 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         os.makedirs(self.output_dir, exist_ok=True)
+        set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))  # before build() loads any folder
         self.registry = EngineRegistry(backend=cfg.backend, seed=cfg.seed, timeout_s=cfg.dist_timeout_s or None)
         self.build()
         self.metrics = MetricsLogger(self.path("metrics.jsonl"), enabled=self.registry.is_main,
@@ -149,8 +227,15 @@ class Recipe:
             metrics = dict(self.train_step())
             self.step += 1
             metrics.setdefault("step_time_s", time.perf_counter() - t0)
+            problem = self._nonfinite_problem(metrics)
+            if problem is not None:
+                self.nonfinite_skips += 1
+            if self.nonfinite_skips:
+                metrics["nonfinite_skips"] = float(self.nonfinite_skips)
             self.step_metrics.append(metrics)
             self.metrics.log(self.step, metrics, prefix="train")
+            if problem is not None:
+                self._apply_nonfinite_policy(problem, bar)
             bar.update(1)
             bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.postfix_keys if metrics.get(k) is not None})
             last = self.step == cfg.max_steps
@@ -164,6 +249,40 @@ class Recipe:
         if cfg.checkpoint.every and self._saved_at != self.step:
             self.save_checkpoint()  # the final state too, so a finished run can be extended with resume_from
         self.run_evaluation("after")
+
+    def _nonfinite_problem(self, metrics: dict[str, Any]) -> str | None:
+        """What was not finite at this step (its skipped updates, its loss metrics), or None; decided on
+        values summed over ranks, so every rank gets the same answer."""
+        updates = self.registry.nonfinite_updates()  # the same list on every rank
+        losses = _nonfinite_losses(metrics)
+        if self.registry.world_size > 1:
+            bad = sum_over_ranks({"bad": float(bool(updates or losses))})["bad"] > 0
+        else:
+            bad = bool(updates or losses)
+        if not bad:
+            return None
+        parts = [f"{k}={metrics[k]}" for k in losses] + [u.describe() for u in updates]
+        return "; ".join(parts) or "a loss was not finite on another rank"
+
+    def _apply_nonfinite_policy(self, problem: str, bar: Any) -> None:
+        policy = self.cfg.get("nonfinite") or {}
+        name, max_skips = policy.get("policy", "stop"), int(policy.get("max_skips", 0))
+        where = f"step {self.step}: non-finite values ({problem})"
+        if name == "skip" and self.nonfinite_skips <= max_skips:
+            if self.registry.is_main:
+                logger.warning("%s; step skipped (%d of nonfinite.max_skips=%d)", where, self.nonfinite_skips,
+                               max_skips)
+            return
+        bar.close()
+        tag = latest_tag(self.path("checkpoints"))
+        kept = (f"the last checkpoint, {os.path.join(self.path('checkpoints'), tag)}, is kept as it was" if tag
+                else "no checkpoint was written")
+        why = (f"more than nonfinite.max_skips={max_skips} steps were skipped" if name == "skip"
+               else "nonfinite.policy=stop")
+        fix = ("lower the learning rate or turn gradient clipping on (max_grad_norm > 0), check the data for NaN/inf"
+               f"{', then resume with resume_from=latest' if tag else ''}; or set nonfinite.policy=skip "
+               "(nonfinite.max_skips=K) to step over rare bad batches")
+        raise NonFiniteError(f"{where}; the run stops ({why}); nothing was exported and {kept}", fix)
 
     def run_evaluation(self, tag: str) -> dict[str, Any]:
         result = self.evaluate(tag) or {}
@@ -180,7 +299,7 @@ class Recipe:
     def save_checkpoint(self) -> str:
         """Every trainable role, registered states, RNG and the recipe's state; keep the newest K."""
         state = {"step": self.step, "recipe": self.state_dict(), "history": self.history,
-                 "step_metrics": self.step_metrics}
+                 "step_metrics": self.step_metrics, "nonfinite_skips": self.nonfinite_skips}
         self._saved_at = self.step
         return self.registry.save_checkpoint(self.path("checkpoints"), client_state=state,
                                              keep_last=self.cfg.checkpoint.keep_last or None)
@@ -197,6 +316,7 @@ class Recipe:
         self._saved_at = self.step
         self.history = list(state.get("history", []))
         self.step_metrics = list(state.get("step_metrics", []))
+        self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
         self.load_state_dict(state.get("recipe", {}))
         logger.info("%s: resumed from %s at step %d", self.name, path, self.step)
         return True

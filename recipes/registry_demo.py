@@ -9,6 +9,7 @@ tiny model this recipe saves on first run. Prints the per-role memory table.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from typing import Any
@@ -22,24 +23,60 @@ from multiengine.engines import (
     mean_over_ranks,
     save_role,
     trainable_role,
+    trust_remote_code,
 )
+from multiengine.recipes.config import Choice, Range, Satisfies, config_problem
 from multiengine.recipes.lifecycle import Recipe, with_common
 
 DEFAULTS: dict[str, Any] = with_common({
     "output_dir": "outputs/registry_demo",
-    "max_steps": 10,
-    "dtype": "fp32",
-    "lr": 1e-3,
-    "micro_batch_size": 4,
-    "grad_accum": 1,
-    "seq_len": 32,
-    "model": {"hidden_size": 64, "layers": 2, "vocab_size": 512},
-    "roles": {
+    "max_steps": 10,  # optimizer steps of the actor
+    "dtype": "fp32",  # every role's dtype: fp32 | bf16 (| fp16 on GPUs)
+    "lr": 1e-3,  # the actor's learning rate (AdamW, linear decay)
+    "max_grad_norm": 1.0,  # gradient clipping of the actor (0 = off)
+    "micro_batch_size": 4,  # sequences per rank per micro batch
+    "grad_accum": 1,  # micro batches per optimizer step
+    "seq_len": 32,  # tokens per synthetic sequence
+    "model": {  # the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)
+        "hidden_size": 64,  # a multiple of its 4 attention heads
+        "layers": 2,
+        "vocab_size": 512,
+    },
+    "roles": {  # ZeRO stage per role (the frozen reward asks for 2 and is built at 0)
         "actor": {"stage": 3, "offload_params": False},
         "reward": {"stage": 2},
         "encoder": {"stage": 0},
     },
 })
+
+_MAX_POSITIONS = 128  # of the tiny OPT
+CHECKS = {
+    "dtype": Choice("fp32", "bf16", "fp16"),
+    "lr": Range(0, min_exclusive=True),
+    "max_grad_norm": Range(0),
+    "micro_batch_size": Range(1),
+    "grad_accum": Range(1),
+    "seq_len": Range(2, _MAX_POSITIONS),
+    "model.hidden_size": [Range(4), Satisfies(lambda h: h % 4 == 0, "a multiple of 4 (the attention heads)")],
+    "model.layers": Range(1),
+    "model.vocab_size": Range(8),
+}
+
+
+def validate(cfg: Any) -> None:
+    """The tiny model saved by an earlier run in this output_dir must be the one the config asks for: it is
+    reused as it is, so a changed model.* would otherwise be ignored without a word."""
+    path = os.path.join(str(cfg.output_dir), "tiny_lm", "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    for key, field in (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"), ("vocab_size", "vocab_size")):
+        if saved.get(field) != cfg.model[key]:
+            raise config_problem(f"model.{key}", cfg.model[key], f"differs from the tiny model an earlier run saved in "
+                                 f"{os.path.dirname(path)} ({field}={saved.get(field)})",
+                                 f"use a new output_dir, delete {os.path.dirname(path)}, or set "
+                                 f"model.{key}={saved.get(field)}")
 
 
 def _save_tiny_lm(path: str, hidden: int, layers: int, vocab: int, seed: int) -> None:
@@ -47,7 +84,7 @@ def _save_tiny_lm(path: str, hidden: int, layers: int, vocab: int, seed: int) ->
 
     torch.manual_seed(seed)
     config = OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
-                       num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=hidden,
+                       num_attention_heads=4, max_position_embeddings=_MAX_POSITIONS, word_embed_proj_dim=hidden,
                        dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     OPTForCausalLM(config).save_pretrained(path)
 
@@ -65,14 +102,15 @@ class RegistryDemo(Recipe):
         from transformers import AutoModel, AutoModelForCausalLM
 
         roles = cfg.roles
+        remote = {"trust_remote_code": trust_remote_code()}
         registry.add(trainable_role(
-            "actor", lambda: AutoModelForCausalLM.from_pretrained(model_dir),
+            "actor", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote),
             Placement(stage=roles.actor.stage, dtype=cfg.dtype, offload_params=roles.actor.offload_params),
-            OptimSpec(lr=cfg.lr, total_steps=cfg.max_steps), micro_batch_size=cfg.micro_batch_size,
-            grad_accum=cfg.grad_accum))
-        registry.add(frozen_role("reward", lambda: AutoModelForCausalLM.from_pretrained(model_dir),
+            OptimSpec(lr=cfg.lr, total_steps=cfg.max_steps, max_grad_norm=cfg.max_grad_norm or None),
+            micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum))
+        registry.add(frozen_role("reward", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote),
                                  Placement(stage=roles.reward.stage, dtype=cfg.dtype)))
-        registry.add(frozen_role("encoder", lambda: AutoModel.from_pretrained(model_dir),
+        registry.add(frozen_role("encoder", lambda: AutoModel.from_pretrained(model_dir, **remote),
                                  Placement(stage=roles.encoder.stage, dtype=cfg.dtype)))
         registry.build()
         self.micro = 0

@@ -97,7 +97,7 @@ def dpo_settings(cfg: Any) -> DPOSettings:
                        sft_coef=d.sft_coef)
 
 
-def check_config(cfg: Any) -> None:
+def validate(cfg: Any) -> None:
     """Loss settings and batch shapes, checked before any rank starts."""
     try:
         dpo_settings(cfg)

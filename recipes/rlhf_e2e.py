@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from multiengine.engines.metrics import write_summary
+from multiengine.recipes.config import Choice, Range
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,11 @@ FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
 }
 
 
-def check_config(cfg: Any) -> None:
-    from multiengine.recipes.config import RecipeConfigError
-
-    if cfg.algorithm not in FINAL_STEP:
-        raise RecipeConfigError(f"algorithm={cfg.algorithm!r}; use one of {list(FINAL_STEP)}.")
+CHECKS = {
+    "max_steps": Range(0),
+    "backend": Choice("auto", "deepspeed", "torch"),
+    "algorithm": Choice(*FINAL_STEP),
+}
 
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -182,10 +183,11 @@ def _on_every_rank(value: Any) -> Any:
 
 def _run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool,
               decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from multiengine.recipes.config import load_config, load_recipe
+    from multiengine.recipes.config import checked_config, load_recipe
     from omegaconf import OmegaConf
 
-    cfg = load_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
+    # CHECKS and validate(cfg): the step's inputs (earlier steps' exports) exist by now
+    cfg = checked_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
     fingerprint = step_fingerprint(recipe, OmegaConf.to_container(cfg, resolve=True), out_dir)
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     reuse, why = _on_every_rank(reuse_reason(out_dir, fingerprint, rerun) if is_main else None)

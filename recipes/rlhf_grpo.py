@@ -120,7 +120,7 @@ def grpo_settings(cfg: Any) -> GRPOSettings:
         no_eos_penalty=g.no_eos_penalty or None, shuffle_minibatches=g.shuffle_minibatches)
 
 
-def check_config(cfg: Any) -> None:
+def validate(cfg: Any) -> None:
     """Algorithm settings, reward sources and batch shapes, checked before any rank starts."""
     if cfg.grpo.kl_in_reward is not None and not isinstance(cfg.grpo.kl_in_reward, bool):
         raise RecipeConfigError(f"grpo.kl_in_reward={cfg.grpo.kl_in_reward!r}: use null (the algorithm's "

@@ -125,7 +125,7 @@ def ppo_settings(cfg: Any) -> PPOSettings:
     )
 
 
-def check_config(cfg: Any) -> None:
+def validate(cfg: Any) -> None:
     """Reward sources and PPO settings, checked before any rank starts."""
     reward_entries(cfg.reward)
     try:

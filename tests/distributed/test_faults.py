@@ -1,5 +1,5 @@
 """Faults on 2 real ranks: crafted checkpoints, a kill inside a re-save, a stopped rank, stop signals,
-a lost launcher, and a stale JIT build lock."""
+a lost launcher, non-finite losses (skip and stop policies), and a stale JIT build lock."""
 
 from __future__ import annotations
 
@@ -123,6 +123,63 @@ def main(cfg):
 '''
 
 
+NAN = '''
+import json
+import os
+
+import torch
+from multiengine.engines import OptimSpec, Placement, mean_over_ranks, save_role, trainable_role
+from multiengine.recipes.lifecycle import Recipe, with_common
+
+DEFAULTS = with_common({"output_dir": "out", "max_steps": 4, "backend": "deepspeed", "tensorboard": False,
+                        "plot": False, "nan_at": [], "nan_rank": 1, "checkpoint": {"every": 1, "keep_last": 9}})
+STAGES = {"s0": 0, "s2": 2, "s3": 3}  # stage 0: our own check decides; 2 and 3: DeepSpeed's overflow verdict
+
+
+class NaN(Recipe):
+    name = "nan"
+
+    def build(self):
+        for name, stage in STAGES.items():
+            self.registry.add(trainable_role(
+                name, lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)),
+                Placement(stage=stage, dtype="fp32"), OptimSpec(name="adamw", lr=1e-2, scheduler="linear",
+                                                              total_steps=8), micro_batch_size=2, grad_accum=2))
+        self.registry.build()
+
+    def train_step(self):
+        registry, losses = self.registry, []
+        g = registry.generator(self.step, "x")
+        for micro in range(2):
+            x = torch.randn(2, 8, generator=g)
+            for name in STAGES:
+                loss = registry[name](x).pow(2).mean()
+                if self.step + 1 in self.cfg.nan_at and registry.rank == self.cfg.nan_rank and micro == 1:
+                    loss = loss * float("nan")  # on one rank only
+                registry[name].backward(loss)
+                registry[name].step()
+                losses.append(loss.item())
+        self.record()
+        return mean_over_ranks({"loss": sum(losses) / len(losses)})
+
+    def record(self):
+        """Each rank's view of every role's full weights after the step, and its learning rates."""
+        row = {"step": self.step + 1}
+        for name in STAGES:
+            with self.registry.gathered(name):
+                row[name] = [round(float(p.double().sum()), 12) for p in self.registry.role(name).module.parameters()]
+            row[name + "_lr"] = self.registry[name].get_lr()[0]
+        with open(os.path.join(self.output_dir, f"weights_rank{self.registry.rank}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\\n")
+
+    def export(self):
+        return {n: save_role(self.registry, n, self.path("export", n))["model"] for n in STAGES}
+
+
+main = NaN.main
+'''
+
+
 @pytest.fixture(scope="module")
 def fault_recipes(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault_recipes")
@@ -131,6 +188,7 @@ def fault_recipes(tmp_path_factory):
     (pkg / "__init__.py").write_text("")
     (pkg / "hang.py").write_text(HANG)
     (pkg / "sleeper.py").write_text(SLEEPER)
+    (pkg / "nan.py").write_text(NAN)
     (root / "configs").mkdir()
     return root
 
@@ -253,6 +311,86 @@ def test_ranks_exit_when_their_launcher_dies(tmp_path, fault_recipes, victim):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+# --- non-finite losses and gradients -----------------------------------------------------------------
+def _nan_run(root, out, *overrides):
+    return subprocess.run(_toy_cli(root, "nan", "--nproc-per-node", "2", f"output_dir={out}", *overrides),
+                          capture_output=True, text=True, timeout=600, env=_cli_env(root))
+
+
+def _rank_weights(out, rank):
+    return [json.loads(line) for line in (out / f"weights_rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # valid JSON or fails
+
+
+ROLES = ("s0", "s2", "s3")
+
+
+@pytest.mark.timeout(700)
+def test_nonfinite_skip_on_two_ranks_skips_the_same_update_everywhere(tmp_path, fault_recipes):
+    out = tmp_path / "nan_skip"
+    # a NaN loss on rank 1 only, in the second micro batch of step 2
+    proc = _nan_run(fault_recipes, out, "nan_at=[2]", "nonfinite.policy=skip", "nonfinite.max_skips=1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = _metrics(out)
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert lines[1]["train/loss"] is None and [x.get("train/nonfinite_skips") for x in lines] == [None, 1.0, 1.0, 1.0]
+    assert "NaN" not in (out / "metrics.jsonl").read_text()
+    w0, w1 = _rank_weights(out, 0), _rank_weights(out, 1)
+    assert w0 == w1  # both ranks hold the same weights at every step: no rank applied what the other skipped
+    for role in ROLES:  # stage 0 (our check), 2 and 3 (DeepSpeed's verdict): the same outcome
+        assert w0[1][role] == w0[0][role] and w0[1][f"{role}_lr"] == w0[0][f"{role}_lr"], role  # step 2: no update
+        assert w0[2][role] != w0[1][role] and w0[2][f"{role}_lr"] < w0[1][f"{role}_lr"], role  # step 3 trains again
+    for role in ROLES:
+        assert f"role '{role}': non-finite" in proc.stderr
+    assert "step 2: non-finite values (loss=nan" in proc.stderr
+    assert "step skipped (1 of nonfinite.max_skips=1)" in proc.stderr
+    assert all((out / "export" / role / "model.safetensors").is_file() for role in ROLES)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("policy", "nan_at", "why"), [
+    ("stop", "[3]", "nonfinite.policy=stop"),
+    ("skip", "[2,3]", "more than nonfinite.max_skips=1 steps were skipped"),
+])
+def test_nonfinite_stop_on_two_ranks_exits_3_and_keeps_the_last_checkpoint(tmp_path, fault_recipes, policy, nan_at,
+                                                                          why):
+    out = tmp_path / f"nan_{policy}"
+    proc = _nan_run(fault_recipes, out, f"nan_at={nan_at}", f"nonfinite.policy={policy}", "nonfinite.max_skips=1")
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 3: non-finite values (loss=nan"), proc.stderr[-3000:]
+    assert why in errors[0] and "nothing was exported" in errors[0]
+    assert "fix: lower the learning rate" in proc.stderr and "Traceback" not in proc.stderr
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000002" and not (ckpts / "step_00000003").exists()
+    assert not (out / "export").exists() and not (out / "summary.json").exists()
+    assert [x["step"] for x in _metrics(out)] == [1, 2, 3] and _metrics(out)[2]["train/loss"] is None
+    w0 = _rank_weights(out, 0)
+    assert w0 == _rank_weights(out, 1) and all(w0[2][r] == w0[1][r] for r in ROLES)  # step 3 applied nothing
+
+
+@pytest.mark.timeout(700)
+def test_a_diverging_registry_demo_stops_with_exit_3(tmp_path):
+    """The real recipe on 2 ranks, an absurd learning rate and no clipping: it goes NaN, stops, exports nothing."""
+    out = tmp_path / "diverge"
+    proc = subprocess.run([*CLI, "run", "registry_demo", "--config", "tiny", "--nproc-per-node", "2",
+                           f"output_dir={out}", "lr=1e10", "max_grad_norm=0", "max_steps=8", "checkpoint.every=1"],
+                          capture_output=True, text=True, timeout=600, env=_cli_env())
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite values" in errors[0] and "role 'actor'" in errors[0], proc.stderr[-3000:]
+    stopped = int(errors[0].split("error: step ", 1)[1].split(":", 1)[0])
+    assert 1 < stopped <= 8
+    lines = _metrics(out)
+    assert lines[-1]["step"] == stopped and lines[-1]["train/loss"] is None
+    assert all(x["train/loss"] is not None for x in lines[:-1])
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{stopped - 1:08d}"
+    assert not (out / "export").exists() and "Traceback" not in proc.stderr
 
 
 # --- a stale JIT build lock ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The RLHF recipes' config layer in one process: the shared reward config (reward-model roles and reward
-functions), each recipe's own checks run by load_config before any rank starts, the shipped configs, and
+functions), each recipe's own checks (CHECKS and validate(cfg)) run before any rank starts, the shipped configs, and
 the rlhf_e2e step-3 switch feeding valid keys to each recipe. The runs themselves are in
 tests/distributed/test_rlhf_recipes.py."""
 
@@ -9,7 +9,7 @@ import pytest
 from multiengine.engines import Placement
 from multiengine.pipelines.rlhf.rewards import judge_reward
 from multiengine.recipes.common import reward_config, reward_entries
-from multiengine.recipes.config import RecipeConfigError, list_recipes, load_config
+from multiengine.recipes.config import RecipeConfigError, checked_config, list_recipes, load_config
 from omegaconf import OmegaConf
 
 BASE = Placement(stage=3, dtype="fp32", offload_params=True)
@@ -104,11 +104,11 @@ def test_bad_reward_entries_name_the_key_and_the_fix(values, message):
     ("rlhf_dpo", ["dpo.beta=0"], "beta must be > 0"),
     ("rlhf_ppo", ["reward.models=[{role: critic}]"], "reward.models.0..role='critic'|reward.models\\[0\\].role"),
     ("rlhf_ppo", ["ppo.rollout_batch_size=6", "ppo.mini_batch_size=4"], "ppo: rollout_batch_size=6"),
-    ("rlhf_e2e", ["algorithm=rloo"], r"algorithm='rloo'; use one of \['ppo', 'grpo', 'dpo'\]"),
+    ("rlhf_e2e", ["algorithm=rloo"], r"'algorithm' for recipe 'rlhf_e2e' must be one of ppo, grpo, dpo, got 'rloo'"),
 ])
-def test_recipe_checks_run_in_load_config(recipe, overrides, message):
+def test_recipe_checks_run_before_any_rank_starts(recipe, overrides, message):
     with pytest.raises(RecipeConfigError, match=message):
-        load_config(recipe, "tiny", overrides)
+        checked_config(recipe, "tiny", overrides)  # CHECKS (load_config) and validate(cfg)
 
 
 def test_ppo_takes_the_same_reward_config():
