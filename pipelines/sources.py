@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DATA_FILE_BUILDERS",
+    "DEFAULT_EVAL_FRACTION",
+    "EVAL_SPLIT_NAMES",
     "DataSource",
     "DataSourceError",
     "TrainEval",
@@ -45,11 +47,17 @@ __all__ = [
     "is_hub_name",
     "load_source",
     "map_columns",
+    "named_eval_split",
+    "parse_eval_split",
     "source_kind",
     "split_train_eval",
 ]
 
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# ``eval_split="auto"``: the split a source already keeps apart for evaluation (a folder's ``eval.jsonl``,
+# a DatasetDict's or hub dataset's ``test`` split), else this fraction of its rows, held out
+EVAL_SPLIT_NAMES = ("eval", "test", "validation")
+DEFAULT_EVAL_FRACTION = 0.05
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
 
 
@@ -384,6 +392,65 @@ def heldout_split(ds: Dataset, eval_split: float | int, seed: int = 0,
     return ds.select([i for i in range(n_rows) if i not in held_set]), ds.select(held)
 
 
+def parse_eval_split(value: Any, key: str = "data.eval_split") -> str | float | int | None:
+    """A config's ``eval_split`` as the pipelines take it: ``"auto"``; ``None`` for none (``"none"``, ``""``,
+    ``0``); a fraction in (0, 1) or a row count >= 1 (numbers, or their text: ``"0.05"``, ``"200"``); else the
+    name of a split (``"test"``).
+
+    Raises:
+        DataSourceError: a negative number, or a number >= 1 that is not a whole count.
+    """
+    if value is None or isinstance(value, bool):
+        if value is True:
+            raise DataSourceError(f"{key}=true: use auto, none, a fraction (0.05), a row count (200) or a split name")
+        return None
+    text = str(value).strip()
+    if text.lower() in ("", "none", "null", "0", "0.0"):
+        return None
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        number = float(text)
+    except ValueError:
+        return text  # a split name
+    if not math.isfinite(number) or number <= 0 or (number >= 1 and not number.is_integer()):
+        raise DataSourceError(f"{key}={value!r}: use a fraction in (0, 1) (e.g. 0.05), a row count >= 1 (e.g. 200), "
+                              f"a split name (test), auto or none")
+    return int(number) if number >= 1 else number
+
+
+def named_eval_split(source: DataSource) -> str | None:
+    """The split ``source`` already keeps for evaluation, if it has one: an ``eval``/``test``/``validation``
+    file of a folder of split files, such a split of a ``DatasetDict`` folder or of a hub dataset (its split
+    names from the cache or the hub); ``None`` for a single file or a saved ``Dataset`` (nothing is loaded)."""
+    import json
+
+    p = Path(os.path.expanduser(source.path))
+    own = {source.split or "train"}
+    if p.is_file():
+        return None
+    if p.is_dir():
+        if (p / "dataset_dict.json").is_file():
+            try:
+                splits = json.loads((p / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+            except (OSError, ValueError):
+                return None
+            return next((n for n in EVAL_SPLIT_NAMES if n in splits and n not in own), None)
+        if _is_saved_dataset(p):
+            return None
+        found = _split_file(p, [n for n in EVAL_SPLIT_NAMES if n not in own])
+        return found.stem if found is not None else None
+    if is_hub_name(source.path):
+        try:
+            import datasets
+
+            splits = datasets.get_dataset_split_names(source.path)
+        except Exception:  # noqa: BLE001 - no metadata offline or a gated repo: fall back to held-out rows
+            return None
+        return next((n for n in EVAL_SPLIT_NAMES if n in splits and n not in own), None)
+    return None
+
+
 @dataclass
 class TrainEval:
     """Training rows, evaluation rows (or ``None``) and where the evaluation rows came from."""
@@ -399,10 +466,11 @@ def split_train_eval(
     *,
     eval_source: Sequence[DataSource] = (),
     load_eval: Callable[[DataSource, str | None], Dataset] | None = None,
-    eval_split: float | int | str = 0.0,
+    eval_split: float | int | str | None = 0.0,
     seed: int = 0,
     size: int | None = None,
     source_key: str = "data.source",
+    evaluate: bool = True,
 ) -> TrainEval:
     """Training and evaluation rows, never silently the same rows.
 
@@ -415,11 +483,14 @@ def split_train_eval(
         eval_source: explicit evaluation sources (concatenated); wins over ``eval_split``.
         load_eval: the loader for ``eval_source`` (default ``load``), e.g. one with other formats.
         eval_split: a fraction (``0.05``) or row count held out of *each* training source before the
-            blend (so an oversampled source never leaks its held-out rows into training); or the name of
-            a split every source has (``"test"``, or ``"eval"`` for a folder with ``eval.jsonl``);
-            ``0``/``""`` = no evaluation rows (logged as a warning).
+            blend (so an oversampled source never leaks its held-out rows into training); the name of a
+            split every source has (``"test"``, or ``"eval"`` for a folder with ``eval.jsonl``);
+            ``"auto"``: per source, the evaluation split it has (:func:`named_eval_split`), else
+            :data:`DEFAULT_EVAL_FRACTION` of its rows held out (logged as a warning); ``0``/``""``/``None``
+            = no evaluation rows (logged as a warning).
         seed: for held-out selection and the blend.
         size: rows of the blended training set (default: the sum of the sources' rows).
+        evaluate: ``False``: training rows only (no evaluation rows wanted, nothing logged).
     """
     import datasets
 
@@ -427,7 +498,9 @@ def split_train_eval(
         raise DataSourceError(f"{source_key} is empty: give a data file, folder or hub dataset name")
     train_parts = [load(s, None) for s in sources]
     eval_ds: Dataset | None = None
-    if eval_source:
+    if not evaluate:
+        origin = "not needed"
+    elif eval_source:
         train_ids = {(os.path.abspath(s.path), s.split) for s in sources}
         for e in eval_source:
             if (os.path.abspath(e.path), e.split) in train_ids:
@@ -437,17 +510,40 @@ def split_train_eval(
         parts = [(load_eval or load)(e, None) for e in eval_source]
         eval_ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
         origin = "data.eval_source=" + ",".join(e.path for e in eval_source)
-    elif isinstance(eval_split, str) and eval_split:
-        parts = [load(s, eval_split) for s in sources]
-        eval_ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-        origin = f"split {eval_split!r} of " + ",".join(s.path for s in sources)
-    elif not isinstance(eval_split, str) and eval_split:
-        held = []
-        for i, part in enumerate(train_parts):
-            train_parts[i], h = heldout_split(part, eval_split, seed + i)
-            held.append(h)
+    elif eval_split:
+        # per source: ("split", name) or ("heldout", fraction or count)
+        plans: list[tuple[str, Any]] = []
+        for s in sources:
+            if eval_split == "auto":
+                name = named_eval_split(s)
+                plans.append(("split", name) if name else ("heldout", DEFAULT_EVAL_FRACTION))
+            elif isinstance(eval_split, str):
+                plans.append(("split", eval_split))
+            else:
+                plans.append(("heldout", eval_split))
+        held, described = [], []
+        for i, (s, (how, what)) in enumerate(zip(sources, plans, strict=True)):
+            if how == "split":
+                try:
+                    held.append(load(s, what))
+                except DataSourceError as err:
+                    if eval_split != "auto":
+                        raise
+                    raise DataSourceError(f"the evaluation rows of {s.path} (its split {what!r}, picked by "
+                                          f"data.eval_split=auto) cannot be used: {err}. Set data.eval_split=0.05 to "
+                                          f"hold out training rows instead, or data.eval_source") from err
+                described.append(f"split {what!r} of {s.path}")
+            else:
+                train_parts[i], h = heldout_split(train_parts[i], what, seed + i)
+                held.append(h)
+                described.append(f"{len(h)} rows held out of {s.path} ({what:g}, seed {seed + i})")
+                if eval_split == "auto":
+                    logger.warning(
+                        "data.eval_split=auto: %s has no evaluation split (eval/test file or split), so %d of its %d "
+                        "rows (%g, seeded) are held out for evaluation and never trained on; set data.eval_source or "
+                        "data.eval_split to choose", s.path, len(h), len(h) + len(train_parts[i]), what)
         eval_ds = held[0] if len(held) == 1 else datasets.concatenate_datasets(held)
-        origin = f"held out {eval_split} of the training rows (seed {seed})"
+        origin = "; ".join(described)
     else:
         origin = "none"
         logger.warning("no evaluation rows: set data.eval_split (e.g. 0.05) or data.eval_source to evaluate on rows "

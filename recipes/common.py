@@ -20,9 +20,13 @@ from multiengine.engines import LoraSpec, OptimSpec, Placement, ShardedBatches, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REWARD_DEFAULTS", "RLHF_BETAS", "RewardModelRole", "check_model_path", "demonstrations",
-           "evaluation_prompts", "lora_spec", "optim_spec", "placement", "reward_config", "reward_entries",
-           "sft_model", "tiny_assets"]
+__all__ = [
+    "COMMON_HELP", "DATA_COLUMNS", "DATA_DEFAULTS", "REWARD_DEFAULTS", "RLHF_BETAS", "RewardModelRole", "check_data",
+    "check_model", "check_model_path", "check_scoring_tokenizers", "check_tokenizer", "config_error", "data_checks",
+    "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data", "lora_spec",
+    "optim_spec", "placement", "recipe_checks", "retokenizers", "reward_config", "reward_entries", "role_tokenizer",
+    "sft_model", "tiny_assets", "uses_builtin_data",
+]
 
 # Adam betas of DeepSpeed-Chat and OpenRLHF for every RLHF role (beta2 = 0.95 tolerates the noisier
 # gradients of RL better than the 0.999 default).
@@ -68,7 +72,164 @@ def lora_spec(section: Any, **overrides: Any) -> LoraSpec | None:
     return LoraSpec(**values)
 
 
-# --- the RLHF recipes' shared data setup (the built-in task by default) ---------------------------------
+# --- the RLHF recipes' shared data section and data setup (the built-in task by default) ---------------
+# Every RLHF recipe's `data` section starts with these keys (docs/data.md); the recipe adds its lengths.
+DATA_COLUMNS: dict[str, str] = {
+    "prompt": "",  # your column holding the prompt ("" = a column named prompt)
+    "response": "",  # ... the response (completion is read as response)
+    "completion": "",  # ... the completion
+    "chosen": "",  # ... the preferred answer
+    "rejected": "",  # ... the worse answer
+    "text": "",  # ... plain text (language modelling)
+    "messages": "",  # ... a conversation: a list of {role, content}
+}
+# meanings of the common keys whose DEFAULTS line holds a whole section (for `--help`)
+COMMON_HELP: dict[str, str] = {
+    "checkpoint.every": "save a checkpoint every N steps (0 = never)",
+    "checkpoint.keep_last": "checkpoints kept (the newest K; 0 = all)",
+}
+DATA_DEFAULTS: dict[str, Any] = {
+    "source": "",  # a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, a folder of split files or a hub dataset; "" = the built-in task
+    "sources": [],  # several sources blended by weight, [{path, weight, columns, split}]; replaces data.source
+    "columns": {**DATA_COLUMNS},  # your column names per field: data.columns.<field>=<column>
+    "train_split": "train",  # the split of a hub dataset / DatasetDict folder to train on
+    "eval_source": "",  # separate evaluation rows (the forms of data.source); never a training source
+    "eval_split": "auto",  # auto (the source's eval/test split, else 5% of its rows held out) | none | 0.05 | 200 | a split name
+}
+
+
+def data_checks(*lengths: str) -> dict[str, Any]:
+    """CHECKS of the shared data keys (and of the recipe's ``data.<length>`` keys, each >= 1)."""
+    from multiengine.pipelines.sources import DataSourceError, parse_eval_split
+    from multiengine.recipes.config import Range, Satisfies
+
+    def eval_split_ok(value: Any) -> bool:
+        try:
+            parse_eval_split(value)
+        except DataSourceError:
+            return False
+        return True
+
+    checks: dict[str, Any] = {
+        "data.eval_split": Satisfies(eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or a split "
+                                                    "name"),
+        "data.sources": Satisfies(lambda v: isinstance(v, (list, tuple)), "a list of {path, weight, columns, split}"),
+    }
+    for key in lengths:
+        checks[f"data.{key}"] = Range(1)
+    return checks
+
+
+def data_spec(section: Any) -> dict[str, Any]:
+    """The loading arguments of a ``data`` section: ``source`` (``data.sources`` when set, else
+    ``data.source``), ``columns`` (the fields that are mapped), ``train_split``, ``eval_source``, ``eval_split``
+    (parsed)."""
+    from multiengine.pipelines.sources import parse_eval_split
+
+    sources = _plain(section.get("sources")) or []
+    columns = {k: v for k, v in (_plain(section.get("columns")) or {}).items() if v}
+    return {"source": sources or section.get("source") or "", "columns": columns,
+            "train_split": section.get("train_split") or "train",
+            "eval_source": section.get("eval_source") or "",
+            "eval_split": parse_eval_split(section.get("eval_split", "auto"))}
+
+
+def data_overrides(section: Any, source: str | None = None) -> list[str]:
+    """``key=value`` overrides that give another recipe the same data (rlhf_e2e's steps, an SFT actor trained
+    first): ``data.source`` (``source`` when given: the built-in data folder), ``data.sources``, every mapped
+    column, ``data.train_split``, ``data.eval_source`` and ``data.eval_split``."""
+    import json
+
+    out = [f"data.source={source if source is not None else section.get('source') or ''}"]
+    sources = _plain(section.get("sources")) or []
+    if sources:
+        out.append(f"data.sources={json.dumps(sources)}")
+    for field, column in (_plain(section.get("columns")) or {}).items():
+        if column:
+            out.append(f"data.columns.{field}={column}")
+    for key in ("train_split", "eval_source", "eval_split"):
+        if key in section:
+            out.append(f"data.{key}={section.get(key) if section.get(key) is not None else ''}")
+    return out
+
+
+def _on_rank0_first(registry: Any, load: Any) -> Any:
+    """``load()`` on rank 0, then on the others (rank 0 fills the datasets cache, the others read it instead
+    of racing to write the same files). A failure on rank 0 fails every rank, never leaves them waiting."""
+    import torch.distributed as dist
+
+    if registry.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return load()
+    error: BaseException | None = None
+    result = None
+    if registry.is_main:
+        try:
+            result = load()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+    box = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        from multiengine.recipes.config import RecipeConfigError
+
+        raise RecipeConfigError(f"rank 0 could not load the data: {box[0]}")
+    return result if registry.is_main else load()
+
+
+def load_data(recipe: Any, stage: str, *, eval_stage: str | None = None, default_source: str = "",
+              source: Any = None, evaluate: bool = True) -> Any:
+    """The training and evaluation rows of one stage (``rlhf.data.load_rlhf_data``) from the recipe's ``data``
+    section, rank 0 first: ``data.sources`` or ``data.source`` (``default_source`` when both are empty: the
+    built-in data), ``data.columns``, ``data.eval_source`` / ``data.eval_split``. ``source`` replaces the
+    training source (PPO's ``data.ptx_source``); ``evaluate=False`` loads training rows only. Returns a
+    ``TrainEval``."""
+    from multiengine.pipelines.rlhf.data import load_rlhf_data
+
+    cfg = recipe.cfg
+    spec = data_spec(cfg.data)
+    train_source = source or spec["source"] or default_source
+    return _on_rank0_first(recipe.registry, lambda: load_rlhf_data(
+        train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
+        eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"], eval_stage=eval_stage,
+        seed=cfg.seed, evaluate=evaluate))
+
+
+def has_prompts(rows: Any) -> bool:
+    """Rows that carry prompts to generate from (``prompt`` or ``messages``; ``text`` rows have none)."""
+    return rows is not None and len(rows) > 0 and bool({"prompt", "messages"} & set(rows.column_names))
+
+
+def demonstrations(recipe: Any, data: Any, tokenizer: Any, batch_size: int) -> tuple[ShardedBatches, list[Any]]:
+    """SFT rows as a checkpointed training stream (``add_state("batches")``) and the held-out batches of the
+    evaluation rows (at most ``data.heldout_size`` of them; 0 = all), which are never trained on."""
+    from multiengine.pipelines.rlhf.data import SFTCollator
+
+    cfg, registry = recipe.cfg, recipe.registry
+    collate = SFTCollator(tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
+    batches = registry.add_state("batches", ShardedBatches(data.train, collate, batch_size, registry.world_size,
+                                                           registry.rank, seed=cfg.seed))
+    heldout = []
+    if data.eval is not None:
+        heldout = shard_batches(data.eval, collate, batch_size, registry.world_size, registry.rank,
+                                limit=cfg.data.heldout_size)
+    return batches, heldout
+
+
+def evaluation_prompts(recipe: Any, rows: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """``eval.size`` evaluation prompts from ``rows`` (evaluation rows, never training rows) in batches of
+    ``eval.batch_size``, equal shares per rank; ``[]`` when ``eval.size`` is 0 or the rows have no prompts.
+    Conversational prompts are rendered with ``add_generation_prompt=True``."""
+    from multiengine.pipelines.rlhf.data import PromptCollator
+
+    cfg, registry = recipe.cfg, recipe.registry
+    if not cfg.eval.size or not has_prompts(rows):
+        return []
+    return shard_batches(rows, PromptCollator(tokenizer, cfg.data.max_prompt_len), cfg.eval.batch_size,
+                         registry.world_size, registry.rank, limit=cfg.eval.size)
+
+
 def tiny_assets(recipe: Any, needed: bool) -> dict[str, str]:
     """The embedded default (built-in dataset, tokenizer, random tiny OPT) under ``output_dir/tiny`` when
     ``needed`` (a model folder or the data source was left empty), else ``{}``."""
@@ -81,36 +242,26 @@ def tiny_assets(recipe: Any, needed: bool) -> dict[str, str]:
                                model.get("tiny_hidden", 64), model.get("tiny_layers", 2))
 
 
-def demonstrations(recipe: Any, source: str, tokenizer: Any, batch_size: int) -> tuple[ShardedBatches, list[Any]]:
-    """Prompt + response rows (``sft`` split) as a checkpointed training stream (``add_state("batches")``)
-    and a held-out tail of ``data.heldout_size`` rows (at most a tenth) that is never trained on."""
-    from multiengine.pipelines.rlhf.data import SFTCollator
-    from multiengine.pipelines.rlhf.runs import load_split
-
-    cfg, registry = recipe.cfg, recipe.registry
-    rows = load_split(source, "sft", registry, cfg.data.train_split)
-    n_heldout = min(cfg.data.heldout_size, len(rows) // 10)
-    collate = SFTCollator(tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-    batches = registry.add_state("batches", ShardedBatches(
-        rows.select(range(len(rows) - n_heldout)), collate, batch_size, registry.world_size, registry.rank,
-        seed=cfg.seed))
-    heldout = shard_batches(rows.select(range(len(rows) - n_heldout, len(rows))), collate, batch_size,
-                            registry.world_size, registry.rank)
-    return batches, heldout
+def uses_builtin_data(section: Any) -> bool:
+    """Neither ``data.source`` nor ``data.sources`` is set: the built-in task's data."""
+    return not (section.get("source") or _plain(section.get("sources")))
 
 
-def evaluation_prompts(recipe: Any, source: str, tokenizer: Any) -> list[dict[str, Any]]:
-    """``eval.size`` evaluation prompts (``eval`` split) in batches of ``eval.batch_size``, equal shares per
-    rank; ``[]`` when ``eval.size`` is 0."""
-    from multiengine.pipelines.rlhf.data import PromptCollator
-    from multiengine.pipelines.rlhf.runs import load_split
+def role_tokenizer(given: str, model_path: str, fallback: Any = None, *, what: str = "") -> Any:
+    """A role's tokenizer: ``given`` (a tokenizer folder or hub name, a ``model.*_tokenizer`` key), else the
+    model folder's own, else ``fallback`` (e.g. the actor's, for a folder saved without one; logged)."""
+    from multiengine.pipelines.rlhf.runs import has_tokenizer, resolve_tokenizer
+    from multiengine.pipelines.sources import is_hub_name
 
-    cfg, registry = recipe.cfg, recipe.registry
-    if not cfg.eval.size:
-        return []
-    rows = load_split(source, "eval", registry, cfg.data.eval_split)
-    return shard_batches(rows, PromptCollator(tokenizer, cfg.data.max_prompt_len), cfg.eval.batch_size,
-                         registry.world_size, registry.rank, limit=cfg.eval.size)
+    if given:
+        return resolve_tokenizer(given)
+    if has_tokenizer(os.path.expanduser(model_path)) or (not os.path.exists(model_path) and is_hub_name(model_path)):
+        return resolve_tokenizer(model_path)
+    if fallback is None:
+        raise FileNotFoundError(f"no tokenizer in {model_path}; set the tokenizer key of {what or 'this role'}")
+    logger.info("%s: %s has no tokenizer files; using %s's", what or "role", model_path,
+                getattr(fallback, "name_or_path", "the actor"))
+    return fallback
 
 
 def check_model_path(key: str, given: str, recipe: str) -> str:
@@ -123,27 +274,228 @@ def check_model_path(key: str, given: str, recipe: str) -> str:
     return given
 
 
-def sft_model(recipe: Any, section: Any, out_dir: str, data_source: str, base_model: str) -> str:
-    """Train a model with the rlhf_sft recipe under ``out_dir`` (once: a finished run is reused) and return
-    its export. ``section`` has ``config`` (a shipped rlhf_sft config) and ``overrides``. Recipes compose in
-    one process: the SFT run builds its own registry on the same ranks."""
-    from multiengine.recipes.config import checked_config, load_recipe
+def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_model: str) -> str:
+    """Train a model with the rlhf_sft recipe under ``out_dir`` and return its export. ``section`` has ``config``
+    (a shipped rlhf_sft config) and ``overrides``; ``data`` are the ``data.*`` overrides that give it the
+    recipe's data (:func:`data_overrides`). A finished run is reused only while its resolved config and inputs
+    are unchanged (rlhf_e2e's fingerprints). Recipes compose in one process: the SFT run builds its own registry
+    on the same ranks."""
+    from multiengine.recipes.rlhf_e2e import _run_step
 
     cfg = recipe.cfg
-    export = os.path.join(out_dir, "export", "actor")
-    if os.path.isfile(os.path.join(out_dir, "summary.json")) and os.path.isdir(export):
-        logger.info("%s: reusing the SFT model trained in %s", recipe.name, out_dir)
-        return export
-    overrides = [f"output_dir={out_dir}", f"seed={cfg.seed}", f"backend={cfg.backend}", f"data.source={data_source}",
-                 f"model.pretrained={base_model}", *section.overrides]
-    sft_cfg = checked_config("rlhf_sft", section.config or None, overrides)
-    logger.info("%s: training the SFT model with rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
-    load_recipe("rlhf_sft").main(sft_cfg)
-    return export
+    overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"model.pretrained={base_model}",
+                 *section.overrides]
+    logger.info("%s: the SFT model comes from rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
+    summary = _run_step("rlhf_sft", section.config, overrides, out_dir, False, {})
+    return summary["export"]["actor"]["model"]
+
+
+# --- tokenizers per role (rlhf_ppo, rlhf_grpo) ---------------------------------------------------------------
+def _position_budget(path: str) -> int:
+    """Tokens a re-encoded row may have per part (prompt, response): half the model's positions."""
+    from transformers import AutoConfig
+
+    try:
+        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        positions = None
+    return max(int(positions or 1024) // 2, 8)
+
+
+def retokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str]], conversational: bool,
+                 tokenizers: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each scoring role's tokenizer and, when it tokenizes differently from the actor (vocabularies
+    compared, and chat templates for conversational prompts), the ``Retokenizer`` that re-encodes the actor's
+    rows for it; ``None`` = the actor's ids are used as they are.
+
+    Args:
+        roles: ``(role, model folder, tokenizer key's value)``; "" = the folder's own tokenizer (the actor's
+            when the folder has none).
+        tokenizers: tokenizers already loaded, by role (reused, e.g. the critic's = the reward model's).
+
+    Returns:
+        ``({role: tokenizer}, {role: Retokenizer or None})``.
+    """
+    from multiengine.pipelines.rlhf.retokenize import Retokenizer, needs_reencoding
+
+    toks, retoks = dict(tokenizers or {}), {}
+    for role, path, given in roles:
+        tok = toks.get(role) or role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
+        toks[role] = tok
+        if needs_reencoding(actor_tokenizer, tok, conversational):
+            budget = _position_budget(path)
+            retoks[role] = Retokenizer(actor_tokenizer, tok, budget, budget, conversational=conversational)
+            logger.info("%s: its tokenizer (%s, %d tokens) differs from the actor's (%s, %d tokens): the actor's "
+                        "prompts and answers are decoded and re-encoded for it", role,
+                        getattr(tok, "name_or_path", "?"), len(tok), getattr(actor_tokenizer, "name_or_path", "?"),
+                        len(actor_tokenizer))
+        else:
+            retoks[role] = None
+    return toks, retoks
+
+
+def check_scoring_tokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str, str]],
+                             conversational: bool) -> None:
+    """Before any rank starts: each scoring role's tokenizer loads and fits its model, and, when it must
+    re-encode conversational prompts, has a chat template. ``roles``: ``(role, model folder, tokenizer value,
+    tokenizer key)``."""
+    from multiengine.pipelines.checks import check_vocab_fits
+    from multiengine.pipelines.rlhf.data import check_chat_template
+    from multiengine.pipelines.rlhf.retokenize import needs_reencoding
+
+    for role, path, given, key in roles:
+        if not path:
+            continue
+        try:
+            tok = role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
+            check_vocab_fits(tok, path, key=f"the {role} model ({path})", tokenizer_key=key if given else None)
+            if actor_tokenizer is not None and needs_reencoding(actor_tokenizer, tok, conversational):
+                check_chat_template(tok, conversational, key="data.source", tokenizer_key=key)
+        except (OSError, ValueError) as err:
+            raise config_error(err) from None
+
+
+# --- value checks of the keys the recipes share (their CHECKS), and the checks of validate(cfg) -----------
+def _scheduler_names() -> list[str]:
+    from transformers.trainer_utils import SchedulerType
+
+    return [t.value for t in SchedulerType]
+
+
+def _by_name(name: str, default: Any) -> Any:
+    """The check of a key by its last name (the same name means the same thing in every recipe)."""
+    from multiengine.recipes.config import Choice, Length, Range, Satisfies
+
+    positive = Range(0, min_exclusive=True)
+    if isinstance(default, bool):
+        return None
+    simple = {
+        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": Range(0), "keep_last": Range(0),
+        "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
+        "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
+        "max_grad_norm": Range(0), "rank": Range(1), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
+        "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
+        "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
+        "max_ptx_len": Range(1), "heldout_size": Range(0), "tiny_hidden": Range(8), "tiny_layers": Range(1),
+        "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
+    }
+    if name in simple:
+        return simple[name]
+    if name == "backend":
+        return Choice("auto", "deepspeed", "torch")
+    if name == "mode":
+        return Choice("gather", "per_token")
+    if name == "stage":
+        return Range(-1 if default == -1 else 0, 3)
+    if name == "dtype":
+        return Choice("fp32", "bf16", "fp16", *([""] if default == "" else []))
+    if name == "scheduler":
+        return Satisfies(lambda v: v in _scheduler_names(), "a transformers scheduler name (constant, "
+                                                              "constant_with_warmup, linear, cosine, ...)")
+    if name == "resume_from":
+        return Satisfies(lambda v: v in ("", "latest") or os.path.isdir(os.path.expanduser(str(v))),
+                         '"", "latest" or an existing checkpoint folder')
+    return None
+
+
+def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A recipe's CHECKS: a range or choice for every key of ``defaults`` whose name the RLHF recipes share
+    (``lr``, ``stage``, ``dtype``, ``micro_batch_size``, ``max_new_tokens``, ...; see :func:`_by_name`), the data
+    section's, and ``extra`` (the recipe's own keys), which wins."""
+    out: dict[str, Any] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for name, value in tree.items():
+            key = f"{prefix}{name}"
+            if isinstance(value, dict):
+                if key != "data.columns":
+                    walk(value, key + ".")
+                continue
+            check = _by_name(name, value)
+            if check is not None:
+                out[key] = check
+
+    walk(defaults, "")
+    if "data" in defaults:
+        out.update(data_checks())
+    out.update(extra or {})
+    return out
+
+
+def config_error(err: Exception) -> Exception:
+    """A data / model-folder error of a check as the config error the CLI reports (exit 2, no traceback)."""
+    from multiengine.recipes.config import RecipeConfigError
+
+    return RecipeConfigError(str(err))
+
+
+def check_model(key: str, path: str) -> None:
+    """``path`` (a ``model.*`` key) is a model folder with ``config.json`` or a hub name; "" passes (the
+    built-in tiny model)."""
+    from multiengine.pipelines.checks import check_model_folder
+
+    if path:
+        try:
+            check_model_folder(str(path), key=key)
+        except ValueError as err:
+            raise config_error(err) from None
+
+
+def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
+    """Load the tokenizer of a role (``given`` = its tokenizer key's value, else the model folder's) and check
+    that the model embeds every id of it; returns it (``None`` when ``model_path`` is "")."""
+    from multiengine.pipelines.checks import check_vocab_fits
+
+    if not model_path:
+        return None
+    try:
+        tok = role_tokenizer(given, model_path, fallback, what=model_key)
+    except (OSError, ValueError) as err:
+        raise config_error(ValueError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
+                                      f"tokenizer ({err}); set {key} to a tokenizer folder")) from None
+    try:
+        check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
+    except ValueError as err:
+        raise config_error(err) from None
+    return tok
+
+
+def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str | None = None,
+               tokenizer_key: str = "model.pretrained", source: Any = None, key: str | None = None,
+               evaluate: bool = True) -> dict[str, Any] | None:
+    """The data of one stage, before any rank starts: every source exists and has rows of a format of the stage
+    after the column mapping, conversational rows meet a tokenizer with a chat template, and the evaluation
+    rows resolve (an eval source, a named split the sources have, or held-out rows that leave training rows).
+    The built-in data ("" source) passes. Returns ``check_rlhf_data``'s report (``None`` for built-in data)."""
+    from multiengine.pipelines.rlhf.data import check_rlhf_data, load_rlhf_data
+
+    spec = data_spec(cfg.data)
+    train_source = source or spec["source"]
+    if not train_source:
+        return None
+    key = key or ("data.sources" if isinstance(train_source, list) else "data.source")
+    try:
+        report = check_rlhf_data(train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
+                                 tokenizer=tokenizer, key=key, tokenizer_key=tokenizer_key)
+        if evaluate and spec["eval_source"]:
+            check_rlhf_data(spec["eval_source"], eval_stage or stage, columns=spec["columns"], tokenizer=tokenizer,
+                            key="data.eval_source", tokenizer_key=tokenizer_key)
+        data = load_rlhf_data(train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
+                              eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"],
+                              eval_stage=eval_stage, seed=cfg.seed, evaluate=evaluate)
+    except ValueError as err:
+        raise config_error(err) from None
+    report["train_rows"] = len(data.train)
+    report["eval_rows"] = len(data.eval) if data.eval is not None else 0
+    report["eval_origin"] = data.eval_origin
+    logger.info("data (%s): %d training rows (%s); evaluation: %s", stage, report["train_rows"],
+                ", ".join(f"{r['path']}: {r['format']}" for r in report["sources"]), data.eval_origin)
+    return report
 
 
 # --- reward sources named in a config (rlhf_ppo, rlhf_grpo) -----------------------------------------------
-# ``reward.models``: reward-model roles, each ``{role, path, weight}`` plus optional placement keys
+# ``reward.models``: reward-model roles, each ``{role, path, weight}`` plus an optional ``tokenizer`` (a folder;
+# "" = the model folder's own, re-encoded when it differs from the actor's) and optional placement keys
 # (``stage, dtype, offload_params, gather_forward``) over ``roles.reward``'s; ``role`` is ``reward`` or
 # ``reward_<name>``, and only ``reward`` may leave ``path`` empty (then ``model.reward``).
 # ``reward.functions``: ``fn(prompts, responses) -> list[float]`` as ``"pkg.mod:fn"``, ``"/path/file.py:fn"``
@@ -153,7 +505,7 @@ REWARD_DEFAULTS: dict[str, Any] = {
     "functions": [],
     "normalize": False,  # running mean/std of the combined score over all ranks, before clipping
 }
-_MODEL_KEYS = ("role", "path", "weight", "stage", "dtype", "offload_params", "gather_forward")
+_MODEL_KEYS = ("role", "path", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
 _FUNCTION_KEYS = ("fn", "weight")
 
 
@@ -165,6 +517,7 @@ class RewardModelRole:
     path: str
     weight: float
     placement: Placement
+    tokenizer: str = ""  # its tokenizer folder; "" = the model folder's own
 
 
 def _plain(value: Any) -> Any:
@@ -278,7 +631,7 @@ def reward_config(section: Any, default_path: str | None, base: Placement,
                               gather_forward=bool(entry.get("gather_forward", base.gather_forward)))
         except ValueError as exc:  # the engines' ConfigError: name the entry it came from
             raise RecipeConfigError(f"{key}.models[{i}] (role {entry['role']!r}): {exc}") from None
-        roles.append(RewardModelRole(entry["role"], path, entry["weight"], place))
+        roles.append(RewardModelRole(entry["role"], path, entry["weight"], place, str(entry.get("tokenizer") or "")))
     sources = [reward_model(r.role, r.weight) for r in roles]
     labels = [spec.rpartition(":")[2] for spec, _ in specs]
     taken = {r.role for r in roles}

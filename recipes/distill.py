@@ -26,55 +26,120 @@ from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import load_causal_lm
-from multiengine.pipelines.rlhf.runs import builtin_judge, resolve_tokenizer
+from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
+    COMMON_HELP,
+    DATA_DEFAULTS,
     RLHF_BETAS,
+    check_data,
+    check_model,
+    check_tokenizer,
+    config_error,
+    data_overrides,
     demonstrations,
     evaluation_prompts,
+    load_data,
     optim_spec,
     placement,
+    recipe_checks,
+    role_tokenizer,
     sft_model,
     tiny_assets,
+    uses_builtin_data,
 )
-from multiengine.recipes.config import RecipeConfigError
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = with_common({
-    "output_dir": "outputs/distill",
+DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "output_dir": "outputs/distill",  # everything the run writes goes under this folder
     "max_steps": 300,  # optimizer steps of the student
-    "model": {
+    "model": {  # teacher and student (one tokenizer: token-level distillation)
         "teacher": "",  # a causal-LM folder; "" = train the tiny SFT model under output_dir/teacher first
         "student": "",  # a causal-LM folder; "" = a random tiny model (same tokenizer, student_hidden wide)
-        "student_hidden": 32,
-        "student_layers": 1,
+        "tokenizer": "",  # the tokenizer of both; "" = the teacher folder's own
+        "student_hidden": 32,  # width of the random tiny student
+        "student_layers": 1,  # layers of the random tiny student
     },
-    "teacher_sft": {"config": "tiny", "overrides": []},  # how the tiny teacher is trained (rlhf_sft)
-    "data": {
-        "source": "",  # folder of {sft,eval}.jsonl, a file, or a hub name; "" = the built-in task
-        "train_split": "train",
-        "eval_split": "test",
-        "max_prompt_len": 16,
-        "max_response_len": 16,
-        "heldout_size": 128,  # the last rows of the data, never trained on
+    "teacher_sft": {  # how the tiny teacher is trained (rlhf_sft) when model.teacher is empty
+        "config": "tiny",  # a shipped rlhf_sft config
+        "overrides": [],  # key=value overrides for it
     },
-    "distill": {
+    "data": {  # demonstrations: prompt + response, messages or text rows (docs/data.md)
+        **DATA_DEFAULTS,
+        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
+        "max_response_len": 16,  # response tokens kept, EOS included
+        "heldout_size": 128,  # evaluation rows scored for the held-out cross-entropy (0 = all of them)
+    },
+    "distill": {  # the distillation loss
         "loss": "forward_kl",  # forward_kl | reverse_kl | jsd
-        "temperature": 1.0,
+        "temperature": 1.0,  # softens both distributions; the loss is multiplied by its square
         "alpha": 1.0,  # weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy
-        "jsd_beta": 0.5,
+        "jsd_beta": 0.5,  # the JSD's teacher weight, in (0, 1)
     },
-    "train": {"micro_batch_size": 16, "grad_accum": 1, "lr": 2e-3, "weight_decay": 0.0, "scheduler": "cosine",
-              "warmup_steps": 20, "max_grad_norm": 1.0},
-    "roles": {
-        "teacher": {"stage": 3, "dtype": "fp32", "offload_params": False, "gather_forward": False},
-        "student": {"stage": 2, "dtype": "fp32", "offload_params": False, "offload_optimizer": False},
+    "train": {  # the student's optimizer and batches
+        "micro_batch_size": 16,  # rows per rank per forward/backward
+        "grad_accum": 1,  # micro batches per optimizer step
+        "lr": 2e-3,  # peak learning rate
+        "weight_decay": 0.0,  # AdamW weight decay
+        "scheduler": "cosine",  # a transformers scheduler name
+        "warmup_steps": 20,  # linear warm-up steps
+        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
     },
-    "generation": {"max_new_tokens": 8, "temperature": 1.0},
-    "eval": {"every": 100, "size": 256, "batch_size": 32, "judge": True, "seed": 1234},
-    "export": {"enabled": True},
+    "roles": {  # placement of each role
+        "teacher": {  # the frozen teacher
+            "stage": 3,  # ZeRO stage 0-3
+            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
+        },
+        "student": {  # the trainable student
+            "stage": 2,  # ZeRO stage 0-3
+            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "offload_optimizer": False,  # optimizer state offload to CPU
+        },
+    },
+    "generation": {  # sampling of evaluation answers
+        "max_new_tokens": 8,  # tokens generated per answer
+        "temperature": 1.0,  # sampling temperature
+    },
+    "eval": {  # held-out cross-entropy and sampled answers to the prompts of the evaluation rows
+        "every": 100,  # also every N steps (always before and after)
+        "size": 256,  # evaluation prompts (split evenly over ranks); 0 = none
+        "batch_size": 32,  # prompts per generation batch
+        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
+        "seed": 1234,  # sampling seed of evaluation answers
+    },
+    "export": {  # what the run writes under output_dir/export
+        "enabled": True,  # export/student
+    },
+}
+CHECKS = recipe_checks(DEFAULTS, {
+    "distill.loss": Choice(*DIVERGENCES), "distill.temperature": Range(0, min_exclusive=True),
+    "distill.alpha": Range(0, 1), "distill.jsd_beta": Range(0, 1, min_exclusive=True, max_exclusive=True),
 })
+HELP = dict(COMMON_HELP)
+
+
+def validate(cfg: Any) -> None:
+    """Teacher and student folders, the tokenizer against both vocabularies (and the student's own tokenizer,
+    if it has one, equal to it), the demonstrations and evaluation rows."""
+    from multiengine.pipelines.rlhf.retokenize import vocabularies_match
+
+    check_model("model.teacher", cfg.model.teacher)
+    check_model("model.student", cfg.model.student)
+    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.teacher", cfg.model.teacher)
+    if cfg.model.student:
+        own = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.student", cfg.model.student, tok)
+        if tok is not None and own is not None and not cfg.model.tokenizer and not vocabularies_match(tok, own):
+            raise config_error(ValueError(
+                f"model.teacher ({cfg.model.teacher}) and model.student ({cfg.model.student}) have different "
+                "tokenizers: token-level distillation compares next-token distributions over one vocabulary; use a "
+                "student with the teacher's tokenizer (or set model.tokenizer if both really share one)"))
+    check_data(cfg, "sft", tok, tokenizer_key="model.tokenizer")
 
 
 class Distill(Recipe):
@@ -86,15 +151,14 @@ class Distill(Recipe):
 
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
-        if cfg.distill.loss not in DIVERGENCES:
-            raise RecipeConfigError(f"distill.loss={cfg.distill.loss!r}; use one of {list(DIVERGENCES)}.")
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
-        assets = tiny_assets(self, not (cfg.data.source and cfg.model.student and cfg.model.teacher))
-        source = cfg.data.source or assets["data"]
-        self.teacher_path = cfg.model.teacher or sft_model(self, cfg.teacher_sft, self.path("teacher"), source,
-                                                            assets["model"])
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not (cfg.model.student and cfg.model.teacher))
+        builtin = assets.get("data", "")
+        self.teacher_path = cfg.model.teacher or sft_model(self, cfg.teacher_sft, self.path("teacher"),
+                                                            data_overrides(cfg.data, builtin or None), assets["model"])
         self.student_path = cfg.model.student or self._tiny_student(assets["tokenizer"])
-        self.tokenizer = resolve_tokenizer(self.teacher_path, assets.get("tokenizer", ""))
+        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
+        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.teacher_path, tiny_tok, what="model.teacher")
         self._check_vocabularies()
 
         # 2. the two roles: a frozen teacher, a trainable student, each at its own placement
@@ -106,9 +170,10 @@ class Distill(Recipe):
                                     grad_accum=t.grad_accum, seed=cfg.seed))
         registry.build()
 
-        # 3. data: demonstrations (prompt + response), a held-out tail, evaluation prompts
-        self.batches, self.heldout = demonstrations(self, source, self.tokenizer, t.micro_batch_size)
-        self.eval_prompts = evaluation_prompts(self, source, self.tokenizer)
+        # 3. data: demonstrations (prompt + response), evaluation rows never trained on (held-out loss, prompts)
+        data = load_data(self, "sft", default_source=builtin)
+        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, t.micro_batch_size)
+        self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
                                              temperature=cfg.generation.temperature)

@@ -18,7 +18,6 @@ metrics.jsonl, summary.json, curves.png, checkpoints/ and export/actor; ``resume
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -30,65 +29,114 @@ from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
-from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, resolve_tokenizer
+from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
+    COMMON_HELP,
+    DATA_DEFAULTS,
     RLHF_BETAS,
+    check_data,
+    check_model,
     check_model_path,
+    check_tokenizer,
+    data_overrides,
     evaluation_prompts,
+    load_data,
     lora_spec,
     optim_spec,
     placement,
+    recipe_checks,
+    role_tokenizer,
     sft_model,
     tiny_assets,
+    uses_builtin_data,
 )
-from multiengine.recipes.config import RecipeConfigError
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = with_common({
-    "output_dir": "outputs/rlhf_dpo",
+DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "output_dir": "outputs/rlhf_dpo",  # everything the run writes goes under this folder
     "max_steps": 300,  # optimizer steps
-    "model": {
+    "model": {  # the policy (and, loaded again, the ref)
         "actor": "",  # a causal-LM folder (the SFT model); "" = train the tiny SFT actor under output_dir/sft
-        "tiny_hidden": 64,
-        "tiny_layers": 2,
+        "tokenizer": "",  # a tokenizer folder or hub name; "" = the actor folder's own
+        "tiny_hidden": 64,  # width of the random tiny model the tiny SFT actor starts from
+        "tiny_layers": 2,  # layers of that model
     },
-    "actor_sft": {"config": "tiny", "overrides": []},  # how the tiny SFT actor is trained (rlhf_sft)
-    "data": {
-        "source": "",  # folder with reward.jsonl (+ eval.jsonl), a file, or a hub name; "" = the built-in task
-        "train_split": "train",
-        "eval_split": "test",  # hub datasets: held-out pairs and evaluation prompts come from this split
-        "max_prompt_len": 16,
-        "max_response_len": 16,
-        "heldout_size": 512,  # local data: the last pairs, never trained on
+    "actor_sft": {  # how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty
+        "config": "tiny",  # a shipped rlhf_sft config
+        "overrides": [],  # key=value overrides for it
     },
-    "dpo": {
+    "data": {  # preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)
+        **DATA_DEFAULTS,
+        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
+        "max_response_len": 16,  # answer tokens kept, EOS included
+        "heldout_size": 512,  # evaluation pairs scored for the held-out accuracy (0 = all of them)
+    },
+    "dpo": {  # the preference loss
         "loss": "sigmoid",  # sigmoid (DPO) | ipo
-        "beta": 0.1,
+        "beta": 0.1,  # strength of the KL regularisation to the ref
         "label_smoothing": 0.0,  # sigmoid only: assumed probability of a flipped label (conservative DPO)
         "precompute_ref": False,  # ref log-probs of every pair once before training, not a ref forward per batch
         "precompute_batch_size": 64,  # pairs per ref forward while precomputing
         "sft_coef": 0.0,  # > 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)
     },
-    "train": {"micro_batch_size": 8, "grad_accum": 1, "lr": 5e-7, "weight_decay": 0.0, "scheduler": "cosine",
-              "warmup_steps": 10, "max_grad_norm": 1.0, "gradient_checkpointing": False},  # pairs per micro batch
-    "roles": {
-        "actor": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},
-        "ref": {"stage": 3, "dtype": "", "offload_params": False, "gather_forward": False},  # "" dtype = actor's
+    "train": {  # the policy's optimizer and batches
+        "micro_batch_size": 8,  # pairs per rank per forward/backward (2 rows each)
+        "grad_accum": 1,  # micro batches per optimizer step
+        "lr": 5e-7,  # peak learning rate
+        "weight_decay": 0.0,  # AdamW weight decay
+        "scheduler": "cosine",  # a transformers scheduler name
+        "warmup_steps": 10,  # linear warm-up steps
+        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
+        "gradient_checkpointing": False,  # recompute activations in backward (less memory)
     },
-    "lora": {"actor": {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
-                       "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}},
-    "generation": {"max_new_tokens": 8, "temperature": 1.0},
-    "eval": {
+    "roles": {  # placement of each role
+        "actor": {  # the policy
+            "stage": 3,  # ZeRO stage 0-3
+            "dtype": "bf16",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "offload_optimizer": False,  # optimizer state offload to CPU
+        },
+        "ref": {  # the frozen SFT policy
+            "stage": 3,  # ZeRO stage 0-3 (-1 = the actor's)
+            "dtype": "",  # "" = the actor's
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
+        },
+    },
+    "lora": {  # LoRA adapters
+        "actor": {  # on the policy
+            "enabled": False,  # train peft LoRA adapters only
+            "rank": 8,  # adapter rank
+            "alpha": 0.0,  # scaling (0 = the rank)
+            "dropout": 0.0,  # adapter dropout
+            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
+        },
+    },
+    "generation": {  # sampling of evaluation answers
+        "max_new_tokens": 8,  # tokens generated per answer
+        "temperature": 1.0,  # sampling temperature
+    },
+    "eval": {  # held-out pairs, and sampled answers to the prompts of the evaluation rows
         "every": 100,  # also every N steps (always before and after)
         "size": 256,  # evaluation prompts for the judge (split evenly over ranks); 0 = none
-        "batch_size": 32,
+        "batch_size": 32,  # prompts per generation batch
         "judge": True,  # the built-in task's programmatic judge (only for its prompts)
-        "seed": 1234,
+        "seed": 1234,  # sampling seed of evaluation answers
     },
-    "export": {"enabled": True},
+    "export": {  # what the run writes under output_dir/export
+        "enabled": True,  # export/actor
+    },
+}
+CHECKS = recipe_checks(DEFAULTS, {
+    "dpo.loss": Choice("sigmoid", "ipo"), "dpo.beta": Range(0, min_exclusive=True),
+    "dpo.label_smoothing": Range(0, 0.5, max_exclusive=True), "dpo.precompute_batch_size": Range(1),
+    "dpo.sft_coef": Range(0), "roles.ref.stage": Range(-1, 3),
 })
+HELP = dict(COMMON_HELP)
 
 
 def dpo_settings(cfg: Any) -> DPOSettings:
@@ -97,7 +145,7 @@ def dpo_settings(cfg: Any) -> DPOSettings:
                        sft_coef=d.sft_coef)
 
 
-def validate(cfg: Any) -> None:
+def _validate_settings(cfg: Any) -> None:
     """Loss settings and batch shapes, checked before any rank starts."""
     try:
         dpo_settings(cfg)
@@ -108,6 +156,17 @@ def validate(cfg: Any) -> None:
             raise RecipeConfigError(f"train.{key}={cfg.train[key]}: must be >= 1.")
     if cfg.dpo.precompute_batch_size < 1:
         raise RecipeConfigError(f"dpo.precompute_batch_size={cfg.dpo.precompute_batch_size}: must be >= 1.")
+
+
+def validate(cfg: Any) -> None:
+    """The actor folder and its tokenizer against its vocabulary, the preference data (formats, columns, rows,
+    chat template, held-out pairs); with no model.actor, the data the SFT actor trains on."""
+    _validate_settings(cfg)
+    check_model("model.actor", cfg.model.actor)
+    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
+    check_data(cfg, "reward", tok, tokenizer_key="model.tokenizer")
+    if not cfg.model.actor:
+        check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
 
 
 class RLHFDPO(Recipe):
@@ -122,11 +181,12 @@ class RLHFDPO(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         # 1. the actor (SFT model, trained here on first use) and the tokenizer
-        assets = tiny_assets(self, not (cfg.data.source and cfg.model.actor))
-        source = cfg.data.source or assets["data"]
-        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or \
-            sft_model(self, cfg.actor_sft, self.path("sft"), source, assets["model"])
-        self.tokenizer = resolve_tokenizer(actor_path, assets.get("tokenizer", ""))
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.actor)
+        builtin = assets.get("data", "")
+        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or sft_model(
+            self, cfg.actor_sft, self.path("sft"), data_overrides(cfg.data, builtin or None), assets["model"])
+        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
+        self.tokenizer = role_tokenizer(cfg.model.tokenizer, actor_path, tiny_tok, what="model.actor")
         self.paths = {"actor": actor_path, "ref": actor_path}
 
         # 2. roles: the trainable policy and the frozen ref, loaded again from the same folder (never a copy)
@@ -140,33 +200,33 @@ class RLHFDPO(Recipe):
         registry.build()
         self.trainer = registry.add_state("dpo", DPOTrainer(registry, s))
 
-        # 3. pairs: a training stream (checkpointed) and held-out pairs; ref log-probs precomputed if asked
+        # 3. pairs: a training stream (checkpointed) and held-out pairs (evaluation rows, never trained on); ref
+        #    log-probs precomputed if asked
         collate = PreferenceCollator(PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len))
-        rows = load_split(source, "reward", registry, cfg.data.train_split)
-        if os.path.exists(source):
-            n_heldout = min(cfg.data.heldout_size, len(rows) // 5)
-            train_rows = rows.select(range(len(rows) - n_heldout))
-            heldout_rows = rows.select(range(len(rows) - n_heldout, len(rows)))
-        else:
-            train_rows = rows
-            heldout_rows = load_split(source, "reward", registry, cfg.data.eval_split)
-            heldout_rows = heldout_rows.select(range(min(cfg.data.heldout_size, len(heldout_rows))))
+        data = load_data(self, "reward", default_source=builtin)
+        train_rows = data.train
+        heldout_rows = None
+        if data.eval is not None:
+            n = len(data.eval) if not cfg.data.heldout_size else min(cfg.data.heldout_size, len(data.eval))
+            heldout_rows = data.eval.select(range(n))
         self.precompute_s = 0.0
         if s.precompute_ref:
             t0 = time.perf_counter()
             bs = cfg.dpo.precompute_batch_size
             train_rows = self.trainer.precompute_reference(train_rows, collate, bs)
-            heldout_rows = self.trainer.precompute_reference(heldout_rows, collate, bs)
+            if heldout_rows is not None:
+                heldout_rows = self.trainer.precompute_reference(heldout_rows, collate, bs)
             self.precompute_s = time.perf_counter() - t0
-            logger.info("reference log-probs of %d pairs precomputed in %.1f s", len(train_rows) + len(heldout_rows),
-                        self.precompute_s)
+            logger.info("reference log-probs of %d pairs precomputed in %.1f s",
+                        len(train_rows) + (len(heldout_rows) if heldout_rows is not None else 0), self.precompute_s)
         pairs_per_step = t.micro_batch_size * t.grad_accum
         self.batches = registry.add_state("batches", ShardedBatches(
             train_rows, collate, pairs_per_step, registry.world_size, registry.rank, seed=cfg.seed))
-        self.heldout = shard_batches(heldout_rows, collate, t.micro_batch_size, registry.world_size, registry.rank)
+        self.heldout = [] if heldout_rows is None else shard_batches(
+            heldout_rows, collate, t.micro_batch_size, registry.world_size, registry.rank)
 
-        # 4. evaluation prompts for sampled answers and the built-in judge
-        self.eval_prompts = evaluation_prompts(self, source, self.tokenizer)
+        # 4. evaluation prompts (those of the evaluation rows) for sampled answers and the built-in judge
+        self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
                                              temperature=cfg.generation.temperature)

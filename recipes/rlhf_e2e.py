@@ -4,7 +4,8 @@
     multiengine run rlhf_e2e --config opt13b_opt350m --nproc-per-node 8
 
 Each step runs its own recipe (rlhf_sft, rlhf_reward, rlhf_ppo) with the shipped config named here plus
-overrides, under output_dir/{sft,reward,ppo}; this run fills in the model paths: step 1's actor is
+overrides, under output_dir/{sft,reward,ppo}; every ``data.*`` key is passed to every step (each reads
+its stage's rows of the data); this run fills in the model paths: step 1's actor is
 step 3's actor and ref, step 2's reward model is step 3's reward model and critic (and, with
 ``reward.init_from_sft``, step 2 starts from step 1's model, as in InstructGPT). The embedded assets
 (built-in dataset, tokenizer, random tiny OPT) are built once under output_dir/tiny.
@@ -35,25 +36,57 @@ from typing import Any
 
 import torch
 from multiengine.engines.metrics import write_summary
+from multiengine.recipes.common import (
+    DATA_DEFAULTS,
+    check_data,
+    check_model,
+    check_tokenizer,
+    data_overrides,
+    recipe_checks,
+    uses_builtin_data,
+)
 from multiengine.recipes.config import Choice, Range
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
-    "output_dir": "outputs/rlhf_e2e",
-    "seed": 0,
-    "max_steps": 0,  # PPO steps; 0 = the ppo config's
-    "backend": "auto",
-    "data": {"source": ""},  # "" = the built-in task (built under output_dir/tiny)
-    "model": {"pretrained": "", "reward_pretrained": ""},  # "" = the random tiny OPT
-    "sft": {"config": "tiny", "overrides": []},
-    "reward": {"config": "tiny", "overrides": [], "init_from_sft": True},
+    "output_dir": "outputs/rlhf_e2e",  # each step runs under output_dir/<step>; the summary and curves here
+    "seed": 0,  # passed to every step
+    "max_steps": 0,  # steps of step 3; 0 = its config's
+    "backend": "auto",  # auto | deepspeed | torch, passed to every step
+    "data": {  # the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)
+        **DATA_DEFAULTS,
+    },
+    "model": {  # the base models
+        "pretrained": "",  # step 1's base (a causal-LM folder or hub name); "" = the random tiny OPT
+        "reward_pretrained": "",  # step 2's base with reward.init_from_sft=false; "" = model.pretrained
+    },
+    "sft": {  # step 1 (rlhf_sft)
+        "config": "tiny",  # its shipped config
+        "overrides": [],  # key=value overrides for it
+    },
+    "reward": {  # step 2 (rlhf_reward)
+        "config": "tiny",  # its shipped config
+        "overrides": [],  # key=value overrides for it
+        "init_from_sft": True,  # start the reward model from step 1's model (InstructGPT) instead of a base
+    },
     "algorithm": "ppo",  # step 3: ppo | grpo | dpo
-    "ppo": {"config": "tiny", "overrides": []},
-    "grpo": {"config": "tiny", "overrides": []},
-    "dpo": {"config": "tiny", "overrides": []},
-    "rerun": False,
+    "ppo": {  # step 3 with algorithm=ppo (rlhf_ppo)
+        "config": "tiny",  # its shipped config
+        "overrides": [],  # key=value overrides for it
+    },
+    "grpo": {  # step 3 with algorithm=grpo (rlhf_grpo)
+        "config": "tiny",  # its shipped config
+        "overrides": [],  # key=value overrides for it
+    },
+    "dpo": {  # step 3 with algorithm=dpo (rlhf_dpo)
+        "config": "tiny",  # its shipped config
+        "overrides": [],  # key=value overrides for it
+    },
+    "rerun": False,  # rerun every step, even those whose config and inputs did not change
 }
+CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "backend": Choice("auto", "deepspeed", "torch"),
+          "algorithm": Choice("ppo", "grpo", "dpo")}
 
 # step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
 # step 1's actor (the ref is loaded from the same folder) and step 2's reward model
@@ -66,11 +99,23 @@ FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
 }
 
 
-CHECKS = {
-    "max_steps": Range(0),
-    "backend": Choice("auto", "deepspeed", "torch"),
-    "algorithm": Choice(*FINAL_STEP),
-}
+
+
+def validate(cfg: Any) -> None:
+    """Before any rank starts: the base model folders and their tokenizers against their vocabularies, and the
+    data of every stage the steps read (SFT rows, preference pairs, prompts and evaluation prompts). The steps'
+    own configs are checked when they load."""
+    check_model("model.pretrained", cfg.model.pretrained)
+    check_model("model.reward_pretrained", cfg.model.reward_pretrained)
+    tok = check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
+    if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
+        check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained", cfg.model.reward_pretrained)
+    _, needs_rm, _ = FINAL_STEP[cfg.algorithm]
+    check_data(cfg, "sft", tok)
+    if needs_rm or cfg.algorithm == "dpo":
+        check_data(cfg, "reward", tok)
+    if cfg.algorithm in ("ppo", "grpo"):
+        check_data(cfg, "ppo", tok, eval_stage="eval")
 
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -222,11 +267,12 @@ def main(cfg: Any) -> dict[str, Any]:
     registry = EngineRegistry(backend=cfg.backend)  # the process group, and rank 0 builds the tiny assets
     common = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
     assets: dict[str, str] = {}
-    if not cfg.data.source or not cfg.model.pretrained:
+    builtin = uses_builtin_data(cfg.data)
+    if builtin or not cfg.model.pretrained:
         assets = prepare_tiny_assets(os.path.join(out, "tiny"), registry, cfg.seed)
-    source = cfg.data.source or assets["data"]
     base = cfg.model.pretrained or assets["model"]
-    common.append(f"data.source={source}")
+    # every step reads the same data (its own stage's rows of it)
+    common.extend(data_overrides(cfg.data, assets["data"] if builtin else None))
     steps: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
 
     # 1. SFT: base model -> export/actor

@@ -21,93 +21,157 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 from multiengine.engines import ShardedBatches, save_role, shard_batches
 from multiengine.pipelines.rlhf import tiny
-from multiengine.pipelines.rlhf.data import PromptCollator
+from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.rewards import judge_reward
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
-from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, resolve_tokenizer
+from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
+    COMMON_HELP,
+    DATA_DEFAULTS,
     REWARD_DEFAULTS,
     RLHF_BETAS,
+    check_data,
+    check_model,
     check_model_path,
+    check_scoring_tokenizers,
+    check_tokenizer,
+    data_overrides,
+    load_data,
     lora_spec,
     optim_spec,
     placement,
+    recipe_checks,
+    retokenizers,
     reward_config,
     reward_entries,
+    role_tokenizer,
     sft_model,
     tiny_assets,
+    uses_builtin_data,
 )
-from multiengine.recipes.config import RecipeConfigError
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = with_common({
-    "output_dir": "outputs/rlhf_grpo",
+DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "output_dir": "outputs/rlhf_grpo",  # everything the run writes goes under this folder
     "max_steps": 100,  # steps: one rollout and its policy update each
-    "model": {
+    "model": {  # the policy and the reward model's folder, and their tokenizers
         "actor": "",  # a causal-LM folder (the SFT model); "" = train the tiny SFT actor under output_dir/sft
         "reward": "",  # the `reward` role's folder when reward.models names it without a path
-        "tiny_hidden": 64,
-        "tiny_layers": 2,
+        "tokenizer": "",  # the actor's tokenizer; "" = the actor folder's own
+        "reward_tokenizer": "",  # the `reward` role's; "" = its folder's own (re-encoded when it differs)
+        "tiny_hidden": 64,  # width of the random tiny model the tiny SFT actor starts from
+        "tiny_layers": 2,  # layers of that model
     },
-    "actor_sft": {"config": "tiny", "overrides": []},  # how the tiny SFT actor is trained (rlhf_sft)
-    "data": {
-        "source": "",  # folder of {ppo,eval}.jsonl, a file, or a hub name; "" = the built-in task
-        "train_split": "train",
-        "eval_split": "test",
-        "max_prompt_len": 16,
+    "actor_sft": {  # how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty
+        "config": "tiny",  # a shipped rlhf_sft config
+        "overrides": [],  # key=value overrides for it
     },
-    "generation": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                   "mode": "gather"},  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
-    "grpo": {
+    "data": {  # prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)
+        **DATA_DEFAULTS,
+        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
+    },
+    "generation": {  # sampling of the rollouts
+        "max_new_tokens": 8,  # tokens generated per answer (Dr. GRPO's normalising constant)
+        "temperature": 1.0,  # sampling temperature (also divides the logits of the update)
+        "top_k": 0,  # 0 = off
+        "top_p": 1.0,  # nucleus sampling (1 = off)
+        "mode": "gather",  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
+    },
+    "grpo": {  # the critic-free estimator
         "algorithm": "grpo",  # grpo | dr_grpo | rloo | reinforce_pp
         "n_samples_per_prompt": 4,  # completions per prompt (a group; >= 2 except reinforce_pp)
         "rollout_batch_size": 8,  # prompts per rank per step (rows = prompts x samples)
         "mini_batch_size": 16,  # rows per rank per forward/backward
         "epochs": 1,  # passes over one rollout (1 = ratio 1, the plain policy gradient)
-        "clip_eps": 0.2,
+        "clip_eps": 0.2,  # policy ratio clip
         "dual_clip": 0.0,  # 0 = off; > 1 caps the loss of negative-advantage tokens
         "kl_coef": 0.04,  # beta; 0 = no KL and no ref role
         "kl_in_reward": None,  # null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for rloo/reinforce_pp)
         "kl_clamp": 0.0,  # 0 = off; clamp each token's KL estimate to +/- this
         "loss_agg": "",  # "" = the algorithm's | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-        "gamma": 1.0,
-        "std_eps": 1.0e-6,
+        "gamma": 1.0,  # discount of the returns-to-go
+        "std_eps": 1.0e-6,  # added to the group std (grpo)
         "clip_reward": 5.0,  # 0 = no clipping
         "no_eos_penalty": 0.0,  # > 0: subtracted from the score of answers without EOS
-        "shuffle_minibatches": True,
+        "shuffle_minibatches": True,  # seeded minibatch order
     },
     # reward-model roles and reward functions, summed with weights (see recipes/common.py)
-    "reward": dict(REWARD_DEFAULTS),
-    "roles": {
-        "actor": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False, "lr": 1e-6,
-                  "weight_decay": 0.0, "scheduler": "constant", "warmup_steps": 0, "grad_accum": 1,
-                  "gradient_checkpointing": False, "max_grad_norm": 1.0},
-        # -1 / "" = the actor's; gather_forward: at ZeRO-3, one collective per forward instead of one per layer
-        "ref": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},
-        "reward": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},  # -1 = actor's
+    "reward": {  # the reward sources
+        **REWARD_DEFAULTS,
     },
-    "lora": {"actor": {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
-                       "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}},
-    "eval": {
+    "roles": {  # placement and optimizer of each role
+        "actor": {  # the policy
+            "stage": 3,  # ZeRO stage 0-3
+            "dtype": "bf16",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "offload_optimizer": False,  # optimizer state offload to CPU
+            "lr": 1e-6,  # learning rate
+            "weight_decay": 0.0,  # AdamW weight decay
+            "scheduler": "constant",  # a transformers scheduler name
+            "warmup_steps": 0,  # linear warm-up steps
+            "grad_accum": 1,  # minibatches per optimizer step
+            "gradient_checkpointing": False,  # recompute activations in backward (off while generating)
+            "max_grad_norm": 1.0,  # gradient clipping (0 = none)
+        },
+        "ref": {  # the frozen SFT policy
+            "stage": -1,  # -1 = the actor's
+            "dtype": "",  # "" = the actor's
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
+        },
+        "reward": {  # the frozen reward-model roles (each reward.models entry may override)
+            "stage": -1,  # -1 = the actor's
+            "dtype": "",  # "" = the actor's
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
+        },
+    },
+    "lora": {  # LoRA adapters
+        "actor": {  # on the actor
+            "enabled": False,  # train peft LoRA adapters only
+            "rank": 8,  # adapter rank
+            "alpha": 0.0,  # scaling (0 = the rank)
+            "dropout": 0.0,  # adapter dropout
+            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
+        },
+    },
+    "eval": {  # sampled answers to the evaluation prompts (never the training prompts)
         "every": 25,  # also every N steps (always before and after)
         "size": 256,  # evaluation prompts (split evenly over ranks)
-        "batch_size": 32,
+        "batch_size": 32,  # prompts per generation batch
         "judge": True,  # the built-in task's programmatic judge (only for its prompts)
         "greedy": False,  # also score greedy answers
-        "seed": 1234,
+        "seed": 1234,  # sampling seed of evaluation answers
     },
-    "export": {"enabled": True},
+    "export": {  # what the run writes under output_dir/export
+        "enabled": True,  # export/actor
+    },
+}
+CHECKS = recipe_checks(DEFAULTS, {
+    "grpo.algorithm": Choice("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+    "grpo.n_samples_per_prompt": Range(1), "grpo.rollout_batch_size": Range(1), "grpo.mini_batch_size": Range(1),
+    "grpo.epochs": Range(1), "grpo.clip_eps": Range(0, min_exclusive=True), "grpo.dual_clip": Range(0),
+    "grpo.kl_coef": Range(0), "grpo.kl_clamp": Range(0),
+    "grpo.loss_agg": Choice("", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "grpo.gamma": Range(0, 1), "grpo.std_eps": Range(0), "grpo.clip_reward": Range(0),
+    "grpo.no_eos_penalty": Range(0), "generation.mode": Choice("gather", "per_token"),
 })
+HELP = {**COMMON_HELP, "reward.models": "reward-model roles [{role, path, weight, tokenizer, stage, ...}]",
+        "reward.functions": "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}",
+        "reward.normalize": "running mean/std of the combined score over all ranks, before clipping"}
 
 
 def grpo_settings(cfg: Any) -> GRPOSettings:
@@ -120,7 +184,7 @@ def grpo_settings(cfg: Any) -> GRPOSettings:
         no_eos_penalty=g.no_eos_penalty or None, shuffle_minibatches=g.shuffle_minibatches)
 
 
-def validate(cfg: Any) -> None:
+def _validate_settings(cfg: Any) -> None:
     """Algorithm settings, reward sources and batch shapes, checked before any rank starts."""
     if cfg.grpo.kl_in_reward is not None and not isinstance(cfg.grpo.kl_in_reward, bool):
         raise RecipeConfigError(f"grpo.kl_in_reward={cfg.grpo.kl_in_reward!r}: use null (the algorithm's "
@@ -142,6 +206,28 @@ def validate(cfg: Any) -> None:
                                 "built-in task), reward.models, or model.reward (a reward-model folder).")
 
 
+def validate(cfg: Any) -> None:
+    """Model folders, each role's tokenizer against its model's vocabulary (and chat template when it re-encodes
+    conversations), the prompts and evaluation prompts; with no model.actor, the data the SFT actor trains on."""
+    _validate_settings(cfg)
+    entries, _ = reward_entries(cfg.reward)
+    check_model("model.actor", cfg.model.actor)
+    if cfg.model.reward:
+        check_model("model.reward", cfg.model.reward)
+    for i, e in enumerate(entries):
+        check_model(f"reward.models[{i}].path", e["path"])
+    actor_tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
+    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
+    if not cfg.model.actor:
+        check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+    if cfg.model.actor:
+        roles = [(e["role"], e["path"] or cfg.model.reward, e.get("tokenizer") or
+                  (cfg.model.reward_tokenizer if e["role"] == "reward" else ""),
+                  f"reward.models[{i}].tokenizer" if e.get("tokenizer") else "model.reward_tokenizer")
+                 for i, e in enumerate(entries)]
+        check_scoring_tokenizers(actor_tok, [r for r in roles if r[1]], bool(report and report["conversational"]))
+
+
 class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
     plot_xlabel = "step"
@@ -151,19 +237,32 @@ class RLHFGRPO(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         # 1. the actor (SFT model, trained here on first use), tokenizer and data source
-        assets = tiny_assets(self, not (cfg.data.source and cfg.model.actor))
-        self.source = cfg.data.source or assets["data"]
-        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or \
-            sft_model(self, cfg.actor_sft, self.path("sft"), self.source, assets["model"])
-        self.tokenizer = resolve_tokenizer(actor_path, assets.get("tokenizer", ""))
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.actor)
+        builtin = assets.get("data", "")
+        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or sft_model(
+            self, cfg.actor_sft, self.path("sft"), data_overrides(cfg.data, builtin or None), assets["model"])
+        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
+        self.tokenizer = role_tokenizer(cfg.model.tokenizer, actor_path, tiny_tok, what="model.actor")
         self.paths = {"actor": actor_path}
 
-        # 2. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role
+        # 2. data: prompts (checkpointed stream), evaluation prompts never trained on; the built-in judge
+        collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
+        data = load_data(self, "ppo", eval_stage="eval", default_source=builtin)
+        conversational = "prompt_messages" in collate([data.train[0]])
+
+        # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
+        #    its own tokenizer: re-encoded when it differs from the actor's)
         s = self.settings = grpo_settings(cfg)
         roles = cfg.roles
         actor = placement(roles.actor)
         follow = placement(roles.reward, actor, trainable=False)
-        reward_roles, self.rewards = reward_config(cfg.reward, cfg.model.reward or None, follow)
+        reward_roles, rewards = reward_config(cfg.reward, cfg.model.reward or None, follow)
+        self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, [
+            (r.role, r.path, r.tokenizer or (cfg.model.reward_tokenizer if r.role == "reward" else ""))
+            for r in reward_roles], conversational)
+        self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
+                        for src in rewards]
+        self._check_builtin_reward(data.train)
         minibatches = s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size
         registry.add(actor_spec(
             actor_path, actor, optim_spec(roles.actor, cfg.max_steps * s.epochs * minibatches // roles.actor.grad_accum,
@@ -180,17 +279,10 @@ class RLHFGRPO(Recipe):
         registry.build()
         self.reward_role = reward_roles[0].role if reward_roles else None
 
-        # 3. data: prompts (checkpointed stream), evaluation prompts; the built-in judge where it applies
-        collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        prompts = load_split(self.source, "ppo", registry, cfg.data.train_split)
-        self._check_builtin_reward(prompts)
         self.prompts = registry.add_state("prompts", ShardedBatches(
-            prompts, collate, s.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
-        self.eval_batches = []
-        if cfg.eval.size:
-            eval_rows = load_split(self.source, "eval", registry, cfg.data.eval_split)
-            self.eval_batches = shard_batches(eval_rows, collate, cfg.eval.batch_size, registry.world_size,
-                                              registry.rank, limit=cfg.eval.size)
+            data.train, collate, s.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.eval_batches = [] if data.eval is None or not cfg.eval.size else shard_batches(
+            data.eval, collate, cfg.eval.batch_size, registry.world_size, registry.rank, limit=cfg.eval.size)
         self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
 
         # 4. the trainer: its state (reward normaliser) goes into every checkpoint
@@ -215,7 +307,7 @@ class RLHFGRPO(Recipe):
         """builtin:judge scores only the built-in task's prompts: anything else would score 0 everywhere."""
         if not any(src.fn is judge_reward for src in self.rewards):
             return
-        sample = [rows[i]["prompt"] for i in range(min(len(rows), 64))]
+        sample = [prompt_text(rows[i]["prompt"]) for i in range(min(len(rows), 64))]
         if not all(tiny.parse_prompt(p) is not None for p in sample):
             bad = next(p for p in sample if tiny.parse_prompt(p) is None)
             raise RecipeConfigError(f"reward.functions has builtin:judge, which scores only the built-in task's prompts"
@@ -242,12 +334,13 @@ class RLHFGRPO(Recipe):
             return {}
         t0 = time.perf_counter()
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        retok = self.retokenizers.get(self.reward_role) if self.reward_role else None
         result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
                                  judge=self.judge, reward_role=self.reward_role, ref_role=self.ref,
-                                 seed=self.cfg.eval.seed)
+                                 seed=self.cfg.eval.seed, reward_retokenizer=retok)
         if self.cfg.eval.greedy:
             greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad, self.decode,
-                                     judge=self.judge, reward_role=self.reward_role)
+                                     judge=self.judge, reward_role=self.reward_role, reward_retokenizer=retok)
             result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
         result["seconds"] = time.perf_counter() - t0
         return result

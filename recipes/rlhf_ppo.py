@@ -5,7 +5,10 @@
     multiengine run rlhf_ppo --config opt13b_opt350m --nproc-per-node 8
 
 Every role is its own DeepSpeed engine with its own stage, dtype and offload (ref follows the actor,
-reward the critic, unless set). The reward is the ``reward`` role by default, or any weighted sum of
+reward the critic, unless set). Each role may have its own tokenizer (``model.tokenizer``,
+``model.reward_tokenizer``, ``model.critic_tokenizer``; default: each folder's own): a reward model or critic
+that tokenizes differently from the actor scores the actor's prompts and answers decoded and re-encoded with
+its tokenizer (its chat template for conversations); one with the same vocabulary reads the actor's ids. The reward is the ``reward`` role by default, or any weighted sum of
 reward-model roles and Python reward functions named in ``reward.models`` / ``reward.functions`` (as in
 rlhf_grpo). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
 export/{actor,critic}[/adapter] (and export/ema) under output_dir; ``resume_from=latest`` continues a run.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,93 +28,172 @@ from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
-from multiengine.pipelines.rlhf.runs import builtin_judge, load_split, prepare_tiny_assets, resolve_tokenizer
+from multiengine.pipelines.rlhf.runs import builtin_judge, prepare_tiny_assets
 from multiengine.recipes.common import (
+    COMMON_HELP,
+    DATA_DEFAULTS,
     REWARD_DEFAULTS,
     RLHF_BETAS,
+    check_data,
+    check_model,
     check_model_path,
+    check_scoring_tokenizers,
+    check_tokenizer,
+    load_data,
     lora_spec,
     optim_spec,
     placement,
+    recipe_checks,
+    retokenizers,
     reward_config,
     reward_entries,
+    role_tokenizer,
+    uses_builtin_data,
 )
-from multiengine.recipes.config import RecipeConfigError
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-_TRAIN_ROLE = {
-    "stage": 2, "dtype": "fp32", "offload_params": False, "offload_optimizer": False,
-    "lr": 1e-5, "weight_decay": 0.0, "scheduler": "constant", "warmup_steps": 0, "grad_accum": 1,
-    "gradient_checkpointing": False, "max_grad_norm": 1.0,
-}
-_LORA = {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
-         "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}
-
-DEFAULTS: dict[str, Any] = with_common({
-    "output_dir": "outputs/rlhf_ppo",
+DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "output_dir": "outputs/rlhf_ppo",  # everything the run writes goes under this folder
     "max_steps": 50,  # PPO steps: one rollout batch each
-    "model": {
-        "actor": "",  # step 1's export; "" = the random tiny model (mechanics only, nothing to learn from)
-        "reward": "",  # step 2's export; "" = the random tiny model with a fresh head
+    "model": {  # the models of the four roles and their tokenizers
+        "actor": "",  # step 1's export (actor and ref); "" = the random tiny model (mechanics only)
+        "reward": "",  # step 2's export or a *ForSequenceClassification reward model; "" = the random tiny model with a fresh head
         "critic": "",  # "" = the reward model (DeepSpeed-Chat); the actor's folder when rewards are functions only
-        "tiny_hidden": 64,
-        "tiny_layers": 2,
+        "tokenizer": "",  # the actor's tokenizer; "" = the actor folder's own
+        "reward_tokenizer": "",  # the reward model's; "" = its folder's own (re-encoded when it differs from the actor's)
+        "critic_tokenizer": "",  # the critic's; "" = its folder's own (model.reward_tokenizer when it is the reward's folder)
+        "tiny_hidden": 64,  # width of the random tiny model (empty model keys)
+        "tiny_layers": 2,  # layers of the random tiny model
     },
-    "data": {
-        "source": "",  # folder of {ppo,eval,sft}.jsonl, a file, or a hub name; "" = the built-in task
-        "train_split": "train",  # hub split for prompts (local files: train)
-        "eval_split": "test",  # hub split for evaluation prompts (local folders: eval.jsonl)
-        "ptx_source": "",  # SFT data for the pretraining loss; "" = data.source's sft split
-        "max_prompt_len": 16,
-        "max_ptx_len": 32,
+    "data": {  # prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)
+        **DATA_DEFAULTS,
+        "ptx_source": "",  # SFT rows for the pretraining loss (ppo.ptx_coef); "" = data.source's SFT rows
+        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
+        "max_ptx_len": 32,  # response tokens kept of a pretraining row
     },
-    "generation": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                   "mode": "gather"},  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
-    "ppo": {
+    "generation": {  # sampling of the rollouts
+        "max_new_tokens": 8,  # tokens generated per answer
+        "temperature": 1.0,  # sampling temperature (also divides the PPO logits)
+        "top_k": 0,  # 0 = off
+        "top_p": 1.0,  # nucleus sampling (1 = off)
+        "mode": "gather",  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
+    },
+    "ppo": {  # the PPO step
         "rollout_batch_size": 16,  # prompts per rank per step
         "mini_batch_size": 8,  # rows per rank per forward/backward
-        "ppo_epochs": 1,
-        "clip_eps": 0.2,
+        "ppo_epochs": 1,  # passes over one rollout
+        "clip_eps": 0.2,  # policy ratio clip
         "value_clip": 0.2,  # 0 = unclipped value loss
         "dual_clip": 0.0,  # 0 = off; > 1 (e.g. 3) caps the loss of negative-advantage tokens
-        "gamma": 1.0,
-        "lam": 0.95,
-        "kl_coef": 0.1,
-        "adaptive_kl": False,
-        "kl_target": 6.0,
-        "kl_horizon": 10000,
+        "gamma": 1.0,  # discount
+        "lam": 0.95,  # GAE lambda
+        "kl_coef": 0.1,  # beta of the k1 KL penalty in the reward
+        "adaptive_kl": False,  # adapt beta towards kl_target (Ziegler et al.)
+        "kl_target": 6.0,  # target KL per answer of the adaptive controller
+        "kl_horizon": 10000,  # horizon of the adaptive controller
         "clip_reward": 5.0,  # 0 = no clipping
-        "whiten_advantages": True,
+        "whiten_advantages": True,  # whiten advantages over the whole rollout (all ranks)
         "no_eos_penalty": 0.0,  # > 0: subtracted from the score of answers without EOS
         "ptx_coef": 0.0,  # > 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat
         "critic_warmup_steps": 0,  # first N steps train only the critic
-        "shuffle_minibatches": True,
+        "shuffle_minibatches": True,  # seeded minibatch order
     },
-    "roles": {
-        "actor": dict(_TRAIN_ROLE),
-        "critic": dict(_TRAIN_ROLE, lr=5e-6),
-        # -1 / "" = the actor's (ref) / the critic's (reward); gather_forward: at ZeRO-3, one collective per
-        # forward call instead of one per layer (1/N held between calls)
-        "ref": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},
-        "reward": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": False},
+    "roles": {  # placement and optimizer of each role
+        "actor": {  # the policy
+            "stage": 2,  # ZeRO stage 0-3
+            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "offload_optimizer": False,  # optimizer state offload to CPU
+            "lr": 1e-5,  # learning rate
+            "weight_decay": 0.0,  # AdamW weight decay
+            "scheduler": "constant",  # a transformers scheduler name
+            "warmup_steps": 0,  # linear warm-up steps
+            "grad_accum": 1,  # minibatches per optimizer step
+            "gradient_checkpointing": False,  # recompute activations in backward (off while generating)
+            "max_grad_norm": 1.0,  # gradient clipping (0 = none)
+        },
+        "critic": {  # the value model
+            "stage": 2,  # ZeRO stage 0-3
+            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "offload_optimizer": False,  # optimizer state offload to CPU
+            "lr": 5e-6,  # learning rate
+            "weight_decay": 0.0,  # AdamW weight decay
+            "scheduler": "constant",  # a transformers scheduler name
+            "warmup_steps": 0,  # linear warm-up steps
+            "grad_accum": 1,  # minibatches per optimizer step
+            "gradient_checkpointing": False,  # recompute activations in backward
+            "max_grad_norm": 1.0,  # gradient clipping (0 = none)
+        },
+        "ref": {  # the frozen SFT policy
+            "stage": -1,  # -1 = the actor's
+            "dtype": "",  # "" = the actor's
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "gather_forward": False,  # at ZeRO-3, one collective per forward call instead of one per layer
+        },
+        "reward": {  # the frozen reward model
+            "stage": -1,  # -1 = the critic's
+            "dtype": "",  # "" = the critic's
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "gather_forward": False,  # at ZeRO-3, one collective per forward call instead of one per layer
+        },
     },
-    "ema": {"enabled": False, "decay": 0.992, "dtype": "", "offload_params": False},
+    "ema": {  # an exponential moving average of the actor
+        "enabled": False,  # keep and export the EMA
+        "decay": 0.992,  # EMA decay per step
+        "dtype": "",  # "" = the actor's
+        "offload_params": False,  # ZeRO-3 parameter offload to CPU
+    },
     # reward-model roles and reward functions, summed with weights (see recipes/common.py); empty = the
     # `reward` role from model.reward at roles.reward, weight 1
-    "reward": dict(REWARD_DEFAULTS),
-    "lora": {"actor": dict(_LORA), "critic": dict(_LORA)},
-    "eval": {
+    "reward": {  # the reward sources
+        **REWARD_DEFAULTS,
+    },
+    "lora": {  # LoRA adapters
+        "actor": {  # on the actor
+            "enabled": False,  # train peft LoRA adapters only
+            "rank": 8,  # adapter rank
+            "alpha": 0.0,  # scaling (0 = the rank)
+            "dropout": 0.0,  # adapter dropout
+            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
+        },
+        "critic": {  # on the critic's body (the value head trains fully)
+            "enabled": False,  # train peft LoRA adapters only
+            "rank": 8,  # adapter rank
+            "alpha": 0.0,  # scaling (0 = the rank)
+            "dropout": 0.0,  # adapter dropout
+            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
+        },
+    },
+    "eval": {  # sampled answers to the evaluation prompts (never the training prompts)
         "every": 10,  # also every N steps (always before and after)
         "size": 256,  # evaluation prompts (split evenly over ranks)
-        "batch_size": 32,
+        "batch_size": 32,  # prompts per generation batch
         "judge": True,  # the built-in task's programmatic judge (only for its prompts)
         "greedy": True,  # also score greedy answers (the main figures use sampled answers, seeded)
-        "seed": 1234,
+        "seed": 1234,  # sampling seed of evaluation answers
     },
-    "export": {"enabled": True, "critic": True, "ema": True},
+    "export": {  # what the run writes under output_dir/export
+        "enabled": True,  # export/actor
+        "critic": True,  # export/critic (*ForSequenceClassification)
+        "ema": True,  # export/ema (with ema.enabled)
+    },
+}
+CHECKS = recipe_checks(DEFAULTS, {
+    "ppo.rollout_batch_size": Range(1), "ppo.mini_batch_size": Range(1), "ppo.ppo_epochs": Range(1),
+    "ppo.clip_eps": Range(0, min_exclusive=True), "ppo.value_clip": Range(0), "ppo.dual_clip": Range(0),
+    "ppo.gamma": Range(0, 1), "ppo.lam": Range(0, 1), "ppo.kl_coef": Range(0),
+    "ppo.kl_target": Range(0, min_exclusive=True), "ppo.kl_horizon": Range(1), "ppo.clip_reward": Range(0),
+    "ppo.no_eos_penalty": Range(0), "ppo.ptx_coef": Range(0), "ppo.critic_warmup_steps": Range(0),
+    "generation.mode": Choice("gather", "per_token"),
 })
+HELP = {**COMMON_HELP, "reward.models": "reward-model roles [{role, path, weight, tokenizer, stage, ...}]",
+        "reward.functions": "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}",
+        "reward.normalize": "running mean/std of the combined score over all ranks, before clipping"}
 
 
 def ppo_settings(cfg: Any) -> PPOSettings:
@@ -125,13 +208,62 @@ def ppo_settings(cfg: Any) -> PPOSettings:
     )
 
 
-def validate(cfg: Any) -> None:
+def _validate_settings(cfg: Any) -> None:
     """Reward sources and PPO settings, checked before any rank starts."""
     reward_entries(cfg.reward)
     try:
         ppo_settings(cfg)
     except ValueError as exc:
         raise RecipeConfigError(f"ppo: {exc}") from None
+
+
+def _wants_reward_model(cfg: Any) -> bool:
+    """The `reward` role's folder is model.reward when the reward config leaves it to it."""
+    entries, functions = reward_entries(cfg.reward)
+    return (not entries and not functions) or any(e["role"] == "reward" and not e["path"] for e in entries)
+
+
+def _critic_source(cfg: Any) -> tuple[str, str]:
+    """``(critic folder, its tokenizer key's value)`` as build() resolves them, from the config alone ("" for
+    the tiny model)."""
+    entries, _ = reward_entries(cfg.reward)
+    if cfg.model.critic:
+        return cfg.model.critic, cfg.model.critic_tokenizer
+    main = next((e for e in entries if e["role"] == "reward"), entries[0] if entries else None)
+    if main is not None or _wants_reward_model(cfg):
+        path = (main or {}).get("path") or cfg.model.reward
+        given = cfg.model.critic_tokenizer or (main or {}).get("tokenizer") or cfg.model.reward_tokenizer
+        return path, given
+    return cfg.model.actor, cfg.model.critic_tokenizer or cfg.model.tokenizer
+
+
+def validate(cfg: Any) -> None:
+    """Every model folder, each role's tokenizer against its model's vocabulary (and its chat template when it
+    re-encodes conversations), the prompts and evaluation prompts, the pretraining rows."""
+    _validate_settings(cfg)
+    entries, _ = reward_entries(cfg.reward)
+    check_model("model.actor", cfg.model.actor)
+    check_model("model.critic", cfg.model.critic)
+    if _wants_reward_model(cfg):
+        check_model("model.reward", cfg.model.reward)
+    for i, e in enumerate(entries):
+        check_model(f"reward.models[{i}].path", e["path"])
+    actor_tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
+    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
+    if cfg.ppo.ptx_coef > 0:
+        check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
+                   key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
+    conversational = bool(report and report["conversational"])
+    roles = [(e["role"], e["path"] or cfg.model.reward, e.get("tokenizer") or
+              (cfg.model.reward_tokenizer if e["role"] == "reward" else ""),
+              f"reward.models[{i}].tokenizer" if e.get("tokenizer") else "model.reward_tokenizer")
+             for i, e in enumerate(entries)]
+    if not entries and _wants_reward_model(cfg):
+        roles.append(("reward", cfg.model.reward, cfg.model.reward_tokenizer, "model.reward_tokenizer"))
+    critic_path, critic_tok = _critic_source(cfg)
+    roles.append(("critic", critic_path, critic_tok, "model.critic_tokenizer"))
+    if cfg.model.actor:
+        check_scoring_tokenizers(actor_tok, [r for r in roles if r[1]], conversational)
 
 
 class RLHFPPO(Recipe):
@@ -143,30 +275,40 @@ class RLHFPPO(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         self.assets: dict[str, str] = {}
-        entries, functions = reward_entries(cfg.reward)
-        # the `reward` role's folder is model.reward when the reward config leaves it to it
-        wants_rm = (not entries and not functions) or any(e["role"] == "reward" and not e["path"] for e in entries)
-        if not cfg.data.source or not cfg.model.actor or (wants_rm and not cfg.model.reward):
+        wants_rm = _wants_reward_model(cfg)
+        if uses_builtin_data(cfg.data) or not cfg.model.actor or (wants_rm and not cfg.model.reward):
             self.assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
                                               cfg.model.tiny_layers)
         self.paths = {"actor": self._model_path(cfg.model.actor, "actor", "rlhf_sft")}
         roles = cfg.roles
         actor, critic = placement(roles.actor), placement(roles.critic)
         default_rm = self._model_path(cfg.model.reward, "reward", "rlhf_reward") if wants_rm else None
-        reward_roles, self.rewards = reward_config(cfg.reward, default_rm,
-                                                   placement(roles.reward, critic, trainable=False))
+        reward_roles, rewards = reward_config(cfg.reward, default_rm, placement(roles.reward, critic, trainable=False))
         for r in reward_roles:
             self.paths[r.role] = check_model_path(f"reward.models ({r.role}) path", r.path, "rlhf_reward")
         main_rm = next((r for r in reward_roles if r.role == "reward"), None)
+        critic_given = cfg.model.critic_tokenizer
         if cfg.model.critic:
             self.paths["critic"] = self._model_path(cfg.model.critic, "critic", "rlhf_reward")
-        elif reward_roles:  # DeepSpeed-Chat: the critic starts from the reward model
-            self.paths["critic"] = (main_rm or reward_roles[0]).path
+        elif reward_roles:  # DeepSpeed-Chat: the critic starts from the reward model (and reads its tokens)
+            rm = main_rm or reward_roles[0]
+            self.paths["critic"] = rm.path
+            critic_given = critic_given or rm.tokenizer or (cfg.model.reward_tokenizer if rm.role == "reward" else "")
         else:
             logger.info("rewards from functions only: the critic starts from the actor's folder with a fresh head")
             self.paths["critic"] = self.paths["actor"]
+            critic_given = critic_given or cfg.model.tokenizer
         self.reward_role = (main_rm or reward_roles[0]).role if reward_roles else None
-        self.tokenizer = resolve_tokenizer(self.paths["actor"], self.assets.get("tokenizer", ""))
+        tiny_tok = role_tokenizer("", self.assets["tokenizer"]) if self.assets else None
+        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.paths["actor"], tiny_tok, what="model.actor")
+
+        # the prompts first: whether they are conversations decides how other tokenizers re-encode them
+        self._setup_data()
+        scoring = [(r.role, r.path, r.tokenizer or (cfg.model.reward_tokenizer if r.role == "reward" else ""))
+                   for r in reward_roles] + [("critic", self.paths["critic"], critic_given)]
+        self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, scoring, self.conversational)
+        self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
+                        for src in rewards]
 
         s = self.settings = ppo_settings(cfg)
         steps_per_rollout = s.ppo_epochs * (s.rollout_batch_size // s.mini_batch_size)
@@ -193,11 +335,11 @@ class RLHFPPO(Recipe):
             top_k=cfg.generation.top_k, top_p=cfg.generation.top_p, mode=cfg.generation.mode, do_sample=True)
         self.greedy_generation = GenerationSettings(
             max_new_tokens=cfg.generation.max_new_tokens, mode=cfg.generation.mode, do_sample=False)
-        self._setup_data()
         self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
         self.trainer = registry.add_state("ppo", PPOTrainer(
             registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.seed,
-            judge=self.judge, decode=self.decode, rewards=self.rewards))
+            judge=self.judge, decode=self.decode, rewards=self.rewards,
+            critic_retokenizer=self.retokenizers.get("critic")))
         only_rm = [x.name for x in self.rewards] == ["reward"]
         self.plot_panels = [("reward-model score" if only_rm else "reward (weighted sum)",
                              ["train/reward/mean", "eval/reward"])]
@@ -215,20 +357,22 @@ class RLHFPPO(Recipe):
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
-        source = cfg.data.source or self.assets["data"]
-        prompts = load_split(source, "ppo", registry, cfg.data.train_split)
-        eval_rows = load_split(source, "eval", registry, cfg.data.eval_split)
+        # prompts to train on; evaluation prompts that are never trained on
+        data = load_data(self, "ppo", eval_stage="eval", default_source=self.assets.get("data", ""))
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
+        first = collate([data.train[0]])
+        self.conversational = "prompt_messages" in first
         self.prompts = registry.add_state("prompts", ShardedBatches(
-            prompts, collate, self.settings.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
-        self.eval_batches = shard_batches(eval_rows, collate, cfg.eval.batch_size, registry.world_size,
-                                          registry.rank, limit=cfg.eval.size)
+            data.train, collate, cfg.ppo.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.eval_batches = [] if data.eval is None or not cfg.eval.size else shard_batches(
+            data.eval, collate, cfg.eval.batch_size, registry.world_size, registry.rank, limit=cfg.eval.size)
         self.ptx: ShardedBatches | None = None
-        if self.settings.ptx_coef > 0:
-            ptx_rows = load_split(cfg.data.ptx_source or source, "sft", registry, cfg.data.train_split)
+        if cfg.ppo.ptx_coef > 0:
+            ptx = load_data(self, "sft", default_source=self.assets.get("data", ""), evaluate=False,
+                            source=cfg.data.ptx_source or None)
             ptx_collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_ptx_len)
             self.ptx = registry.add_state("ptx", ShardedBatches(
-                ptx_rows, ptx_collate, self.settings.mini_batch_size, registry.world_size, registry.rank,
+                ptx.train, ptx_collate, cfg.ppo.mini_batch_size, registry.world_size, registry.rank,
                 seed=cfg.seed + 1))
 
     def decode(self, response_ids: torch.Tensor) -> list[str]:
@@ -250,12 +394,16 @@ class RLHFPPO(Recipe):
         ref; and optionally greedy answers' judge score and reward."""
         t0 = time.perf_counter()
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        if not self.eval_batches:
+            return {}
+        retok = self.retokenizers.get(self.reward_role) if self.reward_role else None
         result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
                                  judge=self.judge, reward_role=self.reward_role, ref_role="ref",
-                                 seed=self.cfg.eval.seed)
+                                 seed=self.cfg.eval.seed, reward_retokenizer=retok)
         if self.cfg.eval.greedy:
             greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad,
-                                     self.decode, judge=self.judge, reward_role=self.reward_role)
+                                     self.decode, judge=self.judge, reward_role=self.reward_role,
+                                     reward_retokenizer=retok)
             result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
         result["seconds"] = time.perf_counter() - t0
         return result
@@ -267,7 +415,8 @@ class RLHFPPO(Recipe):
             return {}
         out = {"actor": save_role(registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
         if cfg.export.critic:
-            out["critic"] = save_role(registry, "critic", self.path("export", "critic"), tokenizer=self.tokenizer)
+            out["critic"] = save_role(registry, "critic", self.path("export", "critic"),
+                                      tokenizer=self.tokenizers["critic"])  # the critic's own tokenizer
         if cfg.export.ema and "ema" in registry:
             out["ema"] = save_role(registry, "ema", self.path("export", "ema"), tokenizer=self.tokenizer)
         return out
@@ -285,7 +434,8 @@ class RLHFPPO(Recipe):
         return metrics
 
     def summary_extra(self) -> dict[str, Any]:
-        return {"paths": self.paths}
+        return {"paths": self.paths,
+                "reencoded": {role: r is not None for role, r in self.retokenizers.items()}}
 
     def plot(self) -> str | None:
         path = super().plot()

@@ -5,14 +5,14 @@
 
 One trainable role (``reward``, a :class:`ScalarHeadModel`) on the registry. Loss: Bradley-Terry
 ``-log sigmoid(s_chosen - s_rejected)`` on the score at the last real token (the EOS). Reports held-out
-pair accuracy before and after. Writes metrics.jsonl, summary.json, curves.png and export/reward (body +
-value_head.safetensors + tokenizer; loads as step 3's reward model and critic) under output_dir;
-``resume_from=latest`` continues a run from its checkpoints.
+pair accuracy before and after, on evaluation rows that are never trained on (``data.eval_source`` /
+``data.eval_split``). Writes metrics.jsonl, summary.json, curves.png and export/reward (a
+``*ForSequenceClassification`` folder + tokenizer; loads as step 3's reward model and critic and with
+``AutoModelForSequenceClassification``) under output_dir; ``resume_from=latest`` continues a run.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Any
 
@@ -20,33 +20,85 @@ from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shar
 from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.evaluation import pair_accuracy
 from multiengine.pipelines.rlhf.roles import critic_spec
-from multiengine.pipelines.rlhf.runs import load_split, resolve_tokenizer
 from multiengine.pipelines.rlhf.steps import reward_loss
-from multiengine.recipes.common import RLHF_BETAS, lora_spec, optim_spec, placement, tiny_assets
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.recipes.common import (
+    COMMON_HELP,
+    DATA_DEFAULTS,
+    RLHF_BETAS,
+    check_data,
+    check_model,
+    check_tokenizer,
+    load_data,
+    lora_spec,
+    optim_spec,
+    placement,
+    recipe_checks,
+    role_tokenizer,
+    tiny_assets,
+    uses_builtin_data,
+)
+from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
-DEFAULTS: dict[str, Any] = with_common({
-    "output_dir": "outputs/rlhf_reward",
+DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "output_dir": "outputs/rlhf_reward",  # everything the run writes goes under this folder
     "max_steps": 300,  # optimizer steps
-    # "" = the random tiny OPT; InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from
-    # a separate pretrained model (OPT-350m): any causal-LM folder or a previous reward export works.
-    "model": {"pretrained": "", "tiny_hidden": 64, "tiny_layers": 2},
-    "data": {
-        "source": "",  # folder with reward.jsonl, a file, or a hub name; "" = the built-in task
-        "train_split": "train",
-        "eval_split": "test",  # hub datasets: held-out pairs come from this split
-        "max_prompt_len": 16,
-        "max_response_len": 16,
-        "heldout_size": 512,  # local data: the last rows, never trained on
+    # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
+    # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works
+    "model": {  # the reward model's starting point
+        "pretrained": "",  # a causal-LM folder, SFT export, reward export or *ForSequenceClassification folder; "" = the random tiny OPT
+        "tokenizer": "",  # a tokenizer folder or hub name; "" = the model folder's own
+        "tiny_hidden": 64,  # width of the random tiny OPT (model.pretrained="")
+        "tiny_layers": 2,  # layers of the random tiny OPT
     },
-    "train": {"micro_batch_size": 16, "grad_accum": 1, "lr": 5e-4, "weight_decay": 0.0, "scheduler": "cosine",
-              "warmup_steps": 20, "max_grad_norm": 1.0, "gradient_checkpointing": False},
-    "roles": {"reward": {"stage": 2, "dtype": "fp32", "offload_params": False, "offload_optimizer": False}},
-    "lora": {"enabled": False, "rank": 8, "alpha": 0.0, "dropout": 0.0,
-             "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]},
-    "eval": {"every": 100},
-    "export": {"enabled": True},
-})
+    "data": {  # preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)
+        **DATA_DEFAULTS,
+        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
+        "max_response_len": 16,  # answer tokens kept, EOS included
+        "heldout_size": 512,  # evaluation pairs scored for the held-out accuracy (0 = all of them)
+    },
+    "train": {  # the reward model's optimizer and batches
+        "micro_batch_size": 16,  # pairs per rank per forward/backward (2 rows each)
+        "grad_accum": 1,  # micro batches per optimizer step
+        "lr": 5e-4,  # peak learning rate
+        "weight_decay": 0.0,  # AdamW weight decay
+        "scheduler": "cosine",  # a transformers scheduler name
+        "warmup_steps": 20,  # linear warm-up steps
+        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
+        "gradient_checkpointing": False,  # recompute activations in backward (less memory)
+    },
+    "roles": {  # placement of each role
+        "reward": {  # the reward model being trained (LM body + scalar head)
+            "stage": 2,  # ZeRO stage 0-3
+            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
+            "offload_params": False,  # ZeRO-3 parameter offload to CPU
+            "offload_optimizer": False,  # optimizer state offload to CPU
+        },
+    },
+    "lora": {  # LoRA adapters on the body (the head trains fully)
+        "enabled": False,  # train peft LoRA adapters only
+        "rank": 8,  # adapter rank
+        "alpha": 0.0,  # scaling (0 = the rank)
+        "dropout": 0.0,  # adapter dropout
+        "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
+    },
+    "eval": {  # held-out pair accuracy
+        "every": 100,  # also evaluate every N steps (0 = only before and after)
+    },
+    "export": {  # what the run writes under output_dir/export
+        "enabled": True,  # export/reward: a *ForSequenceClassification folder with the tokenizer
+    },
+}
+CHECKS = recipe_checks(DEFAULTS)
+HELP = dict(COMMON_HELP)
+
+
+def validate(cfg: Any) -> None:
+    """Model folder, tokenizer vs vocabulary, preference data (formats, columns, rows, chat template, held-out
+    pairs)."""
+    check_model("model.pretrained", cfg.model.pretrained)
+    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.pretrained", cfg.model.pretrained)
+    check_data(cfg, "reward", tok)
 
 
 class RLHFReward(Recipe):
@@ -56,9 +108,12 @@ class RLHFReward(Recipe):
 
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
-        assets = tiny_assets(self, not (cfg.data.source and cfg.model.pretrained))
+        # 1. the model (LM body + scalar head) and its tokenizer
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.pretrained)
         self.model_path = cfg.model.pretrained or assets["model"]
-        self.tokenizer = resolve_tokenizer(self.model_path, assets.get("tokenizer", ""))
+        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.model_path,
+                                        role_tokenizer("", assets["tokenizer"]) if assets else None,
+                                        what="model.pretrained")
         t = cfg.train
         registry.add(critic_spec(
             self.model_path, placement(cfg.roles.reward), optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
@@ -67,20 +122,13 @@ class RLHFReward(Recipe):
             seed=cfg.seed, name="reward"))
         registry.build()
 
-        source = cfg.data.source or assets["data"]
-        rows = load_split(source, "reward", registry, cfg.data.train_split)
+        # 2. pairs to train on and held-out pairs (evaluation rows, never trained on)
+        data = load_data(self, "reward", default_source=assets.get("data", ""))
         collate = PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        if os.path.exists(source):
-            n_heldout = min(cfg.data.heldout_size, len(rows) // 5)
-            train_rows = rows.select(range(len(rows) - n_heldout))
-            heldout_rows = rows.select(range(len(rows) - n_heldout, len(rows)))
-        else:
-            train_rows = rows
-            heldout_rows = load_split(source, "reward", registry, cfg.data.eval_split)
-            heldout_rows = heldout_rows.select(range(min(cfg.data.heldout_size, len(heldout_rows))))
         self.batches = registry.add_state("batches", ShardedBatches(
-            train_rows, collate, t.micro_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
-        self.heldout = shard_batches(heldout_rows, collate, t.micro_batch_size, registry.world_size, registry.rank)
+            data.train, collate, t.micro_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.heldout = [] if data.eval is None else shard_batches(
+            data.eval, collate, t.micro_batch_size, registry.world_size, registry.rank, limit=cfg.data.heldout_size)
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry
@@ -100,7 +148,7 @@ class RLHFReward(Recipe):
                                 "lr": engine.get_lr()[0]})
 
     def evaluate(self, tag: str) -> dict[str, Any]:
-        return pair_accuracy(self.registry, "reward", self.heldout)
+        return pair_accuracy(self.registry, "reward", self.heldout) if self.heldout else {}
 
     def export(self) -> dict[str, Any]:
         if not self.cfg.export.enabled:
@@ -108,16 +156,16 @@ class RLHFReward(Recipe):
         return {"reward": save_role(self.registry, "reward", self.path("export", "reward"), tokenizer=self.tokenizer)}
 
     def summary_metrics(self) -> dict[str, Any]:
-        before, after = self.evaluation("before"), self.evaluation("after")
+        before, after = self.evaluation("before") or {}, self.evaluation("after") or {}
         last = self.step_metrics[-1] if self.step_metrics else {}
         return {
             "first_loss": self.step_metrics[0]["loss"] if self.step_metrics else None,
             "final_loss": last.get("loss"),
             "final_train_accuracy": last.get("accuracy"),
-            "heldout_accuracy_before": before["accuracy"] if before else None,
-            "heldout_accuracy": after["accuracy"],
-            "heldout_margin": after["margin"],
-            "heldout_pairs": after["pairs"],
+            "heldout_accuracy_before": before.get("accuracy"),
+            "heldout_accuracy": after.get("accuracy"),
+            "heldout_margin": after.get("margin"),
+            "heldout_pairs": after.get("pairs"),
         }
 
     def summary_extra(self) -> dict[str, Any]:

@@ -264,11 +264,12 @@ def load_rlhf_data(
     columns: Mapping[str, str] | None = None,
     train_split: str = "train",
     eval_source: Any = None,
-    eval_split: float | int | str = 0.0,
+    eval_split: float | int | str | None = 0.0,
     eval_stage: str | None = None,
     seed: int = 0,
     size: int | None = None,
     cache_dir: str | None = None,
+    evaluate: bool = True,
 ) -> TrainEval:
     """Training and evaluation rows of one stage, from one source or a weighted blend of several.
 
@@ -281,11 +282,14 @@ def load_rlhf_data(
         eval_source: separate evaluation rows (same forms as ``source``); never one of the training
             sources.
         eval_split: a fraction/count held out of each source (``0.05``), or the name of a split every
-            source has (``"test"``; ``"eval"`` = a folder's ``eval.jsonl``); 0 = no evaluation rows.
+            source has (``"test"``; ``"eval"`` = a folder's ``eval.jsonl``); ``"auto"``: each source's own
+            evaluation split (a folder's ``eval``/``test`` file, a ``test`` split), else 5% of its rows held
+            out, with a warning; 0 / ``None`` = no evaluation rows (a warning).
         eval_stage: the stage whose formats the evaluation rows must have (default ``stage``; ``eval``
             for prompt-only rows).
         seed: held-out selection and blend order.
         size: rows of a blend (default: the sum of the sources' rows).
+        evaluate: ``False``: training rows only (e.g. the pretraining rows of PPO-ptx).
 
     Returns:
         :class:`~multiengine.pipelines.sources.TrainEval` ``(train, eval, eval_origin)``. With several
@@ -308,7 +312,8 @@ def load_rlhf_data(
         return _load_one(src, eval_stage, None, train_split, "data.eval_source", columns, cache_dir)
 
     result = split_train_eval(load, sources, eval_source=evals, load_eval=load_eval, eval_split=eval_split,
-                              seed=seed, size=size)
+                              seed=seed, size=size, source_key="data.sources" if several else "data.source",
+                              evaluate=evaluate)
     logger.info("%s rows: %d for training (%s); evaluation: %s%s", stage, len(result.train),
                 " + ".join(f"{s.path} x{s.weight:g}" for s in sources), result.eval_origin,
                 f" ({len(result.eval)} rows)" if result.eval is not None else "")

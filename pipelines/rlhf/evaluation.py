@@ -15,6 +15,7 @@ from . import ppo
 from .generation import GenerationSettings, generate
 from .losses import dpo_loss
 from .preference import REF_KEYS, pair_logprobs
+from .rewards import reencoded
 from .scoring import eval_mode, policy_logits, sequence_scores
 
 __all__ = ["evaluate_policy", "pair_accuracy", "preference_accuracy"]
@@ -36,8 +37,12 @@ def evaluate_policy(
     ref_role: str | None = None,
     n_samples: int = 4,
     seed: int = 1234,
+    reward_retokenizer: Any = None,
 ) -> dict[str, Any]:
     """Answers of ``role`` to every rank's prompt batches, judged and/or scored (collective).
+
+    ``reward_retokenizer``: a ``Retokenizer`` to ``reward_role``'s tokenizer when it differs from the
+    policy's (the answers are then scored re-encoded, as in training).
 
     Returns global means: ``judge`` (if a judge is given), ``reward`` (with ``reward_role``), ``kl``
     (exact per-token KL to ``ref_role`` summed over each answer), ``response_length``; and ``samples``: the first
@@ -51,7 +56,7 @@ def evaluate_policy(
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed * 7 + registry.rank * 104_729)
         return _evaluate_policy(registry, batches, generation, eos_token_id, pad_token_id, decode, role, judge,
-                                reward_role, ref_role, n_samples)
+                                reward_role, ref_role, n_samples, reward_retokenizer)
 
 
 def _evaluate_policy(
@@ -66,6 +71,7 @@ def _evaluate_policy(
     reward_role: str | None,
     ref_role: str | None,
     n_samples: int,
+    reward_retokenizer: Any = None,
 ) -> dict[str, Any]:
     device = registry.device
     totals = torch.zeros(5, dtype=torch.float64)  # judge, reward, kl, length, rows
@@ -81,7 +87,12 @@ def _evaluate_policy(
         if judge is not None:
             row[0] = sum(judge(p, a) for p, a in zip(batch["prompts"], answers))
         if reward_role is not None:
-            row[1] = sequence_scores(registry[reward_role], seq, attention).double().sum().cpu()
+            r_ids, r_mask = seq, attention
+            if reward_retokenizer is not None and reward_retokenizer.needed:
+                enc = reencoded(reward_retokenizer, seq, attention, ids.shape[1], batch.get("prompts"),
+                                batch.get("prompt_messages"))
+                r_ids, r_mask = enc["input_ids"], enc["attention_mask"]
+            row[1] = sequence_scores(registry[reward_role], r_ids, r_mask).double().sum().cpu()
         if ref_role is not None:
             # exact KL(policy || ref) of the next-token distributions along each answer, summed over its
             # tokens: unlike the k1 sample estimate it stays meaningful for greedy answers (and is >= 0)

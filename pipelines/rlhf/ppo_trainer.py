@@ -72,7 +72,9 @@ class PPOTrainer:
         judge: optional programmatic ``judge(prompt, answer)`` logged next to the reward (``decode`` needed).
         decode: ``response_ids [B, T] -> list[str]`` (needed by reward functions and the judge).
         rewards: reward sources (:func:`rewards.reward_model` / :func:`rewards.reward_function`);
-            default: the ``reward`` role.
+            default: the ``reward`` role. A reward model with its own tokenizer carries a ``Retokenizer``.
+        critic_retokenizer: a ``Retokenizer`` from the actor's tokenizer to the critic's, when they differ:
+            the critic then reads the re-encoded rows, its values taken where the text before each action ends.
         actor / ref / critic / ema: role names (``ema`` is used when the registry has it).
     """
 
@@ -92,6 +94,7 @@ class PPOTrainer:
         ref: str = "ref",
         critic: str = "critic",
         ema: str = "ema",
+        critic_retokenizer: Any = None,
     ) -> None:
         self.registry = registry
         self.generation = generation
@@ -102,6 +105,8 @@ class PPOTrainer:
         self.judge = judge
         self.decode = decode
         self.actor, self.ref, self.critic, self.ema = actor, ref, critic, ema
+        self.critic_retokenizer = critic_retokenizer if critic_retokenizer is not None and critic_retokenizer.needed \
+            else None
         self.rewards = list(rewards) if rewards is not None else [reward_model("reward")]
         check_sources(self.rewards, registry)
         for role in (actor, ref, critic):
@@ -131,7 +136,7 @@ class PPOTrainer:
         exp = make_experience(
             self.registry, batch, step, generation=self.generation, eos_token_id=self.eos, pad_token_id=self.pad,
             rewards=self.rewards, decode=self.decode, actor=self.actor, ref=self.ref, critic=self.critic,
-            seed=self.seed, no_eos_penalty=s.no_eos_penalty)
+            seed=self.seed, no_eos_penalty=s.no_eos_penalty, critic_retokenizer=self.critic_retokenizer)
         t0 = time.perf_counter()
         score = exp.score
         if self.normalizer is not None:

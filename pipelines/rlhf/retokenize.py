@@ -91,12 +91,16 @@ class Retokenizer:
                 left-truncated prompt is whole again).
             prompt_messages: the conversations of conversational prompts (``batch["prompt_messages"]``).
             align: also return ``value_index`` ``[B, T]``: for each actor response token, the position in
-                the new sequence of the target token that ends the same text (for a critic's values).
+                the new sequence of the target token that ends the same text; and ``state_index`` ``[B, T]``:
+                for each actor action, the position whose value is that of the state before it (the position
+                of the text before the action: ``value_index`` of the previous token, the last prompt token
+                for the first), which is where a critic's value ``V(s_t)`` of action ``t`` is read, as
+                ``ppo.response_values`` reads it from the actor's own sequences.
 
         Returns:
             ``input_ids``/``attention_mask`` ``[B, L]`` (right padded; score at the last real token),
             ``reencoded`` (False: the actor's own sequences, prompt left padded, masked response after),
-            ``responses`` (decoded texts, when re-encoded) and ``value_index`` (with ``align``).
+            ``responses`` (decoded texts, when re-encoded), ``value_index`` and ``state_index`` (with ``align``).
         """
         if response_mask is None:
             response_mask = self.response_mask(response_ids)
@@ -111,8 +115,9 @@ class Retokenizer:
             if align:
                 c = prompt_ids.shape[1]
                 out["value_index"] = torch.arange(c, c + response_ids.shape[1]).expand_as(response_ids).clone()
+                out["state_index"] = out["value_index"] - 1
             return out
-        rows, texts, index = [], [], []
+        rows, texts, index, state = [], [], [], []
         for b in range(response_ids.shape[0]):
             valid = response_ids[b][response_mask[b].bool()].tolist()
             ended = bool(valid) and valid[-1] == self.source_eos
@@ -128,11 +133,13 @@ class Retokenizer:
             texts.append(text)
             if align:
                 index.append(self._align(body, ended, len(p), r, response_ids.shape[1]))
+                state.append([max(len(p) - 1, 0), *index[-1][:-1]])
         out = {"input_ids": _pad(rows, self.encoder.pad_id, left=False),
                "attention_mask": _pad([[1] * len(r) for r in rows], 0, left=False),
                "reencoded": True, "responses": texts}
         if align:
             out["value_index"] = torch.tensor(index, dtype=torch.long)
+            out["state_index"] = torch.tensor(state, dtype=torch.long)
         return out
 
     def _align(self, body: list[int], ended: bool, start: int, target_response: list[int], width: int) -> list[int]:

@@ -10,7 +10,10 @@ named by a spec string, as in a YAML config:
 * ``builtin:judge`` - the built-in task's programmatic judge (:func:`judge_reward`).
 
 Reward functions run on every rank over that rank's rows; reward-model roles run one forward per
-rollout on every rank (collective under ZeRO-3), whichever rows a rank holds.
+rollout on every rank (collective under ZeRO-3), whichever rows a rank holds. A reward model with its
+own tokenizer carries a :class:`~multiengine.pipelines.rlhf.retokenize.Retokenizer`: it scores the
+actor's prompts and answers decoded and encoded again with its tokenizer (and chat template), never the
+actor's token ids.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "compute_scores",
     "judge_reward",
     "load_reward_function",
+    "reencoded",
     "reward_function",
     "reward_model",
     "reward_sources",
@@ -105,17 +109,26 @@ class RewardSource:
     weight: float = 1.0
     role: str | None = None
     fn: RewardFn | None = None
+    # a reward-model role whose tokenizer differs from the actor's: re-encodes the rows before scoring
+    retokenizer: Any = None
 
     def __post_init__(self) -> None:
         if (self.role is None) == (self.fn is None):
             raise ValueError(f"reward source {self.name!r}: give exactly one of role= or fn=.")
+        if self.retokenizer is not None and self.role is None:
+            raise ValueError(f"reward source {self.name!r}: a retokenizer applies to reward-model roles only.")
         if not math.isfinite(self.weight):
             raise ValueError(f"reward source {self.name!r}: weight must be finite, got {self.weight}.")
 
 
-def reward_model(role: str = "reward", weight: float = 1.0, name: str | None = None) -> RewardSource:
-    """A frozen scalar-head role of the registry (score at the last real token)."""
-    return RewardSource(name=name or role, weight=float(weight), role=role)
+def reward_model(role: str = "reward", weight: float = 1.0, name: str | None = None,
+                 retokenizer: Any = None) -> RewardSource:
+    """A frozen scalar-head role of the registry (score at the last real token). ``retokenizer``: a
+    :class:`~multiengine.pipelines.rlhf.retokenize.Retokenizer` from the actor's tokenizer to this model's,
+    when they differ (one whose ``needed`` is False is dropped: the actor's ids are used as they are)."""
+    if retokenizer is not None and not retokenizer.needed:
+        retokenizer = None
+    return RewardSource(name=name or role, weight=float(weight), role=role, retokenizer=retokenizer)
 
 
 def reward_function(fn: RewardFn | str, weight: float = 1.0, name: str | None = None) -> RewardSource:
@@ -158,6 +171,17 @@ def check_sources(sources: Sequence[RewardSource], registry: EngineRegistry) -> 
                              f"(roles: {registry.names()}).")
 
 
+def reencoded(retokenizer: Any, sequences: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
+              prompts: Sequence[str] | None = None, prompt_messages: Sequence[Any] | None = None,
+              align: bool = False) -> dict[str, Any]:
+    """The actor's rows ``[B, C + T]`` re-encoded by ``retokenizer`` for a role with its own tokenizer, on
+    the rows' device (``prompts``: the original prompt strings; ``prompt_messages``: the conversations)."""
+    C = context_length
+    out = retokenizer(sequences[:, :C].cpu(), attention_mask[:, :C].cpu(), sequences[:, C:].cpu(),
+                      attention_mask[:, C:].cpu(), prompts=prompts, prompt_messages=prompt_messages, align=align)
+    return {k: v.to(sequences.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
 @torch.no_grad()
 def compute_scores(
     registry: EngineRegistry,
@@ -166,12 +190,18 @@ def compute_scores(
     attention_mask: torch.Tensor,
     prompts: Sequence[str] | None = None,
     responses: Sequence[str] | None = None,
+    *,
+    context_length: int | None = None,
+    prompt_messages: Sequence[Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted sum of every source's score for each row (collective: every rank, every role).
 
     Args:
         sequences / attention_mask: ``[B, L]`` prompt + response, the mask covering the actions.
-        prompts / responses: the rows' texts, needed by reward functions.
+        prompts / responses: the rows' texts, needed by reward functions (and, as the original prompt
+            strings, by reward models with their own tokenizer).
+        context_length: ``C``, where the responses start; needed by reward models with a retokenizer.
+        prompt_messages: conversational prompts (the collator's ``prompt_messages``), for retokenizers.
 
     Returns:
         ``(total [B] float32, {source name: [B] unweighted score})``.
@@ -181,8 +211,15 @@ def compute_scores(
     parts: dict[str, torch.Tensor] = {}
     for src in sources:
         if src.role is not None:
+            ids, mask = sequences, attention_mask
+            if src.retokenizer is not None:
+                if context_length is None:
+                    raise ValueError(f"reward model {src.name!r} has its own tokenizer: pass context_length= (where "
+                                     "the responses start) so its rows can be re-encoded.")
+                batch = reencoded(src.retokenizer, sequences, attention_mask, context_length, prompts, prompt_messages)
+                ids, mask = batch["input_ids"], batch["attention_mask"]
             with eval_mode(registry, src.role) as engine:
-                value = sequence_scores(engine, sequences, attention_mask).float()
+                value = sequence_scores(engine, ids, mask).float()
         else:
             if prompts is None or responses is None or len(prompts) != B or len(responses) != B:
                 raise ValueError(f"reward function {src.name!r} needs the prompt and response texts of all {B} "

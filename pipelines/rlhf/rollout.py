@@ -6,6 +6,11 @@ forward of each role involved: the actor and the ref for log-probs, the critic (
 values, each reward-model role for a score; reward functions score the decoded texts. Advantages
 are left to the estimator (GAE in ppo_trainer.py, the critic-free family in grpo.py).
 
+A reward model or critic with its own tokenizer gets the rows decoded and encoded again with it
+(``RewardSource.retokenizer``, ``critic_retokenizer``); the critic's values are then read at the
+positions that end the same text as the actor's tokens (``Experience.critic_index``), and the update
+feeds the critic the same re-encoded rows.
+
 Every function here is collective: all ranks call it with the same number of rows, so every rank
 runs the same number of forwards of every role (under ZeRO-3 each forward gathers layers from all
 ranks, and a rank that skipped one would hang the others).
@@ -25,9 +30,9 @@ import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
-from .generation import GenerationSettings, generate
-from .rewards import RewardSource, compute_scores
-from .scoring import role_logprobs, role_values
+from .generation import GenerationSettings, generate, position_ids_from_mask
+from .rewards import RewardSource, compute_scores, reencoded
+from .scoring import eval_mode, role_logprobs, role_values
 
 __all__ = ["Experience", "StepStats", "expand_prompts", "make_experience", "rollout_metrics", "sampling_seed",
            "step_timings"]
@@ -36,7 +41,7 @@ Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
 
 _ROW_TENSORS = ("sequences", "attention_mask", "action_mask", "logprobs", "score", "ref_logprobs", "values",
-                "rewards", "advantages", "returns")
+                "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index")
 
 
 @dataclass
@@ -54,6 +59,11 @@ class Experience:
     rewards: torch.Tensor | None = None  # [B, T] per-token rewards (set by the estimator)
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] value targets (GAE only)
+    # a critic with its own tokenizer: the rows re-encoded for it [B, L'], and for each action the position
+    # [B, T] whose value is V(s_t); None when the critic reads the actor's sequences
+    critic_sequences: torch.Tensor | None = None
+    critic_attention_mask: torch.Tensor | None = None
+    critic_index: torch.Tensor | None = None
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
@@ -91,9 +101,15 @@ def expand_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
         raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
     if n == 1:
         return batch
-    out = {k: v.repeat_interleave(n, dim=0) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    if "prompts" in batch:
-        out["prompts"] = [p for p in batch["prompts"] for _ in range(n)]
+    rows = batch["input_ids"].shape[0] if "input_ids" in batch else None
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.repeat_interleave(n, dim=0)
+        elif isinstance(v, (list, tuple)) and (rows is None or len(v) == rows):  # prompts, prompt_messages
+            out[k] = [x for x in v for _ in range(n)]
+        else:
+            out[k] = v
     return out
 
 
@@ -114,6 +130,7 @@ def make_experience(
     n_samples_per_prompt: int = 1,
     seed: int = 0,
     no_eos_penalty: float | None = None,
+    critic_retokenizer: Any = None,
 ) -> Experience:
     """Sample and score one rollout (collective).
 
@@ -126,6 +143,7 @@ def make_experience(
         actor / ref / critic: role names; ``ref`` and ``critic`` may be ``None``.
         n_samples_per_prompt: completions per prompt, in consecutive rows.
         no_eos_penalty: subtracted from the score of answers that never emitted EOS.
+        critic_retokenizer: a ``Retokenizer`` from the actor's tokenizer to the critic's, when they differ.
 
     Returns:
         An :class:`Experience` of ``P * n_samples_per_prompt`` rows without rewards/advantages.
@@ -155,19 +173,32 @@ def make_experience(
     ref_logprobs = None
     if ref is not None:
         ref_logprobs = role_logprobs(registry, ref, sequences, attention, C, generation.temperature) * action_f
-    values = role_values(registry, critic, sequences, attention, C) * action_f if critic is not None else None
+    prompts = list(batch.get("prompts", []))
+    messages = batch.get("prompt_messages")
+    values, critic_rows = None, {}
+    if critic is not None and critic_retokenizer is not None and critic_retokenizer.needed:
+        # the critic reads the same text in its own tokens; V(s_t) sits where the text before action t ends
+        enc = reencoded(critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
+        with eval_mode(registry, critic) as engine:
+            full = engine(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                          position_ids=position_ids_from_mask(enc["attention_mask"])).float()
+        values = full.gather(1, enc["state_index"]) * action_f
+        critic_rows = {"critic_sequences": enc["input_ids"], "critic_attention_mask": enc["attention_mask"],
+                       "critic_index": enc["state_index"]}
+    elif critic is not None:
+        values = role_values(registry, critic, sequences, attention, C) * action_f
 
     # 4. the reward: weighted sum of reward-model scores and reward-function values
-    prompts = list(batch.get("prompts", []))
     texts = decode(response) if decode is not None else []
-    score, parts = compute_scores(registry, rewards, sequences, attention, prompts or None, texts or None)
+    score, parts = compute_scores(registry, rewards, sequences, attention, prompts or None, texts or None,
+                                  context_length=C, prompt_messages=messages)
     if no_eos_penalty:
         score = ppo.apply_no_eos_penalty(score, response, eos_token_id, no_eos_penalty)
     t_exp = time.perf_counter() - t1
     return Experience(
         sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
         logprobs=logprobs * action_f, score=score, ref_logprobs=ref_logprobs, values=values,
-        reward_parts=parts, prompts=prompts, responses=texts, group_size=n_samples_per_prompt,
+        reward_parts=parts, prompts=prompts, responses=texts, group_size=n_samples_per_prompt, **critic_rows,
         timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1])},
     )
 

@@ -1,5 +1,5 @@
-"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge,
-tokenizer resolution and dataset loading with rank 0 first."""
+"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge and
+tokenizer resolution."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from typing import Any
 from multiengine.engines import EngineRegistry, barrier
 
 from . import tiny
-from .data import load_rlhf_dataset
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["builtin_judge", "load_split", "prepare_tiny_assets", "resolve_tokenizer"]
+__all__ = ["builtin_judge", "has_tokenizer", "prepare_tiny_assets", "resolve_tokenizer"]
 
 
 def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0, hidden: int = 64,
@@ -44,29 +43,38 @@ def builtin_judge(prompts: Sequence[str], enabled: bool = True) -> Callable[[str
     return None
 
 
+def has_tokenizer(path: str) -> bool:
+    """A local folder holding tokenizer files."""
+    return _has_tokenizer(path)
+
+
+def _has_tokenizer(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def resolve_tokenizer(*candidates: str) -> Any:
-    """``AutoTokenizer`` from the first folder that has one (exports carry their tokenizer)."""
+    """``AutoTokenizer`` from the first candidate that has one: a local folder with tokenizer files (exports
+    carry their tokenizer), or a hub name (from the hub or its local cache). A tokenizer without a pad token
+    gets its EOS as the pad token (decoder-only models often ship without one)."""
     from transformers import AutoTokenizer
 
+    from ..sources import is_hub_name
+
+    errors = []
     for path in candidates:
-        if path and os.path.isdir(path) and any(
-            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-        ):
+        if not path:
+            continue
+        path = os.path.expanduser(str(path))
+        if not (_has_tokenizer(path) or (not os.path.exists(path) and is_hub_name(path))):
+            continue
+        try:
             tok = AutoTokenizer.from_pretrained(path)
-            if tok.pad_token_id is None:
-                tok.pad_token = tok.eos_token  # decoder-only models often ship without a pad token
-            return tok
-    raise FileNotFoundError(f"no tokenizer in any of {[c for c in candidates if c]}")
-
-
-def load_split(source: str, stage: str, registry: EngineRegistry, hf_split: str = "train") -> Any:
-    """``load_rlhf_dataset`` with rank 0 first: it fills the datasets cache, the others then read it
-    instead of racing to write the same files. ``hf_split`` applies to hub datasets only."""
-    if os.path.exists(source):
-        hf_split = "train"  # local json/jsonl/parquet files load as one "train" split
-    if not registry.is_main:
-        barrier()
-    dataset = load_rlhf_dataset(source, stage, hf_split=hf_split)
-    if registry.is_main:
-        barrier()
-    return dataset
+        except (OSError, ValueError) as err:
+            errors.append(f"{path}: {err}")
+            continue
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    detail = f" ({'; '.join(errors)})" if errors else ""
+    raise FileNotFoundError(f"no tokenizer in any of {[c for c in candidates if c]}{detail}")

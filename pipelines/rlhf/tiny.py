@@ -198,6 +198,32 @@ def _corrupt(rng: random.Random, words: list[str], n: int, topic: str) -> list[s
     return words
 
 
+_PAIR_MAKERS = (_good_answer, _good_answer, _mediocre_answer, _noisy_answer, _noisy_answer, _bad_answer,
+                _degenerate_answer)
+
+
+def _pair(rng: random.Random, prompt: str, n: int, topic: str) -> tuple[str, str] | None:
+    """``(chosen, rejected)`` for ``prompt``, ordered by :func:`judge`; ``None`` for a tie or a short answer
+    (draw again). Half are minimal pairs (an answer and a slightly worse edit of it)."""
+    if rng.random() < 0.5:
+        words = rng.choice(_PAIR_MAKERS)(rng, n, topic)
+        if len(words) < n:
+            return None
+        a, b = " ".join(words), " ".join(_corrupt(rng, words[:n], n, topic) + words[n:])
+    else:
+        a = " ".join(rng.choice(_PAIR_MAKERS)(rng, n, topic))
+        b = " ".join(rng.choice(_PAIR_MAKERS)(rng, n, topic))
+    sa, sb = judge(prompt, a), judge(prompt, b)
+    if sa == sb:
+        return None  # a tie carries no preference
+    return (a, b) if sa > sb else (b, a)
+
+
+def _demonstration(rng: random.Random, n: int, topic: str, good_fraction: float) -> str:
+    make = _good_answer if rng.random() < good_fraction else _mediocre_answer
+    return " ".join(make(rng, n, topic))
+
+
 def build_corpus(
     seed: int = 0,
     n_sft: int = 2000,
@@ -210,41 +236,39 @@ def build_corpus(
 
     Returns:
         ``{"sft": [{prompt, response}], "reward": [{prompt, chosen, rejected}], "ppo": [{prompt}],
-        "eval": [{prompt}]}``. SFT responses are good with probability ``sft_good_fraction`` and
-        mediocre otherwise. Half the reward pairs are minimal pairs (an answer and a one-edit
-        corruption of it), half compare two candidates drawn from good, mediocre, noisy (several mistakes), bad
-        (off-topic) and degenerate (repeats, over-long) answers; each pair is ordered by :func:`judge` (ties are
-        redrawn).
+        "eval": [{prompt, response, chosen, rejected}]}``. SFT responses are good with probability
+        ``sft_good_fraction`` and mediocre otherwise. Half the reward pairs are minimal pairs (an answer and a
+        one-edit corruption of it), half compare two candidates drawn from good, mediocre, noisy (several
+        mistakes), bad (off-topic) and degenerate (repeats, over-long) answers; each pair is ordered by
+        :func:`judge` (ties are redrawn). The evaluation rows are held out for every stage at once (as in
+        DeepSpeed-Chat's datasets): a prompt, a demonstration drawn like the SFT ones and a pair drawn like the
+        reward ones, so step 1's held-out loss, step 2's held-out accuracy and step 3's evaluation prompts all
+        come from rows no step trains on.
     """
     rng = random.Random(seed)
     sft = []
     for _ in range(n_sft):
         prompt, n, topic = _sample_prompt(rng)
-        make = _good_answer if rng.random() < sft_good_fraction else _mediocre_answer
-        sft.append({"prompt": prompt, "response": " ".join(make(rng, n, topic))})
+        sft.append({"prompt": prompt, "response": _demonstration(rng, n, topic, sft_good_fraction)})
 
-    makers = (
-        _good_answer, _good_answer, _mediocre_answer, _noisy_answer, _noisy_answer, _bad_answer, _degenerate_answer
-    )
     reward = []
     while len(reward) < n_reward:
         prompt, n, topic = _sample_prompt(rng)
-        if rng.random() < 0.5:  # minimal pair: an answer and a slightly worse edit of it
-            words = rng.choice(makers)(rng, n, topic)
-            if len(words) < n:
-                continue
-            a, b = " ".join(words), " ".join(_corrupt(rng, words[:n], n, topic) + words[n:])
-        else:
-            a = " ".join(rng.choice(makers)(rng, n, topic))
-            b = " ".join(rng.choice(makers)(rng, n, topic))
-        sa, sb = judge(prompt, a), judge(prompt, b)
-        if sa == sb:
-            continue  # a tie carries no preference
-        chosen, rejected = (a, b) if sa > sb else (b, a)
-        reward.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        pair = _pair(rng, prompt, n, topic)
+        if pair is not None:
+            reward.append({"prompt": prompt, "chosen": pair[0], "rejected": pair[1]})
 
     ppo = [{"prompt": _sample_prompt(rng)[0]} for _ in range(n_ppo)]
-    evaluation = [{"prompt": _sample_prompt(rng)[0]} for _ in range(n_eval)]
+    prompts = [_sample_prompt(rng) for _ in range(n_eval)]
+    # the answers of the evaluation rows come from their own stream: the prompts stay those of every version
+    answers = random.Random(seed * 1_000_003 + 17)
+    evaluation = []
+    for prompt, n, topic in prompts:
+        response = _demonstration(answers, n, topic, sft_good_fraction)
+        pair = None
+        while pair is None:
+            pair = _pair(answers, prompt, n, topic)
+        evaluation.append({"prompt": prompt, "response": response, "chosen": pair[0], "rejected": pair[1]})
     return {"sft": sft, "reward": reward, "ppo": ppo, "eval": evaluation}
 
 
@@ -252,7 +276,8 @@ def write_builtin_dataset(out_dir: str | Path, seed: int = 0, **sizes: int) -> d
     """Write :func:`build_corpus` splits as ``{split}.jsonl`` (DeepSpeed-Chat column names).
 
     ``sft.jsonl`` has ``prompt``/``response``, ``reward.jsonl`` ``prompt``/``chosen``/``rejected``,
-    ``ppo.jsonl`` and ``eval.jsonl`` ``prompt``. Returns the path of each split.
+    ``ppo.jsonl`` ``prompt`` and ``eval.jsonl`` all four (the evaluation rows of every stage). Returns the
+    path of each split.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -170,8 +170,13 @@ def train_on_experience(
             # 2. critic: clipped value loss against the returns
             if critic_engine is not None:
                 den = denominators[("critic", epoch, i - i % g_critic)]
-                values = ppo.response_values(critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
-                                                           position_ids=position_ids_from_mask(mb.attention_mask)), C)
+                if mb.critic_sequences is not None:  # a critic with its own tokenizer: its re-encoded rows
+                    full = critic_engine(input_ids=mb.critic_sequences, attention_mask=mb.critic_attention_mask,
+                                         position_ids=position_ids_from_mask(mb.critic_attention_mask))
+                    values = full.float().gather(1, mb.critic_index)
+                else:
+                    values = ppo.response_values(critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
+                                                               position_ids=position_ids_from_mask(mb.attention_mask)), C)
                 v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip, den)
                 critic_engine.backward(v_loss)
                 critic_engine.step()

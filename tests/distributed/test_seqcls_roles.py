@@ -42,3 +42,34 @@ def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["missing"] == [] and got["unexpected"] == []
     assert got["scores"] == pytest.approx(ranks[0]["expected"], abs=1e-5)
+
+
+def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
+    """rlhf_ppo with a word-level actor and a TRL-style sequence-classification reward model whose tokenizer is
+    sub-word BPE: reward (ZeRO-3) and critic (ZeRO-3, from the same folder) read the actor's texts re-encoded."""
+    ranks = launch("ppo_reencode", tmp_path, timeout=900)
+    for r in ranks:
+        assert r["reencoded"] == {"reward": True, "critic": True}
+        assert r["stages"] == {"reward": 3, "critic": 3}
+        assert r["reward_vocab"] != r["actor_vocab"]
+        # the rollout's scores are exactly a direct scoring of the same texts in the reward model's encoding ...
+        assert r["score_diff"] < 1e-5, r
+        # ... and not what the actor's token ids would have scored
+        assert r["raw_diff"] > 1e-2, r
+        assert r["critic_rows_equal"] and r["critic_index_ok"] and r["values_finite"]
+        assert len(r["steps"]) == 2 and all(s["value_loss"] == s["value_loss"] for s in r["steps"])
+        assert r["critic_head_moved"] > 0
+    assert ranks[0]["scores"] != ranks[1]["scores"]  # each rank scored its own prompts
+    code = (
+        "import json\n"
+        "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+        f"r = json.load(open({str(tmp_path / 'rank0.json')!r}))\n"
+        "m, info = AutoModelForSequenceClassification.from_pretrained(r['export']['critic'], output_loading_info=True)\n"
+        "tok = AutoTokenizer.from_pretrained(r['export']['critic'])\n"
+        "print(json.dumps({'missing': sorted(info['missing_keys']), 'vocab': len(tok), 'embed': m.config.vocab_size}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the critic's export carries its own (BPE) tokenizer, not the actor's
+    assert got["missing"] == [] and got["vocab"] == ranks[0]["reward_vocab"] == got["embed"]

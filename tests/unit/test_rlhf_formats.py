@@ -208,7 +208,8 @@ def test_heldout_rows_are_never_trained_on(tmp_path):
                           size=200)
     train, heldout = set(data.train["prompt"]), set(data.eval["prompt"])
     assert len(heldout) == 2 + 4 and not train & heldout
-    assert "held out 0.1" in data.eval_origin and len(data.train) == 200
+    assert "2 rows held out of" in data.eval_origin and "4 rows held out of" in data.eval_origin
+    assert len(data.train) == 200
     again = load_rlhf_data([{"path": a, "weight": 1}, {"path": b, "weight": 4}], "sft", eval_split=0.1, seed=3,
                            size=200)
     assert again.train["prompt"] == data.train["prompt"] and again.eval["prompt"] == data.eval["prompt"]
