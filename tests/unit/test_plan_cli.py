@@ -145,3 +145,82 @@ def test_a_whole_model_gather_is_named_with_its_fix(capsys):
     out = capsys.readouterr().out
     assert code == cli.EXIT_DOES_NOT_FIT
     assert "Its generation gathers the whole role on every GPU (23.94 GiB)" in out
+
+
+def test_a_saved_reward_model_keeps_its_own_head(tmp_path):
+    """A *ForSequenceClassification export (ScalarHeadModel.save_pretrained) has `score.weight`: no second head."""
+    from multiengine.engines import planner as P
+    from multiengine.pipelines.rlhf.models import ScalarHeadModel
+    from transformers import OPTConfig, OPTForCausalLM
+
+    OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                             word_embed_proj_dim=32, pad_token_id=1)).save_pretrained(tmp_path / "lm")
+    ScalarHeadModel.from_pretrained(tmp_path / "lm").save_pretrained(tmp_path / "rm")
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert plans._scalar(P.model_info(tmp_path / "rm")).params == sum(p.numel() for p in loaded.parameters())
+
+
+def _roles(recipe: str, *overrides: str, config: str = "tiny") -> dict[str, object]:
+    items = plans.recipe_plans(recipe, load_config(recipe, config, list(overrides)))
+    assert len(items) == 1
+    return {r.name: r for r in items[0].roles}
+
+
+def test_grpo_roles_follow_the_recipe():
+    # tiny: a reward function only -> actor + ref (ref follows the actor's stage 3), no reward-model role
+    roles = _roles("rlhf_grpo")
+    assert list(roles) == ["actor", "ref"]
+    assert roles["ref"].current.stage == 3 and roles["ref"].params == roles["actor"].params
+    gen = dict(roles["actor"].phases)["generation"]
+    assert roles["actor"].full_gather == ("generation",)
+    # rows = 8 prompts x 8 samples; kl_coef 0 -> no ref
+    assert list(_roles("rlhf_grpo", "grpo.kl_coef=0")) == ["actor"]
+    # per_token generation does not gather the actor whole
+    assert _roles("rlhf_grpo", "generation.mode=per_token")["actor"].full_gather == ()
+    # twice the rows generate more KV cache
+    assert dict(_roles("rlhf_grpo", "grpo.n_samples_per_prompt=16")["actor"].phases)["generation"] > gen
+    # two reward models: the first takes roles.reward's keys (following the actor's stage 2 -> a frozen stage 0),
+    # the second follows it; an entry with its own stage is planned as written
+    roles = _roles("rlhf_grpo", "roles.actor.stage=2",
+                   "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, path: facebook/opt-350m, weight: 0.5}, "
+                   "{role: reward_c, path: facebook/opt-350m, weight: 0.1, stage: 3}]")
+    assert [r for r in roles if r.startswith("reward")] == ["reward", "reward_b", "reward_c"]
+    assert roles["reward"].current == plans.P.Choice(0) and roles["reward"].follows is None
+    assert roles["reward_b"].follows == "reward" and roles["reward_b"].follows_all
+    assert roles["reward_c"].choices == (plans.P.Choice(3),) and "reward.models[2]" in roles["reward_c"].note
+    item = plans.recipe_plans("rlhf_grpo", load_config("rlhf_grpo", "tiny", [
+        "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, path: facebook/opt-350m, weight: 0.5}]"]))[0]
+    assert set(item.keys) == {"actor", "ref", "reward"}
+
+
+def test_ppo_critic_and_rewards_from_the_reward_section():
+    # reward functions only: the critic starts from the actor's folder with a fresh head, no reward role
+    roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "model.actor=", "model.reward=")
+    assert list(roles) == ["actor", "critic", "ref"]
+    assert roles["critic"].params == plans._scalar(plans._tiny_rlhf_model(64, 2, 0)).params
+    assert roles["critic"].trainable_params == roles["critic"].params
+    # model.critic is planned from its own folder; reward roles from reward.models, placed like the critic
+    roles = _roles("rlhf_ppo", "model.actor=", "model.critic=facebook/opt-350m", "roles.critic.stage=3",
+                   "reward.models=[{role: reward_x, path: facebook/opt-350m, weight: 1.0}]")
+    assert list(roles) == ["actor", "critic", "ref", "reward_x"]
+    assert roles["critic"].params == roles["reward_x"].params == 331_196_416 + 1024
+    assert roles["reward_x"].current == plans.P.Choice(3)
+
+
+def test_dpo_roles():
+    roles = _roles("rlhf_dpo")
+    assert list(roles) == ["actor", "ref"]
+    assert roles["actor"].current == roles["ref"].current == plans.P.Choice(3)
+    assert dict(roles["ref"].phases).keys() == {"reference forward"}
+    pre = _roles("rlhf_dpo", "dpo.precompute_ref=true", "dpo.precompute_batch_size=256")["ref"]
+    assert dict(pre.phases)["precompute"] > dict(roles["ref"].phases)["reference forward"]
+    assert _roles("rlhf_dpo", "roles.ref.stage=0")["ref"].current == plans.P.Choice(0)
+
+
+@pytest.mark.parametrize("algorithm,steps", [("ppo", ["rlhf_sft", "rlhf_reward", "rlhf_ppo"]),
+                                             ("grpo", ["rlhf_sft", "rlhf_reward", "rlhf_grpo"]),
+                                             ("dpo", ["rlhf_sft", "rlhf_dpo"])])
+def test_e2e_plans_the_algorithm_it_runs(algorithm, steps):
+    items = plans.recipe_plans("rlhf_e2e", load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]))
+    assert [i.title.split()[2] for i in items] == steps
+    assert items[-1].overrides_key == f"{algorithm}.overrides"
