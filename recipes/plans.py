@@ -692,6 +692,71 @@ def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[st
     return out
 
 
+STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def planned_vs_measured(recipe: str, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
+                        assume: Mapping[str, str] | None = None,
+                        configs_dir: str | Path = CONFIGS_DIR) -> dict[str, Any]:
+    """Per role: the planner's per-rank model-state bytes at the placements `cfg` asks for beside the
+    measured ones (`per_rank`: ``gather_memory(registry)``, one entry per rank), and the difference.
+
+    Both sides count a role's states wherever they live (the memory report counts offloaded tensors
+    too), so the planned side is the configured stage without offload; ``planned_accelerator_bytes`` /
+    ``planned_host_bytes`` split it as `multiengine plan` does. The measured side is the rank holding the
+    most (ZeRO pads partitions evenly, so ranks differ by a few bytes at most). ``tolerance_bytes`` is
+    what the planner promises: 5% of the planned total plus the persistent parameters' bytes (the
+    parameters of at most ``stage3_param_persistence_threshold`` elements that every rank keeps whole
+    at ZeRO-3, where a threshold sized differently moves bytes between "partitioned" and "whole").
+    """
+    world = len(per_rank)
+    measured: dict[str, list[Mapping[str, Any]]] = {}
+    for rank in per_rank:
+        for row in rank.get("roles", []):
+            measured.setdefault(str(row["role"]), []).append(row)
+    roles: dict[str, Any] = {}
+    for item in recipe_plans(recipe, cfg, assume, configs_dir):
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            if req.follows:
+                choice = P.follower_choice(req, chosen[req.follows], choice)
+            gpu = P.cost_role(req, choice, world)
+            anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
+            planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
+            planned["total"] = sum(planned.values())
+            persistent = req.persistent if gpu.choice.stage == 3 else 0
+            entry: dict[str, Any] = {
+                "stage": gpu.choice.stage, "params": req.params, "trainable_params": req.trainable_params,
+                "dtype": req.dtype, "params_persistent": persistent, "planned": planned,
+                "planned_accelerator_bytes": gpu.states.accelerator, "planned_host_bytes": gpu.states.host,
+                "measured": None, "difference_bytes": None, "relative_difference": None,
+                "tolerance_bytes": int(0.05 * planned["total"]) + P.DTYPE_BYTES[req.dtype] * persistent,
+                "within_tolerance": None,
+            }
+            rows = measured.pop(req.name, [])
+            if rows:
+                top = max(rows, key=lambda row: sum(int(row[k]) for k in STATE_KEYS))
+                got = {k: int(top[k]) for k in STATE_KEYS}
+                got["total"] = sum(got.values())
+                diff = got["total"] - planned["total"]
+                entry.update(measured=got, measured_stage=int(top["stage"]),
+                             measured_params=int(top["params_total"]),
+                             measured_params_persistent=int(top["params_persistent"]), difference_bytes=diff,
+                             relative_difference=diff / planned["total"] if planned["total"] else None,
+                             within_tolerance=abs(diff) <= entry["tolerance_bytes"])
+            roles[req.name] = entry
+    for name, rows in measured.items():  # built by the run but not planned
+        got = {k: int(rows[0][k]) for k in STATE_KEYS}
+        roles[name] = {"planned": None, "measured": {**got, "total": sum(got.values())}}
+    planned_total = sum(r["planned"]["total"] for r in roles.values() if r["planned"])
+    measured_total = sum(r["measured"]["total"] for r in roles.values() if r["planned"] and r["measured"])
+    return {"world_size": world, "roles": roles,
+            "total": {"planned": planned_total, "measured": measured_total,
+                      "difference_bytes": measured_total - planned_total},
+            "all_within_tolerance": all(r.get("within_tolerance") for r in roles.values())}
+
+
 # --------------------------------------------------------------------------------------------------
 # --write
 # --------------------------------------------------------------------------------------------------

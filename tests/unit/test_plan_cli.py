@@ -224,3 +224,30 @@ def test_e2e_plans_the_algorithm_it_runs(algorithm, steps):
     items = plans.recipe_plans("rlhf_e2e", load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]))
     assert [i.title.split()[2] for i in items] == steps
     assert items[-1].overrides_key == f"{algorithm}.overrides"
+
+
+def test_planned_vs_measured_report(tmp_path):
+    cfg = load_config("registry_demo", "tiny", [f"output_dir={tmp_path}"])
+    planned = plans.configured_states("registry_demo", cfg, 2)
+
+    def row(role: str, extra: int = 0) -> dict:
+        p = planned[role]
+        return {"role": role, "stage": p["stage"], "params_total": p["params_total"],
+                "params_persistent": p["params_persistent"], "param_bytes": p["param_bytes"] + extra,
+                "grad_bytes": p["grad_bytes"], "optimizer_bytes": p["optimizer_bytes"]}
+
+    total = sum(planned["actor"][k] for k in plans.STATE_KEYS)
+    off = int(0.2 * total)  # 20% more than planned on rank 1: out of tolerance
+    per_rank = [{"roles": [row("actor"), row("reward"), row("encoder"), row("encoder") | {"role": "extra"}]},
+                {"roles": [row("actor", off), row("reward"), row("encoder")]}]
+    report = plans.planned_vs_measured("registry_demo", cfg, per_rank)
+    actor = report["roles"]["actor"]
+    assert actor["stage"] == 3 and actor["planned"]["total"] == total
+    assert actor["measured"]["total"] == total + off  # the rank holding the most
+    assert actor["difference_bytes"] == off and actor["relative_difference"] == pytest.approx(off / total)
+    assert actor["tolerance_bytes"] == int(0.05 * total) + 4 * actor["params_persistent"] > 0
+    assert actor["within_tolerance"] is False and report["all_within_tolerance"] is False
+    assert report["roles"]["reward"]["within_tolerance"] and report["roles"]["reward"]["difference_bytes"] == 0
+    assert report["roles"]["extra"]["planned"] is None  # built by the run, unknown to the planner
+    assert report["total"]["difference_bytes"] == off
+    json.dumps(report)
