@@ -112,10 +112,10 @@ SCENARIOS: dict[str, Any] = {
     "FLUX.1-dev full fine-tune (1024 px, batch 1, checkpointing; CLIP-L, T5-XXL frozen)":
         lambda: [("flux-full", dit_scenario("black-forest-labs/FLUX.1-dev", res=1024, batch=1,
                                             text_tokens={"text_encoder": 77, "text_encoder_2": 512}))],
-    "PPO, OPT-1.3B actor + OPT-350M critic (rlhf_ppo/opt13b_opt350m as shipped)":
-        lambda: _recipe("rlhf_ppo", "opt13b_opt350m"),
-    "PPO, OPT-13B actor + OPT-350M critic (rlhf_ppo/opt13b_opt350m with --assume actor=facebook/opt-13b)":
-        lambda: _recipe("rlhf_ppo", "opt13b_opt350m", assume={"actor": "facebook/opt-13b"}),
+    "PPO, OPT-1.3B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m as shipped)":
+        lambda: _recipe("rlhf_ppo", "opt1.3b_opt350m"),
+    "PPO, OPT-13B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m with --assume actor=facebook/opt-13b)":
+        lambda: _recipe("rlhf_ppo", "opt1.3b_opt350m", assume={"actor": "facebook/opt-13b"}),
     "GRPO, Llama-3-8B-shaped actor + ref (8 prompts x 8 completions per GPU, 512 + 1024 tokens, micro batch 4)":
         lambda: [("grpo", grpo_scenario())],
 }

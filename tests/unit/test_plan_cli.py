@@ -45,9 +45,9 @@ def test_shipped_gpu_configs_fit_as_written_on_8_x_80gb(capsys, recipe, name):
 
 
 def test_export_folders_of_other_configs_are_resolved(capsys):
-    _, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt13b_opt350m", "--gpus", "8", "--gpu-mem", "80GiB")
+    _, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt1.3b_opt350m", "--gpus", "8", "--gpu-mem", "80GiB")
     roles = result[0]["roles"]
-    assert "rlhf_sft/opt13b exports there, starting from facebook/opt-1.3b" in roles["actor"]["source"]
+    assert "rlhf_sft/opt1.3b exports there, starting from facebook/opt-1.3b" in roles["actor"]["source"]
     assert roles["actor"]["params"] == roles["ref"]["params"] == roles["ema"]["params"] == 1_315_758_080
     # critic and reward: OPT-350m's body (the tied LM head is the embedding) + a value head of its width
     assert roles["critic"]["params"] == roles["reward"]["params"] == 331_196_416 + 1024
@@ -68,13 +68,13 @@ def test_scalar_model_count_equals_the_loaded_model(tmp_path):
 
 def test_write_round_trips(capsys, tmp_path):
     dest = tmp_path / "ppo.yaml"
-    code, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt13b_opt350m", "--gpus", "8", "--gpu-mem", "40GiB",
+    code, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt1.3b_opt350m", "--gpus", "8", "--gpu-mem", "40GiB",
                             "--assume", "actor=facebook/opt-13b", "--write", str(dest))
     assert code == 0
     chosen = {role: d["chosen"] for role, d in result[0]["roles"].items()}
     assert chosen["actor"]["stage"] == 3  # 13B parameters do not fit 40 GiB below stage 3
     text = dest.read_text()
-    assert text.startswith("# Placements chosen by `multiengine plan rlhf_ppo --config opt13b_opt350m")
+    assert text.startswith("# Placements chosen by `multiengine plan rlhf_ppo --config opt1.3b_opt350m")
     cfg = load_config("rlhf_ppo", str(dest))
     for role in ("actor", "critic", "ref", "reward"):
         section = cfg.roles[role]
@@ -91,7 +91,7 @@ def test_write_round_trips(capsys, tmp_path):
 
 def test_write_for_e2e_appends_step_overrides(capsys, tmp_path):
     dest = tmp_path / "e2e.yaml"
-    code, result, _ = _plan(capsys, "rlhf_e2e", "--config", "opt13b_opt350m", "--gpus", "1", "--gpu-mem", "24GiB",
+    code, result, _ = _plan(capsys, "rlhf_e2e", "--config", "opt1.3b_opt350m", "--gpus", "1", "--gpu-mem", "24GiB",
                             "--write", str(dest))
     assert code == 0 and len(result) == 3
     cfg = load_config("rlhf_e2e", str(dest))
@@ -126,7 +126,7 @@ def test_bad_input_is_a_usage_error(capsys, args, message):
 
 def test_offload_needs_host_memory_per_node(capsys):
     # 8 GPUs on 2 nodes: 4 ranks share each node's host memory
-    args = ["rlhf_sft", "--config", "opt13b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
+    args = ["rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
             "train.gradient_checkpointing=true", "--gpus", "8", "--nodes", "2", "--gpu-mem", "24GiB"]
     code, result, _ = _plan(capsys, *args, "--cpu-mem", "512GiB")
     assert code == 0
@@ -140,7 +140,7 @@ def test_offload_needs_host_memory_per_node(capsys):
 
 
 def test_a_whole_model_gather_is_named_with_its_fix(capsys):
-    code = cli.main(["plan", "rlhf_sft", "--config", "opt13b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
+    code = cli.main(["plan", "rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
                      "--gpu-mem", "24GiB", "train.gradient_checkpointing=true"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_DOES_NOT_FIT
