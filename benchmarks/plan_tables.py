@@ -1,8 +1,9 @@
 """The planner's answers for real model sizes, as the tables of docs/planning.md.
 
-Shipped GPU configs go through `multiengine plan`'s own per-recipe code (recipes/plans.py); workloads the
-recipes do not cover yet (SD3, FLUX, GRPO) are described here as role lists with the same formulas.
-Computed, not run: no weights are loaded and no GPU is needed.
+Shipped GPU configs go through `multiengine plan`'s own per-recipe code (recipes/plans.py); the diffusion
+transformers (SD3, FLUX), which no shipped config covers yet, are described here as role lists with the same
+formulas. Then every shipped GPU config is planned as written. Computed, not run: no weights are loaded and
+no GPU is needed.
 
     python -m benchmarks.plan_tables              # markdown tables + benchmarks/results/plan_tables.json
 """
@@ -68,32 +69,6 @@ def dit_scenario(pipeline: str, *, res: int, batch: int, text_tokens: dict[str, 
     return roles
 
 
-def grpo_scenario(*, prompts: int = 8, group: int = 8, prompt_len: int = 512, new_tokens: int = 1024,
-                  micro_batch: int = 4) -> list[P.RoleRequest]:
-    """GRPO on a Llama-3-8B-shaped policy: actor trainable (gradient checkpointing) and a frozen ref copy,
-    no critic; `prompts` x `group` sampled completions per rank per step, the actor gathered once for
-    generation; a rule-based reward (no reward model)."""
-    from multiengine.engines.known_models import known_model_info
-
-    info = known_model_info("meta-llama/Meta-Llama-3-8B")
-    dims = P.transformer_dims(info.config)
-    rows, seq = prompts * group, prompt_len + new_tokens
-    gen = (P.kv_cache_bytes(dims, batch=rows, seq=seq, dtype="bf16")
-           + P.transformer_activation_bytes(dims, batch=rows, seq=prompt_len, dtype="bf16", trainable=False)
-           + rows * dims.vocab * 4)
-    score = P.transformer_activation_bytes(dims, batch=micro_batch, seq=seq, dtype="bf16", trainable=False,
-                                           logits=True)
-    train = P.transformer_activation_bytes(dims, batch=micro_batch, seq=seq, dtype="bf16", trainable=True,
-                                           gradient_checkpointing=True, logits=True)
-    common = dict(params=info.params, dtype="bf16", numels=tuple(info.numels), hidden_size=info.hidden_size,
-                  source=info.source)
-    return [
-        P.RoleRequest("actor", trainable_params=info.params, current=P.Choice(3), full_gather=("generation",),
-                      phases=(("generation", gen), ("log-probs", score), ("train step", train)), **common),
-        P.RoleRequest("ref", current=P.Choice(3), phases=(("log-probs", score),), **common),
-    ]
-
-
 SCENARIOS: dict[str, Any] = {
     "SD 1.5 full fine-tune (sd_finetune/sd15_full: 512 px, batch 1, checkpointing, fp32 EMA)":
         lambda: _recipe("sd_finetune", "sd15_full"),
@@ -112,13 +87,38 @@ SCENARIOS: dict[str, Any] = {
     "FLUX.1-dev full fine-tune (1024 px, batch 1, checkpointing; CLIP-L, T5-XXL frozen)":
         lambda: [("flux-full", dit_scenario("black-forest-labs/FLUX.1-dev", res=1024, batch=1,
                                             text_tokens={"text_encoder": 77, "text_encoder_2": 512}))],
-    "PPO, OPT-1.3B actor + OPT-350M critic (rlhf_ppo/opt13b_opt350m as shipped)":
-        lambda: _recipe("rlhf_ppo", "opt13b_opt350m"),
-    "PPO, OPT-13B actor + OPT-350M critic (rlhf_ppo/opt13b_opt350m with --assume actor=facebook/opt-13b)":
-        lambda: _recipe("rlhf_ppo", "opt13b_opt350m", assume={"actor": "facebook/opt-13b"}),
-    "GRPO, Llama-3-8B-shaped actor + ref (8 prompts x 8 completions per GPU, 512 + 1024 tokens, micro batch 4)":
-        lambda: [("grpo", grpo_scenario())],
+    "PPO, OPT-1.3B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m as shipped)":
+        lambda: _recipe("rlhf_ppo", "opt1.3b_opt350m"),
+    "PPO, OPT-13B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m with --assume actor=facebook/opt-13b)":
+        lambda: _recipe("rlhf_ppo", "opt1.3b_opt350m", assume={"actor": "facebook/opt-13b"}),
+    "GRPO, Llama-3-8B-shaped actor + ref + OPT-350M reward model (rlhf_grpo/opt1.3b with --assume "
+    "actor=meta-llama/Meta-Llama-3-8B: 4 prompts x 4 samples per GPU, 256 + 256 tokens)":
+        lambda: _recipe("rlhf_grpo", "opt1.3b", assume={"actor": "meta-llama/Meta-Llama-3-8B"}),
 }
+
+
+def shipped_gpu_configs() -> list[tuple[str, str]]:
+    """(recipe, config) of every shipped config except the tiny ones, for the recipes the planner knows."""
+    from multiengine.recipes import plans
+    from multiengine.recipes.config import list_recipes
+
+    return [(r, n) for r, names in list_recipes().items() if r in plans.PLANNERS for n in names if n != "tiny"]
+
+
+def as_written() -> list[dict[str, Any]]:
+    """Each shipped GPU config (each step of an rlhf_e2e config) planned on every layout: the per-GPU total at
+    the config's own placements, whether that fits, and the chooser's total."""
+    rows = []
+    for recipe, name in shipped_gpu_configs():
+        for step, roles in _recipe(recipe, name):
+            row = {"config": f"{recipe}/{name}", "step": step, "layouts": {}}
+            for gpus, nodes in LAYOUTS:
+                p = P.plan(roles, P.Budget(world_size=gpus, gpu_bytes=GPU, gpus_per_node=gpus // nodes,
+                                           host_bytes=HOST))
+                row["layouts"][gpus] = {"current_total": p.current_total, "current_fits": p.current_fits,
+                                        "chosen_total": p.total, "fits": p.fits}
+            rows.append(row)
+    return rows
 
 
 def run_all() -> list[dict[str, Any]]:
@@ -169,11 +169,26 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def as_written_markdown(rows: list[dict[str, Any]]) -> str:
+    header = "| config | step |" + "".join(f" {g} x 80 GB as written | {g} x 80 GB chosen |" for g, _ in LAYOUTS)
+    lines = [header, "|---|---|" + "---:|---:|" * len(LAYOUTS)]
+    for row in rows:
+        step = row["step"].split()[2] if row["step"].startswith("rlhf_e2e step") else ""
+        line = f"| `{row['config']}` | {step} |"
+        for gpus, _ in LAYOUTS:
+            x = row["layouts"][gpus]
+            line += (f" {_gib(x['current_total'])} {'fits' if x['current_fits'] else 'DOES NOT FIT'} |"
+                     f" {_gib(x['chosen_total'])} |")
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     from benchmarks.common import write_results
 
     results = run_all()
-    text = markdown(results)
+    written = as_written()
+    text = markdown(results) + "\n### Every shipped GPU config as written (GiB per GPU)\n\n" + as_written_markdown(written)
     print(text)
     def brief(p: P.Plan) -> dict[str, Any]:
         data = p.to_dict()
@@ -183,7 +198,7 @@ def main() -> None:
 
     payload = [{"title": r["title"], "step": r["step"],
                 "plans": {str(g): brief(p) for g, p in r["plans"].items()}} for r in results]
-    path = write_results("plan_tables", {"scenarios": payload},
+    path = write_results("plan_tables", {"scenarios": payload, "as_written": written},
                          command="python -m benchmarks.plan_tables " + " ".join(sys.argv[1:]))
     print(f"\nwrote {path}", file=sys.stderr)
 

@@ -6,7 +6,7 @@
     multiengine run registry_demo --help                      # every key: type, default, meaning
     multiengine run registry_demo --config tiny max_steps=3
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
-    multiengine plan rlhf_ppo --config opt13b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
+    multiengine plan rlhf_ppo --config opt1.3b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
     multiengine run rlhf_ppo --config my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 \
         --master-addr node0 --master-port 29500          # the same on node1 with --node-rank 1
 

@@ -347,17 +347,41 @@ class Recipe:
         registry = self.registry
         metrics = {"steps": self.step, "step_time_s_mean": self.mean_step_metric("step_time_s"),
                    **self.summary_metrics()}
+        extra = self.summary_extra()
+        per_rank = gather_memory(registry)
         return {
             "recipe": self.name,
             "world_size": registry.world_size,
             "metrics": metrics,
             "evaluations": self.history,
-            "memory": {"per_rank": gather_memory(registry)},
+            "memory": {"per_rank": per_rank, "planned_vs_measured": self.planned_memory(per_rank, extra)},
             "roles": registry.describe(),
             "export": export,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
-            **self.summary_extra(),
+            **extra,
         }
+
+    def planned_memory(self, per_rank: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any] | None:
+        """`multiengine plan`'s per-rank model-state bytes per role at this config's placements beside the
+        measured ones (recipes.plans.planned_vs_measured), on the main rank. The models are the folders the
+        run used (``summary_extra()["paths"]``). A planner failure is logged and recorded, not raised: the
+        run itself has finished."""
+        if not self.registry.is_main:
+            return None
+        from multiengine.recipes import plans
+
+        used = {role: path for role, path in (extra.get("paths") or {}).items()
+                if isinstance(path, str) and os.path.isdir(path)}
+        try:
+            report = plans.planned_vs_measured(self.name, self.cfg, per_rank, assume=used)
+        except Exception as exc:  # the check must never lose a finished run's summary
+            logger.warning("%s: planned-vs-measured memory not computed: %s: %s", self.name, type(exc).__name__, exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        off = [role for role, r in report["roles"].items() if not r.get("within_tolerance")]
+        if off:
+            logger.warning("%s: model states of %s differ from `multiengine plan`'s by more than its tolerance "
+                           "(summary.json memory.planned_vs_measured)", self.name, off)
+        return report
 
     def plot(self) -> str | None:
         if not (self.cfg.plot and self.registry.is_main and self.plot_panels):

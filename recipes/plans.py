@@ -156,8 +156,10 @@ def resolve_pipeline(name: str, *, variant: str | None = None,
 
 
 def _scalar(info: P.ModelInfo) -> P.ModelInfo:
-    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head."""
-    has_head = any(t.name.startswith("value_head") for t in info.tensors)
+    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head
+    (the folder's own head when it has one: ``score.weight`` of a *ForSequenceClassification export, or
+    the ``weight`` of a ``value_head.safetensors`` beside a base model)."""
+    has_head = any(t.name in ("score.weight", "weight") or t.name.startswith("value_head") for t in info.tensors)
     body = info.without("lm_head.")
     if has_head:
         return body
@@ -410,22 +412,89 @@ def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
                         f"({2 * int(t.micro_batch_size)} rows)"])]
 
 
+@dataclass
+class _RewardRoles:
+    """The reward-model roles of a `reward` section (rlhf_ppo, rlhf_grpo), as the planner sees them."""
+
+    roles: list[P.RoleRequest]
+    keys: dict[str, RoleKeys]
+    infos: dict[str, P.ModelInfo]  # the scalar-head model of each role
+    notes: list[str]
+
+
+def _reward_roles(cfg: Any, base_stage: int, base_dtype: str, rows: int, seq: int,
+                  assume: Mapping[str, str] | None, configs_dir: str | Path) -> _RewardRoles:
+    """Every reward-model role the recipe builds from ``reward.models`` (or the `reward` role from
+    ``model.reward`` when the section names no source), placed as the recipe places them:
+    ``roles.reward`` with ``stage: -1`` / ``dtype: ""`` taking ``base_stage`` / ``base_dtype`` (the
+    critic's in PPO, the actor's in GRPO), then each entry's own placement keys over it.
+
+    ``roles.reward``'s keys go to the first role that sets no placement of its own; the other such roles
+    follow its placement (they share the section). A role whose entry sets its stage or offload is
+    planned at that placement only: its keys live in a list the planner does not rewrite.
+    """
+    from .common import reward_entries
+
+    m, r = cfg.model, cfg.roles.reward
+    entries, functions = reward_entries(cfg.reward)
+    if not entries and not functions:
+        entries = [{"role": "reward", "path": "", "weight": 1.0}]
+    stage = int(r.stage) if r.stage is not None and r.stage >= 0 else base_stage
+    dtype = str(r.dtype) or base_dtype
+    out = _RewardRoles([], {}, {}, [])
+    leader: str | None = None
+    for i, e in enumerate(entries):
+        path = str(e.get("path") or m.reward or "")
+        info = _scalar(_lm_model(path, e["role"], assume, configs_dir, m.tiny_hidden, m.tiny_layers, cfg.seed))
+        e_stage = e.get("stage")
+        e_stage = stage if e_stage is None or e_stage < 0 else int(e_stage)
+        e_dtype = str(e.get("dtype") or dtype)
+        own = "stage" in e or "offload_params" in e
+        gather = bool(e.get("gather_forward", r.gather_forward))
+        current = _current(e_stage, False, bool(e.get("offload_params", r.offload_params)))
+        follows = leader if not own and leader is not None else None
+        note = f"weight {e['weight']:g}"
+        if own:
+            note += f"; placement set in reward.models[{i}] (planned as written)"
+        elif follows:
+            note += f"; placed like {leader} (one roles.reward section)"
+        out.roles.append(_role(
+            e["role"], info, e_dtype, trainable=False, current=current,
+            phases=_lm_phases(P.transformer_dims(info.config), e_dtype, forward=(rows, seq), logits=False,
+                              label="experience forward"),
+            full_gather=("experience forward",) if gather else (),
+            gather_hint=f"reward.models[{i}].gather_forward=false" if "gather_forward" in e
+            else "roles.reward.gather_forward=false",
+            choices=(current,) if own else (), follows=follows, follows_all=follows is not None, note=note))
+        out.infos[e["role"]] = info
+        if not own and leader is None:
+            leader = e["role"]
+            out.keys[e["role"]] = _keys("roles.reward", offload_optimizer=False)
+    if functions:
+        out.notes.append("reward functions (no memory): " + ", ".join(f"{fn} x {w:g}" for fn, w in functions))
+    return out
+
+
 def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     m, r, p, g, d = cfg.model, cfg.roles, cfg.ppo, cfg.generation, cfg.data
     hidden, layers, seed = cfg.model.tiny_hidden, cfg.model.tiny_layers, cfg.seed
     actor_info = _lm_model(str(m.actor), "actor", assume, configs_dir, hidden, layers, seed)
-    reward_base = _lm_model(str(m.reward), "reward", assume, configs_dir, hidden, layers, seed)
-    critic_base = (_lm_model(str(m.critic), "critic", assume, configs_dir, hidden, layers, seed)
-                   if (m.critic or (assume and "critic" in assume)) else reward_base)
-    reward_info, critic_info = _scalar(reward_base), _scalar(critic_base)
-    adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
-    rdims = P.transformer_dims(reward_info.config)
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
     seq, rollout, mini = prompt + new, int(p.rollout_batch_size), int(p.mini_batch_size)
     actor_dtype, critic_dtype = str(r.actor.dtype), str(r.critic.dtype)
     actor_cur = _current(r.actor.stage, True, r.actor.offload_params, r.actor.offload_optimizer)
     critic_cur = _current(r.critic.stage, True, r.critic.offload_params, r.critic.offload_optimizer)
+    rewards = _reward_roles(cfg, critic_cur.stage, critic_dtype, rollout, seq, assume, configs_dir)
+    # the critic starts from model.critic, else the `reward` role's model (DeepSpeed-Chat), else the first
+    # reward model, else the actor's folder with a fresh head (rewards from functions only)
+    if m.critic or (assume and "critic" in assume):
+        critic_info = _scalar(_lm_model(str(m.critic), "critic", assume, configs_dir, hidden, layers, seed))
+    elif rewards.infos:
+        critic_info = rewards.infos.get("reward") or next(iter(rewards.infos.values()))
+    else:
+        critic_info = _scalar(actor_info)
+    adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
     actor = _role("actor", actor_info, actor_dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
                   phases=_lm_phases(adims, actor_dtype, generate=(rollout, prompt, new), forward=(rollout, seq),
                                     train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
@@ -436,23 +505,14 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
                    phases=_lm_phases(cdims, critic_dtype, forward=(rollout, seq), train=(mini, seq), logits=False,
                                      checkpointing=bool(r.critic.gradient_checkpointing), label="experience forward"))
     ref_dtype = str(r.ref.dtype) or actor_dtype
-    reward_dtype = str(r.reward.dtype) or critic_dtype
     ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
-    reward_stage = int(r.reward.stage) if r.reward.stage >= 0 else critic_cur.stage
     ref = _role("ref", actor_info, ref_dtype, trainable=False, current=_current(ref_stage, False, r.ref.offload_params),
                 phases=_lm_phases(adims, ref_dtype, forward=(rollout, seq), label="experience forward"),
                 full_gather=("experience forward",) if r.ref.gather_forward else (),
                 gather_hint="roles.ref.gather_forward=false")
-    reward = _role("reward", reward_info, reward_dtype, trainable=False,
-                   current=_current(reward_stage, False, r.reward.offload_params),
-                   phases=_lm_phases(rdims, reward_dtype, forward=(rollout, seq), logits=False,
-                                     label="experience forward"),
-                   full_gather=("experience forward",) if r.reward.gather_forward else (),
-                   gather_hint="roles.reward.gather_forward=false")
-    roles = [actor, critic, ref, reward]
+    roles = [actor, critic, ref, *rewards.roles]
     keys = {"actor": _keys("roles.actor"), "critic": _keys("roles.critic"),
-            "ref": _keys("roles.ref", offload_optimizer=False),
-            "reward": _keys("roles.reward", offload_optimizer=False)}
+            "ref": _keys("roles.ref", offload_optimizer=False), **rewards.keys}
     if cfg.ema.enabled:
         ema_dtype = str(cfg.ema.dtype) or actor_dtype
         roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(cfg.lora.actor),
@@ -460,30 +520,102 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
                            note="built at the actor's stage"))
         keys["ema"] = RoleKeys(None, "ema.offload_params")
     notes = [f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; updates on "
-             f"{mini} rows per forward/backward"]
+             f"{mini} rows per forward/backward", *rewards.notes]
     return [RecipePlan("rlhf_ppo", roles, keys, notes)]
+
+
+def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
+              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    """Actor, a frozen ref (none when ``grpo.kl_coef`` is 0) and the reward-model roles; no critic. A
+    rollout is ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` rows per rank, generated and
+    scored in one batch; the update runs on ``mini_batch_size`` rows at a time."""
+    m, r, gr, g, d = cfg.model, cfg.roles, cfg.grpo, cfg.generation, cfg.data
+    actor_info = _lm_model(str(m.actor), "actor", assume, configs_dir, m.tiny_hidden, m.tiny_layers, cfg.seed)
+    dims = P.transformer_dims(actor_info.config)
+    prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
+    seq, rows, mini = prompt + new, int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt), int(gr.mini_batch_size)
+    eval_rows = int(cfg.eval.batch_size) if cfg.eval.size else 0
+    a = r.actor
+    dtype = str(a.dtype)
+    actor_cur = _current(a.stage, True, a.offload_params, a.offload_optimizer)
+    actor = _role("actor", actor_info, dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
+                  phases=_lm_phases(dims, dtype, generate=(max(rows, eval_rows), prompt, new), forward=(rows, seq),
+                                    train=(mini, seq), checkpointing=bool(a.gradient_checkpointing),
+                                    label="experience forward"),
+                  full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
+    roles, keys = [actor], {"actor": _keys("roles.actor")}
+    if float(gr.kl_coef) > 0:
+        ref_dtype = str(r.ref.dtype) or dtype
+        ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
+        roles.append(_role("ref", actor_info, ref_dtype, trainable=False,
+                           current=_current(ref_stage, False, r.ref.offload_params),
+                           phases=_lm_phases(dims, ref_dtype, forward=(max(rows, eval_rows), seq),
+                                             label="experience forward"),
+                           full_gather=("experience forward",) if r.ref.gather_forward else (),
+                           gather_hint="roles.ref.gather_forward=false"))
+        keys["ref"] = _keys("roles.ref", offload_optimizer=False)
+    rewards = _reward_roles(cfg, actor_cur.stage, dtype, max(rows, eval_rows), seq, assume, configs_dir)
+    roles += rewards.roles
+    keys.update(rewards.keys)
+    notes = [f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
+             f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {mini} rows per "
+             f"forward/backward", *rewards.notes]
+    return [RecipePlan("rlhf_grpo", roles, keys, notes)]
+
+
+def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
+             configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    """A trainable policy and a frozen ref from the same folder; each micro batch is
+    ``train.micro_batch_size`` pairs = twice as many rows (chosen and rejected)."""
+    m, r, t, d = cfg.model, cfg.roles, cfg.train, cfg.data
+    info = _lm_model(str(m.actor), "actor", assume, configs_dir, m.tiny_hidden, m.tiny_layers, cfg.seed)
+    dims = P.transformer_dims(info.config)
+    prompt, new = int(d.max_prompt_len), int(cfg.generation.max_new_tokens)
+    seq, rows = prompt + int(d.max_response_len), 2 * int(t.micro_batch_size)
+    gen = (int(cfg.eval.batch_size), prompt, new) if cfg.eval.size else None
+    dtype = str(r.actor.dtype)
+    actor_cur = _current(r.actor.stage, True, r.actor.offload_params, r.actor.offload_optimizer)
+    actor = _role("actor", info, dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
+                  phases=_lm_phases(dims, dtype, train=(rows, seq), generate=gen,
+                                    checkpointing=bool(t.gradient_checkpointing)),
+                  full_gather=("generation",))
+    ref_dtype = str(r.ref.dtype) or dtype
+    ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
+    ref_rows, label = rows, "reference forward"
+    if cfg.dpo.precompute_ref:
+        ref_rows, label = 2 * int(cfg.dpo.precompute_batch_size), "precompute"
+    ref = _role("ref", info, ref_dtype, trainable=False, current=_current(ref_stage, False, r.ref.offload_params),
+                phases=_lm_phases(dims, ref_dtype, forward=(ref_rows, seq), label=label),
+                full_gather=(label,) if r.ref.gather_forward else (), gather_hint="roles.ref.gather_forward=false")
+    notes = [f"micro batch {t.micro_batch_size} pairs = {rows} rows of {seq} tokens"
+             + ("; ref log-probs precomputed before training" if cfg.dpo.precompute_ref else "")]
+    return [RecipePlan("rlhf_dpo", [actor, ref], {"actor": _keys("roles.actor"),
+                                                  "ref": _keys("roles.ref", offload_optimizer=False)}, notes)]
 
 
 def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    """The three steps rlhf_e2e runs one after another, each planned on its own."""
+    """The steps rlhf_e2e runs one after another (SFT, reward model unless step 3 is DPO, then PPO, GRPO or
+    DPO per ``algorithm``), each planned on its own."""
+    from .rlhf_e2e import FINAL_STEP
+
     common = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
     base = str(cfg.model.pretrained)
     # the reward model starts from the SFT export (same architecture as the base) or its own base
     rm_base = base if cfg.reward.init_from_sft else (str(cfg.model.reward_pretrained) or base)
+    final, needs_rm, feed = FINAL_STEP[str(cfg.algorithm)]
+    section = cfg[str(cfg.algorithm)]
+    steps = [("rlhf_sft", cfg.sft, [f"model.pretrained={base}"] if base else [], "sft.overrides")]
+    if needs_rm:
+        steps.append(("rlhf_reward", cfg.reward, [f"model.pretrained={rm_base}"] if rm_base else [],
+                      "reward.overrides"))
+    steps.append((final, section, feed(base, rm_base), f"{cfg.algorithm}.overrides"))
     out = []
-    steps = [
-        ("rlhf_sft", cfg.sft, [f"model.pretrained={base}"] if base else [], "sft.overrides", rlhf_sft),
-        ("rlhf_reward", cfg.reward, [f"model.pretrained={rm_base}"] if rm_base else [], "reward.overrides",
-         rlhf_reward),
-        ("rlhf_ppo", cfg.ppo, ([f"model.actor={base}"] if base else ["model.actor="])
-         + ([f"model.reward={rm_base}"] if rm_base else ["model.reward="]), "ppo.overrides", rlhf_ppo),
-    ]
-    for recipe, section, models, key, fn in steps:
-        sub = load_config(recipe, str(section.config) or None, [*common, *models, *section.overrides],
+    for recipe, sec, models, key in steps:
+        sub = load_config(recipe, str(sec.config) or None, [*common, *models, *sec.overrides],
                           configs_dir=configs_dir)
-        for item in fn(sub, assume, configs_dir):
-            item.title = f"rlhf_e2e step {recipe} (config {section.config or 'defaults'})"
+        for item in PLANNERS[recipe](sub, assume, configs_dir):
+            item.title = f"rlhf_e2e step {recipe} (config {sec.config or 'defaults'})"
             item.overrides_key = key
             out.append(item)
     return out
@@ -526,6 +658,8 @@ PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "rlhf_sft": rlhf_sft,
     "rlhf_reward": rlhf_reward,
     "rlhf_ppo": rlhf_ppo,
+    "rlhf_grpo": rlhf_grpo,
+    "rlhf_dpo": rlhf_dpo,
     "rlhf_e2e": rlhf_e2e,
     "distill": distill,
 }
@@ -556,6 +690,71 @@ def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[st
                              "param_bytes": o.states.params, "grad_bytes": o.states.grads,
                              "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
     return out
+
+
+STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def planned_vs_measured(recipe: str, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
+                        assume: Mapping[str, str] | None = None,
+                        configs_dir: str | Path = CONFIGS_DIR) -> dict[str, Any]:
+    """Per role: the planner's per-rank model-state bytes at the placements `cfg` asks for beside the
+    measured ones (`per_rank`: ``gather_memory(registry)``, one entry per rank), and the difference.
+
+    Both sides count a role's states wherever they live (the memory report counts offloaded tensors
+    too), so the planned side is the configured stage without offload; ``planned_accelerator_bytes`` /
+    ``planned_host_bytes`` split it as `multiengine plan` does. The measured side is the rank holding the
+    most (ZeRO pads partitions evenly, so ranks differ by a few bytes at most). ``tolerance_bytes`` is
+    what the planner promises: 5% of the planned total plus the persistent parameters' bytes (the
+    parameters of at most ``stage3_param_persistence_threshold`` elements that every rank keeps whole
+    at ZeRO-3, where a threshold sized differently moves bytes between "partitioned" and "whole").
+    """
+    world = len(per_rank)
+    measured: dict[str, list[Mapping[str, Any]]] = {}
+    for rank in per_rank:
+        for row in rank.get("roles", []):
+            measured.setdefault(str(row["role"]), []).append(row)
+    roles: dict[str, Any] = {}
+    for item in recipe_plans(recipe, cfg, assume, configs_dir):
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            if req.follows:
+                choice = P.follower_choice(req, chosen[req.follows], choice)
+            gpu = P.cost_role(req, choice, world)
+            anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
+            planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
+            planned["total"] = sum(planned.values())
+            persistent = req.persistent if gpu.choice.stage == 3 else 0
+            entry: dict[str, Any] = {
+                "stage": gpu.choice.stage, "params": req.params, "trainable_params": req.trainable_params,
+                "dtype": req.dtype, "params_persistent": persistent, "planned": planned,
+                "planned_accelerator_bytes": gpu.states.accelerator, "planned_host_bytes": gpu.states.host,
+                "measured": None, "difference_bytes": None, "relative_difference": None,
+                "tolerance_bytes": int(0.05 * planned["total"]) + P.DTYPE_BYTES[req.dtype] * persistent,
+                "within_tolerance": None,
+            }
+            rows = measured.pop(req.name, [])
+            if rows:
+                top = max(rows, key=lambda row: sum(int(row[k]) for k in STATE_KEYS))
+                got = {k: int(top[k]) for k in STATE_KEYS}
+                got["total"] = sum(got.values())
+                diff = got["total"] - planned["total"]
+                entry.update(measured=got, measured_stage=int(top["stage"]),
+                             measured_params=int(top["params_total"]),
+                             measured_params_persistent=int(top["params_persistent"]), difference_bytes=diff,
+                             relative_difference=diff / planned["total"] if planned["total"] else None,
+                             within_tolerance=abs(diff) <= entry["tolerance_bytes"])
+            roles[req.name] = entry
+    for name, rows in measured.items():  # built by the run but not planned
+        got = {k: int(rows[0][k]) for k in STATE_KEYS}
+        roles[name] = {"planned": None, "measured": {**got, "total": sum(got.values())}}
+    planned_total = sum(r["planned"]["total"] for r in roles.values() if r["planned"])
+    measured_total = sum(r["measured"]["total"] for r in roles.values() if r["planned"] and r["measured"])
+    return {"world_size": world, "roles": roles,
+            "total": {"planned": planned_total, "measured": measured_total,
+                      "difference_bytes": measured_total - planned_total},
+            "all_within_tolerance": all(r.get("within_tolerance") for r in roles.values())}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ policy (``actor``) and a frozen reference (``ref``), each its own engine (both Z
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2                    # SFT actor trained here first
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.loss=ipo dpo.beta=0.5
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.precompute_ref=true roles.ref.offload_params=true
-    multiengine run rlhf_dpo --config opt13b --nproc-per-node 8
+    multiengine run rlhf_dpo --config opt1.3b --nproc-per-node 8
 
 Trains on preference pairs (``prompt``, ``chosen``, ``rejected``: the reward split of the RLHF data). The
 reference log-probs come from one no-grad ref forward per batch, or (``dpo.precompute_ref``) are computed

@@ -1,7 +1,7 @@
 """RLHF steps 1-3 in one run: SFT -> reward model -> PPO (or GRPO, or DPO), each step's export feeding the next.
 
     multiengine run rlhf_e2e --config tiny --nproc-per-node 2      # the embedded default, a few minutes on CPU
-    multiengine run rlhf_e2e --config opt13b_opt350m --nproc-per-node 8
+    multiengine run rlhf_e2e --config opt1.3b_opt350m --nproc-per-node 8
 
 Each step runs its own recipe (rlhf_sft, rlhf_reward, rlhf_ppo) with the shipped config named here plus
 overrides, under output_dir/{sft,reward,ppo}; every ``data.*`` key is passed to every step (each reads

@@ -5,7 +5,7 @@ reward sources (reward-model roles and/or Python reward functions); no critic.
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.algorithm=rloo
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 'reward.models=[{role: reward, weight: 1.0}]' \\
         model.reward=outputs/rlhf_reward/export/reward
-    multiengine run rlhf_grpo --config opt13b --nproc-per-node 8
+    multiengine run rlhf_grpo --config opt1.3b --nproc-per-node 8
 
 Each step samples ``grpo.n_samples_per_prompt`` answers to each of a rank's prompts, scores them with the
 weighted reward sources, turns each prompt's group of scores into advantages (``grpo.algorithm``) and runs

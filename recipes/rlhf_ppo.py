@@ -2,7 +2,7 @@
 
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2          # after rlhf_sft and rlhf_reward tiny
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 generation.mode=per_token roles.actor.stage=3
-    multiengine run rlhf_ppo --config opt13b_opt350m --nproc-per-node 8
+    multiengine run rlhf_ppo --config opt1.3b_opt350m --nproc-per-node 8
 
 Every role is its own DeepSpeed engine with its own stage, dtype and offload (ref follows the actor,
 reward the critic, unless set). Each role may have its own tokenizer (``model.tokenizer``,

@@ -1,7 +1,7 @@
 """RLHF step 1: supervised fine-tuning of the actor on demonstrations (prompt + response).
 
     multiengine run rlhf_sft --config tiny --nproc-per-node 2
-    multiengine run rlhf_sft --config opt13b --nproc-per-node 8
+    multiengine run rlhf_sft --config opt1.3b --nproc-per-node 8
 
 One trainable role (``actor``) on the registry, any ZeRO stage, optional LoRA. The loss covers the
 response and its EOS only (prompt tokens are labelled -100); conversations are rendered with the

@@ -6,7 +6,9 @@ real cluster, and the registry demo must give the same losses as a 2-rank single
 * static rendezvous (`--node-rank 0|1`): 2 steps on two nodes with a checkpoint, then resumed on one
   node with 2 ranks (same world size) to step 4: losses and exported weights equal the 1-node 4-step run;
   the planner's model-state bytes for the config equal the measured memory report;
-* c10d rendezvous (`--rdzv-backend c10d`, both nodes run the same command): the same first 2 losses.
+* c10d rendezvous (`--rdzv-backend c10d`, both nodes run the same command): the same first 2 losses;
+* the distill recipe (shortened: a random tiny teacher, 3 steps), static rendezvous: the same losses as on
+  one node with 2 ranks.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ def _run_nodes(commands: list[list[str]], timeout: int = 600) -> None:
         assert code == 0, f"node {i} exited {code}:\n{err[-6000:]}"
 
 
-def _two_nodes(out: Path, *extra: str, rdzv: str = "static") -> None:
+def _two_nodes(out: Path, *extra: str, rdzv: str = "static", run: list[str] = DEMO) -> None:
     port = str(_free_port())
     def node(rank: int) -> list[str]:
         where = ["--node-rank", str(rank)] if rdzv == "static" else ["--rdzv-backend", "c10d", "--rdzv-id", "t"]
-        return [*CLI, *DEMO, "--nproc-per-node", "1", "--nnodes", "2", *where, "--master-addr", "127.0.0.1",
+        return [*CLI, *run, "--nproc-per-node", "1", "--nnodes", "2", *where, "--master-addr", "127.0.0.1",
                 "--master-port", port, f"output_dir={out}", *extra]
     _run_nodes([node(0), node(1)])
 
@@ -112,3 +114,27 @@ def test_c10d_two_nodes_equal_one_node(one_node, tmp_path):
     _two_nodes(two, "max_steps=2", rdzv="c10d")
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     assert _losses(two) == _losses(one_node)[:2]
+
+
+def test_distill_on_two_nodes_equals_one_node(tmp_path):
+    """Teacher at ZeRO-3 (gathered layer by layer), student at ZeRO-2: 3 steps on two "nodes" give the
+    losses of 3 steps on one node with 2 ranks. The recipe's own first step, training the tiny SFT teacher,
+    is replaced by a random tiny teacher to keep this short."""
+    from multiengine.pipelines.rlhf import tiny
+
+    assets = tmp_path / "assets"
+    tiny.prepare_builtin(assets, seed=0, n_sft=400, n_reward=10, n_ppo=10, n_eval=16)
+    student = tiny.build_tiny_causal_lm(tmp_path / "student", assets / "tokenizer", hidden=32, layers=1, seed=1)
+    run = ["run", "distill", "--config", "tiny"]
+    args = [f"model.teacher={assets / 'model'}", f"model.student={student}", f"data.source={assets / 'data'}",
+            "max_steps=3", "train.micro_batch_size=8", "data.heldout_size=16", "eval.size=0",
+            "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0"]
+    one, two = tmp_path / "one_node", tmp_path / "two_nodes"
+    _run([*CLI, *run, "--nproc-per-node", "2", f"output_dir={one}", *args])
+    _two_nodes(two, *args, run=run)
+    assert len(_losses(one)) == 3
+    assert _losses(two) == _losses(one)
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert a["world_size"] == b["world_size"] == 2
+    assert a["metrics"]["eval/after/loss"] == b["metrics"]["eval/after/loss"]
+    assert {r["role"]: r["stage"] for r in b["memory"]["per_rank"][1]["roles"]} == {"teacher": 3, "student": 2}

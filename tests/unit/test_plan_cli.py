@@ -45,9 +45,9 @@ def test_shipped_gpu_configs_fit_as_written_on_8_x_80gb(capsys, recipe, name):
 
 
 def test_export_folders_of_other_configs_are_resolved(capsys):
-    _, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt13b_opt350m", "--gpus", "8", "--gpu-mem", "80GiB")
+    _, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt1.3b_opt350m", "--gpus", "8", "--gpu-mem", "80GiB")
     roles = result[0]["roles"]
-    assert "rlhf_sft/opt13b exports there, starting from facebook/opt-1.3b" in roles["actor"]["source"]
+    assert "rlhf_sft/opt1.3b exports there, starting from facebook/opt-1.3b" in roles["actor"]["source"]
     assert roles["actor"]["params"] == roles["ref"]["params"] == roles["ema"]["params"] == 1_315_758_080
     # critic and reward: OPT-350m's body (the tied LM head is the embedding) + a value head of its width
     assert roles["critic"]["params"] == roles["reward"]["params"] == 331_196_416 + 1024
@@ -68,13 +68,13 @@ def test_scalar_model_count_equals_the_loaded_model(tmp_path):
 
 def test_write_round_trips(capsys, tmp_path):
     dest = tmp_path / "ppo.yaml"
-    code, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt13b_opt350m", "--gpus", "8", "--gpu-mem", "40GiB",
+    code, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt1.3b_opt350m", "--gpus", "8", "--gpu-mem", "40GiB",
                             "--assume", "actor=facebook/opt-13b", "--write", str(dest))
     assert code == 0
     chosen = {role: d["chosen"] for role, d in result[0]["roles"].items()}
     assert chosen["actor"]["stage"] == 3  # 13B parameters do not fit 40 GiB below stage 3
     text = dest.read_text()
-    assert text.startswith("# Placements chosen by `multiengine plan rlhf_ppo --config opt13b_opt350m")
+    assert text.startswith("# Placements chosen by `multiengine plan rlhf_ppo --config opt1.3b_opt350m")
     cfg = load_config("rlhf_ppo", str(dest))
     for role in ("actor", "critic", "ref", "reward"):
         section = cfg.roles[role]
@@ -91,7 +91,7 @@ def test_write_round_trips(capsys, tmp_path):
 
 def test_write_for_e2e_appends_step_overrides(capsys, tmp_path):
     dest = tmp_path / "e2e.yaml"
-    code, result, _ = _plan(capsys, "rlhf_e2e", "--config", "opt13b_opt350m", "--gpus", "1", "--gpu-mem", "24GiB",
+    code, result, _ = _plan(capsys, "rlhf_e2e", "--config", "opt1.3b_opt350m", "--gpus", "1", "--gpu-mem", "24GiB",
                             "--write", str(dest))
     assert code == 0 and len(result) == 3
     cfg = load_config("rlhf_e2e", str(dest))
@@ -126,7 +126,7 @@ def test_bad_input_is_a_usage_error(capsys, args, message):
 
 def test_offload_needs_host_memory_per_node(capsys):
     # 8 GPUs on 2 nodes: 4 ranks share each node's host memory
-    args = ["rlhf_sft", "--config", "opt13b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
+    args = ["rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
             "train.gradient_checkpointing=true", "--gpus", "8", "--nodes", "2", "--gpu-mem", "24GiB"]
     code, result, _ = _plan(capsys, *args, "--cpu-mem", "512GiB")
     assert code == 0
@@ -140,8 +140,114 @@ def test_offload_needs_host_memory_per_node(capsys):
 
 
 def test_a_whole_model_gather_is_named_with_its_fix(capsys):
-    code = cli.main(["plan", "rlhf_sft", "--config", "opt13b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
+    code = cli.main(["plan", "rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
                      "--gpu-mem", "24GiB", "train.gradient_checkpointing=true"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_DOES_NOT_FIT
     assert "Its generation gathers the whole role on every GPU (23.94 GiB)" in out
+
+
+def test_a_saved_reward_model_keeps_its_own_head(tmp_path):
+    """A *ForSequenceClassification export (ScalarHeadModel.save_pretrained) has `score.weight`: no second head."""
+    from multiengine.engines import planner as P
+    from multiengine.pipelines.rlhf.models import ScalarHeadModel
+    from transformers import OPTConfig, OPTForCausalLM
+
+    OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                             word_embed_proj_dim=32, pad_token_id=1)).save_pretrained(tmp_path / "lm")
+    ScalarHeadModel.from_pretrained(tmp_path / "lm").save_pretrained(tmp_path / "rm")
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert plans._scalar(P.model_info(tmp_path / "rm")).params == sum(p.numel() for p in loaded.parameters())
+
+
+def _roles(recipe: str, *overrides: str, config: str = "tiny") -> dict[str, object]:
+    items = plans.recipe_plans(recipe, load_config(recipe, config, list(overrides)))
+    assert len(items) == 1
+    return {r.name: r for r in items[0].roles}
+
+
+def test_grpo_roles_follow_the_recipe():
+    # tiny: a reward function only -> actor + ref (ref follows the actor's stage 3), no reward-model role
+    roles = _roles("rlhf_grpo")
+    assert list(roles) == ["actor", "ref"]
+    assert roles["ref"].current.stage == 3 and roles["ref"].params == roles["actor"].params
+    gen = dict(roles["actor"].phases)["generation"]
+    assert roles["actor"].full_gather == ("generation",)
+    # rows = 8 prompts x 8 samples; kl_coef 0 -> no ref
+    assert list(_roles("rlhf_grpo", "grpo.kl_coef=0")) == ["actor"]
+    # per_token generation does not gather the actor whole
+    assert _roles("rlhf_grpo", "generation.mode=per_token")["actor"].full_gather == ()
+    # twice the rows generate more KV cache
+    assert dict(_roles("rlhf_grpo", "grpo.n_samples_per_prompt=16")["actor"].phases)["generation"] > gen
+    # two reward models: the first takes roles.reward's keys (following the actor's stage 2 -> a frozen stage 0),
+    # the second follows it; an entry with its own stage is planned as written
+    roles = _roles("rlhf_grpo", "roles.actor.stage=2",
+                   "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, path: facebook/opt-350m, weight: 0.5}, "
+                   "{role: reward_c, path: facebook/opt-350m, weight: 0.1, stage: 3}]")
+    assert [r for r in roles if r.startswith("reward")] == ["reward", "reward_b", "reward_c"]
+    assert roles["reward"].current == plans.P.Choice(0) and roles["reward"].follows is None
+    assert roles["reward_b"].follows == "reward" and roles["reward_b"].follows_all
+    assert roles["reward_c"].choices == (plans.P.Choice(3),) and "reward.models[2]" in roles["reward_c"].note
+    item = plans.recipe_plans("rlhf_grpo", load_config("rlhf_grpo", "tiny", [
+        "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, path: facebook/opt-350m, weight: 0.5}]"]))[0]
+    assert set(item.keys) == {"actor", "ref", "reward"}
+
+
+def test_ppo_critic_and_rewards_from_the_reward_section():
+    # reward functions only: the critic starts from the actor's folder with a fresh head, no reward role
+    roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "model.actor=", "model.reward=")
+    assert list(roles) == ["actor", "critic", "ref"]
+    assert roles["critic"].params == plans._scalar(plans._tiny_rlhf_model(64, 2, 0)).params
+    assert roles["critic"].trainable_params == roles["critic"].params
+    # model.critic is planned from its own folder; reward roles from reward.models, placed like the critic
+    roles = _roles("rlhf_ppo", "model.actor=", "model.critic=facebook/opt-350m", "roles.critic.stage=3",
+                   "reward.models=[{role: reward_x, path: facebook/opt-350m, weight: 1.0}]")
+    assert list(roles) == ["actor", "critic", "ref", "reward_x"]
+    assert roles["critic"].params == roles["reward_x"].params == 331_196_416 + 1024
+    assert roles["reward_x"].current == plans.P.Choice(3)
+
+
+def test_dpo_roles():
+    roles = _roles("rlhf_dpo")
+    assert list(roles) == ["actor", "ref"]
+    assert roles["actor"].current == roles["ref"].current == plans.P.Choice(3)
+    assert dict(roles["ref"].phases).keys() == {"reference forward"}
+    pre = _roles("rlhf_dpo", "dpo.precompute_ref=true", "dpo.precompute_batch_size=256")["ref"]
+    assert dict(pre.phases)["precompute"] > dict(roles["ref"].phases)["reference forward"]
+    assert _roles("rlhf_dpo", "roles.ref.stage=0")["ref"].current == plans.P.Choice(0)
+
+
+@pytest.mark.parametrize("algorithm,steps", [("ppo", ["rlhf_sft", "rlhf_reward", "rlhf_ppo"]),
+                                             ("grpo", ["rlhf_sft", "rlhf_reward", "rlhf_grpo"]),
+                                             ("dpo", ["rlhf_sft", "rlhf_dpo"])])
+def test_e2e_plans_the_algorithm_it_runs(algorithm, steps):
+    items = plans.recipe_plans("rlhf_e2e", load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]))
+    assert [i.title.split()[2] for i in items] == steps
+    assert items[-1].overrides_key == f"{algorithm}.overrides"
+
+
+def test_planned_vs_measured_report(tmp_path):
+    cfg = load_config("registry_demo", "tiny", [f"output_dir={tmp_path}"])
+    planned = plans.configured_states("registry_demo", cfg, 2)
+
+    def row(role: str, extra: int = 0) -> dict:
+        p = planned[role]
+        return {"role": role, "stage": p["stage"], "params_total": p["params_total"],
+                "params_persistent": p["params_persistent"], "param_bytes": p["param_bytes"] + extra,
+                "grad_bytes": p["grad_bytes"], "optimizer_bytes": p["optimizer_bytes"]}
+
+    total = sum(planned["actor"][k] for k in plans.STATE_KEYS)
+    off = int(0.2 * total)  # 20% more than planned on rank 1: out of tolerance
+    per_rank = [{"roles": [row("actor"), row("reward"), row("encoder"), row("encoder") | {"role": "extra"}]},
+                {"roles": [row("actor", off), row("reward"), row("encoder")]}]
+    report = plans.planned_vs_measured("registry_demo", cfg, per_rank)
+    actor = report["roles"]["actor"]
+    assert actor["stage"] == 3 and actor["planned"]["total"] == total
+    assert actor["measured"]["total"] == total + off  # the rank holding the most
+    assert actor["difference_bytes"] == off and actor["relative_difference"] == pytest.approx(off / total)
+    assert actor["tolerance_bytes"] == int(0.05 * total) + 4 * actor["params_persistent"] > 0
+    assert actor["within_tolerance"] is False and report["all_within_tolerance"] is False
+    assert report["roles"]["reward"]["within_tolerance"] and report["roles"]["reward"]["difference_bytes"] == 0
+    assert report["roles"]["extra"]["planned"] is None  # built by the run, unknown to the planner
+    assert report["total"]["difference_bytes"] == off
+    json.dumps(report)
