@@ -54,7 +54,7 @@ from multiengine.pipelines.diffusion.training import (
 from multiengine.pipelines.diffusion.validation import build_pipeline, generate, image_grid
 from multiengine.recipes.common import placement
 from multiengine.recipes.config import Check, Choice, Each, Length, Range, RecipeConfigError, config_problem
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,77 @@ FLOW_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 TEXT_ENCODER_ROLES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 ROLE_NAMES = ("unet", "transformer", "vae", *TEXT_ENCODER_ROLES, "ema")
 
-DEFAULTS: dict[str, Any] = with_common({
+DATA_DEFAULTS: dict[str, Any] = {  # image-caption rows (docs/data.md)
+    "source": "",  # imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; "" = shapes
+    "sources": [],  # several sources with weights: [{path, weight, columns, split}] (instead of data.source)
+    "columns": {"image": "", "caption": ""},  # your column names ("" = data.image_column / caption_column)
+    "image_column": "image",  # the image column (alias of data.columns.image)
+    "caption_column": "text",  # the caption column (alias of data.columns.caption)
+    "train_split": "train",  # the split of a hub dataset or DatasetDict folder to train on
+    "eval_source": "",  # separate evaluation rows (same forms as data.source); wins over data.eval_split
+    "eval_split": "",  # held-out rows: a fraction (0.05), a count (16), a split name (test); "" = eval.heldout_size
+    "check_images": True,  # before any rank starts: open every image and list the unreadable ones
+    "resolution": 512,  # training (and validation) size in pixels, square
+    "center_crop": True,  # center crop after resizing the shorter side (false: random crop)
+    "random_flip": False,  # random horizontal flip
+    "builtin_size": 128,  # images of the built-in shapes dataset (generated under output_dir/data)
+    "max_train_samples": 0,  # use only the first N training rows (0 = all)
+    "num_workers": 0,  # DataLoader workers per rank
+    "cache_dir": "",  # datasets cache folder ("" = the default)
+}
+
+TRAIN_DEFAULTS: dict[str, Any] = {  # the denoiser's optimisation
+    "micro_batch_size": 1,  # images per rank per forward
+    "grad_accum": 1,  # micro batches per optimizer step (global batch = micro x accum x ranks)
+    "lr": 1e-5,  # peak learning rate
+    "lr_scheduler": "constant",  # diffusers.optimization.get_scheduler names (constant, cosine, ...)
+    "lr_warmup_steps": 0,  # warmup, in optimizer steps
+    "adam_beta1": 0.9,  # AdamW beta1
+    "adam_beta2": 0.999,  # AdamW beta2
+    "adam_weight_decay": 1e-2,  # AdamW weight decay
+    "adam_epsilon": 1e-8,  # AdamW epsilon
+    "max_grad_norm": 1.0,  # gradient clipping (0 = none)
+    "gradient_checkpointing": False,  # activation checkpointing of the denoiser
+    "prediction_type": "",  # SD/SDXL: "" = the scheduler's; epsilon | v_prediction | sample
+    "snr_gamma": 0.0,  # SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)
+    "noise_offset": 0.0,  # SD/SDXL: offset-noise scale
+    "input_perturbation": 0.0,  # SD/SDXL: input-perturbation scale
+}
+
+EMA_DEFAULTS: dict[str, Any] = {  # EMA of the denoiser, diffusers' EMAModel options
+    "enabled": False,  # keep an EMA role (sharded like the denoiser; exported in the pipeline when on)
+    "decay": 0.9999,  # the largest decay
+    "use_ema_warmup": False,  # true: 1 - (1 + s/inv_gamma)^-power; false: (1 + s) / (10 + s)
+    "min_decay": 0.0,  # the smallest decay after the first update
+    "update_after_step": 0,  # copy the weights (decay 0) for this many steps first
+    "inv_gamma": 1.0,  # warmup: inverse multiplicative factor
+    "power": 2 / 3,  # warmup: exponent (2/3 for long runs, 3/4 for short ones)
+    "dtype": "fp32",  # EMA weights' dtype (bf16 would round away small updates)
+    "offload_params": False,  # ZeRO-3 parameter offload of the EMA to the host
+    "max_decay": None,  # removed: use ema.decay
+    "warmup": None,  # removed: use ema.use_ema_warmup
+}
+
+VALIDATION_DEFAULTS: dict[str, Any] = {  # images generated before, after and every N steps
+    "enabled": True,  # validation grids before and after training (and every `every` steps when > 0)
+    "every": 0,  # also every N steps (0 = only before and after)
+    "prompts": [],  # [] = the shapes prompts (built-in data) or captions of your held-out rows
+    "num_prompts": 4,  # how many held-out captions when validation.prompts is []
+    "num_inference_steps": 25,  # sampler steps
+    "guidance_scale": None,  # null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)
+    "seed": 0,  # the sampler's seed (the same images on every rank)
+    "use_ema": True,  # generate with the EMA weights when EMA is on (as diffusers' examples)
+}
+
+EVAL_DEFAULTS: dict[str, Any] = {  # held-out loss at fixed noise and timesteps
+    "heldout_size": 8,  # held-out rows for the loss (taken from the data unless eval_source/eval_split); 0 = none
+    "timesteps": 8,  # evenly spaced timesteps (schedule positions) per held-out image
+    "every": 0,  # also every N steps when > 0 (always before and after)
+    "seed": 1234,  # the held-out noise's seed
+}
+
+DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
     "output_dir": "outputs/sd_finetune",
     "max_steps": 100,  # optimizer steps
     "mode": "zero3",  # zero3 (every role as in roles.*) | seed_baseline (diffusers' layout: frozen roles whole)
@@ -84,41 +154,8 @@ DEFAULTS: dict[str, Any] = with_common({
         "tiny_vae_steps": 0,  # tiny model only: pretrain its random vae on the training images first
         "tiny_text_encoders": None,  # removed: use model.tiny_family (sdxl has two text encoders)
     },
-    "data": {  # image-caption rows (docs/data.md)
-        "source": "",  # imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; "" = shapes
-        "sources": [],  # several sources with weights: [{path, weight, columns, split}] (instead of data.source)
-        "columns": {"image": "", "caption": ""},  # your column names ("" = data.image_column / caption_column)
-        "image_column": "image",  # the image column (alias of data.columns.image)
-        "caption_column": "text",  # the caption column (alias of data.columns.caption)
-        "train_split": "train",  # the split of a hub dataset or DatasetDict folder to train on
-        "eval_source": "",  # separate evaluation rows (same forms as data.source); wins over data.eval_split
-        "eval_split": "",  # held-out rows: a fraction (0.05), a count (16), a split name (test); "" = eval.heldout_size
-        "check_images": True,  # before any rank starts: open every image and list the unreadable ones
-        "resolution": 512,  # training (and validation) size in pixels, square
-        "center_crop": True,  # center crop after resizing the shorter side (false: random crop)
-        "random_flip": False,  # random horizontal flip
-        "builtin_size": 128,  # images of the built-in shapes dataset (generated under output_dir/data)
-        "max_train_samples": 0,  # use only the first N training rows (0 = all)
-        "num_workers": 0,  # DataLoader workers per rank
-        "cache_dir": "",  # datasets cache folder ("" = the default)
-    },
-    "train": {  # the denoiser's optimisation
-        "micro_batch_size": 1,  # images per rank per forward
-        "grad_accum": 1,  # micro batches per optimizer step (global batch = micro x accum x ranks)
-        "lr": 1e-5,  # peak learning rate
-        "lr_scheduler": "constant",  # diffusers.optimization.get_scheduler names (constant, cosine, ...)
-        "lr_warmup_steps": 0,  # warmup, in optimizer steps
-        "adam_beta1": 0.9,  # AdamW beta1
-        "adam_beta2": 0.999,  # AdamW beta2
-        "adam_weight_decay": 1e-2,  # AdamW weight decay
-        "adam_epsilon": 1e-8,  # AdamW epsilon
-        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        "gradient_checkpointing": False,  # activation checkpointing of the denoiser
-        "prediction_type": "",  # SD/SDXL: "" = the scheduler's; epsilon | v_prediction | sample
-        "snr_gamma": 0.0,  # SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)
-        "noise_offset": 0.0,  # SD/SDXL: offset-noise scale
-        "input_perturbation": 0.0,  # SD/SDXL: input-perturbation scale
-    },
+    "data": {**DATA_DEFAULTS},  # image-caption rows (docs/data.md)
+    "train": {**TRAIN_DEFAULTS},  # the denoiser's optimisation
     "flow": {  # SD3 / FLUX: rectified flow matching, as diffusers' SD3 / FLUX scripts
         "weighting_scheme": "",  # "" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, cosmap, ...
         "logit_mean": 0.0,  # logit_normal density: mean
@@ -138,47 +175,37 @@ DEFAULTS: dict[str, Any] = with_common({
         "text_encoder_2": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": True},  # the second
         "text_encoder_3": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": True},  # SD3's T5
     },
-    "ema": {  # EMA of the denoiser, diffusers' EMAModel options
-        "enabled": False,  # keep an EMA role (sharded like the denoiser; exported in the pipeline when on)
-        "decay": 0.9999,  # the largest decay
-        "use_ema_warmup": False,  # true: 1 - (1 + s/inv_gamma)^-power; false: (1 + s) / (10 + s)
-        "min_decay": 0.0,  # the smallest decay after the first update
-        "update_after_step": 0,  # copy the weights (decay 0) for this many steps first
-        "inv_gamma": 1.0,  # warmup: inverse multiplicative factor
-        "power": 2 / 3,  # warmup: exponent (2/3 for long runs, 3/4 for short ones)
-        "dtype": "fp32",  # EMA weights' dtype (bf16 would round away small updates)
-        "offload_params": False,  # ZeRO-3 parameter offload of the EMA to the host
-        "max_decay": None,  # removed: use ema.decay
-        "warmup": None,  # removed: use ema.use_ema_warmup
-    },
+    "ema": {**EMA_DEFAULTS},  # EMA of the denoiser, diffusers' EMAModel options
     "lora": {  # LoRA on the denoiser, base weights frozen
         "enabled": False,  # train adapters only
         "rank": 4,  # adapter rank
         "alpha": 0.0,  # scale numerator (0 = rank)
         "target_modules": [],  # [] = diffusers' defaults of the family (unet: to_k/q/v/out.0; SD3/FLUX: attention...)
     },
-    "validation": {  # images generated before, after and every N steps
-        "enabled": True,  # validation grids before and after training (and every `every` steps when > 0)
-        "every": 0,  # also every N steps (0 = only before and after)
-        "prompts": [],  # [] = the shapes prompts (built-in data) or captions of your held-out rows
-        "num_prompts": 4,  # how many held-out captions when validation.prompts is []
-        "num_inference_steps": 25,  # sampler steps
-        "guidance_scale": None,  # null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)
-        "seed": 0,  # the sampler's seed (the same images on every rank)
-        "use_ema": True,  # generate with the EMA weights when EMA is on (as diffusers' examples)
-    },
-    "eval": {  # held-out loss at fixed noise and timesteps
-        "heldout_size": 8,  # held-out rows for the loss (taken from the data unless eval_source/eval_split); 0 = none
-        "timesteps": 8,  # evenly spaced timesteps (schedule positions) per held-out image
-        "every": 0,  # also every N steps when > 0 (always before and after)
-        "seed": 1234,  # the held-out noise's seed
-    },
+    "validation": {**VALIDATION_DEFAULTS},  # images generated before, after and every N steps
+    "eval": {**EVAL_DEFAULTS},  # held-out loss at fixed noise and timesteps
     "export": {  # outputs under output_dir/export
         "enabled": True,  # write export/pipeline (and export/lora for LoRA runs)
         "dtype": "fp32",  # dtype of every exported component
         "roles": [],  # per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)
     },
-})
+}
+
+
+# The placement keys of a role section (one line each in DEFAULTS, so their meanings live here).
+ROLE_KEY_HELP = {
+    "stage": "ZeRO stage of this role (0-3; a frozen role asked for 1 or 2 is built at 0: nothing to shard)",
+    "dtype": "fp32 | bf16 | fp16 (fp16 has no CPU path)",
+    "offload_params": "ZeRO-3 parameter offload to the host",
+    "offload_optimizer": "ZeRO optimizer-state offload to the host (DeepSpeed's CPU Adam)",
+    "gather_forward": "ZeRO-3 frozen role: gather it whole once per call instead of layer by layer",
+}
+HELP = {f"roles.{r}.{k}": text for r, section in DEFAULTS["roles"].items() for k, text in ROLE_KEY_HELP.items()
+        if k in section}
+HELP.update({"roles.text_encoder_2.stage": "ZeRO stage; -1 = as roles.text_encoder",
+             "roles.text_encoder_2.dtype": "fp32 | bf16 | fp16; \"\" = as roles.text_encoder",
+             "roles.text_encoder_3.stage": "ZeRO stage; -1 = as roles.text_encoder",
+             "roles.text_encoder_3.dtype": "fp32 | bf16 | fp16; \"\" = as roles.text_encoder"})
 
 
 class Removed(Check):
@@ -315,7 +342,7 @@ def check_family_options(cfg: Any, family: str, where: str = "") -> None:
             if cfg.train[key] != default:
                 raise config_problem(f"train.{key}", cfg.train[key], f"applies to the DDPM families (sd, sdxl), not "
                                      f"to this {family} model{suffix}", f"drop train.{key}; SD3/FLUX use flow.*")
-    else:
+    elif "flow" in cfg:
         flow_defaults = DEFAULTS["flow"]
         for key, default in flow_defaults.items():
             if cfg.flow[key] != default:
@@ -432,6 +459,10 @@ class SDFinetune(Recipe):
     @property
     def builtin_data(self) -> bool:
         return not data_spec(self.cfg)
+
+    @property
+    def ema_on(self) -> bool:
+        return bool((self.cfg.get("ema") or {}).get("enabled", False))
 
     # --- setup -----------------------------------------------------------------------------------
     def build(self) -> None:
@@ -679,7 +710,7 @@ class SDFinetune(Recipe):
             engine.step()
             micro_losses.append(out.loss.item())
         # 6. EMA: on matching local partitions (zero3), or by gathering the denoiser (seed_baseline)
-        decay = self.update_ema() if cfg.ema.enabled else None
+        decay = self.update_ema() if self.ema_on else None
         # 7. the loss averaged over micro batches and ranks, lr, memory per role
         record = {**mean_over_ranks({"loss": statistics.fmean(micro_losses)}), "lr": engine.get_lr()[0],
                   **_memory_metrics(registry)}
@@ -711,7 +742,7 @@ class SDFinetune(Recipe):
         result: dict[str, Any] = {}
         if self.heldout_batches:
             result["loss"] = self.heldout_value()
-            if self.cfg.ema.enabled:
+            if self.ema_on:
                 result["loss_ema"] = self.heldout_value("ema")
             for key, value in result.items():
                 self.heldout[f"{tag}/{key}"] = value
@@ -721,7 +752,7 @@ class SDFinetune(Recipe):
 
     def validation_role(self) -> str:
         cfg = self.cfg
-        return "ema" if cfg.ema.enabled and cfg.validation.use_ema else self.trained
+        return "ema" if self.ema_on and cfg.validation.use_ema else self.trained
 
     def validation_pipeline(self, role: str) -> Any:
         return build_pipeline(self.registry, self.model_path, self.text_encoders, role, self.prediction_type,
@@ -752,16 +783,20 @@ class SDFinetune(Recipe):
                  "seconds": time.perf_counter() - t0}
         if registry.is_main:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            image_grid(images, prompts=self.prompts, step=self.step).save(path)
+            self.grid(images).save(path)
             with open(self.path("validation", "index.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
             logger.info("validation grid (%s, step %d, %s): %s", tag, self.step, role, path)
         self.metrics.log(self.step, {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
         self.validations.append(entry)
 
+    def grid(self, images: list[Any]) -> Any:
+        """The labelled grid of one validation: each image with its prompt and the step."""
+        return image_grid(images, prompts=self.prompts, step=self.step)
+
     # --- outputs ---------------------------------------------------------------------------------
     def export_components(self) -> dict[str, str]:
-        role = "ema" if self.cfg.ema.enabled else self.trained
+        role = "ema" if self.ema_on else self.trained
         return {self.denoiser: role, "vae": "vae", **{name: name for name in self.text_encoders}}
 
     def export(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ __all__ = [
     "SHAPES_BACKGROUNDS",
     "SHAPES_COLORS",
     "SHAPES_KINDS",
+    "ConditionedImageCaptionDataset",
     "ImageCaptionDataset",
     "ImageTransform",
     "IMAGE_FIELDS",
@@ -536,6 +537,24 @@ class ImageTransform:
         """Returns ``[3, R, R]`` float32 in ``[-1, 1]``."""
         return self.apply(image, generator)[0]
 
+    def replay(self, image: Image.Image, params: Mapping[str, Any], size: tuple[int, int]) -> torch.Tensor:
+        """A second image of the same row (a ControlNet's conditioning image) with the crop and flip that
+        :meth:`apply` drew for the first, whose original ``size`` was ``(h, w)``: resized to the first's
+        resized size, so the crop lands on the same content. Float32 ``[3, R, R]`` in ``[0, 1]`` (diffusers'
+        conditioning transform has no normalisation)."""
+        image = image.convert("RGB")
+        h, w = size
+        r = self.resolution
+        target = (r, max(r, int(r * h / w))) if w <= h else (max(r, int(r * w / h)), r)
+        if image.size != target:
+            image = image.resize(target, resample=Image.BILINEAR)
+        top, left = params["crop_top_left"]
+        image = image.crop((left, top, left + r, top + r))
+        if params["flipped"]:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1)
+        return pixels.float().div(255.0)
+
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
     """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str,
@@ -586,6 +605,35 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             )
         return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
                 "crop_top_left": params["crop_top_left"]}
+
+
+class ConditionedImageCaptionDataset(ImageCaptionDataset):
+    """:class:`ImageCaptionDataset` plus ``conditioning_pixel_values [3, R, R]`` in ``[0, 1]``: the row's
+    conditioning image (column ``conditioning_column``) resized, cropped and flipped exactly like its image."""
+
+    def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
+                 caption_column: str = "text", conditioning_column: str = "conditioning_image", seed: int = 0):
+        super().__init__(dataset, transform, image_column, caption_column, seed)
+        if conditioning_column not in dataset.column_names:
+            raise ValueError(f"conditioning column {conditioning_column!r} not found; available columns: "
+                             f"{dataset.column_names}")
+        self.conditioning_column = conditioning_column
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.dataset[int(index)]
+        g = sample_generator(self.seed, self.epoch, int(index))
+        image = row[self.image_column]
+        pixels, params = self.transform.apply(image, generator=g)
+        caption = row[self.caption_column]
+        if isinstance(caption, (list, tuple)):
+            if not caption:
+                raise ValueError(f"empty caption list at index {index}")
+            caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
+        if not isinstance(caption, str):
+            raise TypeError(f"caption at index {index} is {type(caption).__name__}, expected str or list of str")
+        cond = self.transform.replay(row[self.conditioning_column], params, params["original_size"])
+        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
+                "crop_top_left": params["crop_top_left"], "conditioning_pixel_values": cond}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 from multiengine.engines import EngineRegistry, atomic_dir, save_role, write_role
+from multiengine.engines.export import cast_folder
 
 from .models import read_model_index
 
@@ -31,14 +32,16 @@ def export_pipeline(
     dtype: str = "fp32",
     prediction_type: str | None = None,
     class_name: str | None = None,
+    cast_copied: bool = False,
 ) -> str:
     """A complete diffusers folder: each ``component -> role`` of ``components`` gathered from its engine
     (e.g. ``{"unet": "ema", "vae": "vae", "text_encoder": "text_encoder"}``); tokenizers, scheduler and
     any other component copied from ``model_path`` with its ``model_index.json``. ``prediction_type``
     (when training changed it) is written into the scheduler config. A component that the source folder
     does not have (a ``controlnet``) is added to ``model_index.json``; ``class_name`` replaces its
-    ``_class_name`` (``StableDiffusionControlNetPipeline``). ``<PipelineClass>.from_pretrained(out_dir)``
-    loads it. All ranks must call it."""
+    ``_class_name`` (``StableDiffusionControlNetPipeline``). ``cast_copied``: the copied model components
+    are cast to ``dtype`` too (the frozen unet of a ControlNet export), so the folder loads in one dtype.
+    ``<PipelineClass>.from_pretrained(out_dir)`` loads it. All ranks must call it."""
     index = read_model_index(model_path)
     with atomic_dir(out_dir, registry.is_main) as tmp:
         for component, role in components.items():
@@ -49,6 +52,8 @@ def export_pipeline(
                 if component in components or not isinstance(spec, list) or not os.path.isdir(src):
                     continue
                 shutil.copytree(src, os.path.join(tmp, component))
+                if cast_copied and dtype and any(f.endswith(".safetensors") for f in os.listdir(src)):
+                    cast_folder(os.path.join(tmp, component), dtype)
             written = dict(index)
             for component, role in components.items():
                 if component not in written:
