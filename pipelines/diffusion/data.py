@@ -37,11 +37,13 @@ __all__ = [
     "SHAPES_BACKGROUNDS",
     "SHAPES_COLORS",
     "SHAPES_KINDS",
+    "ConditionedImageCaptionDataset",
     "ImageCaptionDataset",
     "ImageTransform",
     "IMAGE_FIELDS",
     "ShardedEpochSampler",
     "check_image_caption_data",
+    "unreadable_images",
     "collate",
     "describe_shapes_image",
     "image_caption_columns",
@@ -219,15 +221,16 @@ IMAGE_FIELDS: tuple[str, ...] = ("image", "caption")
 
 
 def image_caption_columns(columns: Mapping[str, str] | None = None, image_column: str = "image",
-                          caption_column: str = "text") -> tuple[str, str]:
+                          caption_column: str = "text", extra_fields: Sequence[str] = ()) -> tuple[str, str]:
     """The dataset's image and caption column names: ``columns`` (``{"image": ..., "caption": ...}``, i.e.
     ``data.columns.image`` / ``data.columns.caption``) wins over the older ``image_column`` /
-    ``caption_column`` (``data.image_column`` / ``data.caption_column``)."""
+    ``caption_column`` (``data.image_column`` / ``data.caption_column``). ``extra_fields``: further fields
+    ``columns`` may name (``conditioning_image`` for ControlNet data)."""
     columns = dict(columns or {})
-    unknown = [k for k in columns if k not in IMAGE_FIELDS]
+    unknown = [k for k in columns if k not in IMAGE_FIELDS and k not in extra_fields]
     if unknown:
         raise DataSourceError(f"data.columns maps unknown field(s) {unknown}; image-caption data has the fields "
-                              f"{list(IMAGE_FIELDS)} (e.g. data.columns.caption=prompt)")
+                              f"{list(IMAGE_FIELDS) + list(extra_fields)} (e.g. data.columns.caption=prompt)")
     return columns.get("image", image_column), columns.get("caption", caption_column)
 
 
@@ -239,6 +242,7 @@ def load_image_caption_dataset(
     columns: Mapping[str, str] | None = None,
     key: str = "data.source",
     split_required: bool = False,
+    extra_image_columns: Sequence[str] = (),
     **load_kwargs: Any,
 ):
     """Load an image-caption ``datasets.Dataset`` (column names as in the source).
@@ -255,12 +259,13 @@ def load_image_caption_dataset(
     ``caption_column`` are the older spelling (see :func:`image_caption_columns`). Extra ``load_kwargs``
     (``cache_dir``, ``name``...) go to ``datasets.load_dataset``. ``split_required``: ``split`` must exist
     as a separate split (evaluation rows), see :func:`multiengine.pipelines.sources.load_source`.
+    ``extra_image_columns``: further columns that must exist and hold images (or paths), cast like the image
+    column (a ControlNet's conditioning images).
 
     Raises:
         ValueError: a missing source (``no such file or folder``), a column that is missing (lists the
             available columns), or no rows.
     """
-    import datasets
 
     image_column, caption_column = image_caption_columns(columns, image_column, caption_column)
     kind = source_kind(str(source), (split,), images=True, key=key)
@@ -276,7 +281,20 @@ def load_image_caption_dataset(
                 f"(name yours with data.columns.{field_name}=<column>)"
             )
 
-    feature = ds.features[image_column]
+    for column in extra_image_columns:
+        if column not in ds.column_names:
+            raise ValueError(f"column {column!r} not found in dataset {source!r}; available columns: "
+                             f"{ds.column_names} (name yours with data.columns.conditioning_image=<column>)")
+    for column in (image_column, *extra_image_columns):
+        ds = _as_image_column(ds, column, source, kind)
+    return ds
+
+
+def _as_image_column(ds: Any, column: str, source: str, kind: str) -> Any:
+    """``column`` cast to ``datasets.Image``: paths in a data file are resolved against that file's folder."""
+    import datasets
+
+    feature = ds.features[column]
     if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
         # Paths in a data file are relative to that file, not to the current directory.
         base = None
@@ -286,15 +304,15 @@ def load_image_caption_dataset(
             base = os.path.abspath(source)
 
         def _resolve(example: dict[str, Any]) -> dict[str, Any]:
-            path = example[image_column]
+            path = example[column]
             if base is not None and not os.path.isabs(path) and "://" not in path:
                 path = os.path.join(base, path)
-            return {image_column: path}
+            return {column: path}
 
         ds = ds.map(_resolve)
-        ds = ds.cast_column(image_column, datasets.Image())
+        ds = ds.cast_column(column, datasets.Image())
     elif isinstance(feature, dict) and "bytes" in feature:
-        ds = ds.cast_column(image_column, datasets.Image())
+        ds = ds.cast_column(column, datasets.Image())
     return ds
 
 
@@ -310,23 +328,32 @@ def load_image_caption_data(
     seed: int = 0,
     size: int | None = None,
     cache_dir: str | None = None,
+    extra_images: Mapping[str, str] | None = None,
 ) -> TrainEval:
     """Training and held-out image-caption rows from one source or a weighted blend of several.
 
     Every returned dataset has exactly the columns ``image`` and ``caption`` (whatever the sources call
-    them). ``source`` / ``eval_source`` take a path, a hub name, or a list of ``{path, weight, columns,
-    split}``; ``eval_split`` is a held-out fraction/count of each source (taken before blending) or the name
-    of a split the sources have (``"test"``); see :func:`multiengine.pipelines.sources.split_train_eval`.
+    them), plus one image column per field of ``extra_images`` (``{field: default column}``, e.g.
+    ``{"conditioning_image": "conditioning_image"}``; ``columns`` / a source's columns may rename it).
+    ``source`` / ``eval_source`` take a path, a hub name, or a list of ``{path, weight, columns, split}``;
+    ``eval_split`` is a held-out fraction/count of each source (taken before blending) or the name of a
+    split the sources have (``"test"``); see :func:`multiengine.pipelines.sources.split_train_eval`.
     """
     several = isinstance(source, (list, tuple)) and len(source) > 1
     base_key = "data.sources" if several else "data.source"
 
+    extra = dict(extra_images or {})
+
     def load(src: DataSource, split: str | None, key: str = base_key) -> Any:
-        image, caption = image_caption_columns({**(columns or {}), **dict(src.columns)}, image_column, caption_column)
+        mapping = {**(columns or {}), **dict(src.columns)}
+        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
+        others = {field: mapping.get(field) or default for field, default in extra.items()}
         ds = load_image_caption_dataset(src.path, image, caption, split=split or src.split or train_split, key=key,
-                                        split_required=split is not None, cache_dir=cache_dir)
-        ds = ds.select_columns([image, caption])
-        renames = {c: f for c, f in ((image, "image"), (caption, "caption")) if c != f}
+                                        split_required=split is not None, cache_dir=cache_dir,
+                                        extra_image_columns=tuple(others.values()))
+        ds = ds.select_columns([image, caption, *others.values()])
+        pairs = ((image, "image"), (caption, "caption"), *((c, f) for f, c in others.items()))
+        renames = {c: f for c, f in pairs if c != f}
         return ds.rename_columns(renames) if renames else ds
 
     result = split_train_eval(load, as_sources(source, base_key), eval_source=as_sources(eval_source,
@@ -346,22 +373,32 @@ def check_image_caption_data(
     split: str = "train",
     key: str = "data.source",
     cache_dir: str | None = None,
+    extra_image_columns: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Check image-caption sources before any rank starts: each exists, has the image and caption
     columns (after mapping) and rows, and its first image decodes and its first caption is text.
+    ``extra_image_columns`` (``{field: default column}``, e.g. ControlNet's ``conditioning_image``) must
+    exist too and hold images.
 
     Returns:
         ``{"rows": total, "sources": [{"path", "rows", "image_column", "caption_column"}]}``.
     """
     report = []
+    extra = dict(extra_image_columns or {})
     for src in as_sources(source, key):
-        image, caption = image_caption_columns({**(columns or {}), **dict(src.columns)}, image_column, caption_column)
+        mapping = {**(columns or {}), **dict(src.columns)}
+        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
+        others = [mapping.get(f) or c for f, c in extra.items()]
         ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
-                                        cache_dir=cache_dir)
-        first = ds[0]
-        if not isinstance(first[image], Image.Image):
-            raise DataSourceError(f"{key}={src.path!r}: column {image!r} holds {type(first[image]).__name__}, not "
-                                  f"images; name the image column with data.columns.image=<column>")
+                                        cache_dir=cache_dir, extra_image_columns=tuple(others))
+        try:
+            first = ds[0]
+        except OSError as err:  # PIL cannot decode it
+            raise DataSourceError(f"{key}={src.path!r}: the first row's image does not decode ({err})") from None
+        for column in (image, *others):
+            if not isinstance(first[column], Image.Image):
+                raise DataSourceError(f"{key}={src.path!r}: column {column!r} holds {type(first[column]).__name__}, "
+                                      f"not images; name the image column with data.columns.image=<column>")
         text = first[caption]
         if not (isinstance(text, str) or (isinstance(text, (list, tuple)) and text and isinstance(text[0], str))):
             raise DataSourceError(f"{key}={src.path!r}: column {caption!r} holds {type(text).__name__}, not text; "
@@ -370,6 +407,46 @@ def check_image_caption_data(
     if not report:
         raise DataSourceError(f"{key} is empty: give an image folder, a data file, a save_to_disk folder or a hub name")
     return {"rows": sum(r["rows"] for r in report), "sources": report}
+
+
+def unreadable_images(
+    source: Any,
+    *,
+    columns: Mapping[str, str] | None = None,
+    image_column: str = "image",
+    caption_column: str = "text",
+    split: str = "train",
+    key: str = "data.source",
+    cache_dir: str | None = None,
+    extra_image_columns: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Every image of the sources that PIL cannot open and verify (header and chunk checksums; no pixels are
+    decoded, so a pass over thousands of files takes seconds), as ``"<file or row> (<error>)"``."""
+    import io
+
+    import datasets
+
+    bad: list[str] = []
+    extra = dict(extra_image_columns or {})
+    for src in as_sources(source, key):
+        mapping = {**(columns or {}), **dict(src.columns)}
+        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
+        others = [mapping.get(f) or c for f, c in extra.items()]
+        ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
+                                        cache_dir=cache_dir, extra_image_columns=tuple(others))
+        for column in (image, *others):
+            raw = ds.select_columns([column]).cast_column(column, datasets.Image(decode=False))
+            for i, cell in enumerate(raw[column]):
+                where = (cell or {}).get("path") or f"{src.path} row {i} ({column})"
+                try:
+                    if not cell or (cell.get("bytes") is None and not cell.get("path")):
+                        raise ValueError("no image")
+                    handle = io.BytesIO(cell["bytes"]) if cell.get("bytes") is not None else cell["path"]
+                    with Image.open(handle) as im:
+                        im.verify()
+                except Exception as err:  # any failure to open is what this pass reports
+                    bad.append(f"{where} ({type(err).__name__}: {err})")
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,6 +537,24 @@ class ImageTransform:
         """Returns ``[3, R, R]`` float32 in ``[-1, 1]``."""
         return self.apply(image, generator)[0]
 
+    def replay(self, image: Image.Image, params: Mapping[str, Any], size: tuple[int, int]) -> torch.Tensor:
+        """A second image of the same row (a ControlNet's conditioning image) with the crop and flip that
+        :meth:`apply` drew for the first, whose original ``size`` was ``(h, w)``: resized to the first's
+        resized size, so the crop lands on the same content. Float32 ``[3, R, R]`` in ``[0, 1]`` (diffusers'
+        conditioning transform has no normalisation)."""
+        image = image.convert("RGB")
+        h, w = size
+        r = self.resolution
+        target = (r, max(r, int(r * h / w))) if w <= h else (max(r, int(r * w / h)), r)
+        if image.size != target:
+            image = image.resize(target, resample=Image.BILINEAR)
+        top, left = params["crop_top_left"]
+        image = image.crop((left, top, left + r, top + r))
+        if params["flipped"]:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1)
+        return pixels.float().div(255.0)
+
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
     """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str,
@@ -510,6 +605,35 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             )
         return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
                 "crop_top_left": params["crop_top_left"]}
+
+
+class ConditionedImageCaptionDataset(ImageCaptionDataset):
+    """:class:`ImageCaptionDataset` plus ``conditioning_pixel_values [3, R, R]`` in ``[0, 1]``: the row's
+    conditioning image (column ``conditioning_column``) resized, cropped and flipped exactly like its image."""
+
+    def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
+                 caption_column: str = "text", conditioning_column: str = "conditioning_image", seed: int = 0):
+        super().__init__(dataset, transform, image_column, caption_column, seed)
+        if conditioning_column not in dataset.column_names:
+            raise ValueError(f"conditioning column {conditioning_column!r} not found; available columns: "
+                             f"{dataset.column_names}")
+        self.conditioning_column = conditioning_column
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.dataset[int(index)]
+        g = sample_generator(self.seed, self.epoch, int(index))
+        image = row[self.image_column]
+        pixels, params = self.transform.apply(image, generator=g)
+        caption = row[self.caption_column]
+        if isinstance(caption, (list, tuple)):
+            if not caption:
+                raise ValueError(f"empty caption list at index {index}")
+            caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
+        if not isinstance(caption, str):
+            raise TypeError(f"caption at index {index} is {type(caption).__name__}, expected str or list of str")
+        cond = self.transform.replay(row[self.conditioning_column], params, params["original_size"])
+        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
+                "crop_top_left": params["crop_top_left"], "conditioning_pixel_values": cond}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 from multiengine.engines import EngineRegistry, atomic_dir, save_role, write_role
+from multiengine.engines.export import cast_folder
 
 from .models import read_model_index
 
@@ -30,12 +31,17 @@ def export_pipeline(
     components: dict[str, str],
     dtype: str = "fp32",
     prediction_type: str | None = None,
+    class_name: str | None = None,
+    cast_copied: bool = False,
 ) -> str:
     """A complete diffusers folder: each ``component -> role`` of ``components`` gathered from its engine
     (e.g. ``{"unet": "ema", "vae": "vae", "text_encoder": "text_encoder"}``); tokenizers, scheduler and
     any other component copied from ``model_path`` with its ``model_index.json``. ``prediction_type``
-    (when training changed it) is written into the scheduler config. ``<PipelineClass>.from_pretrained
-    (out_dir)`` loads it. All ranks must call it."""
+    (when training changed it) is written into the scheduler config. A component that the source folder
+    does not have (a ``controlnet``) is added to ``model_index.json``; ``class_name`` replaces its
+    ``_class_name`` (``StableDiffusionControlNetPipeline``). ``cast_copied``: the copied model components
+    are cast to ``dtype`` too (the frozen unet of a ControlNet export), so the folder loads in one dtype.
+    ``<PipelineClass>.from_pretrained(out_dir)`` loads it. All ranks must call it."""
     index = read_model_index(model_path)
     with atomic_dir(out_dir, registry.is_main) as tmp:
         for component, role in components.items():
@@ -46,7 +52,17 @@ def export_pipeline(
                 if component in components or not isinstance(spec, list) or not os.path.isdir(src):
                     continue
                 shutil.copytree(src, os.path.join(tmp, component))
-            shutil.copy(os.path.join(model_path, "model_index.json"), os.path.join(tmp, "model_index.json"))
+                if cast_copied and dtype and any(f.endswith(".safetensors") for f in os.listdir(src)):
+                    cast_folder(os.path.join(tmp, component), dtype)
+            written = dict(index)
+            for component, role in components.items():
+                if component not in written:
+                    cls = type(_unwrapped(registry.role(role).module))
+                    written[component] = [cls.__module__.split(".")[0], cls.__name__]
+            if class_name:
+                written["_class_name"] = class_name
+            with open(os.path.join(tmp, "model_index.json"), "w", encoding="utf-8") as f:
+                json.dump(written, f, indent=2)
             scheduler_config = os.path.join(tmp, "scheduler", "scheduler_config.json")
             if prediction_type and os.path.isfile(scheduler_config):
                 with open(scheduler_config, encoding="utf-8") as f:
@@ -64,15 +80,23 @@ def export_roles(registry: EngineRegistry, out_dir: str, roles: Sequence[str], d
     return {role: save_role(registry, role, os.path.join(out_dir, role), dtype=dtype)["model"] for role in roles}
 
 
-def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet") -> str:
-    """The unet's LoRA adapter as ``out_dir/pytorch_lora_weights.safetensors``, in the layout
-    ``StableDiffusionPipeline.load_lora_weights`` reads (as diffusers' LoRA example writes it:
-    ``convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))``). Only the adapter weights are
-    gathered. All ranks must call it."""
-    from diffusers import StableDiffusionPipeline
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", component: str = "unet",
+              pipeline_class: str = "StableDiffusionPipeline") -> str:
+    """The denoiser's LoRA adapter as ``out_dir/pytorch_lora_weights.safetensors``, in the layout
+    ``<pipeline_class>.load_lora_weights`` reads, as diffusers' LoRA scripts write it: a unet's adapter in
+    diffusers' names (``convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))`` saved as
+    ``unet_lora_layers``), a transformer's (SD3, FLUX) in peft's names as ``transformer_lora_layers``.
+    Only the adapter weights are gathered. All ranks must call it."""
+    import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
+    if component not in ("unet", "transformer"):
+        raise ValueError(f"component={component!r}: LoRA is saved for a unet or a transformer.")
     module = registry.role(role).module
     adapter = [p for n, p in module.named_parameters() if "lora_" in n]
     if not adapter:
@@ -86,7 +110,11 @@ def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet") -> str
         if registry.is_main:
             state = {k: v.detach().to("cpu", torch.float32).clone()
                      for k, v in get_peft_model_state_dict(module).items()}
-            StableDiffusionPipeline.save_lora_weights(
-                tmp, unet_lora_layers=convert_state_dict_to_diffusers(state), safe_serialization=True)
-            logger.info("saved LoRA adapter (%d tensors) to %s", len(state), out_dir)
+            cls = getattr(diffusers, pipeline_class)
+            if component == "unet":
+                cls.save_lora_weights(tmp, unet_lora_layers=convert_state_dict_to_diffusers(state),
+                                      safe_serialization=True)
+            else:
+                cls.save_lora_weights(tmp, transformer_lora_layers=state, safe_serialization=True)
+            logger.info("saved LoRA adapter of %s (%d tensors) to %s", role, len(state), out_dir)
     return out_dir

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +54,7 @@ __all__ = [
     "ZERO3",
     "build_diffusion_registry",
     "call_engine",
+    "denoiser_name",
     "diffusion_role_specs",
     "read_model_index",
     "resolve_model_path",
@@ -128,13 +129,22 @@ def load_component(model_path: str, name: str, variant: str | None = None) -> to
 # --- role factories ----------------------------------------------------------------------------
 
 
+def denoiser_name(model_path: str) -> str:
+    """``"unet"`` (SD 1.x/2.x, SDXL) or ``"transformer"`` (SD3, FLUX): the folder's trainable component."""
+    index = read_model_index(model_path)
+    for name in ("unet", "transformer"):
+        if isinstance(index.get(name), list) and index[name][0]:
+            return name
+    raise ValueError(f"{model_path!r}: model_index.json has neither a unet nor a transformer to train.")
+
+
 def diffusion_role_specs(
     model_path: str,
     *,
     mode: str = ZERO3,
     unet: Placement = Placement(),
     vae: Placement = Placement(),
-    text_encoder: Placement = Placement(),
+    text_encoder: Placement | Mapping[str, Placement] = Placement(),
     ema: Placement | None = None,
     optim: OptimSpec = OptimSpec(weight_decay=1e-2),
     micro_batch_size: int = 1,
@@ -143,38 +153,50 @@ def diffusion_role_specs(
     lora: LoraSpec | None = None,
     variant: str | None = None,
     seed: int = 0,
+    denoiser: str | None = None,
 ) -> list[RoleSpec]:
-    """RoleSpecs for ``unet`` (trainable), ``vae`` and every text encoder (frozen), and ``ema`` when
-    ``ema`` is given (its placement; its stage follows the unet's in ``zero3`` mode so that the update
-    runs on matching local partitions). ``text_encoder`` applies to every text encoder role.
+    """RoleSpecs for the denoiser (trainable: ``unet``, or ``transformer`` for SD3/FLUX; its placement is
+    ``unet``), ``vae`` and every text encoder (frozen), and ``ema`` when ``ema`` is given (its placement;
+    its stage follows the denoiser's in ``zero3`` mode so that the update runs on matching local partitions).
+    ``text_encoder``: one placement for every text encoder, or ``{name: placement}`` per encoder (a T5 at
+    ZeRO-3 with offload beside CLIPs without); ``denoiser`` defaults to the folder's (:func:`denoiser_name`).
 
     In ``seed_baseline`` mode the vae and text encoders are forced to stage 0 (full copies on every
-    rank) and the EMA to a full stage-0 copy, as in diffusers' example.
+    rank) and the EMA to a full stage-0 copy, as in diffusers' examples.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; use one of {list(MODES)}.")
+    denoiser = denoiser or denoiser_name(model_path)
+    encoders = text_encoder_names(model_path)
+    if isinstance(text_encoder, Placement):
+        per_encoder = {name: text_encoder for name in encoders}
+    else:
+        missing = [n for n in encoders if n not in text_encoder]
+        if missing:
+            raise ValueError(f"no placement for text encoder(s) {missing} of {model_path!r}")
+        per_encoder = {name: text_encoder[name] for name in encoders}
     if mode == SEED_BASELINE:
         vae = Placement(stage=0, dtype=vae.dtype)
-        text_encoder = Placement(stage=0, dtype=text_encoder.dtype)
+        per_encoder = {name: Placement(stage=0, dtype=p.dtype) for name, p in per_encoder.items()}
         if ema is not None:
             ema = Placement(stage=0, dtype=ema.dtype)
     elif ema is not None and ema.stage != unet.stage:
-        logger.info("ema: stage %d requested, built at the unet's stage %d (updates run on matching partitions)",
-                    ema.stage, unet.stage)
+        logger.info("ema: stage %d requested, built at the %s's stage %d (updates run on matching partitions)",
+                    ema.stage, denoiser, unet.stage)
         ema = replace(ema, stage=unet.stage, offload_params=ema.offload_params and unet.stage == 3)
 
     def component(name: str) -> Callable[[], torch.nn.Module]:
         return lambda: load_component(model_path, name, variant)
 
     specs = [
-        trainable_role("unet", component("unet"), unet, optim, micro_batch_size=micro_batch_size,
+        trainable_role(denoiser, component(denoiser), unet, optim, micro_batch_size=micro_batch_size,
                        grad_accum=grad_accum, lora=lora, gradient_checkpointing=gradient_checkpointing, seed=seed),
         frozen_role("vae", component("vae"), vae),
     ]
-    specs += [frozen_role(name, component(name), text_encoder) for name in text_encoder_names(model_path)]
+    specs += [frozen_role(name, component(name), per_encoder[name]) for name in encoders]
     if ema is not None:
-        # Same weights as the unet at step 0 (same factory, same LoRA seed); no checkpointing needed.
-        specs.append(frozen_role("ema", component("unet"), ema, stateful=True, lora=lora, seed=seed))
+        # Same weights as the denoiser at step 0 (same factory, same LoRA seed); no checkpointing needed.
+        specs.append(frozen_role("ema", component(denoiser), ema, stateful=True, lora=lora, seed=seed))
     return specs
 
 

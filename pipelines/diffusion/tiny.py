@@ -344,7 +344,8 @@ def pretrain_tiny_vae(
     generations of a fine-tuned tiny SD decode to recognisable images instead of noise.
 
     Loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW, ``lr``), then ``scaling_factor`` is set to
-    ``1 / std(latents)`` over the images (how SD's 0.18215 was chosen) and the vae is saved in place
+    ``1 / std(latents)`` over the images (how SD's 0.18215 was chosen), and for a vae with a ``shift_factor``
+    (SD3 / FLUX style) that to the latents' mean, and the vae is saved in place
     (written beside and renamed). Deterministic for a seed; the global RNG is left untouched. About a
     minute on one CPU core for 300 steps at 32 px, with a progress bar on the main process (``progress``).
     Idempotent: a vae already trained with the same ``steps`` and ``seed`` (``vae/pretrained.json``) is left
@@ -397,13 +398,18 @@ def pretrain_tiny_vae(
         bar.close()
     vae.eval()
     with torch.no_grad():
-        std = float(torch.cat([vae.encode(images[i:i + 64]).latent_dist.mean for i in range(0, len(images), 64)]).std())
+        means = torch.cat([vae.encode(images[i:i + 64]).latent_dist.mean for i in range(0, len(images), 64)])
+    std = float(means.std())
     vae.register_to_config(scaling_factor=1.0 / std)
+    if getattr(vae.config, "shift_factor", None) is not None:
+        # SD3 / FLUX vaes centre their latents too ((z - shift) * scale), as their published shift_factor does.
+        vae.register_to_config(shift_factor=float(means.mean()))
     tmp = vae_dir + ".tmp"
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
     vae.save_pretrained(tmp, safe_serialization=True)
-    result = {"mse": mse, "scaling_factor": 1.0 / std, "steps": steps, "seed": seed}
+    result = {"mse": mse, "scaling_factor": 1.0 / std, "steps": steps, "seed": seed,
+              "shift_factor": getattr(vae.config, "shift_factor", None)}
     with open(os.path.join(tmp, "pretrained.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
     shutil.rmtree(vae_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,18 +33,25 @@ def build_pipeline(
     text_encoders: Sequence[str],
     unet_role: str = "unet",
     prediction_type: str | None = None,
+    *,
+    denoiser: str = "unet",
+    components: Mapping[str, str] | None = None,
+    class_name: str | None = None,
 ) -> Any:
     """The model folder's pipeline class (``_class_name`` in model_index.json, e.g.
-    ``StableDiffusionPipeline``) with the registry's unet (or ``unet_role``, e.g. ``ema``), vae and text
-    encoders; tokenizers and scheduler load from ``model_path``. No weights are copied."""
+    ``StableDiffusionPipeline``, or ``class_name``) with the registry's denoiser (component ``denoiser``:
+    ``unet`` or ``transformer``, taken from role ``unet_role``, e.g. ``ema``), vae and text encoders, plus
+    ``components`` (component -> role, e.g. ``{"controlnet": "controlnet"}``); tokenizers and scheduler load
+    from ``model_path``. No weights are copied."""
     import diffusers
 
     index = read_model_index(model_path)
-    cls = getattr(diffusers, index["_class_name"])
-    components: dict[str, Any] = {"unet": registry.role(unet_role).module, "vae": registry.role("vae").module}
-    components.update({name: registry.role(name).module for name in text_encoders})
-    components.update({name: None for name in _OPTIONAL if name in index})
-    pipe = cls.from_pretrained(model_path, **components)
+    cls = getattr(diffusers, class_name or index["_class_name"])
+    parts: dict[str, Any] = {denoiser: registry.role(unet_role).module, "vae": registry.role("vae").module}
+    parts.update({name: registry.role(name).module for name in text_encoders})
+    parts.update({name: registry.role(role).module for name, role in (components or {}).items()})
+    parts.update({name: None for name in _OPTIONAL if name in index})
+    pipe = cls.from_pretrained(model_path, **parts)
     if prediction_type and pipe.scheduler.config.get("prediction_type") != prediction_type:
         pipe.scheduler.register_to_config(prediction_type=prediction_type)
     pipe.set_progress_bar_config(disable=True)
@@ -86,30 +93,39 @@ def generate(
     prompts: Sequence[str],
     resolution: int,
     num_inference_steps: int = 25,
-    guidance_scale: float = 7.5,
+    guidance_scale: float | None = 7.5,
     seed: int = 0,
+    **pipeline_kwargs: Any,
 ) -> list[Image.Image]:
     """One image per prompt (``resolution`` square), the same on every rank. All ranks must call it.
 
-    The pipeline returns latents; they are decoded through the vae engine (see :func:`call_engine`),
-    so every vae call goes through its engine like in training.
+    ``guidance_scale=None`` keeps the pipeline's default; ``pipeline_kwargs`` go to the pipeline call
+    (``max_sequence_length`` for SD3/FLUX, ``image`` for a ControlNet pipeline). The pipeline returns
+    latents (FLUX: packed, unpacked here); they are decoded through the vae engine (see
+    :func:`call_engine`), so every vae call goes through its engine like in training.
     """
     vae = registry.role("vae")
     generator = torch.Generator().manual_seed(seed)  # CPU: the same draws on any device
     # The pipeline calls the text encoders' modules directly, and their embedding layers read weight
-    # shapes before any ZeRO-3 fetch hook has run: gather them (small, frozen) for the call.
+    # shapes before any ZeRO-3 fetch hook has run: gather them (frozen) for the call.
     encoders = [r.name for r in registry.roles() if r.name.startswith("text_encoder")]
     gather = registry.gathered(*encoders) if encoders else contextlib.nullcontext()
-    with gather, _unet_inputs_in_own_dtype(pipe.unet, pipe.unet.dtype):
+    denoiser = getattr(pipe, "unet", None) or pipe.transformer
+    kwargs = dict(pipeline_kwargs)
+    if guidance_scale is not None:
+        kwargs["guidance_scale"] = guidance_scale
+    with gather, _unet_inputs_in_own_dtype(denoiser, denoiser.dtype):
         latents = pipe(
             list(prompts),
             height=resolution,
             width=resolution,
             num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
             generator=generator,
             output_type="latent",
-        ).images  # [N, C, h, w], scaled latents
+            **kwargs,
+        ).images  # [N, C, h, w] scaled latents (FLUX: [N, tokens, 4C])
+    if latents.ndim == 3 and hasattr(pipe, "_unpack_latents"):
+        latents = pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)
     config = vae.module.config
     shift = float(getattr(config, "shift_factor", None) or 0.0)
     latents = latents.float() / float(config.scaling_factor) + shift
