@@ -34,3 +34,5 @@ def test_registry_under_launcher(tmp_path, launcher):
     for r in ranks:
         assert r["world"] == 2
         assert r["local"] == {"actor": 64 * 64 // 2 + 32, "ref": 64 * 64 // 2 + 32}
+        # DeepSpeed's CPU all-reduce buffer (~70 MB a rank) is unlinked once mapped, not left in /dev/shm
+        assert r["shm_op"] and r["shm_left"] == []
