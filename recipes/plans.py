@@ -271,50 +271,78 @@ def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
     folder = os.path.join(str(cfg.output_dir), "tiny_sd")
     if os.path.isfile(os.path.join(folder, "model_index.json")):
         return P.pipeline_info(folder), folder
-    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), int(cfg.model.tiny_text_encoders))
+    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), str(cfg.model.tiny_family))
 
 
 @functools.cache
-def _build_tiny_sd(seed: int, resolution: int, text_encoders: int) -> tuple[dict[str, P.ModelInfo], str]:
-    """The recipe's tiny SD (under 2M parameters), built in a temporary folder to read its headers."""
+def _build_tiny_sd(seed: int, resolution: int, family: str) -> tuple[dict[str, P.ModelInfo], str]:
+    """The recipe's tiny model of ``family`` (a few M parameters), built in a temporary folder to read its
+    headers."""
     from multiengine.recipes.sd_finetune import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
-        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, text_encoders)
+        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, family)
         parts = P.pipeline_info(folder)
-    return parts, f"the recipe's tiny SD ({text_encoders} text encoder(s), built as the run would)"
+    return parts, f"the recipe's tiny {family} model (built as the run would)"
+
+
+def _sd_family(components: Mapping[str, P.ModelInfo]) -> str:
+    """sd | sdxl | sd3 | flux from the components alone (a hub name planned with --assume has no index)."""
+    if "transformer" in components:
+        return "flux" if "axes_dims_rope" in components["transformer"].config else "sd3"
+    return "sdxl" if "text_encoder_2" in components else "sd"
 
 
 def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from multiengine.pipelines.diffusion.families import family_roles
+
     components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
                                           tiny=lambda: _tiny_sd(cfg), assume=assume)
-    denoiser = "unet" if "unet" in components else "transformer"
-    if denoiser != "unet" or "vae" not in components:
-        raise RecipeConfigError(f"sd_finetune trains a unet; {source} has components {sorted(components)}.")
+    if "vae" not in components or not ({"unet", "transformer"} & set(components)):
+        raise RecipeConfigError(f"sd_finetune trains a unet or a transformer beside a vae; {source} has "
+                                f"components {sorted(components)}.")
+    family = _sd_family(components)
+    froles = family_roles(family)
+    name = froles.denoiser
     r, t = cfg.roles, cfg.train
     baseline = cfg.mode == "seed_baseline"
     res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
     vae = components["vae"]
     scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
-    unet = components["unet"]
-    lora = (int(cfg.lora.rank), tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
-    encoders = sorted((n for n in components if n.startswith("text_encoder")), key=lambda n: (len(n), n))
-    tokens = 77
-    if encoders:
-        tokens = int(components[encoders[0]].config.get("max_position_embeddings", 77))
-    udtype = str(r.unet.dtype)
+    denoiser = components[name]
+    lora = (int(cfg.lora.rank), tuple(cfg.lora.target_modules) or froles.lora_targets) if cfg.lora.enabled else None
+    encoders = [n for n in froles.text_encoders if n in components]
+    t5_tokens = int(cfg.flow.max_sequence_length) or (77 if family == "sd3" else 512)
+
+    def tokens_of(enc: str) -> int:
+        config = components[enc].config
+        if str(config.get("model_type", "")) in ("t5", "umt5", "mt5"):
+            return t5_tokens
+        return int(config.get("max_position_embeddings", 77))
+
+    text_tokens = {e: tokens_of(e) for e in encoders}
+    ddtype = str(r[name].dtype)
     prompts = len(cfg.validation.prompts) if cfg.validation.enabled else 0
-    unet_phases = [("train step", P.unet_activation_bytes(
-        unet.config, batch=batch, latent_height=res // scale, latent_width=res // scale, dtype=udtype,
-        gradient_checkpointing=bool(t.gradient_checkpointing), text_tokens=tokens))]
+
+    def denoiser_bytes(n: int, trainable: bool) -> int:
+        if name == "unet":
+            return P.unet_activation_bytes(
+                denoiser.config, batch=n, latent_height=res // scale, latent_width=res // scale, dtype=ddtype,
+                gradient_checkpointing=bool(t.gradient_checkpointing and trainable), trainable=trainable,
+                text_tokens=max(text_tokens.values(), default=77))
+        seq = P.dit_tokens(denoiser.config, height=res, width=res, text_tokens=max(text_tokens.values(), default=77)
+                           if family == "flux" else sum(text_tokens.values()), vae_scale=scale)
+        return P.transformer_activation_bytes(P.dit_dims(denoiser.config), batch=n, seq=seq, dtype=ddtype,
+                                              trainable=trainable,
+                                              gradient_checkpointing=bool(t.gradient_checkpointing and trainable))
+
+    phases = [("train step", denoiser_bytes(batch, True))]
     if prompts:
-        unet_phases.append(("validation", P.unet_activation_bytes(
-            unet.config, batch=2 * prompts, latent_height=res // scale, latent_width=res // scale, dtype=udtype,
-            trainable=False, text_tokens=tokens)))
-    roles = [_role("unet", unet, udtype, trainable=True, lora=lora,
-                   current=_current(r.unet.stage, True, r.unet.offload_params, r.unet.offload_optimizer),
-                   phases=unet_phases,
+        phases.append(("validation", denoiser_bytes(2 * prompts, False)))
+    d = r[name]
+    roles = [_role(name, denoiser, ddtype, trainable=True, lora=lora,
+                   current=_current(d.stage, True, d.offload_params, d.offload_optimizer), phases=phases,
                    note="LoRA: activations estimated as for a full fine-tune (an upper bound)" if lora else "")]
     vdtype = str(r.vae.dtype)
     c0 = int(vae.config.get("block_out_channels", (128,))[0])
@@ -329,38 +357,42 @@ def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
                        phases=vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
                        gather_hint="roles.vae.gather_forward=false",
                        choices=fixed0 if baseline else (), note="seed_baseline: full copy" if baseline else ""))
-    tdtype = str(r.text_encoder.dtype)
-    for i, name in enumerate(encoders):
-        info = components[name]
-        dims = P.transformer_dims(info.config)
-        phases = [("encode", P.transformer_activation_bytes(dims, batch=batch, seq=tokens, dtype=tdtype,
-                                                            trainable=False))]
-        roles.append(_role(
-            name, info, tdtype, trainable=False,
-            current=P.Choice(0) if baseline else _current(r.text_encoder.stage, False, r.text_encoder.offload_params),
-            phases=phases, full_gather=("encode",) if r.text_encoder.gather_forward else (),
-            gather_hint="roles.text_encoder.gather_forward=false",
-            choices=fixed0 if baseline else (), follows=encoders[0] if i and not baseline else None,
-            follows_all=bool(i), note="placed like text_encoder (one roles.text_encoder section)" if i else ""))
-    keys = {"unet": _keys("roles.unet")}
+    keys = {name: _keys(f"roles.{name}")}
     if not baseline:
         keys["vae"] = _keys("roles.vae", offload_optimizer=False)
-        if encoders:
-            keys[encoders[0]] = _keys("roles.text_encoder", offload_optimizer=False)
+    first = r.text_encoder
+    for enc in encoders:
+        sec = r[enc]
+        own = enc == "text_encoder" or int(sec.stage) >= 0  # stage -1: placed as roles.text_encoder
+        place = sec if own else first
+        tdtype = str(sec.dtype or first.dtype)
+        info = components[enc]
+        encode = P.transformer_activation_bytes(P.transformer_dims(info.config), batch=batch,
+                                                seq=text_tokens[enc], dtype=tdtype, trainable=False)
+        roles.append(_role(
+            enc, info, tdtype, trainable=False,
+            current=P.Choice(0) if baseline else _current(int(place.stage), False, bool(place.offload_params)),
+            phases=[("encode", encode)], full_gather=("encode",) if sec.gather_forward else (),
+            gather_hint=f"roles.{enc}.gather_forward=false", choices=fixed0 if baseline else (),
+            follows="text_encoder" if not own and not baseline else None, follows_all=not own,
+            note="" if own else "placed like text_encoder (roles.%s.stage = -1)" % enc))
+        if own and not baseline:
+            keys[enc] = _keys(f"roles.{enc}", offload_optimizer=False)
     if cfg.ema.enabled:
         edtype = str(cfg.ema.dtype)
-        stage = 0 if baseline else int(r.unet.stage)
-        ema_info = unet
+        stage = 0 if baseline else int(d.stage)
+        ema_info = denoiser
         if lora:
-            for i, n in enumerate(P.lora_tensors(unet.tensors, *lora)):
+            for i, n in enumerate(P.lora_tensors(denoiser.tensors, *lora)):
                 ema_info = ema_info.plus(f"lora_{i}", (n,))
         roles.append(_role(
             "ema", ema_info, edtype, trainable=False, current=_current(stage, False, cfg.ema.offload_params),
-            choices=fixed0 if baseline else (), follows=None if baseline else "unet",
-            note="seed_baseline: full copy" if baseline else "sharded like the unet (same stage)"))
+            choices=fixed0 if baseline else (), follows=None if baseline else name,
+            note="seed_baseline: full copy" if baseline else f"sharded like the {name} (same stage)"))
         if not baseline:
             keys["ema"] = RoleKeys(None, "ema.offload_params")
-    notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch {batch}"
+    notes = [f"model: {source} ({family})",
+             f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch {batch}"
              + (", gradient checkpointing" if t.gradient_checkpointing else "")]
     return [RecipePlan("sd_finetune", roles, keys, notes)]
 
