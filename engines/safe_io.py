@@ -240,7 +240,7 @@ def deepspeed_loads_refusing_pickles(engine: Any) -> Iterator[None]:
 
 # --- code shipped inside model folders --------------------------------------------------------------
 # A model or tokenizer folder can name Python files of its own (config.json's `auto_map`); transformers
-# runs them only with trust_remote_code=True. That is the same hazard as a pickle: the folder becomes a
+# runs them only when trust_remote_code is true. That is the same hazard as a pickle: the folder becomes a
 # program. Every from_pretrained / AutoTokenizer call of the library passes `trust_remote_code()`: False
 # unless a run's config sets `trust_remote_code: true` (the lifecycle calls set_trust_remote_code). With
 # False, a folder that needs its own code fails at once with transformers' message, never by prompting.

@@ -17,7 +17,7 @@ from multiengine.recipes.config import (
     describe_keys,
     load_config,
     load_recipe,
-    recipe_checks,
+    key_checks,
     validate_config,
 )
 
@@ -66,7 +66,7 @@ def test_every_key_has_a_meaning_for_help(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_number_and_choice_key_is_checked(recipe):
     module = load_recipe(recipe)
-    checks = recipe_checks(module)
+    checks = key_checks(module)  # the recipe's CHECKS and the lifecycle's common ones
     unchecked = []
 
     def walk(tree, prefix=""):

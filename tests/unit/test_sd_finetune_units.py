@@ -56,7 +56,8 @@ def test_text_encoders_from_model_index(tmp_path):
 
 
 def test_seed_baseline_builds_frozen_roles_unsharded(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"text_encoder": ["transformers", "CLIPTextModel"]}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"unet": ["diffusers", "UNet2DConditionModel"],
+                                                           "text_encoder": ["transformers", "CLIPTextModel"]}))
     specs = {s.name: s for s in diffusion_role_specs(str(tmp_path), mode="seed_baseline",
                                                      ema=Placement(stage=3, dtype="fp32"))}
     assert list(specs) == ["unet", "vae", "text_encoder", "ema"]
