@@ -188,7 +188,8 @@ def main() -> None:
 
     results = run_all()
     written = as_written()
-    text = markdown(results) + "\n### Every shipped GPU config as written (GiB per GPU)\n\n" + as_written_markdown(written)
+    text = (markdown(results) + "\n### Every shipped GPU config as written (GiB per GPU)\n\n"
+            + as_written_markdown(written))
     print(text)
     def brief(p: P.Plan) -> dict[str, Any]:
         data = p.to_dict()

@@ -89,12 +89,12 @@ COMMON_HELP: dict[str, str] = {
     "checkpoint.keep_last": "checkpoints kept (the newest K; 0 = all)",
 }
 DATA_DEFAULTS: dict[str, Any] = {
-    "source": "",  # a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, a folder of split files or a hub dataset; "" = the built-in task
+    "source": "",  # .jsonl/.json/.csv/.parquet file, save_to_disk folder, split-files folder, hub name; "" = built-in
     "sources": [],  # several sources blended by weight, [{path, weight, columns, split}]; replaces data.source
     "columns": {**DATA_COLUMNS},  # your column names per field: data.columns.<field>=<column>
     "train_split": "train",  # the split of a hub dataset / DatasetDict folder to train on
     "eval_source": "",  # separate evaluation rows (the forms of data.source); never a training source
-    "eval_split": "auto",  # auto (the source's eval/test split, else 5% of its rows held out) | none | 0.05 | 200 | a split name
+    "eval_split": "auto",  # auto (the eval/test split, else 5% of rows held out) | none | 0.05 | 200 | a split name
 }
 
 

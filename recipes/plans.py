@@ -375,7 +375,7 @@ def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
             phases=[("encode", encode)], full_gather=("encode",) if sec.gather_forward else (),
             gather_hint=f"roles.{enc}.gather_forward=false", choices=fixed0 if baseline else (),
             follows="text_encoder" if not own and not baseline else None, follows_all=not own,
-            note="" if own else "placed like text_encoder (roles.%s.stage = -1)" % enc))
+            note="" if own else f"placed like text_encoder (roles.{enc}.stage = -1)"))
         if own and not baseline:
             keys[enc] = _keys(f"roles.{enc}", offload_optimizer=False)
     if cfg.ema.enabled:

@@ -8,7 +8,8 @@ Every role is its own DeepSpeed engine with its own stage, dtype and offload (re
 reward the critic, unless set). Each role may have its own tokenizer (``model.tokenizer``,
 ``model.reward_tokenizer``, ``model.critic_tokenizer``; default: each folder's own): a reward model or critic
 that tokenizes differently from the actor scores the actor's prompts and answers decoded and re-encoded with
-its tokenizer (its chat template for conversations); one with the same vocabulary reads the actor's ids. The reward is the ``reward`` role by default, or any weighted sum of
+its tokenizer (its chat template for conversations); one with the same vocabulary reads the actor's ids.
+The reward is the ``reward`` role by default, or any weighted sum of
 reward-model roles and Python reward functions named in ``reward.models`` / ``reward.functions`` (as in
 rlhf_grpo). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
 export/{actor,critic}[/adapter] (and export/ema) under output_dir; ``resume_from=latest`` continues a run.
@@ -61,11 +62,11 @@ DEFAULTS: dict[str, Any] = {
     "max_steps": 50,  # PPO steps: one rollout batch each
     "model": {  # the models of the four roles and their tokenizers
         "actor": "",  # step 1's export (actor and ref); "" = the random tiny model (mechanics only)
-        "reward": "",  # step 2's export or a *ForSequenceClassification reward model; "" = the random tiny model with a fresh head
+        "reward": "",  # step 2's export or a *ForSequenceClassification model; "" = random tiny model, fresh head
         "critic": "",  # "" = the reward model (DeepSpeed-Chat); the actor's folder when rewards are functions only
         "tokenizer": "",  # the actor's tokenizer; "" = the actor folder's own
-        "reward_tokenizer": "",  # the reward model's; "" = its folder's own (re-encoded when it differs from the actor's)
-        "critic_tokenizer": "",  # the critic's; "" = its folder's own (model.reward_tokenizer when it is the reward's folder)
+        "reward_tokenizer": "",  # the reward model's; "" = its folder's own (re-encoded if it differs from the actor's)
+        "critic_tokenizer": "",  # the critic's; "" = its folder's own (model.reward_tokenizer for the reward's folder)
         "tiny_hidden": 64,  # width of the random tiny model (empty model keys)
         "tiny_layers": 2,  # layers of the random tiny model
     },

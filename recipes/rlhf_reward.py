@@ -46,7 +46,7 @@ DEFAULTS: dict[str, Any] = {
     # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
     # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works
     "model": {  # the reward model's starting point
-        "pretrained": "",  # a causal-LM folder, SFT export, reward export or *ForSequenceClassification folder; "" = the random tiny OPT
+        "pretrained": "",  # causal-LM folder, SFT or reward export, *ForSequenceClassification folder; "" = tiny OPT
         "tokenizer": "",  # a tokenizer folder or hub name; "" = the model folder's own
         "tiny_hidden": 64,  # width of the random tiny OPT (model.pretrained="")
         "tiny_layers": 2,  # layers of the random tiny OPT

@@ -7,7 +7,8 @@ One trainable role (``actor``) on the registry, any ZeRO stage, optional LoRA. T
 response and its EOS only (prompt tokens are labelled -100); conversations are rendered with the
 tokenizer's chat template and only assistant tokens are learned. Data: ``data.source`` / ``data.sources``
 with ``data.columns.<field>``; evaluation rows from ``data.eval_source`` / ``data.eval_split`` (by default
-the source's eval/test split, else 5% held out), never the training rows (docs/data.md). Reports held-out loss and, on the built-in
+the source's eval/test split, else 5% held out), never the training rows (docs/data.md). Reports held-out
+loss and, on the built-in
 task, the judge's score of sampled and greedy answers before and after. Writes metrics.jsonl,
 summary.json, curves.png and export/actor (an HF folder with the tokenizer; merged weights + adapter/
 for LoRA) under output_dir; ``resume_from=latest`` continues a run from its checkpoints.

@@ -175,8 +175,9 @@ def train_on_experience(
                                          position_ids=position_ids_from_mask(mb.critic_attention_mask))
                     values = full.float().gather(1, mb.critic_index)
                 else:
-                    values = ppo.response_values(critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
-                                                               position_ids=position_ids_from_mask(mb.attention_mask)), C)
+                    full = critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
+                                         position_ids=position_ids_from_mask(mb.attention_mask))
+                    values = ppo.response_values(full, C)
                 v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip, den)
                 critic_engine.backward(v_loss)
                 critic_engine.step()

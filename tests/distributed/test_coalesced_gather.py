@@ -29,7 +29,8 @@ def test_gathers_are_coalesced_and_leave_persistent_tensors_whole(tmp_path):
         assert m["forward"] == pytest.approx(m["by_hand"], abs=1e-5)
         assert r["error_released"]["whole"] == PERSIST and r["error_values_equal"]
         assert r["partitioned_tensors"] == 3
-        assert r["bucket_8256"] == 2 and r["bucket_1"] == 3  # two 64x64 weights (+ a bias) fit, the third not; or one each
+        # two 64x64 weights (+ a bias) fit, the third not; or one each
+        assert r["bucket_8256"] == 2 and r["bucket_1"] == 3
         g = r["gather_forward"]
         assert g["all_gather"] == 1 and g["equal"] and g["state"]["whole"] == PERSIST
         assert r["losses"]["policy"] == r["losses"]["twin"] and r["final_equal"]

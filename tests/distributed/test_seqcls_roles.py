@@ -64,9 +64,11 @@ def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
         "import json\n"
         "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
         f"r = json.load(open({str(tmp_path / 'rank0.json')!r}))\n"
-        "m, info = AutoModelForSequenceClassification.from_pretrained(r['export']['critic'], output_loading_info=True)\n"
+        "m, info = AutoModelForSequenceClassification.from_pretrained(\n"
+        "    r['export']['critic'], output_loading_info=True)\n"
         "tok = AutoTokenizer.from_pretrained(r['export']['critic'])\n"
-        "print(json.dumps({'missing': sorted(info['missing_keys']), 'vocab': len(tok), 'embed': m.config.vocab_size}))\n"
+        "print(json.dumps({'missing': sorted(info['missing_keys']), 'vocab': len(tok),\n"
+        "                  'embed': m.config.vocab_size}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

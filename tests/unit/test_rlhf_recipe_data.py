@@ -15,9 +15,9 @@ from multiengine.recipes.common import data_overrides, data_spec
 from multiengine.recipes.config import (
     RecipeConfigError,
     describe_keys,
+    key_checks,
     load_config,
     load_recipe,
-    key_checks,
     validate_config,
 )
 
@@ -135,7 +135,8 @@ def test_validate_builds_no_model(assets, monkeypatch):
 
 @pytest.mark.parametrize("recipe, overrides, message", [
     ("rlhf_sft", ["model.pretrained=./models/my-gpt2"], r"no such folder: ./models/my-gpt2 \(model.pretrained\)"),
-    ("rlhf_ppo", ["model.actor=/nowhere/sft/export/actor"], r"no such folder: /nowhere/sft/export/actor \(model.actor\)"),
+    ("rlhf_ppo", ["model.actor=/nowhere/sft/export/actor"],
+     r"no such folder: /nowhere/sft/export/actor \(model.actor\)"),
     ("rlhf_sft", ["data.source={qa}"], r"data.source=.*qa.jsonl.*has columns \['answer', 'id', 'question'\].*"
                                        r"data.columns.prompt=question"),
     ("rlhf_sft", ["data.source={qa}", "data.columns.prompt=quest"], r"column\(s\) \['quest'\].*not in"),
@@ -197,7 +198,8 @@ def test_e2e_passes_the_data_keys_to_every_step(assets, tmp_path, monkeypatch):
         return {"metrics": {}, "export": {"actor": {"model": "/sft"}, "reward": {"model": "/rm"}}}
 
     monkeypatch.setattr(rlhf_e2e, "_run_step", fake_step)
-    cfg = load_config("rlhf_e2e", "tiny", [f"output_dir={tmp_path}", "backend=torch", f"model.pretrained={assets['model']}",
+    cfg = load_config("rlhf_e2e", "tiny", [f"output_dir={tmp_path}", "backend=torch",
+                                           f"model.pretrained={assets['model']}",
                                            f"data.source={assets['qa']}", "data.columns.prompt=question",
                                            "data.columns.response=answer", "data.eval_split=0.1"])
     rlhf_e2e.main(cfg)

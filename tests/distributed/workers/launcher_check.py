@@ -25,7 +25,8 @@ from multiengine.engines.dist import _shm_buffer_path  # noqa: E402
 with open(os.path.join(out_dir, f"rank{registry.rank}.json"), "w") as f:
     json.dump({"rank": registry.rank, "world": registry.world_size,
                "shm_op": getattr(ds_comm.cdb, "shm_comm_op", None) is not None,
-               "shm_left": [n for n in os.listdir("/dev/shm") if n == os.path.basename(_shm_buffer_path(registry.rank))],
+               "shm_left": [n for n in os.listdir("/dev/shm")
+                            if n == os.path.basename(_shm_buffer_path(registry.rank))],
                "local": {r.name: sum(p.ds_tensor.numel() for p in r.module.parameters()) for r in registry.roles()}}, f)
 
 # Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
