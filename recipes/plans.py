@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -268,22 +269,22 @@ def _meta_opt(hidden: int, layers: int, vocab: int) -> P.ModelInfo:
 
 
 def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
-    folder = os.path.join(str(cfg.output_dir), "tiny_sd")
+    family = str(cfg.model.tiny_family)
+    folder = os.path.join(str(cfg.output_dir), f"tiny_{family}")
     if os.path.isfile(os.path.join(folder, "model_index.json")):
         return P.pipeline_info(folder), folder
-    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), str(cfg.model.tiny_family))
+    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), family)
 
 
 @functools.cache
 def _build_tiny_sd(seed: int, resolution: int, family: str) -> tuple[dict[str, P.ModelInfo], str]:
-    """The recipe's tiny model of ``family`` (a few M parameters), built in a temporary folder to read its
-    headers."""
+    """The recipe's tiny model of ``family`` (a few M parameters), built in a temporary folder to read its headers."""
     from multiengine.recipes.sd_finetune import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
-        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, family)
+        folder = build_tiny_model(os.path.join(tmp, f"tiny_{family}"), seed, resolution, family)
         parts = P.pipeline_info(folder)
-    return parts, f"the recipe's tiny {family} model (built as the run would)"
+    return parts, f"the recipe's tiny {family} (built as the run would)"
 
 
 def _sd_family(components: Mapping[str, P.ModelInfo]) -> str:
@@ -293,57 +294,80 @@ def _sd_family(components: Mapping[str, P.ModelInfo]) -> str:
     return "sdxl" if "text_encoder_2" in components else "sd"
 
 
-def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
-                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    from multiengine.pipelines.diffusion.families import family_roles
+def _encoder_names(components: Mapping[str, P.ModelInfo]) -> list[str]:
+    return sorted((n for n in components if n.startswith("text_encoder")), key=lambda n: (len(n), n))
 
-    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
-    if "vae" not in components or not ({"unet", "transformer"} & set(components)):
-        raise RecipeConfigError(f"sd_finetune trains a unet or a transformer beside a vae; {source} has "
-                                f"components {sorted(components)}.")
-    family = _sd_family(components)
-    froles = family_roles(family)
-    name = froles.denoiser
+
+def _is_t5(info: P.ModelInfo) -> bool:
+    return info.class_name.startswith("T5") or "d_model" in info.config
+
+
+def _t5_length(cfg: Any, denoiser: P.ModelInfo) -> int:
+    """T5 tokens per caption as the recipe pads them (flow.max_sequence_length, else SD3 77 / FLUX 512)."""
+    flow = cfg.get("flow") or {}
+    asked = int(flow.get("max_sequence_length") or 0)
+    return asked or (512 if "axes_dims_rope" in denoiser.config else 77)
+
+
+def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: str, *, trained: str,
+                     trained_info: P.ModelInfo) -> tuple[list[P.RoleRequest], dict[str, RoleKeys]]:
+    """Role requests of a diffusion fine-tune: ``trained`` (the denoiser, or a ControlNet beside a frozen
+    denoiser) trainable; the denoiser (when it is not the trained role), vae and text encoders frozen."""
     r, t = cfg.roles, cfg.train
     baseline = cfg.mode == "seed_baseline"
     res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
     vae = components["vae"]
     scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
-    denoiser = components[name]
-    lora = (int(cfg.lora.rank), tuple(cfg.lora.target_modules) or froles.lora_targets) if cfg.lora.enabled else None
-    encoders = [n for n in froles.text_encoders if n in components]
-    t5_tokens = int(cfg.flow.max_sequence_length) or (77 if family == "sd3" else 512)
+    net = components[denoiser]
+    lora_section = cfg.get("lora") or {}
+    lora = (int(lora_section.rank), tuple(lora_section.target_modules)) if lora_section.get("enabled") else None
+    if lora and not lora[1]:
+        from multiengine.pipelines.diffusion.families import family_roles
 
-    def tokens_of(enc: str) -> int:
-        config = components[enc].config
-        if str(config.get("model_type", "")) in ("t5", "umt5", "mt5"):
-            return t5_tokens
-        return int(config.get("max_position_embeddings", 77))
+        lora = (lora[0], family_roles(_sd_family(components)).lora_targets)
+    encoders = _encoder_names(components)
+    t5_len = _t5_length(cfg, net) if denoiser == "transformer" else 0
+    tokens = {n: t5_len if _is_t5(components[n]) else int(components[n].config.get("max_position_embeddings", 77))
+              for n in encoders}
+    prompts = (len(cfg.validation.prompts) or int(cfg.validation.num_prompts)) if cfg.validation.enabled else 0
 
-    text_tokens = {e: tokens_of(e) for e in encoders}
-    ddtype = str(r[name].dtype)
-    prompts = len(cfg.validation.prompts) if cfg.validation.enabled else 0
+    def denoiser_phases(dtype: str, trainable: bool, checkpointing: bool) -> list[tuple[str, int]]:
+        if denoiser == "unet":
+            text = max(tokens.values(), default=77)
+            act = functools.partial(P.unet_activation_bytes, net.config, latent_height=res // scale,
+                                    latent_width=res // scale, dtype=dtype, text_tokens=text)
+            train = act(batch=batch, trainable=trainable, gradient_checkpointing=checkpointing)
+            val = act(batch=2 * prompts, trainable=False) if prompts else 0
+        else:
+            # SD3 joins the CLIP tokens (77) with T5's; FLUX's transformer sees T5's only.
+            text = t5_len + (0 if "axes_dims_rope" in net.config else 77)
+            seq = P.dit_tokens(net.config, height=res, width=res, text_tokens=text, vae_scale=scale)
+            dims = P.dit_dims(net.config)
+            train = P.transformer_activation_bytes(dims, batch=batch, seq=seq, dtype=dtype, trainable=trainable,
+                                                   gradient_checkpointing=checkpointing, logits=False)
+            val = P.transformer_activation_bytes(dims, batch=2 * prompts, seq=seq, dtype=dtype, trainable=False,
+                                                 logits=False) if prompts else 0
+        return [("train step", train)] + ([("validation", val)] if val else [])
 
-    def denoiser_bytes(n: int, trainable: bool) -> int:
-        if name == "unet":
-            return P.unet_activation_bytes(
-                denoiser.config, batch=n, latent_height=res // scale, latent_width=res // scale, dtype=ddtype,
-                gradient_checkpointing=bool(t.gradient_checkpointing and trainable), trainable=trainable,
-                text_tokens=max(text_tokens.values(), default=77))
-        seq = P.dit_tokens(denoiser.config, height=res, width=res, text_tokens=max(text_tokens.values(), default=77)
-                           if family == "flux" else sum(text_tokens.values()), vae_scale=scale)
-        return P.transformer_activation_bytes(P.dit_dims(denoiser.config), batch=n, seq=seq, dtype=ddtype,
-                                              trainable=trainable,
-                                              gradient_checkpointing=bool(t.gradient_checkpointing and trainable))
-
-    phases = [("train step", denoiser_bytes(batch, True))]
-    if prompts:
-        phases.append(("validation", denoiser_bytes(2 * prompts, False)))
-    d = r[name]
-    roles = [_role(name, denoiser, ddtype, trainable=True, lora=lora,
-                   current=_current(d.stage, True, d.offload_params, d.offload_optimizer), phases=phases,
+    fixed0 = (P.Choice(0),)
+    whole = "seed_baseline: full copy"
+    section = r[trained]
+    tdtype = str(section.dtype)
+    checkpointing = bool(t.gradient_checkpointing)
+    roles = [_role(trained, trained_info, tdtype, trainable=True, lora=lora if trained == denoiser else None,
+                   current=_current(section.stage, True, section.offload_params, section.offload_optimizer),
+                   phases=denoiser_phases(tdtype, True, checkpointing),
                    note="LoRA: activations estimated as for a full fine-tune (an upper bound)" if lora else "")]
+    keys = {trained: _keys(f"roles.{trained}")}
+    if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
+        ddtype = str(r[denoiser].dtype)
+        roles.append(_role(
+            denoiser, net, ddtype, trainable=False,
+            current=P.Choice(0) if baseline else _current(r[denoiser].stage, False, r[denoiser].offload_params),
+            phases=denoiser_phases(ddtype, True, False), choices=fixed0 if baseline else (),
+            note=whole if baseline else "frozen; activations kept for the trained role's backward"))
+        if not baseline:
+            keys[denoiser] = _keys(f"roles.{denoiser}", offload_optimizer=False)
     vdtype = str(r.vae.dtype)
     c0 = int(vae.config.get("block_out_channels", (128,))[0])
     vae_phases = [("encode", P.conv_frozen_activation_bytes(batch=batch, height=res, width=res, channels=c0,
@@ -351,50 +375,105 @@ def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
     if prompts:
         vae_phases.append(("validation decode", P.conv_frozen_activation_bytes(
             batch=prompts, height=res, width=res, channels=c0, dtype=vdtype)))
-    fixed0 = (P.Choice(0),)
     roles.append(_role("vae", vae, vdtype, trainable=False,
                        current=P.Choice(0) if baseline else _current(r.vae.stage, False, r.vae.offload_params),
                        phases=vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
                        gather_hint="roles.vae.gather_forward=false",
-                       choices=fixed0 if baseline else (), note="seed_baseline: full copy" if baseline else ""))
-    keys = {name: _keys(f"roles.{name}")}
+                       choices=fixed0 if baseline else (), note=whole if baseline else ""))
     if not baseline:
         keys["vae"] = _keys("roles.vae", offload_optimizer=False)
     first = r.text_encoder
-    for enc in encoders:
-        sec = r[enc]
-        own = enc == "text_encoder" or int(sec.stage) >= 0  # stage -1: placed as roles.text_encoder
-        place = sec if own else first
-        tdtype = str(sec.dtype or first.dtype)
-        info = components[enc]
-        encode = P.transformer_activation_bytes(P.transformer_dims(info.config), batch=batch,
-                                                seq=text_tokens[enc], dtype=tdtype, trainable=False)
+    for i, name in enumerate(encoders):
+        info = components[name]
+        own = r.get(name) if i else first
+        follow = i > 0 and (own is None or int(own.stage) < 0)  # stage -1: placed as roles.text_encoder
+        place = first if follow else own
+        edtype = str(place.dtype or first.dtype) if not follow else str(first.dtype)
+        dims = P.transformer_dims(info.config)
+        phases = [("encode", P.transformer_activation_bytes(dims, batch=batch, seq=tokens[name], dtype=edtype,
+                                                            trainable=False, logits=False))]
         roles.append(_role(
-            enc, info, tdtype, trainable=False,
-            current=P.Choice(0) if baseline else _current(int(place.stage), False, bool(place.offload_params)),
-            phases=[("encode", encode)], full_gather=("encode",) if sec.gather_forward else (),
-            gather_hint=f"roles.{enc}.gather_forward=false", choices=fixed0 if baseline else (),
-            follows="text_encoder" if not own and not baseline else None, follows_all=not own,
-            note="" if own else f"placed like text_encoder (roles.{enc}.stage = -1)"))
-        if own and not baseline:
-            keys[enc] = _keys(f"roles.{enc}", offload_optimizer=False)
-    if cfg.ema.enabled:
-        edtype = str(cfg.ema.dtype)
-        stage = 0 if baseline else int(d.stage)
-        ema_info = denoiser
+            name, info, edtype, trainable=False,
+            current=P.Choice(0) if baseline else _current(place.stage, False, place.offload_params),
+            phases=phases, full_gather=("encode",) if place.gather_forward else (),
+            gather_hint=f"roles.{name if not follow else 'text_encoder'}.gather_forward=false",
+            choices=fixed0 if baseline else (), follows=encoders[0] if follow and not baseline else None,
+            follows_all=follow, note=whole if baseline else
+            ("placed like text_encoder (its stage is -1)" if follow else "")))
+        if not baseline and not follow:
+            keys[name] = _keys(f"roles.{name}", offload_optimizer=False)
+    ema = cfg.get("ema") or {}
+    if ema.get("enabled"):
+        stage = 0 if baseline else int(section.stage)
+        ema_info = trained_info
         if lora:
-            for i, n in enumerate(P.lora_tensors(denoiser.tensors, *lora)):
+            for i, n in enumerate(P.lora_tensors(trained_info.tensors, *lora)):
                 ema_info = ema_info.plus(f"lora_{i}", (n,))
         roles.append(_role(
-            "ema", ema_info, edtype, trainable=False, current=_current(stage, False, cfg.ema.offload_params),
-            choices=fixed0 if baseline else (), follows=None if baseline else name,
-            note="seed_baseline: full copy" if baseline else f"sharded like the {name} (same stage)"))
+            "ema", ema_info, str(ema.dtype), trainable=False, current=_current(stage, False, ema.offload_params),
+            choices=fixed0 if baseline else (), follows=None if baseline else trained,
+            note=whole if baseline else f"sharded like the {trained} (same stage)"))
         if not baseline:
             keys["ema"] = RoleKeys(None, "ema.offload_params")
-    notes = [f"model: {source} ({family})",
-             f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch {batch}"
-             + (", gradient checkpointing" if t.gradient_checkpointing else "")]
-    return [RecipePlan("sd_finetune", roles, keys, notes)]
+    return roles, keys
+
+
+def _diffusion_notes(cfg: Any, components: Mapping[str, P.ModelInfo], source: str) -> list[str]:
+    res = int(cfg.data.resolution)
+    scale = 2 ** (len(components["vae"].config.get("block_out_channels", (1, 1, 1, 1))) - 1)
+    return [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
+            f"{int(cfg.train.micro_batch_size)}" + (", gradient checkpointing" if cfg.train.gradient_checkpointing
+                                                   else "")]
+
+
+def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
+                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
+                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
+    denoiser = "unet" if "unet" in components else "transformer"
+    if denoiser not in components or "vae" not in components:
+        raise RecipeConfigError(f"sd_finetune trains a unet or a transformer beside a vae; {source} has "
+                                f"components {sorted(components)}.")
+    roles, keys = _diffusion_roles(cfg, components, denoiser, trained=denoiser, trained_info=components[denoiser])
+    return [RecipePlan("sd_finetune", roles, keys, _diffusion_notes(cfg, components, source))]
+
+
+def _meta_controlnet(unet: P.ModelInfo, vae_scale: int) -> P.ModelInfo:
+    """The ControlNetModel the recipe initialises from ``unet``, built on the meta device (no weights)."""
+    tensors, config = _meta_controlnet_tensors(json.dumps(dict(unet.config), sort_keys=True), vae_scale)
+    return P.ModelInfo(source=f"a ControlNet from the unet of {unet.source}", tensors=tensors, config=config,
+                       class_name="ControlNetModel")
+
+
+@functools.cache
+def _meta_controlnet_tensors(unet_config: str, vae_scale: int) -> tuple[tuple[P.TensorEntry, ...], dict[str, Any]]:
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+    from multiengine.pipelines.diffusion.controlnet import conditioning_embedding_channels
+
+    with torch.device("meta"):
+        base = UNet2DConditionModel.from_config(json.loads(unet_config))
+        model = ControlNetModel.from_unet(base, load_weights_from_unet=False,
+                                          conditioning_embedding_out_channels=conditioning_embedding_channels(
+                                              vae_scale))
+    tensors = tuple(P.TensorEntry(n, tuple(p.shape), "F32") for n, p in model.named_parameters())
+    return tensors, dict(model.config)
+
+
+def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
+               configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
+                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
+    if "unet" not in components or "vae" not in components:
+        raise RecipeConfigError(f"controlnet trains a ControlNet for a unet; {source} has components "
+                                f"{sorted(components)}.")
+    if cfg.model.controlnet and os.path.isdir(str(cfg.model.controlnet)):
+        info = P.model_info(str(cfg.model.controlnet), str(cfg.model.variant) or None)
+    else:
+        scale = 2 ** (len(components["vae"].config.get("block_out_channels", (1, 1, 1, 1))) - 1)
+        info = _meta_controlnet(components["unet"], scale)
+    roles, keys = _diffusion_roles(cfg, components, "unet", trained="controlnet", trained_info=info)
+    return [RecipePlan("controlnet", roles, keys, _diffusion_notes(cfg, components, source))]
 
 
 def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
@@ -687,6 +766,7 @@ def distill(cfg: Any, assume: Mapping[str, str] | None = None,
 PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "registry_demo": registry_demo,
     "sd_finetune": sd_finetune,
+    "controlnet": controlnet,
     "rlhf_sft": rlhf_sft,
     "rlhf_reward": rlhf_reward,
     "rlhf_ppo": rlhf_ppo,

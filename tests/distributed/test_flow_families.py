@@ -1,10 +1,16 @@
 """SD3- and FLUX-style flow matching and ControlNet on 2 real ranks (DeepSpeed CPU accelerator, gloo): every
 role ZeRO-3, frozen ones included (each holds half of itself per rank), gives the same losses as diffusers'
-layout (frozen roles whole on every rank) for the same seed and data."""
+layout (frozen roles whole on every rank) for the same seed and data; a flow-matching run resumes identically;
+the SD3 and FLUX exports load in their diffusers pipelines alone in a fresh process."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from conftest import launch
@@ -62,3 +68,50 @@ def test_only_the_trained_role_changes(ranks):
                 out = r[f"{run}_{layout}"]
                 assert out["trained_change"] > 1e-3 and out["frozen_change"] == 0.0, (run, layout)
         assert r["flux_zero3"]["guidance"] == 3.5 and r["sd3_zero3"]["guidance"] is None
+
+
+def test_flow_matching_resume_continues_identically(ranks):
+    for r in ranks:
+        full, resumed = r["flux_full"], r["flux_resume"]
+        assert len(full["losses"]) == 4 and len(set(full["losses"])) == 4
+        assert resumed["losses"][:2] == full["losses"][:2]  # restored from the checkpoint's client state
+        assert resumed["losses"][2:] == pytest.approx(full["losses"][2:], rel=1e-6, abs=1e-7)
+        assert resumed["lr"] == full["lr"] and resumed["sampler"] == full["sampler"]
+        assert resumed["heldout"]["after/loss"] == pytest.approx(full["heldout"]["after/loss"], rel=1e-6)
+        # the transformer, its optimizer state and the EMA continue: the same weights after step 4
+        for role in ("transformer", "ema"):
+            assert resumed["weights"][role] == pytest.approx(full["weights"][role], rel=1e-7), role
+
+
+FRESH = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, torch
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    paths = json.loads(sys.argv[1])
+    out = {}
+    for name, cls, kwargs in (("sd3", StableDiffusion3Pipeline, {}), ("flux", FluxPipeline, {"guidance_scale": 3.5})):
+        pipe = cls.from_pretrained(paths[name])
+        img = pipe("a red square on a white background", num_inference_steps=2, height=32, width=32,
+                   max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="np",
+                   **kwargs).images
+        out[name] = {"class": type(pipe).__name__, "shape": list(img.shape), "finite": bool(np.isfinite(img).all()),
+                     "std": float(img.std()), "dtype": str(pipe.transformer.dtype)}
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_sd3_and_flux_exports_load_with_diffusers_alone_in_a_fresh_process(ranks):
+    r = ranks[0]
+    paths = {"sd3": r["sd3_zero3"]["export"], "flux": r["flux_full"]["export"]["pipeline"]}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no project code on the path
+    proc = subprocess.run([sys.executable, "-c", FRESH, json.dumps(paths)], capture_output=True, text=True,
+                          timeout=300, env=dict(env, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), cwd="/")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for name, cls in (("sd3", "StableDiffusion3Pipeline"), ("flux", "FluxPipeline")):
+        assert out[name]["class"] == cls
+        assert out[name]["shape"] == [1, 32, 32, 3] and out[name]["finite"] and out[name]["std"] > 0, out[name]
+        assert out[name]["dtype"] == "torch.float32"

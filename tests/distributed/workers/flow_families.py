@@ -5,7 +5,11 @@
   seed    diffusers' layout: the trainable role ZeRO-3, every frozen role a full copy (stage 0)
 
 3 optimizer steps of 2 micro batches x 2 images per rank, fp32, the same seed and data in both layouts;
-then the held-out loss. Roles are written here as RoleSpecs (no recipe).
+then the held-out loss. Roles are written here as RoleSpecs (no recipe). The zero3 SD3 run exports its
+pipeline. Then the sd_finetune recipe on the tiny FLUX (its own checkpoints and export, EMA on):
+
+  flux_full     4 steps, checkpoints at 2 and 4, export/pipeline
+  flux_resume   from flux_full's step-2 checkpoint to step 4
 
 argv: out_dir
 """
@@ -24,6 +28,7 @@ from multiengine.pipelines.diffusion.data import (
     conditioning_pixels,
     shapes_conditioning_image,
 )
+from multiengine.pipelines.diffusion.export import export_pipeline
 from multiengine.pipelines.diffusion.families import family_roles, model_family
 from multiengine.pipelines.diffusion.models import load_component
 from multiengine.pipelines.diffusion.tiny import build_tiny
@@ -118,7 +123,29 @@ def run_flow(family, path, layout):
     result = train(registry, objective, "transformer", lambda s, m: batch(registry, tokenizers, lengths, s, m),
                    lambda: flow_heldout_loss(objective, heldout_batches, objective.heldout_points(2), seed=7))
     result["guidance"] = objective.guidance_scale
+    if layout == "zero3" and family == "sd3":  # every component gathered from its engine, as the recipe does
+        components = {"transformer": "transformer", **{n: n for n in roles.frozen}}
+        result["export"] = export_pipeline(registry, path, os.path.join(ROOT, f"{family}_export"), components)
     return result
+
+
+def run_recipe(name, *overrides):
+    from multiengine.recipes import sd_finetune
+    from multiengine.recipes.config import load_config
+
+    cfg = load_config("sd_finetune", "tiny_flux", [
+        f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",
+        "data.builtin_size=20", "train.micro_batch_size=2", "train.grad_accum=1", "eval.heldout_size=4",
+        "eval.timesteps=2", "validation.enabled=false", "checkpoint.every=2", "export.roles=[]", *overrides])
+    job = sd_finetune.SDFinetune(cfg)
+    job.setup()
+    job.train()
+    exported = job.export()
+    out = {"losses": job.losses, "heldout": job.heldout, "export": exported,
+           "lr": job.registry["transformer"].get_lr()[0], "sampler": job.sampler.state_dict(consumed=job.consumed),
+           "weights": {role: checksum(job.registry, role) for role in ("transformer", "ema")}}
+    job.close()
+    return out
 
 
 def run_controlnet(path, layout):
@@ -150,6 +177,10 @@ for family in ("sd3", "flux"):
         results[f"{family}_{layout}"] = run_flow(family, paths[family], layout)
 for layout in ("zero3", "seed"):
     results[f"controlnet_{layout}"] = run_controlnet(paths["sd"], layout)
+results["flux_full"] = run_recipe("flux_full")
+ckpt = os.path.join(ROOT, "flux_full", "checkpoints", "step_00000002")
+results["flux_resume"] = run_recipe("flux_resume", f"resume_from={ckpt}")
+results["paths"] = paths
 dump(results)
 
 # Leave the process group together: a rank that exits while its peer is mid-collective aborts it.

@@ -105,9 +105,9 @@ shared = [f"model.pretrained={model}", f"data.source={data}"]
 ckpt = os.path.join(ROOT, "zero3", "checkpoints", "step_00000002")
 results["resume"] = run("resume", *shared, f"resume_from={ckpt}")
 results["seed"] = run("seed", *shared, "mode=seed_baseline")
-results["lora"] = run("lora", *shared, "lora.enabled=true", "ema.enabled=false", "max_steps=3", "train.lr=1.0e-2",
-                      "checkpoint.every=0", "validation.enabled=false")
-results["sdxl"] = run("sdxl", f"data.source={data}", "model.tiny_text_encoders=2", "max_steps=2",
+results["lora"] = run("lora", *shared, "lora.enabled=true", "ema.enabled=false", "export.roles=[unet]", "max_steps=3",
+                      "train.lr=1.0e-2", "checkpoint.every=0", "validation.enabled=false")
+results["sdxl"] = run("sdxl", f"data.source={data}", "model.tiny_family=sdxl", "max_steps=2",
                       "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]")
 results["paths"] = {"model": model, "root": ROOT}
 dump(results)
