@@ -271,18 +271,18 @@ def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
     folder = os.path.join(str(cfg.output_dir), "tiny_sd")
     if os.path.isfile(os.path.join(folder, "model_index.json")):
         return P.pipeline_info(folder), folder
-    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), int(cfg.model.tiny_text_encoders))
+    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), str(cfg.model.tiny_family))
 
 
 @functools.cache
-def _build_tiny_sd(seed: int, resolution: int, text_encoders: int) -> tuple[dict[str, P.ModelInfo], str]:
+def _build_tiny_sd(seed: int, resolution: int, family: str) -> tuple[dict[str, P.ModelInfo], str]:
     """The recipe's tiny SD (under 2M parameters), built in a temporary folder to read its headers."""
     from multiengine.recipes.sd_finetune import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
-        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, text_encoders)
+        folder = build_tiny_model(os.path.join(tmp, "tiny_sd"), seed, resolution, family)
         parts = P.pipeline_info(folder)
-    return parts, f"the recipe's tiny SD ({text_encoders} text encoder(s), built as the run would)"
+    return parts, f"the recipe's tiny {family} model, built as the run would"
 
 
 def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,

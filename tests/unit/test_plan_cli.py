@@ -10,7 +10,7 @@ from multiengine.recipes import cli, plans
 from multiengine.recipes.config import list_recipes, load_config
 
 PLANNED = {r: names for r, names in list_recipes().items() if r in plans.PLANNERS}
-GPU_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names if n != "tiny"]
+GPU_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names if not n.startswith("tiny")]
 ALL_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names]
 
 
@@ -182,7 +182,8 @@ def test_grpo_roles_follow_the_recipe():
     # two reward models: the first takes roles.reward's keys (following the actor's stage 2 -> a frozen stage 0),
     # the second follows it; an entry with its own stage is planned as written
     roles = _roles("rlhf_grpo", "roles.actor.stage=2",
-                   "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, path: facebook/opt-350m, weight: 0.5}, "
+                   "reward.models=[{role: reward, weight: 1.0}, "
+                   "{role: reward_b, path: facebook/opt-350m, weight: 0.5}, "
                    "{role: reward_c, path: facebook/opt-350m, weight: 0.1, stage: 3}]")
     assert [r for r in roles if r.startswith("reward")] == ["reward", "reward_b", "reward_c"]
     assert roles["reward"].current == plans.P.Choice(0) and roles["reward"].follows is None
