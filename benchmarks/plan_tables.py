@@ -10,6 +10,7 @@ no GPU is needed.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -102,7 +103,8 @@ def shipped_gpu_configs() -> list[tuple[str, str]]:
     from multiengine.recipes import plans
     from multiengine.recipes.config import list_recipes
 
-    return [(r, n) for r, names in list_recipes().items() if r in plans.PLANNERS for n in names if n != "tiny"]
+    return [(r, n) for r, names in list_recipes().items() if r in plans.PLANNERS
+            for n in names if not n.startswith("tiny")]
 
 
 def as_written() -> list[dict[str, Any]]:
@@ -184,6 +186,7 @@ def as_written_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from benchmarks.common import write_results
 
     results = run_all()
@@ -191,6 +194,7 @@ def main() -> None:
     text = (markdown(results) + "\n### Every shipped GPU config as written (GiB per GPU)\n\n"
             + as_written_markdown(written))
     print(text)
+
     def brief(p: P.Plan) -> dict[str, Any]:
         data = p.to_dict()
         for role in data["roles"].values():

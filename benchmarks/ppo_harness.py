@@ -302,7 +302,7 @@ class Raw:
             # 2. experience: one forward per model, rewards, GAE, whitening over all ranks
             with self._phase("experience"), torch.no_grad():
                 seq = torch.cat([ids, response], dim=1)
-                action = ppo.action_mask(response, EOS, PAD)
+                action = ppo.action_mask(response, EOS)
                 attn = torch.cat([mask, action.to(mask.dtype)], dim=1)
                 logprobs = ppo.response_logprobs(self._logits(self.actor, seq, attn), seq, C)
                 ref_logprobs = ppo.response_logprobs(self._logits(self.ref, seq, attn), seq, C)

@@ -252,6 +252,7 @@ def sd_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from diffusers import DDPMScheduler
     from multiengine.engines import EngineRegistry
+    from multiengine.engines.roles import OptimSpec
     from multiengine.pipelines.diffusion.models import Placement, diffusion_role_specs
     from multiengine.pipelines.diffusion.training import DiffusionObjective
 
@@ -265,7 +266,8 @@ def sd_worker(args: argparse.Namespace) -> dict[str, Any]:
         variant = VARIANTS[name]
         registry = EngineRegistry()
         for spec in diffusion_role_specs(args.model_dir, mode="zero3", unet=Placement(stage=3, dtype="fp32"),
-                                         vae=frozen, text_encoder=frozen, micro_batch_size=8, lr=1e-4):
+                                         vae=frozen, text_encoder=frozen, micro_batch_size=8,
+                                         optim=OptimSpec(lr=1e-4)):
             configure(variant, spec.ds_config, spec.trainable)
             if spec.trainable:
                 spec.optimizer = optimizer_factory(variant, 1e-4, (0.9, 0.999))

@@ -12,6 +12,8 @@ Ours (registry + PPOTrainer, the config factories' defaults):
   zero3_per_token      everything ZeRO-3, generate(synced_gpus=True): every token re-gathers every layer
   zero3_offload        ZeRO-3, gather-once, ref and reward parameters offloaded to CPU
   zero3_frozen_gather  ZeRO-3, gather-once generation, ref and reward gathered whole per forward
+  grpo_zero2, grpo_zero3_gather  GRPOTrainer (actor + ref + reward model, no critic; 4 sampled answers per
+                       prompt, so 4x the rows of PPO): compared with each other, there is no raw GRPO row
 Raw DeepSpeed (benchmarks/ppo_harness.py `Raw`: deepspeed.initialize per model, DeepSpeed's default ZeRO
 settings, DeepSpeed's CPU Adam, generate() on the module with synced_gpus under ZeRO-3, no registry):
   raw_zero2, raw_zero3
@@ -20,7 +22,7 @@ One process holds every variant (each its own engines; F.linear as each would ha
 benchmarks/variants.py); every variant runs one step per round, round after round, on the same prompts,
 and ratios are medians of the ratios within a round, so machine load hits all variants alike.
 
-    python -m benchmarks.rlhf_step            # 2 CPU ranks, both shapes, ~3 min here
+    python -m benchmarks.rlhf_step            # 2 CPU ranks, both shapes, ~3 min here (load 3-7)
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import sys
 import tempfile
 from typing import Any
 
-CONFIGS = ["zero2", "zero3_gather", "zero3_per_token", "zero3_offload", "zero3_frozen_gather", "raw_zero2", "raw_zero3"]
+CONFIGS = ["zero2", "zero3_gather", "zero3_per_token", "zero3_offload", "zero3_frozen_gather", "raw_zero2", "raw_zero3",
+           "grpo_zero2", "grpo_zero3_gather"]
+BASES = ("raw_zero2", "raw_zero3", "zero2", "zero3_gather", "grpo_zero2")  # the denominators of the ratio table
 
 
 def worker(configs: list[str], shapes: list[str], rounds: int, warmup: int, model_dir: str) -> None:
@@ -53,8 +57,7 @@ def worker(configs: list[str], shapes: list[str], rounds: int, warmup: int, mode
     for shape in shapes:
         timings = H.interleaved(built, shape, warmup=warmup, rounds=rounds)
         out["shapes"][shape] = {"medians": timings.medians(), "runs": timings.runs,
-                                "paired": {base: timings.paired_ratios(base) for base in configs
-                                           if base in ("raw_zero2", "raw_zero3", "zero2", "zero3_gather")}}
+                                "paired": {base: timings.paired_ratios(base) for base in configs if base in BASES}}
     if dist.get_rank() == 0:
         emit(out)
 
@@ -105,7 +108,7 @@ def main() -> None:
     for shape in shapes:
         p, ratios[shape] = paired[shape], {}
         for ours, base in (("zero2", "raw_zero2"), ("zero3_gather", "raw_zero3"), ("zero3_gather", "zero2"),
-                           ("zero3_per_token", "zero3_gather")):
+                           ("zero3_per_token", "zero3_gather"), ("grpo_zero3_gather", "grpo_zero2")):
             if base in p and ours in p[base]:
                 ratios[shape][f"{ours}/{base}"] = p[base][ours]
                 ratio_rows.append([shape, f"{ours} / {base}", *(p[base][ours][k] for k in PHASES),
@@ -120,8 +123,9 @@ def main() -> None:
             if x:
                 print(f"  {shape} {ours}/{raw}: experience {verdict(x['experience'], 1.0)}, train "
                       f"{verdict(x['train'], 1.0)}, total {verdict(x['total'], total_target)}")
-        if "zero3_gather/zero2" in r:
-            print(f"  {shape} zero3_gather/zero2 total: {verdict(r['zero3_gather/zero2']['total'], 1.5)}")
+        for z3, z2 in (("zero3_gather", "zero2"), ("grpo_zero3_gather", "grpo_zero2")):
+            if f"{z3}/{z2}" in r:
+                print(f"  {shape} {z3}/{z2} total: {verdict(r[f'{z3}/{z2}']['total'], 1.5)}")
         if "zero3_per_token/zero3_gather" in r:
             g = r["zero3_per_token/zero3_gather"]["generation"]
             print(f"  {shape} generation per_token/gather: {g:.2f} (target >= 3: {'met' if g >= 3 else 'MISSED'})")
