@@ -192,12 +192,15 @@ def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: s
 
 
 def _write_module(module: torch.nn.Module, out: str, pad_token_id: int | None = None) -> None:
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     if hasattr(module, "save_pretrained"):
         module.save_pretrained(out, **_save_kwargs(module.save_pretrained, pad_token_id))
     else:
-        save_model(module, os.path.join(out, "model.safetensors"))
+        # Under ZeRO-1/2 parameters are views into one flat buffer, which safetensors refuses to
+        # write as shared storage: write owned copies.
+        state = {k: v.detach().to("cpu").clone().contiguous() for k, v in module.state_dict().items()}
+        save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str | torch.dtype | None = None,

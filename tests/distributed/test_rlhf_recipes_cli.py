@@ -39,6 +39,12 @@ def grpo(tmp_path_factory):
     fn_file.write_text("def distinct_words(prompts, responses):\n"
                        "    return [len(set(r.split())) / 6.0 for r in responses]\n")
     out = root / "run"
+    # the run's own embedded assets, built ahead so that the reward model's folder exists when the launch
+    # checks its paths (the run finds them complete and reuses them)
+    from multiengine.pipelines.rlhf import tiny
+
+    tiny.prepare_builtin(out / "tiny", seed=0, hidden=64, layers=2, n_reward=30000, n_eval=512)
+    (out / "tiny" / ".complete").write_text("ok\n")
     common = ["grpo.rollout_batch_size=2", "grpo.n_samples_per_prompt=4", "grpo.mini_batch_size=4", "grpo.epochs=2",
               "eval.size=16", "eval.batch_size=8", "eval.every=2", "reward.normalize=true", "max_steps=4",
               "generation.max_new_tokens=6",
