@@ -219,6 +219,9 @@ def load_source(
         if "corresponds to no data" in str(err):  # datasets' words for an empty file or split
             raise DataSourceError(f"{key}={path!r} has no rows (split {split!r})") from err
         raise
+    except StopIteration as err:  # datasets' json builder on a file with no lines
+        raise DataSourceError(f"{key}={path!r} has no rows; add data to it or point {key} at another "
+                              f"source") from err
 
 
 def _load_source(path: str, names: Sequence[str], split: str, images: bool, key: str, split_required: bool,

@@ -370,7 +370,7 @@ def _by_name(name: str, default: Any) -> Any:
     if isinstance(default, bool):
         return None
     simple = {
-        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": Range(0), "keep_last": Range(0),
+        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": positive, "keep_last": Range(0),
         "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
         "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
         "max_grad_norm": Range(0), "rank": Range(1), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),

@@ -111,11 +111,11 @@ def _write_data(d: Path) -> None:
     (d / "text_only" / "notes.txt").write_text("no images here\n")
     corrupt = d / "corrupt"
     corrupt.mkdir()
-    for i in range(3):
-        Image.new("RGB", (16, 16), (i * 40, 0, 0)).save(corrupt / f"{i}.png")
+    for i in range(12):  # more rows than the tiny config holds out, so the image check is what fails
+        Image.new("RGB", (16, 16), (i * 20, 0, 0)).save(corrupt / f"{i}.png")
     (corrupt / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)  # a PNG signature, no image
     jsonl("corrupt/metadata.jsonl", [{"file_name": f, "text": "a red square"}
-                                     for f in ("0.png", "1.png", "2.png", "broken.png")])
+                                     for f in [*(f"{i}.png" for i in range(12)), "broken.png"]])
 
 
 def _argv(case: Case, d: Path) -> list[str]:
