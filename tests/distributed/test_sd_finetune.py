@@ -48,7 +48,13 @@ def test_it_learns_and_writes_grids(ranks):
     from PIL import Image
 
     with Image.open(z["validations"][0]) as grid:
-        assert grid.size == (512, 256)  # two 32 px images side by side, each upscaled 8x to a viewable 256 px
+        # two 32 px images side by side, each upscaled 8x to a viewable 256 px, a caption strip under each
+        width, height = grid.size
+        assert width == 512 and 256 < height <= 256 + 80, grid.size
+        strip = grid.convert("RGB").crop((0, 257, 512, height))
+        colours = strip.getcolors(maxcolors=1 << 16)
+        assert max(colours)[1] == (255, 255, 255)  # mostly white paper ...
+        assert sum(n for n, c in colours if max(c) < 64) > 100  # ... with dark (anti-aliased) caption text on it
 
 
 def test_losses_match_seed_baseline(ranks):
