@@ -98,8 +98,8 @@ class MetricsLogger:
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            # Broad: a broken tensorboard/protobuf install fails with more than ImportError, and
-            # tensorboard is optional - the JSONL file is the record that always exists.
+            # Broad: a broken tensorboard/protobuf install fails with more than ImportError. The package
+            # installs tensorboard, but engines/ is usable without it: the JSONL file always exists.
             except Exception:  # noqa: BLE001
                 logger.info("tensorboard is not installed; writing metrics to %s only", path_jsonl)
             else:
