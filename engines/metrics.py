@@ -1,7 +1,8 @@
-"""Metrics (JSON lines, optional TensorBoard), logging setup and the run summary file.
+"""Metrics (JSON lines, optional TensorBoard and wandb), logging setup and the run summary file.
 
-Imports neither torch nor numpy: tensors and numpy values are recognised by duck typing
-(`.item()` / `.tolist()`), so this module stays cheap to import from the CLI.
+Imports neither torch nor numpy at import time: tensors and numpy values are recognised by duck typing
+(`.item()` / `.tolist()`), so this module stays cheap to import from the CLI (`log_image` imports numpy and
+PIL when called, wandb is imported only when asked for).
 """
 
 from __future__ import annotations
@@ -78,17 +79,21 @@ def to_plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends one JSON line per `log` call; mirrors scalars to TensorBoard when it is installed.
+    """Appends one JSON line per `log` call; mirrors scalars to TensorBoard when it is installed, and to
+    Weights & Biases when `wandb` (the keyword arguments of ``wandb.init``) is given.
 
     Construct it on every rank with `enabled=(rank == 0)`: disabled loggers are no-ops and create
     no files, so call sites need no rank checks.
     """
 
-    def __init__(self, path_jsonl: str, enabled: bool, tensorboard_dir: str | None = None) -> None:
+    def __init__(self, path_jsonl: str, enabled: bool, tensorboard_dir: str | None = None,
+                 wandb: dict[str, Any] | None = None) -> None:
         self.path = path_jsonl
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self._wandb = None  # the wandb module
+        self._wandb_run = None
         if not enabled:
             return
         Path(path_jsonl).parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +109,9 @@ class MetricsLogger:
                 logger.info("tensorboard is not installed; writing metrics to %s only", path_jsonl)
             else:
                 self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb is not None:
+            self._wandb = import_wandb()
+            self._wandb_run = self._wandb.init(**wandb)
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         """Write `{"step": step, "<prefix>/<key>": value, ...}` (non-finite values as null); a non-scalar
@@ -121,6 +129,27 @@ class MetricsLogger:
             for name, value in plain.items():
                 if name != "step" and value is not None:
                     self._tb.add_scalar(name, value, int(step))
+        if self._wandb_run is not None:
+            self._wandb_run.log({k: v for k, v in plain.items() if k != "step" and v is not None}, step=int(step))
+
+    def log_image(self, step: int, tag: str, image: Any) -> None:
+        """Write one image to TensorBoard (and wandb) under `tag` at `step`: a PNG/JPEG path, a PIL image, or
+        an HxW / HxWxC uint8 array. A no-op when disabled or when neither TensorBoard nor wandb is on."""
+        if not self.enabled or (self._tb is None and self._wandb_run is None):
+            return
+        import numpy as np
+        from PIL import Image
+
+        if isinstance(image, (str, os.PathLike)):
+            with Image.open(image) as opened:
+                image = opened.convert("RGB")
+        array = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image)
+        if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] not in (1, 3, 4)):
+            raise ValueError(f"image {tag!r}: expected HxW or HxWxC (C = 1, 3 or 4), got shape {array.shape}")
+        if self._tb is not None:
+            self._tb.add_image(tag, array, int(step), dataformats="HW" if array.ndim == 2 else "HWC")
+        if self._wandb_run is not None:
+            self._wandb_run.log({tag: self._wandb.Image(array)}, step=int(step))
 
     def close(self) -> None:
         if self._file is not None:
@@ -129,12 +158,28 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+WANDB_MISSING = "wandb is not installed"
+WANDB_FIX = "pip install wandb, or set report_to=none"
+
+
+def import_wandb() -> Any:
+    """The wandb module, imported on demand (it is optional); ImportError naming the fix when it is missing."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(f"report_to=wandb: {WANDB_MISSING} ({e}); fix: {WANDB_FIX}") from e
+    return wandb
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

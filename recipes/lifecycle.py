@@ -12,9 +12,9 @@ A recipe is a subclass of :class:`Recipe` that fills in what is its own:
 * ``summary_metrics()`` and ``plot_panels`` - its headline figures and the panels of ``curves.png``.
 
 The base does the rest the same way for all: output folder, seeding, the registry (backend, seed,
-collective timeout), ``metrics.jsonl`` + TensorBoard, the tqdm loop with periodic evaluation and
-checkpoints, ``resume_from``, ``summary.json`` (with per-rank memory and every role's resolved config)
-and ``curves.png``. Its module keeps ``DEFAULTS`` (``with_common({...})``) and ``main = MyRecipe.main``.
+collective timeout), ``metrics.jsonl`` + TensorBoard (and wandb with ``report_to=wandb``), the tqdm loop
+with periodic evaluation and checkpoints, ``resume_from``, ``summary.json`` (with per-rank memory and every
+role's resolved config) and ``curves.png``. Its module keeps ``DEFAULTS`` (``with_common({...})``) and ``main = MyRecipe.main``.
 
 Every step is checked for non-finite values: the registry never applies an optimizer update whose loss
 or global gradient norm is NaN/inf (engines/nonfinite.py), and the ``nonfinite`` policy decides what the
@@ -30,6 +30,7 @@ validate_common (across keys) by validate_config, besides the recipe's own CHECK
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import math
 import os
@@ -50,6 +51,7 @@ from multiengine.engines import (
     sum_over_ranks,
     write_summary,
 )
+from multiengine.engines.metrics import WANDB_FIX, WANDB_MISSING
 from multiengine.recipes.config import Choice, Length, OrFollow, Range, Satisfies, config_problem
 from tqdm import tqdm
 
@@ -75,8 +77,11 @@ COMMON_DEFAULTS: dict[str, Any] = {
     # DANGEROUS: true lets transformers run Python files shipped in a model or tokenizer folder; only for
     # folders whose code you have read
     "trust_remote_code": False,
-    "tensorboard": True,  # TensorBoard events beside metrics.jsonl
+    "tensorboard": True,  # TensorBoard events beside metrics.jsonl (and SD validation images)
     "plot": True,  # curves.png of the main figures
+    # none | wandb: also send the scalars (and SD validation images) to Weights & Biases (needs `pip install
+    # wandb`; project from WANDB_PROJECT, default "multiengine"; WANDB_MODE=offline works without a login)
+    "report_to": "none",
 }
 
 
@@ -101,6 +106,7 @@ COMMON_CHECKS: dict[str, Any] = {
     "checkpoint.keep_last": Range(1, allow_none=True),
     "nonfinite.policy": Choice("stop", "skip"),
     "nonfinite.max_skips": Range(0),
+    "report_to": Choice("none", "wandb"),
     "eval.every": Range(0),
     "roles.*.stage": OrFollow(Range(0, 3), -1),
     "roles.*.dtype": OrFollow(Choice("fp32", "bf16", "fp16"), ""),
@@ -109,9 +115,11 @@ COMMON_CHECKS: dict[str, Any] = {
 
 def validate_common(cfg: Any) -> None:
     """The common checks across keys, before any rank starts (config.validate_config runs them first): the
-    process-wide trust_remote_code switch (the recipe's validate(cfg) may load tokenizers), and every role
-    section's placement (parameter offload needs ZeRO-3)."""
+    process-wide trust_remote_code switch (the recipe's validate(cfg) may load tokenizers), report_to=wandb
+    needs wandb installed, and every role section's placement (parameter offload needs ZeRO-3)."""
     set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))
+    if cfg.get("report_to", "none") == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
     roles = cfg.get("roles")
     if not isinstance(roles, Mapping):
         return
@@ -210,12 +218,22 @@ class Recipe:
         self.registry = EngineRegistry(backend=cfg.backend, seed=cfg.seed, timeout_s=cfg.dist_timeout_s or None)
         self.build()
         self.metrics = MetricsLogger(self.path("metrics.jsonl"), enabled=self.registry.is_main,
-                                     tensorboard_dir=self.path("tensorboard") if cfg.tensorboard else None)
+                                     tensorboard_dir=self.path("tensorboard") if cfg.tensorboard else None,
+                                     wandb=self.wandb_init() if cfg.get("report_to", "none") == "wandb" else None)
         if self.registry.is_main:
             logger.info("%s: roles built (world size %d):\n%s", self.name, self.registry.world_size,
                         self.registry.memory_report())
         if cfg.resume_from:
             self.resume(cfg.resume_from)
+
+    def wandb_init(self) -> dict[str, Any]:
+        """wandb.init's arguments for report_to=wandb: the run named after the recipe and output folder, its
+        files under output_dir/wandb, the resolved config attached."""
+        from omegaconf import OmegaConf
+
+        return {"project": os.environ.get("WANDB_PROJECT", "multiengine"),
+                "name": f"{self.name}:{os.path.basename(os.path.abspath(self.output_dir))}",
+                "dir": self.output_dir, "config": OmegaConf.to_container(self.cfg, resolve=True)}
 
     def train(self) -> None:
         cfg, registry = self.cfg, self.registry

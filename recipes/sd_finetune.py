@@ -783,9 +783,12 @@ class SDFinetune(Recipe):
                  "seconds": time.perf_counter() - t0}
         if registry.is_main:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.grid(images).save(path)
+            grid = self.grid(images)
+            grid.save(path)
             with open(self.path("validation", "index.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
+            # One tag for every validation, so TensorBoard's step slider walks through before/step_N/after.
+            self.metrics.log_image(self.step, "validation/grid", grid)
             logger.info("validation grid (%s, step %d, %s): %s", tag, self.step, role, path)
         self.metrics.log(self.step, {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
         self.validations.append(entry)

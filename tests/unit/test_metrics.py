@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
 import os
 import stat
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 from multiengine.engines.metrics import MetricsLogger, read_jsonl, setup_logging, to_plain, write_summary
+
+_find_spec = importlib.util.find_spec
 
 
 def test_log_writes_one_json_line_per_call(tmp_path):
@@ -120,3 +125,91 @@ def test_setup_logging_levels_and_no_duplicate_handlers():
     log.info("quiet")
     log.warning("loud")
     assert "quiet" not in stream.getvalue() and "[rank 1] WARNING" in stream.getvalue()
+
+
+def _tb_images(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"images": 0})
+    acc.Reload()
+    return {tag: acc.Images(tag) for tag in acc.Tags()["images"]}
+
+
+def test_log_image_writes_a_tensorboard_image(tmp_path):
+    from PIL import Image
+
+    tb = tmp_path / "tb"
+    picture = Image.new("RGB", (6, 4), (250, 10, 20))
+    picture.save(tmp_path / "grid.png")
+    gray = np.full((5, 3), 7, dtype=np.uint8)
+    with MetricsLogger(str(tmp_path / "m.jsonl"), enabled=True, tensorboard_dir=str(tb)) as metrics:
+        metrics.log_image(0, "validation/grid", tmp_path / "grid.png")  # a path ...
+        metrics.log_image(3, "validation/grid", picture)  # ... a PIL image ...
+        metrics.log_image(3, "gray", gray)  # ... an HxW array
+        with pytest.raises(ValueError, match="shape"):
+            metrics.log_image(3, "bad", np.zeros((2, 3, 5), dtype=np.uint8))
+    images = _tb_images(tb)
+    assert sorted(images) == ["gray", "validation/grid"]
+    assert [e.step for e in images["validation/grid"]] == [0, 3]
+    for event in images["validation/grid"]:
+        assert (event.width, event.height) == (6, 4)
+        decoded = Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB")
+        assert decoded.getpixel((2, 2)) == (250, 10, 20)
+    assert (images["gray"][0].width, images["gray"][0].height) == (3, 5)
+    assert read_jsonl(tmp_path / "m.jsonl") == []  # images go to TensorBoard only, not to the JSONL
+
+
+def test_log_image_is_a_no_op_when_disabled_or_without_tensorboard(tmp_path):
+    image = np.zeros((4, 4, 3), dtype=np.uint8)
+    off = MetricsLogger(str(tmp_path / "a.jsonl"), enabled=False, tensorboard_dir=str(tmp_path / "tb_a"))
+    off.log_image(1, "x", image)
+    off.close()
+    assert not (tmp_path / "tb_a").exists()
+    with MetricsLogger(str(tmp_path / "b.jsonl"), enabled=True) as plain:  # tensorboard=false
+        plain.log_image(1, "x", image)
+        plain.log_image(1, "x", tmp_path / "missing.png")  # not even opened
+    assert read_jsonl(tmp_path / "b.jsonl") == []
+
+
+def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an environment without wandb looks like
+    with pytest.raises(ImportError, match=r"report_to=wandb: wandb is not installed.*pip install wandb, or set "
+                                          r"report_to=none"):
+        MetricsLogger(str(tmp_path / "m.jsonl"), enabled=True, wandb={"project": "p"})
+    off = MetricsLogger(str(tmp_path / "n.jsonl"), enabled=False, wandb={"project": "p"})  # other ranks: no import
+    off.close()
+
+
+def test_wandb_mirrors_scalars_and_images(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
+    fake.Image = lambda array: ("Image", array.shape)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with MetricsLogger(str(tmp_path / "m.jsonl"), enabled=True, wandb={"project": "p", "dir": "d"}) as metrics:
+        metrics.log(2, {"loss": 0.5, "bad": float("inf")}, prefix="train")
+        metrics.log_image(2, "validation/grid", np.zeros((4, 6, 3), dtype=np.uint8))
+    assert calls == [("init", {"project": "p", "dir": "d"}), ("log", {"train/loss": 0.5}, 2),
+                     ("log", {"validation/grid": ("Image", (4, 6, 3))}, 2), ("finish",)]
+
+
+def test_report_to_wandb_without_wandb_fails_before_any_rank_starts(monkeypatch):
+    from multiengine.recipes.config import ConfigValueError, checked_config
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else _find_spec(name, *a))
+    with pytest.raises(ConfigValueError) as info:
+        checked_config("registry_demo", "tiny", ["report_to=wandb"])
+    text = str(info.value)
+    assert "config key 'report_to'" in text and "wandb is not installed" in text
+    assert "pip install wandb, or set report_to=none" in text
+    assert checked_config("registry_demo", "tiny", ["report_to=none"]).report_to == "none"
+    with pytest.raises(ConfigValueError, match="report_to"):
+        checked_config("registry_demo", "tiny", ["report_to=mlflow"])
