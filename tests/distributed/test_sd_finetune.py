@@ -55,6 +55,17 @@ def test_it_learns_and_writes_grids(ranks):
         colours = strip.getcolors(maxcolors=1 << 16)
         assert max(colours)[1] == (255, 255, 255)  # mostly white paper ...
         assert sum(n for n, c in colours if max(c) < 64) > 100  # ... with dark (anti-aliased) caption text on it
+        size = grid.size
+    # The same grids in TensorBoard, beside the scalars: one image tag, one event per validation (before, after).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = os.path.join(ranks[0]["paths"]["root"], "zero3", "tensorboard")
+    events = EventAccumulator(folder, size_guidance={"images": 0})
+    events.Reload()
+    assert "validation/grid" in events.Tags()["images"] and "train/loss" in events.Tags()["scalars"]
+    images = events.Images("validation/grid")
+    assert [e.step for e in images] == [0, 4]
+    assert all((e.width, e.height) == size for e in images)
 
 
 def test_losses_match_seed_baseline(ranks):
