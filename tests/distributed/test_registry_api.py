@@ -35,6 +35,12 @@ def test_one_loss_over_two_trainable_roles(tmp_path, backend):
         assert r["checks"] == {"a": 2, "b": 2, "c": 2, "d": 3}
         for pair, err in r["errors"].items():
             assert err < 1e-5, (pair, err)
+        # each role clipped at its own threshold (q 1.0, d 0.5) over its own gradient norm, in registry.step
+        for pair, c in r["clip"].items():
+            assert c["q_norm"] > 2.0 and c["d_norm"] > 2.0, (pair, c)  # above both thresholds: clipping is active
+            assert c["q_err"] < 1e-5 and c["d_err"] < 1e-5, (pair, c)
+            for wrong in ("q_err_other", "d_err_other", "q_err_joint", "d_err_joint", "q_err_unclipped"):
+                assert c[wrong] > 1e-3, (pair, wrong, c)
         assert "registry.backward(loss, roles=['qa', 'da'])" in r["naive_error"]
         assert "also reaches trainable role(s) ['da']" in r["unlisted_error"]
 
