@@ -54,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,  # passed to every step
     "max_steps": 0,  # steps of step 3; 0 = its config's
     "backend": "auto",  # auto | deepspeed | torch, passed to every step
+    "dist_timeout_s": 1800.0,  # a collective that waits longer than this fails the run; passed to every step
     "data": {  # the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)
         **DATA_DEFAULTS,
     },
@@ -264,8 +265,9 @@ def main(cfg: Any) -> dict[str, Any]:
 
     out = cfg.output_dir
     os.makedirs(out, exist_ok=True)
-    registry = EngineRegistry(backend=cfg.backend)  # the process group, and rank 0 builds the tiny assets
-    common = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
+    # the process group (created once, so its timeout is this run's for every step), and rank 0 builds the assets
+    registry = EngineRegistry(backend=cfg.backend, timeout_s=cfg.dist_timeout_s)
+    common = [f"seed={cfg.seed}", f"backend={cfg.backend}", f"dist_timeout_s={cfg.dist_timeout_s}"]
     assets: dict[str, str] = {}
     builtin = uses_builtin_data(cfg.data)
     if builtin or not cfg.model.pretrained:

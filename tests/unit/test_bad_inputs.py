@@ -49,6 +49,7 @@ CASES = [
     Case("distill-alpha", "distill", ("distill.alpha=2",), ("distill.alpha", "2")),
     Case("sd-resolution", "sd_finetune", ("data.resolution=4",), ("data.resolution", "4")),
     Case("timeout-0", "rlhf_grpo", ("dist_timeout_s=0",), ("dist_timeout_s",)),
+    Case("e2e-timeout-0", "rlhf_e2e", ("dist_timeout_s=0",), ("dist_timeout_s", "0")),
     Case("nonfinite-max-skips", "registry_demo", ("nonfinite.max_skips=-2",), ("nonfinite.max_skips",)),
     # wrong choices and types
     Case("sd-mode-foo", "sd_finetune", ("mode=foo",), ("mode", "foo")),
