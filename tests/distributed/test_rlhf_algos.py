@@ -24,7 +24,8 @@ def ranks(tmp_path_factory):
 def test_grpo_family_zero2_and_zero3_give_the_same_steps(ranks):
     for r in ranks:
         assert r["grpo_z2"]["stages"] == {"actor": 2, "ref": 0}
-        assert r["grpo_z3"]["stages"] == {"actor": 3, "ref": 3, "reward": 3}
+        # the ZeRO-3 run with the reward function alone builds no reward role
+        assert r["grpo_z3"]["stages"] == {"actor": 3, "ref": 3} and r["grpo_z3"]["names"] == ["actor", "ref"]
         z2, z3 = r["grpo_z2"]["steps"], r["grpo_z3"]["steps"]
         assert [s["algorithm"] for s in z2] == ["grpo", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
         for a, b in zip(z2, z3):
@@ -58,7 +59,7 @@ def test_reinforce_pp_whitens_over_the_global_batch(ranks):
 def test_grpo_with_a_reward_function_and_a_zero3_reward_model(ranks):
     for r in ranks:
         rm = r["grpo_z3_rm"]
-        assert rm["stages"]["reward"] == 3
+        assert rm["stages"] == {"actor": 3, "ref": 3, "reward": 3}  # the reward model added for this part
         # score = the file's function + 0.5 x the reward model, row by row and in the global means
         assert rm["score_vs_parts"] < 1e-5 and rm["fn_vs_part"] < 1e-6
         for step in rm["steps"]:

@@ -2,8 +2,9 @@
 
   grpo_z2   actor ZeRO-2 (ref asked for ZeRO-2: built at stage 0), a Python reward function from a file;
             2 GRPO steps, then one step each of dr_grpo, rloo and reinforce_pp on the same roles
-  grpo_z3   actor and ref ZeRO-3, the same steps with the same seed; then GRPO with the function plus a
-            ZeRO-3 reward model (weighted sum) for 2 steps
+  grpo_z3   actor and ref ZeRO-3 and no reward role at all, the same steps with the same seed; then a ZeRO-3
+            reward model is added to that registry (an incremental build) and GRPO runs with the function plus
+            the reward model (weighted sum) for 2 steps
   dpo_z2    policy ZeRO-2, ref ZeRO-3: 2 DPO steps (2 micro-batches of 2 pairs each), held-out accuracy;
             reference log-probs precomputed once vs a ref forward
   dpo_z3    policy and ref ZeRO-3: the same 2 steps
@@ -111,9 +112,12 @@ registry = build(2, 2)
 result["grpo_z2"] = grpo_run(registry)
 free(registry)
 
-registry = build(3, 3, reward_stage=3)
+registry = build(3, 3)
 result["grpo_z3"] = grpo_run(registry)
+result["grpo_z3"]["names"] = registry.names()  # the function alone: no reward role was built
 # --- with a reward model as well: the function + 0.5 x reward-model score--------------------------------
+registry.add(reward_spec(MODEL, Placement(3, "fp32")))
+registry.build()  # builds only the new role; the actor keeps its trained weights
 before = gathered_state_dict(registry, "actor")
 trainer = grpo(registry, "grpo", sources=(DENSE, reward_model("reward", weight=0.5)))
 exp = trainer.make_experience(prompts(5, registry.rank), 5)
