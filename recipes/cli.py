@@ -605,10 +605,7 @@ def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
         if launched and world > 1:
             # Peers may still be inside a collective with us: skip the process group's teardown
             # (and atexit hooks) that could wait on them, and leave now.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            _leave(code)
         return code
     except KeyboardInterrupt:
         if launched:
@@ -616,7 +613,19 @@ def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
         raise
     if rank == 0 and result:
         print(json.dumps(to_plain(result), indent=2, sort_keys=True))
+    if launched and world > 1:
+        _leave(0)
     return 0
+
+
+def _leave(code: int) -> None:
+    """End a rank now, skipping the interpreter's teardown: with every output written and the process
+    group destroyed, that teardown can only fail a finished job (with gloo and DeepSpeed loaded, about
+    one rank exit in 40 aborted in C++ with "terminate called without an active exception")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _output_dir(cfg: Any) -> str | None:
