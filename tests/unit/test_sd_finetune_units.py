@@ -23,7 +23,7 @@ from multiengine.recipes.config import list_recipes, load_config
 from PIL import Image
 
 
-@pytest.mark.parametrize("name", ["tiny", "sd15_full", "sd15_lora"])
+@pytest.mark.parametrize("name", ["tiny", "sd15_full", "sd15_lora", "sdxl_full", "sd3_medium_full", "flux_dev_lora"])
 def test_shipped_configs_load(name):
     assert name in list_recipes()["sd_finetune"]
     cfg = load_config("sd_finetune", name)
@@ -34,6 +34,58 @@ def test_shipped_configs_load(name):
         assert cfg.lora.enabled == (name == "sd15_lora") and cfg.ema.enabled == (name == "sd15_full")
     for role in ("unet", "vae", "text_encoder"):
         assert cfg.roles[role].stage == 3
+
+
+# (config, family, denoiser, its text encoders) of the GPU configs of the larger families
+LARGE_FAMILY_CONFIGS = [
+    ("sdxl_full", "sdxl", "unet", ("text_encoder", "text_encoder_2")),
+    ("sd3_medium_full", "sd3", "transformer", ("text_encoder", "text_encoder_2", "text_encoder_3")),
+    ("flux_dev_lora", "flux", "transformer", ("text_encoder", "text_encoder_2")),
+]
+
+
+@pytest.mark.parametrize("name,family,denoiser,encoders", LARGE_FAMILY_CONFIGS)
+def test_large_family_configs_match_their_model(name, family, denoiser, encoders):
+    """The hub model's family (from the built-in architectures, no download) is the one the config is written
+    for: its family options pass the recipe's own check, every role it has is ZeRO-3 bf16, the side fits."""
+    from multiengine.engines.known_models import is_known, known_pipeline_info
+    from multiengine.recipes import plans
+    from multiengine.recipes.sd_finetune import check_family_options
+
+    cfg = load_config("sd_finetune", name)
+    assert is_known(str(cfg.model.pretrained))
+    parts = known_pipeline_info(str(cfg.model.pretrained))
+    assert plans._sd_family(parts) == family
+    assert sorted(n for n in parts if n.startswith("text_encoder")) == sorted(encoders)
+    check_family_options(cfg, family)  # raises on an option of the other objective
+    for role in (denoiser, "vae", *encoders):
+        assert cfg.roles[role].stage == 3 and cfg.roles[role].dtype == "bf16", role
+    assert cfg.data.resolution == 1024 and cfg.train.gradient_checkpointing
+    if family == "sdxl":
+        assert cfg.ema.enabled and cfg.ema.dtype == "fp32" and list(cfg.export.roles) == ["unet"]
+        assert cfg.train.lr == 1e-6
+    else:
+        assert cfg.data.resolution % 16 == 0 and not cfg.ema.enabled
+        # the T5 (SD3's third, FLUX's second encoder) is never gathered whole: a 4.7 B transient per call
+        assert cfg.roles[encoders[-1]].gather_forward is False
+        assert [cfg.roles[e].gather_forward for e in encoders[:-1]] == [True] * (len(encoders) - 1)
+    if family == "sd3":
+        assert (cfg.flow.weighting_scheme, cfg.flow.precondition_outputs, cfg.flow.max_sequence_length) == \
+            ("logit_normal", True, 77)
+    if family == "flux":
+        assert (cfg.flow.weighting_scheme, cfg.flow.guidance_scale, cfg.flow.max_sequence_length) == \
+            ("none", 3.5, 512)
+        assert cfg.lora.enabled and list(cfg.lora.target_modules) == [] and cfg.train.lr == 1e-4
+
+
+def test_family_options_of_the_other_objective_are_refused_on_the_shipped_configs():
+    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.recipes.sd_finetune import check_family_options
+
+    with pytest.raises(RecipeConfigError, match="flow.weighting_scheme"):
+        check_family_options(load_config("sd_finetune", "sdxl_full", ["flow.weighting_scheme=logit_normal"]), "sdxl")
+    with pytest.raises(RecipeConfigError, match="train.snr_gamma"):
+        check_family_options(load_config("sd_finetune", "sd3_medium_full", ["train.snr_gamma=5.0"]), "sd3")
 
 
 def test_unknown_mode_is_refused(tmp_path):
