@@ -1,9 +1,8 @@
 """The planner's answers for real model sizes, as the tables of docs/planning.md.
 
-Shipped GPU configs go through `multiengine plan`'s own per-recipe code (recipes/plans.py); the diffusion
-transformers (SD3, FLUX), which no shipped config covers yet, are described here as role lists with the same
-formulas. Then every shipped GPU config is planned as written. Computed, not run: no weights are loaded and
-no GPU is needed.
+Every scenario is a shipped GPU config (or one with a stated override) through `multiengine plan`'s own
+per-recipe code (recipes/plans.py); then every shipped GPU config is planned as written. Computed, not run:
+no weights are loaded and no GPU is needed.
 
     python -m benchmarks.plan_tables              # markdown tables + benchmarks/results/plan_tables.json
 """
@@ -29,65 +28,22 @@ def _recipe(recipe: str, config: str, overrides: list[str] = (), assume: dict[st
     return [(item.title, item.roles) for item in items]
 
 
-def _frozen_encoder(name: str, info: P.ModelInfo, batch: int, tokens: int, dtype: str = "bf16") -> P.RoleRequest:
-    dims = P.transformer_dims(info.config)
-    act = P.transformer_activation_bytes(dims, batch=batch, seq=tokens, dtype=dtype, trainable=False)
-    return P.RoleRequest(name, params=info.params, dtype=dtype, numels=tuple(info.numels), hidden_size=info.hidden_size,
-                         phases=(("encode", act),), current=P.Choice(3), source=info.source)
-
-
-def _vae(info: P.ModelInfo, batch: int, res: int, dtype: str = "bf16") -> P.RoleRequest:
-    c0 = int(info.config["block_out_channels"][0])
-    act = P.conv_frozen_activation_bytes(batch=batch, height=res, width=res, channels=c0, dtype=dtype)
-    return P.RoleRequest("vae", params=info.params, dtype=dtype, numels=tuple(info.numels),
-                         hidden_size=info.hidden_size, phases=(("encode", act),), current=P.Choice(3),
-                         source=info.source)
-
-
-def dit_scenario(pipeline: str, *, res: int, batch: int, text_tokens: dict[str, int], lora: int | None = None,
-                 targets: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")) -> list[P.RoleRequest]:
-    """A flow-matching fine-tune of a diffusion transformer: transformer trainable (full or LoRA), gradient
-    checkpointing; vae and every text encoder frozen; bf16 everywhere."""
-    from multiengine.engines.known_models import known_pipeline_info
-
-    parts = known_pipeline_info(pipeline)
-    tr = parts["transformer"]
-    seq = P.dit_tokens(tr.config, height=res, width=res, text_tokens=sum(text_tokens.values()))
-    act = P.transformer_activation_bytes(P.dit_dims(tr.config), batch=batch, seq=seq, dtype="bf16", trainable=True,
-                                         gradient_checkpointing=True)
-    numels, trainable, params = list(tr.numels), tr.params, tr.params
-    if lora:
-        adapters = P.lora_tensors(tr.tensors, lora, targets)
-        numels += adapters
-        params += sum(adapters)
-        trainable = sum(adapters)
-    roles = [P.RoleRequest("transformer", params=params, dtype="bf16", trainable_params=trainable,
-                           numels=tuple(numels), hidden_size=tr.hidden_size, lora=bool(lora),
-                           phases=(("train step", act),), current=P.Choice(3), source=tr.source)]
-    roles.append(_vae(parts["vae"], batch, res))
-    for name in sorted(n for n in parts if n.startswith("text_encoder")):
-        roles.append(_frozen_encoder(name, parts[name], batch, text_tokens[name]))
-    return roles
-
-
 SCENARIOS: dict[str, Any] = {
     "SD 1.5 full fine-tune (sd_finetune/sd15_full: 512 px, batch 1, checkpointing, fp32 EMA)":
         lambda: _recipe("sd_finetune", "sd15_full"),
     "SD 1.5 LoRA rank 4 (sd_finetune/sd15_lora: 512 px, batch 1)":
         lambda: _recipe("sd_finetune", "sd15_lora"),
-    "SDXL full fine-tune (sd_finetune/sd15_full with the SDXL base: 1024 px, batch 1, checkpointing, fp32 EMA)":
-        lambda: _recipe("sd_finetune", "sd15_full", ["model.pretrained=stabilityai/stable-diffusion-xl-base-1.0",
-                                                     "data.resolution=1024"]),
-    "SD3-medium full fine-tune (1024 px, batch 1, checkpointing; CLIP-L, CLIP-G, T5-XXL frozen)":
-        lambda: [("sd3", dit_scenario("stabilityai/stable-diffusion-3-medium-diffusers", res=1024, batch=1,
-                                      text_tokens={"text_encoder": 77, "text_encoder_2": 77,
-                                                   "text_encoder_3": 256}))],
-    "FLUX.1-dev LoRA rank 16 on to_q/to_k/to_v/to_out.0 (1024 px, batch 1, checkpointing; CLIP-L, T5-XXL frozen)":
-        lambda: [("flux-lora", dit_scenario("black-forest-labs/FLUX.1-dev", res=1024, batch=1, lora=16,
-                                            text_tokens={"text_encoder": 77, "text_encoder_2": 512}))],
-    "FLUX.1-dev full fine-tune (1024 px, batch 1, checkpointing; CLIP-L, T5-XXL frozen)":
-        lambda: [("flux-full", dit_scenario("black-forest-labs/FLUX.1-dev", res=1024, batch=1,
-                                            text_tokens={"text_encoder": 77, "text_encoder_2": 512}))],
+    "SDXL full fine-tune (sd_finetune/sdxl_full: 1024 px, batch 1, checkpointing, fp32 EMA)":
+        lambda: _recipe("sd_finetune", "sdxl_full"),
+    "SD3-medium full fine-tune (sd_finetune/sd3_medium_full: 1024 px, batch 1, checkpointing; CLIP-L, CLIP-G, "
+    "T5-XXL frozen, 77 T5 tokens)":
+        lambda: _recipe("sd_finetune", "sd3_medium_full"),
+    "FLUX.1-dev LoRA rank 16 on the FLUX targets (sd_finetune/flux_dev_lora: 1024 px, batch 1, checkpointing; "
+    "CLIP-L, T5-XXL frozen, 512 T5 tokens)":
+        lambda: _recipe("sd_finetune", "flux_dev_lora"),
+    "FLUX.1-dev full fine-tune (sd_finetune/flux_dev_lora with lora.enabled=false: 1024 px, batch 1, "
+    "checkpointing)":
+        lambda: _recipe("sd_finetune", "flux_dev_lora", ["lora.enabled=false"]),
     "PPO, OPT-1.3B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m as shipped)":
         lambda: _recipe("rlhf_ppo", "opt1.3b_opt350m"),
     "PPO, OPT-13B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m with --assume actor=facebook/opt-13b)":
