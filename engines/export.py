@@ -1,9 +1,15 @@
 """Exports: a role's full weights in a folder that real clients load, written atomically.
 
 One routine serves every role and pipeline: gather the role on all ranks (never rank 0 alone: under
-ZeRO-3 that hangs), write on rank 0 into ``<out>.tmp``, fsync, and rename it into place, so a crash
+ZeRO-3 that hangs), write on rank 0 into ``<out>.tmp``, fsync, and swap it into place, so a crash
 never leaves a half-written folder where a complete one is expected. Tensors written are full, never
 the empty shards of a partitioned model.
+
+The swap of a folder that already exists is one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux, so at
+every instant ``<out>`` is the complete old export or the complete new one. Where the file system lacks
+it (NFS, non-Linux), the old folder is renamed to ``<out>.old`` before the new one goes in; a crash
+between the two renames leaves ``<out>`` missing until :func:`recover_dir` (run by the next export of
+that folder) moves ``<out>.old`` back.
 
 * transformers / diffusers models: ``save_pretrained`` (config + safetensors), loadable with
   ``AutoModelFor*.from_pretrained`` or the diffusers class;
@@ -15,11 +21,14 @@ the empty shards of a partitioned model.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import inspect
 import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["atomic_dir", "cast_folder", "merged_state_dict", "save_role", "write_role"]
+__all__ = ["atomic_dir", "cast_folder", "merged_state_dict", "recover_dir", "save_role", "write_role"]
 
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,21 +58,80 @@ def _fsync_tree(root: str) -> None:
             os.close(fd)
 
 
-def _commit(tmp: str, out: str) -> None:
-    """Replace ``out`` by ``tmp``: the old folder is moved aside first and deleted only afterwards."""
-    _fsync_tree(tmp)
-    old = None
-    if os.path.lexists(out):
-        old = f"{out}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    parent = os.open(os.path.dirname(out) or ".", os.O_RDONLY)
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
     try:
-        os.fsync(parent)
+        os.fsync(fd)
     finally:
-        os.close(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the
+    system or the file system cannot (the caller then falls back to two renames)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc older than glibc 2.28
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def recover_dir(out_dir: str) -> None:
+    """Undo what a crash inside an earlier commit of ``out_dir`` left: with ``out_dir`` missing, its
+    moved-aside copy ``<out>.old`` (complete: it was the previous export) goes back into place; with
+    ``out_dir`` present, a stale ``<out>.old`` is removed. ``<out>.tmp`` is never promoted (it may be
+    partial); :func:`atomic_dir` clears it."""
+    out = os.path.abspath(out_dir).rstrip(os.sep)
+    aside = out + ".old"
+    if not os.path.lexists(aside):
+        return
+    if os.path.lexists(out):
+        _remove(aside)
+    else:
+        logger.warning("%s was missing after an interrupted export; restoring the previous export from %s",
+                       out, aside)
+        os.replace(aside, out)
+        _fsync_dir(os.path.dirname(out))
+
+
+def _commit(tmp: str, out: str) -> None:
+    """Replace ``out`` by the finished ``tmp`` so that no crash leaves ``out`` partial (and, where the file
+    system can swap atomically, never missing either)."""
+    _fsync_tree(tmp)
+    parent = os.path.dirname(out)
+    if os.path.lexists(out) and _exchange(tmp, out):
+        _fsync_dir(parent)  # out is the new export now; tmp holds the old one
+        _remove(tmp)
+        return
+    aside = None
+    if os.path.lexists(out):
+        aside = out + ".old"  # a fixed name, so recover_dir finds it after a crash right here
+        os.replace(out, aside)
+    os.replace(tmp, out)
+    _fsync_dir(parent)
+    if aside is not None:
+        _remove(aside)
 
 
 @contextlib.contextmanager
@@ -76,6 +144,7 @@ def atomic_dir(out_dir: str, main: bool = True) -> Iterator[str]:
     out = os.path.abspath(out_dir).rstrip(os.sep)
     tmp = out + ".tmp"
     if main:
+        recover_dir(out)
         if os.path.lexists(tmp):
             shutil.rmtree(tmp)  # a leftover of a crashed export
         os.makedirs(tmp)
