@@ -13,21 +13,13 @@ from multiengine.engines import planner as P
 GPUS = (1, 8, 64)
 # the trained role plain ZeRO-3 (no offload) in every case, so that only the frozen roles' layout differs
 COMMON = [f"roles.{r}.dtype=bf16" for r in ("vae", "text_encoder")]
-# (title, recipe, base config, overrides); every run at batch 1 with gradient checkpointing, no EMA
+# (title, recipe, shipped config, overrides); every run at batch 1 with gradient checkpointing, no EMA
 CASES = [
-    ("SD 1.5 full, 512 px", "sd_finetune", "sd15_full",
-     ["model.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5", "data.resolution=512"]),
-    ("SDXL base full, 1024 px", "sd_finetune", "sd15_full",
-     ["model.pretrained=stabilityai/stable-diffusion-xl-base-1.0", "data.resolution=1024"]),
-    ("SD3-medium full, 1024 px", "sd_finetune", "sd15_full",
-     ["model.pretrained=stabilityai/stable-diffusion-3-medium-diffusers", "data.resolution=1024",
-      "roles.transformer.dtype=bf16", "train.snr_gamma=0"]),
-    ("FLUX.1-dev full, 1024 px", "sd_finetune", "sd15_full",
-     ["model.pretrained=black-forest-labs/FLUX.1-dev", "data.resolution=1024", "roles.transformer.dtype=bf16",
-      "train.snr_gamma=0"]),
-    ("FLUX.1-dev LoRA r16, 1024 px", "sd_finetune", "sd15_lora",
-     ["model.pretrained=black-forest-labs/FLUX.1-dev", "data.resolution=1024", "roles.transformer.dtype=bf16",
-      "lora.rank=16", "lora.target_modules=[to_q,to_k,to_v,to_out.0]", "train.gradient_checkpointing=true"]),
+    ("SD 1.5 full, 512 px", "sd_finetune", "sd15_full", []),
+    ("SDXL base full, 1024 px", "sd_finetune", "sdxl_full", []),
+    ("SD3-medium full, 1024 px", "sd_finetune", "sd3_medium_full", []),
+    ("FLUX.1-dev full, 1024 px", "sd_finetune", "flux_dev_lora", ["lora.enabled=false"]),
+    ("FLUX.1-dev LoRA r16, 1024 px", "sd_finetune", "flux_dev_lora", []),
     ("ControlNet for SD 1.5, 512 px", "controlnet", "tiny",
      ["model.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5", "data.resolution=512",
       "train.micro_batch_size=1", "train.gradient_checkpointing=true", "roles.controlnet.dtype=bf16",
