@@ -49,8 +49,10 @@ DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)  # DeepSpeed's default, used when a mod
 DEFAULT_REDUCE_BUCKET = int(5e8)
 STAGE3_SUB_GROUP_SIZE = int(1e9)  # DeepSpeed's default sub_group_size: fp32 gradients are made per sub-group
 
-# Tensors that safetensors files may hold but that are buffers, not parameters.
-_BUFFER_NAMES = re.compile(r"(^|\.)(position_ids|running_mean|running_var|num_batches_tracked|inv_freq)$")
+# Tensors that safetensors files may hold but that are buffers, not parameters. pos_embed.pos_embed: the
+# sin-cos table diffusers' PatchEmbed saves when pos_embed_max_size is set (SD3: 192² x 1536 in SD3-medium).
+_BUFFER_NAMES = re.compile(
+    r"(^|\.)(position_ids|running_mean|running_var|num_batches_tracked|inv_freq|pos_embed\.pos_embed)$")
 
 
 class PlanError(ValueError):

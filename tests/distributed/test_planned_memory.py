@@ -1,7 +1,7 @@
 """Planned vs measured model states on 2 ranks: every recipe's summary.json carries, per role, the
 planner's per-rank bytes (recipes.plans.planned_vs_measured) beside the memory report's, and they agree
-within 5% plus the persistent-parameter term for the SD, PPO, GRPO and distillation tiny configs at ZeRO
-stages 0, 2 and 3 (one optimizer step each, all in one launch)."""
+within 5% plus the persistent-parameter term for the SD, SDXL, SD3 and FLUX (flow matching), PPO, GRPO and
+distillation tiny configs at ZeRO stages 0, 2 and 3 (one optimizer step each, all in one launch)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ from conftest import WORKERS, launch
 pytestmark = pytest.mark.distributed
 
 STAGES = (0, 2, 3)
-RECIPES = ("sd_finetune", "rlhf_ppo", "rlhf_grpo", "distill")
-ROLES = {"sd_finetune": {"unet", "vae", "text_encoder", "ema"}, "rlhf_ppo": {"actor", "critic", "ref", "reward"},
-         "rlhf_grpo": {"actor", "ref"}, "distill": {"teacher", "student"}}
+FAMILIES = ("sdxl", "sd3", "flux")  # sd_finetune's other tiny configs, run as sd_finetune_<family>
+RECIPES = ("sd_finetune", *(f"sd_finetune_{f}" for f in FAMILIES), "rlhf_ppo", "rlhf_grpo", "distill")
+ROLES = {"sd_finetune": {"unet", "vae", "text_encoder", "ema"},
+         "sd_finetune_sdxl": {"unet", "vae", "text_encoder", "text_encoder_2", "ema"},
+         "sd_finetune_sd3": {"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "ema"},
+         "sd_finetune_flux": {"transformer", "vae", "text_encoder", "text_encoder_2", "ema"},
+         "rlhf_ppo": {"actor", "critic", "ref", "reward"}, "rlhf_grpo": {"actor", "ref"},
+         "distill": {"teacher", "student"}}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +35,11 @@ def summaries(tmp_path_factory) -> dict[tuple[str, int], dict]:
     tiny.prepare_builtin(assets, seed=0, n_sft=200, n_reward=50, n_ppo=50, n_eval=16)
     student = tiny.build_tiny_causal_lm(root / "student", assets / "tokenizer", hidden=32, layers=1, seed=1)
     sd_model = build_tiny_model(str(root / "tiny_sd"), 0, 32)
+    families = ",".join(f"{f}={build_tiny_model(str(root / f'tiny_{f}'), 0, 32, f)}" for f in FAMILIES)
     shapes = make_shapes_dataset(str(root / "shapes"), 8, 32, seed=0)
     sys.path.insert(0, str(WORKERS))
-    launch("planned_memory", root / "runs", str(assets), sd_model, shapes, str(student), *map(str, STAGES),
-           timeout=1200)
+    launch("planned_memory", root / "runs", str(assets), sd_model, shapes, str(student), families,
+           *map(str, STAGES), timeout=1200)
     return {(recipe, stage): json.loads((root / "runs" / f"{recipe}_stage{stage}" / "summary.json").read_text())
             for recipe in RECIPES for stage in STAGES}
 
@@ -63,6 +69,8 @@ def test_planned_model_states_match_the_measured_ones(summaries, recipe, stage):
         assert (planned["optimizer_bytes"] > 0) == (measured["optimizer_bytes"] > 0) == trainable, role
         if stage == 3:
             assert r["params_persistent"] == r["measured_params_persistent"], role
+            # split over the 2 ranks (plus one element of padding per tensor); persistent ones whole besides.
+            # Not a fraction of the total: in the tiny transformers 38% of the parameters are persistent.
             b = 4 if r["dtype"] == "fp32" else 2
-            assert planned["param_bytes"] < 0.75 * b * r["params"], role  # split over the 2 ranks
+            assert planned["param_bytes"] - b * r["params_persistent"] < 0.51 * b * r["params"], role
     assert report["all_within_tolerance"]
