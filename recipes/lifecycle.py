@@ -14,7 +14,8 @@ A recipe is a subclass of :class:`Recipe` that fills in what is its own:
 The base does the rest the same way for all: output folder, seeding, the registry (backend, seed,
 collective timeout), ``metrics.jsonl`` + TensorBoard (and wandb with ``report_to=wandb``), the tqdm loop
 with periodic evaluation and checkpoints, ``resume_from``, ``summary.json`` (with per-rank memory and every
-role's resolved config) and ``curves.png``. Its module keeps ``DEFAULTS`` (``with_common({...})``) and ``main = MyRecipe.main``.
+role's resolved config) and ``curves.png``. Its module keeps ``DEFAULTS`` (``with_common({...})``) and
+``main = MyRecipe.main``.
 
 Every step is checked for non-finite values: the registry never applies an optimizer update whose loss
 or global gradient norm is NaN/inf (engines/nonfinite.py), and the ``nonfinite`` policy decides what the
