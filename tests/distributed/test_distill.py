@@ -26,9 +26,22 @@ def test_distill_from_the_cli_and_the_student_export(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     m = summary["metrics"]
-    for key in ("eval/before/loss", "eval/after/loss", "teacher/loss", "eval/before/judge", "eval/after/judge"):
+    for key in ("eval/before/loss", "eval/after/loss", "teacher/loss", "eval/before/judge", "eval/after/judge",
+                "teacher/judge"):
         assert key in m, key
-    assert m["eval/after/loss"] < m["eval/before/loss"]  # the student moved toward the teacher
+    # Learning is the student's held-out loss closing on the teacher's: at every evaluation the gap is smaller
+    # than at the one before, and by the end it has shrunk by over 10% (measured: 0.25 -> 0.21 in 6 steps).
+    teacher = m["teacher/loss"]
+    assert teacher < m["eval/before/loss"]  # the teacher is ahead, so "toward the teacher" means down
+    gaps = [e["loss"] - e["teacher_loss"] for e in summary["evaluations"]]
+    assert all(e["teacher_loss"] == teacher for e in summary["evaluations"])  # scored once, unchanged
+    assert gaps[0] > gaps[1] > gaps[2] > 0 and gaps[2] < 0.9 * gaps[0], gaps
+    assert gaps[2] == pytest.approx(m["eval/after/loss"] - teacher)
+    # The judge is reported but not asserted to move: after 8 SFT steps the teacher's answers score 0 as well
+    # as the student's (judge 0.0 for both here). Its movement needs the full tiny run (docs/adding-a-workflow.md:
+    # 0.00 -> 0.65 against the teacher's 0.66), minutes longer than this test may take.
+    for key in ("eval/before/judge", "eval/after/judge", "teacher/judge"):
+        assert 0.0 <= m[key] <= 1.0, (key, m[key])
     assert summary["roles"]["teacher"]["stage"] == 3 and not summary["roles"]["teacher"]["trainable"]
     assert summary["roles"]["student"]["stage"] == 2 and summary["config"]["distill"]["loss"] == "jsd"
     assert [e["tag"] for e in summary["evaluations"]] == ["before", "step_3", "after"]

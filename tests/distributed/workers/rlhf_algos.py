@@ -66,14 +66,11 @@ def prompts(step: int, rank: int) -> dict:
     return PROMPT_COLLATE([PROMPTS[i] for i in range(start, start + 2)])
 
 
-def build(actor_stage: int, ref_stage: int, reward_stage: int | None = None, lr: float = 1e-3,
-          grad_accum: int = 1, micro: int = 4) -> EngineRegistry:
+def build(actor_stage: int, ref_stage: int, lr: float = 1e-3, grad_accum: int = 1, micro: int = 4) -> EngineRegistry:
     registry = EngineRegistry()
     registry.add(actor_spec(MODEL, Placement(actor_stage, "fp32"), OptimSpec(lr=lr, total_steps=10),
                             micro_batch_size=micro, grad_accum=grad_accum))
     registry.add(ref_spec(MODEL, Placement(ref_stage, "fp32")))
-    if reward_stage is not None:
-        registry.add(reward_spec(MODEL, Placement(reward_stage, "fp32")))
     return registry.build()
 
 
