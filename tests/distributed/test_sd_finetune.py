@@ -128,6 +128,15 @@ def test_two_text_encoders(ranks):
         assert len(sdxl["validations"]) == 2
 
 
+def test_sdxl_losses_match_seed_baseline(ranks):
+    for r in ranks:
+        seed = r["sdxl_seed"]
+        assert seed["stages"] == {"unet": 3, "vae": 0, "text_encoder": 0, "text_encoder_2": 0}
+        assert seed["memory"]["text_encoder_2"]["local_fraction"] == 1.0  # whole on every rank
+        assert seed["losses"] == pytest.approx(r["sdxl"]["losses"], rel=1e-5, abs=1e-6)
+        assert seed["heldout"] == pytest.approx(r["sdxl"]["heldout"], rel=1e-5)
+
+
 FRESH = textwrap.dedent(
     """
     import json, sys

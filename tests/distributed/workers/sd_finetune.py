@@ -1,4 +1,4 @@
-"""The sd_finetune recipe on 2 ranks, five runs in one process group (one launch keeps the test short):
+"""The sd_finetune recipe on 2 ranks, seven runs in one process group (one launch keeps the test short):
 
   zero3     unet + vae + text_encoder + ema all ZeRO-3, 4 steps of 2 x 2 micro batches (accumulation),
             checkpoints at 2 and 4, export
@@ -6,6 +6,7 @@
   seed      seed_baseline mode (vae/text_encoder full copies), same seed and data
   lora      LoRA adapters on the unet, 3 steps, export of the adapter
   sdxl      a tiny SDXL-style model: text_encoder + text_encoder_2 as two frozen ZeRO-3 roles
+  sdxl_seed the same SDXL model in seed_baseline mode (frozen roles whole), same seed and data
 
 argv: out_dir
 """
@@ -107,8 +108,11 @@ results["resume"] = run("resume", *shared, f"resume_from={ckpt}")
 results["seed"] = run("seed", *shared, "mode=seed_baseline")
 results["lora"] = run("lora", *shared, "lora.enabled=true", "ema.enabled=false", "export.roles=[unet]", "max_steps=3",
                       "train.lr=1.0e-2", "checkpoint.every=0", "validation.enabled=false")
-results["sdxl"] = run("sdxl", f"data.source={data}", "model.tiny_family=sdxl", "max_steps=2",
-                      "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]")
+sdxl = [f"data.source={data}", "max_steps=2", "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]"]
+results["sdxl"] = run("sdxl", *sdxl, "model.tiny_family=sdxl")
+# The same tiny SDXL in diffusers' layout (both text encoders and the vae whole on every rank).
+results["sdxl_seed"] = run("sdxl_seed", *sdxl, f"model.pretrained={os.path.join(ROOT, 'sdxl', 'tiny_sdxl')}",
+                           "mode=seed_baseline", "validation.enabled=false", "export.enabled=false")
 results["paths"] = {"model": model, "root": ROOT}
 dump(results)
 
