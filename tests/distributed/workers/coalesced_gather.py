@@ -141,3 +141,6 @@ for i in range(2, 4):
 out["final_equal"] = all(torch.equal(a, b) for a, b in zip(reference("policy"), reference("twin")))
 dump(out)
 registry.close()
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

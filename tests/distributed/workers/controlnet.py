@@ -57,3 +57,6 @@ dump({
     "planned_vs_measured": summary["memory"]["planned_vs_measured"],
 })
 job.close()
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

@@ -17,10 +17,10 @@ import shutil
 import sys
 
 import torch
-from common import MLP, dump, full_params, seeded
+from common import MLP, dump, finish, full_params, seeded
 from multiengine.engines import CheckpointError, EngineRegistry, RoleSpec, ema_update, eval_ds_config, train_ds_config
 from multiengine.engines import checkpoint as ckpt_module
-from multiengine.engines.dist import barrier, shutdown
+from multiengine.engines.dist import barrier
 
 mode, ckpt_dir = sys.argv[2], sys.argv[3]
 out = sys.argv[1]
@@ -162,4 +162,4 @@ elif mode == "verify":
     result["entries_after_next"] = sorted(os.listdir(ckpt_dir))
     result["latest_after_next"] = ckpt_module.latest_tag(ckpt_dir)
 dump(result)
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

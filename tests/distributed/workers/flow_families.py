@@ -183,7 +183,6 @@ results["flux_resume"] = run_recipe("flux_resume", f"resume_from={ckpt}")
 results["paths"] = paths
 dump(results)
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

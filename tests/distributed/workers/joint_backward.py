@@ -184,3 +184,6 @@ except JointLossError as exc:
     result["unlisted_error"] = str(exc)
 dump(result)
 registry.close()
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

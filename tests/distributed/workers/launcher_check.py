@@ -29,7 +29,6 @@ with open(os.path.join(out_dir, f"rank{registry.rank}.json"), "w") as f:
                             if n == os.path.basename(_shm_buffer_path(registry.rank))],
                "local": {r.name: sum(p.ds_tensor.numel() for p in r.module.parameters()) for r in registry.roles()}}, f)
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

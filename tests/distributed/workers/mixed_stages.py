@@ -65,7 +65,6 @@ dump({
     "errors": errors,
 })
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

@@ -91,3 +91,6 @@ result["export"] = {k: v["model"] for k, v in export.items()}
 result["reward_vocab"] = len(reward_tok)
 result["actor_vocab"] = len(run.tokenizer)
 dump(result)
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

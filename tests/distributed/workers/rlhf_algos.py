@@ -159,3 +159,6 @@ def dpo_run(policy_stage: int) -> dict:
 result["dpo_z2"] = dpo_run(2)
 result["dpo_z3"] = dpo_run(3)
 dump(result)
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

@@ -241,3 +241,6 @@ full = recipe_run("full")
 ckpt = os.path.join(ROOT, "full", "checkpoints", "step_00000002")
 result["resume"] = {"full": full, "resumed": recipe_run("resumed", f"resume_from={ckpt}")}
 dump(result)
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

@@ -116,7 +116,6 @@ results["sdxl_seed"] = run("sdxl_seed", *sdxl, f"model.pretrained={os.path.join(
 results["paths"] = {"model": model, "root": ROOT}
 dump(results)
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

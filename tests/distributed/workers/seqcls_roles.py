@@ -91,3 +91,6 @@ save_role(registry, "reward", export)
 result["export"] = export
 result["ids"], result["mask"], result["expected"] = ids.tolist(), mask.tolist(), expected.tolist()
 dump(result)
+from common import finish  # noqa: E402
+
+finish()  # leave together, skip the interpreter's teardown

@@ -26,7 +26,6 @@ for step in range(6):
             losses[name].append(mean.item() / registry.world_size)
 dump({"losses": losses, "train_batch_size": {n: registry[n].train_batch_size() for n in registry.names()}})
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

@@ -64,7 +64,6 @@ dump({
     "backend": registry.backend,
 })
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown

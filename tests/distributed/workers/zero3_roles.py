@@ -72,7 +72,6 @@ dump({
     "report_text": str(report),
 })
 
-# Leave the process group together: a rank that exits while its peer is mid-collective aborts it.
-from multiengine.engines.dist import shutdown  # noqa: E402
+from common import finish  # noqa: E402
 
-shutdown()
+finish()  # leave together, skip the interpreter's teardown
