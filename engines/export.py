@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dist import barrier
+from .roles import torch_dtype
 
 if TYPE_CHECKING:
     from .registry import EngineRegistry
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["atomic_dir", "cast_folder", "merged_state_dict", "recover_dir", "save_role", "write_role"]
-
-_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _fsync_tree(root: str) -> None:
@@ -166,7 +165,7 @@ def cast_folder(folder: str, dtype: torch.dtype | str) -> None:
     from safetensors.torch import load_file, save_file
 
     if isinstance(dtype, str):
-        dtype = _DTYPE_NAMES[dtype]
+        dtype = torch_dtype(dtype)  # a bad name is a ConfigError naming the choices
     name = str(dtype).replace("torch.", "")
     for entry in os.listdir(folder):
         path = os.path.join(folder, entry)
