@@ -7,7 +7,7 @@ a world size is a recipe run inside the same launch (recipes compose on the same
 and imports are paid once. Per run it reads summary.json: per-rank memory report rows, the planner's bytes
 for the same placements, the median step time.
 
-    python -m benchmarks.sd_memory_speed              # N=2 timing of 4 families + SD memory at N=1,4, ~3 min quiet
+    python -m benchmarks.sd_memory_speed     # N=2 timing of 4 families + SD memory at N=1,4: ~2 min on idle cores
 
 Layouts: ``zero3_gather`` (the recipe default: every role ZeRO-3, each frozen role gathered whole once per
 call, ``gather_forward``), ``zero3`` (the same sharding, frozen roles fetched layer by layer; SD only) and
