@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from common import dump
+from common import dump, finish
 from multiengine.recipes.config import load_config, load_recipe
 
 QUIET = ["max_steps=1", "checkpoint.every=0", "tensorboard=false", "plot=false", "export.enabled=false"]
@@ -64,6 +64,7 @@ def main() -> None:
             load_recipe(recipe).main(cfg)
             done.append(run_dir)
     dump({"runs": done})
+    finish()  # leave together, skip the interpreter's teardown
 
 
 if __name__ == "__main__":
