@@ -10,6 +10,7 @@ pipeline. Then the sd_finetune recipe on the tiny FLUX (its own checkpoints and 
 
   flux_full     4 steps, checkpoints at 2 and 4, export/pipeline
   flux_resume   from flux_full's step-2 checkpoint to step 4
+  flux_lora     2 steps of LoRA on the transformer, export/lora and the merged export/pipeline
 
 argv: out_dir
 """
@@ -143,7 +144,7 @@ def run_recipe(name, *overrides):
     exported = job.export()
     out = {"losses": job.losses, "heldout": job.heldout, "export": exported,
            "lr": job.registry["transformer"].get_lr()[0], "sampler": job.sampler.state_dict(consumed=job.consumed),
-           "weights": {role: checksum(job.registry, role) for role in ("transformer", "ema")}}
+           "weights": {role: checksum(job.registry, role) for role in ("transformer", "ema") if role in job.registry}}
     job.close()
     return out
 
@@ -180,6 +181,10 @@ for layout in ("zero3", "seed"):
 results["flux_full"] = run_recipe("flux_full")
 ckpt = os.path.join(ROOT, "flux_full", "checkpoints", "step_00000002")
 results["flux_resume"] = run_recipe("flux_resume", f"resume_from={ckpt}")
+# LoRA on the FLUX transformer (the family's default targets): export/lora for load_lora_weights, and the
+# merged export/pipeline beside it.
+results["flux_lora"] = run_recipe("flux_lora", "lora.enabled=true", "ema.enabled=false", "train.lr=1.0e-2",
+                                  "max_steps=2", "checkpoint.every=0")
 results["paths"] = paths
 dump(results)
 
