@@ -202,7 +202,8 @@ def watch_launcher(poll_s: float = 1.0) -> None:
                 msg = (f"rank {os.environ.get('RANK', '?')}: launcher (pid {parent}) is gone; "
                        "exiting so no orphaned rank keeps running")
                 logger.error(msg)
-                print(f"error: {msg}", file=sys.stderr, flush=True)
+                sys.stderr.write(f"error: {msg}\n")  # the user's one line, even with logging not set up
+                sys.stderr.flush()
                 os._exit(128 + signal.SIGHUP)  # works even while the main thread is inside a collective
 
     threading.Thread(target=watch, name="multiengine-launcher-watch", daemon=True).start()

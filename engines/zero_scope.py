@@ -3,7 +3,7 @@ stage-3 role's model() runs, with that role's own config, and are cleared right 
 
 This is the fix for the diffusers example's failure under current releases, where a global
 HfDeepSpeedConfig outlives the UNet's build and the text encoder then loads partitioned but
-is never wrapped in an engine (known-failures.md).
+is never wrapped in an engine, and its first forward fails.
 """
 
 from __future__ import annotations
