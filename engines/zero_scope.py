@@ -134,6 +134,62 @@ def role_build_scope(ds_config: dict[str, Any], stage: int, use_deepspeed: bool)
         # zero.Init patches tensor constructors fails inside torch._dynamo.
         stack.enter_context(_hf_config_scope(ds_config))
         stack.enter_context(_diffusers_zero3_loading())
-        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds_config))
+        stack.enter_context(_classes_kept(deepspeed.zero.Init(config_dict_or_path=ds_config)))
         yield
     clear_hf_deepspeed_config()
+
+
+def _module_classes() -> list[type]:
+    from deepspeed.runtime.zero.partition_parameters import get_all_subclasses
+
+    return list(get_all_subclasses(torch.nn.Module))
+
+
+def _rewrapped_inits() -> dict[type, Any]:
+    """Classes whose ``__init__`` was wrapped again after zero.Init wrapped it: a class defined while the
+    scope was open (its module imported by the role's factory) and then decorated, as transformers'
+    kernel decorator does to the attention classes of most model families. zero.Init's own wrapper keeps
+    the function it wraps as both ``__wrapped__`` and the class's ``_old_init``."""
+    found = {}
+    for cls in _module_classes():
+        init, old = cls.__dict__.get("__init__"), cls.__dict__.get("_old_init")
+        if init is not None and old is not None and getattr(init, "__wrapped__", None) is not old:
+            found[cls] = init
+    return found
+
+
+@contextlib.contextmanager
+def _classes_kept(init_ctx: Any) -> Iterator[Any]:
+    """zero.Init that leaves every nn.Module class as it would be had it been defined outside the scope.
+
+    When zero.Init stops (at the end of the scope, or paused by zero_init_paused), it sets each class's
+    ``__init__`` back to the one it saw when the class was defined. For a class defined inside the scope
+    and decorated afterwards, that drops the decorator: every instance built later, by this role after a
+    pause or by any later role, lacks what the decorator sets up (``'LlamaAttention' object has no
+    attribute '_kernel_funcs'``). Here each stop puts such decorated ``__init__`` back; the zero.Init
+    wrapper left inside it only partitions while this scope's zero.Init is active, so later builds at
+    another stage, or under another role's zero.Init, get plain tensors or their own partitioning.
+    """
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
+
+    post_init = init_ctx._post_init_method
+
+    def post_init_while_active(module: torch.nn.Module) -> None:
+        if init_ctx.patched:
+            post_init(module)
+
+    init_ctx._post_init_method = post_init_while_active
+    unpatch = Patcher.__dict__["unpatch_init_and_builtins"]
+
+    def unpatch_keeping_decorators(self: Any) -> None:
+        rewrapped = _rewrapped_inits()
+        unpatch(self)
+        for cls, init in rewrapped.items():
+            cls.__init__ = init
+
+    Patcher.unpatch_init_and_builtins = unpatch_keeping_decorators
+    try:
+        with init_ctx:
+            yield init_ctx
+    finally:
+        Patcher.unpatch_init_and_builtins = unpatch

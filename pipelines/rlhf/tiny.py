@@ -27,7 +27,7 @@ import random
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -44,12 +44,14 @@ __all__ = [
     "TOPICS",
     "UNK_TOKEN",
     "build_corpus",
+    "TINY_FAMILIES",
     "build_tiny_causal_lm",
     "judge",
     "make_prompt",
     "parse_prompt",
     "prepare_builtin",
     "task_vocabulary",
+    "tiny_lm_config",
     "train_bpe_tokenizer",
     "train_tokenizer",
     "write_builtin_dataset",
@@ -379,42 +381,76 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: i
     return fast
 
 
-def build_tiny_causal_lm(
-    out_dir: str | Path, tokenizer_dir: str | Path, hidden: int = 64, layers: int = 2, seed: int = 0
-) -> Path:
-    """Randomly initialised OPT-shaped causal LM, saved with ``save_pretrained`` (plus the tokenizer).
+# The decoder families users bring, as tiny configs: each entry maps the sizes below to that family's own
+# config keys, with dropout off (actor and ref must agree token for token).
+TINY_FAMILIES: tuple[str, ...] = ("opt", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma",
+                                  "gemma2", "gemma3_text", "phi3")
 
-    Dropout is 0 (actor and ref must agree token for token), ``max_position_embeddings`` is 128 and
-    ``word_embed_proj_dim == hidden`` (no projection, like the real OPT-125m). Loadable with
+
+def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, *, pad_token_id: int = 0,
+                   bos_token_id: int = 1, eos_token_id: int = 2, max_positions: int = 128) -> Any:
+    """A transformers config of a tiny decoder of ``family`` (one of :data:`TINY_FAMILIES`, the
+    ``model_type`` names): ``hidden`` wide, ``layers`` deep, ``hidden // 16`` heads (grouped-query
+    attention with half as many key/value heads where the family has it), no dropout.
+
+    Raises:
+        ValueError: an unknown family, naming the known ones.
+    """
+    from transformers import AutoConfig
+
+    heads = max(1, hidden // 16)
+    ids = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id,
+           "eos_token_id": eos_token_id}
+    rope = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "max_position_embeddings": max_positions,
+            "attention_dropout": 0.0}
+    keys: dict[str, dict[str, Any]] = {
+        "opt": {"hidden_size": hidden, "num_hidden_layers": layers, "ffn_dim": 4 * hidden,
+                "num_attention_heads": heads, "max_position_embeddings": max_positions, "word_embed_proj_dim": hidden,
+                "dropout": 0.0, "attention_dropout": 0.0, "layerdrop": 0.0},
+        "gpt2": {"n_embd": hidden, "n_layer": layers, "n_head": heads, "n_positions": max_positions,
+                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0},
+        "gpt_neox": {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+                     "intermediate_size": 4 * hidden, "max_position_embeddings": max_positions,
+                     "hidden_dropout": 0.0, "attention_dropout": 0.0},
+        "llama": rope,
+        "mistral": dict(rope, sliding_window=None),
+        "qwen2": dict(rope, use_sliding_window=False),
+        "qwen3": dict(rope, head_dim=hidden // heads, use_sliding_window=False),
+        "gemma": dict(rope, head_dim=hidden // heads),
+        "gemma2": dict(rope, head_dim=hidden // heads, sliding_window=max_positions),
+        "gemma3_text": dict(rope, head_dim=hidden // heads, sliding_window=max_positions),
+        "phi3": dict(rope, resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=max_positions),
+    }
+    if family not in keys:
+        raise ValueError(f"tiny model family {family!r}: expected one of {', '.join(TINY_FAMILIES)}")
+    return AutoConfig.for_model(family, **keys[family], **ids)
+
+
+def build_tiny_causal_lm(
+    out_dir: str | Path, tokenizer_dir: str | Path, hidden: int = 64, layers: int = 2, seed: int = 0,
+    family: str = "opt",
+) -> Path:
+    """Randomly initialised tiny causal LM of ``family`` (see :func:`tiny_lm_config`; OPT by default),
+    saved with ``save_pretrained`` together with the tokenizer.
+
+    Dropout is 0 (actor and ref must agree token for token) and there are 128 positions; the OPT default
+    has ``word_embed_proj_dim == hidden`` (no projection, like the real OPT-125m). Loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``.
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, OPTConfig, OPTForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    heads = max(1, hidden // 16)
-    config = OPTConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        ffn_dim=4 * hidden,
-        num_attention_heads=heads,
-        max_position_embeddings=128,
-        word_embed_proj_dim=hidden,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layerdrop=0.0,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = tiny_lm_config(family, len(tokenizer), hidden, layers, pad_token_id=tokenizer.pad_token_id,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     # Seed only a private generator state: the caller's global RNG stream is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = OPTForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -424,7 +460,7 @@ def build_tiny_causal_lm(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    logger.info("built tiny OPT (%d params) in %s", sum(p.numel() for p in model.parameters()), out)
+    logger.info("built tiny %s (%d params) in %s", family, sum(p.numel() for p in model.parameters()), out)
     return out
 
 
