@@ -17,7 +17,8 @@ from .sources import is_hub_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelFolderError", "check_diffusers_folder", "check_model_folder", "check_vocab_fits", "tokenizer_size"]
+__all__ = ["ModelFolderError", "check_diffusers_folder", "check_model_folder", "check_vocab_fits", "load_tokenizer",
+           "tokenizer_size"]
 
 
 class ModelFolderError(ValueError):
@@ -71,6 +72,43 @@ def check_model_folder(path: str, key: str = "model.pretrained", kind: str = "tr
     return "hub"
 
 
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_PROBE = "list 3 fruits : apple pear plum. Hello, world! 12345 \u00e9t\u00e9"
+
+
+def load_tokenizer(path: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained(path)``, except where transformers replaces a local folder's own
+    tokenizer with its model family's class.
+
+    For some families (Qwen2, Phi-3 among them) transformers ignores a generic ``tokenizer_class`` in
+    ``tokenizer_config.json`` and builds the family's tokenizer from the vocabulary instead: a tokenizer the
+    user trained (word level, or other pre-tokenization) then encodes text differently from its own
+    ``tokenizer.json``, and training runs on wrong ids without any error. When the folder declares a generic
+    class and the family class encodes a probe differently from ``tokenizer.json``, the folder's tokenizer is
+    loaded as declared, with a warning.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    folder = Path(os.path.expanduser(str(path)), kwargs.get("subfolder") or "")
+    raw_file, config_file = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    if type(tokenizer).__name__ in _GENERIC_TOKENIZERS or not (raw_file.is_file() and config_file.is_file()):
+        return tokenizer
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") or ""
+    if declared not in _GENERIC_TOKENIZERS:
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    if tokenizer(_PROBE)["input_ids"] == Tokenizer.from_file(str(raw_file)).encode(_PROBE).ids:
+        return tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    logger.warning("%s: transformers loads this folder's tokenizer as %s, which encodes text differently from "
+                   "its tokenizer.json; using the tokenizer as saved (tokenizer_class %s in tokenizer_config.json)",
+                   path, type(tokenizer).__name__, declared)
+    return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+
+
 def tokenizer_size(tokenizer: Any) -> int:
     """The embedding rows a tokenizer needs: its largest id + 1 (added tokens included)."""
     vocab = tokenizer.get_vocab()
@@ -101,10 +139,10 @@ def check_vocab_fits(tokenizer: Any, model_path: str, *, key: str = "model.pretr
     Raises:
         ModelFolderError: the tokenizer has ids the model cannot embed.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        tokenizer = load_tokenizer(str(tokenizer))
     kwargs = {"subfolder": subfolder} if subfolder else {}
     vocab = _vocab_size(AutoConfig.from_pretrained(str(model_path), **kwargs))
     need = tokenizer_size(tokenizer)

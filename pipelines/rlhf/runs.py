@@ -57,8 +57,7 @@ def resolve_tokenizer(*candidates: str) -> Any:
     """``AutoTokenizer`` from the first candidate that has one: a local folder with tokenizer files (exports
     carry their tokenizer), or a hub name (from the hub or its local cache). A tokenizer without a pad token
     gets its EOS as the pad token (decoder-only models often ship without one)."""
-    from transformers import AutoTokenizer
-
+    from ..checks import load_tokenizer
     from ..sources import is_hub_name
 
     errors = []
@@ -69,7 +68,7 @@ def resolve_tokenizer(*candidates: str) -> Any:
         if not (_has_tokenizer(path) or (not os.path.exists(path) and is_hub_name(path))):
             continue
         try:
-            tok = AutoTokenizer.from_pretrained(path)
+            tok = load_tokenizer(path)
         except (OSError, ValueError) as err:
             errors.append(f"{path}: {err}")
             continue

@@ -442,9 +442,11 @@ def build_tiny_causal_lm(
         ``out_dir`` as a ``Path``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    from ..checks import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
     config = tiny_lm_config(family, len(tokenizer), hidden, layers, pad_token_id=tokenizer.pad_token_id,
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     # Seed only a private generator state: the caller's global RNG stream is left as it was.

@@ -1,0 +1,50 @@
+"""Every RLHF recipe, at its tiny config's default stages, on tiny models of other families, in one 2-rank
+launch: per family rlhf_sft from the family's base model, then rlhf_reward, rlhf_ppo, rlhf_grpo, rlhf_dpo and
+distill from its export (distill into a smaller model of the same family). Shortened to what the assertions
+need; the data is the built-in task's, the tokenizer the one saved with the base model (chat template).
+
+argv: out_dir, a JSON file {family: {"base": folder, "student": folder}}.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from common import dump, finish
+from multiengine.recipes.config import checked_config, load_recipe
+
+out = sys.argv[1]
+EVAL = ["eval.size=64", "eval.batch_size=32", "eval.every=0"]
+
+
+def run(folder: str, recipe: str, *overrides: str) -> dict:
+    cfg = checked_config(recipe, "tiny", [f"output_dir={folder}", "checkpoint.every=0", *overrides])
+    load_recipe(recipe).main(cfg)
+    torch.distributed.barrier()  # rank 0 writes summary.json
+    with open(os.path.join(folder, "summary.json")) as f:
+        summary = json.load(f)
+    return {"metrics": summary["metrics"], "stages": {k: v["stage"] for k, v in summary["roles"].items()}}
+
+
+results = {}
+for family, paths in json.load(open(sys.argv[2])).items():
+    root = os.path.join(out, family)
+    r = results[family] = {}
+    r["sft"] = run(f"{root}/sft", "rlhf_sft", f"model.pretrained={paths['base']}", *EVAL)
+    actor = f"{root}/sft/export/actor"
+    r["reward"] = run(f"{root}/reward", "rlhf_reward", f"model.pretrained={actor}", "max_steps=20", "eval.every=0")
+    r["ppo"] = run(f"{root}/ppo", "rlhf_ppo", f"model.actor={actor}", f"model.reward={root}/reward/export/reward",
+                   "max_steps=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", *EVAL)
+    r["grpo"] = run(f"{root}/grpo", "rlhf_grpo", f"model.actor={actor}", "max_steps=16", *EVAL)
+    r["dpo"] = run(f"{root}/dpo", "rlhf_dpo", f"model.actor={actor}", "max_steps=40", "train.micro_batch_size=16",
+                   "train.warmup_steps=2", "data.heldout_size=64", *EVAL)
+    r["distill"] = run(f"{root}/distill", "distill", f"model.teacher={actor}", f"model.student={paths['student']}",
+                       "max_steps=8", "train.micro_batch_size=8", "train.warmup_steps=2", *EVAL)
+    r["classes"] = {}
+    for step, role in (("sft", "actor"), ("reward", "reward"), ("ppo", "critic"), ("grpo", "actor"),
+                       ("dpo", "actor"), ("distill", "student")):
+        with open(f"{root}/{step}/export/{role}/config.json") as f:
+            r["classes"][f"{step}/{role}"] = json.load(f)["architectures"][0]
+dump(results)
+finish()
