@@ -27,7 +27,7 @@ def test_docs_equal_the_rendered_results():
     text = doc_figures.DOC.read_text(encoding="utf-8")
     results = doc_figures.load_results()
     assert doc_figures.render_doc(text, results) == text, "python -m benchmarks.doc_figures --render --write"
-    for name, (render, runs) in doc_figures.BLOCKS.items():
+    for name, (_, runs) in doc_figures.BLOCKS.items():
         block = doc_figures.block_pattern(name).search(text).group(2)
         assert {results[r]["date"] for r in runs} <= set(DATE.findall(block)), f"block {name} lacks its date"
     times = doc_figures.block_pattern("algorithm_times").search(text).group(2)
