@@ -23,7 +23,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -451,6 +451,8 @@ class SDFinetune(Recipe):
         super().__init__(cfg)
         self.validations: list[dict[str, Any]] = []
         self.heldout: dict[str, float] = {}  # "<tag>/loss" (and "<tag>/loss_ema")
+        self.vae_pretrain: dict[str, Any] | None = None  # pretrain_tiny_vae's result when this run did it
+        self._rows: Any = None
 
     @property
     def losses(self) -> list[float]:
@@ -555,19 +557,45 @@ class SDFinetune(Recipe):
     def _model_path(self) -> str:
         cfg = self.cfg
         if cfg.model.pretrained:
-            return resolve_model_path(cfg.model.pretrained, _cfg_str(cfg.model.revision), _cfg_str(cfg.model.variant))
+            path = resolve_model_path(cfg.model.pretrained, _cfg_str(cfg.model.revision), _cfg_str(cfg.model.variant))
+            if cfg.model.tiny_vae_steps and self.registry.is_main:
+                logger.info("model.tiny_vae_steps=%s skipped: model.pretrained=%s brings its own vae",
+                            cfg.model.tiny_vae_steps, cfg.model.pretrained)
+            return path
         family = str(cfg.model.tiny_family)
         path = self.path(f"tiny_{family}")
         if self.registry.is_main:
             build_tiny_model(path, cfg.seed, cfg.data.resolution, family)
-            if cfg.model.tiny_vae_steps:
-                images = self.data_source if isinstance(self.data_source, str) else ""
-                if images and os.path.isdir(images) and any(f.endswith(".png") for f in os.listdir(images)):
-                    pretrain_tiny_vae(path, images, cfg.model.tiny_vae_steps, seed=cfg.seed)
-                else:
-                    logger.info("model.tiny_vae_steps: data.source is not a local folder of PNGs; vae left random")
         barrier()
+        if cfg.model.tiny_vae_steps:
+            self.pretrain_vae(path)
         return path
+
+    def pretrain_vae(self, path: str) -> None:
+        """model.tiny_vae_steps on every rank (each encodes and decodes its share of every batch) on the
+        training images at data.resolution; rank 0 saves the vae while the others wait."""
+        cfg, registry = self.cfg, self.registry
+        train = self.rows().train
+        if cfg.data.max_train_samples:
+            train = train.select(range(min(int(cfg.data.max_train_samples), len(train))))
+        if registry.is_main:
+            logger.info("model.tiny_vae_steps=%s: the random tiny vae learns the training images first (0 skips "
+                        "it)", cfg.model.tiny_vae_steps)
+        self.vae_pretrain = pretrain_tiny_vae(
+            path, _ImageColumn(train, "image"), int(cfg.model.tiny_vae_steps), seed=cfg.seed,
+            resolution=int(cfg.data.resolution), device=registry.device)
+        barrier()
+
+    def rows(self) -> Any:
+        """load_rows once per run (the vae pre-train and _setup_data share them); rank 0 first, so that it
+        writes the datasets cache and the others read it instead of racing to write it."""
+        if self._rows is None:
+            if not self.registry.is_main:
+                barrier()
+            self._rows = self.load_rows()
+            if self.registry.is_main:
+                barrier()
+        return self._rows
 
     def make_builtin_data(self, folder: str) -> None:
         cfg = self.cfg
@@ -606,12 +634,7 @@ class SDFinetune(Recipe):
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
-        # Rank 0 prepares the datasets cache first; the others then read it instead of racing to write it.
-        if not registry.is_main:
-            barrier()
-        data = self.load_rows()
-        if registry.is_main:
-            barrier()
+        data = self.rows()
         train_rows = data.train
         if cfg.data.max_train_samples:
             train_rows = train_rows.select(range(min(cfg.data.max_train_samples, len(train_rows))))
@@ -835,10 +858,25 @@ class SDFinetune(Recipe):
                  "evaluation_rows": self.eval_origin, "validation": self.validations}
         if self.family_roles.objective == "flow":
             extra["flow"] = {**self.flow_options(), "max_sequence_length": self.t5_length}
+        if self.vae_pretrain is not None:
+            extra["tiny_vae_pretrain"] = self.vae_pretrain
         return extra
 
     def plot_title(self) -> str:
         return f"{self.name} ({self.family}, {self.registry.world_size} ranks)"
+
+
+class _ImageColumn(Sequence):
+    """One column of a datasets.Dataset as a sequence, each item decoded when indexed (not all at once)."""
+
+    def __init__(self, rows: Any, column: str) -> None:
+        self.rows, self.column = rows, column
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[int(index)][self.column]
 
 
 def build_tiny_model(path: str, seed: int, resolution: int, family: str = "sd") -> str:

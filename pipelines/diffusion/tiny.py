@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -27,6 +29,7 @@ __all__ = [
     "build_tiny_clip_text_encoder",
     "build_tiny_sd",
     "pretrain_tiny_vae",
+    "vae_pretrain_images",
     # other families
     "T5_SPECIAL_TOKENS",
     "build_t5_tokenizer",
@@ -330,92 +333,176 @@ def build_tiny_sd(out_dir: str, seed: int = 0, resolution: int = 32, prediction_
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _image_files(folder: str) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.lower().endswith((".png", ".jpg", ".jpeg", ".webp")))
+
+
+def vae_pretrain_images(images: str | Sequence[Any], resolution: int) -> torch.Tensor:
+    """The images the tiny vae pre-train sees: ``[N, 3, resolution, resolution]`` float32 in ``[-1, 1]``,
+    each resized (shorter side) and center-cropped like the fine-tune's evaluation images.
+
+    ``images`` is a folder (its ``.png`` / ``.jpg`` / ``.jpeg`` / ``.webp`` files, sorted by name) or a sequence
+    of PIL images (a training set's image column)."""
+    from PIL import Image
+
+    from .data import ImageTransform
+
+    transform = ImageTransform(resolution, center_crop=True, random_flip=False)
+    if isinstance(images, str):
+        names = _image_files(images)
+        if not names:
+            raise ValueError(f"no .png/.jpg/.webp images in {images!r} to pretrain the vae on")
+        out = []
+        for name in names:
+            with Image.open(os.path.join(images, name)) as im:
+                out.append(transform(im))
+        return torch.stack(out)
+    if len(images) == 0:
+        raise ValueError("no images to pretrain the vae on")
+    return torch.stack([transform(images[i]) for i in range(len(images))])
+
+
+def _weights_digest(module: torch.nn.Module) -> str:
+    """A short hash of every parameter's bytes: ranks that trained in lockstep have equal digests."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def pretrain_tiny_vae(
     model_dir: str,
-    image_dir: str,
+    images: str | Sequence[Any],
     steps: int = 300,
     batch_size: int = 16,
     lr: float = 2e-3,
     seed: int = 0,
     kl_weight: float = 1e-6,
     progress: bool = True,
-) -> dict[str, float]:
-    """Train the random tiny VAE of ``model_dir`` as an autoencoder on the PNGs of ``image_dir``, so that
+    resolution: int = 32,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Train the random tiny VAE of ``model_dir`` as an autoencoder on ``images`` at ``resolution`` px, so that
     generations of a fine-tuned tiny SD decode to recognisable images instead of noise.
 
     Loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW, ``lr``), then ``scaling_factor`` is set to
     ``1 / std(latents)`` over the images (how SD's 0.18215 was chosen), and for a vae with a ``shift_factor``
-    (SD3 / FLUX style) that to the latents' mean, and the vae is saved in place
-    (written beside and renamed). Deterministic for a seed; the global RNG is left untouched. About a
-    minute on one CPU core for 300 steps at 32 px, with a progress bar on the main process (``progress``).
-    Idempotent: a vae already trained with the same ``steps`` and ``seed`` (``vae/pretrained.json``) is left
-    as is.
+    (SD3 / FLUX style) that to the latents' mean, and the vae is saved in place (written beside and renamed).
+
+    Collective when a process group exists: every rank must call it with the same arguments. Each step draws
+    one batch of ``batch_size`` images (and its latent noise) from a generator seeded ``seed``; rank ``r``
+    encodes and decodes rows ``r, r + W, ...`` of it and the gradients are summed over the ranks, so each
+    rank does 1/W of the work and all ranks take the same optimizer step (up to the order of the float
+    sums, the result does not depend on W). Rank 0 saves; the caller waits for it (a barrier) before
+    loading the vae. The global RNG is left untouched. A progress bar with the estimated time left is shown
+    on rank 0 (``progress``). Idempotent: a vae already trained with the same ``steps``, ``seed``,
+    ``resolution`` and number of images (``vae/pretrained.json``) is left as is.
+
+    ``images``: see :func:`vae_pretrain_images`.
 
     Returns:
-        ``{"mse": final batch reconstruction MSE, "scaling_factor": float, "steps": steps}``.
+        ``{"mse": last batch's reconstruction MSE, "scaling_factor", "shift_factor", "steps", "seed",
+        "resolution", "images", "world_size", "seconds" (the slowest rank's), "rank_digests": per-rank hash
+        of the trained weights}`` (the same on every rank).
     """
-    from diffusers import AutoencoderKL
-    from PIL import Image
+    import time
 
+    import torch.distributed as dist
+    from diffusers import AutoencoderKL
+    from multiengine.engines import all_reduce_sum, global_moments
+    from tqdm import tqdm
+
+    grouped = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     vae_dir = os.path.join(model_dir, "vae")
     marker = os.path.join(vae_dir, "pretrained.json")
+    n_images = len(_image_files(images)) if isinstance(images, str) else len(images)
     if os.path.isfile(marker):
         with open(marker, encoding="utf-8") as f:
             done = json.load(f)
-        if done.get("steps") == steps and done.get("seed") == seed:
+        if [done.get(k) for k in ("steps", "seed", "resolution", "images")] == [steps, seed, resolution, n_images]:
+            if rank == 0:
+                logger.info("the tiny vae at %s is already pretrained (%s steps at %s px): kept", vae_dir, steps,
+                            resolution)
             return done
-    files = sorted(f for f in os.listdir(image_dir) if f.endswith(".png"))
-    if not files:
-        raise ValueError(f"no .png images in {image_dir!r} to pretrain the vae on")
-    import numpy as np
-
-    def load(name: str) -> torch.Tensor:
-        with Image.open(os.path.join(image_dir, name)) as im:
-            arr = np.asarray(im.convert("RGB"), dtype=np.float32)
-        return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0  # [3, H, W] in [-1, 1]
-
-    images = torch.stack([load(f) for f in files])  # [N, 3, H, W]
-    vae = AutoencoderKL.from_pretrained(vae_dir)
+    if rank == 0:
+        logger.info("pretraining the tiny vae: %d steps of %d images (of %d) at %d px on %d ranks", steps,
+                    batch_size, n_images, resolution, world)
+    pixels = vae_pretrain_images(images, resolution)
+    if batch_size < world:
+        raise ValueError(f"batch_size={batch_size} < {world} ranks: each rank needs a row of every batch")
+    vae = AutoencoderKL.from_pretrained(vae_dir).to(device)
     vae.train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr)
+    params = [p for p in vae.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    generator = torch.Generator().manual_seed(seed)
     mse = float("nan")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        from tqdm import tqdm
-
-        main = int(os.environ.get("RANK", "0")) == 0
-        bar = tqdm(range(steps), desc="tiny vae pretraining", disable=not (progress and main))
-        for _ in bar:
-            batch = images[torch.randint(0, len(images), (batch_size,))]
-            posterior = vae.encode(batch).latent_dist
-            recon = vae.decode(posterior.sample()).sample
-            loss = torch.nn.functional.mse_loss(recon, batch)
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc=f"tiny vae pretraining ({resolution} px, {world} ranks)",
+               disable=not (progress and rank == 0))
+    for _ in bar:
+        # The same draws on every rank (indices, then the whole batch's noise): rank r takes rows r::W.
+        index = torch.randint(0, len(pixels), (batch_size,), generator=generator)
+        mine = slice(rank, batch_size, world)
+        batch = pixels[index[mine]].to(device)
+        posterior = vae.encode(batch).latent_dist
+        noise = torch.randn((batch_size, *posterior.mean.shape[1:]), generator=generator)[mine]
+        recon = vae.decode(posterior.mean + posterior.std * noise.to(device)).sample
+        loss = torch.nn.functional.mse_loss(recon, batch)
+        share = len(batch) / batch_size  # the batch mean is the sum over ranks of share x the rank's mean
+        optimizer.zero_grad(set_to_none=True)
+        ((loss + kl_weight * posterior.kl().mean()) * share).backward()
+        if world > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1) * share])
+            flat = all_reduce_sum(flat).to(device=device, dtype=flat.dtype)
+            offset = 0
+            for p, g in zip(params, grads):
+                p.grad = flat[offset:offset + g.numel()].view_as(g)
+                offset += g.numel()
+            mse = float(flat[-1])
+        else:
             mse = loss.item()
-            optimizer.zero_grad(set_to_none=True)
-            (loss + kl_weight * posterior.kl().mean()).backward()
-            optimizer.step()
-            bar.set_postfix(mse=f"{mse:.4f}", refresh=False)
-        bar.close()
+        optimizer.step()
+        bar.set_postfix(mse=f"{mse:.4f}", refresh=False)
+    bar.close()
     vae.eval()
     with torch.no_grad():
-        means = torch.cat([vae.encode(images[i:i + 64]).latent_dist.mean for i in range(0, len(images), 64)])
-    std = float(means.std())
+        # Latent statistics over every image: rank r encodes images r::W, one all-reduce of the moments.
+        own = pixels[rank::world]
+        means = [vae.encode(own[i:i + 64].to(device)).latent_dist.mean.cpu() for i in range(0, len(own), 64)]
+        mean, std, count = global_moments(torch.cat(means) if means else torch.zeros(0))
+    std *= math.sqrt(count / max(count - 1.0, 1.0))  # the unbiased std, as torch.std gives on one rank
     vae.register_to_config(scaling_factor=1.0 / std)
     if getattr(vae.config, "shift_factor", None) is not None:
         # SD3 / FLUX vaes centre their latents too ((z - shift) * scale), as their published shift_factor does.
-        vae.register_to_config(shift_factor=float(means.mean()))
-    tmp = vae_dir + ".tmp"
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    vae.save_pretrained(tmp, safe_serialization=True)
+        vae.register_to_config(shift_factor=float(mean))
+    mine = (_weights_digest(vae), time.perf_counter() - start)
+    ranks = [mine]
+    if world > 1:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+    digests = [d for d, _ in ranks]
     result = {"mse": mse, "scaling_factor": 1.0 / std, "steps": steps, "seed": seed,
-              "shift_factor": getattr(vae.config, "shift_factor", None)}
-    with open(os.path.join(tmp, "pretrained.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    shutil.rmtree(vae_dir)
-    os.replace(tmp, vae_dir)
-    logger.info("pretrained the tiny vae for %d steps: reconstruction MSE %.4f, scaling_factor %.4f",
-                steps, mse, 1.0 / std)
+              "shift_factor": getattr(vae.config, "shift_factor", None), "resolution": resolution,
+              "images": n_images, "world_size": world, "seconds": round(max(t for _, t in ranks), 2),
+              "rank_digests": digests}
+    if len(set(digests)) > 1:
+        logger.warning("tiny vae pretraining: the ranks' weights differ (%s); rank 0's are saved", digests)
+    if rank == 0:
+        tmp = vae_dir + ".tmp"
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        vae.to("cpu").save_pretrained(tmp, safe_serialization=True)
+        with open(os.path.join(tmp, "pretrained.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        shutil.rmtree(vae_dir)
+        os.replace(tmp, vae_dir)
+        logger.info("pretrained the tiny vae for %d steps at %d px on %d ranks in %.1f s: reconstruction MSE "
+                    "%.4f, scaling_factor %.4f", steps, resolution, world, result["seconds"], mse, 1.0 / std)
     return result
 
 

@@ -128,6 +128,17 @@ def test_two_text_encoders(ranks):
         assert len(sdxl["validations"]) == 2
 
 
+def test_tiny_vae_pretrain_runs_on_both_ranks_in_lockstep(ranks):
+    pre = [r["sdxl"]["vae_pretrain"] for r in ranks]
+    assert pre[0] == pre[1]
+    assert pre[0]["world_size"] == 2 and pre[0]["steps"] == 4 and pre[0]["resolution"] == 32
+    digests = pre[0]["rank_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]  # both ranks end with the same weights
+    with open(os.path.join(ranks[0]["paths"]["root"], "sdxl", "tiny_sdxl", "vae", "pretrained.json")) as f:
+        assert json.load(f) == pre[0]  # what rank 0 saved
+    assert all(r["sdxl_seed"]["vae_pretrain"] is None for r in ranks)  # model.pretrained brings its vae
+
+
 def test_sdxl_losses_match_seed_baseline(ranks):
     for r in ranks:
         seed = r["sdxl_seed"]

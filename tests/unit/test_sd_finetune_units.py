@@ -153,7 +153,7 @@ def test_pretrain_tiny_vae(tmp_path):
     images = make_shapes_dataset(str(tmp_path / "shapes"), 8, resolution=16)
     before = AutoencoderKL.from_pretrained(model, subfolder="vae")
     state = torch.random.get_rng_state()
-    result = pretrain_tiny_vae(model, images, steps=3, batch_size=4)
+    result = pretrain_tiny_vae(model, images, steps=3, batch_size=4, resolution=16)
     assert torch.equal(state, torch.random.get_rng_state())
     after = AutoencoderKL.from_pretrained(model, subfolder="vae")
     assert after.config.scaling_factor == pytest.approx(result["scaling_factor"])
@@ -161,5 +161,5 @@ def test_pretrain_tiny_vae(tmp_path):
     w = "encoder.conv_in.weight"
     assert not torch.equal(before.state_dict()[w], after.state_dict()[w])
     mtime = os.stat(os.path.join(model, "vae", "pretrained.json")).st_mtime_ns
-    assert pretrain_tiny_vae(model, images, steps=3, batch_size=4) == result  # idempotent
+    assert pretrain_tiny_vae(model, images, steps=3, batch_size=4, resolution=16) == result  # idempotent
     assert os.stat(os.path.join(model, "vae", "pretrained.json")).st_mtime_ns == mtime

@@ -5,7 +5,8 @@
   resume    from zero3's step-2 checkpoint to step 4
   seed      seed_baseline mode (vae/text_encoder full copies), same seed and data
   lora      LoRA adapters on the unet, 3 steps, export of the adapter
-  sdxl      a tiny SDXL-style model: text_encoder + text_encoder_2 as two frozen ZeRO-3 roles
+  sdxl      a tiny SDXL-style model: text_encoder + text_encoder_2 as two frozen ZeRO-3 roles, its vae
+            pretrained for 4 steps on both ranks first
   sdxl_seed the same SDXL model in seed_baseline mode (frozen roles whole), same seed and data
 
 argv: out_dir
@@ -50,6 +51,7 @@ def run(name: str, *overrides: str):
         "step_time_s": summary["metrics"]["step_time_s_median"],
         "lr": job.registry["unet"].get_lr()[0],
         "sampler": job.sampler.state_dict(consumed=job.consumed),
+        "vae_pretrain": job.vae_pretrain,
     }
     result.update(checks)
     job.close()
@@ -108,7 +110,9 @@ results["resume"] = run("resume", *shared, f"resume_from={ckpt}")
 results["seed"] = run("seed", *shared, "mode=seed_baseline")
 results["lora"] = run("lora", *shared, "lora.enabled=true", "ema.enabled=false", "export.roles=[unet]", "max_steps=3",
                       "train.lr=1.0e-2", "checkpoint.every=0", "validation.enabled=false")
-sdxl = [f"data.source={data}", "max_steps=2", "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]"]
+# model.tiny_vae_steps: both ranks pretrain the tiny SDXL's vae (sdxl_seed skips it: its folder has that vae).
+sdxl = [f"data.source={data}", "max_steps=2", "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]",
+        "model.tiny_vae_steps=4"]
 results["sdxl"] = run("sdxl", *sdxl, "model.tiny_family=sdxl")
 # The same tiny SDXL in diffusers' layout (both text encoders and the vae whole on every rank).
 results["sdxl_seed"] = run("sdxl_seed", *sdxl, f"model.pretrained={os.path.join(ROOT, 'sdxl', 'tiny_sdxl')}",
