@@ -65,7 +65,11 @@ def _suggest(key: str, valid: Any) -> str:
 def _dtype_section(dtype: str) -> dict[str, Any]:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {list(DTYPES)}.")
-    return {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
+    fp16: dict[str, Any] = {"enabled": dtype == "fp16"}
+    if dtype == "fp16":
+        # dynamic loss scaling from 2^16, halved after 2 overflows, raised after 1000 clean steps
+        fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
+    return {"bf16": {"enabled": dtype == "bf16"}, "fp16": fp16}
 
 
 def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool, trainable: bool) -> dict[str, Any]:
@@ -119,6 +123,9 @@ def train_ds_config(
 
     Batch keys left as "auto" are resolved per role at build time:
     train_batch_size = micro_batch_size * grad_accum * data_parallel_size.
+    ``gradient_clipping`` None or 0 turns clipping off; it is written as 0.0, because DeepSpeed fills an
+    absent key with its own default (1.0 since 0.19). Gradient averaging is written out too: no
+    pre-scaling, a predivide factor of 1 (gradients are the mean over ranks of each rank's mean).
     """
     cfg: dict[str, Any] = {
         "train_batch_size": train_batch_size,
@@ -131,9 +138,20 @@ def train_ds_config(
         "zero_allow_untested_optimizer": True,
     }
     cfg.update(_dtype_section(dtype))
-    if gradient_clipping is not None:
-        cfg["gradient_clipping"] = float(gradient_clipping)
+    cfg["gradient_clipping"] = float(gradient_clipping or 0.0)
+    cfg["prescale_gradients"] = False
+    cfg["gradient_predivide_factor"] = 1.0
     return cfg
+
+
+def deepspeed_clipping_default() -> float:
+    """The clip norm DeepSpeed applies when a config has no ``gradient_clipping`` key (1.0 in 0.19,
+    0 in older releases); the torch backend applies the same, so one config trains alike on both."""
+    try:
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    except ImportError:
+        return 0.0
+    return float(GRADIENT_CLIPPING_DEFAULT)
 
 
 def eval_ds_config(

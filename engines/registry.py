@@ -25,6 +25,7 @@ from .config import (
     AUTO,
     ConfigError,
     config_dtype,
+    deepspeed_clipping_default,
     find_auto,
     load_ds_config,
     model_hidden_size,
@@ -323,6 +324,10 @@ class EngineRegistry:
                 f"role '{spec.name}': fp16.enabled=true, but DeepSpeed's CPU accelerator has no fp16;"
                 " use dtype='bf16' or 'fp32'."
             )
+        if spec.trainable and "gradient_clipping" not in config:
+            # a user's own config without the key: state what DeepSpeed will do, so the torch backend
+            # (and summary.json) agree with it
+            config["gradient_clipping"] = deepspeed_clipping_default()
         resolve_batch_keys(spec.name, config, self.world_size)
         return config, requested, "; ".join(notes)
 

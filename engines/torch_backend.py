@@ -57,6 +57,15 @@ class TorchEngine(torch.nn.Module):
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
             return (self._ddp or self.module)(*args, **kwargs)
 
+    def gradient_clipping(self) -> float:
+        return self._clip
+
+    def bfloat16_enabled(self) -> bool:
+        return self.autocast_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.autocast_dtype == torch.float16
+
     def train_micro_batch_size_per_gpu(self) -> int:
         return int(self.config["train_micro_batch_size_per_gpu"])
 

@@ -402,8 +402,8 @@ def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int =
     ids = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id,
            "eos_token_id": eos_token_id}
     rope = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "max_position_embeddings": max_positions,
-            "attention_dropout": 0.0}
+            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+            "max_position_embeddings": max_positions, "attention_dropout": 0.0}
     keys: dict[str, dict[str, Any]] = {
         "opt": {"hidden_size": hidden, "num_hidden_layers": layers, "ffn_dim": 4 * hidden,
                 "num_attention_heads": heads, "max_position_embeddings": max_positions, "word_embed_proj_dim": hidden,

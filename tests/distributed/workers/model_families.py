@@ -2,9 +2,10 @@
 folder and a frozen sequence-classification reward built after it (the pattern in which a family whose
 modeling module is first imported inside the actor's zero.Init used to lose its kernel-decorated __init__).
 
-argv: out_dir, a JSON file {family: {"causal": folder, "seqcls": folder, "lora": bool}}; a LoRA actor pauses
-zero.Init inside its own scope (peft builds its adapters on full tensors) right after the family's import. Nothing of transformers' model
-classes is imported before the first build: each family's module is first imported inside its actor's scope.
+argv: out_dir, a JSON file {family: {"causal": folder, "seqcls": folder, "lora": bool}}. A LoRA actor pauses
+zero.Init inside its own scope (peft builds its adapters on full tensors) right after the family's import.
+Nothing of transformers' model classes is imported before the first build: each family's module is first
+imported inside its actor's scope.
 """
 
 import json
