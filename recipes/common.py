@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "COMMON_HELP", "DATA_COLUMNS", "DATA_DEFAULTS", "REWARD_DEFAULTS", "RLHF_BETAS", "RewardModelRole", "check_data",
+    "check_reward_columns",
     "check_model", "check_model_path", "check_scoring_tokenizers", "check_tokenizer", "config_error", "data_checks",
     "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data", "lora_spec",
     "optim_spec", "placement", "recipe_checks", "retokenizers", "reward_config", "reward_entries", "role_tokenizer",
@@ -487,6 +488,9 @@ def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str |
         raise config_error(err) from None
     report["train_rows"] = len(data.train)
     report["eval_rows"] = len(data.eval) if data.eval is not None else 0
+    # what reward functions may read besides the prompt (checked against their parameters)
+    report["columns"] = {"train": list(data.train.column_names),
+                         "eval": list(data.eval.column_names) if data.eval is not None else None}
     report["eval_origin"] = data.eval_origin
     logger.info("data (%s): %d training rows (%s); evaluation: %s", stage, report["train_rows"],
                 ", ".join(f"{r['path']}: {r['format']}" for r in report["sources"]), data.eval_origin)
@@ -498,8 +502,9 @@ def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str |
 # "" = the model folder's own, re-encoded when it differs from the actor's) and optional placement keys
 # (``stage, dtype, offload_params, gather_forward``) over ``roles.reward``'s; ``role`` is ``reward`` or
 # ``reward_<name>``, and only ``reward`` may leave ``path`` empty (then ``model.reward``).
-# ``reward.functions``: ``fn(prompts, responses) -> list[float]`` as ``"pkg.mod:fn"``, ``"/path/file.py:fn"``
-# or ``"builtin:judge"`` (weight 1), or ``{fn: <spec>, weight: w}``. The score is the weighted sum.
+# ``reward.functions``: ``fn(prompts, completions, **kwargs) -> list[float]`` (TRL's form: the rows' other columns
+# arrive as keyword arguments; see pipelines/rlhf/rewards.py) as ``"pkg.mod:fn"``, ``"/path/file.py:fn"`` or
+# ``"builtin:judge"`` (weight 1), or ``{fn: <spec>, weight: w}``. The score is the weighted sum.
 REWARD_DEFAULTS: dict[str, Any] = {
     "models": [],  # [] and no functions = the `reward` role from model.reward, weight 1
     "functions": [],
@@ -609,7 +614,7 @@ def reward_config(section: Any, default_path: str | None, base: Placement,
     section. With neither models nor functions the reward is the ``reward`` role at ``default_path``
     (``model.reward``); ``default_path=None`` then is an error. ``base`` is ``roles.reward``'s placement,
     which each entry's own placement keys override."""
-    from multiengine.pipelines.rlhf.rewards import reward_function, reward_model
+    from multiengine.pipelines.rlhf.rewards import RESERVED_NAMES, reward_function, reward_model
     from multiengine.recipes.config import RecipeConfigError
 
     entries, specs = reward_entries(section, key)
@@ -634,9 +639,32 @@ def reward_config(section: Any, default_path: str | None, base: Placement,
         roles.append(RewardModelRole(entry["role"], path, entry["weight"], place, str(entry.get("tokenizer") or "")))
     sources = [reward_model(r.role, r.weight) for r in roles]
     labels = [spec.rpartition(":")[2] for spec, _ in specs]
-    taken = {r.role for r in roles}
+    taken = {r.role for r in roles} | set(RESERVED_NAMES)
     for (spec, weight), label in zip(specs, labels):
-        # a function's metric name is its own name, or the whole spec where that would be ambiguous
+        # a function's metric name (reward/<name>) is its own name, or the whole spec where that would be
+        # ambiguous or take the name of another metric (reward/mean, ...)
         unique = labels.count(label) == 1 and label not in taken
         sources.append(reward_function(spec, weight, name=label if unique else spec))
     return roles, sources
+
+
+def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -> None:
+    """Each reward function's required parameters are columns of the rows it will score: ``columns`` is
+    ``{"train": [...], "eval": [...] or None}`` (``check_data``'s report) or one list; ``sources`` the
+    ``RewardSource`` list, or a reward config section (its functions are loaded here).
+
+    Raises:
+        RecipeConfigError: naming the function, the parameter, the data's columns and the fix.
+    """
+    from multiengine.pipelines.rlhf.rewards import check_reward_columns as check
+    from multiengine.pipelines.rlhf.rewards import reward_function
+
+    if not isinstance(sources, (list, tuple)):
+        sources = [reward_function(spec, weight) for spec, weight in reward_entries(sources)[1]]
+    named = columns if isinstance(columns, Mapping) else {"train": columns}
+    try:
+        for split, cols in named.items():
+            if cols is not None:
+                check(sources, list(cols), "the evaluation rows" if split == "eval" else f"{key} (the training rows)")
+    except ValueError as err:
+        raise config_error(err) from None

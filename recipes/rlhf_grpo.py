@@ -12,6 +12,10 @@ weighted reward sources, turns each prompt's group of scores into advantages (``
 clipped policy-gradient steps on the actor (KL to the ref as a k3 loss term or a k1 reward penalty). The
 actor is at ZeRO-3 with gather-once generation by default; ``ref`` follows its placement. With no
 ``model.actor`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft, in this process).
+Reward functions are written as for TRL (``fn(prompts, completions, **kwargs)``: the rows' other columns,
+e.g. ``answer``, arrive as keyword arguments). Evaluation reports the held-out reward (``eval/reward``, the
+weighted sum, and ``eval/reward/<name>`` per source); a run whose groups are mostly flat (every answer to a
+prompt scored the same) for ``grpo.flat_warn_steps`` steps gets a warning with what to change.
 Writes metrics.jsonl, summary.json (``metrics["eval/before/judge"]`` / ``["eval/after/judge"]`` on the
 built-in task), curves.png, checkpoints/ and export/actor under output_dir; ``resume_from=latest``
 continues a run exactly.
@@ -42,6 +46,7 @@ from multiengine.recipes.common import (
     check_data,
     check_model,
     check_model_path,
+    check_reward_columns,
     check_scoring_tokenizers,
     check_tokenizer,
     data_overrides,
@@ -107,6 +112,8 @@ DEFAULTS: dict[str, Any] = {
         "clip_reward": 5.0,  # 0 = no clipping
         "no_eos_penalty": 0.0,  # > 0: subtracted from the score of answers without EOS
         "shuffle_minibatches": True,  # seeded minibatch order
+        "flat_warn_share": 0.8,  # warn when more than this share of groups has all-equal rewards (1 = never) ...
+        "flat_warn_steps": 5,  # ... for this many steps in a row
     },
     # reward-model roles and reward functions, summed with weights (see recipes/common.py)
     "reward": {  # the reward sources
@@ -168,6 +175,7 @@ CHECKS = recipe_checks(DEFAULTS, {
     "grpo.loss_agg": Choice("", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "grpo.gamma": Range(0, 1), "grpo.std_eps": Range(0), "grpo.clip_reward": Range(0),
     "grpo.no_eos_penalty": Range(0), "generation.mode": Choice("gather", "per_token"),
+    "grpo.flat_warn_share": Range(0, 1), "grpo.flat_warn_steps": Range(1),
 })
 HELP = {**COMMON_HELP, "reward.models": "reward-model roles [{role, path, weight, tokenizer, stage, ...}]",
         "reward.functions": "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}",
@@ -181,7 +189,8 @@ def grpo_settings(cfg: Any) -> GRPOSettings:
         mini_batch_size=g.mini_batch_size, epochs=g.epochs, clip_eps=g.clip_eps, dual_clip=g.dual_clip or None,
         kl_coef=g.kl_coef, kl_in_reward=g.kl_in_reward, kl_clamp=g.kl_clamp or None, loss_agg=g.loss_agg or None,
         gamma=g.gamma, std_eps=g.std_eps, clip_reward=g.clip_reward or None, normalize_rewards=cfg.reward.normalize,
-        no_eos_penalty=g.no_eos_penalty or None, shuffle_minibatches=g.shuffle_minibatches)
+        no_eos_penalty=g.no_eos_penalty or None, shuffle_minibatches=g.shuffle_minibatches,
+        flat_warn_share=g.flat_warn_share, flat_warn_steps=g.flat_warn_steps)
 
 
 def _validate_settings(cfg: Any) -> None:
@@ -218,6 +227,8 @@ def validate(cfg: Any) -> None:
         check_model(f"reward.models[{i}].path", e["path"])
     actor_tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
     report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
+    if report is not None:  # the columns each reward function names are in the prompts' rows
+        check_reward_columns(cfg.reward, report["columns"])
     if not cfg.model.actor:
         check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
     if cfg.model.actor:
@@ -263,6 +274,8 @@ class RLHFGRPO(Recipe):
         self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
                         for src in rewards]
         self._check_builtin_reward(data.train)
+        check_reward_columns(self.rewards, {"train": data.train.column_names,
+                                            "eval": data.eval.column_names if data.eval is not None else None})
         minibatches = s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size
         registry.add(actor_spec(
             actor_path, actor, optim_spec(roles.actor, cfg.max_steps * s.epochs * minibatches // roles.actor.grad_accum,
@@ -295,9 +308,10 @@ class RLHFGRPO(Recipe):
             self.decode, ref=self.ref, seed=cfg.seed, judge=self.judge))
         self.plot_panels = []
         if [src.fn for src in self.rewards] != [judge_reward] or self.judge is None:  # else the judge panel has it
-            self.plot_panels.append(("reward (weighted sum)", ["train/reward/mean"]))
+            self.plot_panels.append(("reward (weighted sum)", ["train/reward/mean", "eval/reward"]))
         if self.reward_role:
-            self.plot_panels.append((f"reward-model score ({self.reward_role})", ["eval/reward"]))
+            self.plot_panels.append((f"reward-model score ({self.reward_role})",
+                                     [f"train/reward/{self.reward_role}", f"eval/reward/{self.reward_role}"]))
         if self.judge is not None:
             self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
         if self.ref:
@@ -328,19 +342,18 @@ class RLHFGRPO(Recipe):
         return self.trainer.step(batch, self.step)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
-        """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, reward-model
-        score, exact KL to ref; optionally greedy answers."""
+        """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, the held-out reward
+        (weighted sum and each source's mean, every rank scoring its own prompts), exact KL to ref; optionally
+        greedy answers."""
         if not self.eval_batches:
             return {}
         t0 = time.perf_counter()
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        retok = self.retokenizers.get(self.reward_role) if self.reward_role else None
         result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
-                                 judge=self.judge, reward_role=self.reward_role, ref_role=self.ref,
-                                 seed=self.cfg.eval.seed, reward_retokenizer=retok)
+                                 judge=self.judge, ref_role=self.ref, seed=self.cfg.eval.seed, rewards=self.rewards)
         if self.cfg.eval.greedy:
             greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad, self.decode,
-                                     judge=self.judge, reward_role=self.reward_role, reward_retokenizer=retok)
+                                     judge=self.judge, rewards=self.rewards)
             result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
         result["seconds"] = time.perf_counter() - t0
         return result
@@ -361,7 +374,8 @@ class RLHFGRPO(Recipe):
                for key in ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s",
                            "gen/tokens_per_s", "gen/ms_per_token")},
         }
-        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge")))
+        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge",
+                                          *(f"reward/{src.name}" for src in self.rewards))))
         return metrics
 
     def summary_extra(self) -> dict[str, Any]:

@@ -11,7 +11,9 @@ that tokenizes differently from the actor scores the actor's prompts and answers
 its tokenizer (its chat template for conversations); one with the same vocabulary reads the actor's ids.
 The reward is the ``reward`` role by default, or any weighted sum of
 reward-model roles and Python reward functions named in ``reward.models`` / ``reward.functions`` (as in
-rlhf_grpo). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
+rlhf_grpo; functions are written as for TRL and get the rows' other columns, e.g. ``answer``, by name).
+Evaluation reports the held-out reward (``eval/reward``, the weighted sum, and ``eval/reward/<name>`` per
+source). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
 export/{actor,critic}[/adapter] (and export/ema) under output_dir; ``resume_from=latest`` continues a run.
 """
 
@@ -38,6 +40,7 @@ from multiengine.recipes.common import (
     check_data,
     check_model,
     check_model_path,
+    check_reward_columns,
     check_scoring_tokenizers,
     check_tokenizer,
     load_data,
@@ -251,6 +254,8 @@ def validate(cfg: Any) -> None:
         check_model(f"reward.models[{i}].path", e["path"])
     actor_tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
     report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
+    if report is not None:  # the columns each reward function names are in the prompts' rows
+        check_reward_columns(cfg.reward, report["columns"])
     if cfg.ppo.ptx_coef > 0:
         check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
                    key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
@@ -310,6 +315,7 @@ class RLHFPPO(Recipe):
         self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, scoring, self.conversational)
         self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
                         for src in rewards]
+        check_reward_columns(self.rewards, self.data_columns)
 
         s = self.settings = ppo_settings(cfg)
         steps_per_rollout = s.ppo_epochs * (s.rollout_batch_size // s.mini_batch_size)
@@ -363,6 +369,8 @@ class RLHFPPO(Recipe):
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
         first = collate([data.train[0]])
         self.conversational = "prompt_messages" in first
+        self.data_columns = {"train": data.train.column_names,
+                             "eval": data.eval.column_names if data.eval is not None else None}
         self.prompts = registry.add_state("prompts", ShardedBatches(
             data.train, collate, cfg.ppo.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
         self.eval_batches = [] if data.eval is None or not cfg.eval.size else shard_batches(
@@ -391,20 +399,18 @@ class RLHFPPO(Recipe):
         return self.trainer.step(batch, self.step, self.ptx)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
-        """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, reward, KL to
-        ref; and optionally greedy answers' judge score and reward."""
+        """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, the held-out reward
+        (weighted sum and each source's mean, every rank scoring its own prompts), KL to ref; and optionally
+        greedy answers' judge score and reward."""
         t0 = time.perf_counter()
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         if not self.eval_batches:
             return {}
-        retok = self.retokenizers.get(self.reward_role) if self.reward_role else None
         result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
-                                 judge=self.judge, reward_role=self.reward_role, ref_role="ref",
-                                 seed=self.cfg.eval.seed, reward_retokenizer=retok)
+                                 judge=self.judge, ref_role="ref", seed=self.cfg.eval.seed, rewards=self.rewards)
         if self.cfg.eval.greedy:
             greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad,
-                                     self.decode, judge=self.judge, reward_role=self.reward_role,
-                                     reward_retokenizer=retok)
+                                     self.decode, judge=self.judge, rewards=self.rewards)
             result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
         result["seconds"] = time.perf_counter() - t0
         return result
@@ -431,7 +437,7 @@ class RLHFPPO(Recipe):
                            "gen/tokens_per_s", "gen/ms_per_token")},
         }
         metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge",
-                                          "greedy/reward")))
+                                          "greedy/reward", *(f"reward/{src.name}" for src in self.rewards))))
         return metrics
 
     def summary_extra(self) -> dict[str, Any]:

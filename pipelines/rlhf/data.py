@@ -574,7 +574,9 @@ class PromptCollator(_Encoder):
     Returns ``input_ids`` ``[B, C]``, ``attention_mask`` ``[B, C]`` (left padded, so every prompt ends
     at column ``C - 1`` and generation continues from there) and ``prompts`` (texts, for judges: a
     conversation's last user message); conversational batches also carry ``prompt_messages`` (the
-    message lists, to re-render them for a role with another tokenizer).
+    message lists, to re-render them for a role with another tokenizer), and rows with other columns
+    than ``prompt`` carry ``columns``: ``{name: [one value per row]}`` (e.g. an ``answer`` column), which
+    reward functions get as keyword arguments.
     """
 
     def __init__(self, tokenizer: Any, max_prompt_len: int) -> None:
@@ -588,6 +590,9 @@ class PromptCollator(_Encoder):
         out = {"input_ids": input_ids, "attention_mask": attention_mask, "prompts": [prompt_text(p) for p in prompts]}
         if any(is_conversation(p) for p in prompts):
             out["prompt_messages"] = [_as_messages(p, role="user") for p in prompts]
+        names = list(dict.fromkeys(k for e in examples if isinstance(e, Mapping) for k in e if k != "prompt"))
+        if names:
+            out["columns"] = {k: [e.get(k) if isinstance(e, Mapping) else None for e in examples] for k in names}
         return out
 
 

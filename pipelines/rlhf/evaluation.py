@@ -1,5 +1,6 @@
 """Evaluation shared by the RLHF recipes (collective: every rank takes part with its own batches):
-answers of a policy judged / scored / compared with the ref (:func:`evaluate_policy`), held-out pair
+answers of a policy judged / scored by the reward sources / compared with the ref
+(:func:`evaluate_policy`), held-out pair
 accuracy of a reward model (:func:`pair_accuracy`) and of a policy's implicit DPO reward
 (:func:`preference_accuracy`)."""
 
@@ -15,7 +16,7 @@ from . import ppo
 from .generation import GenerationSettings, generate
 from .losses import dpo_loss
 from .preference import REF_KEYS, pair_logprobs
-from .rewards import reencoded
+from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, policy_logits, sequence_scores
 
 __all__ = ["evaluate_policy", "pair_accuracy", "preference_accuracy"]
@@ -38,25 +39,33 @@ def evaluate_policy(
     n_samples: int = 4,
     seed: int = 1234,
     reward_retokenizer: Any = None,
+    rewards: Sequence[RewardSource] | None = None,
 ) -> dict[str, Any]:
     """Answers of ``role`` to every rank's prompt batches, judged and/or scored (collective).
 
-    ``reward_retokenizer``: a ``Retokenizer`` to ``reward_role``'s tokenizer when it differs from the
+    ``rewards``: the reward sources of training (reward-model roles and reward functions, with their
+    weights and retokenizers; functions get the batches' ``columns`` as in training); every rank scores its
+    own batches and every role runs the same number of forwards on every rank. Or ``reward_role``: one
+    reward-model role's score alone, with ``reward_retokenizer`` when its tokenizer differs from the
     policy's (the answers are then scored re-encoded, as in training).
 
-    Returns global means: ``judge`` (if a judge is given), ``reward`` (with ``reward_role``), ``kl``
-    (exact per-token KL to ``ref_role`` summed over each answer), ``response_length``; and ``samples``: the first
-    ``n_samples`` (prompt, answer) pairs of this rank.
+    Returns global means: ``judge`` (if a judge is given), ``reward`` (with ``rewards``: the weighted sum, before
+    any no-EOS penalty, clipping or normalisation; with ``reward_role``: its score), ``reward/<name>`` (with
+    ``rewards``: each source's unweighted score, over the rows it applies to), ``kl`` (exact per-token KL to
+    ``ref_role`` summed over each answer), ``response_length``; and ``samples``: the first ``n_samples``
+    (prompt, answer) pairs of this rank.
 
     Sampling (``generation.do_sample``) draws from a private RNG stream seeded by ``(seed, rank)``:
     every evaluation of a run sees the same noise, and the training RNG stream is left untouched (a
     resumed run continues identically whether or not it evaluated in between).
     """
+    if rewards is not None and reward_role is not None:
+        raise ValueError("give rewards= (every reward source) or reward_role= (one role's score), not both.")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed * 7 + registry.rank * 104_729)
         return _evaluate_policy(registry, batches, generation, eos_token_id, pad_token_id, decode, role, judge,
-                                reward_role, ref_role, n_samples, reward_retokenizer)
+                                reward_role, ref_role, n_samples, reward_retokenizer, list(rewards or []))
 
 
 def _evaluate_policy(
@@ -72,9 +81,11 @@ def _evaluate_policy(
     ref_role: str | None,
     n_samples: int,
     reward_retokenizer: Any = None,
+    rewards: Sequence[RewardSource] = (),
 ) -> dict[str, Any]:
     device = registry.device
-    totals = torch.zeros(5, dtype=torch.float64)  # judge, reward, kl, length, rows
+    # judge, reward, kl, length, rows; then (sum, rows it applies to) of each reward source
+    totals = torch.zeros(5 + 2 * len(rewards), dtype=torch.float64)
     samples: list[tuple[str, str]] = []
     for batch in batches:
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -83,10 +94,19 @@ def _evaluate_policy(
         answers = decode(response)
         seq = torch.cat([ids, response], dim=1)
         attention = torch.cat([mask, action.to(mask.dtype)], dim=1)
-        row = torch.zeros(5, dtype=torch.float64)
+        row = torch.zeros_like(totals)
         if judge is not None:
             row[0] = sum(judge(p, a) for p, a in zip(batch["prompts"], answers))
-        if reward_role is not None:
+        if rewards:
+            score, parts = compute_scores(registry, rewards, seq, attention, batch["prompts"], answers,
+                                          context_length=ids.shape[1], prompt_messages=batch.get("prompt_messages"),
+                                          columns=batch.get("columns"))
+            row[1] = score.double().sum().cpu()
+            for i, src in enumerate(rewards):
+                part = parts[src.name].double().cpu()
+                kept = ~torch.isnan(part)
+                row[5 + 2 * i], row[6 + 2 * i] = part[kept].sum(), kept.sum()
+        elif reward_role is not None:
             r_ids, r_mask = seq, attention
             if reward_retokenizer is not None and reward_retokenizer.needed:
                 enc = reencoded(reward_retokenizer, seq, attention, ids.shape[1], batch.get("prompts"),
@@ -107,13 +127,17 @@ def _evaluate_policy(
         row[4] = float(ids.shape[0])
         totals += row
         samples.extend(list(zip(batch["prompts"], answers))[: max(n_samples - len(samples), 0)])
-    judge_sum, reward_sum, kl_sum, length_sum, n = all_reduce_sum(totals).tolist()
+    reduced = all_reduce_sum(totals).tolist()
+    judge_sum, reward_sum, kl_sum, length_sum, n = reduced[:5]
     n = max(n, 1.0)
     out: dict[str, Any] = {"response_length": length_sum / n, "samples": samples}
     if judge is not None:
         out["judge"] = judge_sum / n
-    if reward_role is not None:
+    if reward_role is not None or rewards:
         out["reward"] = reward_sum / n
+    for i, src in enumerate(rewards):
+        part_sum, part_n = reduced[5 + 2 * i], reduced[6 + 2 * i]
+        out[f"reward/{src.name}"] = part_sum / part_n if part_n else float("nan")
     if ref_role is not None:
         out["kl"] = kl_sum / n
     return out

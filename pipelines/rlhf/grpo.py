@@ -20,6 +20,7 @@ reinforce_pp  r, then global whitening       k1 in the reward     token_mean
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from .rewards import RewardSource, RunningMoments, check_sources
 from .rollout import Experience, StepStats, make_experience, rollout_metrics, step_timings
 from .update import train_on_experience
 
-__all__ = ["GRPOSettings", "GRPOTrainer"]
+__all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer"]
+
+logger = logging.getLogger(__name__)
 
 Judge = Callable[[str, str], float]
 
@@ -65,6 +68,9 @@ class GRPOSettings:
     normalize_rewards: bool = False  # running mean/std of the score (all ranks), before clipping
     no_eos_penalty: float | None = None
     shuffle_minibatches: bool = True
+    # warn when more than this share of the groups is flat (all rewards equal) for flat_warn_steps steps in a row
+    flat_warn_share: float = 0.8  # 1 = never
+    flat_warn_steps: int = 5
 
     def __post_init__(self) -> None:
         if self.algorithm not in CRITIC_FREE:
@@ -85,6 +91,7 @@ class GRPOSettings:
             raise ValueError(f"loss_agg={self.loss_agg!r}; use one of {list(LOSS_AGG_MODES)}.")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"kl_clamp must be > 0 (or None), got {self.kl_clamp}.")
+        FlatGroupWatch(self.flat_warn_share, self.flat_warn_steps)  # range checks
 
     @property
     def resolved_kl_in_reward(self) -> bool:
@@ -93,6 +100,50 @@ class GRPOSettings:
     @property
     def resolved_loss_agg(self) -> str:
         return self.loss_agg or _LOSS_AGG[self.algorithm]
+
+
+class FlatGroupWatch:
+    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has zero
+    advantages, so it adds nothing to the gradient (only the KL term moves the policy).
+
+    :meth:`update` takes a step's share of flat groups (``reward/flat_groups``) and returns a warning, with
+    what to change, at the step where more than ``share`` of the groups have been flat for ``steps`` steps in
+    a row (once per such streak; a step at or below ``share`` ends it), else ``None``.
+    """
+
+    def __init__(self, share: float = 0.8, steps: int = 5) -> None:
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"flat_warn_share={share!r}: a share of groups in [0, 1] (1 = never warn).")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"flat_warn_steps={steps!r}: a number of steps >= 1.")
+        self.share = float(share)
+        self.steps = steps
+        self.streak = 0
+
+    def update(self, flat_share: float, n_samples: int | None = None, temperature: float | None = None) -> str | None:
+        """Count this step; the warning text on the step a streak reaches ``steps``. ``n_samples`` and
+        ``temperature`` (the current settings) are named in the advice."""
+        if not flat_share > self.share:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak != self.steps:
+            return None
+        now_n = f", now {n_samples}" if n_samples is not None else ""
+        now_t = f", now {temperature:g}" if temperature is not None else ""
+        return (f"{flat_share:.0%} of the prompt groups were flat at this step, and more than {self.share:.0%} for "
+                f"{self.steps} steps in a row (reward/flat_groups): every answer to such a prompt got the same "
+                "reward, so its advantages are 0 and nothing is learned from it. Sample more answers per prompt "
+                f"(n_samples_per_prompt{now_n}), sample at a higher temperature (temperature{now_t}), or use a "
+                "denser reward (partial credit instead of 0/1, or a shaping function added with a small weight). "
+                "If every answer already gets the best reward, the task is learned: stop, or train on harder "
+                "prompts.")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = int(state.get("streak", 0))
 
 
 class GRPOTrainer:
@@ -147,6 +198,7 @@ class GRPOTrainer:
         self.seed = seed
         self.judge = judge
         self.normalizer = RunningMoments() if settings.normalize_rewards else None
+        self.flat_watch = FlatGroupWatch(settings.flat_warn_share, settings.flat_warn_steps)
 
     @torch.no_grad()
     def make_experience(self, batch: dict[str, Any], step: int) -> Experience:
@@ -194,11 +246,18 @@ class GRPOTrainer:
         self.train_on(exp, step, stats)
         t_train = time.perf_counter() - t1
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
-        return {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings}
+        metrics = {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings}
+        if "reward/flat_groups" in metrics:  # the same global value on every rank: the streaks agree
+            warning = self.flat_watch.update(metrics["reward/flat_groups"], self.settings.n_samples_per_prompt,
+                                             self.generation.temperature)
+            if warning and self.registry.is_main:
+                logger.warning("%s", warning)
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {"algorithm": self.settings.algorithm,
-                "normalizer": self.normalizer.state_dict() if self.normalizer is not None else None}
+                "normalizer": self.normalizer.state_dict() if self.normalizer is not None else None,
+                "flat_watch": self.flat_watch.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("algorithm", self.settings.algorithm) != self.settings.algorithm:
@@ -206,3 +265,4 @@ class GRPOTrainer:
                              f"{self.settings.algorithm!r}.")
         if self.normalizer is not None and state.get("normalizer") is not None:
             self.normalizer.load_state_dict(state["normalizer"])
+        self.flat_watch.load_state_dict(state.get("flat_watch") or {})

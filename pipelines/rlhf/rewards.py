@@ -1,9 +1,21 @@
 """Where a rollout's scalar reward comes from: reward-model roles and/or Python reward functions,
 combined as a weighted sum; plus a running normaliser of the combined score.
 
-A reward function has the signature ``fn(prompts: list[str], responses: list[str]) -> list[float]``
-(one float per row; responses are decoded without special tokens, up to the first EOS). It is
-named by a spec string, as in a YAML config:
+A reward function is written as for TRL's GRPOTrainer::
+
+    def my_reward(prompts, completions, **kwargs) -> list[float]: ...
+
+It is called once per batch with ``prompts`` (the rows' prompt texts; a conversation's last user
+message), ``completions`` (the answers, decoded without special tokens, up to the first EOS),
+``completion_ids`` (each answer's token ids, up to and including the first EOS) and every other column
+of the rows as a keyword argument holding one value per row (e.g. ``answer=[...]``), aligned with the
+rows after the ``n_samples_per_prompt`` repetition. It returns one float per row, or ``None`` for a row it
+does not apply to (that row gets 0 from it and is left out of its mean). A function without ``**kwargs``
+gets only the arguments it names (``responses`` is another name for ``completions``); a function whose
+parameters name none of these (``lambda p, r: ...``) gets ``(prompts, completions)`` by position, and
+columns only where it names them. The signature is read once, when the source is made.
+
+A reward function is named by a spec string, as in a YAML config:
 
 * ``package.module:function`` - importable from the Python path;
 * ``/path/to/file.py:function`` - a file, loaded as a module (it is your code: it runs);
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -34,9 +47,14 @@ from .scoring import eval_mode, sequence_scores
 
 __all__ = [
     "BUILTIN_REWARD_FUNCTIONS",
+    "RESERVED_ARGUMENTS",
+    "RESERVED_NAMES",
+    "RewardCall",
     "RewardFn",
     "RewardSource",
     "RunningMoments",
+    "call_reward_function",
+    "check_reward_columns",
     "check_sources",
     "compute_scores",
     "judge_reward",
@@ -47,7 +65,12 @@ __all__ = [
     "reward_sources",
 ]
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+RewardFn = Callable[..., Sequence[float | None]]
+
+# the arguments every reward function may take besides the rows' columns (a column of the same name is refused)
+RESERVED_ARGUMENTS = ("prompts", "completions", "responses", "completion_ids")
+# metric names under reward/ that a source's name must not take
+RESERVED_NAMES = ("mean", "std", "group_std", "flat_groups", "total_mean")
 
 
 def judge_reward(prompts: list[str], responses: list[str]) -> list[float]:
@@ -102,6 +125,117 @@ def load_reward_function(spec: str) -> RewardFn:
 
 
 @dataclass(frozen=True)
+class RewardCall:
+    """How a reward function is called, read once from its signature (module docstring).
+
+    ``positional``: ``(prompts, completions)`` go by position (a function naming none of
+    :data:`RESERVED_ARGUMENTS`); ``names``: the parameters passed by name when a value of that name is
+    offered; ``required``: those of them without a default; ``var_keyword``: it takes ``**kwargs`` (gets
+    ``prompts``, ``completions``, ``completion_ids`` and every column).
+    """
+
+    positional: bool
+    names: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    var_keyword: bool = False
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], label: str = "") -> RewardCall:
+        """Read ``fn``'s signature. Raises ``ValueError`` (naming ``label``) when it cannot take the rows."""
+        label = label or getattr(fn, "__name__", repr(fn))
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin or C callable without a signature: the old positional call
+            return cls(positional=True)
+        P = inspect.Parameter
+        params = list(sig.parameters.values())
+        var_keyword = any(p.kind is P.VAR_KEYWORD for p in params)
+        by_name = [p for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+        keyword_style = var_keyword or any(p.name in RESERVED_ARGUMENTS for p in by_name)
+        if keyword_style:
+            stuck = [p.name for p in params if p.kind is P.POSITIONAL_ONLY and p.default is P.empty]
+            if stuck:
+                raise ValueError(f"reward function {label!r}{sig}: positional-only parameters {stuck} cannot be "
+                                 "passed by name; write it as fn(prompts, completions, **kwargs).")
+            named = by_name
+        else:
+            leading = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:2]
+            if len(leading) < 2 and not any(p.kind is P.VAR_POSITIONAL for p in params):
+                raise ValueError(f"reward function {label!r}{sig} cannot take the rows: write it as "
+                                 "fn(prompts, completions, **kwargs) -> list[float] (extra dataset columns arrive "
+                                 "as keyword arguments, e.g. answer=[...]).")
+            named = [p for p in by_name if p not in leading]
+            stuck = [p.name for p in params if p.kind is P.POSITIONAL_ONLY and p not in leading
+                     and p.default is P.empty]
+            if stuck:
+                raise ValueError(f"reward function {label!r}{sig}: positional-only parameters {stuck} cannot be "
+                                 "passed by name; write it as fn(prompts, completions, **kwargs).")
+        return cls(positional=not keyword_style, names=tuple(p.name for p in named),
+                   required=tuple(p.name for p in named if p.default is P.empty), var_keyword=var_keyword)
+
+    def missing(self, columns: Sequence[str]) -> list[str]:
+        """Required parameters that neither the texts nor ``columns`` give."""
+        offered = set(RESERVED_ARGUMENTS) | set(columns)
+        return [n for n in self.required if n not in offered]
+
+
+def call_reward_function(
+    fn: Callable[..., Any],
+    call: RewardCall,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    label: str = "",
+) -> list[float]:
+    """``fn`` called on one batch as ``call`` says (module docstring); returns one float per row, ``nan`` where
+    it returned ``None``.
+
+    Raises:
+        ValueError: a required parameter that no column gives, a column that clashes with an argument name, a
+            wrong number of values or a non-finite value (``None`` is allowed: it means "does not apply").
+    """
+    label = label or getattr(fn, "__name__", "reward function")
+    columns = dict(columns or {})
+    B = len(prompts)
+    clash = sorted(set(columns) & set(RESERVED_ARGUMENTS))
+    if clash:
+        raise ValueError(f"reward function {label!r}: the data has columns {clash}, named like reward-function "
+                         f"arguments {list(RESERVED_ARGUMENTS)}; rename them in the data.")
+    for name, values in columns.items():
+        if len(values) != B:
+            raise ValueError(f"reward function {label!r}: column {name!r} has {len(values)} values for {B} rows.")
+    missing = call.missing(list(columns))
+    if missing:
+        raise ValueError(f"reward function {label!r} needs {missing}, which the rows do not have (their other "
+                         f"columns: {sorted(columns) or 'none'}); add the column to the data or give the "
+                         "parameter a default.")
+    ids = [list(x) for x in completion_ids] if completion_ids is not None else None
+    offered: dict[str, Any] = {"prompts": list(prompts), "completions": list(completions),
+                               "responses": list(completions), "completion_ids": ids, **columns}
+    kwargs = {n: offered[n] for n in call.names if n in offered}
+    if call.var_keyword:
+        extra = {"prompts": offered["prompts"], "completions": offered["completions"],
+                 "completion_ids": ids, **columns}
+        kwargs = {**extra, **kwargs}
+    if call.positional:
+        out = fn(list(prompts), list(completions), **kwargs)
+    else:
+        out = fn(**kwargs)
+    if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+        raise ValueError(f"reward function {label!r} returned {type(out).__name__}; it must return one float (or "
+                         f"None) per row, a list of {B}.")
+    values = [math.nan if v is None else float(v) for v in out]
+    if len(values) != B:
+        raise ValueError(f"reward function {label!r} returned {len(values)} values for {B} rows.")
+    bad = [v for v, raw in zip(values, out) if raw is not None and not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"reward function {label!r} returned non-finite rewards {bad[:4]} (return None for a row "
+                         "the function does not apply to).")
+    return values
+
+
+@dataclass(frozen=True)
 class RewardSource:
     """One term of the reward: ``weight *`` a reward-model role's score or a reward function's value."""
 
@@ -111,10 +245,14 @@ class RewardSource:
     fn: RewardFn | None = None
     # a reward-model role whose tokenizer differs from the actor's: re-encodes the rows before scoring
     retokenizer: Any = None
+    # how ``fn`` is called (read from its signature when the source is made)
+    call: RewardCall | None = None
 
     def __post_init__(self) -> None:
         if (self.role is None) == (self.fn is None):
             raise ValueError(f"reward source {self.name!r}: give exactly one of role= or fn=.")
+        if self.fn is not None and self.call is None:
+            object.__setattr__(self, "call", RewardCall.of(self.fn, self.name))
         if self.retokenizer is not None and self.role is None:
             raise ValueError(f"reward source {self.name!r}: a retokenizer applies to reward-model roles only.")
         if not math.isfinite(self.weight):
@@ -159,16 +297,44 @@ def reward_sources(
 
 
 def check_sources(sources: Sequence[RewardSource], registry: EngineRegistry) -> None:
-    """Reject an empty list, duplicate names and reward-model roles the registry does not have."""
+    """Reject an empty list, duplicate or reserved names and reward-model roles the registry does not have."""
     if not sources:
         raise ValueError("no reward source: give at least one reward_model(...) or reward_function(...).")
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"reward source names must be unique, got {names}; pass name= to tell them apart.")
+    taken = [n for n in names if n in RESERVED_NAMES]
+    if taken:
+        raise ValueError(f"reward source names {taken} would overwrite the metrics reward/{taken[0]}; pass another "
+                         f"name= (reserved: {list(RESERVED_NAMES)}).")
     for s in sources:
         if s.role is not None and s.role not in registry:
             raise ValueError(f"reward source {s.name!r}: role {s.role!r} is not in the registry "
                              f"(roles: {registry.names()}).")
+
+
+def check_reward_columns(sources: Sequence[RewardSource], columns: Sequence[str], where: str = "the data") -> None:
+    """Every reward function's required parameters are among ``columns`` (the rows' columns besides
+    ``prompt``), and no column is named like a reward-function argument; checked before a rollout.
+
+    Raises:
+        ValueError: naming the function, the parameter, the columns ``where`` has, and the fix.
+    """
+    if not any(s.fn is not None for s in sources):
+        return
+    columns = [c for c in columns if c != "prompt"]
+    clash = sorted(set(columns) & set(RESERVED_ARGUMENTS))
+    if clash:
+        raise ValueError(f"{where} has columns {clash}, named like reward-function arguments "
+                         f"{list(RESERVED_ARGUMENTS)}; rename them (e.g. to answer) in the data.")
+    for s in sources:
+        if s.fn is None or s.call is None:
+            continue
+        missing = s.call.missing(columns)
+        if missing:
+            raise ValueError(f"reward function {s.name!r} needs {missing}, which {where} does not have (its columns "
+                             f"besides prompt: {sorted(columns) or 'none'}); add the column to the data or give the "
+                             "parameter a default.")
 
 
 def reencoded(retokenizer: Any, sequences: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
@@ -193,6 +359,7 @@ def compute_scores(
     *,
     context_length: int | None = None,
     prompt_messages: Sequence[Any] | None = None,
+    columns: Mapping[str, Sequence[Any]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted sum of every source's score for each row (collective: every rank, every role).
 
@@ -200,15 +367,20 @@ def compute_scores(
         sequences / attention_mask: ``[B, L]`` prompt + response, the mask covering the actions.
         prompts / responses: the rows' texts, needed by reward functions (and, as the original prompt
             strings, by reward models with their own tokenizer).
-        context_length: ``C``, where the responses start; needed by reward models with a retokenizer.
+        context_length: ``C``, where the responses start; needed by reward models with a retokenizer (and
+            for the ``completion_ids`` reward functions get).
         prompt_messages: conversational prompts (the collator's ``prompt_messages``), for retokenizers.
+        columns: the rows' other dataset columns (the collator's ``columns``), ``{name: [B values]}``,
+            passed to reward functions as keyword arguments.
 
     Returns:
-        ``(total [B] float32, {source name: [B] unweighted score})``.
+        ``(total [B] float32, {source name: [B] unweighted score})``; a reward function's score is ``nan``
+        on the rows it returned ``None`` for (they add 0 to the total).
     """
     B = sequences.shape[0]
     total = torch.zeros(B, dtype=torch.float32, device=sequences.device)
     parts: dict[str, torch.Tensor] = {}
+    completion_ids = None
     for src in sources:
         if src.role is not None:
             ids, mask = sequences, attention_mask
@@ -220,20 +392,19 @@ def compute_scores(
                 ids, mask = batch["input_ids"], batch["attention_mask"]
             with eval_mode(registry, src.role) as engine:
                 value = sequence_scores(engine, ids, mask).float()
+            total = total + src.weight * value
         else:
             if prompts is None or responses is None or len(prompts) != B or len(responses) != B:
                 raise ValueError(f"reward function {src.name!r} needs the prompt and response texts of all {B} "
                                  "rows (batch['prompts'] and a decode function).")
-            out = src.fn(list(prompts), list(responses))
-            value = torch.as_tensor([float(v) for v in out], dtype=torch.float32)
-            if value.numel() != B:
-                raise ValueError(f"reward function {src.name!r} returned {value.numel()} values for {B} rows.")
-            if not torch.isfinite(value).all():
-                bad = value[~torch.isfinite(value)][:4].tolist()
-                raise ValueError(f"reward function {src.name!r} returned non-finite rewards {bad}.")
-            value = value.to(sequences.device)
+            if completion_ids is None and context_length is not None:
+                actions = attention_mask[:, context_length:].bool().cpu()
+                completion_ids = [row[keep].tolist() for row, keep in zip(sequences[:, context_length:].cpu(), actions)]
+            out = call_reward_function(src.fn, src.call or RewardCall.of(src.fn, src.name), prompts, responses,
+                                       columns, completion_ids, label=src.name)
+            value = torch.tensor(out, dtype=torch.float32, device=sequences.device)
+            total = total + src.weight * torch.nan_to_num(value, nan=0.0)
         parts[src.name] = value
-        total = total + src.weight * value
     return total, parts
 
 

@@ -3,7 +3,8 @@
 One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies
 of a prompt are adjacent rows on the same rank: see advantages.py) and runs, on every rank, one
 forward of each role involved: the actor and the ref for log-probs, the critic (optional) for
-values, each reward-model role for a score; reward functions score the decoded texts. Advantages
+values, each reward-model role for a score; reward functions score the decoded texts (with the rows'
+other dataset columns, the collator's ``columns``, repeated with their prompts). Advantages
 are left to the estimator (GAE in ppo_trainer.py, the critic-free family in grpo.py).
 
 A reward model or critic with its own tokenizer gets the rows decoded and encoded again with it
@@ -67,6 +68,7 @@ class Experience:
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
+    columns: dict[str, list[Any]] = field(default_factory=dict)  # the rows' other dataset columns, one value a row
     group_size: int = 1  # consecutive rows that answer the same prompt
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -86,6 +88,7 @@ class Experience:
             reward_parts={k: v[index] for k, v in self.reward_parts.items()},
             prompts=[self.prompts[i] for i in picked] if self.prompts else [],
             responses=[self.responses[i] for i in picked] if self.responses else [],
+            columns={k: [v[i] for i in picked] for k, v in self.columns.items()},
         )
 
 
@@ -96,21 +99,22 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
 
 
 def expand_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
-    """Each prompt ``n`` times in consecutive rows (``[B, C] -> [B*n, C]``, texts likewise)."""
+    """Each prompt ``n`` times in consecutive rows (``[B, C] -> [B*n, C]``; texts, conversations and each of
+    the ``columns`` likewise)."""
     if n < 1:
         raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
     if n == 1:
         return batch
     rows = batch["input_ids"].shape[0] if "input_ids" in batch else None
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
+
+    def repeat(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            out[k] = v.repeat_interleave(n, dim=0)
-        elif isinstance(v, (list, tuple)) and (rows is None or len(v) == rows):  # prompts, prompt_messages
-            out[k] = [x for x in v for _ in range(n)]
-        else:
-            out[k] = v
-    return out
+            return v.repeat_interleave(n, dim=0)
+        if isinstance(v, (list, tuple)) and (rows is None or len(v) == rows):  # prompts, prompt_messages
+            return [x for x in v for _ in range(n)]
+        return v
+
+    return {k: {c: repeat(x) for c, x in v.items()} if k == "columns" else repeat(v) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -136,7 +140,8 @@ def make_experience(
 
     Args:
         batch: a :class:`PromptCollator` batch: ``input_ids`` / ``attention_mask`` ``[P, C]`` left
-            padded, ``prompts`` (texts; needed by reward functions).
+            padded, ``prompts`` (texts; needed by reward functions), optionally ``columns`` (the rows' other
+            dataset columns, passed to reward functions by name).
         step: seeds the sampling (with ``seed`` and the rank).
         rewards: the reward sources, summed with their weights.
         decode: ``response_ids [B, T] -> list[str]``; needed by reward functions (and judges).
@@ -190,15 +195,17 @@ def make_experience(
 
     # 4. the reward: weighted sum of reward-model scores and reward-function values
     texts = decode(response) if decode is not None else []
+    columns = {k: list(v) for k, v in (batch.get("columns") or {}).items()}
     score, parts = compute_scores(registry, rewards, sequences, attention, prompts or None, texts or None,
-                                  context_length=C, prompt_messages=messages)
+                                  context_length=C, prompt_messages=messages, columns=columns)
     if no_eos_penalty:
         score = ppo.apply_no_eos_penalty(score, response, eos_token_id, no_eos_penalty)
     t_exp = time.perf_counter() - t1
     return Experience(
         sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
         logprobs=logprobs * action_f, score=score, ref_logprobs=ref_logprobs, values=values,
-        reward_parts=parts, prompts=prompts, responses=texts, group_size=n_samples_per_prompt, **critic_rows,
+        reward_parts=parts, prompts=prompts, responses=texts, columns=columns, group_size=n_samples_per_prompt,
+        **critic_rows,
         timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1])},
     )
 
@@ -228,6 +235,12 @@ class StepStats:
         x = x.detach().double().reshape(-1)
         self.add(key, [x.sum(), x.numel()], lambda total, n: total / max(n, 1.0))
 
+    def nanmean(self, key: str, x: torch.Tensor) -> None:
+        """Mean of the entries of ``x`` that are not ``nan``, on all ranks (``nan`` when there are none)."""
+        x = x.detach().double().reshape(-1)
+        kept = ~torch.isnan(x)
+        self.add(key, [x[kept].sum(), kept.sum()], lambda total, n: total / n if n else math.nan)
+
     def moments(self, mean_key: str, std_key: str, x: torch.Tensor) -> None:
         """Mean and population std of all entries of ``x`` on all ranks."""
         x = x.detach().double().reshape(-1)
@@ -254,9 +267,8 @@ def rollout_metrics(exp: Experience, judge: Judge | None = None, stats: StepStat
     mask = exp.action_mask.float()
     stats.moments("reward/mean", "reward/std", exp.score)
     stats.mean("response_length", mask.sum(-1))
-    if len(exp.reward_parts) > 1:
-        for name, value in exp.reward_parts.items():
-            stats.mean(f"reward/{name}", value)
+    for name, value in exp.reward_parts.items():  # unweighted; rows a function returned None for are left out
+        stats.nanmean(f"reward/{name}", value)
     if exp.ref_logprobs is not None:
         stats.mean("kl", (ppo.kl_k1(exp.logprobs, exp.ref_logprobs) * mask).sum(-1))
     if exp.rewards is not None:

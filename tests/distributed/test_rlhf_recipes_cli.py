@@ -29,15 +29,30 @@ def train_lines(path) -> list[dict]:
     return [x for x in lines if any(k.startswith("train/") for k in x)]
 
 
+# a user's reward function in TRL's form: the rows' `answer` column arrives by name, one value per row after the
+# sharding and the repetition of each prompt (a row with another prompt's answer stops the run)
+COUNT_REWARD = """
+from multiengine.pipelines.rlhf.tiny import parse_prompt
+
+
+def count_reward(prompts, completions, answer, **kwargs):
+    wrong = [(p, a) for p, a in zip(prompts, answer) if str(parse_prompt(p)[0]) != a]
+    if wrong or len(kwargs["id"]) != len(prompts) or len(kwargs["completion_ids"]) != len(prompts):
+        raise ValueError(f"rows with another row's answer: {wrong[:3]}; arguments {sorted(kwargs)}")
+    return [1.0 - min(abs(len(c.split()) - int(a)), 6) / 6.0 for c, a in zip(completions, answer)]
+"""
+
+
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory):
     """GRPO at ZeRO-3 (actor, ref and a reward model), the reward = 0.1 x a reward model + the built-in judge
-    + 0.5 x a function from a file; the SFT actor trained first (shortened); a checkpoint at step 2 of 4."""
+    + 0.5 x a function from a file + 0.25 x a function reading the `answer` column of the user's prompt rows;
+    the SFT actor trained first (shortened); a checkpoint at step 2 of 4."""
     root = tmp_path_factory.mktemp("rlhf_grpo")
     fn_file = root / "my_rewards.py"
     # dense: a 5-step SFT model's answers score ~0 under the judge, which would leave the advantages at 0
     fn_file.write_text("def distinct_words(prompts, responses):\n"
-                       "    return [len(set(r.split())) / 6.0 for r in responses]\n")
+                       "    return [len(set(r.split())) / 6.0 for r in responses]\n" + COUNT_REWARD)
     out = root / "run"
     # the run's own embedded assets, built ahead so that the reward model's folder exists when the launch
     # checks its paths (the run finds them complete and reuses them)
@@ -45,17 +60,27 @@ def grpo(tmp_path_factory):
 
     tiny.prepare_builtin(out / "tiny", seed=0, hidden=64, layers=2, n_reward=30000, n_eval=512)
     (out / "tiny" / ".complete").write_text("ok\n")
+    # the user's data: the same rows, the prompt files with an `answer` (the count each prompt asks for) and an id
+    data = root / "data"
+    data.mkdir()
+    for src in (out / "tiny" / "data").iterdir():
+        lines = src.read_text().splitlines()
+        if src.name in ("ppo.jsonl", "eval.jsonl"):
+            rows = [json.loads(x) for x in lines]
+            lines = [json.dumps({**r, "answer": str(tiny.parse_prompt(r["prompt"])[0]), "id": i})
+                     for i, r in enumerate(rows)]
+        (data / src.name).write_text("".join(x + "\n" for x in lines))
     common = ["grpo.rollout_batch_size=2", "grpo.n_samples_per_prompt=4", "grpo.mini_batch_size=4", "grpo.epochs=2",
               "eval.size=16", "eval.batch_size=8", "eval.every=2", "reward.normalize=true", "max_steps=4",
-              "generation.max_new_tokens=6",
-              f"reward.functions=[builtin:judge, {{fn: '{fn_file}:distinct_words', weight: 0.5}}]",
+              "generation.max_new_tokens=6", f"data.source={data}",
+              f"reward.functions=[builtin:judge, {{fn: '{fn_file}:distinct_words', weight: 0.5}}, "
+              f"{{fn: '{fn_file}:count_reward', weight: 0.25}}]",
               f"reward.models=[{{role: reward_tiny, path: '{out}/tiny/model', weight: 0.1, stage: 3}}]"]
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "checkpoint.every=2",
         "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
     resumed = root / "resumed"
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
-        f"model.actor={out}/sft/export/actor", f"data.source={out}/tiny/data",
-        f"resume_from={out}/checkpoints/step_00000002", *common)
+        f"model.actor={out}/sft/export/actor", f"resume_from={out}/checkpoints/step_00000002", *common)
     return {"root": root, "out": out, "resumed": resumed}
 
 
@@ -73,7 +98,13 @@ def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
     assert roles["actor"]["trainable"] and not roles["ref"]["trainable"] and not roles["reward_tiny"]["trainable"]
     assert "critic" not in roles
     assert [(r["name"], r["weight"], r["kind"]) for r in summary["rewards"]] == [
-        ("reward_tiny", 0.1, "model"), ("judge", 1.0, "function"), ("distinct_words", 0.5, "function")]
+        ("reward_tiny", 0.1, "model"), ("judge", 1.0, "function"), ("distinct_words", 0.5, "function"),
+        ("count_reward", 0.25, "function")]
+    weights = {"reward_tiny": 0.1, "judge": 1.0, "distinct_words": 0.5, "count_reward": 0.25}
+    for tag in ("before", "after"):  # the held-out reward: each source's mean, and their weighted sum
+        parts = {name: m[f"eval/{tag}/reward/{name}"] for name in weights}
+        assert m[f"eval/{tag}/reward"] == pytest.approx(sum(w * parts[n] for n, w in weights.items()), abs=1e-5)
+        assert 0.0 <= parts["count_reward"] <= 1.0 and parts["judge"] == pytest.approx(m[f"eval/{tag}/judge"])
     assert [e["tag"] for e in summary["evaluations"]] == ["before", "step_2", "after"]
     train = train_lines(out / "metrics.jsonl")
     assert [x["step"] for x in train] == [1, 2, 3, 4]
@@ -81,8 +112,10 @@ def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
         for key in ("train/policy_loss", "train/kl_loss", "train/clip_frac", "train/entropy", "train/reward/group_std"):
             assert key in x, key
         # the rollout's score is the weighted sum of its sources (means are linear); normalisation comes after
-        parts = 0.1 * x["train/reward/reward_tiny"] + x["train/reward/judge"] + 0.5 * x["train/reward/distinct_words"]
+        parts = (0.1 * x["train/reward/reward_tiny"] + x["train/reward/judge"] + 0.5 * x["train/reward/distinct_words"]
+                 + 0.25 * x["train/reward/count_reward"])
         assert x["train/reward/mean"] == pytest.approx(parts, abs=1e-5)
+        assert 0.0 <= x["train/reward/count_reward"] <= 1.0
     assert train[-1]["train/kl"] != 0.0
     assert (out / "sft" / "export" / "actor" / "config.json").is_file()  # the SFT actor was trained first
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000004"

@@ -161,4 +161,9 @@ def test_ppo_recipe_with_reward_functions_only_on_the_torch_backend(tmp_path):
     assert len(train) == 2
     for x in train:
         assert x["train/reward/mean"] == pytest.approx(x["train/judge/mean"], abs=1e-6)
-    assert "eval/after/reward" not in summary["metrics"] and "eval/after/judge" in summary["metrics"]
+        assert x["train/reward/judge"] == pytest.approx(x["train/judge/mean"], abs=1e-6)
+    # the held-out reward is the reward functions' too (no reward model is needed for it)
+    m = summary["metrics"]
+    for tag in ("before", "after"):
+        assert m[f"eval/{tag}/reward"] == pytest.approx(m[f"eval/{tag}/judge"], abs=1e-6)
+        assert m[f"eval/{tag}/reward/judge"] == pytest.approx(m[f"eval/{tag}/judge"], abs=1e-6)
