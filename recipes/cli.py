@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("recipe", nargs="?")
     val.add_argument("--config", help="shipped config name or path to a YAML file")
     val.add_argument("--print", action="store_true", dest="print_config", help="print the resolved config")
+    val.add_argument("--nproc-per-node", type=int, default=1,
+                     help="ranks per node the run will have (default 1): the batch arithmetic is checked for them")
+    val.add_argument("--nnodes", type=int, default=1, help="nodes the run will have (default 1)")
     val.add_argument("overrides", nargs="*", metavar="key=value")
 
     _add_plan_parser(sub)
@@ -443,7 +446,7 @@ def _record_failure(exc: BaseException, output_dir: str | None, rank: int, world
 
 def _print_error(message: str, fix: str | None, log_path: str | None) -> None:
     print(f"error: {message}", file=sys.stderr)
-    if fix:
+    if fix and f"fix: {fix}" not in message:
         print(f"  fix: {fix}", file=sys.stderr)
     if log_path:
         print(f"  traceback: {log_path}", file=sys.stderr)
@@ -523,25 +526,60 @@ def _print_run_help(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return 0
 
 
-def _load_checked(args: argparse.Namespace, overrides: list[str], hook: bool) -> Any:
-    """load_config (types, unknown keys, CHECKS) and, if `hook`, the recipe's validate(cfg)."""
+def _output_dir_policy(args: argparse.Namespace, cfg: Any, clear: bool) -> None:
+    """A recipe with an ``overwrite`` key runs only into a folder that holds no other recipe's run and no finished
+    run of its own (lifecycle.check_output_dir); ``clear``: with overwrite=true, this process clears the earlier
+    run's files, on rank 0's node only (several nodes may share the folder)."""
+    if "overwrite" not in cfg:
+        return
+    from .lifecycle import check_output_dir, clear_output_dir
+
+    module = load_recipe(args.recipe, args.recipes_package, args.configs_dir)
+    name = str(getattr(getattr(getattr(module, "main", None), "__self__", None), "name", None) or args.recipe)
+    if not clear:
+        check_output_dir(name, cfg)
+        return
+    if not cfg.overwrite:
+        return
+    nnodes = getattr(args, "nnodes", 1)
+    if nnodes > 1 and getattr(args, "rdzv_backend", "static") == "c10d":
+        raise RecipeConfigError("overwrite=true with --rdzv-backend c10d on several nodes: nodes are numbered as they "
+                                "join, so none can clear output_dir before the others start; clear the earlier run's "
+                                "files by hand, use a new output_dir, or the static rendezvous")
+    if nnodes == 1 or not getattr(args, "node_rank", None):
+        clear_output_dir(name, cfg)
+
+
+def _world_size(nproc_per_node: int | None, nnodes: int) -> int:
+    for flag, value in (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes)):
+        if value is not None and value < 1:
+            raise RecipeConfigError(f"{flag} must be >= 1, got {value}")
+    return (nproc_per_node or 1) * nnodes
+
+
+def _load_checked(args: argparse.Namespace, overrides: list[str], hook: bool, world_size: int | None = None) -> Any:
+    """load_config (types, unknown keys, CHECKS) and, if `hook`, the output_dir policy and the recipe's
+    validate(cfg) for `world_size` ranks (default: this rank's job, else 1)."""
     if not args.recipe:
         raise RecipeConfigError(f"`multiengine {args.command}` needs a recipe name (see `multiengine ls`)")
     cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
     if hook:
-        validate_config(args.recipe, cfg, package=args.recipes_package, configs_dir=args.configs_dir)
+        _output_dir_policy(args, cfg, clear=False)
+        validate_config(args.recipe, cfg, package=args.recipes_package, configs_dir=args.configs_dir,
+                        world_size=world_size)
     return cfg
 
 
 def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
     if args.help:
         return _print_run_help(parser, args)
-    cfg = _load_checked(args, overrides, hook=True)
+    world = _world_size(args.nproc_per_node, args.nnodes)
+    cfg = _load_checked(args, overrides, hook=True, world_size=world)
     if args.print_config:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(cfg, resolve=True).rstrip())
-    print(f"ok: config for recipe '{args.recipe}' is valid")
+    print(f"ok: config for recipe '{args.recipe}' is valid" + (f" on {world} ranks" if world > 1 else ""))
     return 0
 
 
@@ -555,8 +593,9 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
         raise RecipeConfigError(
             "--nnodes/--node-rank/--master-addr/--master-port/--rdzv-backend need --nproc-per-node")
     if args.nproc_per_node is not None:
-        # Validate first, in this process: a bad key or value must fail before any rank starts.
-        cfg = _load_checked(args, overrides, hook=True)
+        # Validate first, in this process: a bad key or value, a batch the data cannot fill on this many ranks or
+        # a reused output_dir must fail before any rank starts.
+        cfg = _load_checked(args, overrides, hook=True, world_size=_world_size(args.nproc_per_node, args.nnodes))
         from multiengine.engines.metrics import setup_logging  # imports neither torch nor numpy
 
         setup_logging(0)
@@ -568,6 +607,7 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
             master_addr=args.master_addr, master_port=args.master_port,
             package=package, configs_dir=configs_dir, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
         )
+        _output_dir_policy(args, cfg, clear=True)  # overwrite=true: cleared before any rank writes into it
         error_dir = _logs_dir(str(cfg.output_dir))
         for stale in Path(error_dir).glob("rank*-error.*"):  # records of an earlier run in this output_dir
             stale.unlink(missing_ok=True)
@@ -591,11 +631,27 @@ def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
 
         watch_launcher()  # from the start: imports and model builds can take minutes
     cfg = None
+    checked = os.environ.get(ENV_VALIDATED) != "1"  # else the launching CLI checked, for every rank
     try:
-        cfg = _load_checked(args, overrides, hook=os.environ.get(ENV_VALIDATED) != "1")
+        cfg = _load_checked(args, overrides, hook=checked)
         from multiengine.engines.metrics import setup_logging, to_plain
 
         setup_logging(rank)
+        if checked and rank == 0:
+            _output_dir_policy(args, cfg, clear=True)
+    except Exception as exc:
+        if checked and _is_user_error(exc):
+            # Launched without the CLI's checks (torchrun directly) every rank runs them and fails alike, before any
+            # model is built: rank 0 reports, once, and nothing is written (no log file for a config error).
+            code = EXIT_USAGE
+            if rank == 0:
+                _print_error(*_describe(exc), None)
+        else:
+            code = _record_failure(exc, _output_dir(cfg), rank, world)
+        if launched and world > 1:
+            _leave(code)
+        return code
+    try:
         result = _run_loaded(args.recipe, cfg, args.recipes_package, args.configs_dir)
         from multiengine.engines.dist import shutdown
 
@@ -612,10 +668,35 @@ def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
             os._exit(128 + signal.SIGINT)
         raise
     if rank == 0 and result:
-        print(json.dumps(to_plain(result), indent=2, sort_keys=True))
+        print(_closing_lines(args.recipe, cfg, to_plain(result)))
     if launched and world > 1:
         _leave(0)
     return 0
+
+
+def _closing_lines(recipe: str, cfg: Any, result: dict[str, Any]) -> str:
+    """What a finished run tells the person who started it: the recipe's own closing summary (lifecycle
+    recipes), else its before -> after figures, exports and summary.json, read from what main(cfg) returned."""
+    if isinstance(result.get("report"), str):
+        return result["report"]
+    out = str(cfg.output_dir)
+    lines = [f"{recipe}: finished"]
+    figures = result.get("figures") if isinstance(result.get("figures"), dict) else {}
+    for key, before in figures.items():
+        if key.endswith("_before") and isinstance(before, (int, float)):
+            after = figures.get(key[: -len("_before")] + "_after")
+            if isinstance(after, (int, float)):
+                lines.append(f"  {key[: -len('_before')]}: {before:.4g} -> {after:.4g} (before -> after)")
+    exports = {role: value.get("model") if isinstance(value, dict) else value
+               for role, value in (result.get("export") or {}).items() if value}
+    for role, path in exports.items():
+        lines.append(f"  export ({role}): {path}")
+    summary = os.path.join(out, "summary.json")
+    if os.path.isfile(summary):
+        lines.append(f"  summary: {summary}")
+    if len(lines) == 1:  # a recipe outside the lifecycle that returned something else: as it is
+        return json.dumps(result, indent=2, sort_keys=True)
+    return "\n".join(lines)
 
 
 def _leave(code: int) -> None:

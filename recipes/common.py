@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "COMMON_HELP", "DATA_COLUMNS", "DATA_DEFAULTS", "REWARD_DEFAULTS", "RLHF_BETAS", "RewardModelRole", "check_data",
     "check_reward_columns",
+    "check_rows_per_rank", "check_sft_run_batches", "check_stage_batches",
     "check_model", "check_model_path", "check_scoring_tokenizers", "check_tokenizer", "config_error", "data_checks",
     "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data", "lora_spec",
     "optim_spec", "placement", "recipe_checks", "retokenizers", "reward_config", "reward_entries", "role_tokenizer",
@@ -495,6 +496,82 @@ def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str |
     logger.info("data (%s): %d training rows (%s); evaluation: %s", stage, report["train_rows"],
                 ", ".join(f"{r['path']}: {r['format']}" for r in report["sources"]), data.eval_origin)
     return report
+
+
+# --- batch arithmetic: the rows each rank gets against the batches it draws (before any rank starts) ---------
+def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, factor: int = 1, unit: str = "rows",
+                        what: str = "", heldout: int = 0, heldout_key: str = "data.eval_split",
+                        setting: str = "{key}={n}") -> None:
+    """Refuse a batch that the training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
+    (engines.ShardedEpochSampler: each rank gets ``rows // world_size`` rows per epoch, the tail dropped) and
+    draws batches of ``value x factor`` rows per rank; the run itself would fail only after building its models.
+
+    Args:
+        rows: the training rows, after the held-out split (and any row limit).
+        key / value: the config key of the batch size and its value; ``factor`` multiplies it (``grad_accum``
+            when one batch holds every micro batch of a step), ``what`` says so ("train.micro_batch_size x
+            train.grad_accum").
+        heldout: rows the evaluation split took out of the training data (0 when they come from elsewhere);
+            ``heldout_key`` is the key that sets that split.
+        setting: how the fix sets a smaller value (``{key}``, ``{n}``), e.g. for another recipe's overrides.
+
+    Raises:
+        ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
+        split).
+    """
+    from multiengine.recipes.config import config_problem
+
+    need = int(value) * int(factor)
+    per_rank = rows // world_size
+    if per_rank >= need:
+        return
+    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+    after = f" (left after {heldout} held out for evaluation)" if heldout else ""
+    problem = (f"asks for {need} {unit} per rank per step{f' ({what})' if what else ''}, but the {rows} training "
+               f"{unit}{after} give {per_rank} per rank on {ranks}")
+    fixes = []
+    largest = per_rank // factor
+    if largest >= 1:
+        fixes.append(f"set {setting.format(key=key, n=largest)} or less")
+    fit = rows // need
+    if world_size > 1 and fit >= 1:
+        fixes.append(f"run on {'1 rank' if fit == 1 else f'{fit} ranks or fewer'} (--nproc-per-node x --nnodes)")
+    if heldout and (rows + heldout) // world_size >= need:
+        fixes.append(f"hold out fewer rows ({heldout_key}; {heldout} now) or give evaluation rows of their own "
+                     "(data.eval_source)")
+    fixes.append(f"add training {unit}")
+    fix = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f", or {fixes[-1]}"
+    raise config_problem(key, value, problem, fix)
+
+
+def _heldout_of_training(report: dict[str, Any]) -> int:
+    """Evaluation rows that check_data's split took out of the training rows (not a split or file of their own)."""
+    return int(report.get("eval_rows") or 0) if "held out" in str(report.get("eval_origin") or "") else 0
+
+
+def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
+                        unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
+    """:func:`check_rows_per_rank` for the training rows of a :func:`check_data` report; built-in data (no report,
+    thousands of rows per stage) passes."""
+    if report is None:
+        return
+    check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,
+                        what=what, heldout=_heldout_of_training(report), setting=setting)
+
+
+def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_size: int, name: str,
+                          role: str) -> None:
+    """The rlhf_sft run a recipe trains its ``role`` with first, on its own data (``section``: ``{config,
+    overrides}`` of ``actor_sft`` / ``teacher_sft``): that run's micro batch against the SFT rows of ``report``."""
+    if report is None:
+        return
+    from multiengine.recipes.config import load_config
+
+    sub = load_config("rlhf_sft", section.config or None, [str(o) for o in section.overrides])
+    check_stage_batches(report, world_size, key=f"{name}: train.micro_batch_size",
+                        value=int(sub.train.micro_batch_size), unit="SFT rows",
+                        what=f"the rlhf_sft run that trains the {role} first, config {section.config!r}",
+                        setting=f"{name}.overrides=[train.micro_batch_size={{n}}]")
 
 
 # --- reward sources named in a config (rlhf_ppo, rlhf_grpo) -----------------------------------------------

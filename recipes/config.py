@@ -24,6 +24,8 @@ Checks: one mechanism, two hooks, both run before any rank starts. Optionally, a
   rules, paths, data columns and sizes, tokenizer vs model vocabulary. Run by validate_config
   once, in the launching process (`multiengine validate`, `multiengine run` before launching, and
   a recipe that runs another in-process); raises config_problem(...) or any RecipeConfigError.
+  Declared as `validate(cfg, world_size=1)` it also gets the number of ranks the run will have
+  (`--nproc-per-node` x `--nnodes`), for checks of the batch arithmetic (rows per rank).
   Lifecycle recipes get the common cross-field checks first (lifecycle.validate_common);
 * `HELP: dict` - dotted key -> one-line meaning, for keys whose DEFAULTS entry has no trailing
   `# comment` (the comments are what `multiengine run <recipe> --help` shows; for
@@ -832,12 +834,32 @@ def run_checks(recipe: str, module: ModuleType, resolved: dict, where: dict[str,
         raise _problems_error(recipe, problems)
 
 
+def world_size_from_env() -> int:
+    """The job's world size as torchrun gives it to a rank (``WORLD_SIZE``), 1 outside a launched job."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _takes_world_size(hook: Any) -> bool:
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "world_size" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def validate_config(
-    recipe: str, cfg: DictConfig, *, package: str = RECIPES_PACKAGE, configs_dir: str | Path = CONFIGS_DIR
+    recipe: str, cfg: DictConfig, *, package: str = RECIPES_PACKAGE, configs_dir: str | Path = CONFIGS_DIR,
+    world_size: int | None = None,
 ) -> None:
     """The checks that need more than one value or a look outside the config, once, before any rank starts:
     for a lifecycle recipe the common ones (lifecycle.validate_common), then the recipe's validate(cfg)
-    (CHECKS already ran in load_config)."""
+    (CHECKS already ran in load_config). ``world_size``: the ranks the run will have (default: ``WORLD_SIZE``
+    of a launched rank, else 1), given to a hook declared as ``validate(cfg, world_size)`` (batch arithmetic)."""
     module = load_recipe(recipe, package, configs_dir)
     lc = _lifecycle(module)
     if lc is not None:
@@ -847,16 +869,19 @@ def validate_config(
         return
     if not callable(hook):
         raise RecipeDefinitionError(f"recipe module {module.__name__}: validate must be a function validate(cfg)")
-    hook(cfg)
+    if _takes_world_size(hook):
+        hook(cfg, world_size=world_size_from_env() if world_size is None else int(world_size))
+    else:
+        hook(cfg)
 
 
 def checked_config(
     recipe: str, config: str | None = None, overrides: Iterable[str] = (), *, package: str = RECIPES_PACKAGE,
-    configs_dir: str | Path = CONFIGS_DIR,
+    configs_dir: str | Path = CONFIGS_DIR, world_size: int | None = None,
 ) -> DictConfig:
     """load_config + validate_config: for a recipe that runs another one in-process (its inputs exist now)."""
     cfg = load_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
-    validate_config(recipe, cfg, package=package, configs_dir=configs_dir)
+    validate_config(recipe, cfg, package=package, configs_dir=configs_dir, world_size=world_size)
     return cfg
 
 

@@ -115,9 +115,10 @@ CHECKS = {
 assert not any(isinstance(c, Removed) for c in CHECKS.values())
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts: the base model folder is SD or SDXL, the ControlNet folder (if any) exists, the
-    data has images, captions and conditioning images, enough rows, every image readable."""
+    data has images, captions and conditioning images, enough rows (a micro batch per rank on ``world_size``
+    ranks), every image readable."""
     from multiengine.pipelines.checks import check_diffusers_folder, check_model_folder
     from multiengine.pipelines.diffusion.families import model_family
 
@@ -143,6 +144,7 @@ def validate(cfg: Any) -> None:
     if family:
         sd.validate_resolution(cfg, family, str(cfg.model.pretrained))
     sd.check_data(cfg, conditioning=True)
+    sd.check_batches(cfg, world_size, conditioning=True)
 
 
 class ControlNetTraining(sd.SDFinetune):

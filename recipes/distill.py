@@ -33,6 +33,8 @@ from multiengine.recipes.common import (
     RLHF_BETAS,
     check_data,
     check_model,
+    check_sft_run_batches,
+    check_stage_batches,
     check_tokenizer,
     config_error,
     data_overrides,
@@ -124,9 +126,10 @@ CHECKS = recipe_checks(DEFAULTS, {
 HELP = dict(COMMON_HELP)
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Teacher and student folders, the tokenizer against both vocabularies (and the student's own tokenizer,
-    if it has one, equal to it), the demonstrations and evaluation rows."""
+    if it has one, equal to it), the demonstrations and evaluation rows; on ``world_size`` ranks, a micro batch
+    of training rows per rank (for the student, and for the SFT run that trains a missing teacher)."""
     from multiengine.pipelines.rlhf.retokenize import vocabularies_match
 
     check_model("model.teacher", cfg.model.teacher)
@@ -139,11 +142,17 @@ def validate(cfg: Any) -> None:
                 f"model.teacher ({cfg.model.teacher}) and model.student ({cfg.model.student}) have different "
                 "tokenizers: token-level distillation compares next-token distributions over one vocabulary; use a "
                 "student with the teacher's tokenizer (or set model.tokenizer if both really share one)"))
-    check_data(cfg, "sft", tok, tokenizer_key="model.tokenizer")
+    report = check_data(cfg, "sft", tok, tokenizer_key="model.tokenizer")
+    if not cfg.model.teacher:
+        check_sft_run_batches(cfg.teacher_sft, report, world_size, "teacher_sft", "teacher")
+    # demonstrations(): one stream of micro batches per rank (grad_accum draws it again)
+    check_stage_batches(report, world_size, key="train.micro_batch_size", value=cfg.train.micro_batch_size)
 
 
 class Distill(Recipe):
     name = "distill"
+    headline = (("loss", "held-out cross-entropy of the student", False),
+                ("judge", "judge score of sampled answers (built-in task)", True))
     postfix_keys = ("loss", "divergence")
     plot_panels = [("distillation loss", ["train/loss", "train/divergence"]),
                    ("held-out cross-entropy", ["eval/loss", "eval/teacher_loss"]),

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
 import math
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Mapping
@@ -58,7 +60,8 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "Recipe", "validate_common", "with_common"]
+__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "RUN_FILE", "RUN_OUTPUTS", "Recipe", "check_output_dir",
+           "clear_output_dir", "folder_run", "mark_run", "validate_common", "with_common"]
 
 COMMON_DEFAULTS: dict[str, Any] = {
     "output_dir": "outputs/recipe",  # everything the run writes goes under this folder
@@ -66,6 +69,9 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "max_steps": 100,  # optimizer steps
     "backend": "auto",  # auto | deepspeed | torch
     "resume_from": "",  # "" | "latest" (output_dir/checkpoints; fresh start if none) | a checkpoint folder
+    # true: clear the earlier run's files in output_dir (metrics, summary, curves, TensorBoard, checkpoints,
+    # exports, logs) before starting; false: a folder holding another recipe's run or a finished run is refused
+    "overwrite": False,
     "dist_timeout_s": 1800.0,  # a collective that waits longer than this fails the run
     "checkpoint": {  # checkpoints under output_dir/checkpoints (written atomically; `latest` names the newest)
         "every": 0,  # every N steps, and at the end of the run (0 = never)
@@ -134,6 +140,128 @@ def validate_common(cfg: Any) -> None:
                                  f"set roles.{name}.stage=3, or roles.{name}.offload_params=false")
 
 
+# --- output_dir: one run per folder ------------------------------------------------------------------------
+RUN_FILE = "run.json"  # {"recipe": ...}, written when a run starts: what an unfinished folder holds
+# What a run writes into output_dir; overwrite=true clears these. The rest is kept: inputs a run builds there
+# and reuses (tiny/ models and data, generated images, an SFT model trained under sft/), each checked on reuse.
+RUN_OUTPUTS = (RUN_FILE, "summary.json", "metrics.jsonl", "curves.png", "fingerprint.json", "tensorboard",
+               "checkpoints", "export", "validation", "wandb", "logs")
+# any of these makes a folder a run folder (logs/ alone is left by a run that failed its checks)
+_RUN_MARKS = (RUN_FILE, "summary.json", "metrics.jsonl")
+
+
+def _read_recipe(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("recipe")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def folder_run(output_dir: str) -> dict[str, Any] | None:
+    """What run ``output_dir`` holds: ``{"recipe": name or None, "finished": summary.json exists, "outputs":
+    [the run files there]}``; None when it holds none (missing, empty, or only inputs and logs)."""
+    folder = os.path.expanduser(str(output_dir))
+    if not os.path.isdir(folder) or not any(os.path.lexists(os.path.join(folder, m)) for m in _RUN_MARKS):
+        return None
+    recipe = _read_recipe(os.path.join(folder, RUN_FILE)) or _read_recipe(os.path.join(folder, "summary.json"))
+    return {"recipe": recipe, "finished": os.path.isfile(os.path.join(folder, "summary.json")),
+            "outputs": [name for name in RUN_OUTPUTS if os.path.lexists(os.path.join(folder, name))]}
+
+
+def _unsafe_to_clear(folder: str) -> bool:
+    """The file system root, the home folder, or the working directory and its parents: never cleared."""
+    full = os.path.realpath(folder)
+    cwd = os.path.realpath(os.getcwd())
+    return (full in (os.path.sep, os.path.realpath(os.path.expanduser("~")))
+            or cwd == full or cwd.startswith(full.rstrip(os.sep) + os.sep))
+
+
+def check_output_dir(name: str, cfg: Any) -> None:
+    """The output_dir policy, before any rank starts: a folder holding another recipe's run, or a finished run of
+    this recipe (without ``resume_from``), is refused unless ``overwrite=true``. A recipe without ``resume_from``
+    (rlhf_e2e) may rerun into its own folder: it reuses or reruns its steps itself. ``name``: the recipe's run
+    name (what its summary.json and run.json record).
+
+    Raises:
+        ConfigValueError: naming output_dir, overwrite=true (or a new folder) and resume_from=latest.
+    """
+    output_dir = str(cfg.output_dir)
+    overwrite = bool(cfg.get("overwrite", False))
+    resume = cfg.get("resume_from", None)
+    if overwrite and resume:
+        raise config_problem("overwrite", True, f"clears output_dir's checkpoints, and resume_from={resume!r} "
+                             "asks to continue from them", "drop one: overwrite=true starts over, resume_from=latest "
+                             "continues the run in output_dir")
+    found = folder_run(output_dir)
+    if found is None:
+        return
+    if overwrite:
+        if _unsafe_to_clear(output_dir):
+            raise config_problem("output_dir", output_dir, "is the working directory, one of its parents, the home "
+                                 "folder or /, which overwrite=true never clears", "give the run a folder of its own")
+        return
+    files = ", ".join(found["outputs"])
+    other = found["recipe"]
+    if other is not None and other != name:
+        raise config_problem(
+            "output_dir", output_dir, f"holds a run of {other} ({files}); running {name} there would mix its "
+            "metrics, curves, checkpoints and exports with it",
+            "use a new output_dir, or set overwrite=true to clear that run's files first (resume_from=latest "
+            "continues only a run of the same recipe)")
+    if found["finished"] and not resume and "resume_from" in cfg:
+        tag = latest_tag(os.path.join(os.path.expanduser(output_dir), "checkpoints"))
+        cont = (f"set resume_from=latest to continue it from its checkpoint {tag} (with a larger max_steps)" if tag
+                else "resume_from=latest continues a run from its checkpoints, but this one wrote none "
+                "(checkpoint.every=0)")
+        raise config_problem(
+            "output_dir", output_dir, f"holds a finished {name} run ({files}); a new run there would append to its "
+            "metrics.jsonl and replace its summary and exports",
+            f"{cont}; set overwrite=true to clear it and start over, or use a new output_dir")
+    if not found["finished"] and not resume and "metrics.jsonl" in found["outputs"]:
+        logger.warning("output_dir=%s holds an unfinished %s run: this run starts at step 0 and appends to its "
+                       "metrics.jsonl; resume_from=latest continues it instead, overwrite=true clears it first",
+                       output_dir, other or "earlier")
+
+
+def clear_output_dir(name: str, cfg: Any) -> list[str]:
+    """With ``overwrite=true``: remove the earlier run's files (``RUN_OUTPUTS``) from output_dir, on one process
+    before any rank writes there (check_output_dir first); a folder that holds no run is left alone. Returns
+    what was removed."""
+    if not bool(cfg.get("overwrite", False)):
+        return []
+    folder = os.path.expanduser(str(cfg.output_dir))
+    found = folder_run(folder)
+    if found is None or _unsafe_to_clear(folder):
+        return []
+    removed = []
+    for entry in found["outputs"]:
+        path = os.path.join(folder, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        removed.append(entry)
+    logger.info("overwrite=true: removed the earlier %s run's %s from %s", found["recipe"] or "", ", ".join(removed),
+                folder)
+    return removed
+
+
+def mark_run(output_dir: str, name: str) -> None:
+    """Record in output_dir which recipe runs there (run.json), so a later run of another recipe is refused
+    before summary.json exists."""
+    path = os.path.join(output_dir, RUN_FILE)
+    if _read_recipe(path) == name:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"recipe": name, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
 def _nonfinite_losses(metrics: dict[str, Any]) -> list[str]:
     """The loss metrics of a step that are NaN/inf (`loss`, `policy_loss`, `loss/actor`, ...)."""
     return sorted(k for k, v in metrics.items() if "loss" in k and isinstance(v, float) and not math.isfinite(v))
@@ -154,6 +282,17 @@ def with_common(defaults: dict[str, Any]) -> dict[str, Any]:
     return _merge(COMMON_DEFAULTS, defaults)
 
 
+def _duration(seconds: float) -> str:
+    minutes, sec = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {sec} s" if minutes else f"{seconds:.1f} s"
+
+
+def _verdict(before: float, after: float, higher_is_better: bool) -> str:
+    if not (math.isfinite(before) and math.isfinite(after)) or after == before:
+        return "unchanged" if after == before else "not finite"
+    return "improved" if (after > before) == higher_is_better else "got worse"
+
+
 def _scalars(result: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
@@ -165,6 +304,9 @@ class Recipe:
     plot_panels: list[tuple[str, list[str]]] = []
     plot_xlabel = "step"
     postfix_keys: tuple[str, ...] = ("loss",)  # shown in the progress bar
+    # the closing summary's figures: (evaluation key, what it is, higher is better), first vs last evaluation;
+    # none found: the training loss of the first and last steps
+    headline: tuple[tuple[str, str, bool], ...] = ()
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -217,6 +359,8 @@ class Recipe:
         os.makedirs(self.output_dir, exist_ok=True)
         set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))  # before build() loads any folder
         self.registry = EngineRegistry(backend=cfg.backend, seed=cfg.seed, timeout_s=cfg.dist_timeout_s or None)
+        if self.registry.is_main:
+            mark_run(self.output_dir, self.name)
         self.build()
         self.metrics = MetricsLogger(self.path("metrics.jsonl"), enabled=self.registry.is_main,
                                      tensorboard_dir=self.path("tensorboard") if cfg.tensorboard else None,
@@ -416,10 +560,37 @@ class Recipe:
         if self.metrics is not None:
             self.metrics.close()
 
+    def closing_summary(self, export: dict[str, Any], plot: str | None, seconds: float) -> str:
+        """A few lines for the person who ran it: what changed between the first and the last evaluation (or
+        the first and last training loss), and where the export, summary.json and curves are."""
+        ranks = self.registry.world_size
+        lines = [f"{self.name}: {self.step} steps on {ranks} rank{'s' if ranks > 1 else ''} in {_duration(seconds)}"]
+        first, last = (self.history[0], self.history[-1]) if len(self.history) > 1 else ({}, {})
+        shown = [(label, first[key], last[key], better) for key, label, better in self.headline
+                 if isinstance(first.get(key), (int, float)) and isinstance(last.get(key), (int, float))]
+        if shown:
+            tags = f"{first['tag']} -> {last['tag']}"
+        else:
+            losses = [m["loss"] for m in self.step_metrics if isinstance(m.get("loss"), (int, float))]
+            shown = [("training loss", losses[0], losses[-1], False)] if len(losses) > 1 else []
+            tags = "first -> last step"
+        for label, a, b, better in shown:
+            lines.append(f"  {label}: {a:.4g} -> {b:.4g} ({tags}; {_verdict(a, b, better)})")
+        if export:
+            lines.append(f"  export: {self.path('export')} ({', '.join(str(k) for k in export)})")
+        else:
+            lines.append("  export: none (export.enabled=false)" if "export" in self.cfg else "  export: none")
+        lines.append(f"  summary: {self.path('summary.json')} (every figure, per-rank memory, the resolved config)")
+        if plot:
+            lines.append(f"  curves: {plot}")
+        return "\n".join(lines)
+
     @classmethod
     def main(cls, cfg: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
         run = cls(cfg)
         run.setup()
+        report = None
         try:
             run.train()
             export = run.export()
@@ -428,6 +599,7 @@ class Recipe:
             if run.registry.is_main:
                 write_summary(run.path("summary.json"), summary)
                 logger.info("%s: per-role memory on rank 0:\n%s", run.name, run.registry.memory_report())
+                report = run.closing_summary(export, summary["plot"], time.perf_counter() - t0)
         finally:
             run.close()
-        return {"metrics": summary["metrics"], "export": export}
+        return {"metrics": summary["metrics"], "export": export, "report": report}

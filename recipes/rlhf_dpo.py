@@ -37,6 +37,8 @@ from multiengine.recipes.common import (
     check_data,
     check_model,
     check_model_path,
+    check_sft_run_batches,
+    check_stage_batches,
     check_tokenizer,
     data_overrides,
     evaluation_prompts,
@@ -158,19 +160,32 @@ def _validate_settings(cfg: Any) -> None:
         raise RecipeConfigError(f"dpo.precompute_batch_size={cfg.dpo.precompute_batch_size}: must be >= 1.")
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """The actor folder and its tokenizer against its vocabulary, the preference data (formats, columns, rows,
-    chat template, held-out pairs); with no model.actor, the data the SFT actor trains on."""
+    chat template, held-out pairs); with no model.actor, the data the SFT actor trains on. On ``world_size``
+    ranks: a step's pairs per rank (and the SFT run's micro batch)."""
     _validate_settings(cfg)
     check_model("model.actor", cfg.model.actor)
     tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
-    check_data(cfg, "reward", tok, tokenizer_key="model.tokenizer")
+    report = check_data(cfg, "reward", tok, tokenizer_key="model.tokenizer")
     if not cfg.model.actor:
-        check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+        sft = check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+        check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
+    check_batches(cfg, report, world_size)
+
+
+def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
+    """One step draws micro_batch_size x grad_accum pairs per rank from one stream (build())."""
+    t = cfg.train
+    check_stage_batches(report, world_size, key="train.micro_batch_size", value=t.micro_batch_size,
+                        factor=t.grad_accum, unit="pairs", setting=setting,
+                        what=f"train.micro_batch_size x train.grad_accum={t.grad_accum}" if t.grad_accum > 1 else "")
 
 
 class RLHFDPO(Recipe):
     name = "rlhf_dpo"
+    headline = (("accuracy", "held-out preference accuracy", True),
+                ("judge", "judge score of sampled answers (built-in task)", True))
     postfix_keys = ("loss", "accuracy")
     plot_panels = [("DPO loss", ["train/loss", "eval/loss"]),
                    ("preference accuracy", ["train/accuracy", "eval/accuracy"]),

@@ -85,6 +85,8 @@ DEFAULTS: dict[str, Any] = {
         "overrides": [],  # key=value overrides for it
     },
     "rerun": False,  # rerun every step, even those whose config and inputs did not change
+    # true: clear another recipe's run from output_dir first (this recipe's own steps are reused or rerun anyway)
+    "overwrite": False,
 }
 CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "backend": Choice("auto", "deepspeed", "torch"),
           "algorithm": Choice("ppo", "grpo", "dpo")}
@@ -102,21 +104,47 @@ FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
 
 
 
-def validate(cfg: Any) -> None:
-    """Before any rank starts: the base model folders and their tokenizers against their vocabularies, and the
-    data of every stage the steps read (SFT rows, preference pairs, prompts and evaluation prompts). The steps'
-    own configs are checked when they load."""
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Before any rank starts: the base model folders and their tokenizers against their vocabularies, the data
+    of every stage the steps read (SFT rows, preference pairs, prompts and evaluation prompts), and each step's
+    batches against its rows on ``world_size`` ranks. The rest of the steps' own configs is checked when they
+    load."""
     check_model("model.pretrained", cfg.model.pretrained)
     check_model("model.reward_pretrained", cfg.model.reward_pretrained)
     tok = check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
     if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
         check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained", cfg.model.reward_pretrained)
     _, needs_rm, _ = FINAL_STEP[cfg.algorithm]
-    check_data(cfg, "sft", tok)
+    reports = {"sft": check_data(cfg, "sft", tok), "reward": None, "ppo": None}
     if needs_rm or cfg.algorithm == "dpo":
-        check_data(cfg, "reward", tok)
+        reports["reward"] = check_data(cfg, "reward", tok)
     if cfg.algorithm in ("ppo", "grpo"):
-        check_data(cfg, "ppo", tok, eval_stage="eval")
+        reports["ppo"] = check_data(cfg, "ppo", tok, eval_stage="eval")
+    _check_step_batches(cfg, reports, world_size)
+
+
+def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> None:
+    """Each step's batches (its recipe's check_batches) against the rows of its stage, with the step's config as
+    _run_step loads it (its shipped config, the data keys, its overrides); the model folders it gets from the
+    steps before do not exist yet and are not needed here. Built-in data has no report: nothing to check."""
+    from multiengine.recipes.config import RecipeConfigError, load_config, load_recipe
+
+    recipe3, needs_rm, _ = FINAL_STEP[cfg.algorithm]
+    steps = [("sft", "rlhf_sft", "sft")]
+    if needs_rm:
+        steps.append(("reward", "rlhf_reward", "reward"))
+    steps.append((cfg.algorithm, recipe3, "reward" if cfg.algorithm == "dpo" else "ppo"))
+    common = [f"seed={cfg.seed}", *data_overrides(cfg.data)]
+    for section, recipe, stage in steps:
+        if reports.get(stage) is None:
+            continue
+        step = cfg[section]
+        step_cfg = load_config(recipe, step.config or None, [*common, *[str(o) for o in step.overrides]])
+        try:
+            load_recipe(recipe).check_batches(step_cfg, reports[stage], world_size,
+                                              setting=f"{section}.overrides=[{{key}}={{n}}]")
+        except RecipeConfigError as exc:
+            raise RecipeConfigError(f"step {section} ({recipe} --config {step.config}): {exc}") from None
 
 
 FINGERPRINT_FILE = "fingerprint.json"

@@ -48,6 +48,8 @@ from multiengine.recipes.common import (
     check_model_path,
     check_reward_columns,
     check_scoring_tokenizers,
+    check_sft_run_batches,
+    check_stage_batches,
     check_tokenizer,
     data_overrides,
     load_data,
@@ -215,9 +217,10 @@ def _validate_settings(cfg: Any) -> None:
                                 "built-in task), reward.models, or model.reward (a reward-model folder).")
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folders, each role's tokenizer against its model's vocabulary (and chat template when it re-encodes
-    conversations), the prompts and evaluation prompts; with no model.actor, the data the SFT actor trains on."""
+    conversations), the prompts and evaluation prompts; with no model.actor, the data the SFT actor trains on. On
+    ``world_size`` ranks: a step's prompts per rank (and the SFT run's micro batch)."""
     _validate_settings(cfg)
     entries, _ = reward_entries(cfg.reward)
     check_model("model.actor", cfg.model.actor)
@@ -230,7 +233,9 @@ def validate(cfg: Any) -> None:
     if report is not None:  # the columns each reward function names are in the prompts' rows
         check_reward_columns(cfg.reward, report["columns"])
     if not cfg.model.actor:
-        check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+        sft = check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+        check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
+    check_batches(cfg, report, world_size)
     if cfg.model.actor:
         roles = [(e["role"], e["path"] or cfg.model.reward, e.get("tokenizer") or
                   (cfg.model.reward_tokenizer if e["role"] == "reward" else ""),
@@ -239,8 +244,19 @@ def validate(cfg: Any) -> None:
         check_scoring_tokenizers(actor_tok, [r for r in roles if r[1]], bool(report and report["conversational"]))
 
 
+
+def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
+    """A step draws grpo.rollout_batch_size prompts per rank (each sampled grpo.n_samples_per_prompt times: the
+    group) from one stream; how the group's rows split into minibatches is _validate_settings'."""
+    g = cfg.grpo
+    check_stage_batches(report, world_size, key="grpo.rollout_batch_size", value=g.rollout_batch_size,
+                        unit="prompts", setting=setting,
+                        what=f"each sampled grpo.n_samples_per_prompt={g.n_samples_per_prompt} times")
+
 class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
+    headline = (("judge", "judge score of sampled answers (built-in task)", True),
+                ("reward", "held-out reward (weighted sum of the reward sources)", True))
     plot_xlabel = "step"
     postfix_keys = ("reward/mean", "kl")
 

@@ -42,6 +42,7 @@ from multiengine.recipes.common import (
     check_model_path,
     check_reward_columns,
     check_scoring_tokenizers,
+    check_stage_batches,
     check_tokenizer,
     load_data,
     lora_spec,
@@ -241,9 +242,10 @@ def _critic_source(cfg: Any) -> tuple[str, str]:
     return cfg.model.actor, cfg.model.critic_tokenizer or cfg.model.tokenizer
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Every model folder, each role's tokenizer against its model's vocabulary (and its chat template when it
-    re-encodes conversations), the prompts and evaluation prompts, the pretraining rows."""
+    re-encodes conversations), the prompts and evaluation prompts, the pretraining rows; on ``world_size`` ranks,
+    a step's prompts (and pretraining rows) per rank."""
     _validate_settings(cfg)
     entries, _ = reward_entries(cfg.reward)
     check_model("model.actor", cfg.model.actor)
@@ -256,9 +258,11 @@ def validate(cfg: Any) -> None:
     report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
     if report is not None:  # the columns each reward function names are in the prompts' rows
         check_reward_columns(cfg.reward, report["columns"])
+    ptx = None
     if cfg.ppo.ptx_coef > 0:
-        check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
-                   key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
+        ptx = check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
+                         key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
+    check_batches(cfg, report, world_size, ptx)
     conversational = bool(report and report["conversational"])
     roles = [(e["role"], e["path"] or cfg.model.reward, e.get("tokenizer") or
               (cfg.model.reward_tokenizer if e["role"] == "reward" else ""),
@@ -272,8 +276,22 @@ def validate(cfg: Any) -> None:
         check_scoring_tokenizers(actor_tok, [r for r in roles if r[1]], conversational)
 
 
+
+def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, ptx: dict[str, Any] | None = None,
+                  setting: str = "{key}={n}") -> None:
+    """A step draws ppo.rollout_batch_size prompts per rank from one stream and, with ppo.ptx_coef > 0,
+    ppo.mini_batch_size pretraining rows per minibatch from another (all of its rows: none are held out)."""
+    check_stage_batches(report, world_size, key="ppo.rollout_batch_size", value=cfg.ppo.rollout_batch_size,
+                        unit="prompts", setting=setting)
+    if cfg.ppo.ptx_coef > 0:
+        check_stage_batches(ptx, world_size, key="ppo.mini_batch_size", value=cfg.ppo.mini_batch_size,
+                            unit="pretraining rows", what="ppo.ptx_coef > 0 draws that many per minibatch",
+                            setting=setting)
+
 class RLHFPPO(Recipe):
     name = "rlhf_ppo"
+    headline = (("judge", "judge score of sampled answers (built-in task)", True),
+                ("reward", "held-out reward (weighted sum of the reward sources)", True))
     plot_xlabel = "PPO step"
     postfix_keys = ("reward/mean", "kl")
 

@@ -27,6 +27,7 @@ from multiengine.recipes.common import (
     RLHF_BETAS,
     check_data,
     check_model,
+    check_stage_batches,
     check_tokenizer,
     load_data,
     lora_spec,
@@ -93,16 +94,23 @@ CHECKS = recipe_checks(DEFAULTS)
 HELP = dict(COMMON_HELP)
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder, tokenizer vs vocabulary, preference data (formats, columns, rows, chat template, held-out
-    pairs)."""
+    pairs), and a micro batch of training pairs per rank on ``world_size`` ranks."""
     check_model("model.pretrained", cfg.model.pretrained)
     tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.pretrained", cfg.model.pretrained)
-    check_data(cfg, "reward", tok)
+    check_batches(cfg, check_data(cfg, "reward", tok), world_size)
+
+
+def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
+    """One stream of micro batches of pairs per rank (grad_accum draws it again, across epochs)."""
+    check_stage_batches(report, world_size, key="train.micro_batch_size", value=cfg.train.micro_batch_size,
+                        unit="pairs", setting=setting)
 
 
 class RLHFReward(Recipe):
     name = "rlhf_reward"
+    headline = (("accuracy", "held-out pair accuracy", True),)
     postfix_keys = ("loss", "accuracy")
     plot_panels = [("pairwise loss", ["train/loss"]), ("pair accuracy", ["train/accuracy", "eval/accuracy"])]
 

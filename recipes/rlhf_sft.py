@@ -32,6 +32,7 @@ from multiengine.recipes.common import (
     RLHF_BETAS,
     check_data,
     check_model,
+    check_stage_batches,
     check_tokenizer,
     demonstrations,
     evaluation_prompts,
@@ -107,15 +108,24 @@ CHECKS = recipe_checks(DEFAULTS)
 HELP = dict(COMMON_HELP)
 
 
-def validate(cfg: Any) -> None:
-    """Model folder, tokenizer vs vocabulary, data (formats, columns, rows, chat template, evaluation rows)."""
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Model folder, tokenizer vs vocabulary, data (formats, columns, rows, chat template, evaluation rows), and a
+    micro batch of training rows per rank on ``world_size`` ranks."""
     check_model("model.pretrained", cfg.model.pretrained)
     tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.pretrained", cfg.model.pretrained)
-    check_data(cfg, "sft", tok)
+    check_batches(cfg, check_data(cfg, "sft", tok), world_size)
+
+
+def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
+    """demonstrations(): one stream of micro batches per rank (grad_accum draws it again, across epochs)."""
+    check_stage_batches(report, world_size, key="train.micro_batch_size", value=cfg.train.micro_batch_size,
+                        setting=setting)
 
 
 class RLHFSFT(Recipe):
     name = "rlhf_sft"
+    headline = (("heldout_loss", "held-out loss", False),
+                ("judge", "judge score of sampled answers (built-in task)", True))
     plot_panels = [("cross-entropy", ["train/loss", "eval/heldout_loss"]),
                    ("judge score (built-in task)", ["eval/judge", "eval/greedy/judge"])]
 

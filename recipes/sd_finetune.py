@@ -52,7 +52,7 @@ from multiengine.pipelines.diffusion.training import (
     step_generator,
 )
 from multiengine.pipelines.diffusion.validation import build_pipeline, generate, image_grid
-from multiengine.recipes.common import placement
+from multiengine.recipes.common import check_rows_per_rank, placement
 from multiengine.recipes.config import Check, Choice, Each, Length, Range, RecipeConfigError, config_problem
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
@@ -350,9 +350,10 @@ def check_family_options(cfg: Any, family: str, where: str = "") -> None:
                                      f"flux), not to this {family} model{suffix}", f"drop flow.{key}")
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts, without building a model: the model folder (and its family's options), the
-    data sources, columns and rows, held-out size against the rows, every image readable."""
+    data sources, columns and rows, held-out size against the rows, every image readable, and a micro batch of
+    training images per rank on ``world_size`` ranks."""
     from multiengine.pipelines.checks import check_diffusers_folder, check_model_folder
 
     family = str(cfg.model.tiny_family)
@@ -370,6 +371,7 @@ def validate(cfg: Any) -> None:
         check_family_options(cfg, family)
         validate_resolution(cfg, family, str(cfg.model.pretrained))
     check_data(cfg)
+    check_batches(cfg, world_size)
 
 
 def validate_resolution(cfg: Any, family: str, path: str) -> None:
@@ -439,11 +441,58 @@ def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
     return report
 
 
+
+def _held_out_of(n: int, split: Any) -> int:
+    """Rows heldout_split takes out of ``n`` for a fraction or count (0 for a split name or none)."""
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or split <= 0:
+        return 0
+    return max(1, round(split * n)) if isinstance(split, float) and split < 1 else int(split)
+
+
+def training_rows(cfg: Any, conditioning: bool = False) -> tuple[int, int]:
+    """``(training rows, rows held out of them for evaluation)`` as the run will have them (load_rows, then
+    data.max_train_samples): counted for the built-in shapes, loaded like the run loads them otherwise."""
+    split = eval_split_value(cfg)
+    spec = data_spec(cfg)
+    if not spec:
+        n = int(cfg.data.builtin_size)
+        held = 0 if cfg.data.eval_source else _held_out_of(n, split)
+        train = n - held
+    else:
+        columns, extra = data_columns(cfg), None
+        if conditioning:  # as ControlNetTraining.load_rows
+            extra = {"conditioning_image": str(cfg.data.columns.get("conditioning_image") or "conditioning_image")}
+            columns = {k: v for k, v in columns.items() if k != "conditioning_image"}
+        try:
+            data = data_lib.load_image_caption_data(
+                spec, columns=columns, image_column=str(cfg.data.image_column),
+                caption_column=str(cfg.data.caption_column), train_split=str(cfg.data.train_split),
+                eval_source=_plain(cfg.data.eval_source) or None, eval_split=split, seed=cfg.seed,
+                cache_dir=_cfg_str(cfg.data.cache_dir), extra_images=extra)
+        except (ValueError, FileNotFoundError) as exc:
+            key = "data.sources" if _plain(cfg.data.sources) else "data.source"
+            raise config_problem(key, spec, "cannot be split into training and evaluation rows", str(exc)) from None
+        train = len(data.train)
+        held = len(data.eval) if data.eval is not None and "held out" in str(data.eval_origin) else 0
+    if cfg.data.max_train_samples:
+        train = min(train, int(cfg.data.max_train_samples))
+    return train, held
+
+
+def check_batches(cfg: Any, world_size: int, conditioning: bool = False) -> None:
+    """_setup_data: each rank's share of the training images (ShardedEpochSampler, the tail dropped) must fill a
+    micro batch (a DataLoader with drop_last)."""
+    train, held = training_rows(cfg, conditioning)
+    check_rows_per_rank(train, world_size, key="train.micro_batch_size", value=int(cfg.train.micro_batch_size),
+                        unit="images", heldout=held,
+                        heldout_key="data.eval_split" if str(cfg.data.eval_split).strip() else "eval.heldout_size")
+
 class SDFinetune(Recipe):
     """diffusers' text-to-image fine-tunes (SD, SDXL) and SD3 / FLUX flow-matching fine-tunes on the shared
     lifecycle; validation grids before, after and every ``validation.every`` steps."""
 
     name = "sd_finetune"
+    headline = (("loss", "held-out diffusion loss", False), ("loss_ema", "held-out diffusion loss of the EMA", False))
     plot_panels = [("diffusion loss", ["train/loss", "eval/loss", "eval/loss_ema"])]
     conditioning = False  # the controlnet recipe adds conditioning images to every batch
 

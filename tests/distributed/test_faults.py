@@ -264,9 +264,10 @@ def test_sigterm_to_the_cli_stops_every_rank(tmp_path):
     ckpts = out / "checkpoints"
     tag = (ckpts / "latest").read_text()
     before = _file_digests(ckpts)
-    # the second run writes no checkpoint of its own: the first one's must survive it untouched
-    proc = subprocess.Popen([*base, "max_steps=100000", "checkpoint.every=0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_cli_env())
+    # the second run continues the first (a finished run's folder takes only resume_from or overwrite) and writes
+    # no checkpoint of its own: the first one's must survive it untouched
+    proc = subprocess.Popen([*base, "max_steps=100000", "checkpoint.every=0", "resume_from=latest"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 400

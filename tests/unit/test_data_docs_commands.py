@@ -1,6 +1,7 @@
 """Every `multiengine run <recipe> ...` command of docs/data.md passes `multiengine validate <recipe> ...` with the
-same arguments (less the launch option --nproc-per-node), against the files and folders it names: the page's
-example files, tiny models in place of the user's, a save_to_disk image folder. The page's absolute
+same arguments (its --nproc-per-node too: the batches must fit that many ranks), against the files and folders
+it names: the page's example files grown to 80 rows (a batch per rank of the tiny configs needs more than the
+page shows), tiny models in place of the user's, a save_to_disk image folder. The page's absolute
 placeholders (/data/..., /models/...) are rooted in a temporary folder, which is also the working directory
 for its relative paths (qa.jsonl, outputs/rlhf_sft/export/actor)."""
 
@@ -30,13 +31,11 @@ def doc_commands() -> list[list[str]]:
 
 
 def as_validate(argv: list[str], root: Path) -> list[str]:
-    """`multiengine run R --nproc-per-node N args` -> `validate R args`, the placeholders rooted in `root`."""
+    """`multiengine run R --nproc-per-node N args` -> `validate R --nproc-per-node N args`, the placeholders
+    rooted in `root`."""
     assert argv[:2] == ["multiengine", "run"], argv
-    out, args = ["validate"], iter(argv[2:])
-    for arg in args:
-        if arg == "--nproc-per-node":
-            next(args)  # how many ranks: a launch option, not part of the config
-            continue
+    out = ["validate"]
+    for arg in argv[2:]:
         for prefix in ROOTS:
             arg = arg.replace(prefix, f"{root}{prefix}")
         out.append(arg)
@@ -49,7 +48,13 @@ def _example(name: str) -> str:
 
 def _jsonl(path: Path, body: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body, encoding="utf-8")
+    path.write_text(_grown(body), encoding="utf-8")
+
+
+def _grown(body: str, rows: int = 80) -> str:
+    """The example's rows repeated to ``rows`` lines."""
+    lines = [line for line in body.splitlines() if line.strip()]
+    return "".join(lines[i % len(lines)] + "\n" for i in range(rows))
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,7 @@ def root(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("docs_commands")
     _write_all(root)  # qa.jsonl, chat.jsonl, pairs.jsonl, prompts.jsonl, images/, ...
+    _jsonl(root / "qa.jsonl", _example("qa.jsonl"))
     data, models = root / "data", root / "models"
     # a causal LM whose tokenizer has a chat template (the SFT of "your conversations"), and an SFT export
     tiny.train_tokenizer(tiny.task_vocabulary(), root / "tok_chat", chat_template=True)
@@ -81,7 +87,7 @@ def root(tmp_path_factory):
     build_tiny_model(str(models / "sd15"), 0, 32, "sd")
     # the data files, from the page's examples
     _jsonl(data / "chats.jsonl", _example("chat.jsonl"))
-    rows = [json.loads(line) for line in _example("pairs.jsonl").splitlines()]
+    rows = [json.loads(line) for line in _grown(_example("pairs.jsonl")).splitlines()]
     pd.DataFrame([{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in rows]).to_parquet(
         data / "prefs.parquet")
     for name in ("prompts.jsonl", "eval_prompts.jsonl", "a.jsonl", "b.jsonl"):
