@@ -180,6 +180,10 @@ class UnknownRoleError(KeyError):
         return str(self.args[0])
 
 
+def _no_prologue() -> None:
+    """Stands in for a DeepSpeed engine's backward prologue while a loss only passes through its role."""
+
+
 class JointLossError(RuntimeError):
     """A loss that reaches several trainable roles was passed to one engine's backward."""
 
@@ -522,33 +526,52 @@ class EngineRegistry:
                     raise JointLossError(
                         f"registry['{role.name}'].backward(loss): this loss also depends on trainable role(s) {others}."
                         f" Call registry.backward(loss, roles={names}) once (then registry.step(roles={names}))"
-                        " instead of one engine's backward per role; or detach the other roles' outputs if they"
-                        " should not learn from it.")
-            return original(loss, *args, **kwargs)
+                        " instead of one engine's backward per role; or, if they should pass gradients on without"
+                        f" learning from it (a GAN's generator step), registry.backward(loss, roles=['{role.name}'],"
+                        f" through={others}).")
+            with self._bystanders_quiet({role.name}):
+                return original(loss, *args, **kwargs)
 
         engine.backward = backward
 
-    def backward(self, loss: torch.Tensor, roles: Sequence[str] | None = None, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, roles: Sequence[str] | None = None, retain_graph: bool = False,
+                 through: Sequence[str] = ()) -> None:
         """One backward pass of ``loss`` for several trainable roles (any mix of ZeRO stages, both
         backends): each role's gradients as its own ``engine.backward`` would give them, i.e. divided by
         its own accumulation steps (and its fp16 loss scale), reduced the way its stage reduces them.
 
         Needed whenever one loss depends on more than one trainable role (a dual encoder's contrastive
-        loss, a GAN step through both nets, joint fine-tuning). Follow with ``registry.step(roles)``.
-        All ranks must call it. ``roles`` defaults to every trainable role the loss reaches.
+        loss, joint fine-tuning). Follow with ``registry.step(roles)``. All ranks must call it. ``roles``
+        defaults to every trainable role the loss reaches, except those named in ``through``.
+
+        ``through``: trainable roles the loss flows through without learning from it, e.g. the
+        discriminator in a GAN's generator step, or a trainable teacher or reward model a student's loss
+        passes through. Gradients flow through them to the listed roles; their own parameters get none
+        (their ``.grad`` and optimizer state are left as they were), at any ZeRO stage.
         """
+        through = list(through)
+        for name in through:
+            if not self.role(name).trainable:
+                raise ConfigError(f"registry.backward: through=['{name}'] is frozen; frozen roles never take "
+                                  "gradients, so leave it out of through.")
         reached = self._roles_reached(loss) if loss.grad_fn is not None else set()
-        names = list(roles) if roles is not None else [r.name for r in self.trainable_roles() if r.name in reached]
+        names = (list(roles) if roles is not None
+                 else [r.name for r in self.trainable_roles() if r.name in reached and r.name not in through])
         if not names:
             raise ConfigError("registry.backward: the loss reaches no trainable role (is it detached?).")
+        both = sorted(set(names) & set(through))
+        if both:
+            raise ConfigError(f"registry.backward: role(s) {both} are in both roles and through; a role either "
+                              "learns from this loss (roles) or only passes gradients on (through).")
         targets = [self.role(n) for n in names]
         frozen = [r.name for r in targets if not r.trainable]
         if frozen:
             raise ConfigError(f"registry.backward: role(s) {frozen} are frozen; list trainable roles only.")
-        unlisted = sorted(reached - set(names))
+        unlisted = sorted(reached - set(names) - set(through))
         if unlisted:
             raise JointLossError(f"registry.backward(roles={names}): the loss also reaches trainable role(s)"
-                                 f" {unlisted}; list them too, or detach their outputs.")
+                                 f" {unlisted}; list them in roles to train them on it too, in through=... to pass"
+                                 " gradients through them without updating them, or detach their outputs.")
         for role in targets:
             _nonfinite.note_loss(self._nonfinite_guards.get(role.name), loss)
         factors = [self._loss_factor(r) for r in targets]
@@ -562,14 +585,35 @@ class EngineRegistry:
                 for p in role.module.parameters():
                     if p.requires_grad:
                         hooks.append(p.register_hook(lambda g, f=factor: g * f))
+        # Gradients accumulate into the listed roles' parameters only: autograd skips every other leaf,
+        # so a role passed through keeps its .grad and its ZeRO reduction hooks never fire.
+        inputs = [p for r in targets for p in r.module.parameters() if p.requires_grad] if through else None
         try:
-            if self.backend == "deepspeed":
-                self._deepspeed_backward(scaled, [r.engine for r in targets], retain_graph)
-            else:
-                scaled.backward(retain_graph=retain_graph)
+            with self._bystanders_quiet(set(names)):
+                if self.backend == "deepspeed":
+                    self._deepspeed_backward(scaled, [r.engine for r in targets], retain_graph, inputs)
+                else:
+                    scaled.backward(retain_graph=retain_graph, inputs=inputs)
         finally:
             for hook in hooks:
                 hook.remove()
+
+    @contextlib.contextmanager
+    def _bystanders_quiet(self, learning: set[str]) -> Iterator[None]:
+        """For one backward pass: every trainable DeepSpeed role that does not learn from it ignores the
+        gradient passing through its outputs. Each engine's forward hooks its outputs so that a backward
+        reaching them starts that engine's backward bookkeeping; for a role the loss only flows through,
+        that would open a ZeRO backward nobody closes, and at stage 0 it refuses the pass outright
+        ("Direct calls to tensor.backward() are not supported")."""
+        quiet = [r.engine for r in self.trainable_roles()
+                 if r.name not in learning and r.backend == "deepspeed" and hasattr(r.engine, "_backward_prologue")]
+        for engine in quiet:
+            engine._backward_prologue = _no_prologue
+        try:
+            yield
+        finally:
+            for engine in quiet:
+                del engine._backward_prologue
 
     def _loss_factor(self, role: Role) -> float:
         """What ``engine.backward`` multiplies the loss by: 1 / accumulation steps (x the fp16 loss scale)."""
@@ -582,7 +626,8 @@ class EngineRegistry:
         return factor
 
     @staticmethod
-    def _deepspeed_backward(loss: torch.Tensor, engines: list[Any], retain_graph: bool) -> None:
+    def _deepspeed_backward(loss: torch.Tensor, engines: list[Any], retain_graph: bool,
+                            inputs: list[torch.Tensor] | None = None) -> None:
         """``engine.backward`` for several engines at once: each engine is marked as inside its own
         backward (so its output hooks run its prologue but do not rescale, the loss being scaled
         already), one ``loss.backward()``, then every engine's epilogue (gradient reduction)."""
@@ -595,7 +640,7 @@ class EngineRegistry:
         state = tracker.new_state()
         handle = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
         try:
-            loss.backward(retain_graph=retain_graph)
+            loss.backward(retain_graph=retain_graph, inputs=inputs)
             for engine in engines:
                 engine._backward_epilogue()
         finally:
