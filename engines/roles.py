@@ -267,8 +267,8 @@ def _factory(model: Callable[[], torch.nn.Module], lora: LoraSpec | None, gradie
 def trainable_role(
     name: str,
     model: Callable[[], torch.nn.Module],
-    placement: Placement = Placement(),
-    optim: OptimSpec = OptimSpec(),
+    placement: Placement | None = None,
+    optim: OptimSpec | None = None,
     *,
     micro_batch_size: int = 1,
     grad_accum: int = 1,
@@ -277,9 +277,12 @@ def trainable_role(
     seed: int = 0,
     hidden_size: int | None = None,
 ) -> Any:
-    """A trainable role: its own optimizer and schedule (``optim``), ZeRO placement, accumulation and
-    clipping; optional LoRA (only adapters train) and gradient checkpointing, applied after ``model()``."""
+    """A trainable role: its own optimizer and schedule (``optim``, default ``OptimSpec()``), ZeRO placement
+    (default ``Placement()``), accumulation and clipping; optional LoRA (only adapters train) and gradient
+    checkpointing, applied after ``model()``."""
     from .registry import RoleSpec
+
+    placement, optim = placement or Placement(), optim or OptimSpec()
 
     if placement.gather_forward:
         raise ConfigError(f"role '{name}': gather_forward is for frozen roles; a trainable one needs its ZeRO-3"
@@ -295,7 +298,7 @@ def trainable_role(
 def frozen_role(
     name: str,
     model: Callable[[], torch.nn.Module],
-    placement: Placement = Placement(),
+    placement: Placement | None = None,
     *,
     stateful: bool = False,
     lora: LoraSpec | None = None,
@@ -304,8 +307,10 @@ def frozen_role(
 ) -> Any:
     """A frozen role: no optimizer, no gradients, eval mode. ``stateful`` for one whose weights change
     anyway (an EMA copy; saved in checkpoints); ``lora`` builds the same adapter layout as a LoRA
-    trainable role (an EMA of a LoRA model)."""
+    trainable role (an EMA of a LoRA model). ``placement`` defaults to ``Placement()``."""
     from .registry import RoleSpec
+
+    placement = placement or Placement()
 
     if placement.offload_optimizer:
         raise ConfigError(f"role '{name}': offload_optimizer=True, but a frozen role has no optimizer; drop it.")

@@ -142,11 +142,11 @@ def diffusion_role_specs(
     model_path: str,
     *,
     mode: str = ZERO3,
-    unet: Placement = Placement(),
-    vae: Placement = Placement(),
-    text_encoder: Placement | Mapping[str, Placement] = Placement(),
+    unet: Placement | None = None,
+    vae: Placement | None = None,
+    text_encoder: Placement | Mapping[str, Placement] | None = None,
     ema: Placement | None = None,
-    optim: OptimSpec = OptimSpec(weight_decay=1e-2),
+    optim: OptimSpec | None = None,
     micro_batch_size: int = 1,
     grad_accum: int = 1,
     gradient_checkpointing: bool = False,
@@ -162,8 +162,12 @@ def diffusion_role_specs(
     ZeRO-3 with offload beside CLIPs without); ``denoiser`` defaults to the folder's (:func:`denoiser_name`).
 
     In ``seed_baseline`` mode the vae and text encoders are forced to stage 0 (full copies on every
-    rank) and the EMA to a full stage-0 copy, as in diffusers' examples.
+    rank) and the EMA to a full stage-0 copy, as in diffusers' examples. ``unet``, ``vae`` and
+    ``text_encoder`` default to ``Placement()``, ``optim`` to ``OptimSpec(weight_decay=1e-2)``.
     """
+    unet, vae = unet or Placement(), vae or Placement()
+    text_encoder = text_encoder or Placement()
+    optim = optim or OptimSpec(weight_decay=1e-2)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; use one of {list(MODES)}.")
     denoiser = denoiser or denoiser_name(model_path)

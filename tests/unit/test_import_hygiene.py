@@ -1,0 +1,13 @@
+"""engines/ imports only torch and deepspeed at import time (the layering rule): a fresh process that imports
+multiengine.engines has not imported transformers, diffusers, peft or datasets."""
+
+import subprocess
+import sys
+
+
+def test_importing_the_engines_imports_no_model_or_data_library():
+    code = ("import sys, multiengine.engines; "
+            "print(sorted(m for m in ('transformers', 'diffusers', 'peft', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
