@@ -180,6 +180,11 @@ class UnknownRoleError(KeyError):
         return str(self.args[0])
 
 
+# The oldest DeepSpeed whose engine has what the multi-role backward uses (the backward graph tracker and the
+# running-backward counter arrived in 0.19.6); pyproject.toml's floor is the same.
+MIN_DEEPSPEED = "0.19.6"
+
+
 def _no_prologue() -> None:
     """Stands in for a DeepSpeed engine's backward prologue while a loss only passes through its role."""
 
@@ -631,7 +636,15 @@ class EngineRegistry:
         """``engine.backward`` for several engines at once: each engine is marked as inside its own
         backward (so its output hooks run its prologue but do not rescale, the loss being scaled
         already), one ``loss.backward()``, then every engine's epilogue (gradient reduction)."""
-        from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER as tracker
+        try:
+            from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER as tracker
+        except ImportError:
+            import deepspeed
+
+            raise ConfigError(
+                f"registry.backward over DeepSpeed roles needs deepspeed >= {MIN_DEEPSPEED} (its engine's backward "
+                f"graph tracker); deepspeed {deepspeed.__version__} is installed: pip install "
+                f"'deepspeed>={MIN_DEEPSPEED}'.") from None
 
         for engine in engines:
             with engine._running_engine_backward_lock:

@@ -11,3 +11,13 @@ def test_importing_the_engines_imports_no_model_or_data_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_deepspeed_floor_matches_what_the_multi_role_backward_needs():
+    import re
+    from pathlib import Path
+
+    from multiengine.engines.registry import MIN_DEEPSPEED
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'"deepspeed>=([0-9.]+)"', pyproject).group(1) == MIN_DEEPSPEED
