@@ -127,8 +127,41 @@ _Loader.add_implicit_resolver(
 )
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that sets one key twice: PyYAML would keep the last value without a word."""
+
+    def __init__(self, key: str, first_line: int, second_line: int) -> None:
+        super().__init__(f"key '{key}' is set twice, on line {first_line} and on line {second_line}")
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+def _refuse_duplicate_keys(node: yaml.Node, prefix: str = "") -> None:
+    """DuplicateKeyError for the first mapping key that appears twice in ``node`` (dotted path, 1-based lines)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                name = (key_node.tag, key_node.value)
+                line = key_node.start_mark.line + 1
+                if name in seen:
+                    raise DuplicateKeyError(prefix + key_node.value, seen[name], line)
+                seen[name] = line
+                _refuse_duplicate_keys(value_node, f"{prefix}{key_node.value}.")
+            else:
+                _refuse_duplicate_keys(value_node, prefix)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{prefix[:-1]}[{i}]." if prefix else f"[{i}].")
+
+
+class _StrictLoader(_Loader):
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(node)
+        return super().construct_document(node)
+
+
 def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader subclass: no arbitrary objects
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
 # --- recipes and shipped configs ---------------------------------------------------------------
@@ -376,6 +409,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key, ""
     try:
         value = _yaml_load(raw)
+    except DuplicateKeyError as e:
+        raise OverrideSyntaxError(f"malformed override '{text}': key '{e.key}' is set twice in '{raw}'") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise OverrideSyntaxError(f"malformed override '{text}': cannot read value '{raw}' ({problem})") from None
@@ -448,6 +483,9 @@ def load_config(
         path = resolve_config_file(recipe, config, configs_dir)
         try:
             data = _yaml_load(path.read_text(encoding="utf-8"))
+        except DuplicateKeyError as e:
+            raise UnknownConfigError(f"config file {path}: {e}; YAML would keep only the second value; fix: delete "
+                                     "one of the two lines") from None
         except yaml.YAMLError as e:
             raise UnknownConfigError(f"config file {path} is not valid YAML: {e}") from None
         if data is None:
