@@ -890,15 +890,48 @@ def _takes_world_size(hook: Any) -> bool:
     return any(p.name == "world_size" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def check_output_dir_writable(output_dir: str, key: str = "output_dir") -> None:
+    """``output_dir`` is a folder this process can create files in, or can be created: checked before any rank
+    starts, by writing and removing one empty file in it (or in its nearest existing parent), since permission
+    bits alone miss read-only file systems. Otherwise the run would fail at its first write, after building its
+    models, or leave a half-made folder."""
+    import os
+    import tempfile
+
+    path = Path(os.path.expanduser(output_dir))
+    if path.is_symlink() and not path.exists():
+        raise config_problem(key, output_dir, f"is a link to {os.readlink(path)}, which does not exist",
+                             f"point {key} at a folder, or create the link's target")
+    if path.exists() and not path.is_dir():
+        raise config_problem(key, output_dir, "is an existing file, not a folder",
+                             f"point {key} at a folder (a new one, or an earlier run's), or move the file away")
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise config_problem(key, output_dir, f"cannot be created: {existing} is a file",
+                             f"point {key} at a folder whose parents are folders")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".multiengine-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        where = "in it" if existing == path.absolute() else f"in {existing}, where it would be created"
+        raise config_problem(key, output_dir, f"is not writable: cannot create files {where} ({err.strerror})",
+                             f"point {key} at a folder you can write to, or make {existing} writable") from None
+
+
 def validate_config(
     recipe: str, cfg: DictConfig, *, package: str = RECIPES_PACKAGE, configs_dir: str | Path = CONFIGS_DIR,
     world_size: int | None = None,
 ) -> None:
     """The checks that need more than one value or a look outside the config, once, before any rank starts:
-    for a lifecycle recipe the common ones (lifecycle.validate_common), then the recipe's validate(cfg)
+    output_dir can be written (check_output_dir_writable), for a lifecycle recipe the common checks
+    (lifecycle.validate_common), then the recipe's validate(cfg)
     (CHECKS already ran in load_config). ``world_size``: the ranks the run will have (default: ``WORLD_SIZE``
     of a launched rank, else 1), given to a hook declared as ``validate(cfg, world_size)`` (batch arithmetic)."""
     module = load_recipe(recipe, package, configs_dir)
+    check_output_dir_writable(str(cfg.output_dir))
     lc = _lifecycle(module)
     if lc is not None:
         lc.validate_common(cfg)

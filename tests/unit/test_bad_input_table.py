@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
-from multiengine.recipes.config import DuplicateKeyError, RecipeConfigError, _yaml_load, load_config
+from multiengine.recipes.config import (
+    ConfigValueError,
+    DuplicateKeyError,
+    RecipeConfigError,
+    _yaml_load,
+    check_output_dir_writable,
+    load_config,
+)
 
 
 # --- a YAML key set twice ---------------------------------------------------------------------------------
@@ -26,3 +39,51 @@ def test_duplicate_keys_are_found_in_lists_and_overrides_but_merge_keys_pass():
     with pytest.raises(RecipeConfigError, match=r"malformed override 'validation=\{a: 1, a: 2\}': key 'a' is set "
                                                 r"twice"):
         load_config("rlhf_sft", "tiny", ["validation={a: 1, a: 2}"])
+
+
+# --- an output_dir that cannot be written ------------------------------------------------------------------
+@contextlib.contextmanager
+def unprivileged():
+    """Permission bits bind only a user who is not root: as root, act as `nobody` for the block (the effective
+    uid alone, restored after; modules it needs must be imported before)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def locked_folder() -> Path:
+    """A folder nobody but root may write in, under a parent anyone may enter."""
+    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+    root.chmod(0o755)
+    locked = root / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    return locked
+
+
+def test_output_dir_that_is_a_file_or_under_one_or_not_writable_is_refused(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder\n")
+    with pytest.raises(ConfigValueError, match=r"'output_dir' is an existing file, not a folder .*fix: point"):
+        check_output_dir_writable(str(afile))
+    with pytest.raises(ConfigValueError, match=rf"'output_dir' cannot be created: {afile} is a file"):
+        check_output_dir_writable(str(afile / "run"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigValueError, match=r"is a link to .*nowhere, which does not exist"):
+        check_output_dir_writable(str(tmp_path / "dangling"))
+    locked = locked_folder()
+    try:
+        for target, where in ((locked / "run" / "a", f"in {locked}, where it would be created"), (locked, "in it")):
+            with unprivileged(), pytest.raises(ConfigValueError) as err:
+                check_output_dir_writable(str(target))
+            assert f"is not writable: cannot create files {where} (Permission denied)" in str(err.value)
+        assert list(locked.iterdir()) == []  # the probe file is gone, the folder was not created
+    finally:
+        shutil.rmtree(locked.parent)
+    check_output_dir_writable(str(tmp_path / "new" / "run"))  # a folder that can be created passes, untouched
+    assert not (tmp_path / "new").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling"]
