@@ -259,6 +259,7 @@ def _load_source(path: str, names: Sequence[str], split: str, images: bool, key:
             raise DataSourceError(no_split)
         return loaded
     if kind == "imagefolder":
+        _check_image_folder(p, path, key)
         return datasets.load_dataset("imagefolder", data_dir=p, split=split, **kwargs)
     try:
         return datasets.load_dataset(path, split=split, **kwargs)
@@ -268,6 +269,54 @@ def _load_source(path: str, names: Sequence[str], split: str, images: bool, key:
                 "no network? set HF_DATASETS_OFFLINE=1 to read it from the local cache")
         raise DataSourceError(f"{key}={path!r}: not a local file or folder, and the hub dataset could not be loaded "
                               f"({hint}): {err}") from err
+
+
+def _image_extensions() -> frozenset[str]:
+    try:
+        from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+        return frozenset(e.lower() for e in ImageFolder.EXTENSIONS)
+    except (ImportError, AttributeError):
+        from PIL import Image
+
+        return frozenset(Image.registered_extensions())
+
+
+def _rowless(file: str, header: bool) -> bool:
+    """A metadata file with no data line (a csv's first line is its header)."""
+    with open(file, encoding="utf-8", errors="replace") as f:
+        lines = (line for line in f if line.strip())
+        return next(lines, None) is None or (header and next(lines, None) is None)
+
+
+def _check_image_folder(folder: str, path: str, key: str) -> None:
+    """An imagefolder must hold at least one image (hidden files and folders do not count, as for ``datasets``):
+    without one, ``datasets`` fails with an IndexError or "doesn't contain any data files"."""
+    extensions = _image_extensions()
+    others: list[str] = []
+    images = False
+    rowless = None
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(files):
+            if name.startswith((".", "__")):
+                continue
+            file = os.path.join(root, name)
+            if os.path.splitext(name)[1].lower() in extensions:
+                images = True
+                continue
+            others.append(os.path.relpath(file, folder))
+            if rowless is None and name in ("metadata.jsonl", "metadata.csv") and _rowless(file, name.endswith("csv")):
+                rowless = others[-1]
+    if images and rowless:
+        raise DataSourceError(f"{key}={path!r}: its {rowless} has no rows; write one line per image with its file_name "
+                              f"and caption, or point {key} at another source")
+    if images:
+        return
+    found = f"it holds only {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}" if others else "it is empty"
+    raise DataSourceError(f"{key}={path!r} is an image folder with no images ({found}); put the images (.png, .jpg, "
+                          f".webp, ...) in it beside a metadata.jsonl with file_name and caption columns, or point "
+                          f"{key} at a data file or a save_to_disk folder")
 
 
 def map_columns(ds: Dataset, columns: Mapping[str, str] | None, fields: Sequence[str], source: str,

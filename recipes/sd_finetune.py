@@ -400,6 +400,13 @@ def resolution_multiple(family: str, model_path: str | None) -> int:
     return factor * 2 if family == "flux" else factor * int(config.get("patch_size", 2))
 
 
+def _data_problem(key: str, spec: Any, problem: str, exc: Exception) -> RecipeConfigError:
+    """A data error as the config error: as it is when it already names a data key, its value and the fix."""
+    if str(exc).startswith(("data.source", "data.eval_source")):
+        return RecipeConfigError(str(exc))
+    return config_problem(key, spec, problem, str(exc))
+
+
 def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
     """The user's data: each source exists, has the columns and rows, enough rows for the held-out split,
     and (``data.check_images``) every image opens. The built-in data needs only its sizes."""
@@ -422,7 +429,7 @@ def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
             caption_column=str(cfg.data.caption_column), split=str(cfg.data.train_split), key=key,
             cache_dir=_cfg_str(cfg.data.cache_dir), extra_image_columns=extra)
     except (DataSourceError, ValueError, FileNotFoundError) as exc:
-        raise config_problem(key, spec, "cannot be used as image-caption data", str(exc)) from None
+        raise _data_problem(key, spec, "cannot be used as image-caption data", exc) from None
     split = eval_split_value(cfg)
     if not cfg.data.eval_source and isinstance(split, int) and split >= report["rows"]:
         name = "eval.heldout_size" if not str(cfg.data.eval_split).strip() else "data.eval_split"
@@ -471,7 +478,7 @@ def training_rows(cfg: Any, conditioning: bool = False) -> tuple[int, int]:
                 cache_dir=_cfg_str(cfg.data.cache_dir), extra_images=extra)
         except (ValueError, FileNotFoundError) as exc:
             key = "data.sources" if _plain(cfg.data.sources) else "data.source"
-            raise config_problem(key, spec, "cannot be split into training and evaluation rows", str(exc)) from None
+            raise _data_problem(key, spec, "cannot be split into training and evaluation rows", exc) from None
         train = len(data.train)
         held = len(data.eval) if data.eval is not None and "held out" in str(data.eval_origin) else 0
     if cfg.data.max_train_samples:

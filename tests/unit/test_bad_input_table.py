@@ -87,3 +87,26 @@ def test_output_dir_that_is_a_file_or_under_one_or_not_writable_is_refused(tmp_p
         shutil.rmtree(locked.parent)
     check_output_dir_writable(str(tmp_path / "new" / "run"))  # a folder that can be created passes, untouched
     assert not (tmp_path / "new").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling"]
+
+
+# --- an image folder without images ------------------------------------------------------------------------
+def test_an_image_folder_without_images_or_with_an_empty_metadata_file_is_a_data_error(tmp_path):
+    from multiengine.pipelines.diffusion.data import check_image_caption_data
+    from multiengine.pipelines.sources import DataSourceError
+    from PIL import Image
+
+    empty, meta_only, rowless, hidden = (tmp_path / n for n in ("empty", "meta_only", "rowless", "hidden"))
+    for folder in (empty, meta_only, rowless, hidden / ".cache"):
+        folder.mkdir(parents=True)
+    (meta_only / "metadata.jsonl").write_text("")  # datasets raised IndexError on these two
+    Image.new("RGB", (8, 8)).save(rowless / "0.png")
+    (rowless / "metadata.csv").write_text("file_name,text\n")
+    Image.new("RGB", (8, 8)).save(hidden / ".cache" / "0.png")  # hidden, as datasets skips it
+    cases = [(empty, "is an image folder with no images (it is empty)"),
+             (meta_only, "is an image folder with no images (it holds only metadata.jsonl)"),
+             (rowless, "its metadata.csv has no rows; write one line per image with its file_name and caption"),
+             (hidden, "is an image folder with no images (it is empty)")]
+    for folder, message in cases:
+        with pytest.raises(DataSourceError) as err:
+            check_image_caption_data(str(folder), key="data.eval_source")
+        assert str(err.value).startswith(f"data.eval_source='{folder}'") and message in str(err.value)
