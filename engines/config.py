@@ -224,8 +224,26 @@ def validate_ds_config(role: str, config: dict[str, Any]) -> None:
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"role '{role}': zero_optimization.stage={stage!r}; use 0, 1, 2 or 3.")
+    check_offload_devices(role, zero)
     if config.get("fp16", {}).get("enabled") and config.get("bf16", {}).get("enabled"):
         raise ConfigError(f"role '{role}': fp16.enabled and bf16.enabled are both true; pick one.")
+
+
+def check_offload_devices(role: str, zero: dict[str, Any]) -> None:
+    """Offload devices DeepSpeed knows, and NVMe offload with the folder it swaps to: without nvme_path DeepSpeed
+    fails only inside zero.Init, where the error reads as the role's model factory failing."""
+    for section in ("offload_param", "offload_optimizer"):
+        offload = zero.get(section)
+        if not isinstance(offload, dict):
+            continue
+        device = str(offload.get("device", "none")).lower()
+        if device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"role '{role}': zero_optimization.{section}.device={offload.get('device')!r}; use "
+                              "'none', 'cpu' or 'nvme'.")
+        if device == "nvme" and not offload.get("nvme_path"):
+            raise ConfigError(f"role '{role}': zero_optimization.{section}.device='nvme' needs "
+                              f"zero_optimization.{section}.nvme_path, a folder on a local NVMe drive to swap to; "
+                              "set it, or use device='cpu'.")
 
 
 def model_hidden_size(model: torch.nn.Module) -> int | None:

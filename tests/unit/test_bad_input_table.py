@@ -110,3 +110,34 @@ def test_an_image_folder_without_images_or_with_an_empty_metadata_file_is_a_data
         with pytest.raises(DataSourceError) as err:
             check_image_caption_data(str(folder), key="data.eval_source")
         assert str(err.value).startswith(f"data.eval_source='{folder}'") and message in str(err.value)
+
+
+# --- NVMe offload without its folder, through the Python API -------------------------------------------------
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_nvme_offload_without_nvme_path_is_a_config_error_before_the_model_is_built(section):
+    import torch
+    from multiengine.engines import ConfigError, EngineRegistry, RoleSpec, train_ds_config
+
+    built = []
+
+    def model():
+        built.append(1)
+        return torch.nn.Linear(4, 1)
+
+    config = train_ds_config(stage=3, dtype="fp32", micro_batch_size=1, offload_params=section == "offload_param",
+                             offload_optimizer=section == "offload_optimizer")
+    config["zero_optimization"][section] = {"device": "nvme"}
+    registry = EngineRegistry(backend="deepspeed")
+    registry.add(RoleSpec("actor", model, config, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    with pytest.raises(ConfigError) as err:
+        registry.build()
+    assert str(err.value) == (f"role 'actor': zero_optimization.{section}.device='nvme' needs zero_optimization."
+                              f"{section}.nvme_path, a folder on a local NVMe drive to swap to; set it, or use "
+                              "device='cpu'.")
+    assert built == []  # refused before the role's model factory ran (it used to be blamed for the failure)
+    config["zero_optimization"][section] = {"device": "disk"}
+    with pytest.raises(ConfigError, match=rf"zero_optimization.{section}.device='disk'; use 'none', 'cpu' or 'nvme'"):
+        registry = EngineRegistry(backend="deepspeed")
+        registry.add(RoleSpec("actor", model, config, optimizer=torch.optim.SGD))
+        registry.build()
+    assert built == []
