@@ -29,6 +29,7 @@ model in step 2 sees exactly the token sequences the actor produces in step 3.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,8 @@ __all__ = [
     "SFTCollator",
     "ShardedEpochSampler",
     "TrainEval",
+    "chat_template_roles",
+    "check_chat_roles",
     "check_chat_template",
     "check_rlhf_data",
     "detect_format",
@@ -336,6 +339,98 @@ def check_chat_template(tokenizer: Any, conversational: bool, key: str = "data.s
             f"it into the model folder), use a chat model's tokenizer, or use standard (string) data.")
 
 
+# roles tried when saying which ones a chat template takes
+COMMON_CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
+_ROLE_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unknown_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return sum(i == tokenizer.unk_token_id for i in ids)
+
+
+def _takes_role(tokenizer: Any, role: str) -> bool:
+    """Whether the chat template renders a message of ``role`` (alone, or after a user turn, for templates that
+    want one first) without raising, and without more unknown tokens than a user message in its place: a
+    template that pastes the role's name into its markup turns a role the vocabulary lacks into ``<unk>``."""
+    for before in ([], [{"role": "user", "content": ""}]):
+        try:
+            unknown = _unknown_tokens(tokenizer, [*before, {"role": role, "content": ""}])
+        except Exception:  # any template error (e.g. raise_exception('roles must alternate')) refuses this shape
+            continue
+        if tokenizer.unk_token_id is None:
+            return True
+        try:
+            return unknown <= _unknown_tokens(tokenizer, [*before, {"role": "user", "content": ""}])
+        except Exception:
+            return unknown == 0
+    return False
+
+
+def chat_template_roles(tokenizer: Any, roles: Sequence[str] = COMMON_CHAT_ROLES) -> dict[str, bool]:
+    """``{role: whether the tokenizer's chat template takes it}`` (see :func:`_takes_role`), remembered per
+    tokenizer and template."""
+    template = str(getattr(tokenizer, "chat_template", None))
+    try:
+        verdicts = _ROLE_VERDICTS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no memory
+        verdicts = {}
+    out = {}
+    for role in roles:
+        if (template, role) not in verdicts:
+            verdicts[(template, role)] = _takes_role(tokenizer, role)
+        out[role] = verdicts[(template, role)]
+    return out
+
+
+def check_chat_roles(tokenizer: Any, roles: Sequence[str], key: str = "data.source",
+                     tokenizer_key: str = "model.pretrained", where: str = "") -> None:
+    """Raise when a message role is one the tokenizer's chat template does not take (with a template that
+    pastes role names into its markup it would be trained on as ``<unk>`` tokens), naming the roles it takes.
+    ``where``: which row, for the message."""
+    roles = sorted({str(r) for r in roles})
+    verdicts = chat_template_roles(tokenizer, [*COMMON_CHAT_ROLES, *[r for r in roles if r not in COMMON_CHAT_ROLES]])
+    refused = [r for r in roles if not verdicts[r]]
+    if not refused:
+        return
+    taken = [r for r in COMMON_CHAT_ROLES if verdicts[r]]
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    which = "role " + repr(refused[0]) if len(refused) == 1 else "roles " + ", ".join(map(repr, refused))
+    raise DataSourceError(
+        f"{key}: chat messages{where} have {which}, which the chat template of {tokenizer_key} ({name}) does not "
+        f"take (it takes {', '.join(taken) or 'none of ' + ', '.join(COMMON_CHAT_ROLES)}); rename those messages' "
+        f"role to one it takes, or use a tokenizer whose chat template has {which}")
+
+
+def _conversation_columns(ds: Dataset) -> list[str]:
+    example = ds[0]
+    return [c for c in ds.column_names if is_conversation(example[c])]
+
+
+def _message_roles(ds: Dataset) -> set[str]:
+    """Every role of the conversational columns of ``ds`` (read from the Arrow table: no Python row objects)."""
+    import pyarrow.compute as pc
+
+    roles: set[str] = set()
+    for column in _conversation_columns(ds):
+        try:
+            flat = pc.list_flatten(ds.data.column(column))
+            roles.update(str(r) for r in pc.unique(pc.struct_field(flat, "role")).to_pylist() if r is not None)
+        except Exception:  # a column Arrow does not hold as list<struct<role, ...>>: row by row
+            roles.update(str(m["role"]) for messages in ds[column] for m in messages or ())
+    return roles
+
+
+def _first_row(ds: Dataset, role: str) -> int:
+    """The first row (from 0) with a message of ``role``."""
+    for column in _conversation_columns(ds):
+        for i, messages in enumerate(ds[column]):
+            if any(str(m["role"]) == role for m in messages or ()):
+                return i
+    return 0
+
+
 def check_rlhf_data(
     source: Any,
     stage: str,
@@ -366,6 +461,11 @@ def check_rlhf_data(
         ds = _load_one(src, stage, None, train_split, key, columns, cache_dir)
         fmt = detect_format(ds.column_names, ds[0])
         report.append({"path": src.path, "rows": len(ds), "format": str(fmt), "conversational": fmt.conversational})
+        if fmt.conversational and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            refused = [r for r, ok in chat_template_roles(tokenizer, sorted(_message_roles(ds))).items() if not ok]
+            if refused:
+                check_chat_roles(tokenizer, refused, key, tokenizer_key,
+                                 where=f" of {src.path} (row {_first_row(ds, refused[0]) + 1})")
     kinds = {r["conversational"] for r in report}
     if len(kinds) > 1:
         raise DataSourceError(f"{key}: some sources are conversational and some standard ({report}); a blend must "
@@ -469,6 +569,7 @@ class _Encoder:
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
         check_chat_template(self.tokenizer, True, key="the data")
+        check_chat_roles(self.tokenizer, [m["role"] for m in messages], key="the data", tokenizer_key="the collator")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 

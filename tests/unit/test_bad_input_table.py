@@ -141,3 +141,43 @@ def test_nvme_offload_without_nvme_path_is_a_config_error_before_the_model_is_bu
         registry.add(RoleSpec("actor", model, config, optimizer=torch.optim.SGD))
         registry.build()
     assert built == []
+
+
+# --- a chat message whose role the chat template does not take -------------------------------------------
+def test_chat_roles_the_template_does_not_take_are_refused_naming_the_ones_it_takes(tmp_path):
+    import json
+
+    from multiengine.pipelines.rlhf import tiny
+    from multiengine.pipelines.rlhf.data import SFTCollator, chat_template_roles, check_rlhf_data
+    from multiengine.pipelines.sources import DataSourceError
+
+    from transformers import AutoTokenizer
+
+    tiny.train_tokenizer(tiny.task_vocabulary(), tmp_path / "tok", chat_template=True)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))  # as a recipe loads it (named by its folder)
+    assert chat_template_roles(tok) == {"system": True, "user": True, "assistant": True, "tool": False,
+                                       "developer": False}
+    chat = [{"role": "user", "content": "list 3 fruits :"}, {"role": "tool", "content": "kiwi"},
+            {"role": "assistant", "content": "kiwi lemon plum"}]
+    ids = tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert ids.count(tok.unk_token_id) == 1  # what training would have seen: "<|tool|>" is an unknown word
+    rows = [{"messages": chat[::2]}] * 3 + [{"messages": chat}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataSourceError) as err:
+        check_rlhf_data(str(path), "sft", tokenizer=tok)
+    assert str(err.value) == (
+        f"data.source: chat messages of {path} (row 4) have role 'tool', which the chat template of model.pretrained "
+        f"({tmp_path / 'tok'}) does not take (it takes system, user, assistant); rename those messages' role to one "
+        "it takes, or use a tokenizer whose chat template has role 'tool'")
+    path.write_text("".join(json.dumps({"messages": chat[::2]}) + "\n" for _ in range(4)))
+    assert check_rlhf_data(str(path), "sft", tokenizer=tok)["rows"] == 4
+    with pytest.raises(DataSourceError, match=r"the data: chat messages have role 'tool', which the chat template of "
+                                              r"the collator .* takes system, user, assistant"):
+        SFTCollator(tok, 16, 16)([{"messages": chat}])  # the Python API refuses it too
+    # a template that raises on roles it does not know (as several chat models' templates do)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                         "{{ raise_exception('only user and assistant roles') }}{% endif %}"
+                         "<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}")
+    assert chat_template_roles(tok) == {"system": False, "user": True, "assistant": True, "tool": False,
+                                       "developer": False}
