@@ -160,6 +160,18 @@ class _StrictLoader(_Loader):
         return super().construct_document(node)
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: what, where (1-based line and column) and what it was inside."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return str(e).replace("\n", " ")
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or 'cannot parse'}"
+    context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and start is not None:
+        where += f" ({context} that starts on line {start.line + 1})"
+    return f"{where}; fix: check the indentation and quoting there"
+
+
 def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
 
@@ -410,7 +422,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = _yaml_load(raw)
     except DuplicateKeyError as e:
-        raise OverrideSyntaxError(f"malformed override '{text}': key '{e.key}' is set twice in '{raw}'") from None
+        inner = f"{key}{'' if e.key.startswith('[') else '.'}{e.key}"
+        raise OverrideSyntaxError(f"malformed override '{text}': key '{inner}' is set twice in '{raw}'") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise OverrideSyntaxError(f"malformed override '{text}': cannot read value '{raw}' ({problem})") from None
@@ -487,7 +500,7 @@ def load_config(
             raise UnknownConfigError(f"config file {path}: {e}; YAML would keep only the second value; fix: delete "
                                      "one of the two lines") from None
         except yaml.YAMLError as e:
-            raise UnknownConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise UnknownConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
         if data is None:
             data = {}
         if not isinstance(data, dict):

@@ -366,7 +366,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             else:
                 family = ""
         except (ValueError, FileNotFoundError) as exc:
-            raise config_problem("model.pretrained", path, "is not a usable diffusers folder", str(exc)) from None
+            raise _data_problem("model.pretrained", path, "is not a usable diffusers folder", exc,
+                                named=("model.pretrained",)) from None
     if family:
         check_family_options(cfg, family)
         validate_resolution(cfg, family, str(cfg.model.pretrained))
@@ -400,9 +401,11 @@ def resolution_multiple(family: str, model_path: str | None) -> int:
     return factor * 2 if family == "flux" else factor * int(config.get("patch_size", 2))
 
 
-def _data_problem(key: str, spec: Any, problem: str, exc: Exception) -> RecipeConfigError:
-    """A data error as the config error: as it is when it already names a data key, its value and the fix."""
-    if str(exc).startswith(("data.source", "data.eval_source")):
+def _data_problem(key: str, spec: Any, problem: str, exc: Exception,
+                  named: tuple[str, ...] = ("data.source", "data.eval_source")) -> RecipeConfigError:
+    """A data or model-folder error as the config error: as it is when it already names its key (one of
+    ``named``), the value and the fix."""
+    if str(exc).startswith(named):
         return RecipeConfigError(str(exc))
     return config_problem(key, spec, problem, str(exc))
 
