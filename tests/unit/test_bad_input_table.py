@@ -154,7 +154,6 @@ def test_chat_roles_the_template_does_not_take_are_refused_naming_the_ones_it_ta
     from multiengine.pipelines.rlhf import tiny
     from multiengine.pipelines.rlhf.data import SFTCollator, chat_template_roles, check_rlhf_data
     from multiengine.pipelines.sources import DataSourceError
-
     from transformers import AutoTokenizer
 
     tiny.train_tokenizer(tiny.task_vocabulary(), tmp_path / "tok", chat_template=True)
@@ -277,7 +276,8 @@ ROWS = [
         "model.tiny_text_encoders=2", "model.tiny_text_encoders"),
     cli("yaml-duplicate-key", "config", "a YAML file setting one key twice", "validate rlhf_sft --config "
         "{d}/dup.yaml", "train.lr", "line 4", "line 6"),
-    cli("override-duplicate-key", "config", "an override value setting one key twice", "validate rlhf_grpo --config tiny "
+    cli("override-duplicate-key", "config", "an override value setting one key twice",
+        "validate rlhf_grpo --config tiny "
         "'reward.functions=[{fn: builtin:judge, fn: builtin:judge}]'", "'reward.functions[0].fn' is set twice"),
     cli("yaml-not-a-mapping", "config", "a YAML file that is a list", "validate rlhf_sft --config {d}/list.yaml",
         "list.yaml", "mapping"),
@@ -298,7 +298,8 @@ ROWS = [
     cli("dpo-label-smoothing", "config", "label smoothing of 0.5", "validate rlhf_dpo --config tiny "
         "dpo.label_smoothing=0.5", "dpo.label_smoothing", "0.5"),
     cli("reward-lr-0", "config", "a learning rate of 0", "validate rlhf_reward --config tiny train.lr=0", "train.lr"),
-    cli("demo-seq-len", "config", "a sequence longer than the model's positions", "validate registry_demo --config tiny "
+    cli("demo-seq-len", "config", "a sequence longer than the model's positions",
+        "validate registry_demo --config tiny "
         "seq_len=1000", "seq_len", "1000"),
     cli("distill-alpha", "config", "a mixing weight above 1", "validate distill --config tiny distill.alpha=2",
         "distill.alpha", "2"),
@@ -338,15 +339,18 @@ ROWS = [
         "lora.target_modules=[]", "lora.target_modules"),
     cli("resume-missing", "config", "resuming from a folder that does not exist", "validate rlhf_sft --config tiny "
         "resume_from={d}/no_ckpt", "resume_from", "no_ckpt"),
-    cli("overwrite-and-resume", "config", "overwrite=true and resume_from=latest together", "validate rlhf_sft --config "
+    cli("overwrite-and-resume", "config", "overwrite=true and resume_from=latest together",
+        "validate rlhf_sft --config "
         "tiny overwrite=true resume_from=latest", "overwrite", "resume_from"),
-    cli("output-dir-other-run", "config", "an output_dir holding another recipe's run", "validate rlhf_sft --config tiny "
+    cli("output-dir-other-run", "config", "an output_dir holding another recipe's run",
+        "validate rlhf_sft --config tiny "
         "output_dir={d}/reward_run", "output_dir", "rlhf_reward"),
     cli("output-dir-is-a-file", "config", "an output_dir that is an existing file", "validate rlhf_sft --config tiny "
         "output_dir={d}/afile", "output_dir", "afile", "existing file"),
     cli("output-dir-under-a-file", "config", "an output_dir under a file", "validate sd_finetune --config tiny "
         "output_dir={d}/afile/run", "output_dir", "afile"),
-    cli("output-dir-dangling-link", "config", "an output_dir that is a link to nowhere", "validate rlhf_grpo --config tiny "
+    cli("output-dir-dangling-link", "config", "an output_dir that is a link to nowhere",
+        "validate rlhf_grpo --config tiny "
         "output_dir={d}/dangling", "output_dir", "dangling"),
     cli("output-dir-not-writable", "config", "an output_dir in a folder this user cannot write",
         "validate registry_demo --config tiny output_dir={locked}/run", "output_dir", "not writable", "{locked}"),
@@ -363,7 +367,8 @@ ROWS = [
         "data.source={d}/qa.jsonl", "qa.jsonl"),
     cli("sft-bad-column-map", "data", "a column mapping to a column the file lacks", "validate rlhf_sft --config tiny "
         "data.source={d}/qa.jsonl data.columns.prompt=query", "query"),
-    cli("unknown-column-field", "data", "a column mapping for a field that does not exist", "validate rlhf_sft --config "
+    cli("unknown-column-field", "data", "a column mapping for a field that does not exist",
+        "validate rlhf_sft --config "
         "tiny data.source={d}/qa.jsonl data.columns.question=prompt", "data.columns", "question"),
     cli("reward-no-rejected", "data", "preference rows without a rejected answer", "validate rlhf_reward --config tiny "
         "data.source={d}/chosen_only.jsonl", "chosen_only.jsonl"),
@@ -378,7 +383,8 @@ ROWS = [
     cli("blend-negative-weight", "data", "a blend with a negative weight", "validate rlhf_sft --config tiny "
         "'data.sources=[{path: {d}/sft.jsonl, weight: 1}, {path: {d}/sft.jsonl, weight: -1}]'",
         "data.sources[1].weight", "-1"),
-    cli("blend-unknown-key", "data", "a blend entry with a key a source does not have", "validate rlhf_sft --config tiny "
+    cli("blend-unknown-key", "data", "a blend entry with a key a source does not have",
+        "validate rlhf_sft --config tiny "
         "'data.sources=[{path: {d}/sft.jsonl, wieght: 2}]'", "data.sources[0]", "wieght"),
     cli("blend-mixed-formats", "data", "a blend of conversational and standard rows", "validate rlhf_sft --config tiny "
         "model.pretrained={d}/chat_model 'data.sources=[{d}/sft.jsonl, {d}/chats.jsonl]'", "data.sources",
@@ -399,11 +405,13 @@ ROWS = [
         "validate sd_finetune --config tiny data.source={d}/meta_only", "meta_only", "no images"),
     cli("sd-rowless-metadata", "data", "images with a metadata.csv of no rows (was IndexError)",
         "validate sd_finetune --config tiny data.source={d}/rowless", "rowless", "metadata.csv", "no rows"),
-    cli("controlnet-no-images", "data", "ControlNet data: an image folder without images", "validate controlnet --config "
+    cli("controlnet-no-images", "data", "ControlNet data: an image folder without images",
+        "validate controlnet --config "
         "tiny data.source={d}/empty_images", "empty_images", "no images"),
     cli("sd-corrupt-image", "data", "an image that does not decode", "validate sd_finetune --config tiny "
         "data.source={d}/corrupt", "broken.png"),
-    cli("sd-eval-no-images", "data", "held-out images from a folder without images", "validate sd_finetune --config tiny "
+    cli("sd-eval-no-images", "data", "held-out images from a folder without images",
+        "validate sd_finetune --config tiny "
         "data.source={d}/corrupt data.check_images=false data.eval_source={d}/empty_images", "data.eval_source",
         "empty_images"),
     # --- models and tokenizers -------------------------------------------------------------------------------
@@ -415,14 +423,17 @@ ROWS = [
         "model.pretrained={d}/plain_model model.tokenizer={d}/no_tok", "model.tokenizer", "no_tok"),
     cli("tokenizer-too-big", "models", "a tokenizer with ids the model cannot embed", "validate rlhf_sft --config tiny "
         "model.pretrained={d}/plain_model model.tokenizer={d}/chat_tok", "model.tokenizer", "chat_tok"),
-    cli("sd-not-diffusers", "models", "a transformers folder given as a diffusers model", "validate sd_finetune --config "
+    cli("sd-not-diffusers", "models", "a transformers folder given as a diffusers model",
+        "validate sd_finetune --config "
         "tiny model.pretrained={d}/tf_folder", "model.pretrained", "tf_folder", "model_index.json"),
-    cli("reward-model-missing", "models", "a reward-model folder that does not exist", "validate rlhf_ppo --config tiny "
+    cli("reward-model-missing", "models", "a reward-model folder that does not exist",
+        "validate rlhf_ppo --config tiny "
         "model.actor={d}/plain_model model.reward={d}/no_reward", "model.reward", "no_reward"),
     cli("distill-teacher-missing", "models", "a teacher folder that does not exist", "validate distill --config tiny "
         "model.teacher={d}/no_teacher", "model.teacher", "no_teacher"),
     # --- rewards ---------------------------------------------------------------------------------------------
-    cli("reward-fn-no-colon", "rewards", "a reward function without module:function", "validate rlhf_grpo --config tiny "
+    cli("reward-fn-no-colon", "rewards", "a reward function without module:function",
+        "validate rlhf_grpo --config tiny "
         "reward.functions=[my_reward]", "reward.functions[0]", "my_reward"),
     cli("reward-fn-missing-file", "rewards", "a reward function in a file that does not exist", "validate rlhf_grpo "
         "--config tiny reward.functions=[{d}/nope.py:score]", "reward.functions[0]", "nope.py"),
@@ -470,7 +481,8 @@ ROWS = [
         "overlap_comm"),
     api("trainable-without-optimizer", "a trainable role without an optimizer",
         "RoleSpec('actor', mlp, train_ds_config(), trainable=True)", "actor", "optimizer"),
-    api("fp16-on-cpu", "fp16 on DeepSpeed's CPU accelerator", "build(RoleSpec('ref', mlp, eval_ds_config(dtype='fp16')))",
+    api("fp16-on-cpu", "fp16 on DeepSpeed's CPU accelerator",
+        "build(RoleSpec('ref', mlp, eval_ds_config(dtype='fp16')))",
         "fp16", "bf16"),
     api("factory-not-a-module", "a model factory that returns something else",
         "build(RoleSpec('ref', lambda: 'weights.bin', eval_ds_config()), backend='torch')", "str",
