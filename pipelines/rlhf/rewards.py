@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines import ConfigError, EngineRegistry, all_reduce_sum
 
 from . import tiny
 from .scoring import eval_mode, sequence_scores
@@ -51,6 +51,7 @@ __all__ = [
     "RESERVED_NAMES",
     "RewardCall",
     "RewardFn",
+    "RewardFunctionError",
     "RewardSource",
     "RunningMoments",
     "call_reward_function",
@@ -122,6 +123,14 @@ def load_reward_function(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not a function.")
     return fn
+
+
+class RewardFunctionError(ConfigError):
+    """A reward function that raised, or returned something other than one float (or None) per row: the
+    user's code, named in the message; the run stops with one error line (exit 2), not a crash report."""
+
+    fix = ("fix the reward function (it runs on every rank over that rank's rows; each rank's traceback is in "
+           "output_dir/logs)")
 
 
 @dataclass(frozen=True)
@@ -218,20 +227,26 @@ def call_reward_function(
         extra = {"prompts": offered["prompts"], "completions": offered["completions"],
                  "completion_ids": ids, **columns}
         kwargs = {**extra, **kwargs}
-    if call.positional:
-        out = fn(list(prompts), list(completions), **kwargs)
-    else:
-        out = fn(**kwargs)
+    try:
+        out = fn(list(prompts), list(completions), **kwargs) if call.positional else fn(**kwargs)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise RewardFunctionError(f"reward function {label!r} raised {type(exc).__name__}"
+                                  f"{': ' + first if first else ''}") from exc
     if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
-        raise ValueError(f"reward function {label!r} returned {type(out).__name__}; it must return one float (or "
-                         f"None) per row, a list of {B}.")
-    values = [math.nan if v is None else float(v) for v in out]
+        raise RewardFunctionError(f"reward function {label!r} returned {type(out).__name__}; it must return one "
+                                  f"float (or None) per row, a list of {B}.")
+    try:
+        values = [math.nan if v is None else float(v) for v in out]
+    except (TypeError, ValueError) as exc:
+        raise RewardFunctionError(f"reward function {label!r} returned a value that is not a number ({exc}); it "
+                                  "must return one float (or None) per row.") from None
     if len(values) != B:
-        raise ValueError(f"reward function {label!r} returned {len(values)} values for {B} rows.")
+        raise RewardFunctionError(f"reward function {label!r} returned {len(values)} values for {B} rows.")
     bad = [v for v, raw in zip(values, out) if raw is not None and not math.isfinite(v)]
     if bad:
-        raise ValueError(f"reward function {label!r} returned non-finite rewards {bad[:4]} (return None for a row "
-                         "the function does not apply to).")
+        raise RewardFunctionError(f"reward function {label!r} returned non-finite rewards {bad[:4]} (return None "
+                                  "for a row the function does not apply to).")
     return values
 
 

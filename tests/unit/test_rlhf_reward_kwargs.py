@@ -18,6 +18,7 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import FlatGroupWatch, GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.rewards import (
     RewardCall,
+    RewardFunctionError,
     call_reward_function,
     check_reward_columns,
     check_sources,
@@ -265,3 +266,22 @@ def test_the_docs_example_reads_the_answer_column(tok):
     assert parts["exact_answer"].tolist() == [1.0, 0.0, 0.0]
     assert parts["ends_with_number"].tolist() == [0.5, 0.5, 0.0]
     assert total.tolist() == pytest.approx([1.1, 0.1, 0.0])
+
+
+def test_a_reward_function_that_raises_or_returns_junk_is_one_user_error_naming_it():
+    """Reported by the CLI as one `error:` line with exit 2 (a ConfigError), naming the function and what it
+    raised; the rank's traceback keeps the function's own frames."""
+    from multiengine.engines import ConfigError
+
+    def parse(prompts, completions, **kwargs):
+        raise KeyError("answer")
+
+    src = reward_function(parse)
+    with pytest.raises(RewardFunctionError, match=r"reward function 'parse' raised KeyError: 'answer'") as info:
+        call_reward_function(parse, src.call, ["p"], ["c"])
+    assert isinstance(info.value, ConfigError) and isinstance(info.value.__cause__, KeyError)
+    assert "fix the reward function" in RewardFunctionError.fix
+    for junk, fragment in ((["x"], "not a number"), ([1.0, 2.0], "returned 2 values for 1 rows"), (3.0, "float")):
+        with pytest.raises(RewardFunctionError, match=fragment):
+            call_reward_function(lambda prompts, completions, j=junk: j, RewardCall.of(lambda prompts, completions: 0,
+                                                                                      "j"), ["p"], ["c"])
