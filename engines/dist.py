@@ -271,7 +271,14 @@ def shutdown() -> None:
     exception"), then destroy it."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm.comm")
+        if ds_comm is not None and ds_comm.cdb is not None and ds_comm.cdb.is_initialized():
+            # DeepSpeed's own teardown also drops the groups it cached (data parallel, world): destroyed
+            # with torch's alone, a registry built next in this process gets DeepSpeed's stale groups
+            # ("Group ... is not registered").
+            ds_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 def barrier() -> None:

@@ -98,3 +98,18 @@ def test_torch_backend_honours_bf16_and_says_what_it_did():
     registry["actor"].backward(loss)
     registry["actor"].step()
     assert all(p.dtype == torch.float32 for p in actor.module.parameters())
+
+
+def test_a_registry_built_after_another_was_closed_in_the_same_process_trains():
+    """close() tears the process group down; DeepSpeed's cached groups must go with it, or the next registry's
+    ZeRO-2 engine is built on a destroyed group ("Group ... is not registered")."""
+    for _ in range(2):
+        registry = EngineRegistry(backend="deepspeed")
+        registry.add(RoleSpec("a", _mlp, train_ds_config(stage=2, dtype="fp32", micro_batch_size=2),
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)))
+        registry.build()
+        loss = registry["a"](torch.randn(2, 8)).sum()
+        registry["a"].backward(loss)
+        registry["a"].step()
+        registry.close()
+        assert not torch.distributed.is_initialized()
