@@ -181,7 +181,7 @@ class UnknownRoleError(KeyError):
 
 
 # The oldest DeepSpeed whose engine has what the multi-role backward uses (the backward graph tracker and the
-# running-backward counter arrived in 0.19.6); pyproject.toml's floor is the same.
+# running-backward counter arrived in 0.19.6); pyproject.toml's floor is at least this.
 MIN_DEEPSPEED = "0.19.6"
 
 
