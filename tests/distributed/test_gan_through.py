@@ -27,6 +27,15 @@ def test_gan_steps_equal_plain_pytorch(ranks, backend, g, d, how):
             assert r["disc_moved_by_gen_step"] == 0.0, r
 
 
+@pytest.mark.parametrize("key", [f"deepspeed/g2/d{d}/{how}/acc2" for d in (0, 3) for how in ("through", "by_hand")]
+                         + ["torch/g0/d0/through/acc2"])
+def test_a_discriminator_accumulating_two_micro_batches_passes_gradients_unscaled(ranks, key):
+    for rank in ranks:
+        r = rank[key]
+        assert r["gen"] < 1e-5 and r["disc"] < 1e-5 and r["gen_grad"] < 1e-5, r
+        assert r["disc_moved_by_gen_step"] == 0.0, r
+
+
 def test_a_loss_through_an_unlisted_trainable_role_is_refused_with_the_fix(ranks):
     errors = ranks[0]["errors"]
     assert errors["engine"].startswith("JointLossError") and "through=['disc']" in errors["engine"]

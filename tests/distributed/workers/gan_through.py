@@ -47,18 +47,19 @@ def g_loss(disc, fake):
     return torch.nn.functional.binary_cross_entropy_with_logits(disc(fake), torch.ones(len(fake)))
 
 
-def reference(joint: bool) -> list[dict]:
-    """Plain PyTorch, the mean over both ranks' losses, SGD without clipping."""
+def reference(joint: bool, d_accum: int = 1) -> list[dict]:
+    """Plain PyTorch, the mean over both ranks' losses, SGD without clipping; the discriminator accumulates its own
+    loss over ``d_accum`` steps before it steps."""
     gen, disc = seeded(Gen, 1)(), seeded(Disc, 2)()
     opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=LR), torch.optim.SGD(disc.parameters(), lr=LR)
     out = []
     for step in range(STEPS):
         batches = [rows(step, r) for r in range(2)]
-        opt_d.zero_grad()
-        (sum(d_loss(disc, real, gen(z).detach()) for z, real in batches) / 2).backward()
-        opt_d.step()
+        (sum(d_loss(disc, real, gen(z).detach()) for z, real in batches) / 2 / d_accum).backward()
+        if (step + 1) % d_accum == 0:
+            opt_d.step()
+            opt_d.zero_grad()
         opt_g.zero_grad()
-        opt_d.zero_grad()
         disc.requires_grad_(joint)
         (sum(g_loss(disc, gen(z)) for z, _ in batches) / 2).backward()
         disc.requires_grad_(True)
@@ -66,6 +67,7 @@ def reference(joint: bool) -> list[dict]:
         opt_g.step()
         if joint:
             opt_d.step()
+            opt_d.zero_grad()
         out.append({"gen": [p.detach().clone() for p in gen.parameters()], "gen_grad": grads,
                      "disc": [p.detach().clone() for p in disc.parameters()]})
     return out
@@ -91,19 +93,22 @@ def refusals(registry) -> dict[str, str]:
     return errors
 
 
-refs = {joint: reference(joint) for joint in (False, True)}
+refs = {(joint, acc): reference(joint, acc) for joint, acc in ((False, 1), (True, 1), (False, 2))}
 results = {}
-mixes = [("deepspeed", g, d, how) for g in (0, 2, 3) for d in (0, 2, 3) for how in ("through", "by_hand", "joint")]
-mixes += [("torch", 0, 0, how) for how in ("through", "by_hand", "joint")]
-for backend, g_stage, d_stage, how in mixes:
+mixes = [("deepspeed", g, d, how, 1) for g in (0, 2, 3) for d in (0, 2, 3) for how in ("through", "by_hand", "joint")]
+mixes += [("torch", 0, 0, how, 1) for how in ("through", "by_hand", "joint")]
+# the discriminator accumulating 2 micro batches: what flows through it to the generator is not divided by 2
+mixes += [("deepspeed", 2, d, how, 2) for d in (0, 3) for how in ("through", "by_hand")]
+mixes += [("torch", 0, 0, "through", 2)]
+for backend, g_stage, d_stage, how, d_accum in mixes:
     registry = EngineRegistry(backend=backend, seed=0)
     sgd = OptimSpec(name="sgd", lr=LR, max_grad_norm=0)
     registry.add(trainable_role("gen", seeded(Gen, 1), Placement(stage=g_stage, dtype="fp32"), sgd, micro_batch_size=4))
     registry.add(trainable_role("disc", seeded(Disc, 2), Placement(stage=d_stage, dtype="fp32"), sgd,
-                                micro_batch_size=4))
+                                micro_batch_size=4, grad_accum=d_accum))
     registry.build()
     gen, disc = registry["gen"], registry["disc"]
-    ref = refs[how == "joint"]
+    ref = refs[(how == "joint", d_accum)]
     worst = {"gen": 0.0, "gen_grad": 0.0, "disc": 0.0, "disc_moved_by_gen_step": 0.0}
     for step in range(STEPS):
         z, real = rows(step, registry.rank)
@@ -131,7 +136,7 @@ for backend, g_stage, d_stage, how in mixes:
         worst["disc"] = max(worst["disc"], diff(full_params(registry, "disc"), ref[step]["disc"]))
         if grads is not None:
             worst["gen_grad"] = max(worst["gen_grad"], diff(grads, ref[step]["gen_grad"]))
-    results[f"{backend}/g{g_stage}/d{d_stage}/{how}"] = worst
+    results[f"{backend}/g{g_stage}/d{d_stage}/{how}" + ("/acc2" if d_accum == 2 else "")] = worst
     if (backend, g_stage, d_stage, how) == ("deepspeed", 0, 0, "through"):
         results["errors"] = refusals(registry)
     del registry, gen, disc
