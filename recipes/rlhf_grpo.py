@@ -253,6 +253,7 @@ def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, sett
                         unit="prompts", setting=setting,
                         what=f"each sampled grpo.n_samples_per_prompt={g.n_samples_per_prompt} times")
 
+
 class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
     headline = (("judge", "judge score of sampled answers (built-in task)", True),
