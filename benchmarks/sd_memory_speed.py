@@ -74,7 +74,7 @@ def figures(summary: dict) -> dict:
 
 def worker(spec_path: str) -> None:
     """On every rank: run each (family, mode) of the spec through the recipe; rank 0 emits the figures."""
-    from multiengine.recipes.config import load_config, load_recipe
+    from multiengine.engines.recipe_config import load_config, load_recipe
 
     from benchmarks.common import emit
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import (
+from multiengine.engines.recipe_config import (
     CONFIGS_DIR,
     RECIPES_PACKAGE,
     RecipeConfigError,

@@ -1,10 +1,5 @@
-"""Config sections -> the engines' role vocabulary, for the recipes (only recipes read the config tree).
-
-A role section has the placement keys ``stage, dtype, offload_params, offload_optimizer, gather_forward``
-and, for a trainable role, the optimizer keys ``lr, weight_decay, scheduler, warmup_steps, max_grad_norm``
-(any may be missing: the defaults of Placement / OptimSpec apply). A LoRA section has ``enabled, rank,
-alpha, dropout, target_modules``.
-"""
+"""What the RLHF recipes share beyond the role schema (recipes/schema.py): the data section and its loading,
+tokenizers per role, the reward section, the batch arithmetic checks and the checks of shared key names."""
 
 from __future__ import annotations
 
@@ -16,94 +11,57 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from multiengine.engines import LoraSpec, OptimSpec, Placement, ShardedBatches, shard_batches
+from multiengine.engines import ShardedBatches, shard_batches
+from multiengine.engines.recipe_config import Key
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "COMMON_HELP", "DATA_COLUMNS", "DATA_DEFAULTS", "REWARD_DEFAULTS", "RLHF_BETAS", "RewardModelRole", "check_data",
+    "DATA_COLUMNS", "DATA_KEYS", "REWARD_KEYS", "RLHF_TRAINABLE", "TINY_KEYS", "RewardModelRole", "check_data",
     "check_reward_columns",
     "check_rows_per_rank", "check_sft_run_batches", "check_stage_batches",
     "check_model", "check_model_path", "check_scoring_tokenizers", "check_tokenizer", "config_error", "data_checks",
-    "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data", "lora_spec",
-    "optim_spec", "placement", "recipe_checks", "retokenizers", "reward_config", "reward_entries", "role_tokenizer",
+    "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data",
+    "recipe_checks", "retokenizers", "reward_config", "reward_entries", "role_tokenizer",
     "sft_model", "tiny_assets", "uses_builtin_data",
 ]
 
-# Adam betas of DeepSpeed-Chat and OpenRLHF for every RLHF role (beta2 = 0.95 tolerates the noisier
-# gradients of RL better than the 0.999 default).
-RLHF_BETAS = (0.9, 0.95)
-
-
-def placement(section: Any, follow: Placement | None = None, trainable: bool = True) -> Placement:
-    """The Placement of a role section; ``stage: -1`` and ``dtype: ""`` take ``follow``'s (a ref that
-    follows the actor). ``offload_optimizer`` is read for trainable roles only."""
-    get = section.get
-    stage = get("stage", 3)
-    if stage is not None and stage < 0:
-        stage = follow.stage
-    dtype = get("dtype", "bf16") or (follow.dtype if follow is not None else "bf16")
-    offload_params = get("offload_params", False)
-    return Placement(stage=stage, dtype=dtype, offload_params=bool(offload_params),
-                     offload_optimizer=bool(get("offload_optimizer", False)) if trainable else False,
-                     gather_forward=bool(get("gather_forward", False)) if not trainable else False)
-
-
-def optim_spec(section: Any, total_steps: int, **overrides: Any) -> OptimSpec:
-    """The OptimSpec of a trainable role's section (``max_grad_norm: 0`` = no clipping)."""
-    get = section.get
-    values = {
-        "lr": float(get("lr", 1e-5)),
-        "weight_decay": float(get("weight_decay", 0.0)),
-        "scheduler": get("scheduler", "constant"),
-        "warmup_steps": int(get("warmup_steps", 0)),
-        "total_steps": int(total_steps),
-        "max_grad_norm": get("max_grad_norm", 1.0) or None,
-    }
-    values.update(overrides)
-    return OptimSpec(**values)
-
-
-def lora_spec(section: Any, **overrides: Any) -> LoraSpec | None:
-    """The LoraSpec of a LoRA section, or None when it is not enabled (``alpha: 0`` = alpha = rank)."""
-    if not section.enabled:
-        return None
-    values = {"rank": int(section.rank), "alpha": section.get("alpha") or None,
-              "dropout": float(section.get("dropout", 0.0)), "target_modules": tuple(section.target_modules)}
-    values.update(overrides)
-    return LoraSpec(**values)
+# What every trainable RLHF role changes from the shared role defaults: the Adam betas of DeepSpeed-Chat and
+# OpenRLHF (beta2 = 0.95 tolerates the noisier gradients of RL better than the 0.999 default).
+RLHF_TRAINABLE: dict[str, Any] = {"betas": [0.9, 0.95]}
+# The random tiny model a recipe builds when a role's model is "" (the embedded default).
+TINY_KEYS = Key({"hidden": Key(64, "width of the random tiny model (roles whose model is \"\")"),
+                 "layers": Key(2, "layers of the random tiny model")},
+                "the random tiny OPT built under output_dir/tiny for roles whose model is \"\" (mechanics only)")
 
 
 # --- the RLHF recipes' shared data section and data setup (the built-in task by default) ---------------
 # Every RLHF recipe's `data` section starts with these keys (docs/data.md); the recipe adds its lengths.
 DATA_COLUMNS: dict[str, str] = {
-    "prompt": "",  # your column holding the prompt ("" = a column named prompt)
-    "response": "",  # ... the response (completion is read as response)
-    "completion": "",  # ... the completion
-    "chosen": "",  # ... the preferred answer
-    "rejected": "",  # ... the worse answer
-    "text": "",  # ... plain text (language modelling)
-    "messages": "",  # ... a conversation: a list of {role, content}
+    "prompt": Key("", "your column holding the prompt (\"\" = a column named prompt)"),
+    "response": Key("", "... the response (completion is read as response)"),
+    "completion": Key("", "... the completion"),
+    "chosen": Key("", "... the preferred answer"),
+    "rejected": Key("", "... the worse answer"),
+    "text": Key("", "... plain text (language modelling)"),
+    "messages": Key("", "... a conversation: a list of {role, content}"),
 }
-# meanings of the common keys whose DEFAULTS line holds a whole section (for `--help`)
-COMMON_HELP: dict[str, str] = {
-    "checkpoint.every": "save a checkpoint every N steps (0 = never)",
-    "checkpoint.keep_last": "checkpoints kept (the newest K; 0 = all)",
-}
-DATA_DEFAULTS: dict[str, Any] = {
-    "source": "",  # .jsonl/.json/.csv/.parquet file, save_to_disk folder, split-files folder, hub name; "" = built-in
-    "sources": [],  # several sources blended by weight, [{path, weight, columns, split}]; replaces data.source
-    "columns": {**DATA_COLUMNS},  # your column names per field: data.columns.<field>=<column>
-    "train_split": "train",  # the split of a hub dataset / DatasetDict folder to train on
-    "eval_source": "",  # separate evaluation rows (the forms of data.source); never a training source
-    "eval_split": "auto",  # auto (the eval/test split, else 5% of rows held out) | none | 0.05 | 200 | a split name
+DATA_KEYS: dict[str, Any] = {
+    "source": Key("", ".jsonl/.json/.csv/.parquet file, save_to_disk folder, split-files folder, hub name; \"\" = "
+                      "built-in"),
+    "sources": Key([], "several sources blended by weight, [{path, weight, columns, split}]; replaces data.source"),
+    "columns": Key({**DATA_COLUMNS}, "your column names per field: data.columns.<field>=<column>"),
+    "train_split": Key("train", "the split of a hub dataset / DatasetDict folder to train on"),
+    "eval_source": Key("", "separate evaluation rows (the forms of data.source); never a training source"),
+    "eval_split": Key("auto", "auto (the eval/test split, else 5% of rows held out) | none | 0.05 | 200 | a split "
+                              "name"),
 }
 
 
 def data_checks(*lengths: str) -> dict[str, Any]:
     """CHECKS of the shared data keys (and of the recipe's ``data.<length>`` keys, each >= 1)."""
     from multiengine.pipelines.sources import DataSourceError, parse_eval_split
-    from multiengine.recipes.config import Range, Satisfies
+    from multiengine.engines.recipe_config import Range, Satisfies
 
     def eval_split_ok(value: Any) -> bool:
         try:
@@ -174,7 +132,7 @@ def _on_rank0_first(registry: Any, load: Any) -> Any:
     if error is not None:
         raise error
     if box[0] is not None:
-        from multiengine.recipes.config import RecipeConfigError
+        from multiengine.engines.recipe_config import RecipeConfigError
 
         raise RecipeConfigError(f"rank 0 could not load the data: {box[0]}")
     return result if registry.is_main else load()
@@ -239,9 +197,8 @@ def tiny_assets(recipe: Any, needed: bool) -> dict[str, str]:
 
     if not needed:
         return {}
-    model = recipe.cfg.get("model") or {}
-    return prepare_tiny_assets(recipe.path("tiny"), recipe.registry, recipe.cfg.seed,
-                               model.get("tiny_hidden", 64), model.get("tiny_layers", 2))
+    tiny = recipe.cfg.tiny
+    return prepare_tiny_assets(recipe.path("tiny"), recipe.registry, recipe.cfg.seed, tiny.hidden, tiny.layers)
 
 
 def uses_builtin_data(section: Any) -> bool:
@@ -268,7 +225,7 @@ def role_tokenizer(given: str, model_path: str, fallback: Any = None, *, what: s
 
 def check_model_path(key: str, given: str, recipe: str) -> str:
     """``given`` unless it names a local folder that does not exist ("org/name" or "name" is a hub model)."""
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
 
     if given and not os.path.exists(given) and (given.startswith(("/", ".", "~")) or given.count("/") >= 2):
         raise RecipeConfigError(f"{key}={given!r} does not exist; run `multiengine run {recipe} --config tiny "
@@ -285,7 +242,7 @@ def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_mod
     from multiengine.recipes.rlhf_e2e import _run_step
 
     cfg = recipe.cfg
-    overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"model.pretrained={base_model}",
+    overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"roles.actor.model={base_model}",
                  *section.overrides]
     logger.info("%s: the SFT model comes from rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
     summary = _run_step("rlhf_sft", section.config, overrides, out_dir, False, {})
@@ -366,7 +323,7 @@ def _scheduler_names() -> list[str]:
 
 def _by_name(name: str, default: Any) -> Any:
     """The check of a key by its last name (the same name means the same thing in every recipe)."""
-    from multiengine.recipes.config import Choice, Length, Range, Satisfies
+    from multiengine.engines.recipe_config import Choice, Length, Range, Satisfies
 
     positive = Range(0, min_exclusive=True)
     if isinstance(default, bool):
@@ -375,10 +332,10 @@ def _by_name(name: str, default: Any) -> Any:
         "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": positive, "keep_last": Range(0),
         "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
         "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
-        "max_grad_norm": Range(0), "rank": Range(1), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
+        "max_grad_norm": Range(0), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
         "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
         "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
-        "max_ptx_len": Range(1), "heldout_size": Range(0), "tiny_hidden": Range(8), "tiny_layers": Range(1),
+        "max_ptx_len": Range(1), "heldout_size": Range(0), "hidden": Range(8), "layers": Range(1), "r": Range(0),
         "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
     }
     if name in simple:
@@ -426,7 +383,7 @@ def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None)
 
 def config_error(err: Exception) -> Exception:
     """A data / model-folder error of a check as the config error the CLI reports (exit 2, no traceback)."""
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
 
     return RecipeConfigError(str(err))
 
@@ -509,7 +466,7 @@ def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, fac
     Args:
         rows: the training rows, after the held-out split (and any row limit).
         key / value: the config key of the batch size and its value; ``factor`` multiplies it (``grad_accum``
-            when one batch holds every micro batch of a step), ``what`` says so ("train.micro_batch_size x
+            when one batch holds every micro batch of a step), ``what`` says so ("roles.actor.micro_batch_size x
             train.grad_accum").
         heldout: rows the evaluation split took out of the training data (0 when they come from elsewhere);
             ``heldout_key`` is the key that sets that split.
@@ -519,7 +476,7 @@ def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, fac
         ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
         split).
     """
-    from multiengine.recipes.config import config_problem
+    from multiengine.engines.recipe_config import config_problem
 
     need = int(value) * int(factor)
     per_rank = rows // world_size
@@ -565,13 +522,13 @@ def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_siz
     overrides}`` of ``actor_sft`` / ``teacher_sft``): that run's micro batch against the SFT rows of ``report``."""
     if report is None:
         return
-    from multiengine.recipes.config import load_config
+    from multiengine.engines.recipe_config import load_config
 
     sub = load_config("rlhf_sft", section.config or None, [str(o) for o in section.overrides])
-    check_stage_batches(report, world_size, key=f"{name}: train.micro_batch_size",
-                        value=int(sub.train.micro_batch_size), unit="SFT rows",
+    check_stage_batches(report, world_size, key=f"{name}: roles.actor.micro_batch_size",
+                        value=int(sub.roles.actor.micro_batch_size), unit="SFT rows",
                         what=f"the rlhf_sft run that trains the {role} first, config {section.config!r}",
-                        setting=f"{name}.overrides=[train.micro_batch_size={{n}}]")
+                        setting=f"{name}.overrides=[roles.actor.micro_batch_size={{n}}]")
 
 
 # --- reward sources named in a config (rlhf_ppo, rlhf_grpo) -----------------------------------------------
@@ -582,10 +539,10 @@ def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_siz
 # ``reward.functions``: ``fn(prompts, completions, **kwargs) -> list[float]`` (TRL's form: the rows' other columns
 # arrive as keyword arguments; see pipelines/rlhf/rewards.py) as ``"pkg.mod:fn"``, ``"/path/file.py:fn"`` or
 # ``"builtin:judge"`` (weight 1), or ``{fn: <spec>, weight: w}``. The score is the weighted sum.
-REWARD_DEFAULTS: dict[str, Any] = {
-    "models": [],  # [] and no functions = the `reward` role from model.reward, weight 1
+REWARD_KEYS: dict[str, Any] = {
+    "models": Key([], "[] and no functions = the `reward` role from model.reward, weight 1"),
     "functions": [],
-    "normalize": False,  # running mean/std of the combined score over all ranks, before clipping
+    "normalize": Key(False, "running mean/std of the combined score over all ranks, before clipping"),
 }
 _MODEL_KEYS = ("role", "path", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
 _FUNCTION_KEYS = ("fn", "weight")
@@ -611,7 +568,7 @@ def _plain(value: Any) -> Any:
 
 
 def _weight(key: str, value: Any) -> float:
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RecipeConfigError(f"{key}={value!r}: a reward weight is a finite number (e.g. 1.0).")
@@ -619,7 +576,7 @@ def _weight(key: str, value: Any) -> float:
 
 
 def _check_keys(key: str, entry: Mapping[str, Any], valid: tuple[str, ...]) -> None:
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
 
     for name in entry:
         if name not in valid:
@@ -637,7 +594,7 @@ def reward_entries(section: Any, key: str = "reward") -> tuple[list[dict[str, An
         RecipeConfigError: naming the key, the value and the fix.
     """
     from multiengine.pipelines.rlhf.rewards import load_reward_function
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
 
     models, functions = _plain(section.get("models")) or [], _plain(section.get("functions")) or []
     if not isinstance(models, list):
@@ -692,7 +649,7 @@ def reward_config(section: Any, default_path: str | None, base: Placement,
     (``model.reward``); ``default_path=None`` then is an error. ``base`` is ``roles.reward``'s placement,
     which each entry's own placement keys override."""
     from multiengine.pipelines.rlhf.rewards import RESERVED_NAMES, reward_function, reward_model
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
 
     entries, specs = reward_entries(section, key)
     if not entries and not specs:

@@ -31,7 +31,7 @@ from multiengine.pipelines.diffusion.training import ControlNetObjective
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
 from multiengine.recipes import sd_finetune as sd
 from multiengine.recipes.common import placement
-from multiengine.recipes.config import Choice, Each, Range, RecipeConfigError, config_problem
+from multiengine.engines.recipe_config import Choice, Each, Range, RecipeConfigError, config_problem
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS
 from multiengine.recipes.sd_finetune import (
     DATA_DEFAULTS,
@@ -47,42 +47,55 @@ logger = logging.getLogger(__name__)
 # ControlNet pipelines per base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
 CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
     "output_dir": "outputs/controlnet",
-    "max_steps": 100,  # optimizer steps
-    "mode": "zero3",  # zero3 (every role as in roles.*) | seed_baseline (frozen unet, vae, text encoders whole)
-    "model": {  # the base model and the ControlNet
-        "pretrained": "",  # diffusers SD or SDXL folder or hub name; "" = the tiny model of model.tiny_family
-        "revision": "",  # hub revision ("" = main)
-        "variant": "",  # weight variant passed to from_pretrained (e.g. fp16)
-        "controlnet": "",  # a ControlNetModel folder to continue training; "" = initialised from the unet
-        "tiny_family": "sd",  # tiny model only: sd | sdxl
-        "tiny_vae_steps": 0,  # tiny model only: pretrain its random vae on the training images first
-    },
-    "data": {  # image-caption rows with a conditioning image each (docs/data.md)
+    "max_steps": Key(100, "optimizer steps"),
+    "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (frozen unet, vae, text encoders whole)"),
+    "model": Key({
+        "pretrained": Key("", "diffusers SD or SDXL folder or hub name; \"\" = the tiny model of model.tiny_family"),
+        "revision": Key("", "hub revision (\"\" = main)"),
+        "variant": Key("", "weight variant passed to from_pretrained (e.g. fp16)"),
+        "controlnet": Key("", "a ControlNetModel folder to continue training; \"\" = initialised from the unet"),
+        "tiny_family": Key("sd", "tiny model only: sd | sdxl"),
+        "tiny_vae_steps": Key(0, "tiny model only: pretrain its random vae on the training images first"),
+    }, "the base model and the ControlNet"),
+    "data": Key({
         **DATA_DEFAULTS,
-        "columns": {"image": "", "caption": "", "conditioning_image": ""},  # your column names ("" = the defaults)
-        "conditioning_kind": "edge",  # built-in shapes data: edge (outline) or mask (filled shape) images
-    },
-    "train": {**TRAIN_DEFAULTS},  # the controlnet's optimisation (DDPM loss through the frozen unet)
-    "controlnet": {  # how the conditioning enters
-        "conditioning_scale": 1.0,  # multiplies the controlnet's residuals (1 in diffusers' training)
-    },
-    "roles": {  # placement per role
-        "controlnet": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},  # trained
-        "unet": {"stage": 3, "dtype": "bf16", "offload_params": False},  # frozen; its backward reaches the controlnet
-        "vae": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": True},  # frozen vae
-        "text_encoder": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": True},  # frozen
-        "text_encoder_2": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": True},  # SDXL's second
-    },
-    "validation": {**VALIDATION_DEFAULTS},  # generations from held-out conditioning images and captions
-    "eval": {**EVAL_DEFAULTS},  # held-out loss at fixed noise and timesteps
-    "export": {  # outputs under output_dir/export
-        "enabled": True,  # export/controlnet and export/pipeline
-        "dtype": "fp32",  # dtype of every exported component (copied ones are cast too)
-        "roles": [],  # further per-role folders, e.g. [unet] ([] = none)
-    },
+        "columns": Key({"image": Key("", "your column names (\"\" = the defaults)"), "caption": Key("", "your column names (\"\" = the defaults)"), "conditioning_image": Key("", "your column names (\"\" = the defaults)")}, "your "
+                                                                                                                                                                                                                               "column "
+                                                                                                                                                                                                                               "names "
+                                                                                                                                                                                                                               "(\"\" "
+                                                                                                                                                                                                                               "= "
+                                                                                                                                                                                                                               "the "
+                                                                                                                                                                                                                               "defaults)"),
+        "conditioning_kind": Key("edge", "built-in shapes data: edge (outline) or mask (filled shape) images"),
+    }, "image-caption rows with a conditioning image each (docs/data.md)"),
+    "train": Key({**TRAIN_DEFAULTS}, "the controlnet's optimisation (DDPM loss through the frozen unet)"),
+    "controlnet": Key({
+        "conditioning_scale": Key(1.0, "multiplies the controlnet's residuals (1 in diffusers' training)"),
+    }, "how the conditioning enters"),
+    "roles": Key({
+        "controlnet": Key({"stage": Key(3, "trained"), "dtype": Key("bf16", "trained"), "offload_params": Key(False, "trained"), "offload_optimizer": Key(False, "trained")}, "trained"),
+        "unet": Key({"stage": Key(3, "frozen; its backward reaches the controlnet"), "dtype": Key("bf16", "frozen; its backward reaches the controlnet"), "offload_params": Key(False, "frozen; its backward reaches the controlnet")}, "frozen; "
+                                                                                                                                                                                                                                        "its "
+                                                                                                                                                                                                                                        "backward "
+                                                                                                                                                                                                                                        "reaches "
+                                                                                                                                                                                                                                        "the "
+                                                                                                                                                                                                                                        "controlnet"),
+        "vae": Key({"stage": Key(3, "frozen vae"), "dtype": Key("bf16", "frozen vae"), "offload_params": Key(False, "frozen vae"), "gather_forward": Key(True, "frozen vae")}, "frozen "
+                                                                                                                                                                               "vae"),
+        "text_encoder": Key({"stage": Key(3, "frozen"), "dtype": Key("bf16", "frozen"), "offload_params": Key(False, "frozen"), "gather_forward": Key(True, "frozen")}, "frozen"),
+        "text_encoder_2": Key({"stage": Key(-1, "SDXL's second"), "dtype": Key("", "SDXL's second"), "offload_params": Key(False, "SDXL's second"), "gather_forward": Key(True, "SDXL's second")}, "SDXL's "
+                                                                                                                                                                                                   "second"),
+    }, "placement per role"),
+    "validation": Key({**VALIDATION_DEFAULTS}, "generations from held-out conditioning images and captions"),
+    "eval": Key({**EVAL_DEFAULTS}, "held-out loss at fixed noise and timesteps"),
+    "export": Key({
+        "enabled": Key(True, "export/controlnet and export/pipeline"),
+        "dtype": Key("fp32", "dtype of every exported component (copied ones are cast too)"),
+        "roles": Key([], "further per-role folders, e.g. [unet] ([] = none)"),
+    }, "outputs under output_dir/export"),
 }
 
 HELP = {f"roles.{r}.{k}": text for r, section in DEFAULTS["roles"].items() for k, text in sd.ROLE_KEY_HELP.items()

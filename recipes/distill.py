@@ -49,75 +49,75 @@ from multiengine.recipes.common import (
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "outputs/distill",  # everything the run writes goes under this folder
-    "max_steps": 300,  # optimizer steps of the student
-    "model": {  # teacher and student (one tokenizer: token-level distillation)
-        "teacher": "",  # a causal-LM folder; "" = train the tiny SFT model under output_dir/teacher first
-        "student": "",  # a causal-LM folder; "" = a random tiny model (same tokenizer, student_hidden wide)
-        "tokenizer": "",  # the tokenizer of both; "" = the teacher folder's own
-        "student_hidden": 32,  # width of the random tiny student
-        "student_layers": 1,  # layers of the random tiny student
-    },
-    "teacher_sft": {  # how the tiny teacher is trained (rlhf_sft) when model.teacher is empty
-        "config": "tiny",  # a shipped rlhf_sft config
-        "overrides": [],  # key=value overrides for it
-    },
-    "data": {  # demonstrations: prompt + response, messages or text rows (docs/data.md)
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/distill", "everything the run writes goes under this folder"),
+    "max_steps": Key(300, "optimizer steps of the student"),
+    "model": Key({
+        "teacher": Key("", "a causal-LM folder; \"\" = train the tiny SFT model under output_dir/teacher first"),
+        "student": Key("", "a causal-LM folder; \"\" = a random tiny model (same tokenizer, student_hidden wide)"),
+        "tokenizer": Key("", "the tokenizer of both; \"\" = the teacher folder's own"),
+        "student_hidden": Key(32, "width of the random tiny student"),
+        "student_layers": Key(1, "layers of the random tiny student"),
+    }, "teacher and student (one tokenizer: token-level distillation)"),
+    "teacher_sft": Key({
+        "config": Key("tiny", "a shipped rlhf_sft config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "how the tiny teacher is trained (rlhf_sft) when model.teacher is empty"),
+    "data": Key({
         **DATA_DEFAULTS,
-        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
-        "max_response_len": 16,  # response tokens kept, EOS included
-        "heldout_size": 128,  # evaluation rows scored for the held-out cross-entropy (0 = all of them)
-    },
-    "distill": {  # the distillation loss
-        "loss": "forward_kl",  # forward_kl | reverse_kl | jsd
-        "temperature": 1.0,  # softens both distributions; the loss is multiplied by its square
-        "alpha": 1.0,  # weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy
-        "jsd_beta": 0.5,  # the JSD's teacher weight, in (0, 1)
-    },
-    "train": {  # the student's optimizer and batches
-        "micro_batch_size": 16,  # rows per rank per forward/backward
-        "grad_accum": 1,  # micro batches per optimizer step
-        "lr": 2e-3,  # peak learning rate
-        "weight_decay": 0.0,  # AdamW weight decay
-        "scheduler": "cosine",  # a transformers scheduler name
-        "warmup_steps": 20,  # linear warm-up steps
-        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-    },
-    "roles": {  # placement of each role
-        "teacher": {  # the frozen teacher
-            "stage": 3,  # ZeRO stage 0-3
-            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
-        },
-        "student": {  # the trainable student
-            "stage": 2,  # ZeRO stage 0-3
-            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-        },
-    },
-    "generation": {  # sampling of evaluation answers
-        "max_new_tokens": 8,  # tokens generated per answer
-        "temperature": 1.0,  # sampling temperature
-    },
-    "eval": {  # held-out cross-entropy and sampled answers to the prompts of the evaluation rows
-        "every": 100,  # also every N steps (always before and after)
-        "size": 256,  # evaluation prompts (split evenly over ranks); 0 = none
-        "batch_size": 32,  # prompts per generation batch
-        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
-        "seed": 1234,  # sampling seed of evaluation answers
-    },
-    "export": {  # what the run writes under output_dir/export
-        "enabled": True,  # export/student
-    },
+        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_response_len": Key(16, "response tokens kept, EOS included"),
+        "heldout_size": Key(128, "evaluation rows scored for the held-out cross-entropy (0 = all of them)"),
+    }, "demonstrations: prompt + response, messages or text rows (docs/data.md)"),
+    "distill": Key({
+        "loss": Key("forward_kl", "forward_kl | reverse_kl | jsd"),
+        "temperature": Key(1.0, "softens both distributions; the loss is multiplied by its square"),
+        "alpha": Key(1.0, "weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy"),
+        "jsd_beta": Key(0.5, "the JSD's teacher weight, in (0, 1)"),
+    }, "the distillation loss"),
+    "train": Key({
+        "micro_batch_size": Key(16, "rows per rank per forward/backward"),
+        "grad_accum": Key(1, "micro batches per optimizer step"),
+        "lr": Key(2e-3, "peak learning rate"),
+        "weight_decay": Key(0.0, "AdamW weight decay"),
+        "scheduler": Key("cosine", "a transformers scheduler name"),
+        "warmup_steps": Key(20, "linear warm-up steps"),
+        "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+    }, "the student's optimizer and batches"),
+    "roles": Key({
+        "teacher": Key({
+            "stage": Key(3, "ZeRO stage 0-3"),
+            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
+        }, "the frozen teacher"),
+        "student": Key({
+            "stage": Key(2, "ZeRO stage 0-3"),
+            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
+        }, "the trainable student"),
+    }, "placement of each role"),
+    "generation": Key({
+        "max_new_tokens": Key(8, "tokens generated per answer"),
+        "temperature": Key(1.0, "sampling temperature"),
+    }, "sampling of evaluation answers"),
+    "eval": Key({
+        "every": Key(100, "also every N steps (always before and after)"),
+        "size": Key(256, "evaluation prompts (split evenly over ranks); 0 = none"),
+        "batch_size": Key(32, "prompts per generation batch"),
+        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+        "seed": Key(1234, "sampling seed of evaluation answers"),
+    }, "held-out cross-entropy and sampled answers to the prompts of the evaluation rows"),
+    "export": Key({
+        "enabled": Key(True, "export/student"),
+    }, "what the run writes under output_dir/export"),
 }
 CHECKS = recipe_checks(DEFAULTS, {
     "distill.loss": Choice(*DIVERGENCES), "distill.temperature": Range(0, min_exclusive=True),

@@ -55,41 +55,41 @@ from multiengine.engines import (
     write_summary,
 )
 from multiengine.engines.metrics import WANDB_FIX, WANDB_MISSING
-from multiengine.recipes.config import Choice, Length, OrFollow, Range, Satisfies, config_problem
+from multiengine.engines.recipe_config import Choice, Key, Length, OrFollow, Range, Satisfies, config_problem, split_keys
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "RUN_FILE", "RUN_OUTPUTS", "Recipe", "check_output_dir",
+__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "COMMON_HELP", "COMMON_KEYS", "RUN_FILE", "RUN_OUTPUTS", "Recipe", "check_output_dir",
            "clear_output_dir", "folder_run", "mark_run", "validate_common", "with_common"]
 
-COMMON_DEFAULTS: dict[str, Any] = {
-    "output_dir": "outputs/recipe",  # everything the run writes goes under this folder
-    "seed": 0,  # one seed for data order, sampling and initialisation (each rank gets seed + rank)
-    "max_steps": 100,  # optimizer steps
-    "backend": "auto",  # auto | deepspeed | torch
-    "resume_from": "",  # "" | "latest" (output_dir/checkpoints; fresh start if none) | a checkpoint folder
-    # true: clear the earlier run's files in output_dir (metrics, summary, curves, TensorBoard, checkpoints,
-    # exports, logs) before starting; false: a folder holding another recipe's run or a finished run is refused
-    "overwrite": False,
-    "dist_timeout_s": 1800.0,  # a collective that waits longer than this fails the run
-    "checkpoint": {  # checkpoints under output_dir/checkpoints (written atomically; `latest` names the newest)
-        "every": 0,  # every N steps, and at the end of the run (0 = never)
-        "keep_last": 2,  # keep the newest K (null = all)
-    },
-    "nonfinite": {  # a NaN/inf loss or gradient norm at a step (no role ever applies such an update)
-        "policy": "stop",  # stop: end the run (exit 3), the last checkpoint kept | skip: go on, up to max_skips
-        "max_skips": 10,  # skip: the run stops at the step that would be skip number max_skips + 1
-    },
-    # DANGEROUS: true lets transformers run Python files shipped in a model or tokenizer folder; only for
-    # folders whose code you have read
-    "trust_remote_code": False,
-    "tensorboard": True,  # TensorBoard events beside metrics.jsonl (and SD validation images)
-    "plot": True,  # curves.png of the main figures
-    # none | wandb: also send the scalars (and SD validation images) to Weights & Biases (needs `pip install
-    # wandb`; project from WANDB_PROJECT, default "multiengine"; WANDB_MODE=offline works without a login)
-    "report_to": "none",
+COMMON_KEYS: dict[str, Any] = {
+    "output_dir": Key("outputs/recipe", "everything the run writes goes under this folder"),
+    "seed": Key(0, "one seed for data order, sampling and initialisation (each rank gets seed + rank)"),
+    "max_steps": Key(100, "optimizer steps"),
+    "backend": Key("auto", "auto | deepspeed | torch"),
+    "resume_from": Key("", "\"\" | \"latest\" (output_dir/checkpoints; fresh start if none) | a checkpoint folder"),
+    "overwrite": Key(False, "true: clear the earlier run's files in output_dir (metrics, summary, curves, "
+                            "TensorBoard, checkpoints, exports, logs) before starting; false: a folder holding "
+                            "another recipe's run or a finished run is refused"),
+    "dist_timeout_s": Key(1800.0, "a collective that waits longer than this fails the run"),
+    "checkpoint": Key({
+        "every": Key(0, "every N steps, and at the end of the run (0 = never)"),
+        "keep_last": Key(2, "keep the newest K (null = all)"),
+    }, "checkpoints under output_dir/checkpoints (written atomically; `latest` names the newest)"),
+    "nonfinite": Key({
+        "policy": Key("stop", "stop: end the run (exit 3), the last checkpoint kept | skip: go on, up to max_skips"),
+        "max_skips": Key(10, "skip: the run stops at the step that would be skip number max_skips + 1"),
+    }, "a NaN/inf loss or gradient norm at a step (no role ever applies such an update)"),
+    "trust_remote_code": Key(False, "DANGEROUS: true lets transformers run Python files shipped in a model or "
+                                    "tokenizer folder; only for folders whose code you have read"),
+    "tensorboard": Key(True, "TensorBoard events beside metrics.jsonl (and SD validation images)"),
+    "plot": Key(True, "curves.png of the main figures"),
+    "report_to": Key("none", "none | wandb: also send the scalars (and SD validation images) to Weights & Biases "
+                             "(needs `pip install wandb`; project from WANDB_PROJECT, default \"multiengine\"; "
+                             "WANDB_MODE=offline works without a login)"),
 }
+COMMON_DEFAULTS, COMMON_HELP = split_keys(COMMON_KEYS)
 
 
 def _resume_source(value: Any) -> bool:
@@ -120,17 +120,23 @@ COMMON_CHECKS: dict[str, Any] = {
 }
 
 
-def validate_common(cfg: Any) -> None:
+def validate_common(cfg: Any, roles: Any = None) -> None:
     """The common checks across keys, before any rank starts (config.validate_config runs them first): the
     process-wide trust_remote_code switch (the recipe's validate(cfg) may load tokenizers), report_to=wandb
-    needs wandb installed, and every role section's placement (parameter offload needs ZeRO-3)."""
+    needs wandb installed, and every role section's placement (schema.check_role_sections for a recipe that
+    declares ROLES; else parameter offload needs ZeRO-3)."""
     set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))
     if cfg.get("report_to", "none") == "wandb" and importlib.util.find_spec("wandb") is None:
         raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
-    roles = cfg.get("roles")
-    if not isinstance(roles, Mapping):
+    if roles is not None:
+        from multiengine.recipes.schema import check_role_sections
+
+        check_role_sections(cfg, roles)
         return
-    for name, section in roles.items():
+    sections = cfg.get("roles")
+    if not isinstance(sections, Mapping):
+        return
+    for name, section in sections.items():
         if not isinstance(section, Mapping):
             continue
         stage = section.get("stage")

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from multiengine.engines import planner as P
 
-from .config import CONFIGS_DIR, RecipeConfigError, list_recipes, load_config, resolve_config_file
+from multiengine.engines.recipe_config import CONFIGS_DIR, RecipeConfigError, list_recipes, load_config, resolve_config_file
 
 
 @dataclass(frozen=True)
@@ -898,7 +898,7 @@ def write_config(recipe: str, config: str | None, overrides: Sequence[str], item
                  placements: Sequence[Mapping[str, P.Choice]], dest: str | os.PathLike, header: str,
                  configs_dir: str | Path = CONFIGS_DIR) -> Path:
     """The config (file + overrides) with every planned placement set, written to `dest` (atomically)."""
-    from .config import _yaml_load, parse_override
+    from multiengine.engines.recipe_config import _yaml_load, parse_override
 
     data: dict[str, Any] = {}
     source_header: list[str] = []

@@ -25,28 +25,28 @@ from multiengine.engines import (
     trainable_role,
     trust_remote_code,
 )
-from multiengine.recipes.config import Choice, Range, Satisfies, config_problem
+from multiengine.engines.recipe_config import Choice, Range, Satisfies, config_problem
 from multiengine.recipes.lifecycle import Recipe, with_common
 
-DEFAULTS: dict[str, Any] = with_common({
+KEYS: dict[str, Any] = with_common({
     "output_dir": "outputs/registry_demo",
-    "max_steps": 10,  # optimizer steps of the actor
-    "dtype": "fp32",  # every role's dtype: fp32 | bf16 (| fp16 on GPUs)
-    "lr": 1e-3,  # the actor's learning rate (AdamW, linear decay)
-    "max_grad_norm": 1.0,  # gradient clipping of the actor (0 = off)
-    "micro_batch_size": 4,  # sequences per rank per micro batch
-    "grad_accum": 1,  # micro batches per optimizer step
-    "seq_len": 32,  # tokens per synthetic sequence
-    "model": {  # the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)
-        "hidden_size": 64,  # a multiple of its 4 attention heads
+    "max_steps": Key(10, "optimizer steps of the actor"),
+    "dtype": Key("fp32", "every role's dtype: fp32 | bf16 (| fp16 on GPUs)"),
+    "lr": Key(1e-3, "the actor's learning rate (AdamW, linear decay)"),
+    "max_grad_norm": Key(1.0, "gradient clipping of the actor (0 = off)"),
+    "micro_batch_size": Key(4, "sequences per rank per micro batch"),
+    "grad_accum": Key(1, "micro batches per optimizer step"),
+    "seq_len": Key(32, "tokens per synthetic sequence"),
+    "model": Key({
+        "hidden_size": Key(64, "a multiple of its 4 attention heads"),
         "layers": 2,
         "vocab_size": 512,
-    },
-    "roles": {  # ZeRO stage per role (the frozen reward asks for 2 and is built at 0)
+    }, "the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)"),
+    "roles": Key({
         "actor": {"stage": 3, "offload_params": False},
         "reward": {"stage": 2},
         "encoder": {"stage": 0},
-    },
+    }, "ZeRO stage per role (the frozen reward asks for 2 and is built at 0)"),
 })
 
 _MAX_POSITIONS = 128  # of the tiny OPT

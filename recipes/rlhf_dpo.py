@@ -52,86 +52,86 @@ from multiengine.recipes.common import (
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "outputs/rlhf_dpo",  # everything the run writes goes under this folder
-    "max_steps": 300,  # optimizer steps
-    "model": {  # the policy (and, loaded again, the ref)
-        "actor": "",  # a causal-LM folder (the SFT model); "" = train the tiny SFT actor under output_dir/sft
-        "tokenizer": "",  # a tokenizer folder or hub name; "" = the actor folder's own
-        "tiny_hidden": 64,  # width of the random tiny model the tiny SFT actor starts from
-        "tiny_layers": 2,  # layers of that model
-    },
-    "actor_sft": {  # how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty
-        "config": "tiny",  # a shipped rlhf_sft config
-        "overrides": [],  # key=value overrides for it
-    },
-    "data": {  # preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/rlhf_dpo", "everything the run writes goes under this folder"),
+    "max_steps": Key(300, "optimizer steps"),
+    "model": Key({
+        "actor": Key("", "a causal-LM folder (the SFT model); \"\" = train the tiny SFT actor under output_dir/sft"),
+        "tokenizer": Key("", "a tokenizer folder or hub name; \"\" = the actor folder's own"),
+        "tiny_hidden": Key(64, "width of the random tiny model the tiny SFT actor starts from"),
+        "tiny_layers": Key(2, "layers of that model"),
+    }, "the policy (and, loaded again, the ref)"),
+    "actor_sft": Key({
+        "config": Key("tiny", "a shipped rlhf_sft config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty"),
+    "data": Key({
         **DATA_DEFAULTS,
-        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
-        "max_response_len": 16,  # answer tokens kept, EOS included
-        "heldout_size": 512,  # evaluation pairs scored for the held-out accuracy (0 = all of them)
-    },
-    "dpo": {  # the preference loss
-        "loss": "sigmoid",  # sigmoid (DPO) | ipo
-        "beta": 0.1,  # strength of the KL regularisation to the ref
-        "label_smoothing": 0.0,  # sigmoid only: assumed probability of a flipped label (conservative DPO)
-        "precompute_ref": False,  # ref log-probs of every pair once before training, not a ref forward per batch
-        "precompute_batch_size": 64,  # pairs per ref forward while precomputing
-        "sft_coef": 0.0,  # > 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)
-    },
-    "train": {  # the policy's optimizer and batches
-        "micro_batch_size": 8,  # pairs per rank per forward/backward (2 rows each)
-        "grad_accum": 1,  # micro batches per optimizer step
-        "lr": 5e-7,  # peak learning rate
-        "weight_decay": 0.0,  # AdamW weight decay
-        "scheduler": "cosine",  # a transformers scheduler name
-        "warmup_steps": 10,  # linear warm-up steps
-        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        "gradient_checkpointing": False,  # recompute activations in backward (less memory)
-    },
-    "roles": {  # placement of each role
-        "actor": {  # the policy
-            "stage": 3,  # ZeRO stage 0-3
-            "dtype": "bf16",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-        },
-        "ref": {  # the frozen SFT policy
-            "stage": 3,  # ZeRO stage 0-3 (-1 = the actor's)
-            "dtype": "",  # "" = the actor's
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
-        },
-    },
-    "lora": {  # LoRA adapters
-        "actor": {  # on the policy
-            "enabled": False,  # train peft LoRA adapters only
-            "rank": 8,  # adapter rank
-            "alpha": 0.0,  # scaling (0 = the rank)
-            "dropout": 0.0,  # adapter dropout
-            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
-        },
-    },
-    "generation": {  # sampling of evaluation answers
-        "max_new_tokens": 8,  # tokens generated per answer
-        "temperature": 1.0,  # sampling temperature
-    },
-    "eval": {  # held-out pairs, and sampled answers to the prompts of the evaluation rows
-        "every": 100,  # also every N steps (always before and after)
-        "size": 256,  # evaluation prompts for the judge (split evenly over ranks); 0 = none
-        "batch_size": 32,  # prompts per generation batch
-        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
-        "seed": 1234,  # sampling seed of evaluation answers
-    },
-    "export": {  # what the run writes under output_dir/export
-        "enabled": True,  # export/actor
-    },
+        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_response_len": Key(16, "answer tokens kept, EOS included"),
+        "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
+    }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
+    "dpo": Key({
+        "loss": Key("sigmoid", "sigmoid (DPO) | ipo"),
+        "beta": Key(0.1, "strength of the KL regularisation to the ref"),
+        "label_smoothing": Key(0.0, "sigmoid only: assumed probability of a flipped label (conservative DPO)"),
+        "precompute_ref": Key(False, "ref log-probs of every pair once before training, not a ref forward per batch"),
+        "precompute_batch_size": Key(64, "pairs per ref forward while precomputing"),
+        "sft_coef": Key(0.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)"),
+    }, "the preference loss"),
+    "train": Key({
+        "micro_batch_size": Key(8, "pairs per rank per forward/backward (2 rows each)"),
+        "grad_accum": Key(1, "micro batches per optimizer step"),
+        "lr": Key(5e-7, "peak learning rate"),
+        "weight_decay": Key(0.0, "AdamW weight decay"),
+        "scheduler": Key("cosine", "a transformers scheduler name"),
+        "warmup_steps": Key(10, "linear warm-up steps"),
+        "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+        "gradient_checkpointing": Key(False, "recompute activations in backward (less memory)"),
+    }, "the policy's optimizer and batches"),
+    "roles": Key({
+        "actor": Key({
+            "stage": Key(3, "ZeRO stage 0-3"),
+            "dtype": Key("bf16", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
+        }, "the policy"),
+        "ref": Key({
+            "stage": Key(3, "ZeRO stage 0-3 (-1 = the actor's)"),
+            "dtype": Key("", "\"\" = the actor's"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
+        }, "the frozen SFT policy"),
+    }, "placement of each role"),
+    "lora": Key({
+        "actor": Key({
+            "enabled": Key(False, "train peft LoRA adapters only"),
+            "rank": Key(8, "adapter rank"),
+            "alpha": Key(0.0, "scaling (0 = the rank)"),
+            "dropout": Key(0.0, "adapter dropout"),
+            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
+        }, "on the policy"),
+    }, "LoRA adapters"),
+    "generation": Key({
+        "max_new_tokens": Key(8, "tokens generated per answer"),
+        "temperature": Key(1.0, "sampling temperature"),
+    }, "sampling of evaluation answers"),
+    "eval": Key({
+        "every": Key(100, "also every N steps (always before and after)"),
+        "size": Key(256, "evaluation prompts for the judge (split evenly over ranks); 0 = none"),
+        "batch_size": Key(32, "prompts per generation batch"),
+        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+        "seed": Key(1234, "sampling seed of evaluation answers"),
+    }, "held-out pairs, and sampled answers to the prompts of the evaluation rows"),
+    "export": Key({
+        "enabled": Key(True, "export/actor"),
+    }, "what the run writes under output_dir/export"),
 }
 CHECKS = recipe_checks(DEFAULTS, {
     "dpo.loss": Choice("sigmoid", "ipo"), "dpo.beta": Range(0, min_exclusive=True),

@@ -45,48 +45,48 @@ from multiengine.recipes.common import (
     recipe_checks,
     uses_builtin_data,
 )
-from multiengine.recipes.config import Choice, Range
+from multiengine.engines.recipe_config import Choice, Range
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
-    "output_dir": "outputs/rlhf_e2e",  # each step runs under output_dir/<step>; the summary and curves here
-    "seed": 0,  # passed to every step
-    "max_steps": 0,  # steps of step 3; 0 = its config's
-    "backend": "auto",  # auto | deepspeed | torch, passed to every step
-    "dist_timeout_s": 1800.0,  # a collective that waits longer than this fails the run; passed to every step
-    "data": {  # the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)
+    "output_dir": Key("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here"),
+    "seed": Key(0, "passed to every step"),
+    "max_steps": Key(0, "steps of step 3; 0 = its config's"),
+    "backend": Key("auto", "auto | deepspeed | torch, passed to every step"),
+    "dist_timeout_s": Key(1800.0, "a collective that waits longer than this fails the run; passed to every step"),
+    "data": Key({
         **DATA_DEFAULTS,
-    },
-    "model": {  # the base models
-        "pretrained": "",  # step 1's base (a causal-LM folder or hub name); "" = the random tiny OPT
-        "reward_pretrained": "",  # step 2's base with reward.init_from_sft=false; "" = model.pretrained
-    },
-    "sft": {  # step 1 (rlhf_sft)
-        "config": "tiny",  # its shipped config
-        "overrides": [],  # key=value overrides for it
-    },
-    "reward": {  # step 2 (rlhf_reward)
-        "config": "tiny",  # its shipped config
-        "overrides": [],  # key=value overrides for it
-        "init_from_sft": True,  # start the reward model from step 1's model (InstructGPT) instead of a base
-    },
-    "algorithm": "ppo",  # step 3: ppo | grpo | dpo
-    "ppo": {  # step 3 with algorithm=ppo (rlhf_ppo)
-        "config": "tiny",  # its shipped config
-        "overrides": [],  # key=value overrides for it
-    },
-    "grpo": {  # step 3 with algorithm=grpo (rlhf_grpo)
-        "config": "tiny",  # its shipped config
-        "overrides": [],  # key=value overrides for it
-    },
-    "dpo": {  # step 3 with algorithm=dpo (rlhf_dpo)
-        "config": "tiny",  # its shipped config
-        "overrides": [],  # key=value overrides for it
-    },
-    "rerun": False,  # rerun every step, even those whose config and inputs did not change
-    # true: clear another recipe's run from output_dir first (this recipe's own steps are reused or rerun anyway)
-    "overwrite": False,
+    }, "the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)"),
+    "model": Key({
+        "pretrained": Key("", "step 1's base (a causal-LM folder or hub name); \"\" = the random tiny OPT"),
+        "reward_pretrained": Key("", "step 2's base with reward.init_from_sft=false; \"\" = model.pretrained"),
+    }, "the base models"),
+    "sft": Key({
+        "config": Key("tiny", "its shipped config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "step 1 (rlhf_sft)"),
+    "reward": Key({
+        "config": Key("tiny", "its shipped config"),
+        "overrides": Key([], "key=value overrides for it"),
+        "init_from_sft": Key(True, "start the reward model from step 1's model (InstructGPT) instead of a base"),
+    }, "step 2 (rlhf_reward)"),
+    "algorithm": Key("ppo", "step 3: ppo | grpo | dpo"),
+    "ppo": Key({
+        "config": Key("tiny", "its shipped config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "step 3 with algorithm=ppo (rlhf_ppo)"),
+    "grpo": Key({
+        "config": Key("tiny", "its shipped config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "step 3 with algorithm=grpo (rlhf_grpo)"),
+    "dpo": Key({
+        "config": Key("tiny", "its shipped config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "step 3 with algorithm=dpo (rlhf_dpo)"),
+    "rerun": Key(False, "rerun every step, even those whose config and inputs did not change"),
+    "overwrite": Key(False, "true: clear another recipe's run from output_dir first (this recipe's own steps are "
+                            "reused or rerun anyway)"),
 }
 CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "backend": Choice("auto", "deepspeed", "torch"),
           "algorithm": Choice("ppo", "grpo", "dpo")}
@@ -127,7 +127,7 @@ def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> N
     """Each step's batches (its recipe's check_batches) against the rows of its stage, with the step's config as
     _run_step loads it (its shipped config, the data keys, its overrides); the model folders it gets from the
     steps before do not exist yet and are not needed here. Built-in data has no report: nothing to check."""
-    from multiengine.recipes.config import RecipeConfigError, load_config, load_recipe
+    from multiengine.engines.recipe_config import RecipeConfigError, load_config, load_recipe
 
     recipe3, needs_rm, _ = FINAL_STEP[cfg.algorithm]
     steps = [("sft", "rlhf_sft", "sft")]
@@ -257,7 +257,7 @@ def _on_every_rank(value: Any) -> Any:
 
 def _run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool,
               decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from multiengine.recipes.config import checked_config, load_recipe
+    from multiengine.engines.recipe_config import checked_config, load_recipe
     from omegaconf import OmegaConf
 
     # CHECKS and validate(cfg): the step's inputs (earlier steps' exports) exist by now

@@ -65,109 +65,109 @@ from multiengine.recipes.common import (
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "outputs/rlhf_grpo",  # everything the run writes goes under this folder
-    "max_steps": 100,  # steps: one rollout and its policy update each
-    "model": {  # the policy and the reward model's folder, and their tokenizers
-        "actor": "",  # a causal-LM folder (the SFT model); "" = train the tiny SFT actor under output_dir/sft
-        "reward": "",  # the `reward` role's folder when reward.models names it without a path
-        "tokenizer": "",  # the actor's tokenizer; "" = the actor folder's own
-        "reward_tokenizer": "",  # the `reward` role's; "" = its folder's own (re-encoded when it differs)
-        "tiny_hidden": 64,  # width of the random tiny model the tiny SFT actor starts from
-        "tiny_layers": 2,  # layers of that model
-    },
-    "actor_sft": {  # how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty
-        "config": "tiny",  # a shipped rlhf_sft config
-        "overrides": [],  # key=value overrides for it
-    },
-    "data": {  # prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/rlhf_grpo", "everything the run writes goes under this folder"),
+    "max_steps": Key(100, "steps: one rollout and its policy update each"),
+    "model": Key({
+        "actor": Key("", "a causal-LM folder (the SFT model); \"\" = train the tiny SFT actor under output_dir/sft"),
+        "reward": Key("", "the `reward` role's folder when reward.models names it without a path"),
+        "tokenizer": Key("", "the actor's tokenizer; \"\" = the actor folder's own"),
+        "reward_tokenizer": Key("", "the `reward` role's; \"\" = its folder's own (re-encoded when it differs)"),
+        "tiny_hidden": Key(64, "width of the random tiny model the tiny SFT actor starts from"),
+        "tiny_layers": Key(2, "layers of that model"),
+    }, "the policy and the reward model's folder, and their tokenizers"),
+    "actor_sft": Key({
+        "config": Key("tiny", "a shipped rlhf_sft config"),
+        "overrides": Key([], "key=value overrides for it"),
+    }, "how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty"),
+    "data": Key({
         **DATA_DEFAULTS,
-        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
-    },
-    "generation": {  # sampling of the rollouts
-        "max_new_tokens": 8,  # tokens generated per answer (Dr. GRPO's normalising constant)
-        "temperature": 1.0,  # sampling temperature (also divides the logits of the update)
-        "top_k": 0,  # 0 = off
-        "top_p": 1.0,  # nucleus sampling (1 = off)
-        "mode": "gather",  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
-    },
-    "grpo": {  # the critic-free estimator
-        "algorithm": "grpo",  # grpo | dr_grpo | rloo | reinforce_pp
-        "n_samples_per_prompt": 4,  # completions per prompt (a group; >= 2 except reinforce_pp)
-        "rollout_batch_size": 8,  # prompts per rank per step (rows = prompts x samples)
-        "mini_batch_size": 16,  # rows per rank per forward/backward
-        "epochs": 1,  # passes over one rollout (1 = ratio 1, the plain policy gradient)
-        "clip_eps": 0.2,  # policy ratio clip
-        "dual_clip": 0.0,  # 0 = off; > 1 caps the loss of negative-advantage tokens
-        "kl_coef": 0.04,  # beta; 0 = no KL and no ref role
-        "kl_in_reward": None,  # null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for rloo/reinforce_pp)
-        "kl_clamp": 0.0,  # 0 = off; clamp each token's KL estimate to +/- this
-        "loss_agg": "",  # "" = the algorithm's | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-        "gamma": 1.0,  # discount of the returns-to-go
-        "std_eps": 1.0e-6,  # added to the group std (grpo)
-        "clip_reward": 5.0,  # 0 = no clipping
-        "no_eos_penalty": 0.0,  # > 0: subtracted from the score of answers without EOS
-        "shuffle_minibatches": True,  # seeded minibatch order
-        "flat_warn_share": 0.8,  # warn when more than this share of groups has all-equal rewards (1 = never) ...
-        "flat_warn_steps": 5,  # ... for this many steps in a row
-    },
+        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+    }, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
+    "generation": Key({
+        "max_new_tokens": Key(8, "tokens generated per answer (Dr. GRPO's normalising constant)"),
+        "temperature": Key(1.0, "sampling temperature (also divides the logits of the update)"),
+        "top_k": Key(0, "0 = off"),
+        "top_p": Key(1.0, "nucleus sampling (1 = off)"),
+        "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
+    }, "sampling of the rollouts"),
+    "grpo": Key({
+        "algorithm": Key("grpo", "grpo | dr_grpo | rloo | reinforce_pp"),
+        "n_samples_per_prompt": Key(4, "completions per prompt (a group; >= 2 except reinforce_pp)"),
+        "rollout_batch_size": Key(8, "prompts per rank per step (rows = prompts x samples)"),
+        "mini_batch_size": Key(16, "rows per rank per forward/backward"),
+        "epochs": Key(1, "passes over one rollout (1 = ratio 1, the plain policy gradient)"),
+        "clip_eps": Key(0.2, "policy ratio clip"),
+        "dual_clip": Key(0.0, "0 = off; > 1 caps the loss of negative-advantage tokens"),
+        "kl_coef": Key(0.04, "beta; 0 = no KL and no ref role"),
+        "kl_in_reward": Key(None, "null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for rloo/reinforce_pp)"),
+        "kl_clamp": Key(0.0, "0 = off; clamp each token's KL estimate to +/- this"),
+        "loss_agg": Key("", "\"\" = the algorithm's | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm"),
+        "gamma": Key(1.0, "discount of the returns-to-go"),
+        "std_eps": Key(1.0e-6, "added to the group std (grpo)"),
+        "clip_reward": Key(5.0, "0 = no clipping"),
+        "no_eos_penalty": Key(0.0, "> 0: subtracted from the score of answers without EOS"),
+        "shuffle_minibatches": Key(True, "seeded minibatch order"),
+        "flat_warn_share": Key(0.8, "warn when more than this share of groups has all-equal rewards (1 = never) ..."),
+        "flat_warn_steps": Key(5, "... for this many steps in a row"),
+    }, "the critic-free estimator"),
     # reward-model roles and reward functions, summed with weights (see recipes/common.py)
-    "reward": {  # the reward sources
+    "reward": Key({
         **REWARD_DEFAULTS,
-    },
-    "roles": {  # placement and optimizer of each role
-        "actor": {  # the policy
-            "stage": 3,  # ZeRO stage 0-3
-            "dtype": "bf16",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-            "lr": 1e-6,  # learning rate
-            "weight_decay": 0.0,  # AdamW weight decay
-            "scheduler": "constant",  # a transformers scheduler name
-            "warmup_steps": 0,  # linear warm-up steps
-            "grad_accum": 1,  # minibatches per optimizer step
-            "gradient_checkpointing": False,  # recompute activations in backward (off while generating)
-            "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        },
-        "ref": {  # the frozen SFT policy
-            "stage": -1,  # -1 = the actor's
-            "dtype": "",  # "" = the actor's
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
-        },
-        "reward": {  # the frozen reward-model roles (each reward.models entry may override)
-            "stage": -1,  # -1 = the actor's
-            "dtype": "",  # "" = the actor's
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "gather_forward": False,  # at ZeRO-3, one collective per forward instead of one per layer
-        },
-    },
-    "lora": {  # LoRA adapters
-        "actor": {  # on the actor
-            "enabled": False,  # train peft LoRA adapters only
-            "rank": 8,  # adapter rank
-            "alpha": 0.0,  # scaling (0 = the rank)
-            "dropout": 0.0,  # adapter dropout
-            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
-        },
-    },
-    "eval": {  # sampled answers to the evaluation prompts (never the training prompts)
-        "every": 25,  # also every N steps (always before and after)
-        "size": 256,  # evaluation prompts (split evenly over ranks)
-        "batch_size": 32,  # prompts per generation batch
-        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
-        "greedy": False,  # also score greedy answers
-        "seed": 1234,  # sampling seed of evaluation answers
-    },
-    "export": {  # what the run writes under output_dir/export
-        "enabled": True,  # export/actor
-    },
+    }, "the reward sources"),
+    "roles": Key({
+        "actor": Key({
+            "stage": Key(3, "ZeRO stage 0-3"),
+            "dtype": Key("bf16", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
+            "lr": Key(1e-6, "learning rate"),
+            "weight_decay": Key(0.0, "AdamW weight decay"),
+            "scheduler": Key("constant", "a transformers scheduler name"),
+            "warmup_steps": Key(0, "linear warm-up steps"),
+            "grad_accum": Key(1, "minibatches per optimizer step"),
+            "gradient_checkpointing": Key(False, "recompute activations in backward (off while generating)"),
+            "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+        }, "the policy"),
+        "ref": Key({
+            "stage": Key(-1, "-1 = the actor's"),
+            "dtype": Key("", "\"\" = the actor's"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
+        }, "the frozen SFT policy"),
+        "reward": Key({
+            "stage": Key(-1, "-1 = the actor's"),
+            "dtype": Key("", "\"\" = the actor's"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
+        }, "the frozen reward-model roles (each reward.models entry may override)"),
+    }, "placement and optimizer of each role"),
+    "lora": Key({
+        "actor": Key({
+            "enabled": Key(False, "train peft LoRA adapters only"),
+            "rank": Key(8, "adapter rank"),
+            "alpha": Key(0.0, "scaling (0 = the rank)"),
+            "dropout": Key(0.0, "adapter dropout"),
+            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
+        }, "on the actor"),
+    }, "LoRA adapters"),
+    "eval": Key({
+        "every": Key(25, "also every N steps (always before and after)"),
+        "size": Key(256, "evaluation prompts (split evenly over ranks)"),
+        "batch_size": Key(32, "prompts per generation batch"),
+        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+        "greedy": Key(False, "also score greedy answers"),
+        "seed": Key(1234, "sampling seed of evaluation answers"),
+    }, "sampled answers to the evaluation prompts (never the training prompts)"),
+    "export": Key({
+        "enabled": Key(True, "export/actor"),
+    }, "what the run writes under output_dir/export"),
 }
 CHECKS = recipe_checks(DEFAULTS, {
     "grpo.algorithm": Choice("grpo", "dr_grpo", "rloo", "reinforce_pp"),

@@ -55,138 +55,142 @@ from multiengine.recipes.common import (
     role_tokenizer,
     uses_builtin_data,
 )
-from multiengine.recipes.config import Choice, Range, RecipeConfigError
+from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "outputs/rlhf_ppo",  # everything the run writes goes under this folder
-    "max_steps": 50,  # PPO steps: one rollout batch each
-    "model": {  # the models of the four roles and their tokenizers
-        "actor": "",  # step 1's export (actor and ref); "" = the random tiny model (mechanics only)
-        "reward": "",  # step 2's export or a *ForSequenceClassification model; "" = random tiny model, fresh head
-        "critic": "",  # "" = the reward model (DeepSpeed-Chat); the actor's folder when rewards are functions only
-        "tokenizer": "",  # the actor's tokenizer; "" = the actor folder's own
-        "reward_tokenizer": "",  # the reward model's; "" = its folder's own (re-encoded if it differs from the actor's)
-        "critic_tokenizer": "",  # the critic's; "" = its folder's own (model.reward_tokenizer for the reward's folder)
-        "tiny_hidden": 64,  # width of the random tiny model (empty model keys)
-        "tiny_layers": 2,  # layers of the random tiny model
-    },
-    "data": {  # prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/rlhf_ppo", "everything the run writes goes under this folder"),
+    "max_steps": Key(50, "PPO steps: one rollout batch each"),
+    "model": Key({
+        "actor": Key("", "step 1's export (actor and ref); \"\" = the random tiny model (mechanics only)"),
+        "reward": Key("", "step 2's export or a *ForSequenceClassification model; \"\" = random tiny model, fresh "
+                          "head"),
+        "critic": Key("", "\"\" = the reward model (DeepSpeed-Chat); the actor's folder when rewards are functions "
+                          "only"),
+        "tokenizer": Key("", "the actor's tokenizer; \"\" = the actor folder's own"),
+        "reward_tokenizer": Key("", "the reward model's; \"\" = its folder's own (re-encoded if it differs from the "
+                                    "actor's)"),
+        "critic_tokenizer": Key("", "the critic's; \"\" = its folder's own (model.reward_tokenizer for the reward's "
+                                    "folder)"),
+        "tiny_hidden": Key(64, "width of the random tiny model (empty model keys)"),
+        "tiny_layers": Key(2, "layers of the random tiny model"),
+    }, "the models of the four roles and their tokenizers"),
+    "data": Key({
         **DATA_DEFAULTS,
-        "ptx_source": "",  # SFT rows for the pretraining loss (ppo.ptx_coef); "" = data.source's SFT rows
-        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
-        "max_ptx_len": 32,  # response tokens kept of a pretraining row
-    },
-    "generation": {  # sampling of the rollouts
-        "max_new_tokens": 8,  # tokens generated per answer
-        "temperature": 1.0,  # sampling temperature (also divides the PPO logits)
-        "top_k": 0,  # 0 = off
-        "top_p": 1.0,  # nucleus sampling (1 = off)
-        "mode": "gather",  # gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)
-    },
-    "ppo": {  # the PPO step
-        "rollout_batch_size": 16,  # prompts per rank per step
-        "mini_batch_size": 8,  # rows per rank per forward/backward
-        "ppo_epochs": 1,  # passes over one rollout
-        "clip_eps": 0.2,  # policy ratio clip
-        "value_clip": 0.2,  # 0 = unclipped value loss
-        "dual_clip": 0.0,  # 0 = off; > 1 (e.g. 3) caps the loss of negative-advantage tokens
-        "gamma": 1.0,  # discount
-        "lam": 0.95,  # GAE lambda
-        "kl_coef": 0.1,  # beta of the k1 KL penalty in the reward
-        "adaptive_kl": False,  # adapt beta towards kl_target (Ziegler et al.)
-        "kl_target": 6.0,  # target KL per answer of the adaptive controller
-        "kl_horizon": 10000,  # horizon of the adaptive controller
-        "clip_reward": 5.0,  # 0 = no clipping
-        "whiten_advantages": True,  # whiten advantages over the whole rollout (all ranks)
-        "no_eos_penalty": 0.0,  # > 0: subtracted from the score of answers without EOS
-        "ptx_coef": 0.0,  # > 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat
-        "critic_warmup_steps": 0,  # first N steps train only the critic
-        "shuffle_minibatches": True,  # seeded minibatch order
-    },
-    "roles": {  # placement and optimizer of each role
-        "actor": {  # the policy
-            "stage": 2,  # ZeRO stage 0-3
-            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-            "lr": 1e-5,  # learning rate
-            "weight_decay": 0.0,  # AdamW weight decay
-            "scheduler": "constant",  # a transformers scheduler name
-            "warmup_steps": 0,  # linear warm-up steps
-            "grad_accum": 1,  # minibatches per optimizer step
-            "gradient_checkpointing": False,  # recompute activations in backward (off while generating)
-            "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        },
-        "critic": {  # the value model
-            "stage": 2,  # ZeRO stage 0-3
-            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-            "lr": 5e-6,  # learning rate
-            "weight_decay": 0.0,  # AdamW weight decay
-            "scheduler": "constant",  # a transformers scheduler name
-            "warmup_steps": 0,  # linear warm-up steps
-            "grad_accum": 1,  # minibatches per optimizer step
-            "gradient_checkpointing": False,  # recompute activations in backward
-            "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        },
-        "ref": {  # the frozen SFT policy
-            "stage": -1,  # -1 = the actor's
-            "dtype": "",  # "" = the actor's
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "gather_forward": False,  # at ZeRO-3, one collective per forward call instead of one per layer
-        },
-        "reward": {  # the frozen reward model
-            "stage": -1,  # -1 = the critic's
-            "dtype": "",  # "" = the critic's
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "gather_forward": False,  # at ZeRO-3, one collective per forward call instead of one per layer
-        },
-    },
-    "ema": {  # an exponential moving average of the actor
-        "enabled": False,  # keep and export the EMA
-        "decay": 0.992,  # EMA decay per step
-        "dtype": "",  # "" = the actor's
-        "offload_params": False,  # ZeRO-3 parameter offload to CPU
-    },
+        "ptx_source": Key("", "SFT rows for the pretraining loss (ppo.ptx_coef); \"\" = data.source's SFT rows"),
+        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_ptx_len": Key(32, "response tokens kept of a pretraining row"),
+    }, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
+    "generation": Key({
+        "max_new_tokens": Key(8, "tokens generated per answer"),
+        "temperature": Key(1.0, "sampling temperature (also divides the PPO logits)"),
+        "top_k": Key(0, "0 = off"),
+        "top_p": Key(1.0, "nucleus sampling (1 = off)"),
+        "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
+    }, "sampling of the rollouts"),
+    "ppo": Key({
+        "rollout_batch_size": Key(16, "prompts per rank per step"),
+        "mini_batch_size": Key(8, "rows per rank per forward/backward"),
+        "ppo_epochs": Key(1, "passes over one rollout"),
+        "clip_eps": Key(0.2, "policy ratio clip"),
+        "value_clip": Key(0.2, "0 = unclipped value loss"),
+        "dual_clip": Key(0.0, "0 = off; > 1 (e.g. 3) caps the loss of negative-advantage tokens"),
+        "gamma": Key(1.0, "discount"),
+        "lam": Key(0.95, "GAE lambda"),
+        "kl_coef": Key(0.1, "beta of the k1 KL penalty in the reward"),
+        "adaptive_kl": Key(False, "adapt beta towards kl_target (Ziegler et al.)"),
+        "kl_target": Key(6.0, "target KL per answer of the adaptive controller"),
+        "kl_horizon": Key(10000, "horizon of the adaptive controller"),
+        "clip_reward": Key(5.0, "0 = no clipping"),
+        "whiten_advantages": Key(True, "whiten advantages over the whole rollout (all ranks)"),
+        "no_eos_penalty": Key(0.0, "> 0: subtracted from the score of answers without EOS"),
+        "ptx_coef": Key(0.0, "> 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat"),
+        "critic_warmup_steps": Key(0, "first N steps train only the critic"),
+        "shuffle_minibatches": Key(True, "seeded minibatch order"),
+    }, "the PPO step"),
+    "roles": Key({
+        "actor": Key({
+            "stage": Key(2, "ZeRO stage 0-3"),
+            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
+            "lr": Key(1e-5, "learning rate"),
+            "weight_decay": Key(0.0, "AdamW weight decay"),
+            "scheduler": Key("constant", "a transformers scheduler name"),
+            "warmup_steps": Key(0, "linear warm-up steps"),
+            "grad_accum": Key(1, "minibatches per optimizer step"),
+            "gradient_checkpointing": Key(False, "recompute activations in backward (off while generating)"),
+            "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+        }, "the policy"),
+        "critic": Key({
+            "stage": Key(2, "ZeRO stage 0-3"),
+            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
+            "lr": Key(5e-6, "learning rate"),
+            "weight_decay": Key(0.0, "AdamW weight decay"),
+            "scheduler": Key("constant", "a transformers scheduler name"),
+            "warmup_steps": Key(0, "linear warm-up steps"),
+            "grad_accum": Key(1, "minibatches per optimizer step"),
+            "gradient_checkpointing": Key(False, "recompute activations in backward"),
+            "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+        }, "the value model"),
+        "ref": Key({
+            "stage": Key(-1, "-1 = the actor's"),
+            "dtype": Key("", "\"\" = the actor's"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "gather_forward": Key(False, "at ZeRO-3, one collective per forward call instead of one per layer"),
+        }, "the frozen SFT policy"),
+        "reward": Key({
+            "stage": Key(-1, "-1 = the critic's"),
+            "dtype": Key("", "\"\" = the critic's"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "gather_forward": Key(False, "at ZeRO-3, one collective per forward call instead of one per layer"),
+        }, "the frozen reward model"),
+    }, "placement and optimizer of each role"),
+    "ema": Key({
+        "enabled": Key(False, "keep and export the EMA"),
+        "decay": Key(0.992, "EMA decay per step"),
+        "dtype": Key("", "\"\" = the actor's"),
+        "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+    }, "an exponential moving average of the actor"),
     # reward-model roles and reward functions, summed with weights (see recipes/common.py); empty = the
     # `reward` role from model.reward at roles.reward, weight 1
-    "reward": {  # the reward sources
+    "reward": Key({
         **REWARD_DEFAULTS,
-    },
-    "lora": {  # LoRA adapters
-        "actor": {  # on the actor
-            "enabled": False,  # train peft LoRA adapters only
-            "rank": 8,  # adapter rank
-            "alpha": 0.0,  # scaling (0 = the rank)
-            "dropout": 0.0,  # adapter dropout
-            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
-        },
-        "critic": {  # on the critic's body (the value head trains fully)
-            "enabled": False,  # train peft LoRA adapters only
-            "rank": 8,  # adapter rank
-            "alpha": 0.0,  # scaling (0 = the rank)
-            "dropout": 0.0,  # adapter dropout
-            "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
-        },
-    },
-    "eval": {  # sampled answers to the evaluation prompts (never the training prompts)
-        "every": 10,  # also every N steps (always before and after)
-        "size": 256,  # evaluation prompts (split evenly over ranks)
-        "batch_size": 32,  # prompts per generation batch
-        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
-        "greedy": True,  # also score greedy answers (the main figures use sampled answers, seeded)
-        "seed": 1234,  # sampling seed of evaluation answers
-    },
-    "export": {  # what the run writes under output_dir/export
-        "enabled": True,  # export/actor
-        "critic": True,  # export/critic (*ForSequenceClassification)
-        "ema": True,  # export/ema (with ema.enabled)
-    },
+    }, "the reward sources"),
+    "lora": Key({
+        "actor": Key({
+            "enabled": Key(False, "train peft LoRA adapters only"),
+            "rank": Key(8, "adapter rank"),
+            "alpha": Key(0.0, "scaling (0 = the rank)"),
+            "dropout": Key(0.0, "adapter dropout"),
+            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
+        }, "on the actor"),
+        "critic": Key({
+            "enabled": Key(False, "train peft LoRA adapters only"),
+            "rank": Key(8, "adapter rank"),
+            "alpha": Key(0.0, "scaling (0 = the rank)"),
+            "dropout": Key(0.0, "adapter dropout"),
+            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
+        }, "on the critic's body (the value head trains fully)"),
+    }, "LoRA adapters"),
+    "eval": Key({
+        "every": Key(10, "also every N steps (always before and after)"),
+        "size": Key(256, "evaluation prompts (split evenly over ranks)"),
+        "batch_size": Key(32, "prompts per generation batch"),
+        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+        "greedy": Key(True, "also score greedy answers (the main figures use sampled answers, seeded)"),
+        "seed": Key(1234, "sampling seed of evaluation answers"),
+    }, "sampled answers to the evaluation prompts (never the training prompts)"),
+    "export": Key({
+        "enabled": Key(True, "export/actor"),
+        "critic": Key(True, "export/critic (*ForSequenceClassification)"),
+        "ema": Key(True, "export/ema (with ema.enabled)"),
+    }, "what the run writes under output_dir/export"),
 }
 CHECKS = recipe_checks(DEFAULTS, {
     "ppo.rollout_batch_size": Range(1), "ppo.mini_batch_size": Range(1), "ppo.ppo_epochs": Range(1),

@@ -40,55 +40,56 @@ from multiengine.recipes.common import (
 )
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "outputs/rlhf_reward",  # everything the run writes goes under this folder
-    "max_steps": 300,  # optimizer steps
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/rlhf_reward", "everything the run writes goes under this folder"),
+    "max_steps": Key(300, "optimizer steps"),
     # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
     # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works
-    "model": {  # the reward model's starting point
-        "pretrained": "",  # causal-LM folder, SFT or reward export, *ForSequenceClassification folder; "" = tiny OPT
-        "tokenizer": "",  # a tokenizer folder or hub name; "" = the model folder's own
-        "tiny_hidden": 64,  # width of the random tiny OPT (model.pretrained="")
-        "tiny_layers": 2,  # layers of the random tiny OPT
-    },
-    "data": {  # preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)
+    "model": Key({
+        "pretrained": Key("", "causal-LM folder, SFT or reward export, *ForSequenceClassification folder; \"\" = "
+                              "tiny OPT"),
+        "tokenizer": Key("", "a tokenizer folder or hub name; \"\" = the model folder's own"),
+        "tiny_hidden": Key(64, "width of the random tiny OPT (model.pretrained=\"\")"),
+        "tiny_layers": Key(2, "layers of the random tiny OPT"),
+    }, "the reward model's starting point"),
+    "data": Key({
         **DATA_DEFAULTS,
-        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
-        "max_response_len": 16,  # answer tokens kept, EOS included
-        "heldout_size": 512,  # evaluation pairs scored for the held-out accuracy (0 = all of them)
-    },
-    "train": {  # the reward model's optimizer and batches
-        "micro_batch_size": 16,  # pairs per rank per forward/backward (2 rows each)
-        "grad_accum": 1,  # micro batches per optimizer step
-        "lr": 5e-4,  # peak learning rate
-        "weight_decay": 0.0,  # AdamW weight decay
-        "scheduler": "cosine",  # a transformers scheduler name
-        "warmup_steps": 20,  # linear warm-up steps
-        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        "gradient_checkpointing": False,  # recompute activations in backward (less memory)
-    },
-    "roles": {  # placement of each role
-        "reward": {  # the reward model being trained (LM body + scalar head)
-            "stage": 2,  # ZeRO stage 0-3
-            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-        },
-    },
-    "lora": {  # LoRA adapters on the body (the head trains fully)
-        "enabled": False,  # train peft LoRA adapters only
-        "rank": 8,  # adapter rank
-        "alpha": 0.0,  # scaling (0 = the rank)
-        "dropout": 0.0,  # adapter dropout
-        "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
-    },
-    "eval": {  # held-out pair accuracy
-        "every": 100,  # also evaluate every N steps (0 = only before and after)
-    },
-    "export": {  # what the run writes under output_dir/export
-        "enabled": True,  # export/reward: a *ForSequenceClassification folder with the tokenizer
-    },
+        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_response_len": Key(16, "answer tokens kept, EOS included"),
+        "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
+    }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
+    "train": Key({
+        "micro_batch_size": Key(16, "pairs per rank per forward/backward (2 rows each)"),
+        "grad_accum": Key(1, "micro batches per optimizer step"),
+        "lr": Key(5e-4, "peak learning rate"),
+        "weight_decay": Key(0.0, "AdamW weight decay"),
+        "scheduler": Key("cosine", "a transformers scheduler name"),
+        "warmup_steps": Key(20, "linear warm-up steps"),
+        "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+        "gradient_checkpointing": Key(False, "recompute activations in backward (less memory)"),
+    }, "the reward model's optimizer and batches"),
+    "roles": Key({
+        "reward": Key({
+            "stage": Key(2, "ZeRO stage 0-3"),
+            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
+            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
+            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
+        }, "the reward model being trained (LM body + scalar head)"),
+    }, "placement of each role"),
+    "lora": Key({
+        "enabled": Key(False, "train peft LoRA adapters only"),
+        "rank": Key(8, "adapter rank"),
+        "alpha": Key(0.0, "scaling (0 = the rank)"),
+        "dropout": Key(0.0, "adapter dropout"),
+        "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
+    }, "LoRA adapters on the body (the head trains fully)"),
+    "eval": Key({
+        "every": Key(100, "also evaluate every N steps (0 = only before and after)"),
+    }, "held-out pair accuracy"),
+    "export": Key({
+        "enabled": Key(True, "export/reward: a *ForSequenceClassification folder with the tokenizer"),
+    }, "what the run writes under output_dir/export"),
 }
 CHECKS = recipe_checks(DEFAULTS)
 HELP = dict(COMMON_HELP)

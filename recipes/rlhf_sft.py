@@ -27,9 +27,9 @@ from multiengine.pipelines.rlhf.roles import actor_spec
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.pipelines.rlhf.steps import causal_lm_loss
 from multiengine.recipes.common import (
-    COMMON_HELP,
-    DATA_DEFAULTS,
-    RLHF_BETAS,
+    DATA_KEYS,
+    RLHF_TRAINABLE,
+    TINY_KEYS,
     check_data,
     check_model,
     check_stage_batches,
@@ -37,88 +37,65 @@ from multiengine.recipes.common import (
     demonstrations,
     evaluation_prompts,
     load_data,
-    lora_spec,
-    optim_spec,
-    placement,
     recipe_checks,
     role_tokenizer,
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.engines.recipe_config import Key, split_keys
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "outputs/rlhf_sft",  # everything the run writes goes under this folder
-    "max_steps": 300,  # optimizer steps
-    "model": {  # the model to fine-tune
-        "pretrained": "",  # a causal-LM folder (save_pretrained) or hub name; "" = the random tiny OPT
-        "tokenizer": "",  # a tokenizer folder or hub name; "" = the model folder's own
-        "tiny_hidden": 64,  # width of the random tiny OPT (model.pretrained="")
-        "tiny_layers": 2,  # layers of the random tiny OPT
-    },
-    "data": {  # demonstrations: prompt + response, messages or text rows (docs/data.md)
-        **DATA_DEFAULTS,
-        "max_prompt_len": 16,  # prompt tokens kept (a longer prompt loses its beginning)
-        "max_response_len": 16,  # response tokens kept, EOS included
-        "heldout_size": 128,  # evaluation rows scored for the held-out loss (0 = all of them)
-    },
-    "train": {  # the actor's optimizer and batches
-        "micro_batch_size": 16,  # rows per rank per forward/backward
-        "grad_accum": 1,  # micro batches per optimizer step
-        "lr": 1e-3,  # peak learning rate
-        "weight_decay": 0.0,  # AdamW weight decay
-        "scheduler": "cosine",  # a transformers scheduler name
-        "warmup_steps": 20,  # linear warm-up steps
-        "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-        "gradient_checkpointing": False,  # recompute activations in backward (less memory)
-    },
-    "roles": {  # placement of each role
-        "actor": {  # the policy being fine-tuned
-            "stage": 2,  # ZeRO stage 0-3
-            "dtype": "fp32",  # fp32 | bf16 | fp16 (GPU only)
-            "offload_params": False,  # ZeRO-3 parameter offload to CPU
-            "offload_optimizer": False,  # optimizer state offload to CPU
-        },
-    },
-    "lora": {  # LoRA adapters instead of full fine-tuning
-        "enabled": False,  # train peft LoRA adapters only
-        "rank": 8,  # adapter rank
-        "alpha": 0.0,  # scaling (0 = the rank)
-        "dropout": 0.0,  # adapter dropout
-        "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"],  # module names that get adapters
-    },
-    "generation": {  # sampling of evaluation answers
-        "max_new_tokens": 8,  # tokens generated per answer
-        "temperature": 1.0,  # sampling temperature
-    },
-    "eval": {  # judge score of sampled answers (seeded; what PPO optimises) and of greedy answers
-        "every": 100,  # also evaluate every N steps (0 = only before and after)
-        "size": 256,  # evaluation prompts (the prompts of the evaluation rows), split over ranks
-        "batch_size": 32,  # prompts per generation batch
-        "judge": True,  # the built-in task's programmatic judge (only for its prompts)
-        "greedy": True,  # also score greedy answers
-        "seed": 1234,  # sampling seed of evaluation answers
-    },
-    "export": {  # what the run writes under output_dir/export
-        "enabled": True,  # export/actor: an HF folder with the tokenizer (merged weights + adapter/ for LoRA)
-    },
+ROLES = (
+    Role("actor", "the policy being fine-tuned; model \"\" = the random tiny OPT (tiny.*)", trainable=True,
+         keys={**RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine", "warmup_steps": 20,
+               "micro_batch_size": 16}),
+)
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/rlhf_sft", "everything the run writes goes under this folder"),
+    "max_steps": Key(300, "optimizer steps"),
+    "roles": role_keys(ROLES),
+    "tiny": TINY_KEYS,
+    "data": Key({
+        **DATA_KEYS,
+        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_response_len": Key(16, "response tokens kept, EOS included"),
+        "heldout_size": Key(128, "evaluation rows scored for the held-out loss (0 = all of them)"),
+    }, "demonstrations: prompt + response, messages or text rows (docs/data.md)"),
+    "generation": Key({
+        "max_new_tokens": Key(8, "tokens generated per answer"),
+        "temperature": Key(1.0, "sampling temperature"),
+    }, "sampling of evaluation answers"),
+    "eval": Key({
+        "every": Key(100, "also evaluate every N steps (0 = only before and after)"),
+        "size": Key(256, "evaluation prompts (the prompts of the evaluation rows), split over ranks"),
+        "batch_size": Key(32, "prompts per generation batch"),
+        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+        "greedy": Key(True, "also score greedy answers"),
+        "seed": Key(1234, "sampling seed of evaluation answers"),
+    }, "judge score of sampled answers (seeded; what PPO optimises) and of greedy answers"),
+    "export": Key({
+        "enabled": Key(True, "export/actor: an HF folder with the tokenizer (merged weights + adapter/ for LoRA)"),
+    }, "what the run writes under output_dir/export"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS)
-HELP = dict(COMMON_HELP)
+RENAMED = old_keys("actor", extra={"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"})
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder, tokenizer vs vocabulary, data (formats, columns, rows, chat template, evaluation rows), and a
     micro batch of training rows per rank on ``world_size`` ranks."""
-    check_model("model.pretrained", cfg.model.pretrained)
-    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.pretrained", cfg.model.pretrained)
+    actor = cfg.roles.actor
+    check_model("roles.actor.model", actor.model)
+    tok = check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
     check_batches(cfg, check_data(cfg, "sft", tok), world_size)
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """demonstrations(): one stream of micro batches per rank (grad_accum draws it again, across epochs)."""
-    check_stage_batches(report, world_size, key="train.micro_batch_size", value=cfg.train.micro_batch_size,
+    check_stage_batches(report, world_size, key="roles.actor.micro_batch_size", value=cfg.roles.actor.micro_batch_size,
                         setting=setting)
 
 
@@ -132,22 +109,21 @@ class RLHFSFT(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         # 1. the model and its tokenizer (the random tiny OPT and the built-in task when left empty)
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.pretrained)
-        self.model_path = cfg.model.pretrained or assets["model"]
-        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.model_path,
+        actor = cfg.roles.actor
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not actor.model)
+        self.model_path = actor.model or assets["model"]
+        self.tokenizer = role_tokenizer(actor.tokenizer, self.model_path,
                                         role_tokenizer("", assets["tokenizer"]) if assets else None,
-                                        what="model.pretrained")
-        t = cfg.train
-        registry.add(actor_spec(self.model_path, placement(cfg.roles.actor),
-                                optim_spec(t, cfg.max_steps, betas=RLHF_BETAS), micro_batch_size=t.micro_batch_size,
-                                grad_accum=t.grad_accum, lora=lora_spec(cfg.lora),
-                                gradient_checkpointing=t.gradient_checkpointing,
+                                        what="roles.actor.model")
+        registry.add(actor_spec(self.model_path, placement(cfg, ROLES, "actor"),
+                                optim_spec(cfg, "actor", cfg.max_steps), micro_batch_size=actor.micro_batch_size, grad_accum=actor.grad_accum,
+                                lora=lora_spec(cfg, "actor"), gradient_checkpointing=actor.gradient_checkpointing,
                                 seed=cfg.seed))
         registry.build()
 
         # 2. demonstrations to train on; evaluation rows (never trained on) for the held-out loss and prompts
         data = load_data(self, "sft", default_source=assets.get("data", ""))
-        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, t.micro_batch_size)
+        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, actor.micro_batch_size)
         self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,

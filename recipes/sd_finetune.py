@@ -53,7 +53,7 @@ from multiengine.pipelines.diffusion.training import (
 )
 from multiengine.pipelines.diffusion.validation import build_pipeline, generate, image_grid
 from multiengine.recipes.common import check_rows_per_rank, placement
-from multiengine.recipes.config import Check, Choice, Each, Length, Range, RecipeConfigError, config_problem
+from multiengine.engines.recipe_config import Check, Choice, Each, Length, Range, RecipeConfigError, config_problem
 from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
 
 logger = logging.getLogger(__name__)
@@ -73,122 +73,138 @@ TEXT_ENCODER_ROLES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 ROLE_NAMES = ("unet", "transformer", "vae", *TEXT_ENCODER_ROLES, "ema")
 
 DATA_DEFAULTS: dict[str, Any] = {  # image-caption rows (docs/data.md)
-    "source": "",  # imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; "" = shapes
-    "sources": [],  # several sources with weights: [{path, weight, columns, split}] (instead of data.source)
-    "columns": {"image": "", "caption": ""},  # your column names ("" = data.image_column / caption_column)
-    "image_column": "image",  # the image column (alias of data.columns.image)
-    "caption_column": "text",  # the caption column (alias of data.columns.caption)
-    "train_split": "train",  # the split of a hub dataset or DatasetDict folder to train on
-    "eval_source": "",  # separate evaluation rows (same forms as data.source); wins over data.eval_split
-    "eval_split": "",  # held-out rows: a fraction (0.05), a count (16), a split name (test); "" = eval.heldout_size
-    "check_images": True,  # before any rank starts: open every image and list the unreadable ones
-    "resolution": 512,  # training (and validation) size in pixels, square
-    "center_crop": True,  # center crop after resizing the shorter side (false: random crop)
-    "random_flip": False,  # random horizontal flip
-    "builtin_size": 128,  # images of the built-in shapes dataset (generated under output_dir/data)
-    "max_train_samples": 0,  # use only the first N training rows (0 = all)
-    "num_workers": 0,  # DataLoader workers per rank
-    "cache_dir": "",  # datasets cache folder ("" = the default)
+    "source": Key("", "imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; \"\" = shapes"),
+    "sources": Key([], "several sources with weights: [{path, weight, columns, split}] (instead of data.source)"),
+    "columns": Key({"image": Key("", "your column names (\"\" = data.image_column / caption_column)"), "caption": Key("", "your column names (\"\" = data.image_column / caption_column)")}, "your "
+                                                                                                                                                                                             "column "
+                                                                                                                                                                                             "names "
+                                                                                                                                                                                             "(\"\" "
+                                                                                                                                                                                             "= "
+                                                                                                                                                                                             "data.image_column "
+                                                                                                                                                                                             "/ "
+                                                                                                                                                                                             "caption_column)"),
+    "image_column": Key("image", "the image column (alias of data.columns.image)"),
+    "caption_column": Key("text", "the caption column (alias of data.columns.caption)"),
+    "train_split": Key("train", "the split of a hub dataset or DatasetDict folder to train on"),
+    "eval_source": Key("", "separate evaluation rows (same forms as data.source); wins over data.eval_split"),
+    "eval_split": Key("", "held-out rows: a fraction (0.05), a count (16), a split name (test); \"\" = "
+                          "eval.heldout_size"),
+    "check_images": Key(True, "before any rank starts: open every image and list the unreadable ones"),
+    "resolution": Key(512, "training (and validation) size in pixels, square"),
+    "center_crop": Key(True, "center crop after resizing the shorter side (false: random crop)"),
+    "random_flip": Key(False, "random horizontal flip"),
+    "builtin_size": Key(128, "images of the built-in shapes dataset (generated under output_dir/data)"),
+    "max_train_samples": Key(0, "use only the first N training rows (0 = all)"),
+    "num_workers": Key(0, "DataLoader workers per rank"),
+    "cache_dir": Key("", "datasets cache folder (\"\" = the default)"),
 }
 
 TRAIN_DEFAULTS: dict[str, Any] = {  # the denoiser's optimisation
-    "micro_batch_size": 1,  # images per rank per forward
-    "grad_accum": 1,  # micro batches per optimizer step (global batch = micro x accum x ranks)
-    "lr": 1e-5,  # peak learning rate
-    "lr_scheduler": "constant",  # diffusers.optimization.get_scheduler names (constant, cosine, ...)
-    "lr_warmup_steps": 0,  # warmup, in optimizer steps
-    "adam_beta1": 0.9,  # AdamW beta1
-    "adam_beta2": 0.999,  # AdamW beta2
-    "adam_weight_decay": 1e-2,  # AdamW weight decay
-    "adam_epsilon": 1e-8,  # AdamW epsilon
-    "max_grad_norm": 1.0,  # gradient clipping (0 = none)
-    "gradient_checkpointing": False,  # activation checkpointing of the denoiser
-    "prediction_type": "",  # SD/SDXL: "" = the scheduler's; epsilon | v_prediction | sample
-    "snr_gamma": 0.0,  # SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)
-    "noise_offset": 0.0,  # SD/SDXL: offset-noise scale
-    "input_perturbation": 0.0,  # SD/SDXL: input-perturbation scale
+    "micro_batch_size": Key(1, "images per rank per forward"),
+    "grad_accum": Key(1, "micro batches per optimizer step (global batch = micro x accum x ranks)"),
+    "lr": Key(1e-5, "peak learning rate"),
+    "lr_scheduler": Key("constant", "diffusers.optimization.get_scheduler names (constant, cosine, ...)"),
+    "lr_warmup_steps": Key(0, "warmup, in optimizer steps"),
+    "adam_beta1": Key(0.9, "AdamW beta1"),
+    "adam_beta2": Key(0.999, "AdamW beta2"),
+    "adam_weight_decay": Key(1e-2, "AdamW weight decay"),
+    "adam_epsilon": Key(1e-8, "AdamW epsilon"),
+    "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
+    "gradient_checkpointing": Key(False, "activation checkpointing of the denoiser"),
+    "prediction_type": Key("", "SD/SDXL: \"\" = the scheduler's; epsilon | v_prediction | sample"),
+    "snr_gamma": Key(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)"),
+    "noise_offset": Key(0.0, "SD/SDXL: offset-noise scale"),
+    "input_perturbation": Key(0.0, "SD/SDXL: input-perturbation scale"),
 }
 
 EMA_DEFAULTS: dict[str, Any] = {  # EMA of the denoiser, diffusers' EMAModel options
-    "enabled": False,  # keep an EMA role (sharded like the denoiser; exported in the pipeline when on)
-    "decay": 0.9999,  # the largest decay
-    "use_ema_warmup": False,  # true: 1 - (1 + s/inv_gamma)^-power; false: (1 + s) / (10 + s)
-    "min_decay": 0.0,  # the smallest decay after the first update
-    "update_after_step": 0,  # copy the weights (decay 0) for this many steps first
-    "inv_gamma": 1.0,  # warmup: inverse multiplicative factor
-    "power": 2 / 3,  # warmup: exponent (2/3 for long runs, 3/4 for short ones)
-    "dtype": "fp32",  # EMA weights' dtype (bf16 would round away small updates)
-    "offload_params": False,  # ZeRO-3 parameter offload of the EMA to the host
-    "max_decay": None,  # removed: use ema.decay
-    "warmup": None,  # removed: use ema.use_ema_warmup
+    "enabled": Key(False, "keep an EMA role (sharded like the denoiser; exported in the pipeline when on)"),
+    "decay": Key(0.9999, "the largest decay"),
+    "use_ema_warmup": Key(False, "true: 1 - (1 + s/inv_gamma)^-power; false: (1 + s) / (10 + s)"),
+    "min_decay": Key(0.0, "the smallest decay after the first update"),
+    "update_after_step": Key(0, "copy the weights (decay 0) for this many steps first"),
+    "inv_gamma": Key(1.0, "warmup: inverse multiplicative factor"),
+    "power": Key(2 / 3, "warmup: exponent (2/3 for long runs, 3/4 for short ones)"),
+    "dtype": Key("fp32", "EMA weights' dtype (bf16 would round away small updates)"),
+    "offload_params": Key(False, "ZeRO-3 parameter offload of the EMA to the host"),
+    "max_decay": Key(None, "removed: use ema.decay"),
+    "warmup": Key(None, "removed: use ema.use_ema_warmup"),
 }
 
 VALIDATION_DEFAULTS: dict[str, Any] = {  # images generated before, after and every N steps
-    "enabled": True,  # validation grids before and after training (and every `every` steps when > 0)
-    "every": 0,  # also every N steps (0 = only before and after)
-    "prompts": [],  # [] = the shapes prompts (built-in data) or captions of your held-out rows
-    "num_prompts": 4,  # how many held-out captions when validation.prompts is []
-    "num_inference_steps": 25,  # sampler steps
-    "guidance_scale": None,  # null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)
-    "seed": 0,  # the sampler's seed (the same images on every rank)
-    "use_ema": True,  # generate with the EMA weights when EMA is on (as diffusers' examples)
+    "enabled": Key(True, "validation grids before and after training (and every `every` steps when > 0)"),
+    "every": Key(0, "also every N steps (0 = only before and after)"),
+    "prompts": Key([], "[] = the shapes prompts (built-in data) or captions of your held-out rows"),
+    "num_prompts": Key(4, "how many held-out captions when validation.prompts is []"),
+    "num_inference_steps": Key(25, "sampler steps"),
+    "guidance_scale": Key(None, "null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)"),
+    "seed": Key(0, "the sampler's seed (the same images on every rank)"),
+    "use_ema": Key(True, "generate with the EMA weights when EMA is on (as diffusers' examples)"),
 }
 
 EVAL_DEFAULTS: dict[str, Any] = {  # held-out loss at fixed noise and timesteps
-    "heldout_size": 8,  # held-out rows for the loss (taken from the data unless eval_source/eval_split); 0 = none
-    "timesteps": 8,  # evenly spaced timesteps (schedule positions) per held-out image
-    "every": 0,  # also every N steps when > 0 (always before and after)
-    "seed": 1234,  # the held-out noise's seed
+    "heldout_size": Key(8, "held-out rows for the loss (taken from the data unless eval_source/eval_split); 0 = none"),
+    "timesteps": Key(8, "evenly spaced timesteps (schedule positions) per held-out image"),
+    "every": Key(0, "also every N steps when > 0 (always before and after)"),
+    "seed": Key(1234, "the held-out noise's seed"),
 }
 
-DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
     "output_dir": "outputs/sd_finetune",
-    "max_steps": 100,  # optimizer steps
-    "mode": "zero3",  # zero3 (every role as in roles.*) | seed_baseline (diffusers' layout: frozen roles whole)
-    "model": {  # the diffusers folder to fine-tune
-        "pretrained": "",  # diffusers folder or hub name (SD, SDXL, SD3, FLUX); "" = the tiny model, built here
-        "revision": "",  # hub revision ("" = main)
-        "variant": "",  # weight variant passed to from_pretrained (e.g. fp16; "" = the default weights)
-        "tiny_family": "sd",  # tiny model only: sd | sdxl | sd3 | flux
-        "tiny_vae_steps": 0,  # tiny model only: pretrain its random vae on the training images first
-        "tiny_text_encoders": None,  # removed: use model.tiny_family (sdxl has two text encoders)
-    },
-    "data": {**DATA_DEFAULTS},  # image-caption rows (docs/data.md)
-    "train": {**TRAIN_DEFAULTS},  # the denoiser's optimisation
-    "flow": {  # SD3 / FLUX: rectified flow matching, as diffusers' SD3 / FLUX scripts
-        "weighting_scheme": "",  # "" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, cosmap, ...
-        "logit_mean": 0.0,  # logit_normal density: mean
-        "logit_std": 1.0,  # logit_normal density: standard deviation
-        "mode_scale": 1.29,  # mode density: scale
-        "precondition_outputs": None,  # null = the family's (SD3 true, FLUX false): x0 loss of noisy - sigma * pred
-        "guidance_scale": 3.5,  # FLUX with a guidance embedding: the guidance input during training
-        "max_sequence_length": 0,  # T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)
-    },
-    "roles": {  # placement per role (one section per role name of the model)
-        "unet": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},  # SD, SDXL
-        "transformer": {"stage": 3, "dtype": "bf16", "offload_params": False, "offload_optimizer": False},  # SD3, FLUX
+    "max_steps": Key(100, "optimizer steps"),
+    "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (diffusers' layout: frozen roles whole)"),
+    "model": Key({
+        "pretrained": Key("", "diffusers folder or hub name (SD, SDXL, SD3, FLUX); \"\" = the tiny model, built here"),
+        "revision": Key("", "hub revision (\"\" = main)"),
+        "variant": Key("", "weight variant passed to from_pretrained (e.g. fp16; \"\" = the default weights)"),
+        "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux"),
+        "tiny_vae_steps": Key(0, "tiny model only: pretrain its random vae on the training images first"),
+        "tiny_text_encoders": Key(None, "removed: use model.tiny_family (sdxl has two text encoders)"),
+    }, "the diffusers folder to fine-tune"),
+    "data": Key({**DATA_DEFAULTS}, "image-caption rows (docs/data.md)"),
+    "train": Key({**TRAIN_DEFAULTS}, "the denoiser's optimisation"),
+    "flow": Key({
+        "weighting_scheme": Key("", "\"\" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, cosmap, ..."),
+        "logit_mean": Key(0.0, "logit_normal density: mean"),
+        "logit_std": Key(1.0, "logit_normal density: standard deviation"),
+        "mode_scale": Key(1.29, "mode density: scale"),
+        "precondition_outputs": Key(None, "null = the family's (SD3 true, FLUX false): x0 loss of noisy - sigma * "
+                                          "pred"),
+        "guidance_scale": Key(3.5, "FLUX with a guidance embedding: the guidance input during training"),
+        "max_sequence_length": Key(0, "T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)"),
+    }, "SD3 / FLUX: rectified flow matching, as diffusers' SD3 / FLUX scripts"),
+    "roles": Key({
+        "unet": Key({"stage": Key(3, "SD, SDXL"), "dtype": Key("bf16", "SD, SDXL"), "offload_params": Key(False, "SD, SDXL"), "offload_optimizer": Key(False, "SD, SDXL")}, "SD, "
+                                                                                                                                                                            "SDXL"),
+        "transformer": Key({"stage": Key(3, "SD3, FLUX"), "dtype": Key("bf16", "SD3, FLUX"), "offload_params": Key(False, "SD3, FLUX"), "offload_optimizer": Key(False, "SD3, FLUX")}, "SD3, "
+                                                                                                                                                                                       "FLUX"),
         # gather_forward: gather a frozen ZeRO-3 role whole for each call (one collective, 1/N between calls)
-        "vae": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": True},  # frozen vae
-        "text_encoder": {"stage": 3, "dtype": "bf16", "offload_params": False, "gather_forward": True},  # the first
+        "vae": Key({"stage": Key(3, "frozen vae"), "dtype": Key("bf16", "frozen vae"), "offload_params": Key(False, "frozen vae"), "gather_forward": Key(True, "frozen vae")}, "frozen "
+                                                                                                                                                                               "vae"),
+        "text_encoder": Key({"stage": Key(3, "the first"), "dtype": Key("bf16", "the first"), "offload_params": Key(False, "the first"), "gather_forward": Key(True, "the first")}, "the "
+                                                                                                                                                                                    "first"),
         # stage -1 / dtype "": as roles.text_encoder (SDXL's CLIP-G, SD3's CLIP-G, FLUX's T5)
-        "text_encoder_2": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": True},  # the second
-        "text_encoder_3": {"stage": -1, "dtype": "", "offload_params": False, "gather_forward": True},  # SD3's T5
-    },
-    "ema": {**EMA_DEFAULTS},  # EMA of the denoiser, diffusers' EMAModel options
-    "lora": {  # LoRA on the denoiser, base weights frozen
-        "enabled": False,  # train adapters only
-        "rank": 4,  # adapter rank
-        "alpha": 0.0,  # scale numerator (0 = rank)
-        "target_modules": [],  # [] = diffusers' defaults of the family (unet: to_k/q/v/out.0; SD3/FLUX: attention...)
-    },
-    "validation": {**VALIDATION_DEFAULTS},  # images generated before, after and every N steps
-    "eval": {**EVAL_DEFAULTS},  # held-out loss at fixed noise and timesteps
-    "export": {  # outputs under output_dir/export
-        "enabled": True,  # write export/pipeline (and export/lora for LoRA runs)
-        "dtype": "fp32",  # dtype of every exported component
-        "roles": [],  # per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)
-    },
+        "text_encoder_2": Key({"stage": Key(-1, "the second"), "dtype": Key("", "the second"), "offload_params": Key(False, "the second"), "gather_forward": Key(True, "the second")}, "the "
+                                                                                                                                                                                       "second"),
+        "text_encoder_3": Key({"stage": Key(-1, "SD3's T5"), "dtype": Key("", "SD3's T5"), "offload_params": Key(False, "SD3's T5"), "gather_forward": Key(True, "SD3's T5")}, "SD3's "
+                                                                                                                                                                               "T5"),
+    }, "placement per role (one section per role name of the model)"),
+    "ema": Key({**EMA_DEFAULTS}, "EMA of the denoiser, diffusers' EMAModel options"),
+    "lora": Key({
+        "enabled": Key(False, "train adapters only"),
+        "rank": Key(4, "adapter rank"),
+        "alpha": Key(0.0, "scale numerator (0 = rank)"),
+        "target_modules": Key([], "[] = diffusers' defaults of the family (unet: to_k/q/v/out.0; SD3/FLUX: "
+                                  "attention...)"),
+    }, "LoRA on the denoiser, base weights frozen"),
+    "validation": Key({**VALIDATION_DEFAULTS}, "images generated before, after and every N steps"),
+    "eval": Key({**EVAL_DEFAULTS}, "held-out loss at fixed noise and timesteps"),
+    "export": Key({
+        "enabled": Key(True, "write export/pipeline (and export/lora for LoRA runs)"),
+        "dtype": Key("fp32", "dtype of every exported component"),
+        "roles": Key([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)"),
+    }, "outputs under output_dir/export"),
 }
 
 

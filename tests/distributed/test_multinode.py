@@ -89,7 +89,7 @@ def test_static_two_nodes_then_resume_on_one_node(one_node, tmp_path):
 
     # the planner's per-rank model states at the config's placements equal the measured ones, on every rank
     from multiengine.recipes import plans
-    from multiengine.recipes.config import load_config
+    from multiengine.engines.recipe_config import load_config
 
     planned = plans.configured_states("registry_demo", load_config("registry_demo", "tiny", [f"output_dir={two}"]), 2)
     for rank in summary["memory"]["per_rank"]:

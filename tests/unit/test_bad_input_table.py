@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multiengine.recipes.config import (
+from multiengine.engines.recipe_config import (
     ConfigValueError,
     DuplicateKeyError,
     RecipeConfigError,

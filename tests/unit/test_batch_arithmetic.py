@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from multiengine.recipes import cli
 from multiengine.recipes.common import check_rows_per_rank
-from multiengine.recipes.config import ConfigValueError
+from multiengine.engines.recipe_config import ConfigValueError
 
 
 @pytest.fixture(autouse=True)

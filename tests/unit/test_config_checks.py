@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from multiengine.recipes import cli
-from multiengine.recipes.config import (
+from multiengine.engines.recipe_config import (
     Choice,
     ConfigValueError,
     Each,
@@ -32,10 +32,12 @@ from multiengine.recipes.config import (
 PKG = "me_checks_recipes"
 
 COMMON = '''
-COMMON_DEFAULTS = {
-    "output_dir": "out",  # where the run writes everything
-    "seed": 0,  # base seed of every random stream
-    "max_steps": 10,  # optimizer steps to run
+from multiengine.engines.recipe_config import Key
+
+COMMON_KEYS = {
+    "output_dir": Key("out", "where the run writes everything"),
+    "seed": Key(0, "base seed of every random stream"),
+    "max_steps": Key(10, "optimizer steps to run"),
 }
 '''
 
@@ -43,27 +45,29 @@ CHECKED = '''
 import os
 from pathlib import Path
 
-from multiengine.recipes.config import (Choice, Each, Length, PathExists, Range, RecipeConfigError, Satisfies,
+from multiengine.engines.recipe_config import (Choice, Each, Length, PathExists, Range, RecipeConfigError, Satisfies,
                                         config_problem)
 
-from .common import COMMON_DEFAULTS
+from multiengine.engines.recipe_config import Key, split_keys
 
-DEFAULTS = {
-    **COMMON_DEFAULTS,
-    "mode": "full",  # full fine-tuning or LoRA
-    "lr": 1e-3,  # peak learning rate
+from .common import COMMON_KEYS
+
+DEFAULTS, HELP = split_keys({
+    **COMMON_KEYS,
+    "mode": Key("full", "full fine-tuning or LoRA"),
+    "lr": Key(1e-3, "peak learning rate"),
     "warmup": 0.1,
-    "prompts": ["a cat"],  # prompts sampled at each evaluation
-    "data": {  # the training data
-        "path": "",  # a JSONL file of rows
-        "heldout": 2,  # rows kept out for evaluation
-    },
-    "roles": {"actor": {"stage": 0, "width": 64}, "critic": {"stage": 0, "width": 64}},  # ZeRO placement per role
-    "resume_from": None,  # checkpoint folder to resume from
-    "extra": {},  # passed to DeepSpeed as is
-    "fail": "",  # test switch: '', 'user', 'bug', 'engines', 'rank1'
-}
-HELP = {"warmup": "fraction of max_steps spent warming up", "seed": "overridden meaning"}
+    "prompts": Key(["a cat"], "prompts sampled at each evaluation"),
+    "data": Key({
+        "path": Key("", "a JSONL file of rows"),
+        "heldout": Key(2, "rows kept out for evaluation"),
+    }, "the training data"),
+    "roles": Key({"actor": {"stage": 0, "width": 64}, "critic": {"stage": 0, "width": 64}}, "ZeRO placement per role"),
+    "resume_from": Key(None, "checkpoint folder to resume from"),
+    "extra": Key({}, "passed to DeepSpeed as is"),
+    "fail": Key("", "test switch: '', 'user', 'bug', 'engines', 'rank1'"),
+})
+HELP.update({"warmup": "fraction of max_steps spent warming up", "seed": "overridden meaning"})
 CHECKS = {
     "max_steps": Range(1),
     "mode": Choice("full", "lora"),
@@ -108,7 +112,7 @@ def main(cfg):
 '''
 
 BAD_CHECKS = '''
-from multiengine.recipes.config import Range
+from multiengine.engines.recipe_config import Range
 DEFAULTS = {"output_dir": "out", "seed": 0, "max_steps": 1}
 CHECKS = {"max_step": Range(1)}
 
@@ -257,14 +261,14 @@ def test_run_checks_before_any_rank_starts(toy, tmp_path, capsys):
 
 
 # --- --help -----------------------------------------------------------------------------------------
-def test_key_meanings_from_comments_splats_and_help(toy):
+def test_key_meanings_from_typed_keys_splats_and_help(toy):
     module = load_recipe("checked", toy["package"], toy["configs_dir"])
     meanings = key_meanings(module)
-    assert meanings["output_dir"] == "where the run writes everything"  # through **COMMON_DEFAULTS
+    assert meanings["output_dir"] == "where the run writes everything"  # through **COMMON_KEYS
     assert meanings["seed"] == "overridden meaning"  # HELP wins
     assert meanings["warmup"] == "fraction of max_steps spent warming up"  # HELP fills a gap
     assert meanings["data"] == "the training data" and meanings["data.heldout"] == "rows kept out for evaluation"
-    assert meanings["roles"] == "ZeRO placement per role"  # the outermost key on the line
+    assert meanings["roles"] == "ZeRO placement per role"  # a section's own meaning
     rows = {r["key"]: r for r in describe_keys(module)}
     assert list(rows) == ["output_dir", "seed", "max_steps", "mode", "lr", "warmup", "prompts", "data", "data.path",
                           "data.heldout", "roles", "roles.actor", "roles.actor.stage", "roles.actor.width",

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 from multiengine.recipes import cli
-from multiengine.recipes.config import (
+from multiengine.engines.recipe_config import (
     ConfigKeyError,
     ConfigTypeError,
     OverrideSyntaxError,

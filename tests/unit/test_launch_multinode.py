@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from multiengine.recipes import cli
-from multiengine.recipes.config import RecipeConfigError
+from multiengine.engines.recipe_config import RecipeConfigError
 
 
 def _cmd(**kw):

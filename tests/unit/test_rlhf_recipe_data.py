@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from multiengine.pipelines.rlhf import tiny
 from multiengine.recipes.common import data_overrides, data_spec
-from multiengine.recipes.config import (
+from multiengine.engines.recipe_config import (
     RecipeConfigError,
     describe_keys,
     key_checks,

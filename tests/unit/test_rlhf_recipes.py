@@ -9,7 +9,7 @@ import pytest
 from multiengine.engines import Placement
 from multiengine.pipelines.rlhf.rewards import judge_reward
 from multiengine.recipes.common import reward_config, reward_entries
-from multiengine.recipes.config import RecipeConfigError, checked_config, list_recipes, load_config
+from multiengine.engines.recipe_config import RecipeConfigError, checked_config, list_recipes, load_config
 from omegaconf import OmegaConf
 
 BASE = Placement(stage=3, dtype="fp32", offload_params=True)
@@ -26,7 +26,7 @@ def test_shipped_configs_load_with_a_header(recipe):
     for name in names:
         cfg = load_config(recipe, name)
         assert cfg.output_dir and cfg.max_steps > 0
-    from multiengine.recipes.config import config_header, config_path
+    from multiengine.engines.recipe_config import config_header, config_path
 
     assert config_header(config_path(recipe, "tiny"))
 

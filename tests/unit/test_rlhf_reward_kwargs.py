@@ -27,7 +27,7 @@ from multiengine.pipelines.rlhf.rewards import (
 )
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.rollout import StepStats, expand_prompts
-from multiengine.recipes.config import RecipeConfigError, checked_config
+from multiengine.engines.recipe_config import RecipeConfigError, checked_config
 
 PAD, EOS = 0, 2
 

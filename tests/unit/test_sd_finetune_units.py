@@ -19,7 +19,7 @@ from multiengine.pipelines.diffusion.models import (
 )
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.pipelines.diffusion.validation import _cast_floating, image_grid
-from multiengine.recipes.config import list_recipes, load_config
+from multiengine.engines.recipe_config import list_recipes, load_config
 from PIL import Image
 
 
@@ -79,7 +79,7 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
 
 
 def test_family_options_of_the_other_objective_are_refused_on_the_shipped_configs():
-    from multiengine.recipes.config import RecipeConfigError
+    from multiengine.engines.recipe_config import RecipeConfigError
     from multiengine.recipes.sd_finetune import check_family_options
 
     with pytest.raises(RecipeConfigError, match="flow.weighting_scheme"):

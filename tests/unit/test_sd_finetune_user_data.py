@@ -10,7 +10,7 @@ import os
 import pytest
 from datasets import Dataset
 from multiengine.recipes import sd_finetune as recipe
-from multiengine.recipes.config import checked_config, load_config
+from multiengine.engines.recipe_config import checked_config, load_config
 
 
 def _picker(tmp_path, *overrides):

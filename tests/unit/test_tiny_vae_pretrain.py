@@ -62,7 +62,7 @@ def test_pretrain_trains_at_the_given_resolution(tiny_sd, tmp_path, monkeypatch)
 
 def _job(tmp_path, *overrides):
     from multiengine.recipes import sd_finetune as recipe
-    from multiengine.recipes.config import load_config
+    from multiengine.engines.recipe_config import load_config
 
     cfg = load_config("sd_finetune", "tiny", [f"output_dir={tmp_path}", *overrides])
     job = recipe.SDFinetune(cfg)

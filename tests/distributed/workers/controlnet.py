@@ -9,7 +9,7 @@ import os
 
 from common import dump, out_dir
 from multiengine.recipes import controlnet as recipe
-from multiengine.recipes.config import load_config
+from multiengine.engines.recipe_config import load_config
 
 ROOT = out_dir()
 OVERRIDES = [

@@ -12,7 +12,7 @@ import sys
 
 import torch
 from common import dump, finish
-from multiengine.recipes.config import checked_config, load_recipe
+from multiengine.engines.recipe_config import checked_config, load_recipe
 
 out = sys.argv[1]
 EVAL = ["eval.size=64", "eval.batch_size=32", "eval.every=0"]

@@ -132,7 +132,7 @@ def run_flow(family, path, layout):
 
 def run_recipe(name, *overrides):
     from multiengine.recipes import sd_finetune
-    from multiengine.recipes.config import load_config
+    from multiengine.engines.recipe_config import load_config
 
     cfg = load_config("sd_finetune", "tiny_flux", [
         f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",

@@ -14,7 +14,7 @@ import os
 import sys
 
 from common import dump, finish
-from multiengine.recipes.config import load_config, load_recipe
+from multiengine.engines.recipe_config import load_config, load_recipe
 
 QUIET = ["max_steps=1", "checkpoint.every=0", "tensorboard=false", "plot=false", "export.enabled=false"]
 # The smallest sd_finetune run that still takes one optimizer step (Adam state exists) and builds every role.

@@ -13,7 +13,7 @@ from multiengine.engines import EngineRegistry, write_summary
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PairCollator, _pad
 from multiengine.pipelines.rlhf.scoring import eval_mode, sequence_scores
-from multiengine.recipes.config import load_config
+from multiengine.engines.recipe_config import load_config
 from multiengine.recipes.rlhf_ppo import RLHFPPO
 
 root = out_dir()

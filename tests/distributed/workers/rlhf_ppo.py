@@ -36,7 +36,7 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
 from multiengine.recipes import rlhf_ppo
-from multiengine.recipes.config import load_config
+from multiengine.engines.recipe_config import load_config
 from transformers import AutoTokenizer
 
 ROOT = out_dir()

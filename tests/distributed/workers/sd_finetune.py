@@ -18,7 +18,7 @@ import torch
 from common import dump, out_dir
 from multiengine.engines.partition import local_tensors
 from multiengine.recipes import sd_finetune as recipe
-from multiengine.recipes.config import load_config
+from multiengine.engines.recipe_config import load_config
 
 ROOT = out_dir()
 COMMON = [

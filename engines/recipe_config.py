@@ -6,7 +6,7 @@ A recipe is a module `<package>.<recipe>` (package `multiengine.recipes` by defa
   therefore their types), which must include `output_dir`, `seed` and `max_steps`;
 * `main(cfg: DictConfig) -> dict` - runs it and returns a summary.
 
-Its shipped configs are `configs/<recipe>/<name>.yaml` next to this file. Every key in a YAML
+Its shipped configs are `recipes/configs/<recipe>/<name>.yaml`. Every key in a YAML
 file or an override must exist in DEFAULTS: a typo is an error naming the closest valid key, never
 a silently ignored setting. Types follow the default value (bool, int, float - ints accepted -,
 str, list); `null` is accepted anywhere and a `${...}` interpolation is accepted for any key.
@@ -27,9 +27,9 @@ Checks: one mechanism, two hooks, both run before any rank starts. Optionally, a
   Declared as `validate(cfg, world_size=1)` it also gets the number of ranks the run will have
   (`--nproc-per-node` x `--nnodes`), for checks of the batch arithmetic (rows per rank).
   Lifecycle recipes get the common cross-field checks first (lifecycle.validate_common);
-* `HELP: dict` - dotted key -> one-line meaning, for keys whose DEFAULTS entry has no trailing
-  `# comment` (the comments are what `multiengine run <recipe> --help` shows; for
-  `DEFAULTS = with_common({...})` the comments of COMMON_DEFAULTS in lifecycle.py count too).
+* `HELP: dict` - dotted key -> one-line meaning, what `multiengine run <recipe> --help` shows. Recipes
+  write their keys as `Key(default, "meaning")` leaves and take both from one definition:
+  `DEFAULTS, HELP = split_keys({...})`.
 
 There is no third hook: a module-level `check_config` (the name an earlier version ran inside
 load_config) is refused, so a check written for it cannot be skipped silently.
@@ -37,31 +37,29 @@ load_config) is refused, so a check written for it cannot be skipped silently.
 
 from __future__ import annotations
 
-import ast
 import copy
 import difflib
 import importlib
 import inspect
-import io
 import json
 import pkgutil
 import re
 import sys
-import tokenize
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 RECIPES_PACKAGE = "multiengine.recipes"
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+# The shipped configs live beside the recipes (the package layout keeps engines/ and recipes/ side by side).
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "configs"
 REQUIRED_KEYS = ("output_dir", "seed", "max_steps")
 # Modules of the recipes package that are infrastructure, not recipes.
-_NOT_RECIPES = frozenset({"cli", "common", "config", "lifecycle", "plans"})
+_NOT_RECIPES = frozenset({"cli", "common", "config", "lifecycle", "plans", "schema"})
 
 
 class RecipeConfigError(ValueError):
@@ -252,7 +250,7 @@ def load_recipe(recipe: str, package: str = RECIPES_PACKAGE, configs_dir: str | 
     if hasattr(module, "check_config"):
         raise RecipeDefinitionError(
             f"recipe module {modname} defines check_config(cfg); that hook is now validate(cfg) (run once before"
-            " any rank starts, see recipes/config.py): rename it")
+            " any rank starts, see engines/recipe_config.py): rename it")
     missing = [k for k in REQUIRED_KEYS if k not in defaults]
     if missing:
         raise RecipeDefinitionError(
@@ -284,9 +282,10 @@ class _Ctx:
 
     def __init__(
         self, recipe: str, defaults: dict, source: str, raw: str | None = None, raw_key: str | None = None,
-        where: dict[str, str] | None = None,
+        where: dict[str, str] | None = None, renamed: dict[str, str] | None = None,
     ) -> None:
         self.recipe = recipe
+        self.renamed = renamed or {}  # old key -> new key (the recipe's RENAMED): refused, naming the new key
         self.defaults = defaults
         self.source = source
         self.where = where  # dotted key -> where its value was last set (for value-check messages)
@@ -301,6 +300,13 @@ class _Ctx:
     def unknown(
         self, path: str, value: Any, siblings: Iterable[str] | None, note: str = ""
     ) -> ConfigKeyError:
+        new = renamed_key(path, self.renamed)
+        if new is not None:  # an entry "new.key (how)" names the new key and how its values differ
+            key, _, how = new.partition(" ")
+            fix = f"set {key} {how}" if how else f"write {key}={_show(value)}"
+            return ConfigKeyError(f"config key '{path}' (value {value!r}) is now '{key}' in recipe '{self.recipe}': "
+                                  f"every role is configured under roles.<name> with the same keys. Fix: {fix}. "
+                                  f"({self.source})", path, value, key)
         suggestion = None
         last = path.rsplit(".", 1)[-1]
         parent = path[: -len(last)]
@@ -332,6 +338,23 @@ class _Ctx:
             f"config key '{path}' for recipe '{self.recipe}' expects {expected}, got {value!r} "
             f"({type(value).__name__}). ({self.source})"
         )
+
+
+def renamed_key(path: str, renamed: dict[str, str]) -> str | None:
+    """The new name of an old key: an exact entry, else the longest ``section.*`` entry that covers it."""
+    if path in renamed:
+        return renamed[path]
+    best = None
+    for old, new in renamed.items():
+        if old.endswith(".*") and (path + ".").startswith(old[:-1]) and (best is None or len(old) > len(best)):
+            best = old
+    if best is None:
+        return None
+    return renamed[best][:-2] + path[len(best) - 2:] if renamed[best].endswith(".*") else renamed[best]
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def _is_interpolation(value: Any) -> bool:
@@ -430,11 +453,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _apply_override(merged: dict, text: str, ctx_base: tuple[str, dict], where: dict[str, str] | None = None) -> None:
+def _apply_override(merged: dict, text: str, ctx_base: tuple[str, dict], where: dict[str, str] | None = None,
+                    renamed: dict[str, str] | None = None) -> None:
     key, value = parse_override(text)
     raw = text.split("=", 1)[1]
     recipe, defaults = ctx_base
-    ctx = _Ctx(recipe, defaults, f"in override '{text}'", raw=raw, raw_key=key, where=where)
+    ctx = _Ctx(recipe, defaults, f"in override '{text}'", raw=raw, raw_key=key, where=where, renamed=renamed)
     parts = key.split(".")
     node_d, node_t = defaults, merged
     for i, part in enumerate(parts[:-1]):
@@ -490,6 +514,7 @@ def load_config(
     """
     module = load_recipe(recipe, package, configs_dir)
     defaults = copy.deepcopy(module.DEFAULTS)
+    renamed = dict(getattr(module, "RENAMED", None) or {})
     merged = copy.deepcopy(defaults)
     where: dict[str, str] = {}
     if config is not None:
@@ -505,9 +530,9 @@ def load_config(
             data = {}
         if not isinstance(data, dict):
             raise UnknownConfigError(f"config file {path} must be a mapping of keys, got {type(data).__name__}")
-        _merge(merged, defaults, data, "", _Ctx(recipe, defaults, f"in {path}", where=where))
+        _merge(merged, defaults, data, "", _Ctx(recipe, defaults, f"in {path}", where=where, renamed=renamed))
     for text in overrides:
-        _apply_override(merged, text, (recipe, defaults), where)
+        _apply_override(merged, text, (recipe, defaults), where, renamed)
 
     cfg = OmegaConf.create(merged)
     OmegaConf.set_struct(cfg, True)
@@ -947,7 +972,7 @@ def validate_config(
     check_output_dir_writable(str(cfg.output_dir))
     lc = _lifecycle(module)
     if lc is not None:
-        lc.validate_common(cfg)
+        lc.validate_common(cfg, getattr(module, "ROLES", None))
     hook = getattr(module, "validate", None)
     if hook is None:
         return
@@ -969,147 +994,37 @@ def checked_config(
     return cfg
 
 
-# --- what each key means (for `multiengine run <recipe> --help`) -------------------------------------
-# A key's meaning is the trailing `# comment` on its line in the DEFAULTS literal (for a section,
-# the comment after its opening brace) or else the comment lines right above it, read from the
-# module's source with tokenize + ast; a
-# module-level HELP dict (dotted key -> text) adds to or overrides them, for keys whose DEFAULTS are
-# built by code. `**OTHER` entries, `dict(OTHER, ...)` values and `with_common({...})` (whose
-# COMMON_DEFAULTS literal lives in recipes/lifecycle.py) are followed into the literals they name, in
-# this module or the one the name is imported from.
+# --- typed key definitions: a default and its one-line meaning -------------------------------------
+class Key(NamedTuple):
+    """One config key: its default value (which also gives its type) and one line of help for ``--help``.
+    A Key whose default is a dict is a section with a meaning of its own."""
+
+    default: Any
+    help: str
 
 
-def _comments(source: str) -> dict[int, tuple[int, str]]:
-    """Line -> (column, text) of its comment; a column of -1 marks a line that is only a comment."""
-    out: dict[int, tuple[int, str]] = {}
-    lines = source.splitlines()
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT:
-                line, col = tok.start
-                alone = not lines[line - 1][:col].strip()
-                out[line] = (-1 if alone else col, tok.string.lstrip("#").strip())
-    except (tokenize.TokenError, SyntaxError):
-        pass
-    return out
-
-
-def _assigned(tree: ast.Module, name: str) -> ast.expr | None:
-    """The expression assigned to a module-level `name` (`NAME = ...` or `NAME: type = ...`)."""
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, ast.AnnAssign) else []
-        value = getattr(node, "value", None)
-        if value is not None and any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return value
-    return None
-
-
-class _Source:
-    def __init__(self, module: ModuleType) -> None:
-        self.module = module
-        try:
-            text = inspect.getsource(module)
-        except (OSError, TypeError):
-            text = ""
-        self.tree = ast.parse(text) if text else ast.Module(body=[], type_ignores=[])
-        self.comments = _comments(text)
-
-    def resolve(self, node: ast.expr) -> tuple[_Source, ast.expr] | None:
-        """The expression a name (`X`, `module.X`) stands for, in this module or the one it is imported from."""
-        if isinstance(node, ast.Name):
-            found = _assigned(self.tree, node.id)
-            if found is not None:
-                return self, found
-            for imp in self.tree.body:
-                if isinstance(imp, ast.ImportFrom) and any((a.asname or a.name) == node.id for a in imp.names):
-                    original = next(a.name for a in imp.names if (a.asname or a.name) == node.id)
-                    other = self._import(imp.module, imp.level)
-                    if other is not None:
-                        src = _Source(other)
-                        found = _assigned(src.tree, original)
-                        return (src, found) if found is not None else None
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            other = getattr(self.module, node.value.id, None)
-            if isinstance(other, ModuleType):
-                src = _Source(other)
-                found = _assigned(src.tree, node.attr)
-                return (src, found) if found is not None else None
-        return None
-
-    def _import(self, name: str | None, level: int) -> ModuleType | None:
-        try:
-            if level:
-                return importlib.import_module("." * level + (name or ""), self.module.__package__)
-            return importlib.import_module(name or "")
-        except ImportError:
-            return None
-
-
-def _walk_expr(src: _Source, node: ast.expr, prefix: str, out: dict[str, str], used: set, depth: int = 0) -> None:
-    """The comments of whatever dict `node` builds: a literal, a name bound to one, `dict(NAME, k=v)`, or
-    `with_common({...})` (the recipe's literal first, so its comments win, then COMMON_DEFAULTS')."""
-    if depth > 8:
-        return
-    if isinstance(node, ast.Dict):
-        _walk_comments(src, node, prefix, out, used, depth)
-    elif isinstance(node, (ast.Name, ast.Attribute)):
-        found = src.resolve(node)
-        if found is not None:
-            _walk_expr(found[0], found[1], prefix, out, set(), depth + 1)
-    elif isinstance(node, ast.Call):
-        func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-        if func == "dict":
-            for arg in node.args:
-                _walk_expr(src, arg, prefix, out, used, depth + 1)
-        elif func == "with_common":
-            for arg in node.args:
-                _walk_expr(src, arg, prefix, out, used, depth + 1)
-            fn = getattr(src.module, "with_common", None)
-            home = sys.modules.get(getattr(fn, "__module__", "") or "")
-            if home is not None:
-                common = _Source(home)
-                literal = _assigned(common.tree, "COMMON_DEFAULTS")
-                if literal is not None:
-                    _walk_expr(common, literal, prefix, out, set(), depth + 1)
-
-
-def _walk_comments(src: _Source, node: ast.Dict, prefix: str, out: dict[str, str], used: set, depth: int = 0) -> None:
-    for key, value in zip(node.keys, node.values):
-        if key is None:  # a `**OTHER` entry
-            _walk_expr(src, value, prefix, out, used, depth + 1)
-            continue
-        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-            continue
-        path = prefix + key.value
-        line = key.lineno
-        comment = src.comments.get(line)
-        if comment and (id(src), line) not in used and comment[0] > key.col_offset:
-            out.setdefault(path, comment[1])  # the outermost key starting on the line takes it
-            used.add((id(src), line))
-        elif path not in out and (id(src), -line) not in used:  # else the comment lines right above the key
-            used.add((id(src), -line))  # the outermost key starting on the line takes them
-            above, n = [], line - 1
-            while n in src.comments and src.comments[n][0] == -1:
-                above.insert(0, src.comments[n][1])
-                n -= 1
-            if above:
-                out[path] = " ".join(above)
-        if isinstance(value, (ast.Dict, ast.Call, ast.Name, ast.Attribute)):
-            _walk_expr(src, value, path + ".", out, used, depth + 1)
+def split_keys(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, str]]:
+    """(defaults, help) of a tree whose leaves may be :class:`Key`: the plain nested defaults a recipe's
+    DEFAULTS holds, and dotted key -> meaning for every Key (its HELP)."""
+    defaults: dict[str, Any] = {}
+    meanings: dict[str, str] = {}
+    for name, value in tree.items():
+        path = prefix + str(name)
+        if isinstance(value, Key):
+            meanings[path] = value.help
+            value = value.default
+        if isinstance(value, dict):
+            defaults[name], inner = split_keys(value, path + ".")
+            meanings.update(inner)
+        else:
+            defaults[name] = copy.deepcopy(value)
+    return defaults, meanings
 
 
 def key_meanings(module: ModuleType) -> dict[str, str]:
-    """Dotted key -> one-line meaning, from DEFAULTS' trailing comments and the module's HELP dict."""
-    src = _Source(module)
-    out: dict[str, str] = {}
-    expr = _assigned(src.tree, "DEFAULTS")
-    if expr is not None:
-        _walk_expr(src, expr, "", out, set())
+    """Dotted key -> one-line meaning: the module's HELP (what split_keys returned for its DEFAULTS)."""
     help_dict = getattr(module, "HELP", None)
-    if isinstance(help_dict, dict):
-        out.update({str(k): str(v) for k, v in help_dict.items()})
-    return out
+    return {str(k): str(v) for k, v in help_dict.items()} if isinstance(help_dict, dict) else {}
 
 
 def _type_name(default: Any) -> str:
