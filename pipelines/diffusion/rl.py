@@ -1,0 +1,596 @@
+"""Reinforcement learning of diffusion models: stochastic steps with log-probabilities, a sampling loop that
+records them, group-relative advantages, the clipped ratio objective and the Diffusion-DPO loss.
+
+A policy-gradient method needs the density of each denoising step. Two samplers have a Gaussian step:
+
+* DDIM with ``eta > 0`` (unet families: SD 1.x/2.x, SDXL), as DDPO (Black et al., 2023) uses it:
+  ``x_prev ~ N(mean, (eta * sigma_t)^2)`` with DDIM's mean and
+  ``sigma_t^2 = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)``;
+* the reverse-time SDE of a rectified flow (SD3, FLUX), as Flow-GRPO (Liu et al., 2025) uses it:
+  ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))``, ``x_prev ~ N(mean, std_dev_t^2 |dt|)`` with
+  ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``.
+
+The log-probability of a step is the Gaussian log-density of ``x_prev`` averaged over the non-batch dims (both
+references average rather than sum, which keeps importance ratios near 1 and the clip range meaningful).
+
+Every function takes flat tensors (``alphas_cumprod``, ``sigmas``, timesteps) rather than a scheduler object, and
+computes in float32 whatever the inputs' dtype (bf16 overflows in the mean). Randomness only through an explicit
+``torch.Generator`` (or explicit ``noise``). Shapes: ``B`` batch, latents ``[B, ...]``, ``N`` sampling steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .math import PREDICTION_TYPES
+
+__all__ = [
+    "DDIMSampler",
+    "DPOStats",
+    "DenoiseStep",
+    "Denoiser",
+    "FlowSDESampler",
+    "Trajectory",
+    "clipped_policy_loss",
+    "ddim_step_with_logprob",
+    "ddim_timesteps",
+    "diffusion_dpo_loss",
+    "diffusion_dpo_loss_from_losses",
+    "diffusion_grpo_loss",
+    "flow_inference_sigmas",
+    "gaussian_logprob",
+    "group_advantages",
+    "kl_to_reference",
+    "paired",
+    "rescore",
+    "sample_with_logprobs",
+    "sde_step_with_logprob",
+    "train_step_indices",
+]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``denoiser_fn(latents [B, ...], timesteps [B]) -> model_output [B, ...]``: the caller closes over the prompt
+embeddings (and classifier-free guidance), so the loop and the re-scoring never see the model's other inputs."""
+
+
+class DenoiseStep(NamedTuple):
+    """One denoising step.
+
+    ``prev_sample`` ``[B, ...]`` float32 (the given one when re-scoring); ``log_prob`` ``[B]`` (``None`` for a
+    deterministic step, ``eta == 0`` / ``noise_level == 0``); ``prev_sample_mean`` ``[B, ...]`` (differentiable in
+    the model output); ``std_dev_t`` ``[B]``: DDIM's ``eta * sigma_t`` or Flow-GRPO's ``noise_level *
+    sqrt(sigma / (1 - sigma))``; ``noise_std`` ``[B]``: the standard deviation of the step's Gaussian (DDIM: equal to
+    ``std_dev_t``; flow: ``std_dev_t * sqrt(sigma - sigma_prev)``).
+    """
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor | None
+    prev_sample_mean: torch.Tensor
+    std_dev_t: torch.Tensor
+    noise_std: torch.Tensor
+
+
+# --- shared helpers -------------------------------------------------------------------------------
+def _rows(value: int | torch.Tensor, batch: int, device: torch.device, name: str) -> torch.Tensor:
+    """``value`` as a ``[B]`` tensor (an int or 0-d tensor is repeated)."""
+    t = torch.as_tensor(value, device=device)
+    if t.ndim == 0:
+        return t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must be a scalar or have shape [B]=[{batch}], got {tuple(t.shape)}")
+    return t
+
+
+def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return x.reshape((like.shape[0],) + (1,) * (like.ndim - 1))
+
+
+def _draw(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    # Drawn on the generator's device and moved (as diffusers' randn_tensor does): the same numbers on any device.
+    draw_on = generator.device if generator is not None else device
+    return torch.randn(tuple(shape), generator=generator, device=draw_on, dtype=torch.float32).to(device)
+
+
+def _check_exclusive(prev_sample: torch.Tensor | None, generator: torch.Generator | None,
+                     noise: torch.Tensor | None) -> None:
+    if prev_sample is not None and (generator is not None or noise is not None):
+        raise ValueError("pass prev_sample (to score a given step) or generator/noise (to sample one), not both.")
+    if generator is not None and noise is not None:
+        raise ValueError("pass generator or noise, not both.")
+
+
+def gaussian_logprob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """``log N(x; mean, std^2)`` per element, averaged over every dim but the first: ``[B, ...] -> [B]``.
+
+    ``x`` is detached (the gradient reaches the policy through ``mean`` only); ``std`` ``[B]`` or broadcastable."""
+    std = _bcast(std, mean) if std.ndim == 1 else std
+    lp = -((x.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def _finish(mean: torch.Tensor, std_dev_t: torch.Tensor, noise_std: torch.Tensor, deterministic: bool,
+            prev_sample: torch.Tensor | None, generator: torch.Generator | None,
+            noise: torch.Tensor | None) -> DenoiseStep:
+    if deterministic:
+        if prev_sample is not None:
+            raise ValueError("a deterministic step (eta == 0 / noise_level == 0) has no density to score "
+                             "prev_sample with; use eta > 0 or noise_level > 0.")
+        return DenoiseStep(mean, None, mean, std_dev_t, noise_std)
+    if prev_sample is None:
+        if noise is not None and noise.shape != mean.shape:
+            raise ValueError(f"noise shape {tuple(noise.shape)} != sample shape {tuple(mean.shape)}")
+        eps = noise.float() if noise is not None else _draw(mean.shape, generator, mean.device)
+        prev_sample = mean + _bcast(noise_std, mean) * eps
+    else:
+        if prev_sample.shape != mean.shape:
+            raise ValueError(f"prev_sample shape {tuple(prev_sample.shape)} != sample shape {tuple(mean.shape)}")
+        prev_sample = prev_sample.float()
+    return DenoiseStep(prev_sample, gaussian_logprob(prev_sample, mean, noise_std), mean, std_dev_t, noise_std)
+
+
+# --- DDIM (DDPO) ------------------------------------------------------------------------------------
+def ddim_timesteps(num_inference_steps: int, num_train_timesteps: int = 1000, steps_offset: int = 0) -> torch.Tensor:
+    """DDIM's sampling timesteps with diffusers' default ``"leading"`` spacing: ``arange(n) * (T // n) +
+    steps_offset``, descending, ``[n]`` long (SD's config has ``steps_offset=1``)."""
+    if not 1 <= num_inference_steps <= num_train_timesteps:
+        raise ValueError(f"num_inference_steps={num_inference_steps} must be in [1, {num_train_timesteps}].")
+    ratio = num_train_timesteps // num_inference_steps
+    return (torch.arange(num_inference_steps - 1, -1, -1, dtype=torch.long) * ratio) + steps_offset
+
+
+def ddim_step_with_logprob(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    timestep: int | torch.Tensor,
+    prev_timestep: int | torch.Tensor,
+    alphas_cumprod: torch.Tensor,
+    eta: float,
+    *,
+    prediction_type: str = "epsilon",
+    final_alpha_cumprod: float | None = None,
+    clip_sample_range: float | None = None,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> DenoiseStep:
+    """One DDIM step ``x_t -> x_prev`` with ``eta``, and the log-probability of ``x_prev`` (DDPO's
+    ``ddim_step_with_logprob``; its mean and noise are diffusers' ``DDIMScheduler.step``).
+
+    ``x0`` and ``eps`` are read from the model output for ``prediction_type``; ``mean = sqrt(a_prev) x0 +
+    sqrt(1 - a_prev - std^2) eps`` with ``std = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``; the step
+    draws ``x_prev = mean + std * noise`` unless ``prev_sample`` is given, in which case that is scored.
+
+    Args:
+        model_output, sample: ``[B, ...]``.
+        timestep, prev_timestep: ``[B]`` (or scalars) indices into ``alphas_cumprod``; ``prev_timestep`` is
+            ``timestep - T // N`` in DDIM and may be negative on the last step.
+        alphas_cumprod: ``[T]``.
+        eta: ``>= 0``; 0 is deterministic DDIM (``log_prob`` is then ``None``).
+        final_alpha_cumprod: ``a_prev`` where ``prev_timestep < 0``. ``None`` (default) uses ``alphas_cumprod[0]``,
+            as DDPO does by clamping the index (and as diffusers does for SD's ``set_alpha_to_one=False``); ``1.0``
+            is diffusers' ``set_alpha_to_one=True``, whose last step has zero variance and so no density.
+        clip_sample_range: clamp the predicted ``x0`` to ``[-r, r]`` (the scheduler's ``clip_sample``); None: no clamp.
+        prev_sample: a stored ``x_prev`` to score instead of drawing one.
+        generator / noise: where the step's standard-normal draw comes from (one of them, or neither).
+
+    Returns:
+        :class:`DenoiseStep` (float32).
+    """
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type={prediction_type!r}; use one of {list(PREDICTION_TYPES)}.")
+    if not eta >= 0:
+        raise ValueError(f"eta={eta} must be >= 0 (DDPO uses 1.0).")
+    _check_exclusive(prev_sample, generator, noise)
+    x, out = sample.float(), model_output.float()
+    if out.shape != x.shape:
+        raise ValueError(f"model_output shape {tuple(out.shape)} != sample shape {tuple(x.shape)}")
+    b, dev = x.shape[0], x.device
+    ac = alphas_cumprod.to(device=dev, dtype=torch.float32)
+    t = _rows(timestep, b, dev, "timestep").long()
+    tp = _rows(prev_timestep, b, dev, "prev_timestep").long()
+    a_t = ac[t]
+    a_prev = ac[tp.clamp(0, ac.shape[0] - 1)]
+    if final_alpha_cumprod is not None:
+        a_prev = torch.where(tp >= 0, a_prev, torch.full_like(a_prev, float(final_alpha_cumprod)))
+    variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
+    std = eta * variance.sqrt()
+    a_t_, a_prev_, std_ = _bcast(a_t, x), _bcast(a_prev, x), _bcast(std, x)
+    beta_t = 1 - a_t_
+    if prediction_type == "epsilon":
+        x0, eps = (x - beta_t.sqrt() * out) / a_t_.sqrt(), out
+    elif prediction_type == "sample":
+        x0 = out
+        eps = (x - a_t_.sqrt() * x0) / beta_t.sqrt()
+    else:
+        x0 = a_t_.sqrt() * x - beta_t.sqrt() * out
+        eps = a_t_.sqrt() * out + beta_t.sqrt() * x
+    if clip_sample_range is not None:
+        x0 = x0.clamp(-clip_sample_range, clip_sample_range)
+    mean = a_prev_.sqrt() * x0 + (1 - a_prev_ - std_**2).sqrt() * eps
+    return _finish(mean, std, std, eta == 0, prev_sample, generator, noise)
+
+
+# --- rectified flow (Flow-GRPO) ------------------------------------------------------------------------
+def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1000, shift: float = 1.0,
+                          mu: float | None = None) -> torch.Tensor:
+    """The sampling sigmas of ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)``: ``n`` values from 1 down to the
+    table's smallest, shifted (``shift``, SD3: 3.0; or with ``mu``, FLUX's resolution-dependent exponential shift
+    ``e^mu / (e^mu + 1/s - 1)``), then a final 0. ``[n + 1]`` float32; the model's timesteps are
+    ``sigmas[:-1] * num_train_timesteps``."""
+    import numpy as np
+
+    from .flow import flow_match_schedule
+
+    if num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1.")
+    n_train = int(num_train_timesteps)
+    # The scheduler's smallest training sigma (float32), shifted unless the shift is dynamic.
+    sigma_min = flow_match_schedule(n_train, shift, use_dynamic_shifting=mu is not None)[1][-1].item()
+    s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
+    s = math.exp(mu) / (math.exp(mu) + (1 / s - 1)) if mu is not None else shift * s / (1 + (shift - 1) * s)
+    return torch.cat([torch.from_numpy(np.asarray(s)).float(), torch.zeros(1)])
+
+
+def sde_step_with_logprob(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: int | torch.Tensor,
+    noise_level: float,
+    *,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> DenoiseStep:
+    """One reverse-SDE step ``x_sigma -> x_sigma_prev`` of a rectified flow and its log-probability (Flow-GRPO's
+    ``sde_step_with_logprob``, ``sde_type="sde"``).
+
+    With ``sigma = sigmas[i]``, ``sigma_prev = sigmas[i + 1]``, ``dt = sigma_prev - sigma < 0`` and the predicted
+    velocity ``v``: ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (where ``sigma == 1`` the denominator uses
+    ``sigmas[1]`` instead, as the reference does, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) +
+    v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``. At
+    ``noise_level == 0`` this is the Euler ODE step ``x + v dt`` (``log_prob`` ``None``).
+
+    Args:
+        model_output, sample: ``[B, ...]`` (FLUX: packed tokens are fine, any ``[B, ...]``).
+        sigmas: ``[N + 1]`` descending sampling sigmas ending in 0 (:func:`flow_inference_sigmas`).
+        step_index: ``[B]`` (or a scalar) position ``i`` in ``sigmas``, ``0 <= i < N``.
+        noise_level: ``>= 0`` (Flow-GRPO's default 0.7).
+        prev_sample / generator / noise: as in :func:`ddim_step_with_logprob`.
+
+    Returns:
+        :class:`DenoiseStep` (float32).
+    """
+    if not noise_level >= 0:
+        raise ValueError(f"noise_level={noise_level} must be >= 0 (Flow-GRPO uses 0.7).")
+    _check_exclusive(prev_sample, generator, noise)
+    x, v = sample.float(), model_output.float()
+    if v.shape != x.shape:
+        raise ValueError(f"model_output shape {tuple(v.shape)} != sample shape {tuple(x.shape)}")
+    if sigmas.ndim != 1 or sigmas.shape[0] < 2:
+        raise ValueError(f"sigmas must be [N + 1] with N >= 1 (ending in 0), got shape {tuple(sigmas.shape)}")
+    sig = sigmas.to(device=x.device, dtype=torch.float32)
+    i = _rows(step_index, x.shape[0], x.device, "step_index").long()
+    if bool((i < 0).any()) or bool((i >= sig.shape[0] - 1).any()):
+        raise ValueError(f"step_index must be in [0, {sig.shape[0] - 2}] (N = {sig.shape[0] - 1} steps), "
+                         f"got {i.tolist()}")
+    sigma, sigma_prev = sig[i], sig[i + 1]
+    dt = sigma_prev - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sig[1], sigma))) * noise_level
+    s_, dt_, std_ = _bcast(sigma, x), _bcast(dt, x), _bcast(std_dev_t, x)
+    mean = x * (1 + std_**2 / (2 * s_) * dt_) + v * (1 + std_**2 * (1 - s_) / (2 * s_)) * dt_
+    noise_std = std_dev_t * torch.sqrt(-dt)
+    return _finish(mean, std_dev_t, noise_std, noise_level == 0, prev_sample, generator, noise)
+
+
+# --- samplers and the loop ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DDIMSampler:
+    """DDIM with ``eta`` over ``timesteps`` (``[N]`` descending, e.g. :func:`ddim_timesteps` or a
+    ``DDIMScheduler``'s ``timesteps``); step ``i`` goes from ``timesteps[i]`` to ``timesteps[i] - T // N``."""
+
+    timesteps: torch.Tensor
+    alphas_cumprod: torch.Tensor
+    eta: float = 1.0
+    prediction_type: str = "epsilon"
+    final_alpha_cumprod: float | None = None
+    clip_sample_range: float | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    def model_timesteps(self, index: torch.Tensor) -> torch.Tensor:
+        """The timestep the denoiser sees at step ``index [B]``."""
+        return self.timesteps.to(index.device)[index]
+
+    def step(self, model_output: torch.Tensor, sample: torch.Tensor, index: torch.Tensor, **kwargs) -> DenoiseStep:
+        t = self.model_timesteps(index).long()
+        ratio = self.alphas_cumprod.shape[0] // self.num_steps
+        return ddim_step_with_logprob(
+            model_output, sample, t, t - ratio, self.alphas_cumprod, self.eta, prediction_type=self.prediction_type,
+            final_alpha_cumprod=self.final_alpha_cumprod, clip_sample_range=self.clip_sample_range, **kwargs)
+
+
+@dataclass(frozen=True)
+class FlowSDESampler:
+    """Flow-GRPO's SDE over ``sigmas`` (``[N + 1]``, :func:`flow_inference_sigmas`); the denoiser sees
+    ``sigma * num_train_timesteps`` as diffusers' SD3 pipeline passes it (a FLUX denoiser divides by 1000)."""
+
+    sigmas: torch.Tensor
+    noise_level: float = 0.7
+    num_train_timesteps: int = 1000
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.sigmas.shape[0]) - 1
+
+    def model_timesteps(self, index: torch.Tensor) -> torch.Tensor:
+        return self.sigmas.to(index.device)[index] * self.num_train_timesteps
+
+    def step(self, model_output: torch.Tensor, sample: torch.Tensor, index: torch.Tensor, **kwargs) -> DenoiseStep:
+        return sde_step_with_logprob(model_output, sample, self.sigmas, index, self.noise_level, **kwargs)
+
+
+Sampler = DDIMSampler | FlowSDESampler
+
+
+@dataclass
+class Trajectory:
+    """A sampled batch: ``latents`` ``[B, N + 1, ...]`` (``x_T`` first, the final sample last), ``log_probs``
+    ``[B, N]`` (``None`` for a deterministic sampler), ``timesteps`` ``[B, N]`` (what the denoiser saw); float32."""
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor | None
+    timesteps: torch.Tensor
+
+    @property
+    def final(self) -> torch.Tensor:
+        """The generated latents ``[B, ...]``."""
+        return self.latents[:, -1]
+
+
+@torch.no_grad()
+def sample_with_logprobs(denoiser_fn: Denoiser, latents: torch.Tensor, sampler: Sampler,
+                         generator: torch.Generator | None = None) -> Trajectory:
+    """Run ``sampler`` from ``latents`` (``x_T``, ``[B, ...]``) with ``denoiser_fn``, drawing each step's noise from
+    ``generator`` (same generator state -> same trajectory), without autograd.
+
+    Returns:
+        :class:`Trajectory` with every intermediate latent, each step's log-probability and timestep.
+    """
+    x = latents.float()
+    b = x.shape[0]
+    stochastic = (sampler.eta if isinstance(sampler, DDIMSampler) else sampler.noise_level) > 0
+    states, log_probs, timesteps = [x], [], []
+    for i in range(sampler.num_steps):
+        index = torch.full((b,), i, dtype=torch.long, device=x.device)
+        t = sampler.model_timesteps(index)
+        step = sampler.step(denoiser_fn(x, t), x, index, generator=generator if stochastic else None)
+        x = step.prev_sample
+        states.append(x)
+        timesteps.append(t)
+        if step.log_prob is not None:
+            log_probs.append(step.log_prob)
+    return Trajectory(torch.stack(states, dim=1), torch.stack(log_probs, dim=1) if log_probs else None,
+                      torch.stack(timesteps, dim=1))
+
+
+def rescore(denoiser_fn: Denoiser, sampler: Sampler, trajectory: Trajectory, step: int | torch.Tensor) -> DenoiseStep:
+    """The log-probability, under ``denoiser_fn`` (e.g. the updated policy, or the reference), of the stored
+    transition ``latents[:, j] -> latents[:, j + 1]`` with ``j = step`` (an int, or ``[B]`` per row as when each row
+    trains on its own subset of steps). With autograd: the policy's gradient flows through ``prev_sample_mean``
+    and ``log_prob``. Re-scoring with the sampling denoiser reproduces the sampled log-probabilities (ratio 1)."""
+    b = trajectory.latents.shape[0]
+    j = _rows(step, b, trajectory.latents.device, "step").long()
+    if bool((j < 0).any()) or bool((j >= sampler.num_steps).any()):
+        raise ValueError(f"step must be in [0, {sampler.num_steps - 1}], got {j.tolist()}")
+    rows = torch.arange(b, device=j.device)
+    x, x_prev = trajectory.latents[rows, j], trajectory.latents[rows, j + 1]
+    t = sampler.model_timesteps(j)
+    return sampler.step(denoiser_fn(x, t), x, j, prev_sample=x_prev)
+
+
+def train_step_indices(batch_size: int, num_steps: int, fraction: float, generator: torch.Generator | None = None,
+                       shuffle: bool = True) -> torch.Tensor:
+    """Which denoising steps each row trains on: ``K = int(num_steps * fraction)`` of them (DDPO's and Flow-GRPO's
+    ``timestep_fraction``); ``shuffle`` draws a random subset per row (DDPO), otherwise the first ``K`` (noisiest).
+    ``[batch_size, K]`` long."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"diffusion.train_timestep_fraction={fraction} must be in (0, 1].")
+    k = int(num_steps * fraction)
+    if k < 1:
+        raise ValueError(f"diffusion.train_timestep_fraction={fraction} of {num_steps} steps trains on no step; "
+                         f"use at least {1 / num_steps:.3g}.")
+    if not shuffle:
+        return torch.arange(k).expand(batch_size, k).clone()
+    return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch_size)])
+
+
+# --- advantages and the policy loss -----------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "group", unbiased: bool = False,
+                     eps: float = 1e-4, clip: float | None = None) -> torch.Tensor:
+    """Group-relative advantages of ``[B]`` rewards, ``B`` consecutive groups of ``group_size`` images of one
+    prompt: ``(r - mean_group) / (s + eps)``.
+
+    ``std``: ``"group"`` (``s`` = the group's std; GRPO, Flow-GRPO's default), ``"global"`` (the whole batch's std,
+    Flow-GRPO's ``global_std``), ``"none"`` (only the mean removed, Dr. GRPO). ``unbiased=False`` is numpy's
+    population std as Flow-GRPO and DDPO use it (``eps`` 1e-4 as Flow-GRPO); ``unbiased=True, eps=1e-6`` is
+    :func:`multiengine.pipelines.rlhf.advantages.grpo_advantages`. A group whose rewards are all equal gets exactly
+    0 (never NaN, even with ``eps=0``). ``clip``: clamp to ``[-clip, clip]`` (Flow-GRPO's ``adv_clip_max``).
+
+    Returns:
+        ``[B]`` float32.
+    """
+    if std not in ("group", "global", "none"):
+        raise ValueError(f"std={std!r}; use 'group', 'global' or 'none'.")
+    r = rewards.reshape(-1).float()
+    if group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of diffusion.group_size={group_size}.")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    g = r.view(-1, group_size)
+    centred = g - g.mean(dim=1, keepdim=True)
+    flat = (g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)).expand_as(g)
+    if std == "group":
+        s = g.std(dim=1, unbiased=unbiased, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
+        adv = centred / (s + eps)
+    elif std == "global":
+        s = r.std(unbiased=unbiased) if r.numel() > 1 else torch.zeros(())
+        adv = centred / (s + eps)
+    else:
+        adv = centred
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.reshape(-1)
+
+
+def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                        clip_range: float, adv_clip_max: float | None = None
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): with ``ratio = exp(log_prob -
+    old_log_prob)``, ``mean(max(-A ratio, -A clamp(ratio, 1 - clip_range, 1 + clip_range)))``.
+
+    ``log_prob`` / ``old_log_prob`` ``[B]`` (one step) or ``[B, K]`` (K steps per row; the mean over both equals
+    the references' per-step losses accumulated over the K steps); ``advantages`` ``[B]`` (one per image), clamped
+    to ``adv_clip_max`` when given.
+
+    Returns:
+        ``(loss, stats)``: scalar float32 loss; stats (detached) ``approx_kl`` = ``0.5 mean((log_prob -
+        old)^2)``, ``clipfrac`` = fraction with ``|ratio - 1| > clip_range``, ``ratio_mean``.
+    """
+    if not clip_range > 0:
+        raise ValueError(f"diffusion.clip_range={clip_range} must be > 0 (the references use 1e-4 to 1e-2).")
+    if log_prob.shape != old_log_prob.shape:
+        raise ValueError(f"log_prob shape {tuple(log_prob.shape)} != old_log_prob shape {tuple(old_log_prob.shape)}")
+    adv = advantages.float().reshape(-1)
+    if adv.shape[0] != log_prob.shape[0]:
+        raise ValueError(f"{adv.shape[0]} advantages for {log_prob.shape[0]} rows")
+    if adv_clip_max is not None:
+        adv = adv.clamp(-adv_clip_max, adv_clip_max)
+    adv = adv.reshape((-1,) + (1,) * (log_prob.ndim - 1))
+    diff = log_prob.float() - old_log_prob.float()
+    ratio = torch.exp(diff)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)).mean()
+    stats = {"approx_kl": 0.5 * (diff.detach() ** 2).mean(),
+             "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
+             "ratio_mean": ratio.detach().mean()}
+    return loss, stats
+
+
+def kl_to_reference(prev_sample_mean: torch.Tensor, ref_prev_sample_mean: torch.Tensor,
+                    std: torch.Tensor) -> torch.Tensor:
+    """Per-row KL penalty of a step towards the reference denoiser: ``mean_dims((mean - ref_mean)^2) / (2 std^2)``,
+    ``[B]``. With ``std`` = the step's ``noise_std`` this is the KL between the two steps' Gaussians (per element);
+    Flow-GRPO passes ``std_dev_t`` (without the ``sqrt(|dt|)`` factor), which scales it by ``|dt|``."""
+    if prev_sample_mean.shape != ref_prev_sample_mean.shape:
+        raise ValueError(f"mean shape {tuple(prev_sample_mean.shape)} != reference mean shape "
+                         f"{tuple(ref_prev_sample_mean.shape)}")
+    sq = (prev_sample_mean.float() - ref_prev_sample_mean.float()) ** 2
+    return sq.mean(dim=tuple(range(1, sq.ndim))) / (2 * std.float().reshape(-1) ** 2)
+
+
+def diffusion_grpo_loss(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float, *,
+    adv_clip_max: float | None = None, kl_coef: float = 0.0, prev_sample_mean: torch.Tensor | None = None,
+    ref_prev_sample_mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step's Flow-GRPO objective: :func:`clipped_policy_loss` ``+ kl_coef * mean(`` :func:`kl_to_reference`
+    ``)`` (``log_prob`` etc. ``[B]``; the KL needs the policy's and reference's step means and ``std``).
+
+    Returns:
+        ``(loss, stats)`` with ``policy_loss`` and ``kl`` added to the stats.
+    """
+    if kl_coef < 0:
+        raise ValueError(f"diffusion.kl_coef={kl_coef} must be >= 0.")
+    policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
+    stats["policy_loss"] = policy.detach()
+    if kl_coef == 0:
+        return policy, stats
+    if prev_sample_mean is None or ref_prev_sample_mean is None or std is None:
+        raise ValueError("diffusion.kl_coef > 0 needs prev_sample_mean, ref_prev_sample_mean and std "
+                         "(a roles.ref denoiser re-scoring the same step).")
+    kl = kl_to_reference(prev_sample_mean, ref_prev_sample_mean, std).mean()
+    stats["kl"] = kl.detach()
+    return policy + kl_coef * kl, stats
+
+
+# --- Diffusion-DPO ---------------------------------------------------------------------------------------
+class DPOStats(NamedTuple):
+    """Detached: ``implicit_acc`` (fraction of pairs the policy prefers correctly relative to the reference),
+    ``model_mse`` / ``ref_mse`` (the two models' mean denoising losses), ``margin`` ``[B]`` (the logit inside the
+    sigmoid; > 0 where the pair counts as correct)."""
+
+    implicit_acc: torch.Tensor
+    model_mse: torch.Tensor
+    ref_mse: torch.Tensor
+    margin: torch.Tensor
+
+
+def diffusion_dpo_loss_from_losses(model_losses_w: torch.Tensor, model_losses_l: torch.Tensor,
+                                   ref_losses_w: torch.Tensor, ref_losses_l: torch.Tensor,
+                                   beta: float) -> tuple[torch.Tensor, DPOStats]:
+    """Diffusion-DPO (Wallace et al., 2024) from per-pair denoising losses ``[B]``:
+    ``-mean(logsigmoid(-beta / 2 * ((l_w - l_l) - (ref_w - ref_l))))``. The policy wins a pair when it lowers the
+    chosen image's loss relative to the rejected one more than the reference does."""
+    if not beta > 0:
+        raise ValueError(f"dpo.beta={beta} must be > 0 (diffusers' script uses 2500 for SD 1.5, 5000 for SDXL).")
+    shapes = {tuple(t.shape) for t in (model_losses_w, model_losses_l, ref_losses_w, ref_losses_l)}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        raise ValueError(f"the four per-pair losses must all have shape [B], got {sorted(shapes)}")
+    model_diff = model_losses_w.float() - model_losses_l.float()
+    ref_diff = (ref_losses_w.float() - ref_losses_l.float()).detach()
+    inside = -0.5 * beta * (model_diff - ref_diff)
+    loss = -F.logsigmoid(inside).mean()
+    stats = DPOStats(
+        implicit_acc=(inside.detach() > 0).float().mean(),
+        model_mse=0.5 * (model_losses_w.detach().float().mean() + model_losses_l.detach().float().mean()),
+        ref_mse=0.5 * (ref_losses_w.detach().float().mean() + ref_losses_l.detach().float().mean()),
+        margin=inside.detach(),
+    )
+    return loss, stats
+
+
+def diffusion_dpo_loss(model_pred: torch.Tensor, ref_pred: torch.Tensor, target: torch.Tensor,
+                       beta: float) -> tuple[torch.Tensor, DPOStats]:
+    """Diffusion-DPO as diffusers' research ``train_diffusion_dpo.py`` lays out the batch: ``[2B, ...]`` with the
+    ``B`` chosen images first and their rejected partners second, sharing noise and timestep (:func:`paired`).
+
+    Per-sample losses are ``mean_dims((pred - target)^2)`` in float32. The loss is defined for any regression
+    target of the denoiser: ``epsilon`` (noise) and ``v_prediction`` (``math.training_target``) as in the paper and
+    the script, and a flow-matching transformer's velocity ``noise - x0`` (``flow.flow_target``; SD3/FLUX), where
+    the velocity error is the epsilon error up to a per-timestep weight, which the same form absorbs into ``beta``.
+    ``ref_pred`` is treated as a constant.
+
+    Returns:
+        ``(loss, stats)``: scalar float32 loss and :class:`DPOStats`.
+    """
+    if not (model_pred.shape == ref_pred.shape == target.shape):
+        raise ValueError(f"shapes differ: model_pred {tuple(model_pred.shape)}, ref_pred {tuple(ref_pred.shape)}, "
+                         f"target {tuple(target.shape)}")
+    if model_pred.shape[0] % 2:
+        raise ValueError(f"a DPO batch is [2B, ...] (chosen then rejected); got {model_pred.shape[0]} rows")
+    dims = tuple(range(1, model_pred.ndim))
+    model_losses = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=dims)
+    ref_losses = F.mse_loss(ref_pred.detach().float(), target.float(), reduction="none").mean(dim=dims)
+    mw, ml = model_losses.chunk(2)
+    rw, rl = ref_losses.chunk(2)
+    return diffusion_dpo_loss_from_losses(mw, ml, rw, rl, beta)
+
+
+def paired(x: torch.Tensor) -> torch.Tensor:
+    """The first half of ``x`` ``[2B, ...]`` repeated twice: the noise and timesteps a chosen image and its rejected
+    partner share in Diffusion-DPO (``x.chunk(2)[0].repeat(2, ...)``)."""
+    if x.shape[0] % 2:
+        raise ValueError(f"paired needs an even batch ([2B, ...]), got {x.shape[0]} rows")
+    half = x[: x.shape[0] // 2]
+    return torch.cat([half, half], dim=0)
