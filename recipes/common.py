@@ -420,7 +420,7 @@ def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallb
 
 
 def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str | None = None,
-               tokenizer_key: str = "model.pretrained", source: Any = None, key: str | None = None,
+               tokenizer_key: str = "roles.actor.model", source: Any = None, key: str | None = None,
                evaluate: bool = True) -> dict[str, Any] | None:
     """The data of one stage, before any rank starts: every source exists and has rows of a format of the stage
     after the column mapping, conversational rows meet a tokenizer with a chat template, and the evaluation

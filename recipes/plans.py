@@ -485,25 +485,25 @@ def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, confi
 
 
 def _lora(section: Any) -> tuple[int, tuple[str, ...]] | None:
-    return (int(section.rank), tuple(section.target_modules)) if section.enabled else None
+    """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``."""
+    return (int(section.r), tuple(section.target_modules)) if section.r else None
 
 
 def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    info = _lm_model(str(cfg.model.pretrained), "actor", assume, configs_dir, cfg.model.tiny_hidden,
-                     cfg.model.tiny_layers, cfg.seed)
+    a, d = cfg.roles.actor, cfg.data
+    info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
     dims = P.transformer_dims(info.config)
-    a, t, d = cfg.roles.actor, cfg.train, cfg.data
     seq = int(d.max_prompt_len) + int(d.max_response_len)
-    phases = _lm_phases(dims, str(a.dtype), train=(int(t.micro_batch_size), seq),
-                        checkpointing=bool(t.gradient_checkpointing),
+    phases = _lm_phases(dims, str(a.dtype), train=(int(a.micro_batch_size), seq),
+                        checkpointing=bool(a.gradient_checkpointing),
                         generate=(int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens))
                         if cfg.eval.size else None)
-    actor = _role("actor", info, str(a.dtype), trainable=True, lora=_lora(cfg.lora),
+    actor = _role("actor", info, str(a.dtype), trainable=True, lora=_lora(a.lora),
                   current=_current(a.stage, True, a.offload_params, a.offload_optimizer),
                   phases=phases, full_gather=("generation",))
     return [RecipePlan("rlhf_sft", [actor], {"actor": _keys("roles.actor")},
-                       [f"sequences of {seq} tokens, micro batch {t.micro_batch_size}"])]
+                       [f"sequences of {seq} tokens, micro batch {a.micro_batch_size}"])]
 
 
 def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,

@@ -91,8 +91,8 @@ def test_every_number_and_choice_key_is_checked(recipe):
     ("data.max_prompt_len=0", "'data.max_prompt_len' .* must be >= 1"),
     ("roles.actor.stage=4", "'roles.actor.stage' .* must be in \\[0, 3\\]"),
     ("roles.actor.dtype=fp8", "'roles.actor.dtype' .* must be one of fp32, bf16, fp16"),
-    ("train.scheduler=cosinus", "'train.scheduler' .* must be a transformers scheduler name"),
-    ("lora.dropout=1", "'lora.dropout' .* must be in \\[0, 1\\)"),
+    ("roles.actor.scheduler=cosinus", "'roles.actor.scheduler' .* must be a transformers scheduler name"),
+    ("roles.actor.lora.dropout=1", "'roles.actor.lora.dropout' .* must be in \\[0, 1\\)"),
 ])
 def test_values_are_checked_when_the_config_loads(override, message):
     with pytest.raises(RecipeConfigError, match=message):
@@ -125,7 +125,7 @@ def test_validate_builds_no_model(assets, monkeypatch):
     for cls in (transformers.AutoModelForCausalLM, transformers.AutoModel,
                 transformers.AutoModelForSequenceClassification, ScalarHeadModel):
         monkeypatch.setattr(cls, "from_pretrained", refuse)
-    _validate("rlhf_sft", f"model.pretrained={assets['model']}", f"data.source={assets['qa']}",
+    _validate("rlhf_sft", f"roles.actor.model={assets['model']}", f"data.source={assets['qa']}",
               "data.columns.prompt=question", "data.columns.response=answer")
     _validate("rlhf_ppo", f"model.actor={assets['model']}", f"model.reward={assets['model']}",
               f"data.source={assets['data']}", "ppo.ptx_coef=0.1")
@@ -134,7 +134,7 @@ def test_validate_builds_no_model(assets, monkeypatch):
 
 
 @pytest.mark.parametrize("recipe, overrides, message", [
-    ("rlhf_sft", ["model.pretrained=./models/my-gpt2"], r"no such folder: ./models/my-gpt2 \(model.pretrained\)"),
+    ("rlhf_sft", ["roles.actor.model=./models/my-gpt2"], r"no such folder: ./models/my-gpt2 \(roles.actor.model\)"),
     ("rlhf_ppo", ["model.actor=/nowhere/sft/export/actor"],
      r"no such folder: /nowhere/sft/export/actor \(model.actor\)"),
     ("rlhf_sft", ["data.source={qa}"], r"data.source=.*qa.jsonl.*has columns \['answer', 'id', 'question'\].*"
@@ -146,10 +146,10 @@ def test_validate_builds_no_model(assets, monkeypatch):
     ("rlhf_sft", ["data.source={qa}", "data.columns.prompt=question", "data.columns.response=answer",
                   "data.eval_source={qa}"], r"data.eval_source=.* is also a training source"),
     ("rlhf_sft", ["data.source={missing}"], r"no such file or folder: .*missing.jsonl \(data.source\)"),
-    ("rlhf_sft", ["model.pretrained={model}", "data.source={chats}"],
-     r"data.source is conversational .* tokenizer of model.pretrained .* has no chat template"),
-    ("rlhf_sft", ["model.pretrained={model}", "model.tokenizer={chat_model}"],
-     r"has ids up to .* but the model of model.pretrained .* embeds only"),
+    ("rlhf_sft", ["roles.actor.model={model}", "data.source={chats}"],
+     r"data.source is conversational .* tokenizer of roles.actor.model .* has no chat template"),
+    ("rlhf_sft", ["roles.actor.model={model}", "roles.actor.tokenizer={chat_model}"],
+     r"has ids up to .* but the model of roles.actor.model .* embeds only"),
     ("rlhf_ppo", ["model.actor={model}", "model.reward={model}", "model.reward_tokenizer={chat_model}"],
      r"embeds only"),
     ("rlhf_dpo", ["data.source={pairs}", "data.eval_split=1000"], r"holds out 1000 of .* leaves none to train on"),
