@@ -391,7 +391,9 @@ def test_cli_run_failing_rank_exits_non_zero(toy, tmp_path):
 
 
 def test_launch_env_sets_omp_threads_only_if_unset(toy, monkeypatch):
-    monkeypatch.setattr(cli, "_cpu_count", lambda: 8)
+    from multiengine.engines import launcher
+
+    monkeypatch.setattr(launcher, "_cpu_count", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     env = cli._launch_env(2, toy["package"])
     assert env["OMP_NUM_THREADS"] == "4"
