@@ -10,16 +10,22 @@ loss is a mean over those positions.
 
 With a temperature ``tau`` both distributions are ``softmax(logits / tau)`` and the loss is multiplied
 by ``tau^2``, which keeps its gradient scale independent of ``tau`` (Hinton et al.).
+
+On-policy distillation (GKD, Agarwal et al. 2024; end of the module): :func:`generalized_jsd` with GKD's
+``beta`` (0 forward KL, 1 reverse KL, no ``tau^2``), :func:`response_distill_loss` on the tokens a student
+sampled, :func:`check_vocab` before comparing two models' logits, and :func:`on_policy_batch`, GKD's lambda.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DIVERGENCES", "distillation_loss", "divergence", "next_token_mask"]
+__all__ = ["DIVERGENCES", "check_vocab", "distillation_loss", "divergence", "generalized_jsd", "generalized_jsd_loss",
+           "next_token_mask", "on_policy_batch", "response_distill_loss"]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -91,3 +97,133 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     ce = _masked_mean(ce_all.view(target.shape), mask)
     loss = alpha * div + (1.0 - alpha) * ce if alpha < 1.0 else div
     return loss, {"divergence": div.detach(), "ce": ce.detach()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On-policy distillation (GKD, Agarwal et al. 2024): the student samples the responses, the teacher scores every
+# token of them, and the loss is a per-token divergence on the student's response tokens.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per-position generalised JSD of GKD, ``[..., V] -> [...]`` float32, with beta as TRL's GKD defines it:
+
+    * ``beta = 0``: forward KL ``KL(p_T || p_S)``;
+    * ``beta = 1``: reverse KL ``KL(p_S || p_T)``;
+    * else ``beta KL(p_T || m) + (1 - beta) KL(p_S || m)`` with ``m = beta p_T + (1 - beta) p_S``.
+
+    Both distributions are ``softmax(logits / temperature)``. Unlike :func:`divergence` there is no
+    ``temperature^2`` factor (GKD has none), and the mixture tends to ``p_S`` as ``beta -> 0``, so the
+    endpoints are defined separately (the mixture form is not continuous there).
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"distill.beta={beta!r}: in [0, 1] (0 forward KL, 1 reverse KL, between: JSD).")
+    if temperature <= 0:
+        raise ValueError(f"distill.temperature={temperature!r}: must be > 0.")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} differ: check_vocab() first, and slice both to its size.")
+    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if beta == 0.0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    if beta == 1.0:
+        return (log_s.exp() * (log_s - log_t)).sum(-1)
+    log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1.0 - beta)]), dim=0)
+    return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1.0 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
+
+
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+                         beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """Mean of :func:`generalized_jsd` over the positions where ``mask [B, T]`` is set (GKD's ``batchmean`` over
+    the labelled tokens); 0 when none is (not NaN). The teacher's logits are detached."""
+    per_token = generalized_jsd(student_logits, teacher_logits.detach(), beta, temperature)
+    return _masked_mean(per_token, mask)
+
+
+def response_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
+                          action_mask: torch.Tensor, beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """:func:`generalized_jsd_loss` on a rollout's response tokens.
+
+    Args:
+        student_logits, teacher_logits: ``[B, L, V]`` for ``sequences = prompt (C) + response (T)``, ``L = C + T``
+            (the layout of ``rlhf.rollout.Experience``); the logits at ``C - 1 .. L - 2`` predict the response.
+        context_length: ``C``, the padded prompt length (``>= 1``).
+        action_mask: ``[B, T]`` the student's own response tokens (EOS included, padding and any environment
+            tokens 0).
+    """
+    if context_length < 1:
+        raise ValueError(f"context_length must be >= 1 (the prompt predicts the first response token), got "
+                         f"{context_length}.")
+    T = action_mask.shape[-1]
+    if student_logits.shape[1] != context_length + T:
+        raise ValueError(f"logits cover {student_logits.shape[1]} positions, prompt + response is "
+                         f"{context_length} + {T}.")
+    s = student_logits[:, context_length - 1:-1]
+    t = teacher_logits[:, context_length - 1:-1]
+    return generalized_jsd_loss(s, t, action_mask, beta, temperature)
+
+
+def _vocab_of(tokenizer: Any) -> dict[str, int]:
+    return dict(tokenizer.get_vocab())
+
+
+def check_vocab(student_vocab_size: int, teacher_vocab_size: int, student_tokenizer: Any = None,
+                teacher_tokenizer: Any = None) -> int:
+    """The number of logits teacher and student share, or a ``ValueError`` that says why they cannot be compared.
+
+    A per-token divergence compares the two next-token distributions entry by entry, so entry ``i`` must be the
+    same token in both models.
+
+    * Equal logit sizes: accepted, unless both tokenizers are given and map tokens to ids differently.
+    * Different logit sizes: accepted only when both tokenizers are given, map every token to the same id, and
+      both models have at least ``len(tokenizer)`` logits. This is the common case of a family whose
+      embedding matrices are padded to a multiple of 64 or 128 (sizes differ between model sizes, the
+      tokenizer is one); the loss then uses the first ``len(tokenizer)`` logits of both, i.e. both
+      distributions renormalised over the real tokens.
+
+    Args:
+        student_vocab_size / teacher_vocab_size: the models' logit sizes (``config.vocab_size``).
+        student_tokenizer / teacher_tokenizer: optional, anything with ``get_vocab()`` and ``len()``.
+
+    Returns:
+        How many leading logits to compare (slice both ``[..., :n]``).
+    """
+    fix = ("use a teacher and a student of one model family (one tokenizer), or distill offline from the "
+           "teacher's generated text (distill.on_policy_fraction=0 with a teacher dataset) instead of its logits")
+    s, t = int(student_vocab_size), int(teacher_vocab_size)
+    both = student_tokenizer is not None and teacher_tokenizer is not None
+    if both:
+        sv, tv = _vocab_of(student_tokenizer), _vocab_of(teacher_tokenizer)
+        if sv != tv:
+            differ = sorted(set(sv.items()) ^ set(tv.items()), key=str)[:3]
+            raise ValueError(f"teacher and student tokenizers differ (student {len(sv)} tokens, teacher {len(tv)}; "
+                             f"e.g. {differ}): their logits index different tokens. Fix: {fix}.")
+        n = len(student_tokenizer)
+        if s < n or t < n:
+            raise ValueError(f"the tokenizer has {n} tokens but the student has {s} logits and the teacher {t}: a "
+                             f"model has fewer logits than tokens. Fix: {fix}.")
+        return n if s != t else s
+    if s != t:
+        raise ValueError(f"teacher vocabulary size {t} != student vocabulary size {s}: the per-token divergence "
+                         "compares the two distributions entry by entry. If both use one tokenizer and only the "
+                         "embedding matrices are padded to different sizes, pass both tokenizers to check_vocab "
+                         f"(the loss then uses the real tokens only); otherwise {fix}.")
+    return s
+
+
+def on_policy_batch(seed: int, step: int, fraction: float) -> bool:
+    """Whether the batch of ``step`` uses responses the student samples itself (GKD's lambda, ``fraction``).
+
+    Decided by a uniform draw ``u`` in ``[0, 1)`` from a generator seeded by ``(seed, step)`` only: the same on
+    every rank (generation is collective) and after a resume, independent of anything else drawn. ``u <
+    fraction``, so ``0`` is never and ``1`` always; over many steps the share of on-policy batches tends to
+    ``fraction``.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"distill.on_policy_fraction={fraction!r}: the share of batches the student samples, in "
+                         "[0, 1] (0 = offline distillation, 1 = always on-policy).")
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step) * 7919 + 17) % (2**63 - 1))
+    u = float(torch.rand((), generator=g, dtype=torch.float64))
+    return u < fraction
