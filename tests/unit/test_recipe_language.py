@@ -1,0 +1,159 @@
+"""One recipe language: every role of every recipe has the same keys, declared once, and old keys are refused."""
+
+from __future__ import annotations
+
+import pytest
+from multiengine.engines.recipe_config import (
+    ConfigKeyError,
+    Key,
+    RecipeConfigError,
+    describe_keys,
+    list_recipes,
+    load_config,
+    load_recipe,
+    split_keys,
+    validate_config,
+)
+from multiengine.recipes import schema
+from multiengine.recipes.schema import ROLE_KEYS, TRAINABLE_KEYS, Role, role_keys
+
+RECIPES = sorted(list_recipes())
+WITH_ROLES = RECIPES  # every recipe declares its roles (the first test says so)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_declares_its_roles(recipe):
+    roles = load_recipe(recipe).ROLES
+    assert roles and all(isinstance(r, Role) for r in roles)
+
+
+@pytest.mark.parametrize("recipe", WITH_ROLES)
+def test_every_role_has_the_common_keys_and_nothing_else(recipe):
+    module = load_recipe(recipe)
+    declared = [r.name for r in module.ROLES]
+    assert list(module.DEFAULTS["roles"]) == declared
+    for role in module.ROLES:
+        keys = set(module.DEFAULTS["roles"][role.name])
+        expected = set(ROLE_KEYS) | (set(TRAINABLE_KEYS) if role.trainable else set())
+        assert keys == expected, (role.name, keys ^ expected)
+        if role.trainable:
+            assert set(module.DEFAULTS["roles"][role.name]["lora"]) == {"r", "alpha", "dropout", "target_modules"}
+        for name in (role.follows, role.weights, role.tokenizer_of):
+            assert not name or name in declared  # a declaration names only roles of its recipe
+
+
+@pytest.mark.parametrize("recipe", WITH_ROLES)
+def test_the_same_override_works_in_every_recipe_that_has_the_role(recipe):
+    module = load_recipe(recipe)
+    trainable = [r.name for r in module.ROLES if r.trainable]
+    assert trainable, "every recipe trains something"
+    configs = list_recipes()[recipe]
+    config = "tiny" if "tiny" in configs else configs[0]
+    overrides = [f"roles.{name}.micro_batch_size=2" for name in trainable]
+    overrides += [f"roles.{name}.lora.r=4" for name in trainable[:1]]
+    if "actor" in trainable:
+        overrides.append("roles.actor.lr=1e-5")
+    cfg = load_config(recipe, config, overrides)
+    for name in trainable:
+        assert cfg.roles[name].micro_batch_size == 2
+    assert cfg.roles[trainable[0]].lora.r == 4
+    if "actor" in trainable:
+        assert cfg.roles.actor.lr == 1e-5
+
+
+@pytest.mark.parametrize("recipe", WITH_ROLES)
+def test_an_old_key_is_refused_naming_the_new_one(recipe):
+    module = load_recipe(recipe)
+    renamed = getattr(module, "RENAMED", {})
+    assert renamed, f"{recipe} names the new key of each key it used before"
+    old, new = next((o, n) for o, n in renamed.items() if not o.endswith(".*"))
+    with pytest.raises(ConfigKeyError) as info:
+        load_config(recipe, None, [f"{old}=1"])
+    assert f"is now '{new.split()[0]}'" in str(info.value) and info.value.suggestion == new.split()[0]
+
+
+@pytest.mark.parametrize("recipe, old, new", [
+    ("rlhf_sft", "train.lr", "roles.actor.lr"),
+    ("rlhf_sft", "lora.enabled", "roles.actor.lora.r"),
+    ("rlhf_sft", "model.pretrained", "roles.actor.model"),
+    ("rlhf_sft", "model.tiny_hidden", "tiny.hidden"),
+])
+def test_old_dialect_examples(recipe, old, new):
+    with pytest.raises(ConfigKeyError, match=f"'{old}' .* is now '{new}'"):
+        load_config(recipe, "tiny", [f"{old}=1"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_shipped_config_validates_and_every_key_has_help(recipe):
+    module = load_recipe(recipe)
+    assert [r["key"] for r in describe_keys(module) if not r["meaning"]] == []
+    for config in list_recipes()[recipe]:
+        cfg = load_config(recipe, config)
+        if config.startswith("tiny"):  # the others name hub models this machine cannot reach
+            validate_config(recipe, cfg)
+
+
+def test_role_keys_state_only_differences():
+    roles = (Role("actor", "the policy", trainable=True, keys={"lr": 1e-3, "lora": {"r": 8}}),
+             Role("ref", "the frozen copy", follows="actor", weights="actor"))
+    defaults, meanings = split_keys({"roles": role_keys(roles)})
+    actor, ref = defaults["roles"]["actor"], defaults["roles"]["ref"]
+    assert actor["lr"] == 1e-3 and actor["lora"]["r"] == 8 and actor["lora"]["target_modules"] == schema.LORA_TARGETS
+    assert actor["stage"] == 3 and actor["scheduler"] == "constant"  # the shared defaults
+    assert ref["stage"] == -1 and ref["dtype"] == "" and "lr" not in ref
+    assert meanings["roles.actor.lr"] == TRAINABLE_KEYS["lr"].help  # a changed default keeps the shared help
+    assert "roles.actor" in meanings["roles.ref.model"]
+    with pytest.raises(KeyError, match="'learning_rate' is not a role key"):
+        role_keys((Role("actor", "x", trainable=True, keys={"learning_rate": 1.0}),))
+    assert isinstance(role_keys(roles), Key)
+
+
+def _cfg(**roles):
+    from omegaconf import OmegaConf
+
+    base, _ = split_keys({"roles": role_keys(ROLES)})
+    for name, values in roles.items():
+        base["roles"][name].update(values)
+    return OmegaConf.create(base)
+
+
+ROLES = (Role("actor", "policy", trainable=True, keys={"stage": 2, "dtype": "fp32", "model": "/m/actor"}),
+         Role("critic", "value", trainable=True, weights="reward", keys={"stage": 2}),
+         Role("reward", "scorer", follows="critic", keys={"stage": -1, "dtype": "", "model": "/m/reward"}),
+         Role("ref", "frozen policy", follows="actor", weights="actor", tokenizer_of="actor"))
+
+
+def test_follow_and_weights_are_resolved_once():
+    cfg = _cfg(actor={"tokenizer": "/t/actor"})
+    ref = schema.placement(cfg, ROLES, "ref")
+    assert (ref.stage, ref.dtype) == (2, "fp32")  # follows the actor
+    reward = schema.placement(cfg, ROLES, "reward")
+    assert (reward.stage, reward.dtype) == (2, "bf16")  # follows the critic, whose dtype is the shared default
+    assert schema.model_path(cfg, ROLES, "ref") == "/m/actor"
+    assert schema.model_path(cfg, ROLES, "critic") == "/m/reward"  # critic weights from the reward model
+    assert schema.tokenizer_path(cfg, ROLES, "ref") == "/t/actor"
+    cfg = _cfg(critic={"model": "/m/critic"}, ref={"stage": 3})
+    assert schema.model_path(cfg, ROLES, "critic") == "/m/critic"
+    assert schema.placement(cfg, ROLES, "ref").stage == 3
+
+
+@pytest.mark.parametrize("changes, key, message", [
+    ({"actor": {"stage": -1}}, "roles.actor.stage", "follows no other role"),
+    ({"ref": {"offload_optimizer": True}}, "roles.ref.offload_optimizer", "frozen: it has no optimizer"),
+    ({"actor": {"gather_forward": True}}, "roles.actor.gather_forward", "frozen roles only"),
+    ({"ref": {"offload_params": True}}, "roles.ref.offload_params", "needs ZeRO-3 .*stage 2"),
+])
+def test_role_section_rules_name_the_key(changes, key, message):
+    with pytest.raises(RecipeConfigError, match=message) as info:
+        schema.check_role_sections(_cfg(**changes), ROLES)
+    assert key in str(info.value)
+
+
+def test_lora_and_optimizer_specs_from_a_role():
+    cfg = _cfg(actor={"lora": {"r": 8, "alpha": 0.0, "dropout": 0.1, "target_modules": ["q_proj"]},
+                      "lr": 2e-4, "betas": [0.9, 0.95], "max_grad_norm": 0.0})
+    lora = schema.lora_spec(cfg, "actor")
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (8, None, 0.1, ("q_proj",))
+    assert schema.lora_spec(cfg, "critic") is None  # r: 0 = full fine-tuning
+    optim = schema.optim_spec(cfg, "actor", 100)
+    assert (optim.lr, optim.betas, optim.clip, optim.total_steps) == (2e-4, (0.9, 0.95), None, 100)
