@@ -1,0 +1,477 @@
+"""Multi-turn rollouts with tools: the model and an environment take turns in one token sequence, and only the
+model's own tokens are trained on.
+
+Environment interface (:class:`Environment`)::
+
+    reset(prompt: str) -> str                           # the first observation (the user's message)
+    step(model_turn: str) -> (reply | None, reward, done)
+
+``step`` gets the decoded text of one model turn. ``done=True`` ends the episode (``reply`` is then ignored);
+otherwise ``reply`` (``None`` = an empty reply) becomes the next environment turn and the model speaks again.
+The episode's reward is the sum of the step rewards.
+
+Tool-call convention: the model calls the calculator by writing ``<calc>EXPRESSION</calc>`` in its turn; the
+environment answers ``<result>VALUE</result>`` in a turn of role ``tool`` (:class:`TurnRenderer`). A turn
+without a tool call is the model's final answer (``<answer>N</answer>``, or the last number it wrote).
+
+Token layout. :func:`multiturn_rollout` keeps the exact tokens the generator produced for each model turn and
+appends the environment's turns as tokens rendered by :class:`TurnRenderer`: through the tokenizer's chat
+template when it has one (the text between the end of an assistant turn and the next assistant header), as
+plain text otherwise. The stored sequence is exactly what the model was conditioned on while sampling, so
+log-probs recomputed on it match the sampler's. ``action_mask`` is 1 on the model's tokens only (the prompt,
+the chat markup around turns and the tool replies are 0), so a loss masked with it sends no gradient into
+the environment's tokens' log-probs.
+
+Reproducibility: ``seed`` seeds torch's global generator before the first turn (as ``rollout.make_experience``
+does), so any torch sampler, ``transformers.generate`` included, repeats a rollout from its seed.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "ANSWER_RE",
+    "TOOL_CALL_RE",
+    "ArithmeticEnv",
+    "CalculatorError",
+    "Environment",
+    "MultiTurnRollout",
+    "TurnRenderer",
+    "arithmetic_prompts",
+    "collate_rollouts",
+    "format_number",
+    "multiturn_rollout",
+    "multiturn_rollouts",
+    "rollout_seed",
+    "safe_calculate",
+    "sampling_generate",
+    "to_experience_layout",
+]
+
+TOOL_CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.S)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+Generate = Callable[[list[int], int], Sequence[int]]
+
+
+class Environment(Protocol):
+    """What :func:`multiturn_rollout` talks to (module docstring)."""
+
+    def reset(self, prompt: str) -> str: ...
+
+    def step(self, model_turn: str) -> tuple[str | None, float, bool]: ...
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a safe calculator: arithmetic on number literals only, parsed with ast, never eval'd
+# ------------------------------------------------------------------------------------------------------------
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator refuses or cannot evaluate."""
+
+
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_MAX_CHARS = 200
+_MAX_EXPONENT = 64
+_MAX_MAGNITUDE = 1e15
+
+
+def _eval_node(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Expression):
+        return _eval_node(node.body)
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            raise CalculatorError(f"only numbers are allowed, got {node.value!r}")
+        value = node.value
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        left, right = _eval_node(node.left), _eval_node(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > _MAX_EXPONENT or abs(left) > _MAX_MAGNITUDE):
+            raise CalculatorError(f"exponent {right} is too large (at most {_MAX_EXPONENT})")
+        try:
+            value = _BINOPS[type(node.op)](left, right)
+        except ZeroDivisionError as err:
+            raise CalculatorError("division by zero") from err
+        if isinstance(value, complex):
+            raise CalculatorError("the result is not a real number")
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        value = _UNARY[type(node.op)](_eval_node(node.operand))
+    else:
+        raise CalculatorError(f"{type(node).__name__} is not allowed: use numbers, + - * / // % ** and parentheses")
+    if (isinstance(value, float) and not math.isfinite(value)) or abs(value) > _MAX_MAGNITUDE:
+        raise CalculatorError(f"a value exceeds {_MAX_MAGNITUDE:g} in magnitude")
+    return value
+
+
+def safe_calculate(expression: str) -> int | float:
+    """The value of an arithmetic expression: number literals, ``+ - * / // % **`` (exponent at most 64 in
+    magnitude), unary ``+ -`` and parentheses; at most 200 characters and values at most 1e15 in magnitude.
+    Anything else (names, calls, attributes, strings, subscripts, comparisons) raises :class:`CalculatorError`:
+    the expression is parsed with ``ast`` and walked, never passed to ``eval``."""
+    if not isinstance(expression, str):
+        raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
+    expression = expression.strip()
+    if not expression:
+        raise CalculatorError("empty expression")
+    if len(expression) > _MAX_CHARS:
+        raise CalculatorError(f"expression longer than {_MAX_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as err:
+        raise CalculatorError(f"not an arithmetic expression: {expression!r}") from err
+    return _eval_node(tree)
+
+
+def format_number(value: int | float) -> str:
+    """``15`` for integral values, else up to 6 significant digits."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a tiny verifiable task: arithmetic with a calculator tool
+# ------------------------------------------------------------------------------------------------------------
+
+
+_PROMPT_RE = re.compile(r"compute\s+(.+?)\s*$", re.S)
+
+
+class ArithmeticEnv:
+    """``reset("compute 12 + 7 * 3")`` -> the prompt itself; the answer is the expression's value (checked with
+    :func:`safe_calculate`, so every task is verifiable).
+
+    ``step(turn)``: a turn with ``<calc>EXPR</calc>`` gets ``<result> VALUE </result>`` (or ``<result> error:
+    ... </result>``), reward 0, not done, up to ``max_tool_calls`` calls (one more ends the episode with reward
+    0); a turn without a call is the final answer: reward 1 if ``<answer>N</answer>`` (or, without the tags, the
+    last number in the turn) equals the value, else 0, done. Tokens in replies are space separated, so a
+    word-level tokenizer reads them.
+    """
+
+    def __init__(self, max_tool_calls: int = 2) -> None:
+        if max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
+        self.max_tool_calls = max_tool_calls
+        self.answer: int | float | None = None
+        self.tool_calls = 0
+
+    def reset(self, prompt: str) -> str:
+        match = _PROMPT_RE.search(prompt)
+        if match is None:
+            raise ValueError(f"arithmetic prompt {prompt!r}: expected 'compute EXPRESSION'.")
+        self.answer = safe_calculate(match.group(1))
+        self.tool_calls = 0
+        return prompt
+
+    def step(self, model_turn: str) -> tuple[str | None, float, bool]:
+        if self.answer is None:
+            raise RuntimeError("ArithmeticEnv.step before reset")
+        call = TOOL_CALL_RE.search(model_turn)
+        if call is not None:
+            self.tool_calls += 1
+            if self.tool_calls > self.max_tool_calls:
+                return None, 0.0, True
+            try:
+                result = format_number(safe_calculate(call.group(1)))
+            except CalculatorError as err:
+                result = f"error: {err}"
+            return f"<result> {result} </result>", 0.0, False
+        tagged = ANSWER_RE.search(model_turn)
+        numbers = _NUMBER_RE.findall(tagged.group(1) if tagged else model_turn)
+        correct = bool(numbers) and math.isclose(float(numbers[-1]), float(self.answer), rel_tol=0.0, abs_tol=1e-9)
+        return None, 1.0 if correct else 0.0, True
+
+
+def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 20, ops: str = "+-*") -> list[str]:
+    """``n`` prompts ``"compute A op B"`` with operands in ``[0, max_operand]``, reproducible from ``seed``."""
+    rng = random.Random(seed)
+    return [f"compute {rng.randint(0, max_operand)} {rng.choice(ops)} {rng.randint(0, max_operand)}" for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# rendering turns as tokens
+# ------------------------------------------------------------------------------------------------------------
+
+
+_PLACEHOLDER = "\u2063MODEL_TURN\u2063"
+
+
+class TurnRenderer:
+    """Token ids of the first observation and of each environment turn.
+
+    With a chat template (``use_chat_template=None``: when the tokenizer has one): the first observation is
+    ``apply_chat_template([user], add_generation_prompt=True)``; an environment turn is the text the template
+    puts between the content of an assistant turn and the next assistant header, with the reply as a message
+    of role ``env_role`` (``tool``; use ``user`` for a template without a tool role). If the model's turn ended
+    with the EOS token and the template closes assistant turns with the EOS text, that part is not repeated.
+    Without a chat template: ``observation + "\\n"`` (with the tokenizer's special tokens, e.g. BOS) and
+    ``"\\n" + reply + "\\n"``.
+    """
+
+    def __init__(self, tokenizer: Any, env_role: str = "tool", use_chat_template: bool | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.env_role = env_role
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if use_chat_template and not has_template:
+            raise ValueError("use_chat_template=True but the tokenizer has no chat template; set one or pass "
+                             "use_chat_template=False (plain text turns).")
+        self.chat = has_template if use_chat_template is None else use_chat_template
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self._eos_text = getattr(tokenizer, "eos_token", None) or ""
+
+    def _encode(self, text: str, special: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as err:  # templates raise their own errors (e.g. an unknown role)
+            roles = [m["role"] for m in messages]
+            raise ValueError(f"the chat template cannot render roles {roles} ({err}); with a template that has no "
+                             f"{self.env_role!r} role use TurnRenderer(env_role='user').") from err
+
+    def first(self, observation: str) -> list[int]:
+        if not self.chat:
+            return self._encode(observation + "\n", special=True)
+        return self._encode(self._render([{"role": "user", "content": observation}], True))
+
+    def env_turn(self, reply: str, model_ids: Sequence[int]) -> list[int]:
+        """Tokens appended after a model turn ``model_ids`` for the environment's ``reply``."""
+        if not self.chat:
+            return self._encode("\n" + reply + "\n")
+        convo = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        before = self._render(convo, False)
+        after = self._render(convo + [{"role": self.env_role, "content": reply}], True)
+        if not after.startswith(before) or _PLACEHOLDER not in before:
+            raise ValueError("the chat template renders earlier turns differently once a turn is added, so the "
+                             "environment's turn cannot be appended as tokens; use TurnRenderer(use_chat_template="
+                             "False) or a template that only appends.")
+        closing = before[before.rindex(_PLACEHOLDER) + len(_PLACEHOLDER):]
+        ended = len(model_ids) > 0 and self.eos_token_id is not None and int(model_ids[-1]) == self.eos_token_id
+        stripped = closing.lstrip()
+        if ended and self._eos_text and stripped.startswith(self._eos_text):
+            closing = stripped[len(self._eos_text):]  # the model already wrote the end of its turn
+        return self._encode(closing + after[len(before):])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the rollout
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MultiTurnRollout:
+    """One episode. Tensors are 1-D over the whole sequence (first observation, model and environment turns)."""
+
+    input_ids: torch.Tensor  # [L] long
+    action_mask: torch.Tensor  # [L] bool: the model's own tokens
+    prompt_length: int  # tokens of the first observation
+    reward: float  # sum of the step rewards
+    step_rewards: list[float] = field(default_factory=list)
+    turns: int = 0  # model turns taken
+    done: bool = False  # the environment ended the episode
+    stop: str = ""  # "done" | "max_turns" | "max_total_tokens"
+    model_turns: list[str] = field(default_factory=list)
+    env_turns: list[str] = field(default_factory=list)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.ones_like(self.input_ids)
+
+
+def rollout_seed(seed: int, index: int) -> int:
+    """The seed of prompt ``index``'s rollout (independent of the other prompts of the batch)."""
+    return (int(seed) * 1_000_003 + int(index) * 7919 + 12_345) % (2**63 - 1)
+
+
+def _cut_after_eos(ids: Sequence[int], eos_token_id: int | None) -> list[int]:
+    out = [int(i) for i in ids]
+    if eos_token_id is not None and eos_token_id in out:
+        out = out[:out.index(eos_token_id) + 1]
+    return out
+
+
+def multiturn_rollout(
+    prompt: str,
+    env: Environment,
+    generate: Generate,
+    renderer: TurnRenderer,
+    *,
+    max_turns: int = 4,
+    max_total_tokens: int = 256,
+    max_new_tokens: int = 64,
+    seed: int | None = None,
+) -> MultiTurnRollout:
+    """Alternate model and environment turns until the environment says done or a cap is reached.
+
+    Args:
+        prompt: passed to ``env.reset``; its observation is the first turn.
+        generate: ``generate(ids, max_new_tokens) -> new ids``, any model or engine; whatever follows the first
+            EOS (``renderer.tokenizer.eos_token_id``) and anything beyond ``max_new_tokens`` is dropped.
+        max_turns: model turns at most (``grpo.max_turns``).
+        max_total_tokens: the whole sequence's length at most, prompt included (``grpo.max_total_tokens``); a
+            model turn gets at most the room that is left, and an environment turn that would leave no room for
+            another model token ends the episode.
+        max_new_tokens: tokens per model turn at most.
+        seed: seeds torch's global generator first (module docstring); ``None`` leaves it alone.
+
+    Returns:
+        A :class:`MultiTurnRollout`.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns!r}: the number of model turns per episode, >= 1.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: tokens per model turn, >= 1.")
+    if seed is not None:
+        torch.manual_seed(seed)
+    observation = env.reset(prompt)
+    ids = renderer.first(observation)
+    if len(ids) >= max_total_tokens:
+        raise ValueError(f"the first observation is {len(ids)} tokens, which leaves no room under max_total_tokens="
+                         f"{max_total_tokens}; raise max_total_tokens or shorten the prompt.")
+    mask = [False] * len(ids)
+    out = MultiTurnRollout(input_ids=torch.empty(0, dtype=torch.long), action_mask=torch.empty(0, dtype=torch.bool),
+                           prompt_length=len(ids), reward=0.0, stop="max_turns")
+    eos = renderer.eos_token_id
+    decode = renderer.tokenizer.decode
+    while out.turns < max_turns:
+        budget = min(max_new_tokens, max_total_tokens - len(ids))
+        new = _cut_after_eos(list(generate(list(ids), budget))[:budget], eos)
+        ids += new
+        mask += [True] * len(new)
+        out.turns += 1
+        text = decode(new, skip_special_tokens=True)
+        out.model_turns.append(text)
+        reply, reward, done = env.step(text)
+        out.step_rewards.append(float(reward))
+        if done:
+            out.done, out.stop = True, "done"
+            break
+        if len(ids) >= max_total_tokens:
+            out.stop = "max_total_tokens"
+            break
+        if out.turns >= max_turns:  # no model turn follows: the reply would be trained on by nobody
+            break
+        env_ids = renderer.env_turn(reply or "", new)
+        if len(ids) + len(env_ids) >= max_total_tokens:
+            out.stop = "max_total_tokens"
+            break
+        ids += env_ids
+        mask += [False] * len(env_ids)
+        out.env_turns.append(reply or "")
+    out.input_ids = torch.tensor(ids, dtype=torch.long)
+    out.action_mask = torch.tensor(mask, dtype=torch.bool)
+    out.reward = float(sum(out.step_rewards))
+    return out
+
+
+def multiturn_rollouts(
+    prompts: Sequence[str],
+    make_env: Callable[[], Environment],
+    generate: Generate,
+    renderer: TurnRenderer,
+    *,
+    seed: int,
+    **caps: int,
+) -> list[MultiTurnRollout]:
+    """One :func:`multiturn_rollout` per prompt, each with a fresh ``make_env()`` and seeded with
+    :func:`rollout_seed` ``(seed, index)``: a prompt's episode does not depend on the others. ``caps``:
+    ``max_turns``, ``max_total_tokens``, ``max_new_tokens``."""
+    return [multiturn_rollout(p, make_env(), generate, renderer, seed=rollout_seed(seed, i), **caps)
+            for i, p in enumerate(prompts)]
+
+
+def sampling_generate(module: Any, eos_token_id: int | None, temperature: float = 1.0,
+                      do_sample: bool = True) -> Generate:
+    """A ``generate(ids, max_new_tokens)`` for a causal LM ``module`` (``module(input_ids=...).logits``): one token
+    at a time from ``softmax(logits / temperature)`` with torch's global generator (greedy with
+    ``do_sample=False``), stopping after EOS. No KV cache: meant for tiny models and tests."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    @torch.no_grad()
+    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
+        device = next(module.parameters()).device
+        seq = torch.tensor([ids], dtype=torch.long, device=device)
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            logits = module(input_ids=seq).logits[0, -1].float()
+            if do_sample:
+                token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1))
+            else:
+                token = int(logits.argmax())
+            new.append(token)
+            if token == eos_token_id:
+                break
+            seq = torch.cat([seq, seq.new_tensor([[token]])], dim=1)
+        return new
+
+    return generate
+
+
+# ------------------------------------------------------------------------------------------------------------
+# batching
+# ------------------------------------------------------------------------------------------------------------
+
+
+def collate_rollouts(rollouts: Sequence[MultiTurnRollout], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ``input_ids``, ``attention_mask``, ``action_mask`` ``[B, L_max]`` and ``rewards [B]``.
+    For a loss: the logits at ``t`` predict token ``t + 1``, so use ``action_mask[:, 1:]`` with ``logits[:, :-1]``."""
+    if not rollouts:
+        raise ValueError("collate_rollouts needs at least one rollout")
+    L = max(int(r.input_ids.numel()) for r in rollouts)
+    B = len(rollouts)
+    ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    attention = torch.zeros(B, L, dtype=torch.long)
+    action = torch.zeros(B, L, dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        n = int(r.input_ids.numel())
+        ids[i, :n] = r.input_ids
+        attention[i, :n] = 1
+        action[i, :n] = r.action_mask
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    return {"input_ids": ids, "attention_mask": attention, "action_mask": action, "rewards": rewards}
+
+
+def to_experience_layout(rollouts: Sequence[MultiTurnRollout], pad_token_id: int) -> dict[str, Any]:
+    """The layout of ``rollout.Experience``: the first observations left padded to ``C`` columns, then everything
+    after them (model and environment turns) right padded to ``T``.
+
+    Returns:
+        ``sequences [B, C + T]``, ``attention_mask [B, C + T]`` (every real token, environment turns included),
+        ``context_length`` ``C``, ``action_mask [B, T]`` bool (the model's tokens; unlike a single-turn rollout
+        not a prefix mask) and ``score [B]``.
+    """
+    if not rollouts:
+        raise ValueError("to_experience_layout needs at least one rollout")
+    C = max(r.prompt_length for r in rollouts)
+    T = max(int(r.input_ids.numel()) - r.prompt_length for r in rollouts)
+    B = len(rollouts)
+    seq = torch.full((B, C + T), pad_token_id, dtype=torch.long)
+    attention = torch.zeros(B, C + T, dtype=torch.long)
+    action = torch.zeros(B, T, dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        p, rest = r.prompt_length, int(r.input_ids.numel()) - r.prompt_length
+        seq[i, C - p:C] = r.input_ids[:p]
+        attention[i, C - p:C] = 1
+        seq[i, C:C + rest] = r.input_ids[p:]
+        attention[i, C:C + rest] = 1
+        action[i, :rest] = r.action_mask[p:]
+    score = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    return {"sequences": seq, "attention_mask": attention, "context_length": C, "action_mask": action, "score": score}
