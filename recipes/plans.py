@@ -508,19 +508,17 @@ def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
 
 def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    info = _scalar(_lm_model(str(cfg.model.pretrained), "reward", assume, configs_dir, cfg.model.tiny_hidden,
-                             cfg.model.tiny_layers, cfg.seed))
+    r, d = cfg.roles.reward, cfg.data
+    info = _scalar(_lm_model(str(r.model), "reward", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed))
     dims = P.transformer_dims(info.config)
-    r, t, d = cfg.roles.reward, cfg.train, cfg.data
     seq = int(d.max_prompt_len) + int(d.max_response_len)
-    lora = _lora(cfg.lora)
-    reward = _role("reward", info, str(r.dtype), trainable=True, lora=lora, extra_trainable=dims.hidden,
+    reward = _role("reward", info, str(r.dtype), trainable=True, lora=_lora(r.lora), extra_trainable=dims.hidden,
                    current=_current(r.stage, True, r.offload_params, r.offload_optimizer),
-                   phases=_lm_phases(dims, str(r.dtype), train=(2 * int(t.micro_batch_size), seq), logits=False,
-                                     checkpointing=bool(t.gradient_checkpointing)))
+                   phases=_lm_phases(dims, str(r.dtype), train=(2 * int(r.micro_batch_size), seq), logits=False,
+                                     checkpointing=bool(r.gradient_checkpointing)))
     return [RecipePlan("rlhf_reward", [reward], {"reward": _keys("roles.reward")},
-                       [f"pairs of {seq}-token sequences, micro batch {t.micro_batch_size} pairs "
-                        f"({2 * int(t.micro_batch_size)} rows)"])]
+                       [f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs "
+                        f"({2 * int(r.micro_batch_size)} rows)"])]
 
 
 @dataclass

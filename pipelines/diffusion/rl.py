@@ -421,8 +421,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "grou
     """Group-relative advantages of ``[B]`` rewards, ``B`` consecutive groups of ``group_size`` images of one
     prompt: ``(r - mean_group) / (s + eps)``.
 
-    ``std``: ``"group"`` (``s`` = the group's std; GRPO, Flow-GRPO's default), ``"global"`` (the whole batch's std,
-    Flow-GRPO's ``global_std``), ``"none"`` (only the mean removed, Dr. GRPO). ``unbiased=False`` is numpy's
+    ``std``: ``"group"`` (``s`` = the group's std; GRPO), ``"global"`` (the whole batch's std, Flow-GRPO's
+    ``global_std``, on in its base config), ``"none"`` (only the mean removed, Dr. GRPO). ``unbiased=False`` is numpy's
     population std as Flow-GRPO and DDPO use it (``eps`` 1e-4 as Flow-GRPO); ``unbiased=True, eps=1e-6`` is
     :func:`multiengine.pipelines.rlhf.advantages.grpo_advantages`. A group whose rewards are all equal gets exactly
     0 (never NaN, even with ``eps=0``). ``clip``: clamp to ``[-clip, clip]`` (Flow-GRPO's ``adv_clip_max``).
@@ -469,7 +469,7 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
         old)^2)``, ``clipfrac`` = fraction with ``|ratio - 1| > clip_range``, ``ratio_mean``.
     """
     if not clip_range > 0:
-        raise ValueError(f"diffusion.clip_range={clip_range} must be > 0 (the references use 1e-4 to 1e-2).")
+        raise ValueError(f"diffusion.clip_range={clip_range} must be > 0 (DDPO and Flow-GRPO default to 1e-4).")
     if log_prob.shape != old_log_prob.shape:
         raise ValueError(f"log_prob shape {tuple(log_prob.shape)} != old_log_prob shape {tuple(old_log_prob.shape)}")
     adv = advantages.float().reshape(-1)
