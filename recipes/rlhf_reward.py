@@ -17,96 +17,75 @@ import statistics
 from typing import Any
 
 from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
+from multiengine.engines.recipe_config import Key, split_keys
 from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.evaluation import pair_accuracy
 from multiengine.pipelines.rlhf.roles import critic_spec
 from multiengine.pipelines.rlhf.steps import reward_loss
 from multiengine.recipes.common import (
-    COMMON_HELP,
-    DATA_DEFAULTS,
-    RLHF_BETAS,
+    DATA_KEYS,
+    RLHF_TRAINABLE,
+    TINY_KEYS,
     check_data,
     check_model,
     check_stage_batches,
     check_tokenizer,
     load_data,
-    lora_spec,
-    optim_spec,
-    placement,
     recipe_checks,
     role_tokenizer,
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
+# InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
+# (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works.
+ROLES = (
+    Role("reward", "the reward model being trained: LM body + scalar head (LoRA adapts the body, the head "
+                   "trains fully)", trainable=True,
+         keys={**RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-3, "scheduler": "cosine", "warmup_steps": 20,
+               "model": Key("", "a causal-LM folder, SFT or reward export, *ForSequenceClassification folder or hub "
+                                "name; \"\" = the random tiny OPT (tiny.*)"),
+               "micro_batch_size": Key(32, "pairs per rank per forward/backward (2 rows each)")}),
+)
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/rlhf_reward", "everything the run writes goes under this folder"),
-    "max_steps": Key(300, "optimizer steps"),
-    # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
-    # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works
-    "model": Key({
-        "pretrained": Key("", "causal-LM folder, SFT or reward export, *ForSequenceClassification folder; \"\" = "
-                              "tiny OPT"),
-        "tokenizer": Key("", "a tokenizer folder or hub name; \"\" = the model folder's own"),
-        "tiny_hidden": Key(64, "width of the random tiny OPT (model.pretrained=\"\")"),
-        "tiny_layers": Key(2, "layers of the random tiny OPT"),
-    }, "the reward model's starting point"),
+    "max_steps": Key(1000, "optimizer steps"),
+    "roles": role_keys(ROLES),
+    "tiny": TINY_KEYS,
     "data": Key({
-        **DATA_DEFAULTS,
+        **DATA_KEYS,
         "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
         "max_response_len": Key(16, "answer tokens kept, EOS included"),
         "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
     }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
-    "train": Key({
-        "micro_batch_size": Key(16, "pairs per rank per forward/backward (2 rows each)"),
-        "grad_accum": Key(1, "micro batches per optimizer step"),
-        "lr": Key(5e-4, "peak learning rate"),
-        "weight_decay": Key(0.0, "AdamW weight decay"),
-        "scheduler": Key("cosine", "a transformers scheduler name"),
-        "warmup_steps": Key(20, "linear warm-up steps"),
-        "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-        "gradient_checkpointing": Key(False, "recompute activations in backward (less memory)"),
-    }, "the reward model's optimizer and batches"),
-    "roles": Key({
-        "reward": Key({
-            "stage": Key(2, "ZeRO stage 0-3"),
-            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
-        }, "the reward model being trained (LM body + scalar head)"),
-    }, "placement of each role"),
-    "lora": Key({
-        "enabled": Key(False, "train peft LoRA adapters only"),
-        "rank": Key(8, "adapter rank"),
-        "alpha": Key(0.0, "scaling (0 = the rank)"),
-        "dropout": Key(0.0, "adapter dropout"),
-        "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
-    }, "LoRA adapters on the body (the head trains fully)"),
     "eval": Key({
-        "every": Key(100, "also evaluate every N steps (0 = only before and after)"),
+        "every": Key(250, "also evaluate every N steps (0 = only before and after)"),
     }, "held-out pair accuracy"),
     "export": Key({
         "enabled": Key(True, "export/reward: a *ForSequenceClassification folder with the tokenizer"),
     }, "what the run writes under output_dir/export"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS)
-HELP = dict(COMMON_HELP)
+RENAMED = old_keys("reward", extra={"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"})
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder, tokenizer vs vocabulary, preference data (formats, columns, rows, chat template, held-out
     pairs), and a micro batch of training pairs per rank on ``world_size`` ranks."""
-    check_model("model.pretrained", cfg.model.pretrained)
-    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.pretrained", cfg.model.pretrained)
-    check_batches(cfg, check_data(cfg, "reward", tok), world_size)
+    reward = cfg.roles.reward
+    check_model("roles.reward.model", reward.model)
+    tok = check_tokenizer("roles.reward.tokenizer", reward.tokenizer, "roles.reward.model", reward.model)
+    check_batches(cfg, check_data(cfg, "reward", tok, tokenizer_key="roles.reward.tokenizer"), world_size)
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """One stream of micro batches of pairs per rank (grad_accum draws it again, across epochs)."""
-    check_stage_batches(report, world_size, key="train.micro_batch_size", value=cfg.train.micro_batch_size,
-                        unit="pairs", setting=setting)
+    check_stage_batches(report, world_size, key="roles.reward.micro_batch_size",
+                        value=cfg.roles.reward.micro_batch_size, unit="pairs", setting=setting)
 
 
 class RLHFReward(Recipe):
@@ -118,26 +97,27 @@ class RLHFReward(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         # 1. the model (LM body + scalar head) and its tokenizer
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.pretrained)
-        self.model_path = cfg.model.pretrained or assets["model"]
-        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.model_path,
+        reward = cfg.roles.reward
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not reward.model)
+        self.model_path = reward.model or assets["model"]
+        self.tokenizer = role_tokenizer(reward.tokenizer, self.model_path,
                                         role_tokenizer("", assets["tokenizer"]) if assets else None,
-                                        what="model.pretrained")
-        t = cfg.train
+                                        what="roles.reward.model")
         registry.add(critic_spec(
-            self.model_path, placement(cfg.roles.reward), optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
-            micro_batch_size=t.micro_batch_size * 2,  # chosen and rejected rows of each pair in one batch
-            grad_accum=t.grad_accum, lora=lora_spec(cfg.lora), gradient_checkpointing=t.gradient_checkpointing,
-            seed=cfg.seed, name="reward"))
+            self.model_path, placement(cfg, ROLES, "reward"), optim_spec(cfg, "reward", cfg.max_steps),
+            micro_batch_size=reward.micro_batch_size * 2,  # chosen and rejected rows of each pair in one batch
+            grad_accum=reward.grad_accum, lora=lora_spec(cfg, "reward"),
+            gradient_checkpointing=reward.gradient_checkpointing, seed=cfg.seed, name="reward"))
         registry.build()
 
         # 2. pairs to train on and held-out pairs (evaluation rows, never trained on)
         data = load_data(self, "reward", default_source=assets.get("data", ""))
         collate = PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches = registry.add_state("batches", ShardedBatches(
-            data.train, collate, t.micro_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
-        self.heldout = [] if data.eval is None else shard_batches(
-            data.eval, collate, t.micro_batch_size, registry.world_size, registry.rank, limit=cfg.data.heldout_size)
+        pairs, world, rank = reward.micro_batch_size, registry.world_size, registry.rank
+        self.batches = registry.add_state("batches", ShardedBatches(data.train, collate, pairs, world, rank,
+                                                                    seed=cfg.seed))
+        self.heldout = [] if data.eval is None else shard_batches(data.eval, collate, pairs, world, rank,
+                                                                  limit=cfg.data.heldout_size)
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry

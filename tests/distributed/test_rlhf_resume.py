@@ -25,9 +25,9 @@ STEPS, STOP = 4, 2
 
 # per recipe: its exported role and the overrides that keep it to a few seconds of training
 RECIPES = {
-    "rlhf_sft": ("actor", ["train.micro_batch_size=4", "data.heldout_size=8", "eval.every=0", "eval.size=4",
+    "rlhf_sft": ("actor", ["roles.actor.micro_batch_size=4", "data.heldout_size=8", "eval.every=0", "eval.size=4",
                            "eval.batch_size=4", "eval.greedy=false", "generation.max_new_tokens=4"]),
-    "rlhf_reward": ("reward", ["train.micro_batch_size=4", "data.heldout_size=8", "eval.every=0"]),
+    "rlhf_reward": ("reward", ["roles.reward.micro_batch_size=4", "data.heldout_size=8", "eval.every=0"]),
 }
 
 
@@ -64,8 +64,8 @@ def assets(tmp_path_factory):
 def test_resume_from_a_checkpoint_ends_bit_equal_to_an_uninterrupted_run(assets, recipe):
     root, paths = assets
     role, overrides = RECIPES[recipe]
-    common = [recipe, "--config", "tiny", "--nproc-per-node", "2", f"model.pretrained={paths['model']}",
-              f"data.source={paths['data']}", f"max_steps={STEPS}", "train.warmup_steps=1", *overrides]
+    common = [recipe, "--config", "tiny", "--nproc-per-node", "2", f"roles.{role}.model={paths['model']}",
+              f"data.source={paths['data']}", f"max_steps={STEPS}", f"roles.{role}.warmup_steps=1", *overrides]
     full, resumed = root / f"{recipe}_full", root / f"{recipe}_resumed"
     cli(*common, f"output_dir={full}", f"checkpoint.every={STOP}")
     ckpt = full / "checkpoints" / f"step_{STOP:08d}"

@@ -243,7 +243,7 @@ ROWS = [
         "--master-port 29500 --rdzv-backend c10d", "--node-rank", "c10d"),
     cli("batch-on-too-many-ranks", "CLI", "more ranks than the data can fill a micro batch on",
         "validate rlhf_reward --config tiny --nproc-per-node 4 --nnodes 64 data.source={d}/pairs.jsonl",
-        "train.micro_batch_size"),
+        "roles.reward.micro_batch_size"),
     cli("run-2ranks-stage", "CLI", "`run` on 2 ranks with a bad value: checked before launching",
         "run rlhf_sft --config tiny --nproc-per-node 2 roles.actor.stage=7", "roles.actor.stage", "7"),
     cli("run-2ranks-missing-data", "CLI", "`run` on 2 ranks with a missing data file",
@@ -297,7 +297,8 @@ ROWS = [
     cli("grpo-top-p-0", "config", "top_p 0", "validate rlhf_grpo --config tiny generation.top_p=0", "generation.top_p"),
     cli("dpo-label-smoothing", "config", "label smoothing of 0.5", "validate rlhf_dpo --config tiny "
         "dpo.label_smoothing=0.5", "dpo.label_smoothing", "0.5"),
-    cli("reward-lr-0", "config", "a learning rate of 0", "validate rlhf_reward --config tiny train.lr=0", "train.lr"),
+    cli("reward-lr-0", "config", "a learning rate of 0", "validate rlhf_reward --config tiny roles.reward.lr=0",
+        "roles.reward.lr"),
     cli("demo-seq-len", "config", "a sequence longer than the model's positions",
         "validate registry_demo --config tiny "
         "seq_len=1000", "seq_len", "1000"),

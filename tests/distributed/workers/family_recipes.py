@@ -33,7 +33,7 @@ for family, paths in json.load(open(sys.argv[2])).items():
     r = results[family] = {}
     r["sft"] = run(f"{root}/sft", "rlhf_sft", f"model.pretrained={paths['base']}", *EVAL)
     actor = f"{root}/sft/export/actor"
-    r["reward"] = run(f"{root}/reward", "rlhf_reward", f"model.pretrained={actor}", "max_steps=20", "eval.every=0")
+    r["reward"] = run(f"{root}/reward", "rlhf_reward", f"roles.reward.model={actor}", "max_steps=20", "eval.every=0")
     r["ppo"] = run(f"{root}/ppo", "rlhf_ppo", f"model.actor={actor}", f"model.reward={root}/reward/export/reward",
                    "max_steps=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", *EVAL)
     r["grpo"] = run(f"{root}/grpo", "rlhf_grpo", f"model.actor={actor}", "max_steps=16", *EVAL)
