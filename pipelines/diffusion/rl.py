@@ -58,7 +58,8 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``denoiser_fn(latents [B, ...], timesteps [B]) -> model_output [B, ...]``: the caller closes over the prompt
-embeddings (and classifier-free guidance), so the loop and the re-scoring never see the model's other inputs."""
+embeddings (and classifier-free guidance), so the loop and the re-scoring never see the model's other inputs. Latents
+arrive in float32 (the trajectory is kept in float32 so re-scoring is exact): a bf16 model casts inside the closure."""
 
 
 class DenoiseStep(NamedTuple):
