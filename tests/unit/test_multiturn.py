@@ -214,3 +214,21 @@ def test_environment_tokens_get_no_gradient(tok, model):
     assert float(per_position[~action].abs().sum()) == 0.0
     assert float(logits.grad[:, :C - 1].abs().sum()) == 0.0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_chatml_style_template_closes_every_turn_with_eos(tok):
+    import copy
+
+    chatml = copy.deepcopy(tok)
+    chatml.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    eos = tok.eos_token_id
+    turns = [ids(tok, "<calc> 4 * 5 </calc>") + [eos], ids(tok, "<answer> 20 </answer>") + [eos]]
+    r = mt.multiturn_rollout("compute 4 * 5", mt.ArithmeticEnv(), scripted(turns), mt.TurnRenderer(chatml))
+    assert tok.convert_ids_to_tokens(r.input_ids.tolist()) == [
+        "<|user|>", "compute", "4", "*", "5", "</s>", "<|assistant|>",
+        "<calc>", "4", "*", "5", "</calc>", "</s>",  # the model's EOS closes its turn: not repeated
+        "<|tool|>", "<result>", "20", "</result>", "</s>", "<|assistant|>",  # the tool turn, closed by the template
+        "<answer>", "20", "</answer>", "</s>"]
+    assert r.action_mask.int().tolist() == [0] * 7 + [1] * 6 + [0] * 6 + [1] * 4
+    assert r.reward == 1.0
