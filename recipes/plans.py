@@ -22,8 +22,13 @@ from typing import Any
 
 import yaml
 from multiengine.engines import planner as P
-
-from multiengine.engines.recipe_config import CONFIGS_DIR, RecipeConfigError, list_recipes, load_config, resolve_config_file
+from multiengine.engines.recipe_config import (
+    CONFIGS_DIR,
+    RecipeConfigError,
+    list_recipes,
+    load_config,
+    resolve_config_file,
+)
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,34 @@ def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | 
 def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
     return RoleKeys(f"{prefix}.stage", f"{prefix}.offload_params" if offload_params else None,
                     f"{prefix}.offload_optimizer" if offload_optimizer else None)
+
+
+def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
+    """The ModelInfo of a model built in code (its parameters' names and shapes; meta tensors work)."""
+    return P.ModelInfo(name, tuple(P.TensorEntry(n, tuple(p.shape), dtype) for n, p in module.named_parameters()))
+
+
+def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
+                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None) -> RecipePlan:
+    """The planner's roles straight from a recipe's ROLES declaration: trainable or frozen, placement keys
+    roles.<name>.*, the stage a following role takes (recipes/schema.py resolves it, nowhere else), LoRA; only
+    the models and the activation phases are the recipe's own."""
+    from multiengine.recipes.schema import follow_chain
+
+    phases = phases or {}
+    requests, keys = [], {}
+    for role in roles:
+        section = cfg.roles[role.name]
+        stage = int(follow_chain(cfg, roles, role.name, "stage", -1))
+        dtype = str(follow_chain(cfg, roles, role.name, "dtype", ""))
+        requests.append(_role(
+            role.name, infos[role.name], dtype, trainable=role.trainable,
+            lora=_lora(section.lora) if role.trainable else None,
+            current=_current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
+            phases=phases.get(role.name, ()),
+            choices=P.trainable_choices() if role.trainable else P.frozen_choices()))
+        keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
+    return RecipePlan("", requests, keys)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -531,30 +564,30 @@ class _RewardRoles:
     notes: list[str]
 
 
-def _reward_roles(cfg: Any, base_stage: int, base_dtype: str, rows: int, seq: int,
-                  assume: Mapping[str, str] | None, configs_dir: str | Path) -> _RewardRoles:
+def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[str, str] | None,
+                  configs_dir: str | Path) -> _RewardRoles:
     """Every reward-model role the recipe builds from ``reward.models`` (or the `reward` role from
-    ``model.reward`` when the section names no source), placed as the recipe places them:
-    ``roles.reward`` with ``stage: -1`` / ``dtype: ""`` taking ``base_stage`` / ``base_dtype`` (the
-    critic's in PPO, the actor's in GRPO), then each entry's own placement keys over it.
+    ``roles.reward.model`` when the section names no source), placed as the recipe places them: ``roles.reward``
+    as its declaration resolves it (``declared``: the recipe's ROLES), then each entry's own placement keys.
 
     ``roles.reward``'s keys go to the first role that sets no placement of its own; the other such roles
     follow its placement (they share the section). A role whose entry sets its stage or offload is
     planned at that placement only: its keys live in a list the planner does not rewrite.
     """
     from .common import reward_entries
+    from .schema import follow_chain
 
-    m, r = cfg.model, cfg.roles.reward
+    r = cfg.roles.reward
     entries, functions = reward_entries(cfg.reward)
     if not entries and not functions:
-        entries = [{"role": "reward", "path": "", "weight": 1.0}]
-    stage = int(r.stage) if r.stage is not None and r.stage >= 0 else base_stage
-    dtype = str(r.dtype) or base_dtype
+        entries = [{"role": "reward", "model": "", "weight": 1.0}]
+    stage = int(follow_chain(cfg, declared, "reward", "stage", -1))
+    dtype = str(follow_chain(cfg, declared, "reward", "dtype", ""))
     out = _RewardRoles([], {}, {}, [])
     leader: str | None = None
     for i, e in enumerate(entries):
-        path = str(e.get("path") or m.reward or "")
-        info = _scalar(_lm_model(path, e["role"], assume, configs_dir, m.tiny_hidden, m.tiny_layers, cfg.seed))
+        path = str(e.get("model") or r.model or "")
+        info = _scalar(_lm_model(path, e["role"], assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed))
         e_stage = e.get("stage")
         e_stage = stage if e_stage is None or e_stage < 0 else int(e_stage)
         e_dtype = str(e.get("dtype") or dtype)
@@ -584,52 +617,64 @@ def _reward_roles(cfg: Any, base_stage: int, base_dtype: str, rows: int, seq: in
     return out
 
 
+def _ref_role(cfg: Any, declared: Any, info: P.ModelInfo, rows: int, seq: int, dims: Any) -> P.RoleRequest:
+    """The frozen ref (the actor's folder), placed as its declaration resolves ``roles.ref``."""
+    from .schema import follow_chain
+
+    ref = cfg.roles.ref
+    dtype = str(follow_chain(cfg, declared, "ref", "dtype", ""))
+    stage = int(follow_chain(cfg, declared, "ref", "stage", -1))
+    return _role("ref", info, dtype, trainable=False, current=_current(stage, False, ref.offload_params),
+                 phases=_lm_phases(dims, dtype, forward=(rows, seq), label="experience forward"),
+                 full_gather=("experience forward",) if ref.gather_forward else (),
+                 gather_hint="roles.ref.gather_forward=false")
+
+
 def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    m, r, p, g, d = cfg.model, cfg.roles, cfg.ppo, cfg.generation, cfg.data
-    hidden, layers, seed = cfg.model.tiny_hidden, cfg.model.tiny_layers, cfg.seed
-    actor_info = _lm_model(str(m.actor), "actor", assume, configs_dir, hidden, layers, seed)
+    from .rlhf_ppo import ROLES
+    from .schema import follow_chain
+
+    r, p, g, d = cfg.roles, cfg.ppo, cfg.generation, cfg.data
+    hidden, layers, seed = cfg.tiny.hidden, cfg.tiny.layers, cfg.seed
+    actor_info = _lm_model(str(r.actor.model), "actor", assume, configs_dir, hidden, layers, seed)
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
-    seq, rollout, mini = prompt + new, int(p.rollout_batch_size), int(p.mini_batch_size)
+    seq, rollout = prompt + new, int(p.rollout_batch_size)
+    mini, critic_mini = int(r.actor.micro_batch_size), int(r.critic.micro_batch_size)
     actor_dtype, critic_dtype = str(r.actor.dtype), str(r.critic.dtype)
     actor_cur = _current(r.actor.stage, True, r.actor.offload_params, r.actor.offload_optimizer)
     critic_cur = _current(r.critic.stage, True, r.critic.offload_params, r.critic.offload_optimizer)
-    rewards = _reward_roles(cfg, critic_cur.stage, critic_dtype, rollout, seq, assume, configs_dir)
-    # the critic starts from model.critic, else the `reward` role's model (DeepSpeed-Chat), else the first
-    # reward model, else the actor's folder with a fresh head (rewards from functions only)
-    if m.critic or (assume and "critic" in assume):
-        critic_info = _scalar(_lm_model(str(m.critic), "critic", assume, configs_dir, hidden, layers, seed))
+    rewards = _reward_roles(cfg, ROLES, rollout, seq, assume, configs_dir)
+    # the critic's folder as the recipe resolves it: roles.critic.model, else the reward model's (its
+    # declaration), else the first reward model, else the actor's with a fresh head (rewards from functions only)
+    if r.critic.model or (assume and "critic" in assume):
+        critic_info = _scalar(_lm_model(str(r.critic.model), "critic", assume, configs_dir, hidden, layers, seed))
     elif rewards.infos:
         critic_info = rewards.infos.get("reward") or next(iter(rewards.infos.values()))
     else:
         critic_info = _scalar(actor_info)
     adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
-    actor = _role("actor", actor_info, actor_dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
+    actor = _role("actor", actor_info, actor_dtype, trainable=True, lora=_lora(r.actor.lora), current=actor_cur,
                   phases=_lm_phases(adims, actor_dtype, generate=(rollout, prompt, new), forward=(rollout, seq),
                                     train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
                                     label="experience forward"),
                   full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
-    critic = _role("critic", critic_info, critic_dtype, trainable=True, lora=_lora(cfg.lora.critic),
+    critic = _role("critic", critic_info, critic_dtype, trainable=True, lora=_lora(r.critic.lora),
                    extra_trainable=cdims.hidden, current=critic_cur,
-                   phases=_lm_phases(cdims, critic_dtype, forward=(rollout, seq), train=(mini, seq), logits=False,
-                                     checkpointing=bool(r.critic.gradient_checkpointing), label="experience forward"))
-    ref_dtype = str(r.ref.dtype) or actor_dtype
-    ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
-    ref = _role("ref", actor_info, ref_dtype, trainable=False, current=_current(ref_stage, False, r.ref.offload_params),
-                phases=_lm_phases(adims, ref_dtype, forward=(rollout, seq), label="experience forward"),
-                full_gather=("experience forward",) if r.ref.gather_forward else (),
-                gather_hint="roles.ref.gather_forward=false")
-    roles = [actor, critic, ref, *rewards.roles]
+                   phases=_lm_phases(cdims, critic_dtype, forward=(rollout, seq), train=(critic_mini, seq),
+                                     logits=False, checkpointing=bool(r.critic.gradient_checkpointing),
+                                     label="experience forward"))
+    roles = [actor, critic, _ref_role(cfg, ROLES, actor_info, rollout, seq, adims), *rewards.roles]
     keys = {"actor": _keys("roles.actor"), "critic": _keys("roles.critic"),
             "ref": _keys("roles.ref", offload_optimizer=False), **rewards.keys}
     if cfg.ema.enabled:
-        ema_dtype = str(cfg.ema.dtype) or actor_dtype
-        roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(cfg.lora.actor),
-                           current=_current(actor_cur.stage, False, cfg.ema.offload_params), follows="actor",
+        ema_dtype = str(follow_chain(cfg, ROLES, "ema", "dtype", ""))
+        roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(r.actor.lora),
+                           current=_current(actor_cur.stage, False, r.ema.offload_params), follows="actor",
                            note="built at the actor's stage"))
-        keys["ema"] = RoleKeys(None, "ema.offload_params")
+        keys["ema"] = RoleKeys(None, "roles.ema.offload_params")
     notes = [f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; updates on "
-             f"{mini} rows per forward/backward", *rewards.notes]
+             f"{mini} rows (critic {critic_mini}) per forward/backward", *rewards.notes]
     return [RecipePlan("rlhf_ppo", roles, keys, notes)]
 
 
@@ -637,33 +682,28 @@ def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
               configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """Actor, a frozen ref (none when ``grpo.kl_coef`` is 0) and the reward-model roles; no critic. A
     rollout is ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` rows per rank, generated and
-    scored in one batch; the update runs on ``mini_batch_size`` rows at a time."""
-    m, r, gr, g, d = cfg.model, cfg.roles, cfg.grpo, cfg.generation, cfg.data
-    actor_info = _lm_model(str(m.actor), "actor", assume, configs_dir, m.tiny_hidden, m.tiny_layers, cfg.seed)
+    scored in one batch; the update runs on ``roles.actor.micro_batch_size`` rows at a time."""
+    from .rlhf_grpo import ROLES
+
+    r, gr, g, d = cfg.roles, cfg.grpo, cfg.generation, cfg.data
+    a = r.actor
+    actor_info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
     dims = P.transformer_dims(actor_info.config)
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
-    seq, rows, mini = prompt + new, int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt), int(gr.mini_batch_size)
+    seq, rows, mini = prompt + new, int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt), int(a.micro_batch_size)
     eval_rows = int(cfg.eval.batch_size) if cfg.eval.size else 0
-    a = r.actor
     dtype = str(a.dtype)
     actor_cur = _current(a.stage, True, a.offload_params, a.offload_optimizer)
-    actor = _role("actor", actor_info, dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
+    actor = _role("actor", actor_info, dtype, trainable=True, lora=_lora(a.lora), current=actor_cur,
                   phases=_lm_phases(dims, dtype, generate=(max(rows, eval_rows), prompt, new), forward=(rows, seq),
                                     train=(mini, seq), checkpointing=bool(a.gradient_checkpointing),
                                     label="experience forward"),
                   full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
     roles, keys = [actor], {"actor": _keys("roles.actor")}
     if float(gr.kl_coef) > 0:
-        ref_dtype = str(r.ref.dtype) or dtype
-        ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
-        roles.append(_role("ref", actor_info, ref_dtype, trainable=False,
-                           current=_current(ref_stage, False, r.ref.offload_params),
-                           phases=_lm_phases(dims, ref_dtype, forward=(max(rows, eval_rows), seq),
-                                             label="experience forward"),
-                           full_gather=("experience forward",) if r.ref.gather_forward else (),
-                           gather_hint="roles.ref.gather_forward=false"))
+        roles.append(_ref_role(cfg, ROLES, actor_info, max(rows, eval_rows), seq, dims))
         keys["ref"] = _keys("roles.ref", offload_optimizer=False)
-    rewards = _reward_roles(cfg, actor_cur.stage, dtype, max(rows, eval_rows), seq, assume, configs_dir)
+    rewards = _reward_roles(cfg, ROLES, max(rows, eval_rows), seq, assume, configs_dir)
     roles += rewards.roles
     keys.update(rewards.keys)
     notes = [f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
@@ -674,29 +714,35 @@ def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
 
 def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    """A trainable policy and a frozen ref from the same folder; each micro batch is
-    ``train.micro_batch_size`` pairs = twice as many rows (chosen and rejected)."""
-    m, r, t, d = cfg.model, cfg.roles, cfg.train, cfg.data
-    info = _lm_model(str(m.actor), "actor", assume, configs_dir, m.tiny_hidden, m.tiny_layers, cfg.seed)
-    dims = P.transformer_dims(info.config)
+    """A trainable policy and a frozen ref (by default from the same folder); each micro batch is
+    ``roles.actor.micro_batch_size`` pairs = twice as many rows (chosen and rejected)."""
+    from multiengine.recipes.rlhf_dpo import ROLES
+    from multiengine.recipes.schema import model_path, placement
+
+    a, r, d = cfg.roles.actor, cfg.roles.ref, cfg.data
+    info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
+    ref_path = model_path(cfg, ROLES, "ref")
+    ref_info = info if ref_path == str(a.model) else _lm_model(ref_path, "ref", assume, configs_dir, cfg.tiny.hidden,
+                                                               cfg.tiny.layers, cfg.seed)
+    dims, ref_dims = P.transformer_dims(info.config), P.transformer_dims(ref_info.config)
     prompt, new = int(d.max_prompt_len), int(cfg.generation.max_new_tokens)
-    seq, rows = prompt + int(d.max_response_len), 2 * int(t.micro_batch_size)
+    seq, rows = prompt + int(d.max_response_len), 2 * int(a.micro_batch_size)
     gen = (int(cfg.eval.batch_size), prompt, new) if cfg.eval.size else None
-    dtype = str(r.actor.dtype)
-    actor_cur = _current(r.actor.stage, True, r.actor.offload_params, r.actor.offload_optimizer)
-    actor = _role("actor", info, dtype, trainable=True, lora=_lora(cfg.lora.actor), current=actor_cur,
+    dtype = str(a.dtype)
+    actor = _role("actor", info, dtype, trainable=True, lora=_lora(a.lora),
+                  current=_current(a.stage, True, a.offload_params, a.offload_optimizer),
                   phases=_lm_phases(dims, dtype, train=(rows, seq), generate=gen,
-                                    checkpointing=bool(t.gradient_checkpointing)),
+                                    checkpointing=bool(a.gradient_checkpointing)),
                   full_gather=("generation",))
-    ref_dtype = str(r.ref.dtype) or dtype
-    ref_stage = int(r.ref.stage) if r.ref.stage >= 0 else actor_cur.stage
+    ref_place = placement(cfg, ROLES, "ref")
     ref_rows, label = rows, "reference forward"
     if cfg.dpo.precompute_ref:
         ref_rows, label = 2 * int(cfg.dpo.precompute_batch_size), "precompute"
-    ref = _role("ref", info, ref_dtype, trainable=False, current=_current(ref_stage, False, r.ref.offload_params),
-                phases=_lm_phases(dims, ref_dtype, forward=(ref_rows, seq), label=label),
-                full_gather=(label,) if r.ref.gather_forward else (), gather_hint="roles.ref.gather_forward=false")
-    notes = [f"micro batch {t.micro_batch_size} pairs = {rows} rows of {seq} tokens"
+    ref = _role("ref", ref_info, ref_place.dtype, trainable=False,
+                current=_current(ref_place.stage, False, r.offload_params),
+                phases=_lm_phases(ref_dims, ref_place.dtype, forward=(ref_rows, seq), label=label),
+                full_gather=(label,) if r.gather_forward else (), gather_hint="roles.ref.gather_forward=false")
+    notes = [f"micro batch {a.micro_batch_size} pairs = {rows} rows of {seq} tokens"
              + ("; ref log-probs precomputed before training" if cfg.dpo.precompute_ref else "")]
     return [RecipePlan("rlhf_dpo", [actor, ref], {"actor": _keys("roles.actor"),
                                                   "ref": _keys("roles.ref", offload_optimizer=False)}, notes)]
@@ -761,6 +807,19 @@ def distill(cfg: Any, assume: Mapping[str, str] | None = None,
                        notes)]
 
 
+def gan(cfg: Any, assume: Mapping[str, str] | None = None,
+        configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    import torch
+    from multiengine.pipelines.gan import MLP
+    from multiengine.recipes import gan as recipe
+
+    with torch.device("meta"):
+        infos = {r.name: module_info(r.name, MLP(**recipe._shape(cfg, r.name))) for r in recipe.ROLES}
+    plan = declared_roles(cfg, recipe.ROLES, infos)
+    plan.title, plan.notes = "gan", ["two MLPs of gan.width x gan.depth; activations are negligible"]
+    return [plan]
+
+
 PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "registry_demo": registry_demo,
     "sd_finetune": sd_finetune,
@@ -772,6 +831,7 @@ PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "rlhf_dpo": rlhf_dpo,
     "rlhf_e2e": rlhf_e2e,
     "distill": distill,
+    "gan": gan,
 }
 
 
