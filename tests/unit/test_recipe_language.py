@@ -61,7 +61,7 @@ def test_the_same_override_works_in_every_recipe_that_has_the_role(recipe):
         assert cfg.roles.actor.lr == 1e-5
 
 
-@pytest.mark.parametrize("recipe", WITH_ROLES)
+@pytest.mark.parametrize("recipe", [r for r in WITH_ROLES if r != "gan"])  # gan never spoke the old dialect
 def test_an_old_key_is_refused_naming_the_new_one(recipe):
     module = load_recipe(recipe)
     renamed = getattr(module, "RENAMED", {})
