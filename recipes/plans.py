@@ -86,7 +86,8 @@ def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
             export = os.path.normpath(os.path.join(str(data["output_dir"]), "export"))
             if os.path.dirname(norm) != export:
                 continue
-            model = (data.get("model") or {}).get("pretrained")
+            role = ((data.get("roles") or {}).get(os.path.basename(norm)) or {})  # the exporting role's section
+            model = role.get("model") or (data.get("model") or {}).get("pretrained")
             if model:
                 return str(model), f"{recipe}/{name} exports there, starting from {model}"
             return "tiny:rlhf", f"{recipe}/{name} exports there, starting from its tiny model"

@@ -1,8 +1,9 @@
 """Offline preference optimisation: DPO (sigmoid loss, optional label smoothing) or IPO, with a trainable
-policy (``actor``) and a frozen reference (``ref``), each its own engine (both ZeRO-3 by default).
+policy (``actor``) and a frozen reference (``ref``, the actor's folder loaded again; it follows the actor's
+ZeRO stage and dtype unless set), each its own engine (both ZeRO-3 by default).
 
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2                    # SFT actor trained here first
-    multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.loss=ipo dpo.beta=0.5
+    multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.loss=ipo roles.actor.lr=5e-4
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.precompute_ref=true roles.ref.offload_params=true
     multiengine run rlhf_dpo --config opt1.3b --nproc-per-node 8
 
@@ -11,7 +12,7 @@ reference log-probs come from one no-grad ref forward per batch, or (``dpo.preco
 once for every training and held-out pair before the first step. Reports held-out preference accuracy,
 reward margin and implicit rewards ``beta * (log pi - log pi_ref)``, and on the built-in task the judge's
 score of sampled answers before and after (``metrics["eval/before/judge"]`` / ``["eval/after/judge"]``).
-With no ``model.actor`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft). Writes
+With no ``roles.actor.model`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft). Writes
 metrics.jsonl, summary.json, curves.png, checkpoints/ and export/actor; ``resume_from=latest`` continues.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
 from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
@@ -31,99 +33,69 @@ from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
-    COMMON_HELP,
-    DATA_DEFAULTS,
-    RLHF_BETAS,
+    DATA_KEYS,
+    RLHF_TRAINABLE,
+    TINY_KEYS,
     check_data,
     check_model,
     check_model_path,
     check_sft_run_batches,
     check_stage_batches,
     check_tokenizer,
+    config_error,
     data_overrides,
     evaluation_prompts,
     load_data,
-    lora_spec,
-    optim_spec,
-    placement,
     recipe_checks,
     role_tokenizer,
     sft_model,
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
+ROLES = (
+    Role("actor", "the policy being optimised", trainable=True,
+         keys={**RLHF_TRAINABLE, "stage": 3, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine", "warmup_steps": 10,
+               "model": Key("", "a causal-LM folder (the SFT model) or hub name; \"\" = train the tiny SFT actor "
+                                "under output_dir/sft (actor_sft)"),
+               "micro_batch_size": Key(32, "pairs per rank per forward/backward (2 rows each)")}),
+    Role("ref", "the frozen SFT policy: the actor's folder loaded again (never a copy)", follows="actor",
+         weights="actor", tokenizer_of="actor"),
+)
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/rlhf_dpo", "everything the run writes goes under this folder"),
     "max_steps": Key(300, "optimizer steps"),
-    "model": Key({
-        "actor": Key("", "a causal-LM folder (the SFT model); \"\" = train the tiny SFT actor under output_dir/sft"),
-        "tokenizer": Key("", "a tokenizer folder or hub name; \"\" = the actor folder's own"),
-        "tiny_hidden": Key(64, "width of the random tiny model the tiny SFT actor starts from"),
-        "tiny_layers": Key(2, "layers of that model"),
-    }, "the policy (and, loaded again, the ref)"),
+    "roles": role_keys(ROLES),
+    "tiny": TINY_KEYS,
     "actor_sft": Key({
         "config": Key("tiny", "a shipped rlhf_sft config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty"),
+        "overrides": Key([], "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)"),
+    }, "how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
     "data": Key({
-        **DATA_DEFAULTS,
+        **DATA_KEYS,
         "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
         "max_response_len": Key(16, "answer tokens kept, EOS included"),
         "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
     }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
     "dpo": Key({
         "loss": Key("sigmoid", "sigmoid (DPO) | ipo"),
-        "beta": Key(0.1, "strength of the KL regularisation to the ref"),
+        "beta": Key(0.5, "strength of the KL regularisation to the ref"),
         "label_smoothing": Key(0.0, "sigmoid only: assumed probability of a flipped label (conservative DPO)"),
         "precompute_ref": Key(False, "ref log-probs of every pair once before training, not a ref forward per batch"),
         "precompute_batch_size": Key(64, "pairs per ref forward while precomputing"),
-        "sft_coef": Key(0.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)"),
+        "sft_coef": Key(1.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)"),
     }, "the preference loss"),
-    "train": Key({
-        "micro_batch_size": Key(8, "pairs per rank per forward/backward (2 rows each)"),
-        "grad_accum": Key(1, "micro batches per optimizer step"),
-        "lr": Key(5e-7, "peak learning rate"),
-        "weight_decay": Key(0.0, "AdamW weight decay"),
-        "scheduler": Key("cosine", "a transformers scheduler name"),
-        "warmup_steps": Key(10, "linear warm-up steps"),
-        "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-        "gradient_checkpointing": Key(False, "recompute activations in backward (less memory)"),
-    }, "the policy's optimizer and batches"),
-    "roles": Key({
-        "actor": Key({
-            "stage": Key(3, "ZeRO stage 0-3"),
-            "dtype": Key("bf16", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
-        }, "the policy"),
-        "ref": Key({
-            "stage": Key(3, "ZeRO stage 0-3 (-1 = the actor's)"),
-            "dtype": Key("", "\"\" = the actor's"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
-        }, "the frozen SFT policy"),
-    }, "placement of each role"),
-    "lora": Key({
-        "actor": Key({
-            "enabled": Key(False, "train peft LoRA adapters only"),
-            "rank": Key(8, "adapter rank"),
-            "alpha": Key(0.0, "scaling (0 = the rank)"),
-            "dropout": Key(0.0, "adapter dropout"),
-            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
-        }, "on the policy"),
-    }, "LoRA adapters"),
     "generation": Key({
         "max_new_tokens": Key(8, "tokens generated per answer"),
         "temperature": Key(1.0, "sampling temperature"),
     }, "sampling of evaluation answers"),
     "eval": Key({
-        "every": Key(100, "also every N steps (always before and after)"),
+        "every": Key(50, "also every N steps (always before and after)"),
         "size": Key(256, "evaluation prompts for the judge (split evenly over ranks); 0 = none"),
         "batch_size": Key(32, "prompts per generation batch"),
         "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
@@ -133,12 +105,16 @@ KEYS: dict[str, Any] = {
         "enabled": Key(True, "export/actor"),
     }, "what the run writes under output_dir/export"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
     "dpo.loss": Choice("sigmoid", "ipo"), "dpo.beta": Range(0, min_exclusive=True),
     "dpo.label_smoothing": Range(0, 0.5, max_exclusive=True), "dpo.precompute_batch_size": Range(1),
-    "dpo.sft_coef": Range(0), "roles.ref.stage": Range(-1, 3),
+    "dpo.sft_coef": Range(0),
 })
-HELP = dict(COMMON_HELP)
+RENAMED = old_keys("actor", model="model.actor", extra={
+    "model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers",
+    "lora.actor.enabled": "roles.actor.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)",
+    "lora.actor.rank": "roles.actor.lora.r", "lora.actor.*": "roles.actor.lora.*"})
 
 
 def dpo_settings(cfg: Any) -> DPOSettings:
@@ -147,28 +123,23 @@ def dpo_settings(cfg: Any) -> DPOSettings:
                        sft_coef=d.sft_coef)
 
 
-def _validate_settings(cfg: Any) -> None:
-    """Loss settings and batch shapes, checked before any rank starts."""
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """The loss settings, the actor (and ref) folder and the tokenizer against its vocabulary, the preference data
+    (formats, columns, rows, chat template, held-out pairs); with no roles.actor.model, the data the SFT actor
+    trains on. On ``world_size`` ranks: a step's pairs per rank (and the SFT run's micro batch)."""
     try:
         dpo_settings(cfg)
     except ValueError as exc:
         raise RecipeConfigError(f"dpo: {exc}") from None
-    for key in ("micro_batch_size", "grad_accum"):
-        if cfg.train[key] < 1:
-            raise RecipeConfigError(f"train.{key}={cfg.train[key]}: must be >= 1.")
-    if cfg.dpo.precompute_batch_size < 1:
-        raise RecipeConfigError(f"dpo.precompute_batch_size={cfg.dpo.precompute_batch_size}: must be >= 1.")
-
-
-def validate(cfg: Any, world_size: int = 1) -> None:
-    """The actor folder and its tokenizer against its vocabulary, the preference data (formats, columns, rows,
-    chat template, held-out pairs); with no model.actor, the data the SFT actor trains on. On ``world_size``
-    ranks: a step's pairs per rank (and the SFT run's micro batch)."""
-    _validate_settings(cfg)
-    check_model("model.actor", cfg.model.actor)
-    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
-    report = check_data(cfg, "reward", tok, tokenizer_key="model.tokenizer")
-    if not cfg.model.actor:
+    actor, ref = cfg.roles.actor, cfg.roles.ref
+    if ref.tokenizer and ref.tokenizer != actor.tokenizer:
+        raise config_error(ValueError(f"roles.ref.tokenizer={ref.tokenizer!r}: the ref scores the actor's tokens "
+                                      "with the actor's tokenizer; leave roles.ref.tokenizer empty"))
+    check_model("roles.actor.model", actor.model)
+    check_model("roles.ref.model", ref.model)
+    tok = check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
+    report = check_data(cfg, "reward", tok, tokenizer_key="roles.actor.tokenizer")
+    if not actor.model:
         sft = check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
         check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
     check_batches(cfg, report, world_size)
@@ -176,10 +147,11 @@ def validate(cfg: Any, world_size: int = 1) -> None:
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """One step draws micro_batch_size x grad_accum pairs per rank from one stream (build())."""
-    t = cfg.train
-    check_stage_batches(report, world_size, key="train.micro_batch_size", value=t.micro_batch_size,
-                        factor=t.grad_accum, unit="pairs", setting=setting,
-                        what=f"train.micro_batch_size x train.grad_accum={t.grad_accum}" if t.grad_accum > 1 else "")
+    a = cfg.roles.actor
+    check_stage_batches(report, world_size, key="roles.actor.micro_batch_size", value=a.micro_batch_size,
+                        factor=a.grad_accum, unit="pairs", setting=setting,
+                        what=f"roles.actor.micro_batch_size x roles.actor.grad_accum={a.grad_accum}"
+                        if a.grad_accum > 1 else "")
 
 
 class RLHFDPO(Recipe):
@@ -196,22 +168,22 @@ class RLHFDPO(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         # 1. the actor (SFT model, trained here on first use) and the tokenizer
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.actor)
+        actor = cfg.roles.actor
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not actor.model)
         builtin = assets.get("data", "")
-        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or sft_model(
+        actor_path = check_model_path("roles.actor.model", actor.model, "rlhf_sft") or sft_model(
             self, cfg.actor_sft, self.path("sft"), data_overrides(cfg.data, builtin or None), assets["model"])
         tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = role_tokenizer(cfg.model.tokenizer, actor_path, tiny_tok, what="model.actor")
-        self.paths = {"actor": actor_path, "ref": actor_path}
+        self.tokenizer = role_tokenizer(actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
+        self.paths = {"actor": actor_path, "ref": model_path(cfg, ROLES, "ref", {"actor": actor_path})}
 
-        # 2. roles: the trainable policy and the frozen ref, loaded again from the same folder (never a copy)
-        t, s = cfg.train, dpo_settings(cfg)
-        actor = placement(cfg.roles.actor)
-        registry.add(actor_spec(actor_path, actor, optim_spec(t, cfg.max_steps, betas=RLHF_BETAS),
-                                micro_batch_size=2 * t.micro_batch_size,  # chosen and rejected rows of each pair
-                                grad_accum=t.grad_accum, lora=lora_spec(cfg.lora.actor),
-                                gradient_checkpointing=t.gradient_checkpointing, seed=cfg.seed))
-        registry.add(ref_spec(actor_path, placement(cfg.roles.ref, actor, trainable=False)))
+        # 2. roles: the trainable policy and the frozen ref (by default the actor's folder loaded again)
+        s = dpo_settings(cfg)
+        registry.add(actor_spec(actor_path, placement(cfg, ROLES, "actor"), optim_spec(cfg, "actor", cfg.max_steps),
+                                micro_batch_size=2 * actor.micro_batch_size,  # chosen and rejected rows of each pair
+                                grad_accum=actor.grad_accum, lora=lora_spec(cfg, "actor"),
+                                gradient_checkpointing=actor.gradient_checkpointing, seed=cfg.seed))
+        registry.add(ref_spec(self.paths["ref"], placement(cfg, ROLES, "ref")))
         registry.build()
         self.trainer = registry.add_state("dpo", DPOTrainer(registry, s))
 
@@ -234,11 +206,11 @@ class RLHFDPO(Recipe):
             self.precompute_s = time.perf_counter() - t0
             logger.info("reference log-probs of %d pairs precomputed in %.1f s",
                         len(train_rows) + (len(heldout_rows) if heldout_rows is not None else 0), self.precompute_s)
-        pairs_per_step = t.micro_batch_size * t.grad_accum
+        pairs_per_step = actor.micro_batch_size * actor.grad_accum
         self.batches = registry.add_state("batches", ShardedBatches(
             train_rows, collate, pairs_per_step, registry.world_size, registry.rank, seed=cfg.seed))
         self.heldout = [] if heldout_rows is None else shard_batches(
-            heldout_rows, collate, t.micro_batch_size, registry.world_size, registry.rank)
+            heldout_rows, collate, actor.micro_batch_size, registry.world_size, registry.rank)
 
         # 4. evaluation prompts (those of the evaluation rows) for sampled answers and the built-in judge
         self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)

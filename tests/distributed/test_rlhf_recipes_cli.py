@@ -141,8 +141,9 @@ def test_dpo_cli_with_precomputed_ref_on_the_grpo_runs_actor(grpo):
     out, data = grpo["root"] / "dpo", grpo["root"] / "pairs"
     tiny.write_builtin_dataset(data, seed=1, n_sft=16, n_reward=320, n_ppo=16, n_eval=32)  # few pairs to precompute
     cli("rlhf_dpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "max_steps=6",
-        f"model.actor={grpo['out']}/sft/export/actor", f"data.source={data}", "roles.actor.stage=2",
-        "dpo.precompute_ref=true", "train.micro_batch_size=8", "train.grad_accum=2", "train.lr=1e-3",
+        f"roles.actor.model={grpo['out']}/sft/export/actor", f"data.source={data}", "roles.actor.stage=2",
+        "roles.ref.stage=3", "dpo.precompute_ref=true", "roles.actor.micro_batch_size=8", "roles.actor.grad_accum=2",
+        "roles.actor.lr=1e-3",
         "data.heldout_size=64", "eval.size=16", "eval.batch_size=8", "eval.every=3", "checkpoint.every=3")
     summary = json.loads((out / "summary.json").read_text())
     m = summary["metrics"]
@@ -157,6 +158,6 @@ def test_dpo_cli_with_precomputed_ref_on_the_grpo_runs_actor(grpo):
     train = train_lines(out / "metrics.jsonl")
     assert [x["step"] for x in train] == list(range(1, 7))
     assert {"train/loss", "train/accuracy", "train/margin", "train/rewards/chosen", "train/lr"} <= set(train[0])
-    assert not (out / "sft").exists()  # model.actor given: no SFT run
+    assert not (out / "sft").exists()  # roles.actor.model given: no SFT run
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000006"
     assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()

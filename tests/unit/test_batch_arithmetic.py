@@ -60,8 +60,8 @@ CASES = {
     # the cases: the default micro batch of the tiny DPO config (32 pairs) with 52 pairs (3 held out) on 2
     # ranks; 12 training images left after sd_finetune's 8 held out, on 2 ranks; 48 rows on 4 ranks
     "dpo-52-pairs-2-ranks": ("rlhf_dpo", ("data.source={d}/pairs52.jsonl", "--nproc-per-node", "2"),
-                             ("'train.micro_batch_size'", "value 32", "49 training pairs", "24 per rank on 2 ranks",
-                              "train.micro_batch_size=24 or less", "run on 1 rank")),
+                             ("'roles.actor.micro_batch_size'", "value 32", "49 training pairs",
+                              "24 per rank on 2 ranks", "roles.actor.micro_batch_size=24 or less", "run on 1 rank")),
     "sd-12-images-2-ranks": ("sd_finetune", ("data.source={d}/images20", "--nproc-per-node", "2"),
                              ("'train.micro_batch_size'", "value 8", "12 training images", "8 held out",
                               "6 per rank", "hold out fewer rows (eval.heldout_size; 8 now)")),
@@ -80,14 +80,14 @@ CASES = {
                              ("actor_sft: train.micro_batch_size", "value 16",
                               "actor_sft.overrides=[train.micro_batch_size=11] or less")),
     # DPO draws micro_batch_size x grad_accum pairs per step from one stream
-    "dpo-grad-accum": ("rlhf_dpo", ("data.source={d}/pairs52.jsonl", "train.micro_batch_size=16",
-                                    "train.grad_accum=4"),
-                       ("asks for 64 pairs", "train.grad_accum=4", "train.micro_batch_size=12 or less")),
+    "dpo-grad-accum": ("rlhf_dpo", ("data.source={d}/pairs52.jsonl", "roles.actor.micro_batch_size=16",
+                                    "roles.actor.grad_accum=4"),
+                       ("asks for 64 pairs", "roles.actor.grad_accum=4", "roles.actor.micro_batch_size=12 or less")),
     # rlhf_e2e: each step's config as it will run, before step 1 starts
     "e2e-dpo-step": ("rlhf_e2e", ("data.source={d}/pairs52.jsonl", "algorithm=dpo", "--nproc-per-node", "2",
-                                  "sft.overrides=[train.micro_batch_size=8]"),
-                     ("step dpo (rlhf_dpo --config tiny)", "'train.micro_batch_size'",
-                      "dpo.overrides=[train.micro_batch_size=24] or less")),
+                                  "sft.overrides=[roles.actor.micro_batch_size=8]"),
+                     ("step dpo (rlhf_dpo --config tiny)", "'roles.actor.micro_batch_size'",
+                      "dpo.overrides=[roles.actor.micro_batch_size=24] or less")),
 }
 
 
