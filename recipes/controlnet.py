@@ -18,149 +18,126 @@ export/controlnet (ControlNetModel.from_pretrained) and export/pipeline (StableD
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
-from multiengine.engines import frozen_role, trainable_role
+from multiengine.engines import Placement, frozen_role, trainable_role
+from multiengine.engines.recipe_config import (
+    Choice,
+    Each,
+    Key,
+    RecipeConfigError,
+    Satisfies,
+    config_problem,
+    split_keys,
+)
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.controlnet import controlnet_factory
 from multiengine.pipelines.diffusion.export import export_pipeline, export_roles
 from multiengine.pipelines.diffusion.models import SEED_BASELINE, load_component
+from multiengine.pipelines.diffusion.runs import conditioning_rows
 from multiengine.pipelines.diffusion.training import ControlNetObjective
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
-from multiengine.recipes import sd_finetune as sd
-from multiengine.recipes.common import placement
-from multiengine.engines.recipe_config import Choice, Each, Range, RecipeConfigError, config_problem
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS
+from multiengine.recipes.common import recipe_checks
+from multiengine.recipes.lifecycle import COMMON_KEYS
+from multiengine.recipes.schema import Role, optim_spec, placement, role_keys
 from multiengine.recipes.sd_finetune import (
-    DATA_DEFAULTS,
-    EVAL_DEFAULTS,
-    TRAIN_DEFAULTS,
-    VALIDATION_DEFAULTS,
-    Removed,
+    DDPM_KEYS,
+    EVAL_KEYS,
+    FROZEN,
+    MODEL_KEYS,
+    SD_DATA_KEYS,
+    TRAINED,
+    VALIDATION_KEYS,
+    SDFinetune,
+    check_batches,
+    check_components,
+    check_data,
+    component_model,
+    diffusion_checks,
+    model_folder_family,
+    renamed,
+    validate_resolution,
 )
-from PIL import Image
-
-logger = logging.getLogger(__name__)
 
 # ControlNet pipelines per base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
 CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
 
+ROLES = (
+    Role("controlnet", "the ControlNet, trained; model \"\" = initialised from the unet (diffusers' "
+         "ControlNetModel.from_unet), or a ControlNetModel folder to continue training", trainable=True,
+         keys={**TRAINED, "model": Key("", "a ControlNetModel folder (save_pretrained); \"\" = initialised from the "
+                                           "unet")}),
+    Role("unet", "frozen; its backward carries the gradient to the controlnet",
+         keys={"dtype": "fp32", "model": component_model("unet")}),
+    Role("vae", "frozen: latents of the training images, validation decodes",
+         keys={**FROZEN, "model": component_model("vae")}),
+    Role("text_encoder", "frozen: the first text encoder (CLIP-L)",
+         keys={**FROZEN, "model": component_model("text_encoder")}),
+    Role("text_encoder_2", "frozen: SDXL's CLIP-G", follows="text_encoder",
+         keys={"gather_forward": True, "model": component_model("text_encoder_2")}),
+)
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
-    "output_dir": "outputs/controlnet",
-    "max_steps": Key(100, "optimizer steps"),
+    "output_dir": Key("outputs/controlnet", "everything the run writes goes under this folder"),
+    "max_steps": Key(200, "optimizer steps"),
     "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (frozen unet, vae, text encoders whole)"),
-    "model": Key({
-        "pretrained": Key("", "diffusers SD or SDXL folder or hub name; \"\" = the tiny model of model.tiny_family"),
-        "revision": Key("", "hub revision (\"\" = main)"),
-        "variant": Key("", "weight variant passed to from_pretrained (e.g. fp16)"),
-        "controlnet": Key("", "a ControlNetModel folder to continue training; \"\" = initialised from the unet"),
-        "tiny_family": Key("sd", "tiny model only: sd | sdxl"),
-        "tiny_vae_steps": Key(0, "tiny model only: pretrain its random vae on the training images first"),
-    }, "the base model and the ControlNet"),
+    "model": Key({**MODEL_KEYS, "tiny_family": Key("sd", "tiny model only: sd | sdxl")},
+                 "the base SD or SDXL pipeline folder"),
+    "roles": role_keys(ROLES),
+    "diffusion": Key({"adam_epsilon": Key(1e-8, "AdamW epsilon of the controlnet"), **DDPM_KEYS},
+                     "the objective: diffusers' train_controlnet.py DDPM loss through the frozen unet"),
     "data": Key({
-        **DATA_DEFAULTS,
-        "columns": Key({"image": Key("", "your column names (\"\" = the defaults)"), "caption": Key("", "your column names (\"\" = the defaults)"), "conditioning_image": Key("", "your column names (\"\" = the defaults)")}, "your "
-                                                                                                                                                                                                                               "column "
-                                                                                                                                                                                                                               "names "
-                                                                                                                                                                                                                               "(\"\" "
-                                                                                                                                                                                                                               "= "
-                                                                                                                                                                                                                               "the "
-                                                                                                                                                                                                                               "defaults)"),
+        **SD_DATA_KEYS,
+        "columns": Key({"image": Key("", "your image column (\"\" = data.image_column)"),
+                        "caption": Key("", "your caption column (\"\" = data.caption_column)"),
+                        "conditioning_image": Key("", "your conditioning image column (\"\" = conditioning_image)")},
+                       "your column names per field"),
         "conditioning_kind": Key("edge", "built-in shapes data: edge (outline) or mask (filled shape) images"),
     }, "image-caption rows with a conditioning image each (docs/data.md)"),
-    "train": Key({**TRAIN_DEFAULTS}, "the controlnet's optimisation (DDPM loss through the frozen unet)"),
     "controlnet": Key({
         "conditioning_scale": Key(1.0, "multiplies the controlnet's residuals (1 in diffusers' training)"),
     }, "how the conditioning enters"),
-    "roles": Key({
-        "controlnet": Key({"stage": Key(3, "trained"), "dtype": Key("bf16", "trained"), "offload_params": Key(False, "trained"), "offload_optimizer": Key(False, "trained")}, "trained"),
-        "unet": Key({"stage": Key(3, "frozen; its backward reaches the controlnet"), "dtype": Key("bf16", "frozen; its backward reaches the controlnet"), "offload_params": Key(False, "frozen; its backward reaches the controlnet")}, "frozen; "
-                                                                                                                                                                                                                                        "its "
-                                                                                                                                                                                                                                        "backward "
-                                                                                                                                                                                                                                        "reaches "
-                                                                                                                                                                                                                                        "the "
-                                                                                                                                                                                                                                        "controlnet"),
-        "vae": Key({"stage": Key(3, "frozen vae"), "dtype": Key("bf16", "frozen vae"), "offload_params": Key(False, "frozen vae"), "gather_forward": Key(True, "frozen vae")}, "frozen "
-                                                                                                                                                                               "vae"),
-        "text_encoder": Key({"stage": Key(3, "frozen"), "dtype": Key("bf16", "frozen"), "offload_params": Key(False, "frozen"), "gather_forward": Key(True, "frozen")}, "frozen"),
-        "text_encoder_2": Key({"stage": Key(-1, "SDXL's second"), "dtype": Key("", "SDXL's second"), "offload_params": Key(False, "SDXL's second"), "gather_forward": Key(True, "SDXL's second")}, "SDXL's "
-                                                                                                                                                                                                   "second"),
-    }, "placement per role"),
-    "validation": Key({**VALIDATION_DEFAULTS}, "generations from held-out conditioning images and captions"),
-    "eval": Key({**EVAL_DEFAULTS}, "held-out loss at fixed noise and timesteps"),
+    "validation": Key({k: v for k, v in VALIDATION_KEYS.items() if k != "use_ema"},
+                      "generations from held-out conditioning images and captions"),
+    "eval": EVAL_KEYS,
     "export": Key({
         "enabled": Key(True, "export/controlnet and export/pipeline"),
         "dtype": Key("fp32", "dtype of every exported component (copied ones are cast too)"),
         "roles": Key([], "further per-role folders, e.g. [unet] ([] = none)"),
     }, "outputs under output_dir/export"),
 }
-
-HELP = {f"roles.{r}.{k}": text for r, section in DEFAULTS["roles"].items() for k, text in sd.ROLE_KEY_HELP.items()
-        if k in section}
-HELP.update({"roles.text_encoder_2.stage": "ZeRO stage; -1 = as roles.text_encoder",
-             "roles.text_encoder_2.dtype": "fp32 | bf16 | fp16; \"\" = as roles.text_encoder"})
-
-_STAGE = Range(0, 3)
-_DTYPE = Choice("fp32", "bf16", "fp16")
-CHECKS = {
-    **{k: v for k, v in sd.CHECKS.items() if k.split(".")[0] in ("max_steps", "mode", "seed", "data", "train",
-                                                                 "validation", "eval", "checkpoint")},
-    "model.tiny_family": Choice(*CONTROLNET_PIPELINES),
-    "model.tiny_vae_steps": Range(0),
+DEFAULTS, HELP = split_keys(KEYS)
+CHECKS = recipe_checks(DEFAULTS, {
+    **diffusion_checks("controlnet", tuple(CONTROLNET_PIPELINES)),
+    "roles.controlnet.lora.r": Satisfies(lambda v: v == 0, "0: the controlnet trains in full (no LoRA)"),
     "data.conditioning_kind": Choice(*data_lib.CONDITIONING_KINDS),
-    "controlnet.conditioning_scale": Range(0),
-    "roles.controlnet.stage": _STAGE,
-    "roles.unet.stage": _STAGE,
-    "roles.vae.stage": _STAGE,
-    "roles.text_encoder.stage": _STAGE,
-    "roles.text_encoder_2.stage": Range(-1, 3),
-    "roles.controlnet.dtype": _DTYPE,
-    "roles.unet.dtype": _DTYPE,
-    "roles.vae.dtype": _DTYPE,
-    "roles.text_encoder.dtype": _DTYPE,
-    "roles.text_encoder_2.dtype": Choice("", "fp32", "bf16", "fp16"),
-    "export.dtype": _DTYPE,
-    "export.roles": Each(Choice("controlnet", "unet", "vae", "text_encoder", "text_encoder_2")),
-}
-assert not any(isinstance(c, Removed) for c in CHECKS.values())
+    "export.roles": Each(Choice(*(r.name for r in ROLES))),
+})
+RENAMED = {**renamed("controlnet"), "model.controlnet": "roles.controlnet.model"}
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts: the base model folder is SD or SDXL, the ControlNet folder (if any) exists, the
     data has images, captions and conditioning images, enough rows (a micro batch per rank on ``world_size``
     ranks), every image readable."""
-    from multiengine.pipelines.checks import check_diffusers_folder, check_model_folder
-    from multiengine.pipelines.diffusion.families import model_family
-
-    family = str(cfg.model.tiny_family)
-    if cfg.model.pretrained:
-        path = str(cfg.model.pretrained)
-        try:
-            if check_model_folder(path, "model.pretrained", kind="diffusers") == "local":
-                check_diffusers_folder(path, "model.pretrained")
-                family = model_family(os.path.expanduser(path))
-            else:
-                family = ""
-        except (ValueError, FileNotFoundError) as exc:
-            raise config_problem("model.pretrained", path, "is not a usable diffusers folder", str(exc)) from None
-        if family and family not in CONTROLNET_PIPELINES:
-            raise config_problem("model.pretrained", path, f"is a {family} model; a ControlNet conditions a unet "
-                                 f"({', '.join(CONTROLNET_PIPELINES)})", "give an SD 1.x/2.x or SDXL folder")
-    if cfg.model.controlnet:
-        path = os.path.expanduser(str(cfg.model.controlnet))
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise config_problem("model.controlnet", cfg.model.controlnet, "is not a ControlNetModel folder (no "
-                                 "config.json)", "give a folder saved with ControlNetModel.save_pretrained, or ''")
+    check_components(cfg, tuple(r.name for r in ROLES[1:]))
+    family = model_folder_family(cfg)
+    if family and family not in CONTROLNET_PIPELINES:
+        raise config_problem("model.pretrained", cfg.model.pretrained, f"is a {family} model; a ControlNet "
+                             f"conditions a unet ({', '.join(CONTROLNET_PIPELINES)})", "give an SD 1.x/2.x or SDXL "
+                             "folder")
+    given = cfg.roles.controlnet.model
+    if given and not os.path.isfile(os.path.join(os.path.expanduser(str(given)), "config.json")):
+        raise config_problem("roles.controlnet.model", given, "is not a ControlNetModel folder (no config.json)",
+                             "give a folder saved with ControlNetModel.save_pretrained, or \"\"")
     if family:
-        sd.validate_resolution(cfg, family, str(cfg.model.pretrained))
-    sd.check_data(cfg, conditioning=True)
-    sd.check_batches(cfg, world_size, conditioning=True)
+        validate_resolution(cfg, family, str(cfg.model.pretrained))
+    check_data(cfg, conditioning=True)
+    check_batches(cfg, world_size, "controlnet", conditioning=True)
 
 
-class ControlNetTraining(sd.SDFinetune):
+class ControlNetTraining(SDFinetune):
     """The SD fine-tune lifecycle with a trainable ``controlnet`` in front of a frozen ``unet``."""
 
     name = "controlnet"
@@ -171,8 +148,17 @@ class ControlNetTraining(sd.SDFinetune):
         return "controlnet"
 
     @property
+    def ema_on(self) -> bool:
+        return False
+
+    @property
     def conditioning_column(self) -> str:
         return str(self.cfg.data.columns.conditioning_image or "conditioning_image")
+
+    def check_family(self, where: str) -> None:
+        if self.family not in CONTROLNET_PIPELINES:
+            raise RecipeConfigError(f"model.pretrained={where!r} is a {self.family} model; the controlnet recipe "
+                                    f"trains a ControlNet for a unet ({', '.join(CONTROLNET_PIPELINES)}).")
 
     def make_builtin_data(self, folder: str) -> None:
         cfg = self.cfg
@@ -180,48 +166,28 @@ class ControlNetTraining(sd.SDFinetune):
                                                 kind=cfg.data.conditioning_kind)
 
     def add_roles(self) -> None:
-        cfg, t, registry = self.cfg, self.cfg.train, self.registry
-        if self.family not in CONTROLNET_PIPELINES:
-            raise RecipeConfigError(f"model.pretrained={self.model_path!r} is a {self.family} model; the controlnet "
-                                    f"recipe trains a ControlNet for a unet ({', '.join(CONTROLNET_PIPELINES)}).")
-        roles = cfg.roles
-        seed_layout = cfg.mode == SEED_BASELINE
-        first = placement(roles.text_encoder, trainable=False)
-        frozen = {"unet": placement(roles.unet, trainable=False), "vae": placement(roles.vae, trainable=False)}
-        for name in self.text_encoders:
-            frozen[name] = first if name == "text_encoder" else placement(roles[name], follow=first, trainable=False)
-        if seed_layout:  # diffusers' train_controlnet.py: only the trained model goes through DeepSpeed's ZeRO
-            from multiengine.engines import Placement
-
+        cfg, registry = self.cfg, self.registry
+        frozen = {name: placement(cfg, ROLES, name) for name in ("unet", "vae", *self.text_encoders)}
+        if cfg.mode == SEED_BASELINE:  # diffusers' train_controlnet.py: only the trained model goes through ZeRO
             frozen = {name: Placement(stage=0, dtype=p.dtype) for name, p in frozen.items()}
-        variant = sd._cfg_str(cfg.model.variant)
+        variant = str(cfg.model.variant) or None
+        c = cfg.roles.controlnet
         factory = controlnet_factory(self.model_path, seed=cfg.seed, variant=variant,
-                                     controlnet_path=sd._cfg_str(cfg.model.controlnet))
-        registry.add(trainable_role("controlnet", factory, placement(roles.controlnet), self.optim_spec(),
-                                    micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                                    gradient_checkpointing=t.gradient_checkpointing, seed=cfg.seed))
+                                     controlnet_path=str(c.model) or None)
+        registry.add(trainable_role("controlnet", factory, placement(cfg, ROLES, "controlnet"),
+                                    optim_spec(cfg, "controlnet", cfg.max_steps, eps=float(cfg.diffusion.adam_epsilon)),
+                                    micro_batch_size=c.micro_batch_size, grad_accum=c.grad_accum,
+                                    gradient_checkpointing=c.gradient_checkpointing, seed=cfg.seed))
         for name, place in frozen.items():
             registry.add(frozen_role(name, _component(self.model_path, name, variant), place))
 
     def make_objective(self) -> Any:
-        from diffusers import DDPMScheduler
-
-        cfg, t = self.cfg, self.cfg.train
-        scheduler = DDPMScheduler.from_pretrained(self.model_path, subfolder="scheduler")
-        self.prediction_type = t.prediction_type or scheduler.config.prediction_type
+        cfg, d = self.cfg, self.cfg.diffusion
+        scheduler = self.ddpm_scheduler()
         return ControlNetObjective(
             self.registry, self.text_encoders, scheduler.alphas_cumprod, prediction_type=self.prediction_type,
-            snr_gamma=t.snr_gamma, noise_offset=t.noise_offset, input_perturbation=t.input_perturbation,
+            snr_gamma=d.snr_gamma, noise_offset=d.noise_offset, input_perturbation=d.input_perturbation,
             resolution=cfg.data.resolution, conditioning_scale=cfg.controlnet.conditioning_scale)
-
-    def load_rows(self) -> Any:
-        cfg = self.cfg
-        columns = {k: v for k, v in sd.data_columns(cfg).items() if k != "conditioning_image"}
-        return data_lib.load_image_caption_data(
-            self.data_source, columns=columns, image_column=str(cfg.data.image_column),
-            caption_column=str(cfg.data.caption_column), train_split=str(cfg.data.train_split),
-            eval_source=sd._plain(cfg.data.eval_source) or None, eval_split=sd.eval_split_value(cfg), seed=cfg.seed,
-            cache_dir=sd._cfg_str(cfg.data.cache_dir), extra_images={"conditioning_image": self.conditioning_column})
 
     def make_dataset(self, rows: Any, transform: Any) -> Any:
         return data_lib.ConditionedImageCaptionDataset(rows, transform, "image", "caption", "conditioning_image",
@@ -230,23 +196,9 @@ class ControlNetTraining(sd.SDFinetune):
     def validation_prompts(self, rows: Any) -> list[str]:
         """The first ``validation.num_prompts`` held-out rows: their captions (or validation.prompts, one per
         row) and their conditioning images, resized and center-cropped like training images."""
-        cfg = self.cfg
-        n = min(len(rows), len(cfg.validation.prompts) or cfg.validation.num_prompts)
-        transform = data_lib.ImageTransform(cfg.data.resolution, center_crop=True, random_flip=False)
-        self.conditions = []
-        captions = []
-        for i in range(n):
-            row = rows[i]
-            image = row["conditioning_image"].convert("RGB")
-            _, params = transform.apply(row["image"])
-            pixels = transform.replay(image, params, params["original_size"])
-            self.conditions.append(Image.fromarray(
-                (pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8")))
-            caption = row["caption"][0] if isinstance(row["caption"], (list, tuple)) else row["caption"]
-            captions.append(str(caption))
-        if cfg.validation.prompts:
-            return [str(p) for p in cfg.validation.prompts][:n]
-        return captions
+        v = self.cfg.validation
+        self.conditions, captions = conditioning_rows(rows, len(v.prompts) or v.num_prompts, self.cfg.data.resolution)
+        return [str(p) for p in v.prompts][:len(captions)] if v.prompts else captions
 
     def validation_pipeline(self, role: str) -> Any:
         return build_pipeline(self.registry, self.model_path, self.text_encoders, "unet", self.prediction_type,

@@ -1,6 +1,6 @@
 """Text-to-image fine-tuning of every diffusers family with every model sharded: the denoiser trainable
-(``unet`` for SD 1.x/2.x and SDXL, ``transformer`` for SD3 and FLUX), the vae and each text encoder frozen,
-each its own DeepSpeed engine (ZeRO-3 by default), optional EMA (sharded like the denoiser) and LoRA.
+(``roles.unet`` for SD 1.x/2.x and SDXL, ``roles.transformer`` for SD3 and FLUX), the vae and each text encoder
+frozen, each its own DeepSpeed engine (ZeRO-3 by default), optional EMA (sharded like the denoiser) and LoRA.
 
     multiengine run sd_finetune --config tiny --nproc-per-node 2                 # tiny SD, CPU
     multiengine run sd_finetune --config tiny_sdxl --nproc-per-node 2            # tiny SDXL / SD3 / FLUX
@@ -9,25 +9,32 @@ each its own DeepSpeed engine (ZeRO-3 by default), optional EMA (sharded like th
 
 The family comes from the folder's ``model_index.json`` (``model.tiny_family`` for the embedded tiny model):
 SD and SDXL train with the DDPM objective (noise / v-prediction, min-SNR), SD3 and FLUX with rectified flow
-matching (``flow.*``: timestep density, loss weighting, preconditioning, FLUX guidance, T5 length).
-``mode=seed_baseline`` reproduces diffusers' scripts under ZeRO-3 (frozen roles full copies on every rank,
-EMA a full copy) for comparison. Writes metrics.jsonl, summary.json, validation grids, checkpoints and
-export/ (pipeline/, per-role folders, lora/) under output_dir.
+matching (timestep density, loss weighting, preconditioning, FLUX guidance, T5 length); both under
+``diffusion.*``. ``mode=seed_baseline`` reproduces diffusers' scripts under ZeRO-3 (frozen roles full copies on
+every rank, EMA a full copy) for comparison. Writes metrics.jsonl, summary.json, validation grids, checkpoints
+and export/ (pipeline/, per-role folders, lora/) under output_dir.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-from multiengine.engines import LoraSpec, OptimSpec, barrier, current_rss_bytes, mean_over_ranks, shard_batches
+from multiengine.engines import Placement, barrier, mean_over_ranks
+from multiengine.engines.recipe_config import (
+    Choice,
+    Each,
+    Key,
+    Length,
+    Range,
+    RecipeConfigError,
+    Satisfies,
+    config_problem,
+    split_keys,
+)
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.export import export_pipeline, export_roles, save_lora
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
@@ -36,53 +43,81 @@ from multiengine.pipelines.diffusion.math import PREDICTION_TYPES
 from multiengine.pipelines.diffusion.models import (
     MODES,
     diffusion_role_specs,
-    read_model_index,
     resolve_model_path,
     text_encoder_names,
-    tokenizer_name,
     update_ema,
 )
-from multiengine.pipelines.diffusion.tiny import build_tiny, pretrain_tiny_vae
+from multiengine.pipelines.diffusion.runs import (
+    SHAPES_PROMPTS,
+    ImageColumn,
+    TrainImages,
+    build_tiny_model,
+    collate_captions,
+    eval_split_value,
+    flow_options,
+    held_out_of,
+    memory_metrics,
+    resolution_multiple,
+    run_validation,
+    save_validation,
+    t5_length,
+    text_tokenizers,
+    token_lengths,
+    validation_captions,
+)
+from multiengine.pipelines.diffusion.tiny import pretrain_tiny_vae
 from multiengine.pipelines.diffusion.training import (
     DiffusionObjective,
     FlowMatchingObjective,
     flow_heldout_loss,
     heldout_loss,
-    prompt_input_ids,
     step_generator,
 )
-from multiengine.pipelines.diffusion.validation import build_pipeline, generate, image_grid
-from multiengine.recipes.common import check_rows_per_rank, placement
-from multiengine.engines.recipe_config import Check, Choice, Each, Length, Range, RecipeConfigError, config_problem
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
+from multiengine.recipes.common import check_rows_per_rank, recipe_checks
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, lora_spec, optim_spec, placement, role_keys
 
+__all__ = ["SHAPES_PROMPTS", "build_tiny_model", "check_family_options", "main"]
 logger = logging.getLogger(__name__)
 
-SHAPES_PROMPTS = [
-    "a red square on a white background",
-    "a blue circle on a black background",
-    "a green triangle on a gray background",
-    "a yellow circle on a white background",
-]
-# The flow-matching options' defaults per family, as diffusers' SD3 / FLUX training scripts set them.
-FLOW_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sd3": {"weighting_scheme": "logit_normal", "precondition_outputs": True, "max_sequence_length": 77},
-    "flux": {"weighting_scheme": "none", "precondition_outputs": False, "max_sequence_length": 512},
-}
-TEXT_ENCODER_ROLES = ("text_encoder", "text_encoder_2", "text_encoder_3")
-ROLE_NAMES = ("unet", "transformer", "vae", *TEXT_ENCODER_ROLES, "ema")
 
-DATA_DEFAULTS: dict[str, Any] = {  # image-caption rows (docs/data.md)
+def component_model(name: str) -> Key:
+    return Key("", f"\"\" = the {name}/ folder of model.pretrained (a component comes from the pipeline folder only)")
+
+
+# What the trained role (the denoiser; the controlnet in the controlnet recipe) changes from the shared role
+# defaults: the tiny run's optimisation, diffusers' AdamW weight decay, LoRA targets from the family.
+TRAINED: dict[str, Any] = {
+    "dtype": "fp32", "lr": 1e-3, "weight_decay": 1e-2, "scheduler": "constant_with_warmup", "warmup_steps": 5,
+    "micro_batch_size": Key(8, "images per rank per forward (global batch = micro x grad_accum x ranks)"),
+    "lora": {"target_modules": Key([], "[] = diffusers' targets of the family (unet: to_k/q/v/out.0; SD3/FLUX: "
+                                       "their attention projections)")},
+}
+# Frozen components: fp32 on CPU, gathered whole once per call (one collective; 1/N between calls).
+FROZEN: dict[str, Any] = {"dtype": "fp32", "gather_forward": True}
+ROLES = (
+    Role("unet", "SD 1.x/2.x and SDXL: the denoiser, trained (an SD3/FLUX model refuses these keys: use "
+         "roles.transformer)", trainable=True, keys={**TRAINED, "model": component_model("unet")}),
+    Role("transformer", "SD3 and FLUX: the denoiser, trained (an SD/SDXL model refuses these keys: use "
+         "roles.unet)", trainable=True, keys={**TRAINED, "model": component_model("transformer")}),
+    Role("vae", "frozen: latents of the training images, validation decodes", keys={**FROZEN,
+                                                                                     "model": component_model("vae")}),
+    Role("text_encoder", "frozen: the first text encoder (CLIP-L)",
+         keys={**FROZEN, "model": component_model("text_encoder")}),
+    Role("text_encoder_2", "frozen: SDXL's and SD3's CLIP-G, FLUX's T5", follows="text_encoder",
+         keys={"gather_forward": True, "model": component_model("text_encoder_2")}),
+    Role("text_encoder_3", "frozen: SD3's T5", follows="text_encoder",
+         keys={"gather_forward": True, "model": component_model("text_encoder_3")}),
+)
+DENOISERS = ("unet", "transformer")
+
+SD_DATA_KEYS: dict[str, Any] = {  # image-caption rows (docs/data.md)
     "source": Key("", "imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; \"\" = shapes"),
     "sources": Key([], "several sources with weights: [{path, weight, columns, split}] (instead of data.source)"),
-    "columns": Key({"image": Key("", "your column names (\"\" = data.image_column / caption_column)"), "caption": Key("", "your column names (\"\" = data.image_column / caption_column)")}, "your "
-                                                                                                                                                                                             "column "
-                                                                                                                                                                                             "names "
-                                                                                                                                                                                             "(\"\" "
-                                                                                                                                                                                             "= "
-                                                                                                                                                                                             "data.image_column "
-                                                                                                                                                                                             "/ "
-                                                                                                                                                                                             "caption_column)"),
+    "columns": Key({"image": Key("", "your image column (\"\" = data.image_column)"),
+                    "caption": Key("", "your caption column (\"\" = data.caption_column)")},
+                   "your column names per field"),
     "image_column": Key("image", "the image column (alias of data.columns.image)"),
     "caption_column": Key("text", "the caption column (alias of data.columns.caption)"),
     "train_split": Key("train", "the split of a hub dataset or DatasetDict folder to train on"),
@@ -90,36 +125,38 @@ DATA_DEFAULTS: dict[str, Any] = {  # image-caption rows (docs/data.md)
     "eval_split": Key("", "held-out rows: a fraction (0.05), a count (16), a split name (test); \"\" = "
                           "eval.heldout_size"),
     "check_images": Key(True, "before any rank starts: open every image and list the unreadable ones"),
-    "resolution": Key(512, "training (and validation) size in pixels, square"),
+    "resolution": Key(32, "training (and validation) size in pixels, square"),
     "center_crop": Key(True, "center crop after resizing the shorter side (false: random crop)"),
     "random_flip": Key(False, "random horizontal flip"),
-    "builtin_size": Key(128, "images of the built-in shapes dataset (generated under output_dir/data)"),
+    "builtin_size": Key(136, "images of the built-in shapes dataset (generated under output_dir/data)"),
     "max_train_samples": Key(0, "use only the first N training rows (0 = all)"),
     "num_workers": Key(0, "DataLoader workers per rank"),
     "cache_dir": Key("", "datasets cache folder (\"\" = the default)"),
 }
-
-TRAIN_DEFAULTS: dict[str, Any] = {  # the denoiser's optimisation
-    "micro_batch_size": Key(1, "images per rank per forward"),
-    "grad_accum": Key(1, "micro batches per optimizer step (global batch = micro x accum x ranks)"),
-    "lr": Key(1e-5, "peak learning rate"),
-    "lr_scheduler": Key("constant", "diffusers.optimization.get_scheduler names (constant, cosine, ...)"),
-    "lr_warmup_steps": Key(0, "warmup, in optimizer steps"),
-    "adam_beta1": Key(0.9, "AdamW beta1"),
-    "adam_beta2": Key(0.999, "AdamW beta2"),
-    "adam_weight_decay": Key(1e-2, "AdamW weight decay"),
-    "adam_epsilon": Key(1e-8, "AdamW epsilon"),
-    "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-    "gradient_checkpointing": Key(False, "activation checkpointing of the denoiser"),
+DDPM_KEYS: dict[str, Any] = {
     "prediction_type": Key("", "SD/SDXL: \"\" = the scheduler's; epsilon | v_prediction | sample"),
     "snr_gamma": Key(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)"),
     "noise_offset": Key(0.0, "SD/SDXL: offset-noise scale"),
     "input_perturbation": Key(0.0, "SD/SDXL: input-perturbation scale"),
 }
-
-EMA_DEFAULTS: dict[str, Any] = {  # EMA of the denoiser, diffusers' EMAModel options
-    "enabled": Key(False, "keep an EMA role (sharded like the denoiser; exported in the pipeline when on)"),
-    "decay": Key(0.9999, "the largest decay"),
+FLOW_KEYS: dict[str, Any] = {
+    "weighting_scheme": Key("", "SD3/FLUX: \"\" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, "
+                                "cosmap, ..."),
+    "logit_mean": Key(0.0, "SD3/FLUX: logit_normal density: mean"),
+    "logit_std": Key(1.0, "SD3/FLUX: logit_normal density: standard deviation"),
+    "mode_scale": Key(1.29, "SD3/FLUX: mode density: scale"),
+    "precondition_outputs": Key(None, "SD3/FLUX: null = the family's (SD3 true, FLUX false): x0 loss of noisy - "
+                                      "sigma * pred"),
+    "guidance_scale": Key(3.5, "FLUX with a guidance embedding: the guidance input during training"),
+    "max_sequence_length": Key(0, "SD3/FLUX: T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)"),
+}
+DIFFUSION_KEYS = Key({
+    "adam_epsilon": Key(1e-8, "AdamW epsilon of the trained role (diffusers' scripts' --adam_epsilon)"),
+    **DDPM_KEYS, **FLOW_KEYS,
+}, "the objective: DDPM (SD, SDXL) or rectified flow matching (SD3, FLUX), as diffusers' training scripts")
+EMA_KEYS = Key({
+    "enabled": Key(True, "keep an EMA role (sharded like the denoiser; exported in the pipeline when on)"),
+    "decay": Key(0.99, "the largest decay (diffusers' EMAModel default 0.9999 suits long runs)"),
     "use_ema_warmup": Key(False, "true: 1 - (1 + s/inv_gamma)^-power; false: (1 + s) / (10 + s)"),
     "min_decay": Key(0.0, "the smallest decay after the first update"),
     "update_after_step": Key(0, "copy the weights (decay 0) for this many steps first"),
@@ -127,303 +164,206 @@ EMA_DEFAULTS: dict[str, Any] = {  # EMA of the denoiser, diffusers' EMAModel opt
     "power": Key(2 / 3, "warmup: exponent (2/3 for long runs, 3/4 for short ones)"),
     "dtype": Key("fp32", "EMA weights' dtype (bf16 would round away small updates)"),
     "offload_params": Key(False, "ZeRO-3 parameter offload of the EMA to the host"),
-    "max_decay": Key(None, "removed: use ema.decay"),
-    "warmup": Key(None, "removed: use ema.use_ema_warmup"),
-}
-
-VALIDATION_DEFAULTS: dict[str, Any] = {  # images generated before, after and every N steps
+}, "EMA of the denoiser, diffusers' EMAModel options")
+VALIDATION_KEYS: dict[str, Any] = {  # images generated before, after and every N steps
     "enabled": Key(True, "validation grids before and after training (and every `every` steps when > 0)"),
-    "every": Key(0, "also every N steps (0 = only before and after)"),
+    "every": Key(100, "also every N steps (0 = only before and after)"),
     "prompts": Key([], "[] = the shapes prompts (built-in data) or captions of your held-out rows"),
     "num_prompts": Key(4, "how many held-out captions when validation.prompts is []"),
-    "num_inference_steps": Key(25, "sampler steps"),
+    "num_inference_steps": Key(20, "sampler steps"),
     "guidance_scale": Key(None, "null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)"),
     "seed": Key(0, "the sampler's seed (the same images on every rank)"),
     "use_ema": Key(True, "generate with the EMA weights when EMA is on (as diffusers' examples)"),
 }
-
-EVAL_DEFAULTS: dict[str, Any] = {  # held-out loss at fixed noise and timesteps
+EVAL_KEYS = Key({
     "heldout_size": Key(8, "held-out rows for the loss (taken from the data unless eval_source/eval_split); 0 = none"),
     "timesteps": Key(8, "evenly spaced timesteps (schedule positions) per held-out image"),
     "every": Key(0, "also every N steps when > 0 (always before and after)"),
     "seed": Key(1234, "the held-out noise's seed"),
+}, "held-out loss at fixed noise and timesteps")
+MODEL_KEYS: dict[str, Any] = {
+    "pretrained": Key("", "the diffusers pipeline folder or hub name (SD, SDXL, SD3, FLUX) every roles.<component> "
+                          "comes from; \"\" = the tiny model of model.tiny_family, built here"),
+    "revision": Key("", "hub revision (\"\" = main)"),
+    "variant": Key("", "weight variant passed to from_pretrained (e.g. fp16; \"\" = the default weights)"),
+    "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux"),
+    "tiny_vae_steps": Key(300, "tiny model only: pretrain its random vae on the training images first (0 = no)"),
 }
-
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
-    "output_dir": "outputs/sd_finetune",
-    "max_steps": Key(100, "optimizer steps"),
+    "output_dir": Key("outputs/sd_finetune", "everything the run writes goes under this folder"),
+    "max_steps": Key(200, "optimizer steps"),
     "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (diffusers' layout: frozen roles whole)"),
-    "model": Key({
-        "pretrained": Key("", "diffusers folder or hub name (SD, SDXL, SD3, FLUX); \"\" = the tiny model, built here"),
-        "revision": Key("", "hub revision (\"\" = main)"),
-        "variant": Key("", "weight variant passed to from_pretrained (e.g. fp16; \"\" = the default weights)"),
-        "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux"),
-        "tiny_vae_steps": Key(0, "tiny model only: pretrain its random vae on the training images first"),
-        "tiny_text_encoders": Key(None, "removed: use model.tiny_family (sdxl has two text encoders)"),
-    }, "the diffusers folder to fine-tune"),
-    "data": Key({**DATA_DEFAULTS}, "image-caption rows (docs/data.md)"),
-    "train": Key({**TRAIN_DEFAULTS}, "the denoiser's optimisation"),
-    "flow": Key({
-        "weighting_scheme": Key("", "\"\" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, cosmap, ..."),
-        "logit_mean": Key(0.0, "logit_normal density: mean"),
-        "logit_std": Key(1.0, "logit_normal density: standard deviation"),
-        "mode_scale": Key(1.29, "mode density: scale"),
-        "precondition_outputs": Key(None, "null = the family's (SD3 true, FLUX false): x0 loss of noisy - sigma * "
-                                          "pred"),
-        "guidance_scale": Key(3.5, "FLUX with a guidance embedding: the guidance input during training"),
-        "max_sequence_length": Key(0, "T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)"),
-    }, "SD3 / FLUX: rectified flow matching, as diffusers' SD3 / FLUX scripts"),
-    "roles": Key({
-        "unet": Key({"stage": Key(3, "SD, SDXL"), "dtype": Key("bf16", "SD, SDXL"), "offload_params": Key(False, "SD, SDXL"), "offload_optimizer": Key(False, "SD, SDXL")}, "SD, "
-                                                                                                                                                                            "SDXL"),
-        "transformer": Key({"stage": Key(3, "SD3, FLUX"), "dtype": Key("bf16", "SD3, FLUX"), "offload_params": Key(False, "SD3, FLUX"), "offload_optimizer": Key(False, "SD3, FLUX")}, "SD3, "
-                                                                                                                                                                                       "FLUX"),
-        # gather_forward: gather a frozen ZeRO-3 role whole for each call (one collective, 1/N between calls)
-        "vae": Key({"stage": Key(3, "frozen vae"), "dtype": Key("bf16", "frozen vae"), "offload_params": Key(False, "frozen vae"), "gather_forward": Key(True, "frozen vae")}, "frozen "
-                                                                                                                                                                               "vae"),
-        "text_encoder": Key({"stage": Key(3, "the first"), "dtype": Key("bf16", "the first"), "offload_params": Key(False, "the first"), "gather_forward": Key(True, "the first")}, "the "
-                                                                                                                                                                                    "first"),
-        # stage -1 / dtype "": as roles.text_encoder (SDXL's CLIP-G, SD3's CLIP-G, FLUX's T5)
-        "text_encoder_2": Key({"stage": Key(-1, "the second"), "dtype": Key("", "the second"), "offload_params": Key(False, "the second"), "gather_forward": Key(True, "the second")}, "the "
-                                                                                                                                                                                       "second"),
-        "text_encoder_3": Key({"stage": Key(-1, "SD3's T5"), "dtype": Key("", "SD3's T5"), "offload_params": Key(False, "SD3's T5"), "gather_forward": Key(True, "SD3's T5")}, "SD3's "
-                                                                                                                                                                               "T5"),
-    }, "placement per role (one section per role name of the model)"),
-    "ema": Key({**EMA_DEFAULTS}, "EMA of the denoiser, diffusers' EMAModel options"),
-    "lora": Key({
-        "enabled": Key(False, "train adapters only"),
-        "rank": Key(4, "adapter rank"),
-        "alpha": Key(0.0, "scale numerator (0 = rank)"),
-        "target_modules": Key([], "[] = diffusers' defaults of the family (unet: to_k/q/v/out.0; SD3/FLUX: "
-                                  "attention...)"),
-    }, "LoRA on the denoiser, base weights frozen"),
-    "validation": Key({**VALIDATION_DEFAULTS}, "images generated before, after and every N steps"),
-    "eval": Key({**EVAL_DEFAULTS}, "held-out loss at fixed noise and timesteps"),
+    "model": Key(MODEL_KEYS, "the diffusers pipeline folder to fine-tune"),
+    "roles": role_keys(ROLES),
+    "diffusion": DIFFUSION_KEYS,
+    "data": Key(SD_DATA_KEYS, "image-caption rows (docs/data.md)"),
+    "ema": EMA_KEYS,
+    "validation": Key(VALIDATION_KEYS, "images generated before, after and every N steps"),
+    "eval": EVAL_KEYS,
     "export": Key({
         "enabled": Key(True, "write export/pipeline (and export/lora for LoRA runs)"),
         "dtype": Key("fp32", "dtype of every exported component"),
         "roles": Key([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)"),
     }, "outputs under output_dir/export"),
 }
-
-
-# The placement keys of a role section (one line each in DEFAULTS, so their meanings live here).
-ROLE_KEY_HELP = {
-    "stage": "ZeRO stage of this role (0-3; a frozen role asked for 1 or 2 is built at 0: nothing to shard)",
-    "dtype": "fp32 | bf16 | fp16 (fp16 has no CPU path)",
-    "offload_params": "ZeRO-3 parameter offload to the host",
-    "offload_optimizer": "ZeRO optimizer-state offload to the host (DeepSpeed's CPU Adam)",
-    "gather_forward": "ZeRO-3 frozen role: gather it whole once per call instead of layer by layer",
-}
-HELP = {f"roles.{r}.{k}": text for r, section in DEFAULTS["roles"].items() for k, text in ROLE_KEY_HELP.items()
-        if k in section}
-HELP.update({"roles.text_encoder_2.stage": "ZeRO stage; -1 = as roles.text_encoder",
-             "roles.text_encoder_2.dtype": "fp32 | bf16 | fp16; \"\" = as roles.text_encoder",
-             "roles.text_encoder_3.stage": "ZeRO stage; -1 = as roles.text_encoder",
-             "roles.text_encoder_3.dtype": "fp32 | bf16 | fp16; \"\" = as roles.text_encoder"})
-
-
-class Removed(Check):
-    """A key that no longer exists: any value is an error that names its replacement."""
-
-    allow_none = True
-
-    def __init__(self, replacement: str) -> None:
-        self.replacement = replacement
-
-    def describe(self) -> str:
-        return f"removed (use {self.replacement})"
-
-    def problem(self, value: Any) -> str | None:
-        return f"was removed (use {self.replacement})"
-
-    def fix(self, key: str, value: Any) -> str:
-        return f"drop {key} and set {self.replacement}"
-
-
-_STAGE = Range(0, 3)
-_FOLLOW_STAGE = Range(-1, 3)
+DEFAULTS, HELP = split_keys(KEYS)
 _DTYPE = Choice("fp32", "bf16", "fp16")
-CHECKS = {
-    "max_steps": Range(1),
-    "mode": Choice(*MODES),
-    "seed": Range(0),
-    "model.tiny_family": Choice(*FAMILIES),
-    "model.tiny_vae_steps": Range(0),
-    "model.tiny_text_encoders": Removed("model.tiny_family=sdxl for a model with two text encoders"),
-    "data.resolution": Range(8),
-    "data.builtin_size": Range(2),
-    "data.max_train_samples": Range(0),
-    "data.num_workers": Range(0),
-    "train.micro_batch_size": Range(1),
-    "train.grad_accum": Range(1),
-    "train.lr": Range(0, min_exclusive=True),
-    "train.lr_warmup_steps": Range(0),
-    "train.adam_beta1": Range(0, 1, max_exclusive=True),
-    "train.adam_beta2": Range(0, 1, max_exclusive=True),
-    "train.adam_weight_decay": Range(0),
-    "train.adam_epsilon": Range(0, min_exclusive=True),
-    "train.max_grad_norm": Range(0),
-    "train.prediction_type": Choice("", *PREDICTION_TYPES),
-    "train.snr_gamma": Range(0),
-    "train.noise_offset": Range(0),
-    "train.input_perturbation": Range(0),
-    "flow.weighting_scheme": Choice("", *SCHEMES),
-    "flow.logit_std": Range(0, min_exclusive=True),
-    "flow.mode_scale": Range(0),
-    "flow.precondition_outputs": Choice(True, False, allow_none=True),
-    "flow.guidance_scale": Range(0),
-    "flow.max_sequence_length": Range(0),
-    "roles.unet.stage": _STAGE,
-    "roles.transformer.stage": _STAGE,
-    "roles.vae.stage": _STAGE,
-    "roles.text_encoder.stage": _STAGE,
-    "roles.text_encoder_2.stage": _FOLLOW_STAGE,
-    "roles.text_encoder_3.stage": _FOLLOW_STAGE,
-    "roles.unet.dtype": _DTYPE,
-    "roles.transformer.dtype": _DTYPE,
-    "roles.vae.dtype": _DTYPE,
-    "roles.text_encoder.dtype": _DTYPE,
-    "roles.text_encoder_2.dtype": Choice("", "fp32", "bf16", "fp16"),
-    "roles.text_encoder_3.dtype": Choice("", "fp32", "bf16", "fp16"),
-    "ema.decay": Range(0, 1),
-    "ema.min_decay": Range(0, 1),
-    "ema.update_after_step": Range(0),
-    "ema.inv_gamma": Range(0, min_exclusive=True),
-    "ema.power": Range(0, min_exclusive=True),
-    "ema.dtype": _DTYPE,
-    "ema.max_decay": Removed("ema.decay (diffusers' EMAModel name)"),
-    "ema.warmup": Removed("ema.use_ema_warmup (diffusers' EMAModel name; default false)"),
-    "lora.rank": Range(1),
-    "lora.alpha": Range(0),
-    "lora.target_modules": Each(Length(1)),
-    "validation.every": Range(-1),
-    "validation.prompts": Each(Length(1)),
-    "validation.num_prompts": Range(1),
-    "validation.num_inference_steps": Range(1),
-    "validation.guidance_scale": Range(0, allow_none=True),
-    "eval.heldout_size": Range(0),
-    "eval.timesteps": Range(1),
-    "eval.every": Range(0),
-    "export.dtype": _DTYPE,
-    "export.roles": Each(Choice(*ROLE_NAMES)),
-    "checkpoint.every": Range(0),
-    "checkpoint.keep_last": Range(0),
-}
 
 
-def _cfg_str(value: Any) -> str | None:
-    return str(value) if value not in (None, "") else None
+def diffusion_checks(trained: str, tiny_families: tuple[str, ...]) -> dict[str, Any]:
+    """The checks sd_finetune and controlnet share beyond the by-name ones."""
+    return {
+        "mode": Choice(*MODES), "model.tiny_family": Choice(*tiny_families), "model.tiny_vae_steps": Range(0),
+        "data.resolution": Range(8), "data.builtin_size": Range(2), "data.max_train_samples": Range(0),
+        "data.num_workers": Range(0), "data.eval_split": Satisfies(lambda v: isinstance(v, str), "\"\", a fraction, "
+                                                                   "a count or a split name"),
+        f"roles.{trained}.lora.target_modules": Each(Length(1)), "diffusion.adam_epsilon": Range(0, min_exclusive=True),
+        "diffusion.prediction_type": Choice("", *PREDICTION_TYPES), "diffusion.snr_gamma": Range(0),
+        "diffusion.noise_offset": Range(0), "diffusion.input_perturbation": Range(0),
+        "validation.prompts": Each(Length(1)), "validation.num_prompts": Range(1),
+        "validation.num_inference_steps": Range(1), "validation.guidance_scale": Range(0, allow_none=True),
+        "eval.timesteps": Range(1), "export.dtype": _DTYPE,
+    }
+
+
+CHECKS = recipe_checks(DEFAULTS, {
+    **diffusion_checks("unet", FAMILIES), "roles.transformer.lora.target_modules": Each(Length(1)),
+    "diffusion.weighting_scheme": Choice("", *SCHEMES), "diffusion.logit_std": Range(0, min_exclusive=True),
+    "diffusion.mode_scale": Range(0), "diffusion.precondition_outputs": Choice(True, False, allow_none=True),
+    "diffusion.guidance_scale": Range(0), "diffusion.max_sequence_length": Range(0),
+    "ema.min_decay": Range(0, 1), "ema.update_after_step": Range(0), "ema.inv_gamma": Range(0, min_exclusive=True),
+    "ema.power": Range(0, min_exclusive=True), "ema.dtype": _DTYPE,
+    "export.roles": Each(Choice(*(r.name for r in ROLES), "ema")),
+})
+
+
+def renamed(trained: str, hint: str = "") -> dict[str, str]:
+    """The old keys (train.*, lora.*, flow.*) -> their new names; ``hint`` follows a role key's new name."""
+    new = f"roles.{trained}"
+    out = {f"train.{k}": f"{new}.{k}{hint}" for k in ("micro_batch_size", "grad_accum", "lr", "max_grad_norm",
+                                                       "gradient_checkpointing")}
+    out.update({"train.lr_scheduler": f"{new}.scheduler{hint}", "train.lr_warmup_steps": f"{new}.warmup_steps{hint}",
+                "train.adam_weight_decay": f"{new}.weight_decay{hint}",
+                "train.adam_beta1": f"{new}.betas (a list [beta1, beta2]){hint}",
+                "train.adam_beta2": f"{new}.betas (a list [beta1, beta2]){hint}",
+                "train.adam_epsilon": "diffusion.adam_epsilon", "train.*": "diffusion.*", "flow.*": "diffusion.*",
+                "lora.enabled": f"{new}.lora.r (to the adapter rank, e.g. 4; 0 = no LoRA){hint}",
+                "lora.rank": f"{new}.lora.r{hint}", "lora.*": f"{new}.lora.*",
+                "model.tiny_text_encoders": "model.tiny_family (sdxl: two text encoders)",
+                "ema.max_decay": "ema.decay", "ema.warmup": "ema.use_ema_warmup"})
+    return out
+
+
+RENAMED = renamed("unet", " (roles.transformer.* for SD3/FLUX)")
 
 
 def _plain(value: Any) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
-def eval_split_value(cfg: Any) -> float | int | str:
-    """``data.eval_split`` as load_image_caption_data takes it: a fraction, a count, a split name; "" =
-    ``eval.heldout_size`` rows held out of the training data."""
-    text = str(cfg.data.eval_split).strip()
-    if not text:
-        return int(cfg.eval.heldout_size)
-    try:
-        number = float(text)
-    except ValueError:
-        return text
-    return int(number) if number >= 1 and number.is_integer() else number
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
 
 
-def data_spec(cfg: Any) -> Any:
-    """The training source(s): ``data.sources`` when given, else ``data.source``."""
-    sources = _plain(cfg.data.sources) or []
-    return sources if sources else str(cfg.data.source)
-
-
-def data_columns(cfg: Any) -> dict[str, str]:
-    return {k: str(v) for k, v in _plain(cfg.data.columns).items() if v}
+def check_components(cfg: Any, roles: tuple[str, ...]) -> None:
+    """Every component comes from model.pretrained: a role's own model or tokenizer folder is refused."""
+    for name in roles:
+        for key in ("model", "tokenizer"):
+            if cfg.roles[name][key]:
+                raise config_problem(f"roles.{name}.{key}", cfg.roles[name][key], "is not supported: every component "
+                                     "is loaded from the pipeline folder model.pretrained",
+                                     f"set roles.{name}.{key}=\"\" and point model.pretrained at a diffusers folder "
+                                     "holding this component")
 
 
 def check_family_options(cfg: Any, family: str, where: str = "") -> None:
-    """Options that belong to the other objective are an error, never silently ignored."""
+    """The settings of what this family does not have are an error, never silently ignored: the other
+    denoiser's role keys, and the other objective's diffusion.* keys."""
     suffix = f" ({where})" if where else ""
-    objective = family_roles(family).objective
-    if objective == "flow":
-        for key, default in (("prediction_type", ""), ("snr_gamma", 0.0), ("noise_offset", 0.0),
-                             ("input_perturbation", 0.0)):
-            if cfg.train[key] != default:
-                raise config_problem(f"train.{key}", cfg.train[key], f"applies to the DDPM families (sd, sdxl), not "
-                                     f"to this {family} model{suffix}", f"drop train.{key}; SD3/FLUX use flow.*")
-    elif "flow" in cfg:
-        flow_defaults = DEFAULTS["flow"]
-        for key, default in flow_defaults.items():
-            if cfg.flow[key] != default:
-                raise config_problem(f"flow.{key}", cfg.flow[key], f"applies to the flow-matching families (sd3, "
-                                     f"flux), not to this {family} model{suffix}", f"drop flow.{key}")
+    denoiser = family_roles(family).denoiser
+    other = "transformer" if denoiser == "unet" else "unet"
+    given = _flat(_plain(cfg.roles[other]))
+    for key, default in _flat(DEFAULTS["roles"][other]).items():
+        if given[key] != default:
+            raise config_problem(f"roles.{other}.{key}", given[key], f"this {family} model has no {other}{suffix}: "
+                                 f"its denoiser is roles.{denoiser}", f"set roles.{denoiser}.{key} instead")
+    ddpm = family_roles(family).objective != "flow"
+    for key, default in (FLOW_KEYS if ddpm else DDPM_KEYS).items():
+        if cfg.diffusion[key] != default.default:
+            kind = "flow-matching families (sd3, flux)" if ddpm else "DDPM families (sd, sdxl)"
+            raise config_problem(f"diffusion.{key}", cfg.diffusion[key], f"applies to the {kind}, not to this "
+                                 f"{family} model{suffix}", f"drop diffusion.{key}")
+
+
+def model_folder_family(cfg: Any) -> str:
+    """The family of model.pretrained (a local folder, checked), model.tiny_family when empty, "" for a hub name."""
+    from multiengine.pipelines.checks import check_diffusers_folder, check_model_folder
+
+    if not cfg.model.pretrained:
+        return str(cfg.model.tiny_family)
+    path = str(cfg.model.pretrained)
+    try:
+        if check_model_folder(path, "model.pretrained", kind="diffusers") != "local":
+            return ""
+        check_diffusers_folder(path, "model.pretrained")
+        return model_family(os.path.expanduser(path))
+    except (ValueError, FileNotFoundError) as exc:
+        raise _data_problem("model.pretrained", path, "is not a usable diffusers folder", exc,
+                            named=("model.pretrained",)) from None
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts, without building a model: the model folder (and its family's options), the
     data sources, columns and rows, held-out size against the rows, every image readable, and a micro batch of
     training images per rank on ``world_size`` ranks."""
-    from multiengine.pipelines.checks import check_diffusers_folder, check_model_folder
-
-    family = str(cfg.model.tiny_family)
-    if cfg.model.pretrained:
-        path = str(cfg.model.pretrained)
-        try:
-            if check_model_folder(path, "model.pretrained", kind="diffusers") == "local":
-                check_diffusers_folder(path, "model.pretrained")
-                family = model_family(os.path.expanduser(path))
-            else:
-                family = ""
-        except (ValueError, FileNotFoundError) as exc:
-            raise _data_problem("model.pretrained", path, "is not a usable diffusers folder", exc,
-                                named=("model.pretrained",)) from None
+    check_components(cfg, tuple(r.name for r in ROLES))
+    family = model_folder_family(cfg)
     if family:
         check_family_options(cfg, family)
         validate_resolution(cfg, family, str(cfg.model.pretrained))
+        denoiser = family_roles(family).denoiser
+    else:  # a hub name: the family is known once downloaded; the denoiser the config sets, else the unet
+        denoiser = "transformer" if _flat(_plain(cfg.roles.transformer)) != _flat(DEFAULTS["roles"]["transformer"]) \
+            else "unet"
     check_data(cfg)
-    check_batches(cfg, world_size)
+    check_batches(cfg, world_size, denoiser)
 
 
 def validate_resolution(cfg: Any, family: str, path: str) -> None:
-    multiple = resolution_multiple(family, os.path.expanduser(path) if path and os.path.isdir(
-        os.path.expanduser(path)) else None)
-    res = int(cfg.data.resolution)
+    folder = os.path.expanduser(path) if path and os.path.isdir(os.path.expanduser(path)) else None
+    multiple, res = resolution_multiple(family, folder), int(cfg.data.resolution)
     if res % multiple:
         raise config_problem("data.resolution", res, f"is not a multiple of {multiple}, which this {family} model "
                              "needs (vae downsampling x the denoiser's patches / levels)",
                              f"use data.resolution={max(multiple, res // multiple * multiple)}")
 
 
-def resolution_multiple(family: str, model_path: str | None) -> int:
-    """What the image side must be a multiple of: the vae's downsampling times the denoiser's (2x2 patches
-    for SD3/FLUX, one 2x per unet level below the top). From the configs only; the tiny models when no folder."""
-    if model_path is None:
-        return {"sd": 4, "sdxl": 4, "sd3": 4, "flux": 4}[family]
-    with open(os.path.join(model_path, "vae", "config.json"), encoding="utf-8") as f:
-        vae = json.load(f)
-    factor = 2 ** (len(vae.get("block_out_channels", [1])) - 1)
-    denoiser = family_roles(family).denoiser
-    with open(os.path.join(model_path, denoiser, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    if denoiser == "unet":
-        return factor * 2 ** (len(config.get("block_out_channels", [1])) - 1)
-    return factor * 2 if family == "flux" else factor * int(config.get("patch_size", 2))
-
-
 def _data_problem(key: str, spec: Any, problem: str, exc: Exception,
                   named: tuple[str, ...] = ("data.source", "data.eval_source")) -> RecipeConfigError:
-    """A data or model-folder error as the config error: as it is when it already names its key (one of
-    ``named``), the value and the fix."""
-    if str(exc).startswith(named):
-        return RecipeConfigError(str(exc))
-    return config_problem(key, spec, problem, str(exc))
+    """A data or model-folder error as the config error: as it is when it already names its key."""
+    return RecipeConfigError(str(exc)) if str(exc).startswith(named) else config_problem(key, spec, problem, str(exc))
+
+
+def data_args(cfg: Any, conditioning: bool = False) -> dict[str, Any]:
+    """load_image_caption_data's / check_image_caption_data's arguments from the data section."""
+    columns = {k: str(v) for k, v in _plain(cfg.data.columns).items() if v}
+    extra = None
+    if conditioning:  # the conditioning images load as an extra image column
+        extra = {"conditioning_image": columns.pop("conditioning_image", "conditioning_image")}
+    return {"columns": columns, "image_column": str(cfg.data.image_column),
+            "caption_column": str(cfg.data.caption_column), "cache_dir": str(cfg.data.cache_dir) or None,
+            "extra": extra}
+
+
+def data_spec(cfg: Any) -> Any:
+    """The training source(s): ``data.sources`` when given, else ``data.source``."""
+    return _plain(cfg.data.sources) or str(cfg.data.source)
 
 
 def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
@@ -431,8 +371,7 @@ def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
     and (``data.check_images``) every image opens. The built-in data needs only its sizes."""
     from multiengine.pipelines.sources import DataSourceError
 
-    spec = data_spec(cfg)
-    heldout = int(cfg.eval.heldout_size)
+    spec, heldout = data_spec(cfg), int(cfg.eval.heldout_size)
     if not spec:
         if not str(cfg.data.eval_split).strip() and not cfg.data.eval_source and heldout >= cfg.data.builtin_size:
             raise config_problem("eval.heldout_size", heldout, f"leaves no training rows of the built-in data "
@@ -440,25 +379,19 @@ def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
                                  f"set eval.heldout_size below {cfg.data.builtin_size} or raise data.builtin_size")
         return None
     key = "data.sources" if _plain(cfg.data.sources) else "data.source"
-    extra = {"conditioning_image": str(cfg.data.columns.get("conditioning_image") or "conditioning_image")} \
-        if conditioning else None
+    args = data_args(cfg, conditioning)
+    extra, split = args.pop("extra"), str(cfg.data.train_split)
     try:
-        report = data_lib.check_image_caption_data(
-            spec, columns=data_columns(cfg), image_column=str(cfg.data.image_column),
-            caption_column=str(cfg.data.caption_column), split=str(cfg.data.train_split), key=key,
-            cache_dir=_cfg_str(cfg.data.cache_dir), extra_image_columns=extra)
+        report = data_lib.check_image_caption_data(spec, split=split, key=key, extra_image_columns=extra, **args)
     except (DataSourceError, ValueError, FileNotFoundError) as exc:
         raise _data_problem(key, spec, "cannot be used as image-caption data", exc) from None
-    split = eval_split_value(cfg)
-    if not cfg.data.eval_source and isinstance(split, int) and split >= report["rows"]:
+    held = eval_split_value(cfg.data.eval_split, cfg.eval.heldout_size)
+    if not cfg.data.eval_source and isinstance(held, int) and held >= report["rows"]:
         name = "eval.heldout_size" if not str(cfg.data.eval_split).strip() else "data.eval_split"
-        raise config_problem(name, split, f"holds out every row of the data ({report['rows']} rows)",
+        raise config_problem(name, held, f"holds out every row of the data ({report['rows']} rows)",
                              f"set {name} below {report['rows']}")
     if cfg.data.check_images:
-        bad = data_lib.unreadable_images(spec, columns=data_columns(cfg), image_column=str(cfg.data.image_column),
-                                         caption_column=str(cfg.data.caption_column),
-                                         split=str(cfg.data.train_split), cache_dir=_cfg_str(cfg.data.cache_dir),
-                                         extra_image_columns=extra)
+        bad = data_lib.unreadable_images(spec, split=split, extra_image_columns=extra, **args)
         if bad:
             shown = "; ".join(bad[:10]) + (f"; ... ({len(bad)} in all)" if len(bad) > 10 else "")
             raise config_problem(key, spec, f"has {len(bad)} unreadable image(s): {shown}",
@@ -467,34 +400,25 @@ def check_data(cfg: Any, conditioning: bool = False) -> dict[str, Any] | None:
     return report
 
 
+def load_rows(cfg: Any, source: Any, conditioning: bool = False) -> Any:
+    args = data_args(cfg, conditioning)
+    return data_lib.load_image_caption_data(
+        source, train_split=str(cfg.data.train_split), eval_source=_plain(cfg.data.eval_source) or None,
+        eval_split=eval_split_value(cfg.data.eval_split, cfg.eval.heldout_size), seed=cfg.seed,
+        extra_images=args.pop("extra"), **args)
 
-def _held_out_of(n: int, split: Any) -> int:
-    """Rows heldout_split takes out of ``n`` for a fraction or count (0 for a split name or none)."""
-    if isinstance(split, bool) or not isinstance(split, (int, float)) or split <= 0:
-        return 0
-    return max(1, round(split * n)) if isinstance(split, float) and split < 1 else int(split)
 
-
-def training_rows(cfg: Any, conditioning: bool = False) -> tuple[int, int]:
-    """``(training rows, rows held out of them for evaluation)`` as the run will have them (load_rows, then
-    data.max_train_samples): counted for the built-in shapes, loaded like the run loads them otherwise."""
-    split = eval_split_value(cfg)
-    spec = data_spec(cfg)
+def check_batches(cfg: Any, world_size: int, trained: str, conditioning: bool = False) -> None:
+    """Each rank's share of the training images (ShardedEpochSampler, the tail dropped) must fill a micro
+    batch (a DataLoader with drop_last); rows counted as the run will have them."""
+    spec, split = data_spec(cfg), eval_split_value(cfg.data.eval_split, cfg.eval.heldout_size)
     if not spec:
         n = int(cfg.data.builtin_size)
-        held = 0 if cfg.data.eval_source else _held_out_of(n, split)
+        held = 0 if cfg.data.eval_source else held_out_of(n, split)
         train = n - held
     else:
-        columns, extra = data_columns(cfg), None
-        if conditioning:  # as ControlNetTraining.load_rows
-            extra = {"conditioning_image": str(cfg.data.columns.get("conditioning_image") or "conditioning_image")}
-            columns = {k: v for k, v in columns.items() if k != "conditioning_image"}
         try:
-            data = data_lib.load_image_caption_data(
-                spec, columns=columns, image_column=str(cfg.data.image_column),
-                caption_column=str(cfg.data.caption_column), train_split=str(cfg.data.train_split),
-                eval_source=_plain(cfg.data.eval_source) or None, eval_split=split, seed=cfg.seed,
-                cache_dir=_cfg_str(cfg.data.cache_dir), extra_images=extra)
+            data = load_rows(cfg, spec, conditioning)
         except (ValueError, FileNotFoundError) as exc:
             key = "data.sources" if _plain(cfg.data.sources) else "data.source"
             raise _data_problem(key, spec, "cannot be split into training and evaluation rows", exc) from None
@@ -502,16 +426,10 @@ def training_rows(cfg: Any, conditioning: bool = False) -> tuple[int, int]:
         held = len(data.eval) if data.eval is not None and "held out" in str(data.eval_origin) else 0
     if cfg.data.max_train_samples:
         train = min(train, int(cfg.data.max_train_samples))
-    return train, held
-
-
-def check_batches(cfg: Any, world_size: int, conditioning: bool = False) -> None:
-    """_setup_data: each rank's share of the training images (ShardedEpochSampler, the tail dropped) must fill a
-    micro batch (a DataLoader with drop_last)."""
-    train, held = training_rows(cfg, conditioning)
-    check_rows_per_rank(train, world_size, key="train.micro_batch_size", value=int(cfg.train.micro_batch_size),
-                        unit="images", heldout=held,
+    check_rows_per_rank(train, world_size, key=f"roles.{trained}.micro_batch_size",
+                        value=int(cfg.roles[trained].micro_batch_size), unit="images", heldout=held,
                         heldout_key="data.eval_split" if str(cfg.data.eval_split).strip() else "eval.heldout_size")
+
 
 class SDFinetune(Recipe):
     """diffusers' text-to-image fine-tunes (SD, SDXL) and SD3 / FLUX flow-matching fine-tunes on the shared
@@ -541,19 +459,23 @@ class SDFinetune(Recipe):
     def ema_on(self) -> bool:
         return bool((self.cfg.get("ema") or {}).get("enabled", False))
 
+    @property
+    def trained(self) -> str:
+        """The trainable role: the denoiser here, the controlnet in the controlnet recipe."""
+        return self.denoiser
+
     # --- setup -----------------------------------------------------------------------------------
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
-        if cfg.mode not in MODES:
-            raise RecipeConfigError(f"mode={cfg.mode!r}; use one of {list(MODES)}.")
         # 1. data and model folder: rank 0 generates / builds / downloads while the others wait
         self.data_source = self._data_source()
         self.model_path = self._model_path()
         self.family = model_family(self.model_path)
         self.family_roles = family_roles(self.family)
-        check_family_options(cfg, self.family, self.model_path)
         self.denoiser = self.family_roles.denoiser
+        self.check_family(self.model_path)
         self.text_encoders = text_encoder_names(self.model_path)
+        self.t5_length = t5_length(self.family, cfg.diffusion.max_sequence_length)
         # 2. roles: each its own engine with its own placement
         self.add_roles()
         registry.build()
@@ -561,52 +483,41 @@ class SDFinetune(Recipe):
         self.objective = self.make_objective()
         self._setup_data()
 
-    def placements(self) -> dict[str, Any]:
-        roles = self.cfg.roles
-        first = placement(roles.text_encoder, trainable=False)
-        encoders = {name: first if name == "text_encoder" else placement(roles[name], follow=first, trainable=False)
-                    for name in self.text_encoders}
-        return {"denoiser": placement(roles[self.denoiser]), "vae": placement(roles.vae, trainable=False),
-                "text_encoders": encoders}
-
-    def lora_spec(self) -> LoraSpec | None:
-        cfg = self.cfg
-        if not cfg.lora.enabled:
-            return None
-        targets = tuple(cfg.lora.target_modules) or self.family_roles.lora_targets
-        return LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha or None, target_modules=targets, init="gaussian")
-
-    def optim_spec(self) -> OptimSpec:
-        cfg, t = self.cfg, self.cfg.train
-        return OptimSpec(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
-                         eps=t.adam_epsilon, scheduler=t.lr_scheduler, warmup_steps=t.lr_warmup_steps,
-                         total_steps=cfg.max_steps, max_grad_norm=t.max_grad_norm or None)
+    def check_family(self, where: str) -> None:
+        check_family_options(self.cfg, self.family, where)
 
     def add_roles(self) -> None:
-        cfg, t = self.cfg, self.cfg.train
-        place = self.placements()
-        ema = None
-        if cfg.ema.enabled:
-            ema = placement({"stage": place["denoiser"].stage, "dtype": cfg.ema.dtype,
-                             "offload_params": cfg.ema.offload_params}, trainable=False)
+        cfg, d = self.cfg, self.denoiser
+        place = placement(cfg, ROLES, d)
+        ema = Placement(stage=place.stage, dtype=str(cfg.ema.dtype), offload_params=bool(cfg.ema.offload_params)) \
+            if cfg.ema.enabled else None
+        lora = lora_spec(cfg, d, init="gaussian", target_modules=tuple(cfg.roles[d].lora.target_modules)
+                         or self.family_roles.lora_targets)
         for spec in diffusion_role_specs(
-            self.model_path, mode=cfg.mode, unet=place["denoiser"], vae=place["vae"],
-            text_encoder=place["text_encoders"], ema=ema, optim=self.optim_spec(),
-            micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-            gradient_checkpointing=t.gradient_checkpointing, lora=self.lora_spec(),
-            variant=_cfg_str(cfg.model.variant), seed=cfg.seed, denoiser=self.denoiser,
+            self.model_path, mode=cfg.mode, unet=place, vae=placement(cfg, ROLES, "vae"),
+            text_encoder={n: placement(cfg, ROLES, n) for n in self.text_encoders}, ema=ema,
+            optim=optim_spec(cfg, d, cfg.max_steps, eps=float(cfg.diffusion.adam_epsilon)),
+            micro_batch_size=cfg.roles[d].micro_batch_size, grad_accum=cfg.roles[d].grad_accum,
+            gradient_checkpointing=cfg.roles[d].gradient_checkpointing, lora=lora,
+            variant=str(cfg.model.variant) or None, seed=cfg.seed, denoiser=d,
         ):
             self.registry.add(spec)
 
     def flow_options(self) -> dict[str, Any]:
-        f, defaults = self.cfg.flow, FLOW_FAMILY_DEFAULTS[self.family]
-        return {"weighting_scheme": f.weighting_scheme or defaults["weighting_scheme"],
-                "logit_mean": f.logit_mean, "logit_std": f.logit_std, "mode_scale": f.mode_scale,
-                "precondition_outputs": defaults["precondition_outputs"] if f.precondition_outputs is None
-                else bool(f.precondition_outputs), "guidance_scale": f.guidance_scale}
+        f = self.cfg.diffusion
+        return flow_options(self.family, weighting_scheme=f.weighting_scheme, logit_mean=f.logit_mean,
+                            logit_std=f.logit_std, mode_scale=f.mode_scale,
+                            precondition_outputs=f.precondition_outputs, guidance_scale=f.guidance_scale)
+
+    def ddpm_scheduler(self) -> Any:
+        from diffusers import DDPMScheduler
+
+        scheduler = DDPMScheduler.from_pretrained(self.model_path, subfolder="scheduler")
+        self.prediction_type = self.cfg.diffusion.prediction_type or scheduler.config.prediction_type
+        return scheduler
 
     def make_objective(self) -> Any:
-        cfg, t = self.cfg, self.cfg.train
+        cfg, d = self.cfg, self.cfg.diffusion
         if self.family_roles.objective == "flow":
             from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -614,25 +525,17 @@ class SDFinetune(Recipe):
             self.prediction_type = None
             return FlowMatchingObjective(self.registry, self.family, config, text_encoders=self.text_encoders,
                                          **self.flow_options())
-        from diffusers import DDPMScheduler
-
-        scheduler = DDPMScheduler.from_pretrained(self.model_path, subfolder="scheduler")
-        self.prediction_type = t.prediction_type or scheduler.config.prediction_type
+        scheduler = self.ddpm_scheduler()
         return DiffusionObjective(
             self.registry, self.text_encoders, scheduler.alphas_cumprod, prediction_type=self.prediction_type,
-            snr_gamma=t.snr_gamma, noise_offset=t.noise_offset, input_perturbation=t.input_perturbation,
+            snr_gamma=d.snr_gamma, noise_offset=d.noise_offset, input_perturbation=d.input_perturbation,
             resolution=cfg.data.resolution)
-
-    @property
-    def t5_length(self) -> int:
-        if self.family_roles.objective != "flow":
-            return 0
-        return int(self.cfg.flow.max_sequence_length) or FLOW_FAMILY_DEFAULTS[self.family]["max_sequence_length"]
 
     def _model_path(self) -> str:
         cfg = self.cfg
         if cfg.model.pretrained:
-            path = resolve_model_path(cfg.model.pretrained, _cfg_str(cfg.model.revision), _cfg_str(cfg.model.variant))
+            variant = str(cfg.model.variant) or None
+            path = resolve_model_path(cfg.model.pretrained, str(cfg.model.revision) or None, variant)
             if cfg.model.tiny_vae_steps and self.registry.is_main:
                 logger.info("model.tiny_vae_steps=%s skipped: model.pretrained=%s brings its own vae",
                             cfg.model.tiny_vae_steps, cfg.model.pretrained)
@@ -657,17 +560,17 @@ class SDFinetune(Recipe):
             logger.info("model.tiny_vae_steps=%s: the random tiny vae learns the training images first (0 skips "
                         "it)", cfg.model.tiny_vae_steps)
         self.vae_pretrain = pretrain_tiny_vae(
-            path, _ImageColumn(train, "image"), int(cfg.model.tiny_vae_steps), seed=cfg.seed,
+            path, ImageColumn(train, "image"), int(cfg.model.tiny_vae_steps), seed=cfg.seed,
             resolution=int(cfg.data.resolution), device=registry.device)
         barrier()
 
     def rows(self) -> Any:
-        """load_rows once per run (the vae pre-train and _setup_data share them); rank 0 first, so that it
+        """The rows once per run (the vae pre-train and _setup_data share them); rank 0 first, so that it
         writes the datasets cache and the others read it instead of racing to write it."""
         if self._rows is None:
             if not self.registry.is_main:
                 barrier()
-            self._rows = self.load_rows()
+            self._rows = load_rows(self.cfg, self.data_source, self.conditioning)
             if self.registry.is_main:
                 barrier()
         return self._rows
@@ -686,65 +589,38 @@ class SDFinetune(Recipe):
         barrier()
         return source
 
-    def tokenizers(self) -> list[Any]:
-        from transformers import AutoTokenizer
-
-        return [AutoTokenizer.from_pretrained(self.model_path, subfolder=tokenizer_name(n)) for n in self.text_encoders]
-
-    def token_lengths(self) -> list[int | None]:
-        """Padded length per text encoder: CLIP its tokenizer's (77), T5 ``flow.max_sequence_length``."""
-        index = read_model_index(self.model_path)
-        return [self.t5_length if str(index[n][1]).startswith("T5") else None for n in self.text_encoders]
-
-    def load_rows(self) -> Any:
-        cfg = self.cfg
-        return data_lib.load_image_caption_data(
-            self.data_source, columns=data_columns(cfg), image_column=str(cfg.data.image_column),
-            caption_column=str(cfg.data.caption_column), train_split=str(cfg.data.train_split),
-            eval_source=_plain(cfg.data.eval_source) or None, eval_split=eval_split_value(cfg), seed=cfg.seed,
-            cache_dir=_cfg_str(cfg.data.cache_dir))
-
     def make_dataset(self, rows: Any, transform: Any) -> Any:
         return data_lib.ImageCaptionDataset(rows, transform, "image", "caption", seed=self.cfg.seed)
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
         data = self.rows()
-        train_rows = data.train
+        train_rows, heldout_rows = data.train, None
         if cfg.data.max_train_samples:
             train_rows = train_rows.select(range(min(cfg.data.max_train_samples, len(train_rows))))
-        heldout_rows = None
         if data.eval is not None and cfg.eval.heldout_size:
             heldout_rows = data.eval.select(range(min(int(cfg.eval.heldout_size), len(data.eval))))
         self.eval_origin = data.eval_origin
         self.prompts = self.validation_prompts(heldout_rows if heldout_rows is not None else train_rows)
-        tokenizers, lengths = self.tokenizers(), self.token_lengths()
-        self.tokenizer_list, self.lengths = tokenizers, lengths
-        collate = functools.partial(_collate, tokenizers=tokenizers, lengths=lengths)
-        transform = data_lib.ImageTransform(cfg.data.resolution, cfg.data.center_crop, cfg.data.random_flip)
-        self.train_set = self.make_dataset(train_rows, transform)
-        self.sampler = data_lib.ShardedEpochSampler(len(self.train_set), registry.world_size, registry.rank,
-                                                    seed=cfg.seed)
-        micro = cfg.train.micro_batch_size
-        if len(self.sampler) < micro:
-            raise RecipeConfigError(
-                f"{len(self.train_set)} training images give {len(self.sampler)} per rank, fewer than "
-                f"train.micro_batch_size={micro}; lower train.micro_batch_size or add data.")
-        self.loader = torch.utils.data.DataLoader(
-            self.train_set, batch_size=micro, sampler=self.sampler, collate_fn=collate, drop_last=True,
-            num_workers=cfg.data.num_workers)
-        self.consumed = 0  # samples of the current epoch trained on by this rank (the sampler may run ahead)
-        self.batches = self._batch_stream()
+        tokenizers = text_tokenizers(self.model_path, self.text_encoders)
+        lengths = token_lengths(self.model_path, self.text_encoders, self.t5_length)
 
-        # Held-out: deterministic transform, the same number of batches on every rank (lockstep forwards).
-        self.heldout_batches: list[dict[str, Any]] = []
-        if heldout_rows is not None:
-            heldout = self.make_dataset(heldout_rows, data_lib.ImageTransform(cfg.data.resolution, center_crop=True,
-                                                                              random_flip=False))
-            self.heldout_batches = shard_batches(heldout, collate, micro, registry.world_size, registry.rank)
-            if not self.heldout_batches:
-                logger.warning("%d held-out rows are fewer than the %d ranks: no held-out loss", len(heldout),
-                               registry.world_size)
+        def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
+            return collate_captions(examples, tokenizers, lengths)
+
+        res = cfg.data.resolution
+        self.train_set = self.make_dataset(train_rows, data_lib.ImageTransform(res, cfg.data.center_crop,
+                                                                               cfg.data.random_flip))
+        heldout = None if heldout_rows is None else self.make_dataset(heldout_rows, data_lib.ImageTransform(
+            res, center_crop=True, random_flip=False))
+        micro = int(cfg.roles[self.trained].micro_batch_size)
+        try:
+            self.images = TrainImages(self.train_set, heldout, collate, micro_batch_size=micro,
+                                      world_size=registry.world_size, rank=registry.rank, seed=cfg.seed,
+                                      num_workers=cfg.data.num_workers)
+        except ValueError as exc:
+            raise RecipeConfigError(f"{exc}: lower roles.{self.trained}.micro_batch_size or add data.") from None
+        self.batches, self.heldout_batches = self.images.stream(), self.images.heldout
         self.heldout_points = self.objective.heldout_points(cfg.eval.timesteps)
 
     def validation_prompts(self, rows: Any) -> list[str]:
@@ -753,42 +629,26 @@ class SDFinetune(Recipe):
         cfg = self.cfg
         if cfg.validation.prompts:
             return [str(p) for p in cfg.validation.prompts]
-        if self.builtin_data:
-            return list(SHAPES_PROMPTS)
-        out: list[str] = []
-        for caption in rows["caption"]:
-            text = caption[0] if isinstance(caption, (list, tuple)) else caption
-            if isinstance(text, str) and text not in out:
-                out.append(text)
-            if len(out) >= cfg.validation.num_prompts:
-                break
-        return out
+        return list(SHAPES_PROMPTS) if self.builtin_data else validation_captions(rows["caption"],
+                                                                                  cfg.validation.num_prompts)
 
-    def _batch_stream(self) -> Iterator[dict[str, Any]]:
-        while True:
-            if self.sampler.position >= len(self.sampler):
-                self.sampler.set_epoch(self.sampler.epoch + 1)
-            self.train_set.set_epoch(self.sampler.epoch)  # augmentation follows the sampler's epoch
-            self.consumed = self.sampler.position
-            for batch in self.loader:
-                self.consumed += len(batch["captions"])
-                yield batch
-            self.consumed = len(self.sampler)  # the dropped tail counts as seen, like the sampler does
+    @property
+    def sampler(self) -> Any:
+        return self.images.sampler
+
+    @property
+    def consumed(self) -> int:
+        return self.images.consumed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(consumed=self.consumed), "heldout": self.heldout}
+        return {"sampler": self.images.state_dict(), "heldout": self.heldout}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.images.sampler.load_state_dict(state["sampler"])
         self.heldout = dict(state.get("heldout", {}))
         self.validations = []
 
     # --- training --------------------------------------------------------------------------------
-    @property
-    def trained(self) -> str:
-        """The trainable role: the denoiser here, the controlnet in the controlnet recipe."""
-        return self.denoiser
-
     def train_step(self) -> dict[str, float]:
         cfg, registry = self.cfg, self.registry
         engine = registry[self.trained]
@@ -811,7 +671,7 @@ class SDFinetune(Recipe):
         decay = self.update_ema() if self.ema_on else None
         # 7. the loss averaged over micro batches and ranks, lr, memory per role
         record = {**mean_over_ranks({"loss": statistics.fmean(micro_losses)}), "lr": engine.get_lr()[0],
-                  **_memory_metrics(registry)}
+                  **memory_metrics(registry)}
         if decay is not None:
             record["ema_decay"] = decay
         return record
@@ -827,6 +687,7 @@ class SDFinetune(Recipe):
         if every > 0 and self.step % every == 0 and not last:
             self.validate(f"step_{self.step}")
 
+    # --- evaluation ------------------------------------------------------------------------------
     def heldout_value(self, role: str | None = None) -> float:
         if isinstance(self.objective, FlowMatchingObjective):
             return flow_heldout_loss(self.objective, self.heldout_batches, self.heldout_points, self.cfg.eval.seed,
@@ -849,8 +710,7 @@ class SDFinetune(Recipe):
         return result
 
     def validation_role(self) -> str:
-        cfg = self.cfg
-        return "ema" if self.ema_on and cfg.validation.use_ema else self.trained
+        return "ema" if self.ema_on and self.cfg.validation.use_ema else self.trained
 
     def validation_pipeline(self, role: str) -> Any:
         return build_pipeline(self.registry, self.model_path, self.text_encoders, role, self.prediction_type,
@@ -861,33 +721,23 @@ class SDFinetune(Recipe):
 
     def validate(self, tag: str) -> None:
         """Images for the validation prompts, on all ranks in lockstep; rank 0 saves the labelled grid."""
-        cfg, registry = self.cfg, self.registry
-        if not cfg.validation.enabled or not self.prompts:
+        v, registry = self.cfg.validation, self.registry
+        if not v.enabled or not self.prompts:
             return
-        role = self.validation_role()
-        t0 = time.perf_counter()
+        role, t0 = self.validation_role(), time.perf_counter()
         pipe = self.validation_pipeline(role)
-        module = registry.role(self.trained).module
-        was_training = module.training
-        module.eval()
-        try:
-            images = generate(pipe, registry, self.prompts, cfg.data.resolution, cfg.validation.num_inference_steps,
-                              cfg.validation.guidance_scale, cfg.validation.seed, **self.pipeline_kwargs())
-        finally:
-            module.train(was_training)
+        images = run_validation(registry, pipe, self.trained, self.prompts, resolution=self.cfg.data.resolution,
+                                steps=v.num_inference_steps, guidance_scale=v.guidance_scale, seed=v.seed,
+                                **self.pipeline_kwargs())
         del pipe
-        path = self.path("validation", f"{self.step:06d}_{tag}.png")
-        entry = {"step": self.step, "tag": tag, "file": path, "role": role, "prompts": list(self.prompts),
-                 "seconds": time.perf_counter() - t0}
+        entry = {"step": self.step, "tag": tag, "file": self.path("validation", f"{self.step:06d}_{tag}.png"),
+                 "role": role, "prompts": list(self.prompts), "seconds": time.perf_counter() - t0}
         if registry.is_main:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             grid = self.grid(images)
-            grid.save(path)
-            with open(self.path("validation", "index.jsonl"), "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry) + "\n")
+            save_validation(entry["file"], entry, grid)
             # One tag for every validation, so TensorBoard's step slider walks through before/step_N/after.
             self.metrics.log_image(self.step, "validation/grid", grid)
-            logger.info("validation grid (%s, step %d, %s): %s", tag, self.step, role, path)
+            logger.info("validation grid (%s, step %d, %s): %s", tag, self.step, role, entry["file"])
         self.metrics.log(self.step, {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
         self.validations.append(entry)
 
@@ -896,21 +746,18 @@ class SDFinetune(Recipe):
         return image_grid(images, prompts=self.prompts, step=self.step)
 
     # --- outputs ---------------------------------------------------------------------------------
-    def export_components(self) -> dict[str, str]:
-        role = "ema" if self.ema_on else self.trained
-        return {self.denoiser: role, "vae": "vae", **{name: name for name in self.text_encoders}}
-
     def export(self) -> dict[str, Any]:
         cfg, registry = self.cfg, self.registry
         if not cfg.export.enabled:
             return {}
-        components = self.export_components()
+        role = "ema" if self.ema_on else self.trained
+        components = {self.denoiser: role, "vae": "vae", **{name: name for name in self.text_encoders}}
         written: dict[str, Any] = {"pipeline": export_pipeline(
             registry, self.model_path, self.path("export", "pipeline"), components, dtype=cfg.export.dtype,
             prediction_type=self.prediction_type)}
-        if cfg.lora.enabled:
-            written["lora"] = save_lora(registry, self.path("export", "lora"), role=components[self.denoiser],
-                                        component=self.denoiser, pipeline_class=self.family_roles.pipeline)
+        if cfg.roles[self.denoiser].lora.r:
+            written["lora"] = save_lora(registry, self.path("export", "lora"), role=role, component=self.denoiser,
+                                        pipeline_class=self.family_roles.pipeline)
         missing = [r for r in cfg.export.roles if r not in registry]
         if missing:
             raise RecipeConfigError(f"export.roles={list(cfg.export.roles)}: {missing} not among this run's roles "
@@ -920,12 +767,10 @@ class SDFinetune(Recipe):
 
     def summary_metrics(self) -> dict[str, Any]:
         times = [m["step_time_s"] for m in (self.step_metrics[1:] or self.step_metrics)]
-        return {
-            "first_loss": self.losses[0] if self.losses else None,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "step_time_s_median": statistics.median(times) if times else None,
-            **{f"heldout/{k}": v for k, v in self.heldout.items()},
-        }
+        return {"first_loss": self.losses[0] if self.losses else None,
+                "final_loss": self.losses[-1] if self.losses else None,
+                "step_time_s_median": statistics.median(times) if times else None,
+                **{f"heldout/{k}": v for k, v in self.heldout.items()}}
 
     def summary_extra(self) -> dict[str, Any]:
         extra = {"mode": self.cfg.mode, "family": self.family, "denoiser": self.denoiser,
@@ -939,56 +784,6 @@ class SDFinetune(Recipe):
 
     def plot_title(self) -> str:
         return f"{self.name} ({self.family}, {self.registry.world_size} ranks)"
-
-
-class _ImageColumn(Sequence):
-    """One column of a datasets.Dataset as a sequence, each item decoded when indexed (not all at once)."""
-
-    def __init__(self, rows: Any, column: str) -> None:
-        self.rows, self.column = rows, column
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.rows[int(index)][self.column]
-
-
-def build_tiny_model(path: str, seed: int, resolution: int, family: str = "sd") -> str:
-    """The embedded default model of ``family`` (``sd``, ``sdxl``, ``sd3``, ``flux``): the tiny builders of
-    pipelines/diffusion/tiny.py. An int ``family`` is the removed ``text_encoders`` count: an error."""
-    if not isinstance(family, str):
-        raise RecipeConfigError(f"build_tiny_model(..., {family!r}): pass the family (sd, sdxl, sd3, flux); "
-                                "the text-encoder count is gone (2 text encoders = sdxl).")
-    if family not in FAMILIES:
-        raise RecipeConfigError(f"model.tiny_family={family!r}; use one of {list(FAMILIES)}.")
-    return build_tiny(family, path, seed=seed, resolution=resolution)
-
-
-def _collate(examples: list[dict[str, Any]], tokenizers: list[Any], lengths: list[int | None]) -> dict[str, Any]:
-    """``data.collate`` with ``input_ids`` (``input_ids_2`` ...) per text encoder, each padded to its length."""
-    batch = data_lib.collate(examples, tokenizer=tokenizers[0])
-    batch.update(prompt_input_ids(tokenizers, batch["captions"], lengths))
-    if all("conditioning_pixel_values" in e for e in examples):
-        batch["conditioning_pixel_values"] = torch.stack([e["conditioning_pixel_values"] for e in examples])
-    return batch
-
-
-def _memory_metrics(registry: Any) -> dict[str, float]:
-    """This rank's bytes per role (params held, grads, optimizer state) and process memory."""
-    out: dict[str, float] = {}
-    for row in registry.memory_report():
-        role = row["role"]
-        out[f"mem/{role}/param_bytes"] = row["param_bytes"]
-        out[f"mem/{role}/params_local"] = row["params_local"]
-        if row["trainable"]:
-            out[f"mem/{role}/grad_bytes"] = row["grad_bytes"]
-            out[f"mem/{role}/optimizer_bytes"] = row["optimizer_bytes"]
-    out["mem/rss_bytes"] = current_rss_bytes()
-    if torch.cuda.is_available():
-        out["mem/cuda_allocated_bytes"] = torch.cuda.memory_allocated()
-        out["mem/cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    return out
 
 
 main = SDFinetune.main

@@ -1,0 +1,244 @@
+"""What a diffusion fine-tuning run needs around its objective: family defaults, the image side a model
+allows, held-out splits, the training image stream (sharded, resumable), collation with every text
+encoder's ids, validation prompts and grids, and per-role memory figures. Flat typed arguments only: the
+recipes read their configs and call these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from multiengine.engines import current_rss_bytes, shard_batches
+from multiengine.pipelines.diffusion import data as data_lib
+from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
+from multiengine.pipelines.diffusion.models import read_model_index, tokenizer_name
+from multiengine.pipelines.diffusion.tiny import build_tiny
+from multiengine.pipelines.diffusion.training import prompt_input_ids
+from multiengine.pipelines.diffusion.validation import generate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FLOW_FAMILY_DEFAULTS", "SHAPES_PROMPTS", "ImageColumn", "TrainImages", "build_tiny_model",
+           "collate_captions", "conditioning_rows", "eval_split_value", "flow_options", "held_out_of",
+           "memory_metrics", "resolution_multiple", "run_validation", "save_validation", "t5_length", "text_tokenizers",
+           "token_lengths", "validation_captions"]
+
+SHAPES_PROMPTS = [
+    "a red square on a white background",
+    "a blue circle on a black background",
+    "a green triangle on a gray background",
+    "a yellow circle on a white background",
+]
+# The flow-matching options' defaults per family, as diffusers' SD3 / FLUX training scripts set them.
+FLOW_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3": {"weighting_scheme": "logit_normal", "precondition_outputs": True, "max_sequence_length": 77},
+    "flux": {"weighting_scheme": "none", "precondition_outputs": False, "max_sequence_length": 512},
+}
+
+
+def flow_options(family: str, *, weighting_scheme: str, logit_mean: float, logit_std: float, mode_scale: float,
+                 precondition_outputs: bool | None, guidance_scale: float) -> dict[str, Any]:
+    """FlowMatchingObjective's options: "" / None take the family's default."""
+    defaults = FLOW_FAMILY_DEFAULTS[family]
+    return {"weighting_scheme": weighting_scheme or defaults["weighting_scheme"], "logit_mean": logit_mean,
+            "logit_std": logit_std, "mode_scale": mode_scale,
+            "precondition_outputs": defaults["precondition_outputs"] if precondition_outputs is None
+            else bool(precondition_outputs), "guidance_scale": guidance_scale}
+
+
+def t5_length(family: str, asked: int) -> int:
+    """T5 tokens per caption: ``asked``, else the family's (SD3 77, FLUX 512); 0 for the DDPM families."""
+    if family_roles(family).objective != "flow":
+        return 0
+    return int(asked) or FLOW_FAMILY_DEFAULTS[family]["max_sequence_length"]
+
+
+def resolution_multiple(family: str, model_path: str | None) -> int:
+    """What the image side must be a multiple of: the vae's downsampling times the denoiser's (2x2 patches
+    for SD3/FLUX, one 2x per unet level below the top). From the configs only; the tiny models when no folder."""
+    if model_path is None:
+        return 4
+    with open(os.path.join(model_path, "vae", "config.json"), encoding="utf-8") as f:
+        vae = json.load(f)
+    factor = 2 ** (len(vae.get("block_out_channels", [1])) - 1)
+    denoiser = family_roles(family).denoiser
+    with open(os.path.join(model_path, denoiser, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if denoiser == "unet":
+        return factor * 2 ** (len(config.get("block_out_channels", [1])) - 1)
+    return factor * 2 if family == "flux" else factor * int(config.get("patch_size", 2))
+
+
+def eval_split_value(text: str, heldout_size: int) -> float | int | str:
+    """A held-out split as load_image_caption_data takes it: a fraction, a count, a split name; "" =
+    ``heldout_size`` rows held out of the training data."""
+    text = str(text).strip()
+    if not text:
+        return int(heldout_size)
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return int(number) if number >= 1 and number.is_integer() else number
+
+
+def held_out_of(n: int, split: Any) -> int:
+    """Rows a fraction or count takes out of ``n`` (0 for a split name or none)."""
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or split <= 0:
+        return 0
+    return max(1, round(split * n)) if isinstance(split, float) and split < 1 else int(split)
+
+
+class ImageColumn(Sequence):
+    """One column of a datasets.Dataset as a sequence, each item decoded when indexed (not all at once)."""
+
+    def __init__(self, rows: Any, column: str) -> None:
+        self.rows, self.column = rows, column
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[int(index)][self.column]
+
+
+def build_tiny_model(path: str, seed: int, resolution: int, family: str = "sd") -> str:
+    """The embedded default model of ``family`` (``sd``, ``sdxl``, ``sd3``, ``flux``), built by tiny.py."""
+    if not isinstance(family, str):
+        raise ValueError(f"build_tiny_model(..., {family!r}): pass the family (sd, sdxl, sd3, flux); "
+                         "the text-encoder count is gone (2 text encoders = sdxl).")
+    if family not in FAMILIES:
+        raise ValueError(f"model.tiny_family={family!r}; use one of {list(FAMILIES)}.")
+    return build_tiny(family, path, seed=seed, resolution=resolution)
+
+
+def text_tokenizers(model_path: str, encoders: Sequence[str]) -> list[Any]:
+    from transformers import AutoTokenizer
+
+    return [AutoTokenizer.from_pretrained(model_path, subfolder=tokenizer_name(n)) for n in encoders]
+
+
+def token_lengths(model_path: str, encoders: Sequence[str], t5_tokens: int) -> list[int | None]:
+    """Padded length per text encoder: CLIP its tokenizer's (77), T5 ``t5_tokens``."""
+    index = read_model_index(model_path)
+    return [t5_tokens if str(index[n][1]).startswith("T5") else None for n in encoders]
+
+
+def collate_captions(examples: list[dict[str, Any]], tokenizers: list[Any], lengths: list[int | None]
+                     ) -> dict[str, Any]:
+    """``data.collate`` with ``input_ids`` (``input_ids_2`` ...) per text encoder, each padded to its length."""
+    batch = data_lib.collate(examples, tokenizer=tokenizers[0])
+    batch.update(prompt_input_ids(tokenizers, batch["captions"], lengths))
+    if all("conditioning_pixel_values" in e for e in examples):
+        batch["conditioning_pixel_values"] = torch.stack([e["conditioning_pixel_values"] for e in examples])
+    return batch
+
+
+class TrainImages:
+    """This rank's endless stream of training micro batches (ShardedEpochSampler, the tail of each epoch
+    dropped, augmentation following the sampler's epoch) and its resumable position, plus the held-out
+    batches: the same number on every rank (lockstep forwards), deterministic transform."""
+
+    def __init__(self, train_set: Any, heldout_set: Any | None, collate: Any, *, micro_batch_size: int,
+                 world_size: int, rank: int, seed: int, num_workers: int = 0) -> None:
+        self.train_set = train_set
+        self.sampler = data_lib.ShardedEpochSampler(len(train_set), world_size, rank, seed=seed)
+        if len(self.sampler) < micro_batch_size:
+            raise ValueError(f"{len(train_set)} training images give {len(self.sampler)} per rank, fewer than a "
+                             f"micro batch of {micro_batch_size}")
+        self.loader = torch.utils.data.DataLoader(train_set, batch_size=micro_batch_size, sampler=self.sampler,
+                                                  collate_fn=collate, drop_last=True, num_workers=num_workers)
+        self.consumed = 0  # samples of the current epoch trained on by this rank (the sampler may run ahead)
+        self.heldout: list[dict[str, Any]] = []
+        if heldout_set is not None:
+            self.heldout = shard_batches(heldout_set, collate, micro_batch_size, world_size, rank)
+            if not self.heldout:
+                logger.warning("%d held-out rows are fewer than the %d ranks: no held-out loss", len(heldout_set),
+                               world_size)
+
+    def stream(self) -> Iterator[dict[str, Any]]:
+        while True:
+            if self.sampler.position >= len(self.sampler):
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.train_set.set_epoch(self.sampler.epoch)
+            self.consumed = self.sampler.position
+            for batch in self.loader:
+                self.consumed += len(batch["captions"])
+                yield batch
+            self.consumed = len(self.sampler)  # the dropped tail counts as seen, like the sampler does
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict(consumed=self.consumed)
+
+
+def validation_captions(captions: Sequence[Any], n: int) -> list[str]:
+    """The first ``n`` distinct captions (the first of an image's several)."""
+    out: list[str] = []
+    for caption in captions:
+        text = caption[0] if isinstance(caption, (list, tuple)) else caption
+        if isinstance(text, str) and text not in out:
+            out.append(text)
+        if len(out) >= n:
+            break
+    return out
+
+
+def conditioning_rows(rows: Any, n: int, resolution: int) -> tuple[list[Any], list[str]]:
+    """The conditioning images (resized and center-cropped like the training images) and captions of the
+    first ``n`` rows."""
+    from PIL import Image
+
+    transform = data_lib.ImageTransform(resolution, center_crop=True, random_flip=False)
+    images, captions = [], []
+    for i in range(min(n, len(rows))):
+        row = rows[i]
+        _, params = transform.apply(row["image"])
+        pixels = transform.replay(row["conditioning_image"].convert("RGB"), params, params["original_size"])
+        images.append(Image.fromarray((pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8")))
+        caption = row["caption"][0] if isinstance(row["caption"], (list, tuple)) else row["caption"]
+        captions.append(str(caption))
+    return images, captions
+
+
+def run_validation(registry: Any, pipe: Any, trained: str, prompts: Sequence[str], *, resolution: int,
+                   steps: int, guidance_scale: float | None, seed: int, **pipeline_kwargs: Any) -> list[Any]:
+    """Images for ``prompts`` on all ranks in lockstep, the trained role in eval mode meanwhile."""
+    module = registry.role(trained).module
+    was_training = module.training
+    module.eval()
+    try:
+        return generate(pipe, registry, list(prompts), resolution, steps, guidance_scale, seed, **pipeline_kwargs)
+    finally:
+        module.train(was_training)
+
+
+def save_validation(path: str, entry: Mapping[str, Any], grid: Any) -> None:
+    """Rank 0: the grid at ``path`` and its entry as a line of ``index.jsonl`` beside it."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    grid.save(path)
+    with open(os.path.join(folder, "index.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps(dict(entry)) + "\n")
+
+
+def memory_metrics(registry: Any) -> dict[str, float]:
+    """This rank's bytes per role (params held, grads, optimizer state) and process memory."""
+    out: dict[str, float] = {}
+    for row in registry.memory_report():
+        role = row["role"]
+        out[f"mem/{role}/param_bytes"] = row["param_bytes"]
+        out[f"mem/{role}/params_local"] = row["params_local"]
+        if row["trainable"]:
+            out[f"mem/{role}/grad_bytes"] = row["grad_bytes"]
+            out[f"mem/{role}/optimizer_bytes"] = row["optimizer_bytes"]
+    out["mem/rss_bytes"] = current_rss_bytes()
+    if torch.cuda.is_available():
+        out["mem/cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+        out["mem/cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
