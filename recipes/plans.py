@@ -272,10 +272,10 @@ def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
     else:
         info = _meta_opt(cfg.model.hidden_size, cfg.model.layers, cfg.model.vocab_size)
     dims = P.transformer_dims(info.config)
-    dtype, batch, seq = str(cfg.dtype), int(cfg.micro_batch_size), int(cfg.seq_len)
     roles = cfg.roles
+    dtype, batch, seq = str(roles.actor.dtype), int(roles.actor.micro_batch_size), int(cfg.seq_len)
     actor = _role("actor", info, dtype, trainable=True,
-                  current=_current(roles.actor.stage, True, roles.actor.offload_params),
+                  current=_current(roles.actor.stage, True, roles.actor.offload_params, roles.actor.offload_optimizer),
                   phases=_lm_phases(dims, dtype, train=(batch, seq)), choices=P.trainable_choices(False))
     reward = _role("reward", info, dtype, trainable=False, current=_current(roles.reward.stage, False),
                    phases=_lm_phases(dims, dtype, forward=(batch, seq)), choices=P.frozen_choices(False))
@@ -283,7 +283,7 @@ def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
                     current=_current(roles.encoder.stage, False),
                     phases=_lm_phases(dims, dtype, forward=(batch, seq), logits=False), choices=P.frozen_choices(False))
     return [RecipePlan("registry_demo", [actor, reward, encoder], {
-        "actor": RoleKeys("roles.actor.stage", "roles.actor.offload_params"),
+        "actor": _keys("roles.actor"),
         "reward": RoleKeys("roles.reward.stage"), "encoder": RoleKeys("roles.encoder.stage")})]
 
 
@@ -313,7 +313,7 @@ def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
 @functools.cache
 def _build_tiny_sd(seed: int, resolution: int, family: str) -> tuple[dict[str, P.ModelInfo], str]:
     """The recipe's tiny model of ``family`` (a few M parameters), built in a temporary folder to read its headers."""
-    from multiengine.recipes.sd_finetune import build_tiny_model
+    from multiengine.pipelines.diffusion.runs import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
         folder = build_tiny_model(os.path.join(tmp, f"tiny_{family}"), seed, resolution, family)
@@ -337,9 +337,8 @@ def _is_t5(info: P.ModelInfo) -> bool:
 
 
 def _t5_length(cfg: Any, denoiser: P.ModelInfo) -> int:
-    """T5 tokens per caption as the recipe pads them (flow.max_sequence_length, else SD3 77 / FLUX 512)."""
-    flow = cfg.get("flow") or {}
-    asked = int(flow.get("max_sequence_length") or 0)
+    """T5 tokens per caption as the recipe pads them (diffusion.max_sequence_length, else SD3 77 / FLUX 512)."""
+    asked = int(cfg.diffusion.get("max_sequence_length") or 0)
     return asked or (512 if "axes_dims_rope" in denoiser.config else 77)
 
 
@@ -347,14 +346,13 @@ def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: 
                      trained_info: P.ModelInfo) -> tuple[list[P.RoleRequest], dict[str, RoleKeys]]:
     """Role requests of a diffusion fine-tune: ``trained`` (the denoiser, or a ControlNet beside a frozen
     denoiser) trainable; the denoiser (when it is not the trained role), vae and text encoders frozen."""
-    r, t = cfg.roles, cfg.train
+    r, t = cfg.roles, cfg.roles[trained]
     baseline = cfg.mode == "seed_baseline"
     res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
     vae = components["vae"]
     scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
     net = components[denoiser]
-    lora_section = cfg.get("lora") or {}
-    lora = (int(lora_section.rank), tuple(lora_section.target_modules)) if lora_section.get("enabled") else None
+    lora = _lora(t.lora)
     if lora and not lora[1]:
         from multiengine.pipelines.diffusion.families import family_roles
 
@@ -419,18 +417,18 @@ def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: 
     first = r.text_encoder
     for i, name in enumerate(encoders):
         info = components[name]
-        own = r.get(name) if i else first
-        follow = i > 0 and (own is None or int(own.stage) < 0)  # stage -1: placed as roles.text_encoder
+        own = r[name] if i else first
+        follow = i > 0 and int(own.stage) < 0  # stage -1: placed as roles.text_encoder
         place = first if follow else own
-        edtype = str(place.dtype or first.dtype) if not follow else str(first.dtype)
+        edtype = str(own.dtype or first.dtype)
         dims = P.transformer_dims(info.config)
         phases = [("encode", P.transformer_activation_bytes(dims, batch=batch, seq=tokens[name], dtype=edtype,
                                                             trainable=False, logits=False))]
         roles.append(_role(
             name, info, edtype, trainable=False,
-            current=P.Choice(0) if baseline else _current(place.stage, False, place.offload_params),
-            phases=phases, full_gather=("encode",) if place.gather_forward else (),
-            gather_hint=f"roles.{name if not follow else 'text_encoder'}.gather_forward=false",
+            current=P.Choice(0) if baseline else _current(place.stage, False, own.offload_params),
+            phases=phases, full_gather=("encode",) if own.gather_forward else (),
+            gather_hint=f"roles.{name}.gather_forward=false",
             choices=fixed0 if baseline else (), follows=encoders[0] if follow and not baseline else None,
             follows_all=follow, note=whole if baseline else
             ("placed like text_encoder (its stage is -1)" if follow else "")))
@@ -452,12 +450,11 @@ def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: 
     return roles, keys
 
 
-def _diffusion_notes(cfg: Any, components: Mapping[str, P.ModelInfo], source: str) -> list[str]:
-    res = int(cfg.data.resolution)
+def _diffusion_notes(cfg: Any, components: Mapping[str, P.ModelInfo], source: str, trained: str) -> list[str]:
+    res, t = int(cfg.data.resolution), cfg.roles[trained]
     scale = 2 ** (len(components["vae"].config.get("block_out_channels", (1, 1, 1, 1))) - 1)
     return [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
-            f"{int(cfg.train.micro_batch_size)}" + (", gradient checkpointing" if cfg.train.gradient_checkpointing
-                                                   else "")]
+            f"{int(t.micro_batch_size)}" + (", gradient checkpointing" if t.gradient_checkpointing else "")]
 
 
 def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -469,7 +466,7 @@ def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
         raise RecipeConfigError(f"sd_finetune trains a unet or a transformer beside a vae; {source} has "
                                 f"components {sorted(components)}.")
     roles, keys = _diffusion_roles(cfg, components, denoiser, trained=denoiser, trained_info=components[denoiser])
-    return [RecipePlan("sd_finetune", roles, keys, _diffusion_notes(cfg, components, source))]
+    return [RecipePlan("sd_finetune", roles, keys, _diffusion_notes(cfg, components, source, denoiser))]
 
 
 def _meta_controlnet(unet: P.ModelInfo, vae_scale: int) -> P.ModelInfo:
@@ -501,13 +498,14 @@ def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
     if "unet" not in components or "vae" not in components:
         raise RecipeConfigError(f"controlnet trains a ControlNet for a unet; {source} has components "
                                 f"{sorted(components)}.")
-    if cfg.model.controlnet and os.path.isdir(str(cfg.model.controlnet)):
-        info = P.model_info(str(cfg.model.controlnet), str(cfg.model.variant) or None)
+    given = str(cfg.roles.controlnet.model)
+    if given and os.path.isdir(given):
+        info = P.model_info(given, str(cfg.model.variant) or None)
     else:
         scale = 2 ** (len(components["vae"].config.get("block_out_channels", (1, 1, 1, 1))) - 1)
         info = _meta_controlnet(components["unet"], scale)
     roles, keys = _diffusion_roles(cfg, components, "unet", trained="controlnet", trained_info=info)
-    return [RecipePlan("controlnet", roles, keys, _diffusion_notes(cfg, components, source))]
+    return [RecipePlan("controlnet", roles, keys, _diffusion_notes(cfg, components, source, "controlnet"))]
 
 
 def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
@@ -753,7 +751,7 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """The steps rlhf_e2e runs one after another (SFT, reward model unless step 3 is DPO, then PPO, GRPO or
     DPO per ``algorithm``), each planned on its own."""
-    from .rlhf_e2e import FINAL_STEP
+    from .rlhf_e2e import BASE_MODEL, FINAL_STEP
 
     common = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
     base = str(cfg.model.pretrained)
@@ -761,9 +759,9 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
     rm_base = base if cfg.reward.init_from_sft else (str(cfg.model.reward_pretrained) or base)
     final, needs_rm, feed = FINAL_STEP[str(cfg.algorithm)]
     section = cfg[str(cfg.algorithm)]
-    steps = [("rlhf_sft", cfg.sft, [f"model.pretrained={base}"] if base else [], "sft.overrides")]
+    steps = [("rlhf_sft", cfg.sft, [f"{BASE_MODEL['rlhf_sft']}={base}"] if base else [], "sft.overrides")]
     if needs_rm:
-        steps.append(("rlhf_reward", cfg.reward, [f"model.pretrained={rm_base}"] if rm_base else [],
+        steps.append(("rlhf_reward", cfg.reward, [f"{BASE_MODEL['rlhf_reward']}={rm_base}"] if rm_base else [],
                       "reward.overrides"))
     steps.append((final, section, feed(base, rm_base), f"{cfg.algorithm}.overrides"))
     out = []
@@ -780,25 +778,26 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
 def distill(cfg: Any, assume: Mapping[str, str] | None = None,
             configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """A frozen teacher and a trainable student; the teacher's logits stay alive through the student's step."""
-    m, r, t, d = cfg.model, cfg.roles, cfg.train, cfg.data
+    r, d, tiny = cfg.roles, cfg.data, cfg.tiny
     # "" = the tiny SFT model the recipe trains first (the RLHF recipes' tiny OPT) / a random tiny student
-    teacher_info = _lm_model(str(m.teacher), "teacher", assume, configs_dir, 64, 2, cfg.seed)
-    student_info = _lm_model(str(m.student), "student", assume, configs_dir, int(m.student_hidden),
-                             int(m.student_layers), int(cfg.seed) + 1)
+    teacher_info = _lm_model(str(r.teacher.model), "teacher", assume, configs_dir, tiny.hidden, tiny.layers, cfg.seed)
+    student_info = _lm_model(str(r.student.model), "student", assume, configs_dir, int(tiny.student_hidden),
+                             int(tiny.student_layers), int(cfg.seed) + 1)
     tdims, sdims = P.transformer_dims(teacher_info.config), P.transformer_dims(student_info.config)
     tdtype, sdtype = str(r.teacher.dtype), str(r.student.dtype)
-    batch, seq = int(t.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
+    batch, seq = int(r.student.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
     gen = (int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens)) if cfg.eval.size \
         else None
     teacher_logits = batch * seq * tdims.vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
     student_phases = [(label, nbytes + (teacher_logits if label == "train step" else 0))
-                      for label, nbytes in _lm_phases(sdims, sdtype, train=(batch, seq), generate=gen)]
+                      for label, nbytes in _lm_phases(sdims, sdtype, train=(batch, seq), generate=gen,
+                                                      checkpointing=bool(r.student.gradient_checkpointing))]
     teacher = _role("teacher", teacher_info, tdtype, trainable=False,
                     current=_current(r.teacher.stage, False, r.teacher.offload_params),
                     phases=_lm_phases(tdims, tdtype, forward=(batch, seq), generate=gen),
                     full_gather=("generation", "forward") if r.teacher.gather_forward else ("generation",),
                     gather_hint="roles.teacher.gather_forward=false")
-    student = _role("student", student_info, sdtype, trainable=True,
+    student = _role("student", student_info, sdtype, trainable=True, lora=_lora(r.student.lora),
                     current=_current(r.student.stage, True, r.student.offload_params, r.student.offload_optimizer),
                     phases=student_phases, full_gather=("generation",))
     notes = [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the teacher's "

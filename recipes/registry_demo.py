@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 from multiengine.engines import (
-    OptimSpec,
-    Placement,
     barrier,
     frozen_role,
     mean_over_ranks,
@@ -25,42 +23,44 @@ from multiengine.engines import (
     trainable_role,
     trust_remote_code,
 )
-from multiengine.engines.recipe_config import Choice, Range, Satisfies, config_problem
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.engines.recipe_config import Key, Range, Satisfies, config_problem, split_keys
+from multiengine.recipes.common import recipe_checks
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, optim_spec, placement, role_keys
 
-KEYS: dict[str, Any] = with_common({
-    "output_dir": "outputs/registry_demo",
+_TINY = "model \"\" = the tiny OPT saved under output_dir/tiny_lm on first run (the only model: not settable)"
+ROLES = (
+    Role("actor", f"trainable, ZeRO-3; {_TINY}", trainable=True,
+         keys={"dtype": "fp32", "lr": 1e-3, "micro_batch_size": 4}),
+    Role("reward", f"frozen, asks for ZeRO-2 (built at stage 0: nothing to shard); {_TINY}", follows="actor",
+         keys={"stage": 2}),
+    Role("encoder", f"frozen, stage 0 (the OPT without its head); {_TINY}", follows="actor", keys={"stage": 0}),
+)
+KEYS: dict[str, Any] = {
+    **COMMON_KEYS,
+    "output_dir": Key("outputs/registry_demo", "everything the run writes goes under this folder"),
     "max_steps": Key(10, "optimizer steps of the actor"),
-    "dtype": Key("fp32", "every role's dtype: fp32 | bf16 (| fp16 on GPUs)"),
-    "lr": Key(1e-3, "the actor's learning rate (AdamW, linear decay)"),
-    "max_grad_norm": Key(1.0, "gradient clipping of the actor (0 = off)"),
-    "micro_batch_size": Key(4, "sequences per rank per micro batch"),
-    "grad_accum": Key(1, "micro batches per optimizer step"),
     "seq_len": Key(32, "tokens per synthetic sequence"),
+    "roles": role_keys(ROLES),
     "model": Key({
         "hidden_size": Key(64, "a multiple of its 4 attention heads"),
-        "layers": 2,
-        "vocab_size": 512,
+        "layers": Key(2, "decoder layers"),
+        "vocab_size": Key(512, "vocabulary size"),
     }, "the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)"),
-    "roles": Key({
-        "actor": {"stage": 3, "offload_params": False},
-        "reward": {"stage": 2},
-        "encoder": {"stage": 0},
-    }, "ZeRO stage per role (the frozen reward asks for 2 and is built at 0)"),
-})
-
+}
+DEFAULTS, HELP = split_keys(KEYS)
 _MAX_POSITIONS = 128  # of the tiny OPT
-CHECKS = {
-    "dtype": Choice("fp32", "bf16", "fp16"),
-    "lr": Range(0, min_exclusive=True),
-    "max_grad_norm": Range(0),
-    "micro_batch_size": Range(1),
-    "grad_accum": Range(1),
+CHECKS = recipe_checks(DEFAULTS, {
     "seq_len": Range(2, _MAX_POSITIONS),
     "model.hidden_size": [Range(4), Satisfies(lambda h: h % 4 == 0, "a multiple of 4 (the attention heads)")],
     "model.layers": Range(1),
     "model.vocab_size": Range(8),
-}
+    **{f"roles.{r.name}.{k}": Satisfies(lambda v: not v, "\"\": every role loads the tiny OPT under output_dir")
+       for r in ROLES for k in ("model", "tokenizer")},
+})
+RENAMED = {"lr": "roles.actor.lr", "max_grad_norm": "roles.actor.max_grad_norm",
+           "micro_batch_size": "roles.actor.micro_batch_size", "grad_accum": "roles.actor.grad_accum",
+           "dtype": "roles.actor.dtype (the frozen roles follow it)"}
 
 
 def validate(cfg: Any) -> None:
@@ -101,17 +101,16 @@ class RegistryDemo(Recipe):
         barrier()
         from transformers import AutoModel, AutoModelForCausalLM
 
-        roles = cfg.roles
         remote = {"trust_remote_code": trust_remote_code()}
+        actor = cfg.roles.actor
         registry.add(trainable_role(
-            "actor", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote),
-            Placement(stage=roles.actor.stage, dtype=cfg.dtype, offload_params=roles.actor.offload_params),
-            OptimSpec(lr=cfg.lr, total_steps=cfg.max_steps, max_grad_norm=cfg.max_grad_norm or None),
-            micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum))
+            "actor", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote), placement(cfg, ROLES, "actor"),
+            optim_spec(cfg, "actor", cfg.max_steps), micro_batch_size=actor.micro_batch_size,
+            grad_accum=actor.grad_accum, gradient_checkpointing=actor.gradient_checkpointing))
         registry.add(frozen_role("reward", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote),
-                                 Placement(stage=roles.reward.stage, dtype=cfg.dtype)))
+                                 placement(cfg, ROLES, "reward")))
         registry.add(frozen_role("encoder", lambda: AutoModel.from_pretrained(model_dir, **remote),
-                                 Placement(stage=roles.encoder.stage, dtype=cfg.dtype)))
+                                 placement(cfg, ROLES, "encoder")))
         registry.build()
         self.micro = 0
 
@@ -119,7 +118,7 @@ class RegistryDemo(Recipe):
         """A learnable synthetic sequence: each token is the previous one plus a per-row stride."""
         g = self.registry.generator(self.micro, "tokens")
         self.micro += 1
-        vocab, n, t = self.cfg.model.vocab_size, self.cfg.micro_batch_size, self.cfg.seq_len
+        vocab, n, t = self.cfg.model.vocab_size, self.cfg.roles.actor.micro_batch_size, self.cfg.seq_len
         start = torch.randint(3, vocab, (n, 1), generator=g)
         stride = torch.randint(1, 4, (n, 1), generator=g)
         return 3 + (start + stride * torch.arange(t)) % (vocab - 3)
