@@ -22,7 +22,8 @@ __all__ = [
     "check_rows_per_rank", "check_sft_run_batches", "check_stage_batches",
     "check_model", "check_model_path", "check_scoring_tokenizers", "check_tokenizer", "config_error", "data_checks",
     "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data",
-    "recipe_checks", "retokenizers", "reward_config", "reward_entries", "role_tokenizer",
+    "recipe_checks", "retokenizers", "reward_config", "reward_entries", "reward_tokenizer_checks", "role_tokenizer",
+    "wants_reward_role",
     "sft_model", "tiny_assets", "uses_builtin_data",
 ]
 
@@ -60,8 +61,8 @@ DATA_KEYS: dict[str, Any] = {
 
 def data_checks(*lengths: str) -> dict[str, Any]:
     """CHECKS of the shared data keys (and of the recipe's ``data.<length>`` keys, each >= 1)."""
-    from multiengine.pipelines.sources import DataSourceError, parse_eval_split
     from multiengine.engines.recipe_config import Range, Satisfies
+    from multiengine.pipelines.sources import DataSourceError, parse_eval_split
 
     def eval_split_ok(value: Any) -> bool:
         try:
@@ -237,15 +238,15 @@ def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_mod
     """Train a model with the rlhf_sft recipe under ``out_dir`` and return its export. ``section`` has ``config``
     (a shipped rlhf_sft config) and ``overrides``; ``data`` are the ``data.*`` overrides that give it the
     recipe's data (:func:`data_overrides`). A finished run is reused only while its resolved config and inputs
-    are unchanged (rlhf_e2e's fingerprints). Recipes compose in one process: the SFT run builds its own registry
+    are unchanged (recipes/steps.py's fingerprints). Recipes compose in one process: the SFT run builds its own registry
     on the same ranks."""
-    from multiengine.recipes.rlhf_e2e import _run_step
+    from multiengine.recipes.steps import run_step
 
     cfg = recipe.cfg
     overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"roles.actor.model={base_model}",
                  *section.overrides]
     logger.info("%s: the SFT model comes from rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
-    summary = _run_step("rlhf_sft", section.config, overrides, out_dir, False, {})
+    summary = run_step("rlhf_sft", section.config, overrides, out_dir, False, {})
     return summary["export"]["actor"]["model"]
 
 
@@ -532,19 +533,20 @@ def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_siz
 
 
 # --- reward sources named in a config (rlhf_ppo, rlhf_grpo) -----------------------------------------------
-# ``reward.models``: reward-model roles, each ``{role, path, weight}`` plus an optional ``tokenizer`` (a folder;
+# ``reward.models``: reward-model roles, each ``{role, model, weight}`` plus an optional ``tokenizer`` (a folder;
 # "" = the model folder's own, re-encoded when it differs from the actor's) and optional placement keys
 # (``stage, dtype, offload_params, gather_forward``) over ``roles.reward``'s; ``role`` is ``reward`` or
-# ``reward_<name>``, and only ``reward`` may leave ``path`` empty (then ``model.reward``).
+# ``reward_<name>``, and only ``reward`` may leave ``model`` empty (then ``roles.reward.model``).
 # ``reward.functions``: ``fn(prompts, completions, **kwargs) -> list[float]`` (TRL's form: the rows' other columns
 # arrive as keyword arguments; see pipelines/rlhf/rewards.py) as ``"pkg.mod:fn"``, ``"/path/file.py:fn"`` or
 # ``"builtin:judge"`` (weight 1), or ``{fn: <spec>, weight: w}``. The score is the weighted sum.
 REWARD_KEYS: dict[str, Any] = {
-    "models": Key([], "[] and no functions = the `reward` role from model.reward, weight 1"),
-    "functions": [],
+    "models": Key([], "reward-model roles [{role, model, weight, tokenizer, stage, ...}]; [] and no functions = "
+                      "the `reward` role (roles.reward), weight 1"),
+    "functions": Key([], "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}"),
     "normalize": Key(False, "running mean/std of the combined score over all ranks, before clipping"),
 }
-_MODEL_KEYS = ("role", "path", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
+_MODEL_KEYS = ("role", "model", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
 _FUNCTION_KEYS = ("fn", "weight")
 
 
@@ -555,7 +557,7 @@ class RewardModelRole:
     role: str
     path: str
     weight: float
-    placement: Placement
+    placement: Any  # engines.Placement
     tokenizer: str = ""  # its tokenizer folder; "" = the model folder's own
 
 
@@ -579,22 +581,27 @@ def _check_keys(key: str, entry: Mapping[str, Any], valid: tuple[str, ...]) -> N
     from multiengine.engines.recipe_config import RecipeConfigError
 
     for name in entry:
+        if name == "path" and "model" in valid:  # the old name of an entry's folder
+            raise RecipeConfigError(f"config key '{key}.path' (value {entry[name]!r}) is now '{key}.model': a "
+                                    f"role's folder is its `model` everywhere. Fix: write model: {entry[name]}.")
         if name not in valid:
             close = difflib.get_close_matches(str(name), valid, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(valid)}."
             raise RecipeConfigError(f"unknown key '{key}.{name}' (value {entry[name]!r}).{hint}")
 
 
-def reward_entries(section: Any, key: str = "reward") -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
+def reward_entries(section: Any, key: str = "reward", default_model: str = ""
+                   ) -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
     """The checked entries of a reward section, without building or importing anything heavy:
-    ``([{role, path, weight, <placement keys>}], [(function spec, weight)])``. Every reward function is
-    resolved once here, so a typo in a spec fails before any rank starts.
+    ``([{role, model, weight, <placement keys>}], [(function spec, weight)])``. Every reward function is
+    resolved once here, so a typo in a spec fails before any rank starts. ``default_model``:
+    ``roles.reward.model``, which an entry for the ``reward`` role may leave empty but not contradict.
 
     Raises:
         RecipeConfigError: naming the key, the value and the fix.
     """
-    from multiengine.pipelines.rlhf.rewards import load_reward_function
     from multiengine.engines.recipe_config import RecipeConfigError
+    from multiengine.pipelines.rlhf.rewards import load_reward_function
 
     models, functions = _plain(section.get("models")) or [], _plain(section.get("functions")) or []
     if not isinstance(models, list):
@@ -615,14 +622,17 @@ def reward_entries(section: Any, key: str = "reward") -> tuple[list[dict[str, An
                                     "'reward_<name>' (e.g. reward_safety).")
         if any(r["role"] == role for r in roles):
             raise RecipeConfigError(f"{where}.role={role!r} appears twice in {key}.models; give each a new name.")
-        path = entry.get("path", "") or ""
+        path = entry.get("model", "") or ""
         if not isinstance(path, str):
-            raise RecipeConfigError(f"{where}.path={path!r}: expected a model folder or hub name.")
+            raise RecipeConfigError(f"{where}.model={path!r}: expected a model folder or hub name.")
         if not path and role != "reward":
-            raise RecipeConfigError(f"{where}.path is empty: only the 'reward' role defaults to model.reward; "
+            raise RecipeConfigError(f"{where}.model is empty: only the 'reward' role defaults to roles.reward.model; "
                                     f"give {role!r} its own folder.")
-        roles.append({**entry, "role": role, "path": path, "weight": _weight(f"{where}.weight",
-                                                                            entry.get("weight", 1.0))})
+        if path and role == "reward" and default_model and path != default_model:
+            raise RecipeConfigError(f"{where}.model={path!r} and roles.reward.model={default_model!r} both set the "
+                                    "'reward' role's folder; keep one (roles.reward.model is the usual place).")
+        roles.append({**entry, "role": role, "model": path, "weight": _weight(f"{where}.weight",
+                                                                             entry.get("weight", 1.0))})
     specs: list[tuple[str, float]] = []
     for i, entry in enumerate(functions):
         where = f"{key}.functions[{i}]"
@@ -642,26 +652,35 @@ def reward_entries(section: Any, key: str = "reward") -> tuple[list[dict[str, An
     return roles, specs
 
 
-def reward_config(section: Any, default_path: str | None, base: Placement,
-                  key: str = "reward") -> tuple[list[RewardModelRole], list[Any]]:
+def wants_reward_role(section: Any) -> bool:
+    """The ``reward`` role takes its folder from ``roles.reward.model``: no source is named (the default), or
+    a ``reward.models`` entry names the role without a folder."""
+    entries, functions = reward_entries(section)
+    return (not entries and not functions) or any(e["role"] == "reward" and not e["model"] for e in entries)
+
+
+def reward_config(section: Any, default_path: str | None, base: Any, key: str = "reward",
+                  default_tokenizer: str = "") -> tuple[list[RewardModelRole], list[Any]]:
     """The reward-model roles to build and every reward source (``rewards.RewardSource``) of a reward
     section. With neither models nor functions the reward is the ``reward`` role at ``default_path``
-    (``model.reward``); ``default_path=None`` then is an error. ``base`` is ``roles.reward``'s placement,
-    which each entry's own placement keys override."""
-    from multiengine.pipelines.rlhf.rewards import RESERVED_NAMES, reward_function, reward_model
+    (``roles.reward.model``, with ``default_tokenizer``: ``roles.reward.tokenizer``); ``None`` then is an error,
+    "" a folder not known yet (checks before any rank starts). ``base`` is ``roles.reward``'s resolved
+    placement, which each entry's own placement keys override."""
+    from multiengine.engines import Placement
     from multiengine.engines.recipe_config import RecipeConfigError
+    from multiengine.pipelines.rlhf.rewards import RESERVED_NAMES, reward_function, reward_model
 
-    entries, specs = reward_entries(section, key)
+    entries, specs = reward_entries(section, key, default_path or "")
     if not entries and not specs:
-        if not default_path:
-            raise RecipeConfigError(f"no reward source: set model.reward (a reward-model folder), {key}.models or "
-                                    f"{key}.functions (e.g. {key}.functions=[builtin:judge] on the built-in task).")
-        entries = [{"role": "reward", "path": default_path, "weight": 1.0}]
+        if default_path is None:
+            raise RecipeConfigError(f"no reward source: set roles.reward.model (a reward-model folder), {key}.models "
+                                    f"or {key}.functions (e.g. {key}.functions=[builtin:judge] on the built-in task).")
+        entries = [{"role": "reward", "model": "", "weight": 1.0}]
     roles = []
     for i, entry in enumerate(entries):
-        path = entry["path"] or default_path
-        if not path:
-            raise RecipeConfigError(f"{key}.models[{i}] (role 'reward') has no path and model.reward is empty.")
+        path = entry["model"] or default_path
+        if path is None:
+            raise RecipeConfigError(f"{key}.models[{i}] (role 'reward') has no model and roles.reward.model is empty.")
         stage = entry.get("stage", base.stage)
         try:
             place = Placement(stage=base.stage if stage is None or stage < 0 else int(stage),
@@ -670,7 +689,8 @@ def reward_config(section: Any, default_path: str | None, base: Placement,
                               gather_forward=bool(entry.get("gather_forward", base.gather_forward)))
         except ValueError as exc:  # the engines' ConfigError: name the entry it came from
             raise RecipeConfigError(f"{key}.models[{i}] (role {entry['role']!r}): {exc}") from None
-        roles.append(RewardModelRole(entry["role"], path, entry["weight"], place, str(entry.get("tokenizer") or "")))
+        tokenizer = entry.get("tokenizer") or (default_tokenizer if entry["role"] == "reward" else "")
+        roles.append(RewardModelRole(entry["role"], path, entry["weight"], place, str(tokenizer or "")))
     sources = [reward_model(r.role, r.weight) for r in roles]
     labels = [spec.rpartition(":")[2] for spec, _ in specs]
     taken = {r.role for r in roles} | set(RESERVED_NAMES)
@@ -680,6 +700,12 @@ def reward_config(section: Any, default_path: str | None, base: Placement,
         unique = labels.count(label) == 1 and label not in taken
         sources.append(reward_function(spec, weight, name=label if unique else spec))
     return roles, sources
+
+
+def reward_tokenizer_checks(roles: list[RewardModelRole]) -> list[tuple[str, str, str, str]]:
+    """``(role, folder, tokenizer, tokenizer key)`` of each reward-model role, for check_scoring_tokenizers."""
+    return [(r.role, r.path, r.tokenizer, "roles.reward.tokenizer" if r.role == "reward"
+             else f"reward.models ({r.role}).tokenizer") for r in roles]
 
 
 def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -> None:

@@ -25,19 +25,15 @@ the preference pairs directly, so step 2 is skipped). Step 3 runs under output_d
 
 from __future__ import annotations
 
-import gc
-import hashlib
-import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from multiengine.engines.metrics import write_summary
+from multiengine.engines.recipe_config import Choice, Key, Range, split_keys
 from multiengine.recipes.common import (
-    DATA_DEFAULTS,
+    DATA_KEYS,
     check_data,
     check_model,
     check_tokenizer,
@@ -45,18 +41,20 @@ from multiengine.recipes.common import (
     recipe_checks,
     uses_builtin_data,
 )
-from multiengine.engines.recipe_config import Choice, Range
+from multiengine.recipes.steps import FINGERPRINT_FILE, run_step
+
+__all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "validate"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
+KEYS: dict[str, Any] = {
     "output_dir": Key("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here"),
     "seed": Key(0, "passed to every step"),
     "max_steps": Key(0, "steps of step 3; 0 = its config's"),
     "backend": Key("auto", "auto | deepspeed | torch, passed to every step"),
     "dist_timeout_s": Key(1800.0, "a collective that waits longer than this fails the run; passed to every step"),
     "data": Key({
-        **DATA_DEFAULTS,
+        **DATA_KEYS,
     }, "the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)"),
     "model": Key({
         "pretrained": Key("", "step 1's base (a causal-LM folder or hub name); \"\" = the random tiny OPT"),
@@ -88,18 +86,21 @@ DEFAULTS: dict[str, Any] = {
     "overwrite": Key(False, "true: clear another recipe's run from output_dir first (this recipe's own steps are "
                             "reused or rerun anyway)"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "backend": Choice("auto", "deepspeed", "torch"),
           "algorithm": Choice("ppo", "grpo", "dpo")}
 
 # step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
 # step 1's actor (the ref is loaded from the same folder) and step 2's reward model
 FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
-    "ppo": ("rlhf_ppo", True, lambda actor, rm: [f"model.actor={actor}", f"model.reward={rm}"]),
-    "grpo": ("rlhf_grpo", True, lambda actor, rm: [f"model.actor={actor}", f"model.reward={rm}",
+    "ppo": ("rlhf_ppo", True, lambda actor, rm: [f"roles.actor.model={actor}", f"roles.reward.model={rm}"]),
+    "grpo": ("rlhf_grpo", True, lambda actor, rm: [f"roles.actor.model={actor}", f"roles.reward.model={rm}",
                                                    "reward.models=[{role: reward, weight: 1.0}]",
                                                    "reward.functions=[]"]),
-    "dpo": ("rlhf_dpo", False, lambda actor, rm: [f"model.actor={actor}"]),
+    "dpo": ("rlhf_dpo", False, lambda actor, rm: [f"roles.actor.model={actor}"]),
 }
+# the overrides that give steps 1 and 2 their base model
+BASE_MODEL = {"rlhf_sft": "roles.actor.model", "rlhf_reward": "roles.reward.model"}
 
 
 
@@ -125,7 +126,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
 
 def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> None:
     """Each step's batches (its recipe's check_batches) against the rows of its stage, with the step's config as
-    _run_step loads it (its shipped config, the data keys, its overrides); the model folders it gets from the
+    run_step loads it (its shipped config, the data keys, its overrides); the model folders it gets from the
     steps before do not exist yet and are not needed here. Built-in data has no report: nothing to check."""
     from multiengine.engines.recipe_config import RecipeConfigError, load_config, load_recipe
 
@@ -147,146 +148,6 @@ def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> N
             raise RecipeConfigError(f"step {section} ({recipe} --config {step.config}): {exc}") from None
 
 
-FINGERPRINT_FILE = "fingerprint.json"
-_SMALL_FILE = 1 << 20  # files up to 1 MiB are identified by content, larger ones by size and mtime
-_MAX_FILES = 5000  # per input folder
-
-
-def _strings(value: Any) -> Iterator[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _strings(v)
-
-
-def _file_identity(path: str) -> str:
-    st = os.stat(path)
-    if st.st_size <= _SMALL_FILE:
-        with open(path, "rb") as f:
-            return "sha256:" + hashlib.sha256(f.read()).hexdigest()
-    return f"size:{st.st_size}:mtime_ns:{st.st_mtime_ns}"
-
-
-def path_identity(path: str) -> dict[str, str]:
-    """``{relative file: identity}`` of a file or of every file under a folder (hidden ones and lock files
-    skipped; at most 5000)."""
-    if os.path.isfile(path):
-        return {".": _file_identity(path)}
-    out: dict[str, str] = {}
-    for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name.startswith(".") or name.endswith(".lock"):
-                continue
-            full = os.path.join(root, name)
-            out[os.path.relpath(full, path)] = _file_identity(full)
-            if len(out) >= _MAX_FILES:
-                return out
-    return out
-
-
-def step_fingerprint(recipe: str, resolved: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """What a step's result depends on: its resolved config (hashed) and the identity of every existing
-    local path its config names, except its own output_dir and what lies under it."""
-    text = json.dumps(resolved, sort_keys=True, default=str)
-    own = os.path.abspath(out_dir)
-    cwd = os.path.abspath(os.getcwd())
-    inputs: dict[str, dict[str, str]] = {}
-    for value in sorted(set(_strings(resolved))):
-        if not value or not os.path.exists(value):
-            continue
-        full = os.path.abspath(value)
-        if full == own or full.startswith(own + os.sep) or cwd == full or cwd.startswith(full + os.sep):
-            continue  # the step's own outputs, or a folder holding the working directory (".", "/")
-        inputs[value] = path_identity(full)
-    return {"recipe": recipe, "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "config": resolved,
-            "inputs": inputs}
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
-
-
-def reuse_reason(out_dir: str, fingerprint: dict[str, Any], rerun: bool) -> tuple[bool, str]:
-    """``(reuse, why)`` for a step whose fingerprint would be ``fingerprint``."""
-    if rerun:
-        return False, "rerun=true"
-    if not os.path.isfile(os.path.join(out_dir, "summary.json")):
-        return False, "no summary.json yet"
-    path = os.path.join(out_dir, FINGERPRINT_FILE)
-    if not os.path.isfile(path):
-        return False, f"summary.json has no {FINGERPRINT_FILE} beside it (an older or interrupted run)"
-    with open(path, encoding="utf-8") as f:
-        old = json.load(f)
-    changes = []
-    if old.get("config_sha256") != fingerprint["config_sha256"]:
-        before, after = _flatten(old.get("config", {})), _flatten(fingerprint["config"])
-        keys = sorted(k for k in set(before) | set(after) if before.get(k, "<unset>") != after.get(k, "<unset>"))
-        shown = ", ".join(f"{k} ({before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r})" for k in keys[:4])
-        changes.append(f"config changed: {shown}{' ...' if len(keys) > 4 else ''}")
-    old_inputs, new_inputs = old.get("inputs", {}), fingerprint["inputs"]
-    for name in sorted(set(old_inputs) | set(new_inputs)):
-        a, b = old_inputs.get(name), new_inputs.get(name)
-        if a != b:
-            files = sorted(k for k in set(a or {}) | set(b or {}) if (a or {}).get(k) != (b or {}).get(k))
-            changes.append(f"input {name} changed ({', '.join(files[:3])}{' ...' if len(files) > 3 else ''})")
-    if changes:
-        return False, "; ".join(changes)
-    return True, "config and inputs unchanged since it ran"
-
-
-def _on_every_rank(value: Any) -> Any:
-    """Rank 0's value on every rank: one decision, so no rank runs a step the others skip (a hang)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return value
-
-
-def _run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool,
-              decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from multiengine.engines.recipe_config import checked_config, load_recipe
-    from omegaconf import OmegaConf
-
-    # CHECKS and validate(cfg): the step's inputs (earlier steps' exports) exist by now
-    cfg = checked_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
-    fingerprint = step_fingerprint(recipe, OmegaConf.to_container(cfg, resolve=True), out_dir)
-    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    reuse, why = _on_every_rank(reuse_reason(out_dir, fingerprint, rerun) if is_main else None)
-    summary_path = os.path.join(out_dir, "summary.json")
-    decisions[recipe] = {"reused": reuse, "why": why}
-    if reuse:
-        logger.info("%s: reusing %s (%s)", recipe, out_dir, why)
-        with open(summary_path) as f:
-            return json.load(f)
-    logger.info("=== %s (config %s) -> %s: running (%s)", recipe, config or "defaults", out_dir, why)
-    if is_main and os.path.isfile(os.path.join(out_dir, FINGERPRINT_FILE)):
-        os.remove(os.path.join(out_dir, FINGERPRINT_FILE))  # an interrupted rerun must not look finished
-    load_recipe(recipe).main(cfg)
-    # Engines of the finished step are garbage now; free them before the next step builds its own.
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if is_main:
-        write_summary(os.path.join(out_dir, FINGERPRINT_FILE), fingerprint)
-    with open(summary_path) as f:
-        return json.load(f)
-
-
 def main(cfg: Any) -> dict[str, Any]:
     from multiengine.engines import EngineRegistry
     from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
@@ -306,7 +167,7 @@ def main(cfg: Any) -> dict[str, Any]:
     steps: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
 
     # 1. SFT: base model -> export/actor
-    sft = _run_step("rlhf_sft", cfg.sft.config, [*common, f"model.pretrained={base}", *cfg.sft.overrides],
+    sft = run_step("rlhf_sft", cfg.sft.config, [*common, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
                     os.path.join(out, "sft"), cfg.rerun, steps)
     actor = sft["export"]["actor"]["model"]
     # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
@@ -315,8 +176,8 @@ def main(cfg: Any) -> dict[str, Any]:
     reward_path = None
     if needs_rm:
         rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
-        reward = _run_step("rlhf_reward", cfg.reward.config,
-                           [*common, f"model.pretrained={rm_base}", *cfg.reward.overrides],
+        reward = run_step("rlhf_reward", cfg.reward.config,
+                           [*common, f"{BASE_MODEL['rlhf_reward']}={rm_base}", *cfg.reward.overrides],
                            os.path.join(out, "reward"), cfg.rerun, steps)
         reward_path = reward["export"]["reward"]["model"]
     # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
@@ -324,7 +185,7 @@ def main(cfg: Any) -> dict[str, Any]:
     ppo_overrides = [*common, *feed(actor, reward_path), *final.overrides]
     if cfg.max_steps:
         ppo_overrides.append(f"max_steps={cfg.max_steps}")
-    ppo = _run_step(recipe, final.config, ppo_overrides, os.path.join(out, cfg.algorithm), cfg.rerun, steps)
+    ppo = run_step(recipe, final.config, ppo_overrides, os.path.join(out, cfg.algorithm), cfg.rerun, steps)
 
     m_sft, m_rm, m_ppo = sft["metrics"], reward["metrics"], ppo["metrics"]
     a = cfg.algorithm  # figures of step 3 are named after it: ppo/judge_after, grpo/judge_after, ...

@@ -4,14 +4,14 @@ reward sources (reward-model roles and/or Python reward functions); no critic.
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2              # SFT actor trained here first
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.algorithm=rloo
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 'reward.models=[{role: reward, weight: 1.0}]' \\
-        model.reward=outputs/rlhf_reward/export/reward
+        reward.functions=[] roles.reward.model=outputs/rlhf_reward/export/reward
     multiengine run rlhf_grpo --config opt1.3b --nproc-per-node 8
 
 Each step samples ``grpo.n_samples_per_prompt`` answers to each of a rank's prompts, scores them with the
 weighted reward sources, turns each prompt's group of scores into advantages (``grpo.algorithm``) and runs
 clipped policy-gradient steps on the actor (KL to the ref as a k3 loss term or a k1 reward penalty). The
 actor is at ZeRO-3 with gather-once generation by default; ``ref`` follows its placement. With no
-``model.actor`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft, in this process).
+``roles.actor.model`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft, in this process).
 Reward functions are written as for TRL (``fn(prompts, completions, **kwargs)``: the rows' other columns,
 e.g. ``answer``, arrive as keyword arguments). Evaluation reports the held-out reward (``eval/reward``, the
 weighted sum, and ``eval/reward/<name>`` per source); a run whose groups are mostly flat (every answer to a
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
@@ -39,10 +40,10 @@ from multiengine.pipelines.rlhf.rewards import judge_reward
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
-    COMMON_HELP,
-    DATA_DEFAULTS,
-    REWARD_DEFAULTS,
-    RLHF_BETAS,
+    DATA_KEYS,
+    REWARD_KEYS,
+    RLHF_TRAINABLE,
+    TINY_KEYS,
     check_data,
     check_model,
     check_model_path,
@@ -53,41 +54,42 @@ from multiengine.recipes.common import (
     check_tokenizer,
     data_overrides,
     load_data,
-    lora_spec,
-    optim_spec,
-    placement,
     recipe_checks,
     retokenizers,
     reward_config,
-    reward_entries,
+    reward_tokenizer_checks,
     role_tokenizer,
     sft_model,
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
+ROLES = (
+    Role("actor", "the policy (an SFT model); model \"\" = the tiny SFT actor trained first under output_dir/sft "
+                  "(actor_sft)", trainable=True,
+         keys={**RLHF_TRAINABLE, "dtype": "fp32", "lr": 1e-3, "micro_batch_size": 32,
+               "gradient_checkpointing": Key(False, "recompute activations in backward (off while generating)")}),
+    Role("ref", "the frozen SFT policy (the actor's folder; none when grpo.kl_coef is 0)", follows="actor",
+         weights="actor"),
+    Role("reward", "the frozen `reward` role (when reward.models names it) and the placement of every reward model "
+                   "(each reward.models entry may override)", follows="actor"),
+)
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/rlhf_grpo", "everything the run writes goes under this folder"),
     "max_steps": Key(100, "steps: one rollout and its policy update each"),
-    "model": Key({
-        "actor": Key("", "a causal-LM folder (the SFT model); \"\" = train the tiny SFT actor under output_dir/sft"),
-        "reward": Key("", "the `reward` role's folder when reward.models names it without a path"),
-        "tokenizer": Key("", "the actor's tokenizer; \"\" = the actor folder's own"),
-        "reward_tokenizer": Key("", "the `reward` role's; \"\" = its folder's own (re-encoded when it differs)"),
-        "tiny_hidden": Key(64, "width of the random tiny model the tiny SFT actor starts from"),
-        "tiny_layers": Key(2, "layers of that model"),
-    }, "the policy and the reward model's folder, and their tokenizers"),
+    "roles": role_keys(ROLES),
+    "tiny": TINY_KEYS,
     "actor_sft": Key({
         "config": Key("tiny", "a shipped rlhf_sft config"),
         "overrides": Key([], "key=value overrides for it"),
-    }, "how the tiny SFT actor is trained (rlhf_sft) when model.actor is empty"),
+    }, "how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
     "data": Key({
-        **DATA_DEFAULTS,
+        **DATA_KEYS,
         "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
     }, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
     "generation": Key({
@@ -99,9 +101,9 @@ KEYS: dict[str, Any] = {
     }, "sampling of the rollouts"),
     "grpo": Key({
         "algorithm": Key("grpo", "grpo | dr_grpo | rloo | reinforce_pp"),
-        "n_samples_per_prompt": Key(4, "completions per prompt (a group; >= 2 except reinforce_pp)"),
-        "rollout_batch_size": Key(8, "prompts per rank per step (rows = prompts x samples)"),
-        "mini_batch_size": Key(16, "rows per rank per forward/backward"),
+        "n_samples_per_prompt": Key(8, "completions per prompt (a group; >= 2 except reinforce_pp)"),
+        "rollout_batch_size": Key(8, "prompts per rank per step (rows = prompts x samples, a multiple of "
+                                     "roles.actor.micro_batch_size)"),
         "epochs": Key(1, "passes over one rollout (1 = ratio 1, the plain policy gradient)"),
         "clip_eps": Key(0.2, "policy ratio clip"),
         "dual_clip": Key(0.0, "0 = off; > 1 caps the loss of negative-advantage tokens"),
@@ -117,46 +119,8 @@ KEYS: dict[str, Any] = {
         "flat_warn_share": Key(0.8, "warn when more than this share of groups has all-equal rewards (1 = never) ..."),
         "flat_warn_steps": Key(5, "... for this many steps in a row"),
     }, "the critic-free estimator"),
-    # reward-model roles and reward functions, summed with weights (see recipes/common.py)
-    "reward": Key({
-        **REWARD_DEFAULTS,
-    }, "the reward sources"),
-    "roles": Key({
-        "actor": Key({
-            "stage": Key(3, "ZeRO stage 0-3"),
-            "dtype": Key("bf16", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
-            "lr": Key(1e-6, "learning rate"),
-            "weight_decay": Key(0.0, "AdamW weight decay"),
-            "scheduler": Key("constant", "a transformers scheduler name"),
-            "warmup_steps": Key(0, "linear warm-up steps"),
-            "grad_accum": Key(1, "minibatches per optimizer step"),
-            "gradient_checkpointing": Key(False, "recompute activations in backward (off while generating)"),
-            "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-        }, "the policy"),
-        "ref": Key({
-            "stage": Key(-1, "-1 = the actor's"),
-            "dtype": Key("", "\"\" = the actor's"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
-        }, "the frozen SFT policy"),
-        "reward": Key({
-            "stage": Key(-1, "-1 = the actor's"),
-            "dtype": Key("", "\"\" = the actor's"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
-        }, "the frozen reward-model roles (each reward.models entry may override)"),
-    }, "placement and optimizer of each role"),
-    "lora": Key({
-        "actor": Key({
-            "enabled": Key(False, "train peft LoRA adapters only"),
-            "rank": Key(8, "adapter rank"),
-            "alpha": Key(0.0, "scaling (0 = the rank)"),
-            "dropout": Key(0.0, "adapter dropout"),
-            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
-        }, "on the actor"),
-    }, "LoRA adapters"),
+    "reward": Key({**REWARD_KEYS, "functions": Key(["builtin:judge"], REWARD_KEYS["functions"].help)},
+                  "the reward sources: reward-model roles and functions, summed with weights"),
     "eval": Key({
         "every": Key(25, "also every N steps (always before and after)"),
         "size": Key(256, "evaluation prompts (split evenly over ranks)"),
@@ -169,9 +133,10 @@ KEYS: dict[str, Any] = {
         "enabled": Key(True, "export/actor"),
     }, "what the run writes under output_dir/export"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
     "grpo.algorithm": Choice("grpo", "dr_grpo", "rloo", "reinforce_pp"),
-    "grpo.n_samples_per_prompt": Range(1), "grpo.rollout_batch_size": Range(1), "grpo.mini_batch_size": Range(1),
+    "grpo.n_samples_per_prompt": Range(1), "grpo.rollout_batch_size": Range(1),
     "grpo.epochs": Range(1), "grpo.clip_eps": Range(0, min_exclusive=True), "grpo.dual_clip": Range(0),
     "grpo.kl_coef": Range(0), "grpo.kl_clamp": Range(0),
     "grpo.loss_agg": Choice("", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
@@ -179,70 +144,83 @@ CHECKS = recipe_checks(DEFAULTS, {
     "grpo.no_eos_penalty": Range(0), "generation.mode": Choice("gather", "per_token"),
     "grpo.flat_warn_share": Range(0, 1), "grpo.flat_warn_steps": Range(1),
 })
-HELP = {**COMMON_HELP, "reward.models": "reward-model roles [{role, path, weight, tokenizer, stage, ...}]",
-        "reward.functions": "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}",
-        "reward.normalize": "running mean/std of the combined score over all ranks, before clipping"}
+RENAMED = old_keys("actor", model="model.actor", extra={
+    "model.reward": "roles.reward.model", "model.reward_tokenizer": "roles.reward.tokenizer",
+    "model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers",
+    "grpo.mini_batch_size": "roles.actor.micro_batch_size", "lora.actor.*": "roles.actor.lora.*",
+    "lora.actor.rank": "roles.actor.lora.r",
+    "lora.actor.enabled": "roles.actor.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)",
+})
 
 
 def grpo_settings(cfg: Any) -> GRPOSettings:
     g = cfg.grpo
     return GRPOSettings(
         algorithm=g.algorithm, n_samples_per_prompt=g.n_samples_per_prompt, rollout_batch_size=g.rollout_batch_size,
-        mini_batch_size=g.mini_batch_size, epochs=g.epochs, clip_eps=g.clip_eps, dual_clip=g.dual_clip or None,
-        kl_coef=g.kl_coef, kl_in_reward=g.kl_in_reward, kl_clamp=g.kl_clamp or None, loss_agg=g.loss_agg or None,
-        gamma=g.gamma, std_eps=g.std_eps, clip_reward=g.clip_reward or None, normalize_rewards=cfg.reward.normalize,
-        no_eos_penalty=g.no_eos_penalty or None, shuffle_minibatches=g.shuffle_minibatches,
-        flat_warn_share=g.flat_warn_share, flat_warn_steps=g.flat_warn_steps)
+        mini_batch_size=cfg.roles.actor.micro_batch_size, epochs=g.epochs, clip_eps=g.clip_eps,
+        dual_clip=g.dual_clip or None, kl_coef=g.kl_coef, kl_in_reward=g.kl_in_reward, kl_clamp=g.kl_clamp or None,
+        loss_agg=g.loss_agg or None, gamma=g.gamma, std_eps=g.std_eps, clip_reward=g.clip_reward or None,
+        normalize_rewards=cfg.reward.normalize, no_eos_penalty=g.no_eos_penalty or None,
+        shuffle_minibatches=g.shuffle_minibatches, flat_warn_share=g.flat_warn_share,
+        flat_warn_steps=g.flat_warn_steps)
+
+
+def rewards_of(cfg: Any, strict: bool = True) -> tuple[list[Any], list[Any]]:
+    """The reward-model roles and the reward sources (reward.models and reward.functions; the `reward` role's
+    folder is roles.reward.model). ``strict=False``: a folder left empty is not an error yet (validate)."""
+    named = bool(cfg.reward.models) or bool(cfg.reward.functions)
+    fallback = cfg.roles.reward.model or ("" if named and not strict else None)
+    return reward_config(cfg.reward, fallback, placement(cfg, ROLES, "reward"),
+                         default_tokenizer=cfg.roles.reward.tokenizer)
 
 
 def _validate_settings(cfg: Any) -> None:
     """Algorithm settings, reward sources and batch shapes, checked before any rank starts."""
-    if cfg.grpo.kl_in_reward is not None and not isinstance(cfg.grpo.kl_in_reward, bool):
-        raise RecipeConfigError(f"grpo.kl_in_reward={cfg.grpo.kl_in_reward!r}: use null (the algorithm's "
+    g, actor = cfg.grpo, cfg.roles.actor
+    if g.kl_in_reward is not None and not isinstance(g.kl_in_reward, bool):
+        raise RecipeConfigError(f"grpo.kl_in_reward={g.kl_in_reward!r}: use null (the algorithm's "
                                 "default), true (k1 in the reward) or false (k3 loss term).")
+    rows = g.rollout_batch_size * g.n_samples_per_prompt
     try:
-        s = grpo_settings(cfg)
+        grpo_settings(cfg)
     except ValueError as exc:
-        raise RecipeConfigError(f"grpo: {exc}") from None
-    if cfg.generation.mode not in ("gather", "per_token"):
-        raise RecipeConfigError(f"generation.mode={cfg.generation.mode!r}; use gather or per_token.")
-    minibatches = s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size
-    if minibatches % cfg.roles.actor.grad_accum:
+        if "mini_batch_size" not in str(exc):
+            raise RecipeConfigError(f"grpo: {exc}") from None
+        raise config_problem("grpo.rollout_batch_size", g.rollout_batch_size,
+                             f"x grpo.n_samples_per_prompt={g.n_samples_per_prompt} = {rows} rows per rank is not a "
+                             f"multiple of roles.actor.micro_batch_size={actor.micro_batch_size} (the update's "
+                             "minibatches)", "change one of the three") from None
+    minibatches = rows // actor.micro_batch_size
+    if minibatches % actor.grad_accum:
         raise RecipeConfigError(
-            f"roles.actor.grad_accum={cfg.roles.actor.grad_accum} does not divide the {minibatches} minibatches of a "
-            "rollout (grpo.rollout_batch_size x grpo.n_samples_per_prompt / grpo.mini_batch_size); change one of them.")
-    entries, functions = reward_entries(cfg.reward)
-    if not entries and not functions and not cfg.model.reward:
-        raise RecipeConfigError("no reward source: set reward.functions (e.g. reward.functions=[builtin:judge] on the "
-                                "built-in task), reward.models, or model.reward (a reward-model folder).")
+            f"roles.actor.grad_accum={actor.grad_accum} does not divide the {minibatches} minibatches of a rollout "
+            "(grpo.rollout_batch_size x grpo.n_samples_per_prompt / roles.actor.micro_batch_size); change one of them.")
+    rewards_of(cfg, strict=False)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folders, each role's tokenizer against its model's vocabulary (and chat template when it re-encodes
-    conversations), the prompts and evaluation prompts; with no model.actor, the data the SFT actor trains on. On
-    ``world_size`` ranks: a step's prompts per rank (and the SFT run's micro batch)."""
+    conversations), the prompts and evaluation prompts; with no roles.actor.model, the data the SFT actor trains on.
+    On ``world_size`` ranks: a step's prompts per rank (and the SFT run's micro batch)."""
     _validate_settings(cfg)
-    entries, _ = reward_entries(cfg.reward)
-    check_model("model.actor", cfg.model.actor)
-    if cfg.model.reward:
-        check_model("model.reward", cfg.model.reward)
-    for i, e in enumerate(entries):
-        check_model(f"reward.models[{i}].path", e["path"])
-    actor_tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
-    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
+    r = cfg.roles
+    models, _ = rewards_of(cfg, strict=False)
+    check_model("roles.actor.model", r.actor.model)
+    check_model("roles.reward.model", r.reward.model)
+    for m in models:
+        if m.path != r.reward.model:
+            check_model(f"reward.models ({m.role}).model", m.path)
+    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
+    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
     if report is not None:  # the columns each reward function names are in the prompts' rows
         check_reward_columns(cfg.reward, report["columns"])
-    if not cfg.model.actor:
+    if not r.actor.model:
         sft = check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
         check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
     check_batches(cfg, report, world_size)
-    if cfg.model.actor:
-        roles = [(e["role"], e["path"] or cfg.model.reward, e.get("tokenizer") or
-                  (cfg.model.reward_tokenizer if e["role"] == "reward" else ""),
-                  f"reward.models[{i}].tokenizer" if e.get("tokenizer") else "model.reward_tokenizer")
-                 for i, e in enumerate(entries)]
-        check_scoring_tokenizers(actor_tok, [r for r in roles if r[1]], bool(report and report["conversational"]))
-
+    if r.actor.model:
+        check_scoring_tokenizers(actor_tok, [s for s in reward_tokenizer_checks(models) if s[1]],
+                                 bool(report and report["conversational"]))
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
@@ -263,14 +241,14 @@ class RLHFGRPO(Recipe):
 
     # --- setup -----------------------------------------------------------------------------------
     def build(self) -> None:
-        cfg, registry = self.cfg, self.registry
+        cfg, registry, r = self.cfg, self.registry, self.cfg.roles
         # 1. the actor (SFT model, trained here on first use), tokenizer and data source
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not cfg.model.actor)
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not r.actor.model)
         builtin = assets.get("data", "")
-        actor_path = check_model_path("model.actor", cfg.model.actor, "rlhf_sft") or sft_model(
+        actor_path = check_model_path("roles.actor.model", r.actor.model, "rlhf_sft") or sft_model(
             self, cfg.actor_sft, self.path("sft"), data_overrides(cfg.data, builtin or None), assets["model"])
         tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = role_tokenizer(cfg.model.tokenizer, actor_path, tiny_tok, what="model.actor")
+        self.tokenizer = role_tokenizer(r.actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
         self.paths = {"actor": actor_path}
 
         # 2. data: prompts (checkpointed stream), evaluation prompts never trained on; the built-in judge
@@ -281,31 +259,26 @@ class RLHFGRPO(Recipe):
         # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
         #    its own tokenizer: re-encoded when it differs from the actor's)
         s = self.settings = grpo_settings(cfg)
-        roles = cfg.roles
-        actor = placement(roles.actor)
-        follow = placement(roles.reward, actor, trainable=False)
-        reward_roles, rewards = reward_config(cfg.reward, cfg.model.reward or None, follow)
-        self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, [
-            (r.role, r.path, r.tokenizer or (cfg.model.reward_tokenizer if r.role == "reward" else ""))
-            for r in reward_roles], conversational)
+        reward_roles, rewards = rewards_of(cfg)
+        self.tokenizers, self.retokenizers = retokenizers(
+            self.tokenizer, [(m.role, m.path, m.tokenizer) for m in reward_roles], conversational)
         self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
                         for src in rewards]
         self._check_builtin_reward(data.train)
         check_reward_columns(self.rewards, {"train": data.train.column_names,
                                             "eval": data.eval.column_names if data.eval is not None else None})
-        minibatches = s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size
+        updates = cfg.max_steps * s.epochs * (s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size)
         registry.add(actor_spec(
-            actor_path, actor, optim_spec(roles.actor, cfg.max_steps * s.epochs * minibatches // roles.actor.grad_accum,
-                                          betas=RLHF_BETAS),
-            micro_batch_size=s.mini_batch_size, grad_accum=roles.actor.grad_accum, lora=lora_spec(cfg.lora.actor),
-            gradient_checkpointing=roles.actor.gradient_checkpointing, seed=cfg.seed))
+            actor_path, placement(cfg, ROLES, "actor"), optim_spec(cfg, "actor", updates // r.actor.grad_accum),
+            micro_batch_size=r.actor.micro_batch_size, grad_accum=r.actor.grad_accum, lora=lora_spec(cfg, "actor"),
+            gradient_checkpointing=r.actor.gradient_checkpointing, seed=cfg.seed))
         self.ref = "ref" if s.kl_coef > 0 else None
         if self.ref:
-            registry.add(ref_spec(actor_path, placement(roles.ref, actor, trainable=False)))
+            registry.add(ref_spec(actor_path, placement(cfg, ROLES, "ref")))
             self.paths["ref"] = actor_path
-        for r in reward_roles:
-            self.paths[r.role] = check_model_path(f"reward.models ({r.role}) path", r.path, "rlhf_reward")
-            registry.add(reward_spec(r.path, r.placement, name=r.role))
+        for m in reward_roles:
+            self.paths[m.role] = check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
+            registry.add(reward_spec(m.path, m.placement, name=m.role))
         registry.build()
         self.reward_role = reward_roles[0].role if reward_roles else None
 

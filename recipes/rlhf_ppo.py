@@ -5,8 +5,8 @@
     multiengine run rlhf_ppo --config opt1.3b_opt350m --nproc-per-node 8
 
 Every role is its own DeepSpeed engine with its own stage, dtype and offload (ref follows the actor,
-reward the critic, unless set). Each role may have its own tokenizer (``model.tokenizer``,
-``model.reward_tokenizer``, ``model.critic_tokenizer``; default: each folder's own): a reward model or critic
+reward the critic, unless set). Each role may have its own tokenizer (``roles.<role>.tokenizer``; default:
+each folder's own): a reward model or critic
 that tokenizes differently from the actor scores the actor's prompts and answers decoded and re-encoded with
 its tokenizer (its chat template for conversations); one with the same vocabulary reads the actor's ids.
 The reward is the ``reward`` role by default, or any weighted sum of
@@ -25,18 +25,19 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from multiengine.engines import Placement, ShardedBatches, save_role, shard_batches
+from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
-from multiengine.pipelines.rlhf.runs import builtin_judge, prepare_tiny_assets
+from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
-    COMMON_HELP,
-    DATA_DEFAULTS,
-    REWARD_DEFAULTS,
-    RLHF_BETAS,
+    DATA_KEYS,
+    REWARD_KEYS,
+    RLHF_TRAINABLE,
+    TINY_KEYS,
     check_data,
     check_model,
     check_model_path,
@@ -45,41 +46,52 @@ from multiengine.recipes.common import (
     check_stage_batches,
     check_tokenizer,
     load_data,
-    lora_spec,
-    optim_spec,
-    placement,
     recipe_checks,
     retokenizers,
     reward_config,
     reward_entries,
+    reward_tokenizer_checks,
     role_tokenizer,
+    tiny_assets,
     uses_builtin_data,
+    wants_reward_role,
 )
-from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import (
+    Role,
+    follow_chain,
+    lora_spec,
+    model_path,
+    old_keys,
+    optim_spec,
+    placement,
+    role_keys,
+)
 
 logger = logging.getLogger(__name__)
 
+_TRAIN = {**RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-4, "micro_batch_size": 16}
+ROLES = (
+    Role("actor", "the policy: step 1's export; model \"\" = the random tiny OPT (mechanics only)", trainable=True,
+         keys={**_TRAIN, "gradient_checkpointing": Key(False, "recompute activations in backward (off while "
+                                                               "generating)")}),
+    Role("critic", "the value model (LM body + value head); model \"\" = the reward model's (DeepSpeed-Chat), the "
+                   "actor's when rewards are functions only",
+         trainable=True, weights="reward", keys=_TRAIN),
+    Role("ref", "the frozen SFT policy (the actor's folder)", follows="actor", weights="actor"),
+    Role("reward", "the frozen reward model: step 2's export or a *ForSequenceClassification model; model \"\" = "
+                   "the random tiny model with a fresh head", follows="critic"),
+    Role("ema", "an exponential moving average of the actor (ema.enabled), built at the actor's stage",
+         follows="actor", weights="actor"),
+)
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/rlhf_ppo", "everything the run writes goes under this folder"),
-    "max_steps": Key(50, "PPO steps: one rollout batch each"),
-    "model": Key({
-        "actor": Key("", "step 1's export (actor and ref); \"\" = the random tiny model (mechanics only)"),
-        "reward": Key("", "step 2's export or a *ForSequenceClassification model; \"\" = random tiny model, fresh "
-                          "head"),
-        "critic": Key("", "\"\" = the reward model (DeepSpeed-Chat); the actor's folder when rewards are functions "
-                          "only"),
-        "tokenizer": Key("", "the actor's tokenizer; \"\" = the actor folder's own"),
-        "reward_tokenizer": Key("", "the reward model's; \"\" = its folder's own (re-encoded if it differs from the "
-                                    "actor's)"),
-        "critic_tokenizer": Key("", "the critic's; \"\" = its folder's own (model.reward_tokenizer for the reward's "
-                                    "folder)"),
-        "tiny_hidden": Key(64, "width of the random tiny model (empty model keys)"),
-        "tiny_layers": Key(2, "layers of the random tiny model"),
-    }, "the models of the four roles and their tokenizers"),
+    "max_steps": Key(150, "PPO steps: one rollout batch each"),
+    "roles": role_keys(ROLES),
+    "tiny": TINY_KEYS,
     "data": Key({
-        **DATA_DEFAULTS,
+        **DATA_KEYS,
         "ptx_source": Key("", "SFT rows for the pretraining loss (ppo.ptx_coef); \"\" = data.source's SFT rows"),
         "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
         "max_ptx_len": Key(32, "response tokens kept of a pretraining row"),
@@ -92,9 +104,8 @@ KEYS: dict[str, Any] = {
         "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
     }, "sampling of the rollouts"),
     "ppo": Key({
-        "rollout_batch_size": Key(16, "prompts per rank per step"),
-        "mini_batch_size": Key(8, "rows per rank per forward/backward"),
-        "ppo_epochs": Key(1, "passes over one rollout"),
+        "rollout_batch_size": Key(32, "prompts per rank per step (a multiple of roles.actor.micro_batch_size)"),
+        "epochs": Key(2, "passes over one rollout"),
         "clip_eps": Key(0.2, "policy ratio clip"),
         "value_clip": Key(0.2, "0 = unclipped value loss"),
         "dual_clip": Key(0.0, "0 = off; > 1 (e.g. 3) caps the loss of negative-advantage tokens"),
@@ -111,75 +122,13 @@ KEYS: dict[str, Any] = {
         "critic_warmup_steps": Key(0, "first N steps train only the critic"),
         "shuffle_minibatches": Key(True, "seeded minibatch order"),
     }, "the PPO step"),
-    "roles": Key({
-        "actor": Key({
-            "stage": Key(2, "ZeRO stage 0-3"),
-            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
-            "lr": Key(1e-5, "learning rate"),
-            "weight_decay": Key(0.0, "AdamW weight decay"),
-            "scheduler": Key("constant", "a transformers scheduler name"),
-            "warmup_steps": Key(0, "linear warm-up steps"),
-            "grad_accum": Key(1, "minibatches per optimizer step"),
-            "gradient_checkpointing": Key(False, "recompute activations in backward (off while generating)"),
-            "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-        }, "the policy"),
-        "critic": Key({
-            "stage": Key(2, "ZeRO stage 0-3"),
-            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
-            "lr": Key(5e-6, "learning rate"),
-            "weight_decay": Key(0.0, "AdamW weight decay"),
-            "scheduler": Key("constant", "a transformers scheduler name"),
-            "warmup_steps": Key(0, "linear warm-up steps"),
-            "grad_accum": Key(1, "minibatches per optimizer step"),
-            "gradient_checkpointing": Key(False, "recompute activations in backward"),
-            "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-        }, "the value model"),
-        "ref": Key({
-            "stage": Key(-1, "-1 = the actor's"),
-            "dtype": Key("", "\"\" = the actor's"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "gather_forward": Key(False, "at ZeRO-3, one collective per forward call instead of one per layer"),
-        }, "the frozen SFT policy"),
-        "reward": Key({
-            "stage": Key(-1, "-1 = the critic's"),
-            "dtype": Key("", "\"\" = the critic's"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "gather_forward": Key(False, "at ZeRO-3, one collective per forward call instead of one per layer"),
-        }, "the frozen reward model"),
-    }, "placement and optimizer of each role"),
     "ema": Key({
-        "enabled": Key(False, "keep and export the EMA"),
+        "enabled": Key(False, "keep and export the EMA (roles.ema places it)"),
         "decay": Key(0.992, "EMA decay per step"),
-        "dtype": Key("", "\"\" = the actor's"),
-        "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
     }, "an exponential moving average of the actor"),
-    # reward-model roles and reward functions, summed with weights (see recipes/common.py); empty = the
-    # `reward` role from model.reward at roles.reward, weight 1
-    "reward": Key({
-        **REWARD_DEFAULTS,
-    }, "the reward sources"),
-    "lora": Key({
-        "actor": Key({
-            "enabled": Key(False, "train peft LoRA adapters only"),
-            "rank": Key(8, "adapter rank"),
-            "alpha": Key(0.0, "scaling (0 = the rank)"),
-            "dropout": Key(0.0, "adapter dropout"),
-            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
-        }, "on the actor"),
-        "critic": Key({
-            "enabled": Key(False, "train peft LoRA adapters only"),
-            "rank": Key(8, "adapter rank"),
-            "alpha": Key(0.0, "scaling (0 = the rank)"),
-            "dropout": Key(0.0, "adapter dropout"),
-            "target_modules": Key(["q_proj", "k_proj", "v_proj", "out_proj"], "module names that get adapters"),
-        }, "on the critic's body (the value head trains fully)"),
-    }, "LoRA adapters"),
+    "reward": Key(dict(REWARD_KEYS), "the reward sources: reward-model roles and functions, summed with weights"),
     "eval": Key({
-        "every": Key(10, "also every N steps (always before and after)"),
+        "every": Key(50, "also every N steps (always before and after)"),
         "size": Key(256, "evaluation prompts (split evenly over ranks)"),
         "batch_size": Key(32, "prompts per generation batch"),
         "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
@@ -192,58 +141,75 @@ KEYS: dict[str, Any] = {
         "ema": Key(True, "export/ema (with ema.enabled)"),
     }, "what the run writes under output_dir/export"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
-    "ppo.rollout_batch_size": Range(1), "ppo.mini_batch_size": Range(1), "ppo.ppo_epochs": Range(1),
+    "ppo.rollout_batch_size": Range(1), "ppo.epochs": Range(1),
     "ppo.clip_eps": Range(0, min_exclusive=True), "ppo.value_clip": Range(0), "ppo.dual_clip": Range(0),
     "ppo.gamma": Range(0, 1), "ppo.lam": Range(0, 1), "ppo.kl_coef": Range(0),
     "ppo.kl_target": Range(0, min_exclusive=True), "ppo.kl_horizon": Range(1), "ppo.clip_reward": Range(0),
     "ppo.no_eos_penalty": Range(0), "ppo.ptx_coef": Range(0), "ppo.critic_warmup_steps": Range(0),
     "generation.mode": Choice("gather", "per_token"),
 })
-HELP = {**COMMON_HELP, "reward.models": "reward-model roles [{role, path, weight, tokenizer, stage, ...}]",
-        "reward.functions": "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}",
-        "reward.normalize": "running mean/std of the combined score over all ranks, before clipping"}
+RENAMED = old_keys("actor", model="model.actor", extra={
+    "model.reward": "roles.reward.model", "model.critic": "roles.critic.model",
+    "model.reward_tokenizer": "roles.reward.tokenizer", "model.critic_tokenizer": "roles.critic.tokenizer",
+    "model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers",
+    "ppo.mini_batch_size": "roles.actor.micro_batch_size (and roles.critic.micro_batch_size: each role's own)",
+    "ppo.ppo_epochs": "ppo.epochs", "ema.dtype": "roles.ema.dtype", "ema.offload_params": "roles.ema.offload_params",
+    **{f"lora.{r}.{k}": v for r in ("actor", "critic") for k, v in (
+        ("*", f"roles.{r}.lora.*"), ("rank", f"roles.{r}.lora.r"),
+        ("enabled", f"roles.{r}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"))},
+})
 
 
 def ppo_settings(cfg: Any) -> PPOSettings:
     p = cfg.ppo
     return PPOSettings(
-        rollout_batch_size=p.rollout_batch_size, mini_batch_size=p.mini_batch_size, ppo_epochs=p.ppo_epochs,
-        clip_eps=p.clip_eps, value_clip=p.value_clip or None, dual_clip=p.dual_clip or None, gamma=p.gamma,
-        lam=p.lam, kl_coef=p.kl_coef, adaptive_kl=p.adaptive_kl, kl_target=p.kl_target, kl_horizon=p.kl_horizon,
-        clip_reward=p.clip_reward or None, whiten_advantages=p.whiten_advantages,
+        rollout_batch_size=p.rollout_batch_size, mini_batch_size=cfg.roles.actor.micro_batch_size,
+        critic_mini_batch_size=cfg.roles.critic.micro_batch_size,
+        ppo_epochs=p.epochs, clip_eps=p.clip_eps, value_clip=p.value_clip or None, dual_clip=p.dual_clip or None,
+        gamma=p.gamma, lam=p.lam, kl_coef=p.kl_coef, adaptive_kl=p.adaptive_kl, kl_target=p.kl_target,
+        kl_horizon=p.kl_horizon, clip_reward=p.clip_reward or None, whiten_advantages=p.whiten_advantages,
         no_eos_penalty=p.no_eos_penalty or None, ptx_coef=p.ptx_coef, critic_warmup_steps=p.critic_warmup_steps,
         normalize_rewards=cfg.reward.normalize, ema_decay=cfg.ema.decay, shuffle_minibatches=p.shuffle_minibatches,
     )
 
 
 def _validate_settings(cfg: Any) -> None:
-    """Reward sources and PPO settings, checked before any rank starts."""
-    reward_entries(cfg.reward)
+    """Reward sources, the minibatch split and the EMA's placement, checked before any rank starts."""
+    roles = cfg.roles
+    reward_entries(cfg.reward, default_model=roles.reward.model)
+    for role in ("actor", "critic"):
+        mbs = roles[role].micro_batch_size
+        if cfg.ppo.rollout_batch_size % mbs:
+            raise config_problem("ppo.rollout_batch_size", cfg.ppo.rollout_batch_size,
+                                 f"is not a multiple of roles.{role}.micro_batch_size={mbs} (the update's minibatches)",
+                                 f"set ppo.rollout_batch_size to a multiple of {mbs}, or a micro batch that divides it")
+    ema, actor = (follow_chain(cfg, ROLES, r, "stage", -1) for r in ("ema", "actor"))
+    if cfg.ema.enabled and ema != actor:
+        raise config_problem("roles.ema.stage", roles.ema.stage, f"differs from the actor's stage {actor}: the EMA "
+                             "updates the actor's local partitions", "set roles.ema.stage=-1 (the actor's)")
+    if roles.ema.model:
+        raise config_problem("roles.ema.model", roles.ema.model, "the EMA starts from the actor's weights",
+                             "leave roles.ema.model empty")
     try:
         ppo_settings(cfg)
     except ValueError as exc:
         raise RecipeConfigError(f"ppo: {exc}") from None
 
 
-def _wants_reward_model(cfg: Any) -> bool:
-    """The `reward` role's folder is model.reward when the reward config leaves it to it."""
-    entries, functions = reward_entries(cfg.reward)
-    return (not entries and not functions) or any(e["role"] == "reward" and not e["path"] for e in entries)
-
-
-def _critic_source(cfg: Any) -> tuple[str, str]:
-    """``(critic folder, its tokenizer key's value)`` as build() resolves them, from the config alone ("" for
-    the tiny model)."""
-    entries, _ = reward_entries(cfg.reward)
-    if cfg.model.critic:
-        return cfg.model.critic, cfg.model.critic_tokenizer
-    main = next((e for e in entries if e["role"] == "reward"), entries[0] if entries else None)
-    if main is not None or _wants_reward_model(cfg):
-        path = (main or {}).get("path") or cfg.model.reward
-        given = cfg.model.critic_tokenizer or (main or {}).get("tokenizer") or cfg.model.reward_tokenizer
-        return path, given
-    return cfg.model.actor, cfg.model.critic_tokenizer or cfg.model.tokenizer
+def reward_and_critic(cfg: Any, actor_path: str, reward_path: str | None) -> tuple[list[Any], list[Any], str, str]:
+    """The reward-model roles, the reward sources, and the critic's folder and tokenizer: ``roles.critic``'s,
+    else the main reward model's (the ``reward`` role, else the first), else the actor's (rewards from
+    functions only; a fresh value head)."""
+    r = cfg.roles
+    models, sources = reward_config(cfg.reward, reward_path, placement(cfg, ROLES, "reward"),
+                                    default_tokenizer=r.reward.tokenizer)
+    main = next((m for m in models if m.role == "reward"), models[0] if models else None)
+    if main is None:
+        return models, sources, r.critic.model or actor_path, r.critic.tokenizer or r.actor.tokenizer
+    critic = model_path(cfg, ROLES, "critic", {"reward": main.path})
+    return models, sources, critic, r.critic.tokenizer or ("" if r.critic.model else main.tokenizer)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
@@ -251,15 +217,15 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     re-encodes conversations), the prompts and evaluation prompts, the pretraining rows; on ``world_size`` ranks,
     a step's prompts (and pretraining rows) per rank."""
     _validate_settings(cfg)
-    entries, _ = reward_entries(cfg.reward)
-    check_model("model.actor", cfg.model.actor)
-    check_model("model.critic", cfg.model.critic)
-    if _wants_reward_model(cfg):
-        check_model("model.reward", cfg.model.reward)
-    for i, e in enumerate(entries):
-        check_model(f"reward.models[{i}].path", e["path"])
-    actor_tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.actor", cfg.model.actor)
-    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="model.tokenizer")
+    r = cfg.roles
+    for role in ("actor", "critic", "reward"):
+        check_model(f"roles.{role}.model", r[role].model)
+    models, _, critic_path, critic_tok = reward_and_critic(cfg, r.actor.model, r.reward.model)
+    for m in models:
+        if m.path != r.reward.model:
+            check_model(f"reward.models ({m.role}).model", m.path)
+    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
+    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
     if report is not None:  # the columns each reward function names are in the prompts' rows
         check_reward_columns(cfg.reward, report["columns"])
     ptx = None
@@ -267,30 +233,22 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         ptx = check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
                          key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
     check_batches(cfg, report, world_size, ptx)
-    conversational = bool(report and report["conversational"])
-    roles = [(e["role"], e["path"] or cfg.model.reward, e.get("tokenizer") or
-              (cfg.model.reward_tokenizer if e["role"] == "reward" else ""),
-              f"reward.models[{i}].tokenizer" if e.get("tokenizer") else "model.reward_tokenizer")
-             for i, e in enumerate(entries)]
-    if not entries and _wants_reward_model(cfg):
-        roles.append(("reward", cfg.model.reward, cfg.model.reward_tokenizer, "model.reward_tokenizer"))
-    critic_path, critic_tok = _critic_source(cfg)
-    roles.append(("critic", critic_path, critic_tok, "model.critic_tokenizer"))
-    if cfg.model.actor:
-        check_scoring_tokenizers(actor_tok, [r for r in roles if r[1]], conversational)
-
+    if r.actor.model:
+        scoring = [*reward_tokenizer_checks(models), ("critic", critic_path, critic_tok, "roles.critic.tokenizer")]
+        check_scoring_tokenizers(actor_tok, [s for s in scoring if s[1]], bool(report and report["conversational"]))
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, ptx: dict[str, Any] | None = None,
                   setting: str = "{key}={n}") -> None:
     """A step draws ppo.rollout_batch_size prompts per rank from one stream and, with ppo.ptx_coef > 0,
-    ppo.mini_batch_size pretraining rows per minibatch from another (all of its rows: none are held out)."""
+    roles.actor.micro_batch_size pretraining rows per minibatch from another (all of its rows: none held out)."""
     check_stage_batches(report, world_size, key="ppo.rollout_batch_size", value=cfg.ppo.rollout_batch_size,
                         unit="prompts", setting=setting)
     if cfg.ppo.ptx_coef > 0:
-        check_stage_batches(ptx, world_size, key="ppo.mini_batch_size", value=cfg.ppo.mini_batch_size,
-                            unit="pretraining rows", what="ppo.ptx_coef > 0 draws that many per minibatch",
-                            setting=setting)
+        check_stage_batches(ptx, world_size, key="roles.actor.micro_batch_size",
+                            value=cfg.roles.actor.micro_batch_size, unit="pretraining rows",
+                            what="ppo.ptx_coef > 0 draws that many per minibatch", setting=setting)
+
 
 class RLHFPPO(Recipe):
     name = "rlhf_ppo"
@@ -301,69 +259,53 @@ class RLHFPPO(Recipe):
 
     # --- setup -----------------------------------------------------------------------------------
     def build(self) -> None:
-        cfg, registry = self.cfg, self.registry
-        self.assets: dict[str, str] = {}
-        wants_rm = _wants_reward_model(cfg)
-        if uses_builtin_data(cfg.data) or not cfg.model.actor or (wants_rm and not cfg.model.reward):
-            self.assets = prepare_tiny_assets(self.path("tiny"), registry, cfg.seed, cfg.model.tiny_hidden,
-                                              cfg.model.tiny_layers)
-        self.paths = {"actor": self._model_path(cfg.model.actor, "actor", "rlhf_sft")}
-        roles = cfg.roles
-        actor, critic = placement(roles.actor), placement(roles.critic)
-        default_rm = self._model_path(cfg.model.reward, "reward", "rlhf_reward") if wants_rm else None
-        reward_roles, rewards = reward_config(cfg.reward, default_rm, placement(roles.reward, critic, trainable=False))
-        for r in reward_roles:
-            self.paths[r.role] = check_model_path(f"reward.models ({r.role}) path", r.path, "rlhf_reward")
-        main_rm = next((r for r in reward_roles if r.role == "reward"), None)
-        critic_given = cfg.model.critic_tokenizer
-        if cfg.model.critic:
-            self.paths["critic"] = self._model_path(cfg.model.critic, "critic", "rlhf_reward")
-        elif reward_roles:  # DeepSpeed-Chat: the critic starts from the reward model (and reads its tokens)
-            rm = main_rm or reward_roles[0]
-            self.paths["critic"] = rm.path
-            critic_given = critic_given or rm.tokenizer or (cfg.model.reward_tokenizer if rm.role == "reward" else "")
-        else:
-            logger.info("rewards from functions only: the critic starts from the actor's folder with a fresh head")
-            self.paths["critic"] = self.paths["actor"]
-            critic_given = critic_given or cfg.model.tokenizer
-        self.reward_role = (main_rm or reward_roles[0]).role if reward_roles else None
+        cfg, registry, r = self.cfg, self.registry, self.cfg.roles
+        # 1. the model folders (the random tiny OPT and the built-in task where left empty) and the reward sources
+        wants_rm = wants_reward_role(cfg.reward)
+        self.assets = tiny_assets(self, uses_builtin_data(cfg.data) or not r.actor.model
+                                  or (wants_rm and not r.reward.model))
+        self.paths = {"actor": self._model_path("actor", "rlhf_sft")}
+        reward_roles, rewards, critic_path, critic_tok = reward_and_critic(
+            cfg, self.paths["actor"], self._model_path("reward", "rlhf_reward") if wants_rm else None)
+        for m in reward_roles:
+            self.paths[m.role] = check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
+        self.paths["critic"] = check_model_path("roles.critic.model", critic_path, "rlhf_reward")
+        if not reward_roles:
+            logger.info("rewards from functions only: the critic starts from %s with a fresh head", critic_path)
+        main_rm = next((m for m in reward_roles if m.role == "reward"), None)
         tiny_tok = role_tokenizer("", self.assets["tokenizer"]) if self.assets else None
-        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.paths["actor"], tiny_tok, what="model.actor")
+        self.tokenizer = role_tokenizer(r.actor.tokenizer, self.paths["actor"], tiny_tok, what="roles.actor.model")
 
-        # the prompts first: whether they are conversations decides how other tokenizers re-encode them
+        # 2. the prompts first: whether they are conversations decides how other tokenizers re-encode them
         self._setup_data()
-        scoring = [(r.role, r.path, r.tokenizer or (cfg.model.reward_tokenizer if r.role == "reward" else ""))
-                   for r in reward_roles] + [("critic", self.paths["critic"], critic_given)]
+        scoring = [(m.role, m.path, m.tokenizer) for m in reward_roles] + [("critic", critic_path, critic_tok)]
         self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, scoring, self.conversational)
         self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
                         for src in rewards]
         check_reward_columns(self.rewards, self.data_columns)
 
+        # 3. the roles: actor, ref, critic, reward (+ more reward models, + EMA), each its own engine
         s = self.settings = ppo_settings(cfg)
-        steps_per_rollout = s.ppo_epochs * (s.rollout_batch_size // s.mini_batch_size)
+        updates = {role: cfg.max_steps * s.ppo_epochs * (s.rollout_batch_size // r[role].micro_batch_size)
+                   // r[role].grad_accum for role in ("actor", "critic")}
         build_rlhf_roles(
-            registry, self.paths["actor"], main_rm.path if main_rm else None, self.paths["critic"],
-            actor=actor, critic=critic,
-            ref=placement(roles.ref, actor, trainable=False), reward=main_rm.placement if main_rm else None,
-            ema=Placement(actor.stage, cfg.ema.dtype or actor.dtype, cfg.ema.offload_params)
-            if cfg.ema.enabled else None,
-            actor_optim=optim_spec(roles.actor, cfg.max_steps * steps_per_rollout // roles.actor.grad_accum,
-                                   betas=RLHF_BETAS),
-            critic_optim=optim_spec(roles.critic, cfg.max_steps * steps_per_rollout // roles.critic.grad_accum,
-                                    betas=RLHF_BETAS),
-            micro_batch_size=s.mini_batch_size,
-            actor_grad_accum=roles.actor.grad_accum, critic_grad_accum=roles.critic.grad_accum,
-            actor_lora=lora_spec(cfg.lora.actor), critic_lora=lora_spec(cfg.lora.critic),
-            actor_gradient_checkpointing=roles.actor.gradient_checkpointing,
-            critic_gradient_checkpointing=roles.critic.gradient_checkpointing,
-            seed=cfg.seed,
-            extra_rewards=[(r.role, r.path, r.placement) for r in reward_roles if r.role != "reward"],
-        )
-        self.generation = GenerationSettings(
-            max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
-            top_k=cfg.generation.top_k, top_p=cfg.generation.top_p, mode=cfg.generation.mode, do_sample=True)
-        self.greedy_generation = GenerationSettings(
-            max_new_tokens=cfg.generation.max_new_tokens, mode=cfg.generation.mode, do_sample=False)
+            registry, self.paths["actor"], main_rm.path if main_rm else None, critic_path,
+            actor=placement(cfg, ROLES, "actor"), critic=placement(cfg, ROLES, "critic"),
+            ref=placement(cfg, ROLES, "ref"), reward=main_rm.placement if main_rm else None,
+            ema=placement(cfg, ROLES, "ema") if cfg.ema.enabled else None,
+            actor_optim=optim_spec(cfg, "actor", updates["actor"]),
+            critic_optim=optim_spec(cfg, "critic", updates["critic"]), micro_batch_size=r.actor.micro_batch_size,
+            critic_micro_batch_size=r.critic.micro_batch_size, actor_grad_accum=r.actor.grad_accum,
+            critic_grad_accum=r.critic.grad_accum, actor_lora=lora_spec(cfg, "actor"),
+            critic_lora=lora_spec(cfg, "critic"), actor_gradient_checkpointing=r.actor.gradient_checkpointing,
+            critic_gradient_checkpointing=r.critic.gradient_checkpointing, seed=cfg.seed,
+            extra_rewards=[(m.role, m.path, m.placement) for m in reward_roles if m.role != "reward"])
+
+        # 4. sampling, the built-in judge and the trainer (its state goes into every checkpoint)
+        g = cfg.generation
+        self.generation = GenerationSettings(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                             top_k=g.top_k, top_p=g.top_p, mode=g.mode, do_sample=True)
+        self.greedy_generation = GenerationSettings(max_new_tokens=g.max_new_tokens, mode=g.mode, do_sample=False)
         self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
         self.trainer = registry.add_state("ppo", PPOTrainer(
             registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.seed,
@@ -376,21 +318,21 @@ class RLHFPPO(Recipe):
             self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
         self.plot_panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
 
-    def _model_path(self, given: str, role: str, recipe: str) -> str:
+    def _model_path(self, role: str, recipe: str) -> str:
+        given = self.cfg.roles[role].model
         if not given:
-            logger.warning("model.%s is empty: using the random tiny model %s (run rlhf_e2e for the whole "
+            logger.warning("roles.%s.model is empty: using the random tiny model %s (run rlhf_e2e for the whole "
                            "pipeline)", role, self.assets["model"])
             return self.assets["model"]
         # a missing local folder is an error here; "org/name" (one slash) or "name" is a hub model
-        return check_model_path(f"model.{role}", given, recipe)
+        return check_model_path(f"roles.{role}.model", given, recipe)
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
         # prompts to train on; evaluation prompts that are never trained on
         data = load_data(self, "ppo", eval_stage="eval", default_source=self.assets.get("data", ""))
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        first = collate([data.train[0]])
-        self.conversational = "prompt_messages" in first
+        self.conversational = "prompt_messages" in collate([data.train[0]])
         self.data_columns = {"train": data.train.column_names,
                              "eval": data.eval.column_names if data.eval is not None else None}
         self.prompts = registry.add_state("prompts", ShardedBatches(
@@ -403,7 +345,7 @@ class RLHFPPO(Recipe):
                             source=cfg.data.ptx_source or None)
             ptx_collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_ptx_len)
             self.ptx = registry.add_state("ptx", ShardedBatches(
-                ptx.train, ptx_collate, cfg.ppo.mini_batch_size, registry.world_size, registry.rank,
+                ptx.train, ptx_collate, cfg.roles.actor.micro_batch_size, registry.world_size, registry.rank,
                 seed=cfg.seed + 1))
 
     def decode(self, response_ids: torch.Tensor) -> list[str]:
@@ -416,7 +358,7 @@ class RLHFPPO(Recipe):
         # 2.-5. inside trainer.step: generate (actor gathered once, or per token with synced_gpus);
         #    actor/ref log-probs, critic values, reward score (every rank, every role, one forward);
         #    per-token rewards = clipped score on the last action - beta * k1 KL; GAE; whitening over
-        #    all ranks; ppo_epochs x minibatches of actor step then critic step; EMA; KL controller.
+        #    all ranks; ppo.epochs x minibatches of actor step then critic step; EMA; KL controller.
         #    The metrics come back as means over ranks.
         return self.trainer.step(batch, self.step, self.ptx)
 

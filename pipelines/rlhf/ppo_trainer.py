@@ -29,6 +29,7 @@ class PPOSettings:
 
     rollout_batch_size: int = 8  # prompts per rank per PPO step
     mini_batch_size: int = 4  # rows per rank per forward/backward in the update
+    critic_mini_batch_size: int | None = None  # the critic's, None = mini_batch_size
     ppo_epochs: int = 1
     clip_eps: float = 0.2
     value_clip: float | None = 0.2
@@ -50,9 +51,10 @@ class PPOSettings:
     shuffle_minibatches: bool = True
 
     def __post_init__(self) -> None:
-        if self.rollout_batch_size % self.mini_batch_size:
-            raise ValueError(f"rollout_batch_size={self.rollout_batch_size} must be a multiple of "
-                             f"mini_batch_size={self.mini_batch_size}.")
+        for name in ("mini_batch_size", "critic_mini_batch_size"):
+            size = getattr(self, name)
+            if size is not None and (size < 1 or self.rollout_batch_size % size):
+                raise ValueError(f"rollout_batch_size={self.rollout_batch_size} must be a multiple of {name}={size}.")
 
     def kl_controller(self) -> ppo.FixedKLController | ppo.AdaptiveKLController:
         if self.adaptive_kl:
@@ -159,7 +161,8 @@ class PPOTrainer:
         """
         s = self.settings
         return train_on_experience(
-            self.registry, exp, step, mini_batch_size=s.mini_batch_size, temperature=self.generation.temperature,
+            self.registry, exp, step, mini_batch_size=s.mini_batch_size,
+            critic_mini_batch_size=s.critic_mini_batch_size, temperature=self.generation.temperature,
             actor=self.actor, critic=self.critic, epochs=s.ppo_epochs, clip_eps=s.clip_eps, dual_clip=s.dual_clip,
             value_clip=s.value_clip, train_actor=step >= s.critic_warmup_steps, ptx_batches=ptx_batches,
             ptx_coef=s.ptx_coef, shuffle=s.shuffle_minibatches, seed=self.seed, stats=stats)

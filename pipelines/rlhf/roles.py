@@ -11,8 +11,8 @@
 
 Placement, optimizer and LoRA use the engines' one vocabulary (:class:`Placement`, :class:`OptimSpec`,
 :class:`LoraSpec`, :func:`trainable_role`, :func:`frozen_role`); this module adds only what is RLHF's:
-loading with dropout off and the scalar-head models. Defaults follow DeepSpeed-Chat: ``ref`` at the
-actor's placement, ``reward`` at the critic's.
+loading with dropout off and the scalar-head models. Which role follows which placement (DeepSpeed-Chat:
+``ref`` the actor's, ``reward`` the critic's) is the recipe's declaration; these functions take it resolved.
 """
 
 from __future__ import annotations
@@ -145,16 +145,17 @@ def build_rlhf_roles(
     registry: EngineRegistry,
     actor_path: str,
     reward_path: str | None,
-    critic_path: str | None = None,
+    critic_path: str,
     *,
     actor: Placement,
     critic: Placement,
-    ref: Placement | None = None,
+    ref: Placement,
     reward: Placement | None = None,
     ema: Placement | None = None,
     actor_optim: OptimSpec,
     critic_optim: OptimSpec,
     micro_batch_size: int = 1,
+    critic_micro_batch_size: int | None = None,
     actor_grad_accum: int = 1,
     critic_grad_accum: int = 1,
     actor_lora: LoraSpec | None = None,
@@ -164,27 +165,24 @@ def build_rlhf_roles(
     seed: int = 0,
     extra_rewards: Sequence[tuple[str, str, Placement]] = (),
 ) -> RLHFRoles:
-    """Add and build actor, ref, critic, reward (and ema) on ``registry``.
+    """Add and build actor, ref, critic, reward (and ema) on ``registry``, each at the placement given (the
+    recipe resolves which role follows which).
 
-    ``ref=None`` follows the actor's placement (stage, dtype, parameter offload); ``reward=None``
-    follows the critic's; ``critic_path=None`` initialises the critic from the reward model
-    (DeepSpeed-Chat). ``ema`` (placement or None) must share the actor's stage for the local update.
-    ``reward_path=None`` builds no ``reward`` role (rewards from functions only; ``critic_path`` is then
-    required); ``extra_rewards`` adds more frozen reward models as ``(role, path, placement)``.
+    ``reward_path=None`` builds no ``reward`` role (rewards from functions only); ``reward`` is then unused.
+    ``critic_micro_batch_size``: the critic's rows per forward/backward (``None`` = ``micro_batch_size``).
+    ``ema`` (placement or None) must share the actor's stage for the local update. ``extra_rewards`` adds more
+    frozen reward models as ``(role, path, placement)``.
     """
-    ref = ref or Placement(actor.stage, actor.dtype, actor.offload_params)
-    reward = reward or Placement(critic.stage, critic.dtype, critic.offload_params)
-    critic_path = critic_path or reward_path
-    if critic_path is None:
-        raise ValueError("no critic folder: pass critic_path (any causal-LM folder gets a fresh value head) when "
-                         "there is no reward model to start it from.")
+    if reward_path is not None and reward is None:
+        raise ValueError("reward_path given without a reward placement.")
     if ema is not None and ema.stage != actor.stage:
         raise ValueError(f"ema stage {ema.stage} != actor stage {actor.stage}: the EMA updates local partitions,"
                          " so it must be sharded like the actor.")
     registry.add(actor_spec(actor_path, actor, actor_optim, micro_batch_size, actor_grad_accum, actor_lora,
                             actor_gradient_checkpointing, seed))
     registry.add(ref_spec(actor_path, ref))
-    registry.add(critic_spec(critic_path, critic, critic_optim, micro_batch_size, critic_grad_accum, critic_lora,
+    registry.add(critic_spec(critic_path, critic, critic_optim, critic_micro_batch_size or micro_batch_size,
+                             critic_grad_accum, critic_lora,
                              critic_gradient_checkpointing, seed))
     placements = {"actor": actor, "ref": ref, "critic": critic}
     paths = {"actor": actor_path, "ref": actor_path, "critic": critic_path}

@@ -40,14 +40,15 @@ def minibatch_indices(n_rows: int, mini_batch_size: int, shuffle: bool = True, s
     return list(order.split(mini_batch_size))
 
 
-def _denominators(exp: Experience, epochs: list[list[torch.Tensor]], groups: list[tuple[str, str, int]], world: int,
-                  device: torch.device) -> dict[tuple[str, int, int], torch.Tensor]:
+def _denominators(exp: Experience, epochs: dict[str, list[list[torch.Tensor]]], groups: list[tuple[str, str, int]],
+                  world: int, device: torch.device) -> dict[tuple[str, int, int], torch.Tensor]:
     """Every optimizer step's loss denominator of the update, from one all-reduce: ``(role, epoch, first
-    micro-batch) -> global units / (W * G)``. The rows of each step are fixed before it runs (the
-    minibatch order is seeded) and the units only count the action mask, so all can be summed up front."""
+    micro-batch) -> global units / (W * G)``, ``epochs[role]`` being that role's minibatches per epoch. The rows
+    of each step are fixed before it runs (the minibatch order is seeded) and the units only count the action
+    mask, so all can be summed up front."""
     keys, local = [], []
-    for e, micro in enumerate(epochs):
-        for role, mode, g in groups:
+    for role, mode, g in groups:
+        for e, micro in enumerate(epochs[role]):
             for start in range(0, len(micro), g):
                 keys.append((role, e, start))
                 local.append(sum(float(loss_units(exp.action_mask[idx], mode)) for idx in micro[start:start + g]))
@@ -65,6 +66,7 @@ def train_on_experience(
     step: int,
     *,
     mini_batch_size: int,
+    critic_mini_batch_size: int | None = None,
     temperature: float = 1.0,
     actor: str = "actor",
     critic: str | None = None,
@@ -92,6 +94,8 @@ def train_on_experience(
             when ``kl_coef > 0``).
         mini_batch_size: rows per rank per forward/backward; the minibatches of an epoch must be a
             multiple of each engine's gradient accumulation steps.
+        critic_mini_batch_size: the critic's rows per forward/backward (``None`` = ``mini_batch_size``); its
+            minibatches take the same seeded order of rows.
         temperature: the sampling temperature (the log-probs divide the logits by it).
         critic: the value role to train, or ``None`` (critic-free).
         loss_agg / horizon: normalisation of the policy and KL losses (``losses.LOSS_AGG_MODES``).
@@ -121,25 +125,28 @@ def train_on_experience(
     g_critic = critic_engine.gradient_accumulation_steps() if critic_engine is not None else 1
     C = exp.context_length
     sums: dict[str, float] = {}
-    n_micro = 0
+    n_micro = {"actor": 0, "critic": 0}
 
     def add(key: str, value: torch.Tensor | float) -> None:
         sums[key] = sums.get(key, 0.0) + float(value)
 
-    epoch_micro = [minibatch_indices(exp.sequences.shape[0], mini_batch_size, shuffle, seed, step, epoch)
-                   for epoch in range(epochs)]
-    n_mb = len(epoch_micro[0]) if epoch_micro else 0
-    if n_mb % g_actor or n_mb % g_critic:
-        raise ValueError(f"{n_mb} minibatches per epoch is not a multiple of the gradient accumulation"
-                         f" steps (actor {g_actor}, critic {g_critic}).")
+    sizes = {"actor": mini_batch_size, "critic": critic_mini_batch_size or mini_batch_size}
+    micro_of = {role: [minibatch_indices(exp.sequences.shape[0], size, shuffle, seed, step, epoch)
+                       for epoch in range(epochs)] for role, size in sizes.items()}
+    for role, g in (("actor", g_actor), ("critic", g_critic)):
+        n_mb = len(micro_of[role][0]) if epochs else 0
+        if n_mb % g:
+            raise ValueError(f"{n_mb} {role} minibatches per epoch is not a multiple of its gradient accumulation"
+                             f" steps ({g}).")
     groups = ([("actor", loss_agg, g_actor)] if train_actor else []) + \
         ([("critic", "token_mean", g_critic)] if critic_engine is not None else [])
-    denominators = _denominators(exp, epoch_micro, groups, world, registry.device)
-    for epoch, micro in enumerate(epoch_micro):
-        for i, idx in enumerate(micro):
-            mb = exp.rows(idx)
+    denominators = _denominators(exp, micro_of, groups, world, registry.device)
+    for epoch in range(epochs):
+        actor_micro, critic_micro = micro_of["actor"][epoch], micro_of["critic"][epoch]
+        for i in range(max(len(actor_micro), len(critic_micro))):
             # 1. actor: surrogate on the current policy's log-probs (+ KL loss) (+ pretraining loss)
-            if train_actor:
+            if train_actor and i < len(actor_micro):
+                mb = exp.rows(actor_micro[i])
                 den = denominators[("actor", epoch, i - i % g_actor)]
                 logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
                 logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
@@ -167,8 +174,10 @@ def train_on_experience(
                 for key in ("clip_frac", "approx_kl", "ratio_mean"):
                     add(key, pg_stats[key])
                 add("entropy", entropy)
+                n_micro["actor"] += 1
             # 2. critic: clipped value loss against the returns
-            if critic_engine is not None:
+            if critic_engine is not None and i < len(critic_micro):
+                mb = exp.rows(critic_micro[i])
                 den = denominators[("critic", epoch, i - i % g_critic)]
                 if mb.critic_sequences is not None:  # a critic with its own tokenizer: its re-encoded rows
                     full = critic_engine(input_ids=mb.critic_sequences, attention_mask=mb.critic_attention_mask,
@@ -183,7 +192,7 @@ def train_on_experience(
                 critic_engine.step()
                 add("value_loss_global", v_loss.detach() / (world * g_critic))
                 add("value_clip_frac", v_stats["clip_frac"])
-            n_micro += 1
+                n_micro["critic"] += 1
 
     # 3. every statistic in one all-reduce (the caller's, with ``stats``): global sums, then means per
     #    micro-batch / optimizer step
@@ -191,11 +200,12 @@ def train_on_experience(
     stats = StepStats() if own else stats
     per_step = {"policy_loss_global": g_actor, "kl_loss_global": g_actor, "value_loss_global": g_critic}
     for key in sorted(sums):
+        role = "critic" if key.startswith("value_") else "actor"
         if key in per_step:
-            steps = max(n_micro / per_step[key], 1.0)
+            steps = max(n_micro[role] / per_step[key], 1.0)
             stats.add(key.removesuffix("_global"), [sums[key]], lambda total, steps=steps: total / steps)
         else:
-            count = world * max(n_micro, 1)
+            count = world * max(n_micro[role], 1)
             stats.add(key, [sums[key]], lambda total, count=count: total / count)
     out: dict[str, Any] = stats.reduce() if own else {}
     return out

@@ -169,7 +169,7 @@ def test_e2e_cli_on_the_embedded_default_shortened(tmp_path):
          "sft.overrides=[max_steps=20,eval.every=0,eval.size=32]",
          "reward.overrides=[max_steps=20,eval.every=0,data.heldout_size=64]",
          "ppo.overrides=[eval.every=0,eval.size=32,checkpoint.every=2,ppo.rollout_batch_size=8,"
-         "ppo.mini_batch_size=4,lora.actor.enabled=true]"],
+         "roles.actor.micro_batch_size=4,roles.critic.micro_batch_size=4,roles.actor.lora.r=8]"],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -70,17 +70,18 @@ def grpo(tmp_path_factory):
             lines = [json.dumps({**r, "answer": str(tiny.parse_prompt(r["prompt"])[0]), "id": i})
                      for i, r in enumerate(rows)]
         (data / src.name).write_text("".join(x + "\n" for x in lines))
-    common = ["grpo.rollout_batch_size=2", "grpo.n_samples_per_prompt=4", "grpo.mini_batch_size=4", "grpo.epochs=2",
+    common = ["grpo.rollout_batch_size=2", "grpo.n_samples_per_prompt=4", "roles.actor.micro_batch_size=4",
+              "grpo.epochs=2",
               "eval.size=16", "eval.batch_size=8", "eval.every=2", "reward.normalize=true", "max_steps=4",
               "generation.max_new_tokens=6", f"data.source={data}",
               f"reward.functions=[builtin:judge, {{fn: '{fn_file}:distinct_words', weight: 0.5}}, "
               f"{{fn: '{fn_file}:count_reward', weight: 0.25}}]",
-              f"reward.models=[{{role: reward_tiny, path: '{out}/tiny/model', weight: 0.1, stage: 3}}]"]
+              f"reward.models=[{{role: reward_tiny, model: '{out}/tiny/model', weight: 0.1, stage: 3}}]"]
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "checkpoint.every=2",
         "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
     resumed = root / "resumed"
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
-        f"model.actor={out}/sft/export/actor", f"resume_from={out}/checkpoints/step_00000002", *common)
+        f"roles.actor.model={out}/sft/export/actor", f"resume_from={out}/checkpoints/step_00000002", *common)
     return {"root": root, "out": out, "resumed": resumed}
 
 

@@ -72,13 +72,13 @@ CASES = {
     # GRPO: a rollout's prompts per rank (the SFT run it trains its actor with first fits: micro batch 4)
     "grpo-rollout-4-ranks": ("rlhf_grpo", ("data.source={d}/sft48.jsonl", "--nproc-per-node", "4",
                                            "grpo.rollout_batch_size=16",
-                                           "actor_sft.overrides=[train.micro_batch_size=4]"),
+                                           "actor_sft.overrides=[roles.actor.micro_batch_size=4]"),
                              ("'grpo.rollout_batch_size'", "value 16", "46 training prompts", "11 per rank",
                               "each sampled grpo.n_samples_per_prompt=8 times")),
     # ... and that SFT run itself, before the actor it trains exists
     "grpo-sft-run-4-ranks": ("rlhf_grpo", ("data.source={d}/sft48.jsonl", "--nproc-per-node", "4"),
-                             ("actor_sft: train.micro_batch_size", "value 16",
-                              "actor_sft.overrides=[train.micro_batch_size=11] or less")),
+                             ("actor_sft: roles.actor.micro_batch_size", "value 16",
+                              "actor_sft.overrides=[roles.actor.micro_batch_size=11] or less")),
     # DPO draws micro_batch_size x grad_accum pairs per step from one stream
     "dpo-grad-accum": ("rlhf_dpo", ("data.source={d}/pairs52.jsonl", "roles.actor.micro_batch_size=16",
                                     "roles.actor.grad_accum=4"),

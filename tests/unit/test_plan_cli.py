@@ -81,7 +81,7 @@ def test_write_round_trips(capsys, tmp_path):
         assert section.stage == chosen[role]["stage"], role
         assert section.offload_params == chosen[role]["offload_params"], role
     assert cfg.roles.actor.offload_optimizer == chosen["actor"]["offload_optimizer"]
-    assert cfg.ema.offload_params == chosen["ema"]["offload_params"]
+    assert cfg.roles.ema.offload_params == chosen["ema"]["offload_params"]
     assert cfg.roles.actor.lr == 9.65e-6  # everything else is the shipped config
     # the written file plans to the same placements and fits as written
     code, again, _ = _plan(capsys, "rlhf_ppo", "--config", str(dest), "--gpus", "8", "--gpu-mem", "40GiB",
@@ -103,7 +103,7 @@ def test_write_for_e2e_appends_step_overrides(capsys, tmp_path):
 def test_does_not_fit(capsys, tmp_path):
     dest = tmp_path / "never.yaml"
     code = cli.main(["plan", "sd_finetune", "--config", "sd15_full", "--gpus", "1", "--gpu-mem", "8GiB",
-                     "train.micro_batch_size=8", "train.gradient_checkpointing=false", "--write", str(dest)])
+                     "roles.unet.micro_batch_size=8", "roles.unet.gradient_checkpointing=false", "--write", str(dest)])
     out = capsys.readouterr()
     assert code == cli.EXIT_DOES_NOT_FIT
     assert "does not fit" in out.out and "biggest role is 'unet'" in out.out
@@ -183,26 +183,26 @@ def test_grpo_roles_follow_the_recipe():
     # the second follows it; an entry with its own stage is planned as written
     roles = _roles("rlhf_grpo", "roles.actor.stage=2",
                    "reward.models=[{role: reward, weight: 1.0}, "
-                   "{role: reward_b, path: facebook/opt-350m, weight: 0.5}, "
-                   "{role: reward_c, path: facebook/opt-350m, weight: 0.1, stage: 3}]")
+                   "{role: reward_b, model: facebook/opt-350m, weight: 0.5}, "
+                   "{role: reward_c, model: facebook/opt-350m, weight: 0.1, stage: 3}]")
     assert [r for r in roles if r.startswith("reward")] == ["reward", "reward_b", "reward_c"]
     assert roles["reward"].current == plans.P.Choice(0) and roles["reward"].follows is None
     assert roles["reward_b"].follows == "reward" and roles["reward_b"].follows_all
     assert roles["reward_c"].choices == (plans.P.Choice(3),) and "reward.models[2]" in roles["reward_c"].note
     item = plans.recipe_plans("rlhf_grpo", load_config("rlhf_grpo", "tiny", [
-        "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, path: facebook/opt-350m, weight: 0.5}]"]))[0]
+        "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, model: facebook/opt-350m, weight: 0.5}]"]))[0]
     assert set(item.keys) == {"actor", "ref", "reward"}
 
 
 def test_ppo_critic_and_rewards_from_the_reward_section():
     # reward functions only: the critic starts from the actor's folder with a fresh head, no reward role
-    roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "model.actor=", "model.reward=")
+    roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "roles.actor.model=", "roles.reward.model=")
     assert list(roles) == ["actor", "critic", "ref"]
     assert roles["critic"].params == plans._scalar(plans._tiny_rlhf_model(64, 2, 0)).params
     assert roles["critic"].trainable_params == roles["critic"].params
-    # model.critic is planned from its own folder; reward roles from reward.models, placed like the critic
-    roles = _roles("rlhf_ppo", "model.actor=", "model.critic=facebook/opt-350m", "roles.critic.stage=3",
-                   "reward.models=[{role: reward_x, path: facebook/opt-350m, weight: 1.0}]")
+    # roles.critic.model is planned from its own folder; reward roles from reward.models, placed like the critic
+    roles = _roles("rlhf_ppo", "roles.actor.model=", "roles.critic.model=facebook/opt-350m", "roles.critic.stage=3",
+                   "roles.reward.model=", "reward.models=[{role: reward_x, model: facebook/opt-350m, weight: 1.0}]")
     assert list(roles) == ["actor", "critic", "ref", "reward_x"]
     assert roles["critic"].params == roles["reward_x"].params == 331_196_416 + 1024
     assert roles["reward_x"].current == plans.P.Choice(3)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from multiengine.pipelines.rlhf import tiny
-from multiengine.recipes.rlhf_e2e import FINGERPRINT_FILE, reuse_reason, step_fingerprint
+from multiengine.recipes.steps import FINGERPRINT_FILE, reuse_reason, step_fingerprint
 
 
 def _write(path, text):
@@ -46,7 +46,8 @@ def _run(out, base, rbase, *extra):
            "sft.overrides=[max_steps=1,eval.size=0,eval.every=0,data.heldout_size=8]",
            "reward.overrides=[max_steps=1,eval.every=0,data.heldout_size=8]",
            "ppo.overrides=[eval.size=4,eval.batch_size=4,eval.every=0,eval.greedy=false,checkpoint.every=0,"
-           "ppo.rollout_batch_size=4,ppo.mini_batch_size=4,ppo.ppo_epochs=1,plot=false]", *extra]
+           "ppo.rollout_batch_size=4,roles.actor.micro_batch_size=4,roles.critic.micro_batch_size=4,ppo.epochs=1,"
+           "plot=false]", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -106,7 +106,8 @@ def test_ppo_step_on_the_torch_backend(assets):
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
     opt = OptimSpec(lr=1e-2, total_steps=4)
-    build_rlhf_roles(registry, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
+    build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
+                     ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
     settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, critic_warmup_steps=1)
     trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=5), settings, tok.eos_token_id,

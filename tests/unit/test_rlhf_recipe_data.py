@@ -127,7 +127,7 @@ def test_validate_builds_no_model(assets, monkeypatch):
         monkeypatch.setattr(cls, "from_pretrained", refuse)
     _validate("rlhf_sft", f"roles.actor.model={assets['model']}", f"data.source={assets['qa']}",
               "data.columns.prompt=question", "data.columns.response=answer")
-    _validate("rlhf_ppo", f"model.actor={assets['model']}", f"model.reward={assets['model']}",
+    _validate("rlhf_ppo", f"roles.actor.model={assets['model']}", f"roles.reward.model={assets['model']}",
               f"data.source={assets['data']}", "ppo.ptx_coef=0.1")
     _validate("distill", f"model.teacher={assets['model']}", f"model.student={assets['model']}",
               f"data.source={assets['data']}")
@@ -135,8 +135,8 @@ def test_validate_builds_no_model(assets, monkeypatch):
 
 @pytest.mark.parametrize("recipe, overrides, message", [
     ("rlhf_sft", ["roles.actor.model=./models/my-gpt2"], r"no such folder: ./models/my-gpt2 \(roles.actor.model\)"),
-    ("rlhf_ppo", ["model.actor=/nowhere/sft/export/actor"],
-     r"no such folder: /nowhere/sft/export/actor \(model.actor\)"),
+    ("rlhf_ppo", ["roles.actor.model=/nowhere/sft/export/actor"],
+     r"no such folder: /nowhere/sft/export/actor \(roles.actor.model\)"),
     ("rlhf_sft", ["data.source={qa}"], r"data.source=.*qa.jsonl.*has columns \['answer', 'id', 'question'\].*"
                                        r"data.columns.prompt=question"),
     ("rlhf_sft", ["data.source={qa}", "data.columns.prompt=quest"], r"column\(s\) \['quest'\].*not in"),
@@ -150,7 +150,7 @@ def test_validate_builds_no_model(assets, monkeypatch):
      r"data.source is conversational .* tokenizer of roles.actor.model .* has no chat template"),
     ("rlhf_sft", ["roles.actor.model={model}", "roles.actor.tokenizer={chat_model}"],
      r"has ids up to .* but the model of roles.actor.model .* embeds only"),
-    ("rlhf_ppo", ["model.actor={model}", "model.reward={model}", "model.reward_tokenizer={chat_model}"],
+    ("rlhf_ppo", ["roles.actor.model={model}", "roles.reward.model={model}", "roles.reward.tokenizer={chat_model}"],
      r"embeds only"),
     ("rlhf_dpo", ["data.source={pairs}", "data.eval_split=1000"], r"holds out 1000 of .* leaves none to train on"),
 ])
@@ -169,7 +169,7 @@ def test_validate_says_how_the_evaluation_rows_are_made(assets, caplog):
     assert "data.eval_split=auto" in caplog.text and "3 of its 64 rows" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        _validate("rlhf_ppo", f"model.actor={assets['model']}", f"model.reward={assets['model']}",
+        _validate("rlhf_ppo", f"roles.actor.model={assets['model']}", f"roles.reward.model={assets['model']}",
                   f"data.source={assets['data']}")
     assert f"split 'eval' of {assets['data']}" in caplog.text  # the folder's eval.jsonl
 
@@ -197,7 +197,7 @@ def test_e2e_passes_the_data_keys_to_every_step(assets, tmp_path, monkeypatch):
         calls.append((recipe, overrides))
         return {"metrics": {}, "export": {"actor": {"model": "/sft"}, "reward": {"model": "/rm"}}}
 
-    monkeypatch.setattr(rlhf_e2e, "_run_step", fake_step)
+    monkeypatch.setattr(rlhf_e2e, "run_step", fake_step)
     cfg = load_config("rlhf_e2e", "tiny", [f"output_dir={tmp_path}", "backend=torch",
                                            f"model.pretrained={assets['model']}",
                                            f"data.source={assets['qa']}", "data.columns.prompt=question",
@@ -220,8 +220,8 @@ def test_conversations_through_sft_and_grpo(assets, tmp_path):
     from multiengine.recipes import rlhf_grpo, rlhf_sft
 
     sft_cfg = load_config("rlhf_sft", "tiny", [
-        f"output_dir={tmp_path / 'sft'}", f"model.pretrained={assets['chat_model']}", f"data.source={assets['chats']}",
-        "data.eval_split=8", "max_steps=3", "train.micro_batch_size=4", "eval.size=8", "eval.batch_size=4",
+        f"output_dir={tmp_path / 'sft'}", f"roles.actor.model={assets['chat_model']}", f"data.source={assets['chats']}",
+        "data.eval_split=8", "max_steps=3", "roles.actor.micro_batch_size=4", "eval.size=8", "eval.batch_size=4",
         "eval.every=0", "eval.greedy=false", "data.max_prompt_len=24", *QUIET])
     validate_config("rlhf_sft", sft_cfg)
     out = rlhf_sft.main(sft_cfg)
@@ -240,9 +240,9 @@ def test_conversations_through_sft_and_grpo(assets, tmp_path):
                   "    SEEN.extend(prompts)\n"
                   "    return [float(len(r.split())) for r in responses]\n")
     grpo_cfg = load_config("rlhf_grpo", "tiny", [
-        f"output_dir={tmp_path / 'grpo'}", f"model.actor={out['export']['actor']['model']}",
+        f"output_dir={tmp_path / 'grpo'}", f"roles.actor.model={out['export']['actor']['model']}",
         f"data.source={assets['chats']}", "data.eval_split=8", f"reward.functions=[{fn}:length]", "max_steps=2",
-        "grpo.n_samples_per_prompt=2", "grpo.rollout_batch_size=2", "grpo.mini_batch_size=4", "eval.size=4",
+        "grpo.n_samples_per_prompt=2", "grpo.rollout_batch_size=2", "roles.actor.micro_batch_size=4", "eval.size=4",
         "eval.batch_size=4", "eval.every=0", "roles.actor.dtype=fp32", "data.max_prompt_len=24", *QUIET])
     validate_config("rlhf_grpo", grpo_cfg)
     run = rlhf_grpo.RLHFGRPO(grpo_cfg)

@@ -36,7 +36,7 @@ def test_reward_models_and_functions_with_weights_and_placements(tmp_path):
     fn_file.write_text("def length(prompts, responses):\n    return [len(r) for r in responses]\n"
                        "def judge(prompts, responses):\n    return [0.0 for r in responses]\n")
     s = section(models=[{"role": "reward", "weight": 0.5},
-                        {"role": "reward_safety", "path": "/models/safety", "weight": 2, "stage": 2, "dtype": "bf16",
+                        {"role": "reward_safety", "model": "/models/safety", "weight": 2, "stage": 2, "dtype": "bf16",
                          "offload_params": False}],
                 functions=["builtin:judge", {"fn": f"{fn_file}:length", "weight": 0.1},
                            {"fn": f"{fn_file}:judge", "weight": -1.0}])
@@ -73,7 +73,8 @@ def test_empty_reward_config_is_the_reward_role_or_a_named_error():
 @pytest.mark.parametrize("values, message", [
     ({"models": [{"role": "rm"}]}, r"reward.models\[0\].role='rm'.*reward_<name>"),
     ({"models": [{"role": "reward", "wieght": 1.0}]}, r"reward.models\[0\].wieght.*Did you mean 'weight'"),
-    ({"models": [{"role": "reward_x"}]}, r"reward.models\[0\].path is empty"),
+    ({"models": [{"role": "reward_x"}]}, r"reward.models\[0\].model is empty"),
+    ({"models": [{"role": "reward_x", "path": "/rm"}]}, r"reward.models\[0\].path.*is now 'reward.models\[0\].model'"),
     ({"models": [{"role": "reward"}, {"role": "reward"}]}, "appears twice"),
     ({"models": [{"role": "reward", "weight": "high"}]}, r"reward.models\[0\].weight='high'"),
     ({"functions": ["judge"]}, r"reward.functions\[0\].*expected 'package.module:function'"),
@@ -93,7 +94,8 @@ def test_bad_reward_entries_name_the_key_and_the_fix(values, message):
     ("rlhf_grpo", ["grpo.algorithm=ppo"], "'grpo.algorithm' .* must be one of grpo, dr_grpo, rloo, reinforce_pp"),
     ("rlhf_grpo", ["grpo.n_samples_per_prompt=1"], "n_samples_per_prompt=1 gives zero advantages"),
     ("rlhf_grpo", ["grpo.algorithm=reinforce_pp", "grpo.n_samples_per_prompt=1", "grpo.rollout_batch_size=6",
-                   "grpo.mini_batch_size=4"], "multiple of mini_batch_size=4"),
+                   "roles.actor.micro_batch_size=4"], "multiple of roles.actor.micro_batch_size=4"),
+    ("rlhf_grpo", ["grpo.mini_batch_size=4"], "'grpo.mini_batch_size' .* is now 'roles.actor.micro_batch_size'"),
     ("rlhf_grpo", ["grpo.kl_in_reward=yes"], "grpo.kl_in_reward='yes'"),
     ("rlhf_grpo", ["roles.actor.grad_accum=3"], r"roles.actor.grad_accum=3 does not divide the 2 minibatches"),
     ("rlhf_grpo", ["reward.functions=[]"], "no reward source"),
@@ -103,7 +105,14 @@ def test_bad_reward_entries_name_the_key_and_the_fix(values, message):
     ("rlhf_dpo", ["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "label_smoothing applies to loss=sigmoid only"),
     ("rlhf_dpo", ["dpo.beta=0"], "'dpo.beta' .* must be > 0"),
     ("rlhf_ppo", ["reward.models=[{role: critic}]"], "reward.models.0..role='critic'|reward.models\\[0\\].role"),
-    ("rlhf_ppo", ["ppo.rollout_batch_size=6", "ppo.mini_batch_size=4"], "ppo: rollout_batch_size=6"),
+    ("rlhf_ppo", ["ppo.rollout_batch_size=6", "roles.actor.micro_batch_size=4"],
+     r"'ppo.rollout_batch_size' .* multiple of roles.actor.micro_batch_size=4"),
+    ("rlhf_ppo", ["ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=8", "roles.critic.micro_batch_size=3"],
+     r"'ppo.rollout_batch_size' .* multiple of roles.critic.micro_batch_size=3"),
+    ("rlhf_ppo", ["ppo.mini_batch_size=4"], "'ppo.mini_batch_size' .* is now 'roles.actor.micro_batch_size'"),
+    ("rlhf_ppo", ["ppo.ppo_epochs=2"], "'ppo.ppo_epochs' .* is now 'ppo.epochs'"),
+    ("rlhf_ppo", ["model.critic=/c"], "'model.critic' .* is now 'roles.critic.model'"),
+    ("rlhf_ppo", ["lora.critic.enabled=true"], "'lora.critic.enabled' .* is now 'roles.critic.lora.r'"),
     ("rlhf_e2e", ["algorithm=rloo"], "'algorithm' .* must be one of ppo, grpo, dpo, got 'rloo'"),
 ])
 def test_recipe_checks_run_before_any_rank_starts(recipe, overrides, message):
@@ -114,9 +123,9 @@ def test_recipe_checks_run_before_any_rank_starts(recipe, overrides, message):
 def test_ppo_takes_the_same_reward_config():
     cfg = load_config("rlhf_ppo", "tiny", ["reward.functions=[builtin:judge]", "reward.models=[{role: reward, "
                                            "weight: 0.5}]", "reward.normalize=true"])
-    roles, sources = reward_config(cfg.reward, cfg.model.reward, BASE)
+    roles, sources = reward_config(cfg.reward, cfg.roles.reward.model, BASE)
     assert [(x.name, x.weight) for x in sources] == [("reward", 0.5), ("judge", 1.0)]
-    assert roles[0].path == cfg.model.reward
+    assert roles[0].path == cfg.roles.reward.model
     from multiengine.recipes.rlhf_ppo import ppo_settings
 
     assert ppo_settings(cfg).normalize_rewards
@@ -129,9 +138,9 @@ def test_e2e_feeds_each_final_recipe_valid_keys(algorithm):
     recipe, needs_rm, feed = FINAL_STEP[algorithm]
     assert needs_rm == (algorithm != "dpo")
     cfg = load_config(recipe, "tiny", feed("/sft/export/actor", "/rm/export/reward"))
-    assert cfg.model.actor == "/sft/export/actor"
+    assert cfg.roles.actor.model == "/sft/export/actor"
     if algorithm == "grpo":  # GRPO inside e2e optimises the learned reward model, like PPO
-        roles, sources = reward_config(cfg.reward, cfg.model.reward or None, BASE)
+        roles, sources = reward_config(cfg.reward, cfg.roles.reward.model or None, BASE)
         assert [(r.role, r.path) for r in roles] == [("reward", "/rm/export/reward")]
         assert [x.role for x in sources] == ["reward"]
     assert load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]).algorithm == algorithm
@@ -148,10 +157,10 @@ def test_ppo_recipe_with_reward_functions_only_on_the_torch_backend(tmp_path):
     assets = tiny.prepare_builtin(tmp_path / "assets", hidden=32, layers=1, n_sft=16, n_reward=16, n_ppo=32,
                                   n_eval=8)
     cfg = load_config("rlhf_ppo", "tiny", [
-        f"output_dir={tmp_path / 'run'}", "backend=torch", f"model.actor={assets['model']}", "model.reward=",
+        f"output_dir={tmp_path / 'run'}", "backend=torch", f"roles.actor.model={assets['model']}", "roles.reward.model=",
         f"data.source={assets['data']}", "reward.functions=[builtin:judge]", "max_steps=2", "eval.every=0",
         "eval.size=8", "eval.batch_size=4", "eval.greedy=false", "ppo.rollout_batch_size=4",
-        "ppo.mini_batch_size=2", "checkpoint.every=0", "export.critic=false", "plot=false", "tensorboard=false"])
+        "roles.actor.micro_batch_size=2", "roles.critic.micro_batch_size=2", "checkpoint.every=0", "export.critic=false", "plot=false", "tensorboard=false"])
     rlhf_ppo.main(cfg)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert set(summary["roles"]) == {"actor", "ref", "critic"}

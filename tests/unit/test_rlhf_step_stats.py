@@ -48,7 +48,8 @@ def _ppo(assets):
     tok = assets["tok"]
     registry = EngineRegistry(backend="torch")
     model, opt = str(assets["model"]), OptimSpec(lr=1e-2, total_steps=4)
-    build_rlhf_roles(registry, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
+    build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
+                     ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
     trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=5), PPOSettings(rollout_batch_size=4,
                          mini_batch_size=2), tok.eos_token_id, tok.pad_token_id, judge=tiny.judge,

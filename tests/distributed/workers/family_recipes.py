@@ -34,9 +34,10 @@ for family, paths in json.load(open(sys.argv[2])).items():
     r["sft"] = run(f"{root}/sft", "rlhf_sft", f"model.pretrained={paths['base']}", *EVAL)
     actor = f"{root}/sft/export/actor"
     r["reward"] = run(f"{root}/reward", "rlhf_reward", f"roles.reward.model={actor}", "max_steps=20", "eval.every=0")
-    r["ppo"] = run(f"{root}/ppo", "rlhf_ppo", f"model.actor={actor}", f"model.reward={root}/reward/export/reward",
-                   "max_steps=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", *EVAL)
-    r["grpo"] = run(f"{root}/grpo", "rlhf_grpo", f"model.actor={actor}", "max_steps=16", *EVAL)
+    r["ppo"] = run(f"{root}/ppo", "rlhf_ppo", f"roles.actor.model={actor}",
+                   f"roles.reward.model={root}/reward/export/reward", "max_steps=2", "ppo.rollout_batch_size=8",
+                   "roles.actor.micro_batch_size=8", "roles.critic.micro_batch_size=8", "ppo.epochs=1", *EVAL)
+    r["grpo"] = run(f"{root}/grpo", "rlhf_grpo", f"roles.actor.model={actor}", "max_steps=16", *EVAL)
     r["dpo"] = run(f"{root}/dpo", "rlhf_dpo", f"roles.actor.model={actor}", "max_steps=40",
                    "roles.actor.micro_batch_size=16", "roles.actor.warmup_steps=2", "data.heldout_size=64", *EVAL)
     r["distill"] = run(f"{root}/distill", "distill", f"model.teacher={actor}", f"model.student={paths['student']}",

@@ -35,12 +35,13 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
             f"model.pretrained={sd_model}", f"data.source={shapes}", *SD_SMALL,
             f"roles.unet.stage={s}", f"roles.vae.stage={s}", f"roles.text_encoder.stage={s}"]),
         "rlhf_ppo": ("rlhf_ppo", "tiny", [
-            f"model.actor={model}", f"model.reward={model}", f"data.source={data}", "ppo.rollout_batch_size=4",
-            "ppo.mini_batch_size=4", "ppo.ppo_epochs=1", "generation.max_new_tokens=4", "eval.size=2",
+            f"roles.actor.model={model}", f"roles.reward.model={model}", f"data.source={data}",
+            "ppo.rollout_batch_size=4", "roles.actor.micro_batch_size=4", "roles.critic.micro_batch_size=4",
+            "ppo.epochs=1", "generation.max_new_tokens=4", "eval.size=2",
             "eval.batch_size=1", "eval.greedy=false", f"roles.actor.stage={s}", f"roles.critic.stage={s}"]),
         "rlhf_grpo": ("rlhf_grpo", "tiny", [
-            f"model.actor={model}", f"data.source={data}", "grpo.rollout_batch_size=2",
-            "grpo.n_samples_per_prompt=2", "grpo.mini_batch_size=4", "generation.max_new_tokens=4", "eval.size=0",
+            f"roles.actor.model={model}", f"data.source={data}", "grpo.rollout_batch_size=2",
+            "grpo.n_samples_per_prompt=2", "roles.actor.micro_batch_size=4", "generation.max_new_tokens=4", "eval.size=0",
             f"roles.actor.stage={s}"]),
         "distill": ("distill", "tiny", [
             f"model.teacher={model}", f"model.student={student}", f"data.source={data}", "train.micro_batch_size=4",

@@ -73,8 +73,9 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
     opt = OptimSpec(lr=lr, betas=(0.9, 0.95), total_steps=10)
     lora_cfg = LORA if lora else None
     build_rlhf_roles(
-        registry, MODEL, MODEL, actor=Placement(actor_stage, "fp32"), critic=Placement(critic_stage, "fp32"),
-        ref=ref, reward=reward, ema=Placement(actor_stage, "fp32") if ema else None,
+        registry, MODEL, MODEL, MODEL, actor=Placement(actor_stage, "fp32"), critic=Placement(critic_stage, "fp32"),
+        ref=ref or Placement(actor_stage, "fp32"), reward=reward or Placement(critic_stage, "fp32"),
+        ema=Placement(actor_stage, "fp32") if ema else None,
         actor_optim=opt, critic_optim=opt, micro_batch_size=2, actor_lora=lora_cfg, critic_lora=lora_cfg,
         actor_gradient_checkpointing=checkpointing, critic_gradient_checkpointing=checkpointing, seed=0)
     settings = settings or PPOSettings(rollout_batch_size=4, mini_batch_size=2, ppo_epochs=2)
@@ -214,9 +215,10 @@ free(registry, trainer, lora_before, lora_after, ref_state)
 
 # --- resume through the recipe: stage-3 actor and critic, EMA, adaptive KL, ptx ------------------------------
 COMMON = [
-    f"model.actor={MODEL}", f"model.reward={MODEL}", f"data.source={os.path.join(ASSETS, 'data')}",
+    f"roles.actor.model={MODEL}", f"roles.reward.model={MODEL}", f"data.source={os.path.join(ASSETS, 'data')}",
     "max_steps=4", "checkpoint.every=2", "eval.every=0", "eval.size=8", "eval.batch_size=4", "eval.greedy=false",
-    "ppo.rollout_batch_size=4", "ppo.mini_batch_size=2", "ppo.adaptive_kl=true", "ppo.kl_target=0.05",
+    "ppo.rollout_batch_size=4", "roles.actor.micro_batch_size=2", "roles.critic.micro_batch_size=2",
+    "ppo.epochs=1", "ppo.adaptive_kl=true", "ppo.kl_target=0.05",
     "ppo.ptx_coef=0.1", "roles.actor.stage=3", "roles.critic.stage=3", "roles.actor.lr=1e-3",
     "roles.critic.lr=1e-3", "roles.actor.scheduler=cosine", "ema.enabled=true", "export.enabled=false", "plot=false",
     "generation.max_new_tokens=6",
