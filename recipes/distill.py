@@ -1,5 +1,5 @@
 """Knowledge distillation: a frozen teacher (any stage, ZeRO-3 with optional parameter offload) and a
-trainable student (any stage), each its own engine; forward KL, reverse KL or JSD with a temperature,
+trainable student (any stage, optional LoRA), each its own engine; forward KL, reverse KL or JSD with a temperature,
 optionally mixed with the hard-label loss.
 
     multiengine run distill --config tiny --nproc-per-node 2
@@ -9,7 +9,8 @@ The tiny config distils the RLHF tiny SFT model (trained here on first use, as r
 output_dir/teacher) into a smaller random tiny model, on the built-in task's demonstrations. Reports the
 student's held-out cross-entropy and the judge's score of its answers before and after, beside the
 teacher's. Writes metrics.jsonl, summary.json, curves.png and export/student under output_dir.
-Written on the public API only: see docs/adding-a-workflow.md for a walk through it.
+Roles: ``roles.teacher.*`` and ``roles.student.*`` (one tokenizer: the student's empty tokenizer is the
+teacher's); the loss: ``distill.*``.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import Placement, barrier, frozen_role, mean_over_ranks, save_role, trainable_role
+from multiengine.engines import barrier, mean_over_ranks, save_role
+from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
 from multiengine.pipelines.distill import DIVERGENCES, distillation_loss
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.roles import load_causal_lm
+from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
-    COMMON_HELP,
-    DATA_DEFAULTS,
-    RLHF_BETAS,
+    DATA_KEYS,
+    RLHF_TRAINABLE,
+    TINY_KEYS,
     check_data,
     check_model,
     check_sft_run_batches,
@@ -41,36 +43,46 @@ from multiengine.recipes.common import (
     demonstrations,
     evaluation_prompts,
     load_data,
-    optim_spec,
-    placement,
     recipe_checks,
     role_tokenizer,
     sft_model,
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.engines.recipe_config import Choice, Range, RecipeConfigError
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys, tokenizer_path
 
 logger = logging.getLogger(__name__)
 
+# One tokenizer for both roles (token-level distillation): the student's empty tokenizer is the teacher's.
+ROLES = (
+    Role("teacher", "the frozen teacher", keys={
+        "stage": 3, "dtype": "fp32",
+        "model": Key("", "a causal-LM folder or hub name; \"\" = train the tiny SFT model under output_dir/teacher "
+                         "first (teacher_sft)"),
+        "tokenizer": Key("", "the tokenizer of both roles; \"\" = the teacher folder's own")}),
+    Role("student", "the trainable student", trainable=True, tokenizer_of="teacher", keys={
+        **RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-3, "scheduler": "cosine", "warmup_steps": 20,
+        "micro_batch_size": 16,
+        "model": Key("", "a causal-LM folder or hub name; \"\" = a random tiny model with the teacher's tokenizer "
+                         "(tiny.student_hidden wide, tiny.student_layers deep)")}),
+)
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/distill", "everything the run writes goes under this folder"),
     "max_steps": Key(300, "optimizer steps of the student"),
-    "model": Key({
-        "teacher": Key("", "a causal-LM folder; \"\" = train the tiny SFT model under output_dir/teacher first"),
-        "student": Key("", "a causal-LM folder; \"\" = a random tiny model (same tokenizer, student_hidden wide)"),
-        "tokenizer": Key("", "the tokenizer of both; \"\" = the teacher folder's own"),
-        "student_hidden": Key(32, "width of the random tiny student"),
+    "roles": role_keys(ROLES),
+    "tiny": Key({
+        **TINY_KEYS.default,
+        "student_hidden": Key(32, "width of the random tiny student (roles.student.model=\"\")"),
         "student_layers": Key(1, "layers of the random tiny student"),
-    }, "teacher and student (one tokenizer: token-level distillation)"),
+    }, "the random tiny models: the OPT the tiny teacher is fine-tuned from, and the student"),
     "teacher_sft": Key({
         "config": Key("tiny", "a shipped rlhf_sft config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "how the tiny teacher is trained (rlhf_sft) when model.teacher is empty"),
+        "overrides": Key([], "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)"),
+    }, "how the tiny teacher is trained (rlhf_sft) when roles.teacher.model is empty"),
     "data": Key({
-        **DATA_DEFAULTS,
+        **DATA_KEYS,
         "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
         "max_response_len": Key(16, "response tokens kept, EOS included"),
         "heldout_size": Key(128, "evaluation rows scored for the held-out cross-entropy (0 = all of them)"),
@@ -81,29 +93,6 @@ KEYS: dict[str, Any] = {
         "alpha": Key(1.0, "weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy"),
         "jsd_beta": Key(0.5, "the JSD's teacher weight, in (0, 1)"),
     }, "the distillation loss"),
-    "train": Key({
-        "micro_batch_size": Key(16, "rows per rank per forward/backward"),
-        "grad_accum": Key(1, "micro batches per optimizer step"),
-        "lr": Key(2e-3, "peak learning rate"),
-        "weight_decay": Key(0.0, "AdamW weight decay"),
-        "scheduler": Key("cosine", "a transformers scheduler name"),
-        "warmup_steps": Key(20, "linear warm-up steps"),
-        "max_grad_norm": Key(1.0, "gradient clipping (0 = none)"),
-    }, "the student's optimizer and batches"),
-    "roles": Key({
-        "teacher": Key({
-            "stage": Key(3, "ZeRO stage 0-3"),
-            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "gather_forward": Key(False, "at ZeRO-3, one collective per forward instead of one per layer"),
-        }, "the frozen teacher"),
-        "student": Key({
-            "stage": Key(2, "ZeRO stage 0-3"),
-            "dtype": Key("fp32", "fp32 | bf16 | fp16 (GPU only)"),
-            "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
-            "offload_optimizer": Key(False, "optimizer state offload to CPU"),
-        }, "the trainable student"),
-    }, "placement of each role"),
     "generation": Key({
         "max_new_tokens": Key(8, "tokens generated per answer"),
         "temperature": Key(1.0, "sampling temperature"),
@@ -119,11 +108,14 @@ KEYS: dict[str, Any] = {
         "enabled": Key(True, "export/student"),
     }, "what the run writes under output_dir/export"),
 }
+DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
     "distill.loss": Choice(*DIVERGENCES), "distill.temperature": Range(0, min_exclusive=True),
     "distill.alpha": Range(0, 1), "distill.jsd_beta": Range(0, 1, min_exclusive=True, max_exclusive=True),
 })
-HELP = dict(COMMON_HELP)
+RENAMED = old_keys("student", model="model.student", extra={
+    "model.teacher": "roles.teacher.model", "model.tokenizer": "roles.teacher.tokenizer",
+    "model.student_hidden": "tiny.student_hidden", "model.student_layers": "tiny.student_layers"})
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
@@ -132,21 +124,23 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     of training rows per rank (for the student, and for the SFT run that trains a missing teacher)."""
     from multiengine.pipelines.rlhf.retokenize import vocabularies_match
 
-    check_model("model.teacher", cfg.model.teacher)
-    check_model("model.student", cfg.model.student)
-    tok = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.teacher", cfg.model.teacher)
-    if cfg.model.student:
-        own = check_tokenizer("model.tokenizer", cfg.model.tokenizer, "model.student", cfg.model.student, tok)
-        if tok is not None and own is not None and not cfg.model.tokenizer and not vocabularies_match(tok, own):
+    teacher, student = cfg.roles.teacher, cfg.roles.student
+    check_model("roles.teacher.model", teacher.model)
+    check_model("roles.student.model", student.model)
+    tok = check_tokenizer("roles.teacher.tokenizer", teacher.tokenizer, "roles.teacher.model", teacher.model)
+    if student.model:
+        own = check_tokenizer("roles.student.tokenizer", tokenizer_path(cfg, ROLES, "student"), "roles.student.model",
+                              student.model, tok)
+        if tok is not None and own is not None and not vocabularies_match(tok, own):
             raise config_error(ValueError(
-                f"model.teacher ({cfg.model.teacher}) and model.student ({cfg.model.student}) have different "
+                f"roles.teacher.model ({teacher.model}) and roles.student.model ({student.model}) have different "
                 "tokenizers: token-level distillation compares next-token distributions over one vocabulary; use a "
-                "student with the teacher's tokenizer (or set model.tokenizer if both really share one)"))
-    report = check_data(cfg, "sft", tok, tokenizer_key="model.tokenizer")
-    if not cfg.model.teacher:
+                "student with the teacher's tokenizer (or set roles.teacher.tokenizer if both really share one)"))
+    report = check_data(cfg, "sft", tok, tokenizer_key="roles.teacher.tokenizer")
+    if not teacher.model:
         check_sft_run_batches(cfg.teacher_sft, report, world_size, "teacher_sft", "teacher")
     # demonstrations(): one stream of micro batches per rank (grad_accum draws it again)
-    check_stage_batches(report, world_size, key="train.micro_batch_size", value=cfg.train.micro_batch_size)
+    check_stage_batches(report, world_size, key="roles.student.micro_batch_size", value=student.micro_batch_size)
 
 
 class Distill(Recipe):
@@ -161,27 +155,27 @@ class Distill(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not (cfg.model.student and cfg.model.teacher))
+        teacher, student = cfg.roles.teacher, cfg.roles.student
+        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not (student.model and teacher.model))
         builtin = assets.get("data", "")
-        self.teacher_path = cfg.model.teacher or sft_model(self, cfg.teacher_sft, self.path("teacher"),
-                                                            data_overrides(cfg.data, builtin or None), assets["model"])
-        self.student_path = cfg.model.student or self._tiny_student(assets["tokenizer"])
+        self.teacher_path = teacher.model or sft_model(self, cfg.teacher_sft, self.path("teacher"),
+                                                        data_overrides(cfg.data, builtin or None), assets["model"])
+        self.student_path = student.model or self._tiny_student(assets["tokenizer"])
         tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = role_tokenizer(cfg.model.tokenizer, self.teacher_path, tiny_tok, what="model.teacher")
+        self.tokenizer = role_tokenizer(teacher.tokenizer, self.teacher_path, tiny_tok, what="roles.teacher.model")
         self._check_vocabularies()
 
         # 2. the two roles: a frozen teacher, a trainable student, each at its own placement
-        t = cfg.train
-        teacher, student = placement(cfg.roles.teacher, trainable=False), placement(cfg.roles.student)
-        registry.add(frozen_role("teacher", lambda: load_causal_lm(self.teacher_path, _dtype(teacher)), teacher))
-        registry.add(trainable_role("student", lambda: load_causal_lm(self.student_path, _dtype(student)), student,
-                                    optim_spec(t, cfg.max_steps, betas=RLHF_BETAS), micro_batch_size=t.micro_batch_size,
-                                    grad_accum=t.grad_accum, seed=cfg.seed))
+        registry.add(ref_spec(self.teacher_path, placement(cfg, ROLES, "teacher"), name="teacher"))
+        registry.add(actor_spec(self.student_path, placement(cfg, ROLES, "student"),
+                                optim_spec(cfg, "student", cfg.max_steps), micro_batch_size=student.micro_batch_size,
+                                grad_accum=student.grad_accum, lora=lora_spec(cfg, "student"),
+                                gradient_checkpointing=student.gradient_checkpointing, seed=cfg.seed, name="student"))
         registry.build()
 
         # 3. data: demonstrations (prompt + response), evaluation rows never trained on (held-out loss, prompts)
         data = load_data(self, "sft", default_source=builtin)
-        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, t.micro_batch_size)
+        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, student.micro_batch_size)
         self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
         self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
         self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
@@ -192,8 +186,8 @@ class Distill(Recipe):
         cfg = self.cfg
         path = self.path("student_init")
         if self.registry.is_main and not os.path.isfile(os.path.join(path, "config.json")):
-            tiny.build_tiny_causal_lm(path, tokenizer_dir, hidden=cfg.model.student_hidden,
-                                      layers=cfg.model.student_layers, seed=cfg.seed + 1)
+            tiny.build_tiny_causal_lm(path, tokenizer_dir, hidden=cfg.tiny.student_hidden,
+                                      layers=cfg.tiny.student_layers, seed=cfg.seed + 1)
         barrier()
         return path
 
@@ -204,7 +198,7 @@ class Distill(Recipe):
                  for name, path in (("teacher", self.teacher_path), ("student", self.student_path))}
         if sizes["teacher"] != sizes["student"]:
             raise RecipeConfigError(
-                f"model.teacher has a vocabulary of {sizes['teacher']} tokens and model.student one of "
+                f"roles.teacher.model has a vocabulary of {sizes['teacher']} tokens and roles.student.model one of "
                 f"{sizes['student']}: token-level distillation needs the same tokenizer for both.")
 
     def _logits(self, role: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -298,12 +292,6 @@ class Distill(Recipe):
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": {"teacher": self.teacher_path, "student": self.student_path}}
-
-
-def _dtype(p: Placement) -> torch.dtype:
-    from multiengine.engines import torch_dtype
-
-    return torch_dtype(p.dtype)
 
 
 main = Distill.main

@@ -126,9 +126,9 @@ def test_distill_on_two_nodes_equals_one_node(tmp_path):
     tiny.prepare_builtin(assets, seed=0, n_sft=400, n_reward=10, n_ppo=10, n_eval=16)
     student = tiny.build_tiny_causal_lm(tmp_path / "student", assets / "tokenizer", hidden=32, layers=1, seed=1)
     run = ["run", "distill", "--config", "tiny"]
-    args = [f"model.teacher={assets / 'model'}", f"model.student={student}", f"data.source={assets / 'data'}",
-            "max_steps=3", "train.micro_batch_size=8", "data.heldout_size=16", "eval.size=0",
-            "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0"]
+    args = [f"roles.teacher.model={assets / 'model'}", f"roles.student.model={student}",
+            f"data.source={assets / 'data'}", "max_steps=3", "roles.student.micro_batch_size=8", "data.heldout_size=16",
+            "eval.size=0", "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0"]
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
     _run([*CLI, *run, "--nproc-per-node", "2", f"output_dir={one}", *args])
     _two_nodes(two, *args, run=run)

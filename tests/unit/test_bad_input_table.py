@@ -431,7 +431,7 @@ ROWS = [
         "validate rlhf_ppo --config tiny "
         "model.actor={d}/plain_model model.reward={d}/no_reward", "model.reward", "no_reward"),
     cli("distill-teacher-missing", "models", "a teacher folder that does not exist", "validate distill --config tiny "
-        "model.teacher={d}/no_teacher", "model.teacher", "no_teacher"),
+        "roles.teacher.model={d}/no_teacher", "roles.teacher.model", "no_teacher"),
     # --- rewards ---------------------------------------------------------------------------------------------
     cli("reward-fn-no-colon", "rewards", "a reward function without module:function",
         "validate rlhf_grpo --config tiny "

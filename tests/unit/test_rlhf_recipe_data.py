@@ -129,7 +129,7 @@ def test_validate_builds_no_model(assets, monkeypatch):
               "data.columns.prompt=question", "data.columns.response=answer")
     _validate("rlhf_ppo", f"roles.actor.model={assets['model']}", f"roles.reward.model={assets['model']}",
               f"data.source={assets['data']}", "ppo.ptx_coef=0.1")
-    _validate("distill", f"model.teacher={assets['model']}", f"model.student={assets['model']}",
+    _validate("distill", f"roles.teacher.model={assets['model']}", f"roles.student.model={assets['model']}",
               f"data.source={assets['data']}")
 
 

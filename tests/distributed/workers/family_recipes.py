@@ -40,8 +40,9 @@ for family, paths in json.load(open(sys.argv[2])).items():
     r["grpo"] = run(f"{root}/grpo", "rlhf_grpo", f"roles.actor.model={actor}", "max_steps=16", *EVAL)
     r["dpo"] = run(f"{root}/dpo", "rlhf_dpo", f"roles.actor.model={actor}", "max_steps=40",
                    "roles.actor.micro_batch_size=16", "roles.actor.warmup_steps=2", "data.heldout_size=64", *EVAL)
-    r["distill"] = run(f"{root}/distill", "distill", f"model.teacher={actor}", f"model.student={paths['student']}",
-                       "max_steps=8", "train.micro_batch_size=8", "train.warmup_steps=2", *EVAL)
+    r["distill"] = run(f"{root}/distill", "distill", f"roles.teacher.model={actor}",
+                       f"roles.student.model={paths['student']}", "max_steps=8", "roles.student.micro_batch_size=8",
+                       "roles.student.warmup_steps=2", *EVAL)
     r["classes"] = {}
     for step, role in (("sft", "actor"), ("reward", "reward"), ("ppo", "critic"), ("grpo", "actor"),
                        ("dpo", "actor"), ("distill", "student")):

@@ -44,7 +44,8 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
             "grpo.n_samples_per_prompt=2", "roles.actor.micro_batch_size=4", "generation.max_new_tokens=4", "eval.size=0",
             f"roles.actor.stage={s}"]),
         "distill": ("distill", "tiny", [
-            f"model.teacher={model}", f"model.student={student}", f"data.source={data}", "train.micro_batch_size=4",
+            f"roles.teacher.model={model}", f"roles.student.model={student}", f"data.source={data}",
+            "roles.student.micro_batch_size=4",
             "data.heldout_size=8", "eval.size=0", f"roles.teacher.stage={s}", f"roles.student.stage={s}"]),
     }
     for family, folder in families.items():
