@@ -77,6 +77,14 @@ def test_an_old_key_is_refused_naming_the_new_one(recipe):
     ("rlhf_sft", "lora.enabled", "roles.actor.lora.r"),
     ("rlhf_sft", "model.pretrained", "roles.actor.model"),
     ("rlhf_sft", "model.tiny_hidden", "tiny.hidden"),
+    ("rlhf_reward", "model.pretrained", "roles.reward.model"),
+    ("rlhf_reward", "train.micro_batch_size", "roles.reward.micro_batch_size"),
+    ("rlhf_dpo", "model.actor", "roles.actor.model"),
+    ("rlhf_dpo", "lora.actor.enabled", "roles.actor.lora.r"),
+    ("rlhf_dpo", "lora.actor.rank", "roles.actor.lora.r"),
+    ("distill", "model.tokenizer", "roles.teacher.tokenizer"),
+    ("distill", "model.student_hidden", "tiny.student_hidden"),
+    ("distill", "train.lr", "roles.student.lr"),
 ])
 def test_old_dialect_examples(recipe, old, new):
     with pytest.raises(ConfigKeyError, match=f"'{old}' .* is now '{new}'"):
