@@ -18,12 +18,12 @@ CASES = [
     ("SD 1.5 full, 512 px", "sd_finetune", "sd15_full", []),
     ("SDXL base full, 1024 px", "sd_finetune", "sdxl_full", []),
     ("SD3-medium full, 1024 px", "sd_finetune", "sd3_medium_full", []),
-    ("FLUX.1-dev full, 1024 px", "sd_finetune", "flux_dev_lora", ["lora.enabled=false"]),
+    ("FLUX.1-dev full, 1024 px", "sd_finetune", "flux_dev_lora", ["roles.transformer.lora.r=0"]),
     ("FLUX.1-dev LoRA r16, 1024 px", "sd_finetune", "flux_dev_lora", []),
     ("ControlNet for SD 1.5, 512 px", "controlnet", "tiny",
      ["model.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5", "data.resolution=512",
-      "train.micro_batch_size=1", "train.gradient_checkpointing=true", "roles.controlnet.dtype=bf16",
-      "roles.unet.dtype=bf16"]),
+      "roles.controlnet.micro_batch_size=1", "roles.controlnet.gradient_checkpointing=true",
+      "roles.controlnet.dtype=bf16", "roles.unet.dtype=bf16"]),
 ]
 
 

@@ -41,9 +41,9 @@ SCENARIOS: dict[str, Any] = {
     "FLUX.1-dev LoRA rank 16 on the FLUX targets (sd_finetune/flux_dev_lora: 1024 px, batch 1, checkpointing; "
     "CLIP-L, T5-XXL frozen, 512 T5 tokens)":
         lambda: _recipe("sd_finetune", "flux_dev_lora"),
-    "FLUX.1-dev full fine-tune (sd_finetune/flux_dev_lora with lora.enabled=false: 1024 px, batch 1, "
+    "FLUX.1-dev full fine-tune (sd_finetune/flux_dev_lora with roles.transformer.lora.r=0: 1024 px, batch 1, "
     "checkpointing)":
-        lambda: _recipe("sd_finetune", "flux_dev_lora", ["lora.enabled=false"]),
+        lambda: _recipe("sd_finetune", "flux_dev_lora", ["roles.transformer.lora.r=0"]),
     "PPO, OPT-1.3B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m as shipped)":
         lambda: _recipe("rlhf_ppo", "opt1.3b_opt350m"),
     "PPO, OPT-13B actor + OPT-350M critic (rlhf_ppo/opt1.3b_opt350m with --assume actor=facebook/opt-13b)":

@@ -383,7 +383,8 @@ def test_a_diverging_registry_demo_stops_with_exit_3(tmp_path):
     """The real recipe on 2 ranks, an absurd learning rate and no clipping: it goes NaN, stops, exports nothing."""
     out = tmp_path / "diverge"
     proc = subprocess.run([*CLI, "run", "registry_demo", "--config", "tiny", "--nproc-per-node", "2",
-                           f"output_dir={out}", "lr=1e10", "max_grad_norm=0", "max_steps=8", "checkpoint.every=1"],
+                           f"output_dir={out}", "roles.actor.lr=1e10", "roles.actor.max_grad_norm=0", "max_steps=8",
+                           "checkpoint.every=1"],
                           capture_output=True, text=True, timeout=600, env=_cli_env())
     assert proc.returncode == 3, proc.stderr[-4000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

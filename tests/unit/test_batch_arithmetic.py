@@ -63,7 +63,7 @@ CASES = {
                              ("'roles.actor.micro_batch_size'", "value 32", "49 training pairs",
                               "24 per rank on 2 ranks", "roles.actor.micro_batch_size=24 or less", "run on 1 rank")),
     "sd-12-images-2-ranks": ("sd_finetune", ("data.source={d}/images20", "--nproc-per-node", "2"),
-                             ("'train.micro_batch_size'", "value 8", "12 training images", "8 held out",
+                             ("'roles.unet.micro_batch_size'", "value 8", "12 training images", "8 held out",
                               "6 per rank", "hold out fewer rows (eval.heldout_size; 8 now)")),
     "sft-48-rows-4-ranks": ("rlhf_sft", ("data.source={d}/sft48.jsonl", "--nproc-per-node", "4"),
                             ("'train.micro_batch_size'", "value 16", "11 per rank on 4 ranks", "2 ranks or fewer")),

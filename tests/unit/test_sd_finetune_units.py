@@ -30,8 +30,8 @@ def test_shipped_configs_load(name):
     assert cfg.mode in MODES
     if name.startswith("sd15"):
         assert cfg.data.resolution == 512 and cfg.roles.unet.dtype == "bf16"
-        assert cfg.train.lr == (1e-4 if name == "sd15_lora" else 1e-5)
-        assert cfg.lora.enabled == (name == "sd15_lora") and cfg.ema.enabled == (name == "sd15_full")
+        assert cfg.roles.unet.lr == (1e-4 if name == "sd15_lora" else 1e-5)
+        assert (cfg.roles.unet.lora.r > 0) == (name == "sd15_lora") and cfg.ema.enabled == (name == "sd15_full")
     for role in ("unet", "vae", "text_encoder"):
         assert cfg.roles[role].stage == 3
 
@@ -58,34 +58,57 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
     assert plans._sd_family(parts) == family
     assert sorted(n for n in parts if n.startswith("text_encoder")) == sorted(encoders)
     check_family_options(cfg, family)  # raises on an option of the other objective
-    for role in (denoiser, "vae", *encoders):
-        assert cfg.roles[role].stage == 3 and cfg.roles[role].dtype == "bf16", role
-    assert cfg.data.resolution == 1024 and cfg.train.gradient_checkpointing
+    from multiengine.recipes.sd_finetune import ROLES
+    from multiengine.recipes.schema import placement
+
+    for role in (denoiser, "vae", *encoders):  # text_encoder_2 follows text_encoder unless it says otherwise
+        p = placement(cfg, ROLES, role)
+        assert p.stage == 3 and p.dtype == "bf16", role
+    assert cfg.data.resolution == 1024 and cfg.roles[denoiser].gradient_checkpointing
     if family == "sdxl":
         assert cfg.ema.enabled and cfg.ema.dtype == "fp32" and list(cfg.export.roles) == ["unet"]
-        assert cfg.train.lr == 1e-6
+        assert cfg.roles.unet.lr == 1e-6
     else:
         assert cfg.data.resolution % 16 == 0 and not cfg.ema.enabled
         # the T5 (SD3's third, FLUX's second encoder) is never gathered whole: a 4.7 B transient per call
         assert cfg.roles[encoders[-1]].gather_forward is False
         assert [cfg.roles[e].gather_forward for e in encoders[:-1]] == [True] * (len(encoders) - 1)
     if family == "sd3":
-        assert (cfg.flow.weighting_scheme, cfg.flow.precondition_outputs, cfg.flow.max_sequence_length) == \
+        assert (cfg.diffusion.weighting_scheme, cfg.diffusion.precondition_outputs,
+                cfg.diffusion.max_sequence_length) == \
             ("logit_normal", True, 77)
     if family == "flux":
-        assert (cfg.flow.weighting_scheme, cfg.flow.guidance_scale, cfg.flow.max_sequence_length) == \
+        assert (cfg.diffusion.weighting_scheme, cfg.diffusion.guidance_scale,
+                cfg.diffusion.max_sequence_length) == \
             ("none", 3.5, 512)
-        assert cfg.lora.enabled and list(cfg.lora.target_modules) == [] and cfg.train.lr == 1e-4
+        lora = cfg.roles.transformer.lora
+        assert lora.r == 16 and list(lora.target_modules) == [] and cfg.roles.transformer.lr == 1e-4
 
 
 def test_family_options_of_the_other_objective_are_refused_on_the_shipped_configs():
     from multiengine.engines.recipe_config import RecipeConfigError
     from multiengine.recipes.sd_finetune import check_family_options
 
-    with pytest.raises(RecipeConfigError, match="flow.weighting_scheme"):
-        check_family_options(load_config("sd_finetune", "sdxl_full", ["flow.weighting_scheme=logit_normal"]), "sdxl")
-    with pytest.raises(RecipeConfigError, match="train.snr_gamma"):
-        check_family_options(load_config("sd_finetune", "sd3_medium_full", ["train.snr_gamma=5.0"]), "sd3")
+    with pytest.raises(RecipeConfigError, match="diffusion.weighting_scheme"):
+        check_family_options(load_config("sd_finetune", "sdxl_full", ["diffusion.weighting_scheme=logit_normal"]),
+                             "sdxl")
+    with pytest.raises(RecipeConfigError, match="diffusion.snr_gamma"):
+        check_family_options(load_config("sd_finetune", "sd3_medium_full", ["diffusion.snr_gamma=5.0"]), "sd3")
+    # the denoiser the family does not have: its keys are refused, naming the one it has
+    with pytest.raises(RecipeConfigError, match=r"roles.unet.lr.*no unet.*set roles.transformer.lr"):
+        check_family_options(load_config("sd_finetune", "sd3_medium_full", ["roles.unet.lr=1.0e-4"]), "sd3")
+    with pytest.raises(RecipeConfigError, match=r"roles.transformer.lora.r.*set roles.unet.lora.r"):
+        check_family_options(load_config("sd_finetune", "tiny", ["roles.transformer.lora.r=4"]), "sd")
+
+
+@pytest.mark.parametrize("old,new", [("train.lr=1.0e-4", "roles.unet.lr"), ("lora.enabled=true", "roles.unet.lora.r"),
+                                     ("flow.logit_std=2.0", "diffusion.logit_std"),
+                                     ("train.snr_gamma=5.0", "diffusion.snr_gamma")])
+def test_old_keys_are_refused_naming_the_new_one(old, new):
+    from multiengine.engines.recipe_config import ConfigKeyError
+
+    with pytest.raises(ConfigKeyError, match=f"is now '{new}'"):
+        load_config("sd_finetune", "tiny", [old])
 
 
 def test_unknown_mode_is_refused(tmp_path):

@@ -54,7 +54,7 @@ def test_sd_finetune_trains_from_a_save_to_disk_folder(saved):
     out = root / "out"
     cfg = checked_config("sd_finetune", "tiny", [
         f"output_dir={out}", f"data.source={root / 'saved'}", "data.columns.caption=prompt", "data.eval_split=4",
-        "max_steps=2", "backend=torch", "model.tiny_vae_steps=0", "train.micro_batch_size=2", "ema.enabled=false",
+        "max_steps=2", "backend=torch", "model.tiny_vae_steps=0", "roles.unet.micro_batch_size=2", "ema.enabled=false",
         "eval.heldout_size=2", "eval.timesteps=2", "validation.num_inference_steps=1", "validation.num_prompts=2",
         "checkpoint.every=0", "export.enabled=false", "plot=false"])
     job = recipe.SDFinetune(cfg)

@@ -14,7 +14,7 @@ from multiengine.engines.recipe_config import load_config
 ROOT = out_dir()
 OVERRIDES = [
     f"output_dir={os.path.join(ROOT, 'run')}", "max_steps=3", "model.tiny_vae_steps=0", "data.builtin_size=24",
-    "train.micro_batch_size=2", "eval.heldout_size=4", "eval.timesteps=2", "validation.num_prompts=2",
+    "roles.controlnet.micro_batch_size=2", "eval.heldout_size=4", "eval.timesteps=2", "validation.num_prompts=2",
     "validation.num_inference_steps=2", "validation.every=0", "checkpoint.every=0",
 ]
 

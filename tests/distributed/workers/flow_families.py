@@ -136,8 +136,8 @@ def run_recipe(name, *overrides):
 
     cfg = load_config("sd_finetune", "tiny_flux", [
         f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",
-        "data.builtin_size=20", "train.micro_batch_size=2", "train.grad_accum=1", "eval.heldout_size=4",
-        "eval.timesteps=2", "validation.enabled=false", "checkpoint.every=2", "export.roles=[]", *overrides])
+        "data.builtin_size=20", "roles.transformer.micro_batch_size=2", "roles.transformer.grad_accum=1",
+        "eval.heldout_size=4",        "eval.timesteps=2", "validation.enabled=false", "checkpoint.every=2", "export.roles=[]", *overrides])
     job = sd_finetune.SDFinetune(cfg)
     job.setup()
     job.train()
@@ -183,8 +183,8 @@ ckpt = os.path.join(ROOT, "flux_full", "checkpoints", "step_00000002")
 results["flux_resume"] = run_recipe("flux_resume", f"resume_from={ckpt}")
 # LoRA on the FLUX transformer (the family's default targets): export/lora for load_lora_weights, and the
 # merged export/pipeline beside it.
-results["flux_lora"] = run_recipe("flux_lora", "lora.enabled=true", "ema.enabled=false", "train.lr=1.0e-2",
-                                  "max_steps=2", "checkpoint.every=0")
+results["flux_lora"] = run_recipe("flux_lora", "roles.transformer.lora.r=4", "ema.enabled=false",
+                                  "roles.transformer.lr=1.0e-2",                                  "max_steps=2", "checkpoint.every=0")
 results["paths"] = paths
 dump(results)
 

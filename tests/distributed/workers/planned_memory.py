@@ -18,7 +18,7 @@ from multiengine.engines.recipe_config import load_config, load_recipe
 
 QUIET = ["max_steps=1", "checkpoint.every=0", "tensorboard=false", "plot=false", "export.enabled=false"]
 # The smallest sd_finetune run that still takes one optimizer step (Adam state exists) and builds every role.
-SD_SMALL = ["data.resolution=32", "train.micro_batch_size=2", "validation.enabled=false", "eval.heldout_size=2",
+SD_SMALL = ["data.resolution=32", "validation.enabled=false", "eval.heldout_size=2",
             "eval.timesteps=1", "ema.enabled=true"]
 FAMILY_ROLES = {"sdxl": ("unet", "vae", "text_encoder", "text_encoder_2"),
                 "sd3": ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
@@ -32,7 +32,7 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
     s = str(stage)
     out = {
         "sd_finetune": ("sd_finetune", "tiny", [
-            f"model.pretrained={sd_model}", f"data.source={shapes}", *SD_SMALL,
+            f"model.pretrained={sd_model}", f"data.source={shapes}", *SD_SMALL, "roles.unet.micro_batch_size=2",
             f"roles.unet.stage={s}", f"roles.vae.stage={s}", f"roles.text_encoder.stage={s}"]),
         "rlhf_ppo": ("rlhf_ppo", "tiny", [
             f"roles.actor.model={model}", f"roles.reward.model={model}", f"data.source={data}",
@@ -51,6 +51,7 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
     for family, folder in families.items():
         out[f"sd_finetune_{family}"] = ("sd_finetune", f"tiny_{family}", [
             f"model.pretrained={folder}", f"data.source={shapes}", *SD_SMALL,
+            f"roles.{FAMILY_ROLES[family][0]}.micro_batch_size=2",
             *(f"roles.{role}.stage={s}" for role in FAMILY_ROLES[family])])
     return out
 

@@ -23,7 +23,7 @@ from multiengine.engines.recipe_config import load_config
 ROOT = out_dir()
 COMMON = [
     "max_steps=4", "model.tiny_vae_steps=0", "data.builtin_size=40", "data.resolution=32",
-    "train.micro_batch_size=2", "train.grad_accum=2", "train.gradient_checkpointing=true",
+    "roles.unet.micro_batch_size=2", "roles.unet.grad_accum=2", "roles.unet.gradient_checkpointing=true",
     "eval.heldout_size=4", "eval.timesteps=4",
     "validation.prompts=[a red square on a white background,a blue circle on a black background]",
     "validation.num_inference_steps=2", "checkpoint.every=2", "export.roles=[unet,ema]",
@@ -108,8 +108,8 @@ shared = [f"model.pretrained={model}", f"data.source={data}"]
 ckpt = os.path.join(ROOT, "zero3", "checkpoints", "step_00000002")
 results["resume"] = run("resume", *shared, f"resume_from={ckpt}")
 results["seed"] = run("seed", *shared, "mode=seed_baseline")
-results["lora"] = run("lora", *shared, "lora.enabled=true", "ema.enabled=false", "export.roles=[unet]", "max_steps=3",
-                      "train.lr=1.0e-2", "checkpoint.every=0", "validation.enabled=false")
+results["lora"] = run("lora", *shared, "roles.unet.lora.r=4", "ema.enabled=false", "export.roles=[unet]", "max_steps=3",
+                      "roles.unet.lr=1.0e-2", "checkpoint.every=0", "validation.enabled=false")
 # model.tiny_vae_steps: both ranks pretrain the tiny SDXL's vae (sdxl_seed skips it: its folder has that vae).
 sdxl = [f"data.source={data}", "max_steps=2", "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]",
         "model.tiny_vae_steps=4"]
