@@ -137,7 +137,8 @@ def run_recipe(name, *overrides):
     cfg = load_config("sd_finetune", "tiny_flux", [
         f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",
         "data.builtin_size=20", "roles.transformer.micro_batch_size=2", "roles.transformer.grad_accum=1",
-        "eval.heldout_size=4",        "eval.timesteps=2", "validation.enabled=false", "checkpoint.every=2", "export.roles=[]", *overrides])
+        "eval.heldout_size=4", "eval.timesteps=2", "validation.enabled=false", "checkpoint.every=2", "export.roles=[]",
+        *overrides])
     job = sd_finetune.SDFinetune(cfg)
     job.setup()
     job.train()
