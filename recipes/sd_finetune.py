@@ -291,8 +291,9 @@ def check_family_options(cfg: Any, family: str, where: str = "") -> None:
     given = _flat(_plain(cfg.roles[other]))
     for key, default in _flat(DEFAULTS["roles"][other]).items():
         if given[key] != default:
-            raise config_problem(f"roles.{other}.{key}", given[key], f"this {family} model has no {other}{suffix}: "
-                                 f"its denoiser is roles.{denoiser}", f"set roles.{denoiser}.{key} instead")
+            raise config_problem(f"roles.{other}.{key}", given[key], f"is set, but this {family} model has no "
+                                 f"{other}{suffix}: its denoiser is roles.{denoiser}",
+                                 f"set roles.{denoiser}.{key} instead")
     ddpm = family_roles(family).objective != "flow"
     for key, default in (FLOW_KEYS if ddpm else DDPM_KEYS).items():
         if cfg.diffusion[key] != default.default:

@@ -272,8 +272,12 @@ ROWS = [
         "dpo.betta", "dpo_typo.yaml"),
     cli("distill-unknown-key", "config", "a key that is not in its section", "validate distill --config tiny "
         "distill.temp=2", "distill.temp"),
-    cli("sd-removed-key", "config", "a key that was removed", "validate sd_finetune --config tiny "
-        "model.tiny_text_encoders=2", "model.tiny_text_encoders"),
+    cli("sd-removed-key", "config", "a key of an earlier version", "validate sd_finetune --config tiny "
+        "model.tiny_text_encoders=2", "model.tiny_text_encoders", "model.tiny_family"),
+    cli("sd-other-denoiser", "config", "the denoiser role the model's family does not have",
+        "validate sd_finetune --config tiny roles.transformer.lr=1e-4", "roles.transformer.lr", "roles.unet.lr"),
+    cli("demo-old-lr", "config", "a top-level key of an earlier version", "validate registry_demo --config tiny "
+        "lr=1e-3", "'lr'", "roles.actor.lr"),
     cli("yaml-duplicate-key", "config", "a YAML file setting one key twice", "validate rlhf_sft --config "
         "{d}/dup.yaml", "train.lr", "line 4", "line 6"),
     cli("override-duplicate-key", "config", "an override value setting one key twice",
@@ -292,6 +296,8 @@ ROWS = [
         "roles.actor.stage=5", "roles.actor.stage", "5"),
     cli("sd-unet-stage-5", "config", "a ZeRO stage that does not exist (diffusion)", "validate sd_finetune --config "
         "tiny roles.unet.stage=5", "roles.unet.stage", "5"),
+    cli("ppo-old-key", "config", "a key of the old dialect", "validate rlhf_ppo --config tiny ppo.mini_batch_size=4",
+        "ppo.mini_batch_size", "roles.actor.micro_batch_size"),
     cli("ppo-rollout-0", "config", "an empty rollout", "validate rlhf_ppo --config tiny ppo.rollout_batch_size=0",
         "ppo.rollout_batch_size", "0"),
     cli("grpo-top-p-0", "config", "top_p 0", "validate rlhf_grpo --config tiny generation.top_p=0", "generation.top_p"),
@@ -397,7 +403,7 @@ ROWS = [
         "--config tiny model.pretrained={d}/chat_model data.source={d}/chats_tool.jsonl", "data.source",
         "chats_tool.jsonl", "row 4", "'tool'", "system, user, assistant"),
     cli("chat-unknown-role-ppo", "data", "the same in PPO prompts", "validate rlhf_grpo --config tiny "
-        "model.actor={d}/chat_model data.source={d}/chats_tool.jsonl", "data.source", "'tool'"),
+        "roles.actor.model={d}/chat_model data.source={d}/chats_tool.jsonl", "data.source", "'tool'"),
     cli("sd-no-images", "data", "an image folder holding no images", "validate sd_finetune --config tiny "
         "data.source={d}/text_only", "text_only", "no images"),
     cli("sd-empty-folder", "data", "an empty image folder", "validate sd_finetune --config tiny "
@@ -417,7 +423,7 @@ ROWS = [
         "empty_images"),
     # --- models and tokenizers -------------------------------------------------------------------------------
     cli("ppo-missing-actor", "models", "an actor folder that does not exist", "validate rlhf_ppo --config tiny "
-        "model.actor={d}/no_such_export", "model.actor", "no_such_export"),
+        "roles.actor.model={d}/no_such_export", "roles.actor.model", "no_such_export"),
     cli("sft-model-no-config", "models", "a model folder without config.json", "validate rlhf_sft --config tiny "
         "model.pretrained={d}/empty_model", "model.pretrained", "empty_model"),
     cli("tokenizer-missing", "models", "a tokenizer folder that does not exist", "validate rlhf_sft --config tiny "
@@ -429,7 +435,7 @@ ROWS = [
         "tiny model.pretrained={d}/tf_folder", "model.pretrained", "tf_folder", "model_index.json"),
     cli("reward-model-missing", "models", "a reward-model folder that does not exist",
         "validate rlhf_ppo --config tiny "
-        "model.actor={d}/plain_model model.reward={d}/no_reward", "model.reward", "no_reward"),
+        "roles.actor.model={d}/plain_model roles.reward.model={d}/no_reward", "roles.reward.model", "no_reward"),
     cli("distill-teacher-missing", "models", "a teacher folder that does not exist", "validate distill --config tiny "
         "roles.teacher.model={d}/no_teacher", "roles.teacher.model", "no_teacher"),
     # --- rewards ---------------------------------------------------------------------------------------------
@@ -452,9 +458,12 @@ ROWS = [
         "--config tiny data.source={d}/sft.jsonl reward.functions=[{d}/rewards.py:needs_answer]", "needs_answer",
         "answer"),
     cli("reward-model-role-name", "rewards", "a reward-model role not named reward or reward_<name>", "validate "
-        "rlhf_ppo --config tiny 'reward.models=[{role: critic, path: x}]'", "reward.models[0].role", "critic"),
+        "rlhf_ppo --config tiny 'reward.models=[{role: critic, model: x}]'", "reward.models[0].role", "critic"),
     cli("reward-model-twice", "rewards", "one reward-model role listed twice", "validate rlhf_ppo --config tiny "
-        "'reward.models=[{role: reward_a, path: x}, {role: reward_a, path: y}]'", "reward.models[1].role", "twice"),
+        "'reward.models=[{role: reward_a, model: x}, {role: reward_a, model: y}]'", "reward.models[1].role", "twice"),
+    cli("reward-model-path", "rewards", "a reward-model entry naming its folder `path` (the old name)", "validate "
+        "rlhf_ppo --config tiny 'reward.models=[{role: reward_a, path: x}]'", "reward.models[0].path",
+        "reward.models[0].model"),
     cli("reward-none", "rewards", "GRPO without any reward source", "validate rlhf_grpo --config tiny "
         "reward.functions=[]", "no reward source", "reward.functions"),
     # --- the Python API --------------------------------------------------------------------------------------
