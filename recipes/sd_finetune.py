@@ -476,7 +476,7 @@ class SDFinetune(Recipe):
         self.denoiser = self.family_roles.denoiser
         self.check_family(self.model_path)
         self.text_encoders = text_encoder_names(self.model_path)
-        self.t5_length = t5_length(self.family, cfg.diffusion.max_sequence_length)
+        self.t5_length = t5_length(self.family, cfg.diffusion.get("max_sequence_length", 0))
         # 2. roles: each its own engine with its own placement
         self.add_roles()
         registry.build()
