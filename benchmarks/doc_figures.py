@@ -59,7 +59,7 @@ RUNS = [
     Run("grpo_e2e", "GRPO (e2e)", "multiengine run rlhf_e2e --config tiny --nproc-per-node 2 algorithm=grpo",
         "steps 1, 2 reused", "outputs/rlhf_e2e", needs="ppo"),
     *(Run(algo, label, f"{G} grpo.algorithm={algo} output_dir=outputs/rlhf_grpo_{algo} "
-                       "model.actor=outputs/rlhf_grpo/sft/export/actor", "SFT reused",
+                       "roles.actor.model=outputs/rlhf_grpo/sft/export/actor", "SFT reused",
           f"outputs/rlhf_grpo_{algo}", needs="grpo", image=f"rlhf_{algo}_tiny_curves.png")
       for algo, label in (("dr_grpo", "Dr. GRPO"), ("rloo", "RLOO"), ("reinforce_pp", "REINFORCE++"))),
     Run("dpo", "DPO", D, "SFT first", "outputs/rlhf_dpo", image="rlhf_dpo_tiny_curves.png"),

@@ -119,8 +119,7 @@ KEYS: dict[str, Any] = {
         "flat_warn_share": Key(0.8, "warn when more than this share of groups has all-equal rewards (1 = never) ..."),
         "flat_warn_steps": Key(5, "... for this many steps in a row"),
     }, "the critic-free estimator"),
-    "reward": Key({**REWARD_KEYS, "functions": Key(["builtin:judge"], REWARD_KEYS["functions"].help)},
-                  "the reward sources: reward-model roles and functions, summed with weights"),
+    "reward": Key(dict(REWARD_KEYS), "the reward sources: reward-model roles and functions, summed with weights"),
     "eval": Key({
         "every": Key(25, "also every N steps (always before and after)"),
         "size": Key(256, "evaluation prompts (split evenly over ranks)"),

@@ -44,7 +44,8 @@ CASES = [
     Case("sd-unclosed-list", "sd_finetune", ("validation.prompts=[a cat, a dog",), ("validation.prompts",)),
     Case("override-no-equals", "rlhf_reward", ("max_steps",), ("max_steps",)),
     # missing files and folders
-    Case("ppo-missing-actor", "rlhf_ppo", ("model.actor={d}/no_such_export",), ("model.actor", "no_such_export")),
+    Case("ppo-missing-actor", "rlhf_ppo", ("roles.actor.model={d}/no_such_export",),
+         ("roles.actor.model", "no_such_export")),
     Case("missing-config-file", "distill", ("--config", "{d}/nope.yaml"), ("nope.yaml",)),
     # bad data: missing columns, unreadable images, held-out split too large
     Case("reward-no-rejected", "rlhf_reward", ("data.source={d}/chosen_only.jsonl",), ("chosen_only.jsonl",)),
