@@ -329,7 +329,7 @@ def load_rlhf_data(
 
 
 def check_chat_template(tokenizer: Any, conversational: bool, key: str = "data.source",
-                        tokenizer_key: str = "model.pretrained") -> None:
+                        tokenizer_key: str = "roles.actor.model") -> None:
     """Raise when conversational data meets a tokenizer without a chat template."""
     if conversational and not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -385,7 +385,7 @@ def chat_template_roles(tokenizer: Any, roles: Sequence[str] = COMMON_CHAT_ROLES
 
 
 def check_chat_roles(tokenizer: Any, roles: Sequence[str], key: str = "data.source",
-                     tokenizer_key: str = "model.pretrained", where: str = "") -> None:
+                     tokenizer_key: str = "roles.actor.model", where: str = "") -> None:
     """Raise when a message role is one the tokenizer's chat template does not take (with a template that
     pastes role names into its markup it would be trained on as ``<unk>`` tokens), naming the roles it takes.
     ``where``: which row, for the message."""
@@ -439,7 +439,7 @@ def check_rlhf_data(
     train_split: str = "train",
     tokenizer: Any = None,
     key: str = "data.source",
-    tokenizer_key: str = "model.pretrained",
+    tokenizer_key: str = "roles.actor.model",
     cache_dir: str | None = None,
 ) -> dict[str, Any]:
     """Check every source of one stage before any rank starts: it exists, its columns (after mapping)

@@ -170,7 +170,7 @@ def test_chat_roles_the_template_does_not_take_are_refused_naming_the_ones_it_ta
     with pytest.raises(DataSourceError) as err:
         check_rlhf_data(str(path), "sft", tokenizer=tok)
     assert str(err.value) == (
-        f"data.source: chat messages of {path} (row 4) have role 'tool', which the chat template of model.pretrained "
+        f"data.source: chat messages of {path} (row 4) have role 'tool', which the chat template of roles.actor.model "
         f"({tmp_path / 'tok'}) does not take (it takes system, user, assistant); rename those messages' role to one "
         "it takes, or use a tokenizer whose chat template has role 'tool'")
     path.write_text("".join(json.dumps({"messages": chat[::2]}) + "\n" for _ in range(4)))
@@ -262,8 +262,8 @@ ROWS = [
     cli("cp-no-slash", "CLI", "`cp` of a recipe without a config name", "cp registry_demo {d}/my.yaml",
         "registry_demo", "RECIPE/CONFIG"),
     # --- config keys, values and files -----------------------------------------------------------------------
-    cli("sft-unknown-key", "config", "a key with a typo", "validate rlhf_sft --config tiny train.lrr=1e-3", "train.lrr",
-        "train.lr"),
+    cli("sft-unknown-key", "config", "a key with a typo", "validate rlhf_sft --config tiny roles.actor.lrr=1e-3",
+        "roles.actor.lrr", "roles.actor.lr"),
     cli("sft-unknown-section", "config", "a section that does not exist", "validate rlhf_sft --config tiny "
         "optimizer.lr=1e-3", "optimizer"),
     cli("reward-unknown-role", "config", "a role the recipe does not have", "validate rlhf_reward --config tiny "
@@ -327,7 +327,7 @@ ROWS = [
     cli("e2e-algorithm", "config", "an RL algorithm that does not exist", "validate rlhf_e2e --config tiny "
         "algorithm=a2c", "algorithm", "a2c"),
     cli("sft-scheduler", "config", "a scheduler name with a typo", "validate rlhf_sft --config tiny "
-        "train.scheduler=cosyne", "train.scheduler", "cosyne"),
+        "roles.actor.scheduler=cosyne", "roles.actor.scheduler", "cosyne"),
     cli("demo-backend", "config", "a backend that does not exist", "validate registry_demo --config tiny backend=jax",
         "backend", "jax"),
     cli("nonfinite-policy", "config", "a non-finite policy that does not exist", "validate rlhf_reward --config tiny "
@@ -339,11 +339,11 @@ ROWS = [
     cli("sd-unclosed-list", "config", "a list without its closing bracket", "validate sd_finetune --config tiny "
         "'validation.prompts=[a cat, a dog'", "validation.prompts"),
     cli("sft-list-for-int", "config", "a list for a number", "validate rlhf_sft --config tiny "
-        "train.micro_batch_size=[1,2]", "train.micro_batch_size"),
+        "roles.actor.micro_batch_size=[1,2]", "roles.actor.micro_batch_size"),
     cli("override-no-equals", "config", "an override without '='", "validate rlhf_reward --config tiny max_steps",
         "max_steps"),
-    cli("lora-empty-targets", "config", "LoRA on no modules", "validate rlhf_sft --config tiny lora.enabled=true "
-        "lora.target_modules=[]", "lora.target_modules"),
+    cli("lora-empty-targets", "config", "LoRA on no modules", "validate rlhf_sft --config tiny roles.actor.lora.r=8 "
+        "roles.actor.lora.target_modules=[]", "roles.actor.lora.target_modules"),
     cli("resume-missing", "config", "resuming from a folder that does not exist", "validate rlhf_sft --config tiny "
         "resume_from={d}/no_ckpt", "resume_from", "no_ckpt"),
     cli("overwrite-and-resume", "config", "overwrite=true and resume_from=latest together",
@@ -394,13 +394,13 @@ ROWS = [
         "validate rlhf_sft --config tiny "
         "'data.sources=[{path: {d}/sft.jsonl, wieght: 2}]'", "data.sources[0]", "wieght"),
     cli("blend-mixed-formats", "data", "a blend of conversational and standard rows", "validate rlhf_sft --config tiny "
-        "model.pretrained={d}/chat_model 'data.sources=[{d}/sft.jsonl, {d}/chats.jsonl]'", "data.sources",
+        "roles.actor.model={d}/chat_model 'data.sources=[{d}/sft.jsonl, {d}/chats.jsonl]'", "data.sources",
         "conversational"),
     cli("chat-without-template", "data", "conversations for a tokenizer without a chat template", "validate rlhf_sft "
-        "--config tiny model.pretrained={d}/plain_model data.source={d}/chats.jsonl", "data.source",
+        "--config tiny roles.actor.model={d}/plain_model data.source={d}/chats.jsonl", "data.source",
         "no chat template"),
     cli("chat-unknown-role", "data", "a chat message whose role the chat template does not take", "validate rlhf_sft "
-        "--config tiny model.pretrained={d}/chat_model data.source={d}/chats_tool.jsonl", "data.source",
+        "--config tiny roles.actor.model={d}/chat_model data.source={d}/chats_tool.jsonl", "data.source",
         "chats_tool.jsonl", "row 4", "'tool'", "system, user, assistant"),
     cli("chat-unknown-role-ppo", "data", "the same in PPO prompts", "validate rlhf_grpo --config tiny "
         "roles.actor.model={d}/chat_model data.source={d}/chats_tool.jsonl", "data.source", "'tool'"),
@@ -425,11 +425,11 @@ ROWS = [
     cli("ppo-missing-actor", "models", "an actor folder that does not exist", "validate rlhf_ppo --config tiny "
         "roles.actor.model={d}/no_such_export", "roles.actor.model", "no_such_export"),
     cli("sft-model-no-config", "models", "a model folder without config.json", "validate rlhf_sft --config tiny "
-        "model.pretrained={d}/empty_model", "model.pretrained", "empty_model"),
+        "roles.actor.model={d}/empty_model", "roles.actor.model", "empty_model"),
     cli("tokenizer-missing", "models", "a tokenizer folder that does not exist", "validate rlhf_sft --config tiny "
-        "model.pretrained={d}/plain_model model.tokenizer={d}/no_tok", "model.tokenizer", "no_tok"),
+        "roles.actor.model={d}/plain_model roles.actor.tokenizer={d}/no_tok", "roles.actor.tokenizer", "no_tok"),
     cli("tokenizer-too-big", "models", "a tokenizer with ids the model cannot embed", "validate rlhf_sft --config tiny "
-        "model.pretrained={d}/plain_model model.tokenizer={d}/chat_tok", "model.tokenizer", "chat_tok"),
+        "roles.actor.model={d}/plain_model roles.actor.tokenizer={d}/chat_tok", "roles.actor.tokenizer", "chat_tok"),
     cli("sd-not-diffusers", "models", "a transformers folder given as a diffusers model",
         "validate sd_finetune --config "
         "tiny model.pretrained={d}/tf_folder", "model.pretrained", "tf_folder", "model_index.json"),
