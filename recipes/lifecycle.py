@@ -374,7 +374,7 @@ class Recipe:
         if self.registry.is_main:
             logger.info("%s: roles built (world size %d):\n%s", self.name, self.registry.world_size,
                         self.registry.memory_report())
-        if cfg.resume_from:
+        if cfg.get("resume_from"):  # a run of runs (rlhf_e2e) has no resume_from: its steps resume themselves
             self.resume(cfg.resume_from)
 
     def wandb_init(self) -> dict[str, Any]:

@@ -15,8 +15,9 @@ fingerprint.json records the hash of the step's resolved config and the identity
 local file or folder the config names outside the step's own output_dir: content hashes of small files,
 size + mtime of large ones). Any difference reruns the step (and, through its new exports, the steps
 after it); ``rerun=true`` reruns all. The log and summary.json say which steps were reused and why.
-Prints and writes the before/after figures (summary.json) and copies step 3's curves to
-output_dir/curves.png.
+It runs on the shared lifecycle (recipes/lifecycle.py): the common keys reach every step (``seed``, ``backend``,
+``dist_timeout_s``, ``trust_remote_code``, ``tensorboard``, ``plot``, ``report_to``, ``nonfinite.*``), the figures
+go to metrics.jsonl and summary.json, and step 3's curves are copied to output_dir/curves.png.
 
 ``algorithm`` picks step 3 (see ``FINAL_STEP``): ``ppo`` (rlhf_ppo, section ``ppo``), ``grpo`` (rlhf_grpo,
 section ``grpo``: the step-2 reward model is its reward) or ``dpo`` (rlhf_dpo, section ``dpo``: trained on
@@ -28,9 +29,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
-from multiengine.engines.metrics import write_summary
 from multiengine.engines.recipe_config import Choice, Key, Range, split_keys
 from multiengine.recipes.common import (
     DATA_KEYS,
@@ -41,18 +42,21 @@ from multiengine.recipes.common import (
     recipe_checks,
     uses_builtin_data,
 )
+from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.steps import FINGERPRINT_FILE, run_step
 
 __all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "validate"]
 
 logger = logging.getLogger(__name__)
 
+# The common keys, except those a run of runs does not own: each step checkpoints and resumes as its own config
+# says (a step's resume_from goes in its overrides), and a finished step is reused by its fingerprint.
+PASSED_TO_STEPS = ("seed", "backend", "dist_timeout_s", "trust_remote_code", "tensorboard", "plot", "report_to",
+                   "nonfinite")
 KEYS: dict[str, Any] = {
+    **{k: v for k, v in COMMON_KEYS.items() if k not in ("checkpoint", "resume_from")},
     "output_dir": Key("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here"),
-    "seed": Key(0, "passed to every step"),
     "max_steps": Key(0, "steps of step 3; 0 = its config's"),
-    "backend": Key("auto", "auto | deepspeed | torch, passed to every step"),
-    "dist_timeout_s": Key(1800.0, "a collective that waits longer than this fails the run; passed to every step"),
     "data": Key({
         **DATA_KEYS,
     }, "the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)"),
@@ -86,9 +90,13 @@ KEYS: dict[str, Any] = {
     "overwrite": Key(False, "true: clear another recipe's run from output_dir first (this recipe's own steps are "
                             "reused or rerun anyway)"),
 }
+
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "backend": Choice("auto", "deepspeed", "torch"),
-          "algorithm": Choice("ppo", "grpo", "dpo")}
+for _key in PASSED_TO_STEPS:
+    HELP[_key] += " (passed to every step)"
+# Its roles are its steps' (rlhf_sft, rlhf_reward and the final recipe each declare theirs).
+ROLES: tuple = ()
+CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "algorithm": Choice("ppo", "grpo", "dpo")}
 
 # step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
 # step 1's actor (the ref is loaded from the same folder) and step 2's reward model
@@ -148,80 +156,128 @@ def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> N
             raise RecipeConfigError(f"step {section} ({recipe} --config {step.config}): {exc}") from None
 
 
-def main(cfg: Any) -> dict[str, Any]:
-    from multiengine.engines import EngineRegistry
-    from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
+def _passed_overrides(cfg: Any) -> list[str]:
+    """The common keys every step gets, as overrides."""
+    out = []
+    for key in PASSED_TO_STEPS:
+        value = cfg[key]
+        if isinstance(value, Mapping):
+            out += [f"{key}.{k}={v}" for k, v in value.items()]
+        else:
+            out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
 
-    out = cfg.output_dir
-    os.makedirs(out, exist_ok=True)
-    # the process group (created once, so its timeout is this run's for every step), and rank 0 builds the assets
-    registry = EngineRegistry(backend=cfg.backend, timeout_s=cfg.dist_timeout_s)
-    common = [f"seed={cfg.seed}", f"backend={cfg.backend}", f"dist_timeout_s={cfg.dist_timeout_s}"]
-    assets: dict[str, str] = {}
-    builtin = uses_builtin_data(cfg.data)
-    if builtin or not cfg.model.pretrained:
-        assets = prepare_tiny_assets(os.path.join(out, "tiny"), registry, cfg.seed)
-    base = cfg.model.pretrained or assets["model"]
-    # every step reads the same data (its own stage's rows of it)
-    common.extend(data_overrides(cfg.data, assets["data"] if builtin else None))
-    steps: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
 
-    # 1. SFT: base model -> export/actor
-    sft = run_step("rlhf_sft", cfg.sft.config, [*common, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
-                    os.path.join(out, "sft"), cfg.rerun, steps)
-    actor = sft["export"]["actor"]["model"]
-    # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
-    recipe, needs_rm, feed = FINAL_STEP[cfg.algorithm]
-    reward: dict[str, Any] = {"metrics": {}, "export": {}}
-    reward_path = None
-    if needs_rm:
-        rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
-        reward = run_step("rlhf_reward", cfg.reward.config,
-                           [*common, f"{BASE_MODEL['rlhf_reward']}={rm_base}", *cfg.reward.overrides],
-                           os.path.join(out, "reward"), cfg.rerun, steps)
-        reward_path = reward["export"]["reward"]["model"]
-    # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
-    final = cfg[cfg.algorithm]
-    ppo_overrides = [*common, *feed(actor, reward_path), *final.overrides]
-    if cfg.max_steps:
-        ppo_overrides.append(f"max_steps={cfg.max_steps}")
-    ppo = run_step(recipe, final.config, ppo_overrides, os.path.join(out, cfg.algorithm), cfg.rerun, steps)
+class RLHFE2E(Recipe):
+    """A run of runs on the shared lifecycle: setup (the process group, output folder policy, metrics), train
+    (the three steps, each its own recipe with its own registry on these ranks), export (the last step's
+    models), summary and curves."""
 
-    m_sft, m_rm, m_ppo = sft["metrics"], reward["metrics"], ppo["metrics"]
-    a = cfg.algorithm  # figures of step 3 are named after it: ppo/judge_after, grpo/judge_after, ...
-    figures = {
+    name = "rlhf_e2e"
+
+    def build(self) -> None:
+        from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
+
+        cfg = self.cfg
+        # the embedded assets (built-in data, tokenizer, random tiny OPT), built once by rank 0
+        self.builtin = uses_builtin_data(cfg.data)
+        self.assets: dict[str, str] = {}
+        if self.builtin or not cfg.model.pretrained:
+            self.assets = prepare_tiny_assets(self.path("tiny"), self.registry, cfg.seed)
+        self.decisions: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def train(self) -> None:
+        cfg, out = self.cfg, self.output_dir
+        base = cfg.model.pretrained or self.assets["model"]
+        # every step gets the common keys and reads the same data (its own stage's rows of it)
+        common = [*_passed_overrides(cfg), *data_overrides(cfg.data, self.assets["data"] if self.builtin else None)]
+        # 1. SFT: base model -> export/actor
+        sft = run_step("rlhf_sft", cfg.sft.config, [*common, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
+                       os.path.join(out, "sft"), cfg.rerun, self.decisions)
+        actor = sft["export"]["actor"]["model"]
+        # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
+        recipe, needs_rm, feed = FINAL_STEP[cfg.algorithm]
+        reward: dict[str, Any] = {"metrics": {}, "export": {}}
+        reward_path = None
+        if needs_rm:
+            rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
+            reward = run_step("rlhf_reward", cfg.reward.config,
+                              [*common, f"{BASE_MODEL['rlhf_reward']}={rm_base}", *cfg.reward.overrides],
+                              os.path.join(out, "reward"), cfg.rerun, self.decisions)
+            reward_path = reward["export"]["reward"]["model"]
+        # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
+        final = cfg[cfg.algorithm]
+        overrides = [*common, *feed(actor, reward_path), *final.overrides]
+        if cfg.max_steps:
+            overrides.append(f"max_steps={cfg.max_steps}")
+        last = run_step(recipe, final.config, overrides, os.path.join(out, cfg.algorithm), cfg.rerun, self.decisions)
+        self.results = {"sft": sft, **({"reward": reward} if needs_rm else {}), cfg.algorithm: last}
+        self.step = int(last.get("metrics", {}).get("steps") or 0)
+        # 4. the figures of the whole run, as one record of metrics.jsonl
+        self.figures = _figures(cfg.algorithm, sft["metrics"], reward["metrics"], last["metrics"])
+        self.metrics.log(self.step, {k: v for k, v in self.figures.items() if isinstance(v, (int, float))},
+                         prefix="e2e")
+
+    def export(self) -> dict[str, Any]:
+        last = self.results[self.cfg.algorithm]["export"]
+        reward = self.results.get("reward", {}).get("export", {})
+        return {k: v for k, v in {"actor": last.get("actor"), "reward": reward.get("reward")}.items() if v}
+
+    def summary(self, export: dict[str, Any]) -> dict[str, Any]:
+        from omegaconf import OmegaConf
+
+        return {"recipe": self.name, "world_size": self.registry.world_size, "metrics": self.figures,
+                "figures": self.figures, "algorithm": self.cfg.algorithm, "step_runs": self.decisions,
+                "steps": self.results, "export": export, "config": OmegaConf.to_container(self.cfg, resolve=True)}
+
+    def plot(self) -> str | None:
+        """Step 3's curves, copied to output_dir/curves.png."""
+        plot = self.results[self.cfg.algorithm].get("plot")
+        if not plot or not os.path.isfile(plot):
+            return None
+        if self.registry.is_main:
+            shutil.copyfile(plot, self.path("curves.png"))
+        return self.path("curves.png")
+
+    def closing_summary(self, export: dict[str, Any], plot: str | None, seconds: float) -> str:
+        a, f = self.cfg.algorithm, self.figures
+        lines = ["rlhf_e2e: " + "; ".join(f"{k} {'reused' if v['reused'] else 'ran'} ({v['why']})"
+                                           for k, v in self.decisions.items())]
+        if isinstance(f.get(f"{a}/judge_before"), (int, float)) and isinstance(f.get(f"{a}/judge_after"), (int, float)):
+            kl = f.get(f"{a}/kl_after")
+            lines.append(f"  judge score of the actor's sampled answers: {f[f'{a}/judge_before']:.3f} after SFT -> "
+                         f"{f[f'{a}/judge_after']:.3f} after {a.upper()}"
+                         + (f" (KL to the SFT model {kl:.3f} nats per answer)" if isinstance(kl, float) else ""))
+        if isinstance(f.get("reward/heldout_accuracy"), (int, float)):
+            lines.append(f"  reward-model held-out pair accuracy: {f['reward/heldout_accuracy']:.3f}")
+        for role, value in export.items():
+            lines.append(f"  export ({role}): {value.get('model') if isinstance(value, dict) else value}")
+        lines.append(f"  summary: {self.path('summary.json')}")
+        if plot:
+            lines.append(f"  curves: {plot}")
+        return "\n".join(lines)
+
+
+def _figures(a: str, m_sft: dict[str, Any], m_rm: dict[str, Any], m_last: dict[str, Any]) -> dict[str, Any]:
+    """The run's figures; those of step 3 are named after its algorithm (ppo/judge_after, grpo/judge_after, ...)."""
+    return {
         "sft/judge": m_sft.get("eval/after/judge"),
         "sft/heldout_loss": m_sft.get("eval/after/heldout_loss"),
         "reward/heldout_accuracy": m_rm.get("heldout_accuracy"),
         "reward/heldout_accuracy_before": m_rm.get("heldout_accuracy_before"),
-        f"{a}/judge_before": m_ppo.get("eval/before/judge"),
-        f"{a}/judge_after": m_ppo.get("eval/after/judge"),
-        f"{a}/reward_before": m_ppo.get("eval/before/reward"),
-        f"{a}/reward_after": m_ppo.get("eval/after/reward"),
-        f"{a}/kl_after": m_ppo.get("eval/after/kl"),
-        f"{a}/step_s_mean": m_ppo.get("time/step_s_mean"),
-        f"{a}/generation_s_mean": m_ppo.get("time/generation_s_mean"),
-        f"{a}/experience_s_mean": m_ppo.get("time/experience_s_mean"),
-        f"{a}/train_s_mean": m_ppo.get("time/train_s_mean"),
+        f"{a}/judge_before": m_last.get("eval/before/judge"),
+        f"{a}/judge_after": m_last.get("eval/after/judge"),
+        f"{a}/reward_before": m_last.get("eval/before/reward"),
+        f"{a}/reward_after": m_last.get("eval/after/reward"),
+        f"{a}/kl_after": m_last.get("eval/after/kl"),
+        f"{a}/step_s_mean": m_last.get("time/step_s_mean"),
+        f"{a}/generation_s_mean": m_last.get("time/generation_s_mean"),
+        f"{a}/experience_s_mean": m_last.get("time/experience_s_mean"),
+        f"{a}/train_s_mean": m_last.get("time/train_s_mean"),
         "sft/step_s_mean": m_sft.get("step_time_s_mean"),
         "reward/step_s_mean": m_rm.get("step_time_s_mean"),
     }
-    plot = ppo.get("plot")
-    if registry.is_main:
-        if plot and os.path.isfile(plot):
-            shutil.copyfile(plot, os.path.join(out, "curves.png"))
-            plot = os.path.join(out, "curves.png")
-        write_summary(os.path.join(out, "summary.json"), {
-            "recipe": "rlhf_e2e", "world_size": registry.world_size, "figures": figures, "plot": plot,
-            "algorithm": a, "step_runs": steps,
-            "steps": {"sft": sft, **({"reward": reward} if needs_rm else {}), a: ppo}})
-        logger.info("steps: %s", "; ".join(f"{k} {'reused' if v['reused'] else 'ran'} ({v['why']})"
-                                            for k, v in steps.items()))
-        if figures[f"{a}/judge_before"] is not None:
-            logger.info(
-                "RLHF on the built-in task: judge score of the actor's sampled answers %.3f after SFT -> %.3f after "
-                "%s (KL to the SFT model %.3f nats per answer)%s", figures[f"{a}/judge_before"],
-                figures[f"{a}/judge_after"], a.upper(), figures[f"{a}/kl_after"] or float("nan"),
-                f"; reward-model held-out pair accuracy {figures['reward/heldout_accuracy']:.3f}" if needs_rm else "")
-    return {"figures": figures, "plot": plot, "step_runs": steps,
-            "export": {"actor": ppo["export"].get("actor"), "reward": reward["export"].get("reward")}}
+
+
+main = RLHFE2E.main
