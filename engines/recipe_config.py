@@ -303,6 +303,10 @@ class _Ctx:
         new = renamed_key(path, self.renamed)
         if new is not None:  # an entry "new.key (how)" names the new key and how its values differ
             key, _, how = new.partition(" ")
+            all_paths = _all_paths(self.defaults)
+            if key not in all_paths:  # a typo inside an old section: the closest key of the new one
+                close = difflib.get_close_matches(key, all_paths, n=1)
+                key = close[0] if close else key
             fix = f"set {key} {how}" if how else f"write {key}={_show(value)}"
             return ConfigKeyError(f"config key '{path}' (value {value!r}) is now '{key}' in recipe '{self.recipe}': "
                                   f"every role is configured under roles.<name> with the same keys. Fix: {fix}. "

@@ -115,8 +115,8 @@ def test_does_not_fit(capsys, tmp_path):
     (["--gpus", "8", "--gpu-mem", "80"], "give a number and a unit"),
     (["--gpus", "6", "--nodes", "4", "--gpu-mem", "80GiB"], "not a multiple of --nodes 4"),
     (["--gpus", "8", "--gpu-mem", "80GiB", "--assume", "actor"], "expected ROLE=MODEL"),
-    (["--gpus", "8", "--gpu-mem", "80GiB", "model.pretrained=/no/such/model"], "--assume actor=<folder"),
-    (["--gpus", "8", "--gpu-mem", "80GiB", "train.micro_batch=2"], "Did you mean 'train.micro_batch_size'"),
+    (["--gpus", "8", "--gpu-mem", "80GiB", "roles.actor.model=/no/such/model"], "--assume actor=<folder"),
+    (["--gpus", "8", "--gpu-mem", "80GiB", "roles.actor.micro_batch=2"], "Did you mean 'roles.actor.micro_batch_size'"),
 ])
 def test_bad_input_is_a_usage_error(capsys, args, message):
     code = cli.main(["plan", "rlhf_sft", "--config", "tiny", *args])
@@ -127,7 +127,7 @@ def test_bad_input_is_a_usage_error(capsys, args, message):
 def test_offload_needs_host_memory_per_node(capsys):
     # 8 GPUs on 2 nodes: 4 ranks share each node's host memory
     args = ["rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
-            "train.gradient_checkpointing=true", "--gpus", "8", "--nodes", "2", "--gpu-mem", "24GiB"]
+            "roles.actor.gradient_checkpointing=true", "--gpus", "8", "--nodes", "2", "--gpu-mem", "24GiB"]
     code, result, _ = _plan(capsys, *args, "--cpu-mem", "512GiB")
     assert code == 0
     step = result[0]
@@ -141,7 +141,7 @@ def test_offload_needs_host_memory_per_node(capsys):
 
 def test_a_whole_model_gather_is_named_with_its_fix(capsys):
     code = cli.main(["plan", "rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
-                     "--gpu-mem", "24GiB", "train.gradient_checkpointing=true"])
+                     "--gpu-mem", "24GiB", "roles.actor.gradient_checkpointing=true"])
     out = capsys.readouterr().out
     assert code == cli.EXIT_DOES_NOT_FIT
     assert "Its generation gathers the whole role on every GPU (23.94 GiB)" in out
