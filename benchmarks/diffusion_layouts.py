@@ -29,8 +29,8 @@ CASES = [
 
 def states(recipe: str, config: str, overrides: list[str], mode: str, gpus: int) -> dict[str, float]:
     """Per-GPU model-state GiB per role at the config's placements (every role ZeRO-3 in zero3 mode)."""
-    from multiengine.recipes import plans
     from multiengine.engines.recipe_config import load_config
+    from multiengine.recipes import plans
 
     extra = ["ema.enabled=false", "roles.unet.offload_optimizer=false"] if recipe == "sd_finetune" else []
     cfg = load_config(recipe, config, [*overrides, *COMMON, *extra, f"mode={mode}"])

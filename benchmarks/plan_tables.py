@@ -21,8 +21,8 @@ LAYOUTS = ((8, 1), (64, 8))  # (GPUs, nodes)
 
 
 def _recipe(recipe: str, config: str, overrides: list[str] = (), assume: dict[str, str] | None = None):
-    from multiengine.recipes import plans
     from multiengine.engines.recipe_config import load_config
+    from multiengine.recipes import plans
 
     items = plans.recipe_plans(recipe, load_config(recipe, config, list(overrides)), assume)
     return [(item.title, item.roles) for item in items]
@@ -56,8 +56,8 @@ SCENARIOS: dict[str, Any] = {
 
 def shipped_gpu_configs() -> list[tuple[str, str]]:
     """(recipe, config) of every shipped config except the tiny ones, for the recipes the planner knows."""
-    from multiengine.recipes import plans
     from multiengine.engines.recipe_config import list_recipes
+    from multiengine.recipes import plans
 
     return [(r, n) for r, names in list_recipes().items() if r in plans.PLANNERS
             for n in names if not n.startswith("tiny")]

@@ -349,7 +349,7 @@ def renamed_key(path: str, renamed: dict[str, str]) -> str | None:
     if path in renamed:
         return renamed[path]
     best = None
-    for old, new in renamed.items():
+    for old in renamed:
         if old.endswith(".*") and (path + ".").startswith(old[:-1]) and (best is None or len(old) > len(best)):
             best = old
     if best is None:

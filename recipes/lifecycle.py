@@ -55,7 +55,16 @@ from multiengine.engines import (
     write_summary,
 )
 from multiengine.engines.metrics import WANDB_FIX, WANDB_MISSING
-from multiengine.engines.recipe_config import Choice, Key, Length, OrFollow, Range, Satisfies, config_problem, split_keys
+from multiengine.engines.recipe_config import (
+    Choice,
+    Key,
+    Length,
+    OrFollow,
+    Range,
+    Satisfies,
+    config_problem,
+    split_keys,
+)
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from multiengine.engines import mean_over_ranks, save_role
+from multiengine.engines.recipe_config import Key, split_keys
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import actor_spec
@@ -42,7 +43,6 @@ from multiengine.recipes.common import (
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.engines.recipe_config import Key, split_keys
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 

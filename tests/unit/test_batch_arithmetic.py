@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+from multiengine.engines.recipe_config import ConfigValueError
 from multiengine.recipes import cli
 from multiengine.recipes.common import check_rows_per_rank
-from multiengine.engines.recipe_config import ConfigValueError
 
 
 @pytest.fixture(autouse=True)

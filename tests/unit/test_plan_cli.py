@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from multiengine.recipes import cli, plans
 from multiengine.engines.recipe_config import list_recipes, load_config
+from multiengine.recipes import cli, plans
 
 PLANNED = {r: names for r, names in list_recipes().items() if r in plans.PLANNERS}
 GPU_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names if not n.startswith("tiny")]

@@ -10,8 +10,6 @@ import logging
 from pathlib import Path
 
 import pytest
-from multiengine.pipelines.rlhf import tiny
-from multiengine.recipes.common import data_overrides, data_spec
 from multiengine.engines.recipe_config import (
     RecipeConfigError,
     describe_keys,
@@ -20,6 +18,8 @@ from multiengine.engines.recipe_config import (
     load_recipe,
     validate_config,
 )
+from multiengine.pipelines.rlhf import tiny
+from multiengine.recipes.common import data_overrides, data_spec
 
 RECIPES = ("rlhf_sft", "rlhf_reward", "rlhf_ppo", "rlhf_grpo", "rlhf_dpo", "distill")
 QUIET = ["plot=false", "tensorboard=false", "checkpoint.every=0", "backend=torch"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 from multiengine.engines import Placement
+from multiengine.engines.recipe_config import RecipeConfigError, checked_config, list_recipes, load_config
 from multiengine.pipelines.rlhf.rewards import judge_reward
 from multiengine.recipes.common import reward_config, reward_entries
-from multiengine.engines.recipe_config import RecipeConfigError, checked_config, list_recipes, load_config
 from omegaconf import OmegaConf
 
 BASE = Placement(stage=3, dtype="fp32", offload_params=True)

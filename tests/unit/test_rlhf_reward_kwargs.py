@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from multiengine.engines import EngineRegistry, OptimSpec, Placement, ShardedBatches
+from multiengine.engines.recipe_config import RecipeConfigError, checked_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
@@ -27,7 +28,6 @@ from multiengine.pipelines.rlhf.rewards import (
 )
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.rollout import StepStats, expand_prompts
-from multiengine.engines.recipe_config import RecipeConfigError, checked_config
 
 PAD, EOS = 0, 2
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from multiengine.engines.recipe_config import list_recipes, load_config
 from multiengine.pipelines.diffusion.models import (
     MODES,
     Placement,
@@ -19,7 +20,6 @@ from multiengine.pipelines.diffusion.models import (
 )
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.pipelines.diffusion.validation import _cast_floating, image_grid
-from multiengine.engines.recipe_config import list_recipes, load_config
 from PIL import Image
 
 
@@ -58,8 +58,8 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
     assert plans._sd_family(parts) == family
     assert sorted(n for n in parts if n.startswith("text_encoder")) == sorted(encoders)
     check_family_options(cfg, family)  # raises on an option of the other objective
-    from multiengine.recipes.sd_finetune import ROLES
     from multiengine.recipes.schema import placement
+    from multiengine.recipes.sd_finetune import ROLES
 
     for role in (denoiser, "vae", *encoders):  # text_encoder_2 follows text_encoder unless it says otherwise
         p = placement(cfg, ROLES, role)

@@ -9,8 +9,8 @@ import os
 
 import pytest
 from datasets import Dataset
-from multiengine.recipes import sd_finetune as recipe
 from multiengine.engines.recipe_config import checked_config, load_config
+from multiengine.recipes import sd_finetune as recipe
 
 
 def _picker(tmp_path, *overrides):

@@ -61,8 +61,8 @@ def test_pretrain_trains_at_the_given_resolution(tiny_sd, tmp_path, monkeypatch)
 
 
 def _job(tmp_path, *overrides):
-    from multiengine.recipes import sd_finetune as recipe
     from multiengine.engines.recipe_config import load_config
+    from multiengine.recipes import sd_finetune as recipe
 
     cfg = load_config("sd_finetune", "tiny", [f"output_dir={tmp_path}", *overrides])
     job = recipe.SDFinetune(cfg)

@@ -8,8 +8,8 @@ argv: out_dir
 import os
 
 from common import dump, out_dir
-from multiengine.recipes import controlnet as recipe
 from multiengine.engines.recipe_config import load_config
+from multiengine.recipes import controlnet as recipe
 
 ROOT = out_dir()
 OVERRIDES = [

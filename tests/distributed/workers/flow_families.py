@@ -131,8 +131,8 @@ def run_flow(family, path, layout):
 
 
 def run_recipe(name, *overrides):
-    from multiengine.recipes import sd_finetune
     from multiengine.engines.recipe_config import load_config
+    from multiengine.recipes import sd_finetune
 
     cfg = load_config("sd_finetune", "tiny_flux", [
         f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",

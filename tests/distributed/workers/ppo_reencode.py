@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from common import dump, out_dir
 from multiengine.engines import EngineRegistry, write_summary
+from multiengine.engines.recipe_config import load_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PairCollator, _pad
 from multiengine.pipelines.rlhf.scoring import eval_mode, sequence_scores
-from multiengine.engines.recipe_config import load_config
 from multiengine.recipes.rlhf_ppo import RLHFPPO
 
 root = out_dir()

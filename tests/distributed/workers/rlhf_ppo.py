@@ -30,13 +30,13 @@ from multiengine.engines import (
     barrier,
     save_role,
 )
+from multiengine.engines.recipe_config import load_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
 from multiengine.recipes import rlhf_ppo
-from multiengine.engines.recipe_config import load_config
 from transformers import AutoTokenizer
 
 ROOT = out_dir()

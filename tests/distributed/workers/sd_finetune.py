@@ -17,8 +17,8 @@ import os
 import torch
 from common import dump, out_dir
 from multiengine.engines.partition import local_tensors
-from multiengine.recipes import sd_finetune as recipe
 from multiengine.engines.recipe_config import load_config
+from multiengine.recipes import sd_finetune as recipe
 
 ROOT = out_dir()
 COMMON = [
