@@ -30,10 +30,10 @@ __all__ = ["LORA_TARGETS", "ROLE_KEYS", "TRAINABLE_KEYS", "Role", "follow_chain"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 ROLE_KEYS: dict[str, Key] = {
-    "model": Key("", "a model folder (save_pretrained) or hub name; \"\" = where the role's declaration says"),
+    "model": Key("", "a model folder (save_pretrained) or hub name; \"\" = as the role's description says"),
     "tokenizer": Key("", "a tokenizer folder or hub name; \"\" = the model folder's own"),
-    "stage": Key(3, "ZeRO stage 0-3 (-1 = the stage of the role it follows)"),
-    "dtype": Key("bf16", "fp32 | bf16 | fp16 (GPU only); \"\" = the dtype of the role it follows"),
+    "stage": Key(3, "ZeRO stage 0-3"),
+    "dtype": Key("bf16", "fp32 | bf16 | fp16 (GPU only)"),
     "offload_params": Key(False, "ZeRO-3 parameter offload to CPU"),
     "offload_optimizer": Key(False, "optimizer state offload to CPU (trainable roles only)"),
     "gather_forward": Key(False, "frozen ZeRO-3 role: gather all its weights once per forward (frozen roles only)"),
