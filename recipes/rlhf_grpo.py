@@ -5,6 +5,9 @@ reward sources (reward-model roles and/or Python reward functions); no critic.
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.algorithm=rloo
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 'reward.models=[{role: reward, weight: 1.0}]' \\
         reward.functions=[] roles.reward.model=outputs/rlhf_reward/export/reward
+    multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.loss_aggregation=token_mean grpo.clip_high=0.28 \\
+        grpo.dynamic_sampling=true                                          # DAPO-style (docs/rlhf-variants.md)
+    multiengine run rlhf_grpo --config tiny_multiturn --nproc-per-node 2    # calculator tool, several turns
     multiengine run rlhf_grpo --config opt1.3b --nproc-per-node 8
 
 Each step samples ``grpo.n_samples_per_prompt`` answers to each of a rank's prompts, scores them with the
@@ -24,45 +27,20 @@ continues a run exactly.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 from multiengine.engines import ShardedBatches, save_role, shard_batches
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
-from multiengine.pipelines.rlhf import tiny
+from multiengine.pipelines.rlhf import multiturn
 from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
-from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
-from multiengine.pipelines.rlhf.rewards import judge_reward
+from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, evaluate_grpo, judge_prompt_problem, plot_panels
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
 from multiengine.pipelines.rlhf.runs import builtin_judge
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    REWARD_KEYS,
-    RLHF_TRAINABLE,
-    TINY_KEYS,
-    check_data,
-    check_model,
-    check_model_path,
-    check_reward_columns,
-    check_scoring_tokenizers,
-    check_sft_run_batches,
-    check_stage_batches,
-    check_tokenizer,
-    data_overrides,
-    load_data,
-    recipe_checks,
-    retokenizers,
-    reward_config,
-    reward_tokenizer_checks,
-    role_tokenizer,
-    sft_model,
-    tiny_assets,
-    uses_builtin_data,
-)
+from multiengine.recipes import common
+from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, TINY_KEYS
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
@@ -110,7 +88,20 @@ KEYS: dict[str, Any] = {
         "kl_coef": Key(0.04, "beta; 0 = no KL and no ref role"),
         "kl_in_reward": Key(None, "null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for rloo/reinforce_pp)"),
         "kl_clamp": Key(0.0, "0 = off; clamp each token's KL estimate to +/- this"),
-        "loss_agg": Key("", "\"\" = the algorithm's | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm"),
+        "loss_aggregation": Key("", "\"\" = the algorithm's | token_mean (DAPO) | seq_mean_token_mean (GRPO) | "
+                                    "seq_mean_token_sum_norm (Dr. GRPO)"),
+        "clip_low": Key(None, "null = clip_eps; the ratio's lower bound is 1 - clip_low"),
+        "clip_high": Key(None, "null = clip_low; > clip_low is DAPO's clip-higher (e.g. 0.28)"),
+        "importance_level": Key("token", "token | sequence (GSPO's length-normalised sequence ratio)"),
+        "overlong_buffer": Key(0, "0 = off; DAPO's soft overlong penalty over the last N tokens before "
+                                  "generation.max_new_tokens ..."),
+        "overlong_penalty": Key(1.0, "... growing linearly to this at max_new_tokens"),
+        "dynamic_sampling": Key(False, "DAPO: drop prompt groups whose rewards are all equal, sample new prompts"),
+        "max_resample_rounds": Key(4, "sampling rounds per step at most (then the batch is filled with flat groups)"),
+        "env": Key("", "\"\" = one completion per answer; builtin:arithmetic (calculator tool) or module:factory = "
+                       "multi-turn episodes, the environment's reward"),
+        "max_turns": Key(3, "model turns per episode at most (grpo.env)"),
+        "max_total_tokens": Key(48, "tokens per episode at most, prompt included (grpo.env)"),
         "gamma": Key(1.0, "discount of the returns-to-go"),
         "std_eps": Key(1.0e-6, "added to the group std (grpo)"),
         "clip_reward": Key(5.0, "0 = no clipping"),
@@ -133,12 +124,15 @@ KEYS: dict[str, Any] = {
     }, "what the run writes under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
+CHECKS = common.recipe_checks(DEFAULTS, {
     "grpo.algorithm": Choice("grpo", "dr_grpo", "rloo", "reinforce_pp"),
     "grpo.n_samples_per_prompt": Range(1), "grpo.rollout_batch_size": Range(1),
     "grpo.epochs": Range(1), "grpo.clip_eps": Range(0, min_exclusive=True), "grpo.dual_clip": Range(0),
     "grpo.kl_coef": Range(0), "grpo.kl_clamp": Range(0),
-    "grpo.loss_agg": Choice("", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "grpo.loss_aggregation": Choice("", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "grpo.importance_level": Choice("token", "sequence"), "grpo.overlong_buffer": Range(0),
+    "grpo.overlong_penalty": Range(0), "grpo.max_resample_rounds": Range(1), "grpo.max_turns": Range(1),
+    "grpo.max_total_tokens": Range(2),
     "grpo.gamma": Range(0, 1), "grpo.std_eps": Range(0), "grpo.clip_reward": Range(0),
     "grpo.no_eos_penalty": Range(0), "generation.mode": Choice("gather", "per_token"),
     "grpo.flat_warn_share": Range(0, 1), "grpo.flat_warn_steps": Range(1),
@@ -149,27 +143,34 @@ RENAMED = old_keys("actor", model="model.actor", extra={
     "grpo.mini_batch_size": "roles.actor.micro_batch_size", "lora.actor.*": "roles.actor.lora.*",
     "lora.actor.rank": "roles.actor.lora.r",
     "lora.actor.enabled": "roles.actor.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)",
+    "grpo.loss_agg": "grpo.loss_aggregation",
 })
 
 
+_SAME_NAMES = ("algorithm", "n_samples_per_prompt", "rollout_batch_size", "epochs", "clip_eps", "kl_coef",
+               "kl_in_reward", "gamma", "std_eps", "shuffle_minibatches", "flat_warn_share", "flat_warn_steps",
+               "clip_low", "clip_high", "importance_level", "overlong_buffer", "overlong_penalty", "dynamic_sampling",
+               "max_resample_rounds")
+
+
 def grpo_settings(cfg: Any) -> GRPOSettings:
-    g = cfg.grpo
+    g = cfg.grpo  # 0 / "" are "off" / "the algorithm's" in the keys, None in the settings
     return GRPOSettings(
-        algorithm=g.algorithm, n_samples_per_prompt=g.n_samples_per_prompt, rollout_batch_size=g.rollout_batch_size,
-        mini_batch_size=cfg.roles.actor.micro_batch_size, epochs=g.epochs, clip_eps=g.clip_eps,
-        dual_clip=g.dual_clip or None, kl_coef=g.kl_coef, kl_in_reward=g.kl_in_reward, kl_clamp=g.kl_clamp or None,
-        loss_agg=g.loss_agg or None, gamma=g.gamma, std_eps=g.std_eps, clip_reward=g.clip_reward or None,
-        normalize_rewards=cfg.reward.normalize, no_eos_penalty=g.no_eos_penalty or None,
-        shuffle_minibatches=g.shuffle_minibatches, flat_warn_share=g.flat_warn_share,
-        flat_warn_steps=g.flat_warn_steps)
+        **{k: g[k] for k in _SAME_NAMES}, mini_batch_size=cfg.roles.actor.micro_batch_size,
+        dual_clip=g.dual_clip or None, kl_clamp=g.kl_clamp or None, loss_agg=g.loss_aggregation or None,
+        clip_reward=g.clip_reward or None, normalize_rewards=cfg.reward.normalize,
+        no_eos_penalty=g.no_eos_penalty or None)
 
 
 def rewards_of(cfg: Any, strict: bool = True) -> tuple[list[Any], list[Any]]:
     """The reward-model roles and the reward sources (reward.models and reward.functions; the `reward` role's
-    folder is roles.reward.model). ``strict=False``: a folder left empty is not an error yet (validate)."""
+    folder is roles.reward.model; none with grpo.env: the environment's reward). ``strict=False``: a folder left
+    empty is not an error yet (validate)."""
+    if cfg.grpo.env:
+        return [], []
     named = bool(cfg.reward.models) or bool(cfg.reward.functions)
     fallback = cfg.roles.reward.model or ("" if named and not strict else None)
-    return reward_config(cfg.reward, fallback, placement(cfg, ROLES, "reward"),
+    return common.reward_config(cfg.reward, fallback, placement(cfg, ROLES, "reward"),
                          default_tokenizer=cfg.roles.reward.tokenizer)
 
 
@@ -179,6 +180,20 @@ def _validate_settings(cfg: Any) -> None:
     if g.kl_in_reward is not None and not isinstance(g.kl_in_reward, bool):
         raise RecipeConfigError(f"grpo.kl_in_reward={g.kl_in_reward!r}: use null (the algorithm's "
                                 "default), true (k1 in the reward) or false (k3 loss term).")
+    for key in ("clip_low", "clip_high"):
+        value = g[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise config_problem(f"grpo.{key}", value, "is not a number", "use null (= clip_eps) or e.g. 0.28")
+    if g.overlong_buffer > cfg.generation.max_new_tokens:
+        raise config_problem("grpo.overlong_buffer", g.overlong_buffer, f"exceeds generation.max_new_tokens="
+                             f"{cfg.generation.max_new_tokens} (the penalty ramps over the last tokens before it)",
+                             "use a buffer <= max_new_tokens, or 0 = off")
+    if g.env:
+        try:
+            multiturn.check_env_settings(g.env, bool(cfg.reward.models or cfg.reward.functions), cfg.generation.mode,
+                               g.overlong_buffer)
+        except ValueError as exc:
+            raise RecipeConfigError(str(exc)) from None
     rows = g.rollout_batch_size * g.n_samples_per_prompt
     try:
         grpo_settings(cfg)
@@ -204,21 +219,21 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _validate_settings(cfg)
     r = cfg.roles
     models, _ = rewards_of(cfg, strict=False)
-    check_model("roles.actor.model", r.actor.model)
-    check_model("roles.reward.model", r.reward.model)
+    common.check_model("roles.actor.model", r.actor.model)
+    common.check_model("roles.reward.model", r.reward.model)
     for m in models:
         if m.path != r.reward.model:
-            check_model(f"reward.models ({m.role}).model", m.path)
-    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
-    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
+            common.check_model(f"reward.models ({m.role}).model", m.path)
+    actor_tok = common.check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
+    report = common.check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
     if report is not None:  # the columns each reward function names are in the prompts' rows
-        check_reward_columns(cfg.reward, report["columns"])
+        common.check_reward_columns(cfg.reward, report["columns"])
     if not r.actor.model:
-        sft = check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
-        check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
+        sft = common.check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+        common.check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
     check_batches(cfg, report, world_size)
     if r.actor.model:
-        check_scoring_tokenizers(actor_tok, [s for s in reward_tokenizer_checks(models) if s[1]],
+        common.check_scoring_tokenizers(actor_tok, [s for s in common.reward_tokenizer_checks(models) if s[1]],
                                  bool(report and report["conversational"]))
 
 
@@ -226,7 +241,7 @@ def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, sett
     """A step draws grpo.rollout_batch_size prompts per rank (each sampled grpo.n_samples_per_prompt times: the
     group) from one stream; how the group's rows split into minibatches is _validate_settings'."""
     g = cfg.grpo
-    check_stage_batches(report, world_size, key="grpo.rollout_batch_size", value=g.rollout_batch_size,
+    common.check_stage_batches(report, world_size, key="grpo.rollout_batch_size", value=g.rollout_batch_size,
                         unit="prompts", setting=setting,
                         what=f"each sampled grpo.n_samples_per_prompt={g.n_samples_per_prompt} times")
 
@@ -242,29 +257,36 @@ class RLHFGRPO(Recipe):
     def build(self) -> None:
         cfg, registry, r = self.cfg, self.registry, self.cfg.roles
         # 1. the actor (SFT model, trained here on first use), tokenizer and data source
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not r.actor.model)
+        needed, t = common.uses_builtin_data(cfg.data) or not r.actor.model, cfg.tiny  # the embedded task's assets
+        assets = common.tiny_assets(self, needed) if cfg.grpo.env != "builtin:arithmetic" or not needed else \
+            multiturn.prepare_arithmetic_assets(self.path("arith"), registry, cfg.seed, t.hidden, t.layers)
         builtin = assets.get("data", "")
-        actor_path = check_model_path("roles.actor.model", r.actor.model, "rlhf_sft") or sft_model(
-            self, cfg.actor_sft, self.path("sft"), data_overrides(cfg.data, builtin or None), assets["model"])
-        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = role_tokenizer(r.actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
+        actor_path = common.check_model_path("roles.actor.model", r.actor.model, "rlhf_sft") or common.sft_model(
+            self, cfg.actor_sft, self.path("sft"), common.data_overrides(cfg.data, builtin or None), assets["model"])
+        tiny_tok = common.role_tokenizer("", assets["tokenizer"]) if assets else None
+        self.tokenizer = common.role_tokenizer(r.actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
         self.paths = {"actor": actor_path}
 
         # 2. data: prompts (checkpointed stream), evaluation prompts never trained on; the built-in judge
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        data = load_data(self, "ppo", eval_stage="eval", default_source=builtin)
+        data = common.load_data(self, "ppo", eval_stage="eval", default_source=builtin)
         conversational = "prompt_messages" in collate([data.train[0]])
 
         # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
         #    its own tokenizer: re-encoded when it differs from the actor's)
         s = self.settings = grpo_settings(cfg)
         reward_roles, rewards = rewards_of(cfg)
-        self.tokenizers, self.retokenizers = retokenizers(
+        self.tokenizers, self.retokenizers = common.retokenizers(
             self.tokenizer, [(m.role, m.path, m.tokenizer) for m in reward_roles], conversational)
         self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
                         for src in rewards]
-        self._check_builtin_reward(data.train)
-        check_reward_columns(self.rewards, {"train": data.train.column_names,
+        bad = judge_prompt_problem(self.rewards, [prompt_text(data.train[i]["prompt"])
+                                                  for i in range(min(len(data.train), 64))])
+        if bad is not None:
+            raise RecipeConfigError(f"reward.functions has builtin:judge, which scores only the built-in task's prompts"
+                                    f" (e.g. 'list 3 fruits :'); data.source={cfg.data.source!r} has {bad!r}. "
+                                    "Use your own reward function or a reward model.")
+        common.check_reward_columns(self.rewards, {"train": data.train.column_names,
                                             "eval": data.eval.column_names if data.eval is not None else None})
         updates = cfg.max_steps * s.epochs * (s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size)
         registry.add(actor_spec(
@@ -276,7 +298,7 @@ class RLHFGRPO(Recipe):
             registry.add(ref_spec(actor_path, placement(cfg, ROLES, "ref")))
             self.paths["ref"] = actor_path
         for m in reward_roles:
-            self.paths[m.role] = check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
+            self.paths[m.role] = common.check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
             registry.add(reward_spec(m.path, m.placement, name=m.role))
         registry.build()
         self.reward_role = reward_roles[0].role if reward_roles else None
@@ -291,61 +313,33 @@ class RLHFGRPO(Recipe):
         gen = cfg.generation
         self.generation = GenerationSettings(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                                              top_k=gen.top_k, top_p=gen.top_p, mode=gen.mode, do_sample=True)
-        self.greedy_generation = GenerationSettings(max_new_tokens=gen.max_new_tokens, mode=gen.mode, do_sample=False)
+        g = cfg.grpo
+        self.episodes = multiturn.MultiTurnRollouts(
+            registry, multiturn.environment_factory(g.env), multiturn.TurnRenderer(self.tokenizer), self.generation,
+            n_samples_per_prompt=s.n_samples_per_prompt, max_turns=g.max_turns, max_total_tokens=g.max_total_tokens,
+            ref=self.ref) if g.env else None
         self.trainer = registry.add_state("grpo", GRPOTrainer(
             registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rewards,
-            self.decode, ref=self.ref, seed=cfg.seed, judge=self.judge))
-        self.plot_panels = []
-        if [src.fn for src in self.rewards] != [judge_reward] or self.judge is None:  # else the judge panel has it
-            self.plot_panels.append(("reward (weighted sum)", ["train/reward/mean", "eval/reward"]))
-        if self.reward_role:
-            self.plot_panels.append((f"reward-model score ({self.reward_role})",
-                                     [f"train/reward/{self.reward_role}", f"eval/reward/{self.reward_role}"]))
-        if self.judge is not None:
-            self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
-        if self.ref:
-            self.plot_panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
-
-    def _check_builtin_reward(self, rows: Any) -> None:
-        """builtin:judge scores only the built-in task's prompts: anything else would score 0 everywhere."""
-        if not any(src.fn is judge_reward for src in self.rewards):
-            return
-        sample = [prompt_text(rows[i]["prompt"]) for i in range(min(len(rows), 64))]
-        if not all(tiny.parse_prompt(p) is not None for p in sample):
-            bad = next(p for p in sample if tiny.parse_prompt(p) is None)
-            raise RecipeConfigError(f"reward.functions has builtin:judge, which scores only the built-in task's prompts"
-                                    f" (e.g. 'list 3 fruits :'); data.source={self.cfg.data.source!r} has {bad!r}. "
-                                    "Use your own reward function or a reward model.")
+            self.decode, ref=self.ref, seed=cfg.seed, judge=self.judge, rollout=self.episodes,
+            more_prompts=(lambda: next(self.prompts)) if s.dynamic_sampling else None))
+        self.plot_panels = plot_panels(self.rewards, self.judge is not None, self.reward_role, self.ref,
+                                       self.episodes is not None)
 
     def decode(self, response_ids: torch.Tensor) -> list[str]:
         return self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
 
     # --- training --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        # 1. this rank's next prompts (left padded; sharded, resumable stream)
-        batch = next(self.prompts)
-        # 2.-5. inside trainer.step: each prompt n times in consecutive rows; sample (actor gathered once, or
-        #    per token), seeded by (seed, step, rank); actor and ref log-probs and every reward source (every
-        #    rank, every role); group advantages; epochs x minibatches of clipped policy-gradient steps (+ k3
-        #    KL loss). The metrics come back as means over ranks.
-        return self.trainer.step(batch, self.step)
+        # this rank's next prompts (a resumable stream); trainer.step samples n answers (or episodes) to each,
+        # seeded by (seed, step, rank), scores them, forms group advantages and runs the policy update
+        return self.trainer.step(next(self.prompts), self.step)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
-        """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, the held-out reward
-        (weighted sum and each source's mean, every rank scoring its own prompts), exact KL to ref; optionally
-        greedy answers."""
         if not self.eval_batches:
             return {}
-        t0 = time.perf_counter()
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
-                                 judge=self.judge, ref_role=self.ref, seed=self.cfg.eval.seed, rewards=self.rewards)
-        if self.cfg.eval.greedy:
-            greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad, self.decode,
-                                     judge=self.judge, rewards=self.rewards)
-            result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
-        result["seconds"] = time.perf_counter() - t0
-        return result
+        return evaluate_grpo(self.registry, self.eval_batches, self.generation, self.tokenizer.eos_token_id,
+                             self.tokenizer.pad_token_id, self.decode, rewards=self.rewards, judge=self.judge,
+                             ref=self.ref, seed=self.cfg.eval.seed, greedy=self.cfg.eval.greedy, episodes=self.episodes)
 
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
@@ -363,8 +357,8 @@ class RLHFGRPO(Recipe):
                for key in ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s",
                            "gen/tokens_per_s", "gen/ms_per_token")},
         }
-        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge",
-                                          *(f"reward/{src.name}" for src in self.rewards))))
+        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge", "success",
+                                          "turns", "tool_calls", *(f"reward/{src.name}" for src in self.rewards))))
         return metrics
 
     def summary_extra(self) -> dict[str, Any]:

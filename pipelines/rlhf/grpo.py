@@ -27,20 +27,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from .advantages import CRITIC_FREE, critic_free_advantages
+from .dynamic_sampling import DynamicSampler, collect_groups, group_row_indices, round_seed
 from .generation import GenerationSettings
 from .losses import LOSS_AGG_MODES
+from .policy_variants import IMPORTANCE_LEVELS, overlong_penalty
 from .rewards import RewardSource, RunningMoments, check_sources
-from .rollout import Experience, StepStats, make_experience, rollout_metrics, step_timings
+from .rollout import Experience, StepStats, concat_experiences, make_experience, rollout_metrics, step_timings
 from .update import train_on_experience
 
-__all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer"]
+__all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer", "evaluate_grpo", "judge_prompt_problem", "plot_panels"]
 
 logger = logging.getLogger(__name__)
 
 Judge = Callable[[str, str], float]
+# a rollout maker other than make_experience (multi-turn): (prompt batch, step, sampling seed) -> Experience
+# with score set (collective: the same number of forwards of every role on every rank)
+Rollout = Callable[[dict[str, Any], int, int], Experience]
 
 _KL_IN_REWARD = {"grpo": False, "dr_grpo": False, "rloo": True, "reinforce_pp": True}
 _LOSS_AGG = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "rloo": "token_mean",
@@ -68,6 +73,15 @@ class GRPOSettings:
     normalize_rewards: bool = False  # running mean/std of the score (all ranks), before clipping
     no_eos_penalty: float | None = None
     shuffle_minibatches: bool = True
+    # DAPO / GSPO variants (policy_variants.py; None = clip_eps: the symmetric clip, unchanged)
+    clip_low: float | None = None
+    clip_high: float | None = None
+    importance_level: str = "token"  # token | sequence (GSPO)
+    overlong_buffer: int = 0  # 0 = off; else the last this-many tokens before max_new_tokens ramp a penalty
+    overlong_penalty: float = 1.0
+    # DAPO's dynamic sampling (dynamic_sampling.py): drop groups with all-equal rewards, sample again
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 4
     # warn when more than this share of the groups is flat (all rewards equal) for flat_warn_steps steps in a row
     flat_warn_share: float = 0.8  # 1 = never
     flat_warn_steps: int = 5
@@ -91,6 +105,19 @@ class GRPOSettings:
             raise ValueError(f"loss_agg={self.loss_agg!r}; use one of {list(LOSS_AGG_MODES)}.")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"kl_clamp must be > 0 (or None), got {self.kl_clamp}.")
+        low = self.clip_eps if self.clip_low is None else self.clip_low
+        if (self.clip_low is not None or self.clip_high is not None) and not 0.0 <= low < 1.0:
+            raise ValueError(f"clip_low={low!r}: the ratio's lower bound is 1 - clip_low; use 0 <= clip_low < 1.")
+        if self.clip_high is not None and self.clip_high < 0:
+            raise ValueError(f"clip_high={self.clip_high!r}: the ratio's upper bound is 1 + clip_high; use >= 0 "
+                             "(DAPO: 0.28).")
+        if self.importance_level not in IMPORTANCE_LEVELS:
+            raise ValueError(f"importance_level={self.importance_level!r}; use one of {list(IMPORTANCE_LEVELS)}.")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer}, overlong_penalty={self.overlong_penalty}: "
+                             "both >= 0 (buffer 0 = off).")
+        if self.dynamic_sampling:
+            DynamicSampler(self.rollout_batch_size, self.max_resample_rounds)  # range checks
         FlatGroupWatch(self.flat_warn_share, self.flat_warn_steps)  # range checks
 
     @property
@@ -158,8 +185,12 @@ class GRPOTrainer:
         eos_token_id / pad_token_id: the tokenizer's.
         rewards: reward sources (:func:`rewards.reward_model` / :func:`rewards.reward_function`).
         decode: ``response_ids [B, T] -> list[str]`` (needed by reward functions and the judge).
-        seed: sampling seeds derive from ``(seed, step, rank)``.
+        seed: sampling seeds derive from ``(seed, step, rank)`` (and the round, with dynamic sampling).
         judge: optional ``judge(prompt, answer)`` logged as ``judge/mean``.
+        more_prompts: with dynamic sampling, the next batch of prompts for another round (every rank draws
+            the same number); ``None`` samples the step's prompts again with the round's seed.
+        rollout: ``rollout(batch, step, sampling_seed) -> Experience`` (score set) in place of the single
+            completion rollout, e.g. multi-turn episodes (multiturn.py).
     """
 
     def __init__(
@@ -176,10 +207,13 @@ class GRPOTrainer:
         ref: str | None = "ref",
         seed: int = 0,
         judge: Judge | None = None,
+        more_prompts: Callable[[], dict[str, Any]] | None = None,
+        rollout: Rollout | None = None,
     ) -> None:
         if not generation.do_sample:
             raise ValueError("critic-free estimators compare several samples of a prompt: set do_sample=True.")
-        check_sources(rewards, registry)
+        if rollout is None or rewards:  # a custom rollout (multi-turn) may bring its own score
+            check_sources(rewards, registry)
         if actor not in registry or not registry.role(actor).trainable:
             raise ValueError(f"actor role {actor!r} must be a trainable role of the registry ({registry.names()}).")
         if settings.kl_coef > 0 and (ref is None or ref not in registry):
@@ -199,16 +233,62 @@ class GRPOTrainer:
         self.judge = judge
         self.normalizer = RunningMoments() if settings.normalize_rewards else None
         self.flat_watch = FlatGroupWatch(settings.flat_warn_share, settings.flat_warn_steps)
+        self.more_prompts = more_prompts
+        self.rollout = rollout
+        self.sampler = (DynamicSampler(settings.rollout_batch_size, settings.max_resample_rounds)
+                        if settings.dynamic_sampling else None)
+        self.dynamic: dict[str, float] = {}  # the last step's dynamic sampling counts (this rank)
+
+    def _sample(self, batch: dict[str, Any], step: int, seed: int) -> Experience:
+        """One rollout with its score (and the overlong penalty)."""
+        s = self.settings
+        if self.rollout is not None:
+            exp = self.rollout(batch, step, seed)
+        else:
+            exp = make_experience(
+                self.registry, batch, step, generation=self.generation, eos_token_id=self.eos,
+                pad_token_id=self.pad, rewards=self.rewards, decode=self.decode, actor=self.actor, ref=self.ref,
+                critic=None, n_samples_per_prompt=s.n_samples_per_prompt, seed=self.seed,
+                no_eos_penalty=s.no_eos_penalty, sample_seed=seed)
+        if s.overlong_buffer:
+            penalty = overlong_penalty(exp.action_mask.sum(-1), self.generation.max_new_tokens, s.overlong_buffer,
+                                       s.overlong_penalty).to(exp.score.device)
+            exp.score = exp.score + penalty
+            exp.reward_parts["overlong"] = penalty
+        return exp
+
+    def _dynamic_rollout(self, batch: dict[str, Any], step: int) -> Experience:
+        """Rounds of rollouts until every rank holds ``rollout_batch_size`` groups with a reward spread (or the
+        cap): the kept groups' rows in one Experience."""
+        G, rank = self.settings.n_samples_per_prompt, self.registry.rank
+        timings: dict[str, float] = {}  # every round's, kept or not
+
+        def sample(round_: int) -> tuple[torch.Tensor, Experience]:
+            prompts = batch if round_ == 0 or self.more_prompts is None else self.more_prompts()
+            exp = self._sample(prompts, step, round_seed(self.seed, step, round_, rank))
+            for k, v in exp.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
+            return exp.score.reshape(-1, G), exp
+
+        def sync(here: bool) -> bool:  # every rank samples as many rounds as the neediest
+            return bool(all_reduce_sum(torch.tensor([float(here)], dtype=torch.float64)).item() > 0)
+
+        assert self.sampler is not None
+        selection, self.dynamic = collect_groups(sample, self.sampler, sync)
+        parts = [exp.rows(group_row_indices(groups, G)) for exp, groups in selection]
+        exp = concat_experiences(parts, self.pad, G)
+        exp.timings = timings
+        return exp
 
     @torch.no_grad()
     def make_experience(self, batch: dict[str, Any], step: int) -> Experience:
         """Rollout (``rollout_batch_size`` prompts x ``n_samples_per_prompt`` rows) with rewards and
         advantages set (collective)."""
         s = self.settings
-        exp = make_experience(
-            self.registry, batch, step, generation=self.generation, eos_token_id=self.eos, pad_token_id=self.pad,
-            rewards=self.rewards, decode=self.decode, actor=self.actor, ref=self.ref, critic=None,
-            n_samples_per_prompt=s.n_samples_per_prompt, seed=self.seed, no_eos_penalty=s.no_eos_penalty)
+        if self.sampler is not None:
+            exp = self._dynamic_rollout(batch, step)
+        else:
+            exp = self._sample(batch, step, round_seed(self.seed, step, 0, self.registry.rank))
         t0 = time.perf_counter()
         score = exp.score
         if self.normalizer is not None:
@@ -229,6 +309,7 @@ class GRPOTrainer:
         return train_on_experience(
             self.registry, exp, step, mini_batch_size=s.mini_batch_size, temperature=self.generation.temperature,
             actor=self.actor, critic=None, epochs=s.epochs, clip_eps=s.clip_eps, dual_clip=s.dual_clip,
+            clip_low=s.clip_low, clip_high=s.clip_high, importance_level=s.importance_level,
             loss_agg=s.resolved_loss_agg, horizon=self.generation.max_new_tokens, kl_coef=kl_loss_coef,
             kl_estimator="k3", kl_clamp=s.kl_clamp, shuffle=s.shuffle_minibatches, seed=self.seed, stats=stats)
 
@@ -242,6 +323,12 @@ class GRPOTrainer:
         exp = self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
         self.rollout_metrics(exp, stats)
+        if self.sampler is not None:  # global: dropped / seen groups over all ranks
+            d = self.dynamic
+            stats.add("dynamic/dropped_rate", [d["dynamic/groups_dropped"], d["dynamic/groups_seen"]],
+                      lambda dropped, seen: dropped / seen if seen else 0.0)
+            for key in ("dynamic/rounds", "dynamic/filled", "dynamic/surplus"):
+                stats.add(key, [d[key], 1.0], lambda total, n: total / n)
         t1 = time.perf_counter()
         self.train_on(exp, step, stats)
         t_train = time.perf_counter() - t1
@@ -257,7 +344,8 @@ class GRPOTrainer:
     def state_dict(self) -> dict[str, Any]:
         return {"algorithm": self.settings.algorithm,
                 "normalizer": self.normalizer.state_dict() if self.normalizer is not None else None,
-                "flat_watch": self.flat_watch.state_dict()}
+                "flat_watch": self.flat_watch.state_dict(),
+                "dynamic": self.sampler.state_dict() if self.sampler is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("algorithm", self.settings.algorithm) != self.settings.algorithm:
@@ -266,3 +354,65 @@ class GRPOTrainer:
         if self.normalizer is not None and state.get("normalizer") is not None:
             self.normalizer.load_state_dict(state["normalizer"])
         self.flat_watch.load_state_dict(state.get("flat_watch") or {})
+        if self.sampler is not None and state.get("dynamic") is not None:
+            self.sampler.load_state_dict(state["dynamic"])
+
+
+def judge_prompt_problem(sources: Sequence[RewardSource], prompts: Sequence[str]) -> str | None:
+    """The first of ``prompts`` that ``builtin:judge`` (a source among ``sources``) cannot score, else ``None``:
+    it scores only the built-in task's prompts, so any other prompt would score 0 everywhere."""
+    from . import tiny
+    from .rewards import judge_reward
+
+    if not any(src.fn is judge_reward for src in sources):
+        return None
+    return next((p for p in prompts if tiny.parse_prompt(p) is None), None)
+
+
+def plot_panels(sources: Sequence[RewardSource], judged: bool, reward_role: str | None, ref: str | None,
+                episodes: bool) -> list[tuple[str, list[str]]]:
+    """The panels of a critic-free run's curves: reward (unless the judge alone is it), a reward model's score,
+    the judge, KL to ref, and multi-turn episodes' success and turns."""
+    from .rewards import judge_reward
+
+    panels = []
+    if [src.fn for src in sources] != [judge_reward] or not judged:  # else the judge panel has it
+        panels.append(("reward (weighted sum)", ["train/reward/mean", "eval/reward"]))
+    if reward_role:
+        panels.append((f"reward-model score ({reward_role})", [f"train/reward/{reward_role}",
+                                                                f"eval/reward/{reward_role}"]))
+    if judged:
+        panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
+    if ref:
+        panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
+    if episodes:
+        panels.append(("episodes: success, turns", ["train/multiturn/success", "eval/success",
+                                                    "train/multiturn/turns", "eval/turns"]))
+    return panels
+
+
+def evaluate_grpo(registry: EngineRegistry, batches: Sequence[dict[str, Any]], generation: GenerationSettings,
+                  eos_token_id: int, pad_token_id: int, decode: Callable[[torch.Tensor], list[str]], *,
+                  rewards: Sequence[RewardSource], judge: Judge | None, ref: str | None, seed: int, greedy: bool,
+                  episodes: Any = None) -> dict[str, Any]:
+    """Sampled answers (seeded) to the evaluation prompts: judge score, held-out reward (weighted sum and each
+    source's mean), exact KL to ref, and with ``greedy`` the greedy answers' figures as ``greedy/<key>``; with
+    ``episodes`` (a ``multiturn.MultiTurnRollouts``) one sampled episode per prompt instead: success rate,
+    reward, turns and tool calls. Collective."""
+    from .evaluation import evaluate_policy
+    from .multiturn import evaluate_multiturn
+
+    t0 = time.perf_counter()
+    if episodes is not None:
+        result = evaluate_multiturn(episodes, batches, seed + 7919 * registry.rank)
+    else:
+        result = evaluate_policy(registry, batches, generation, eos_token_id, pad_token_id, decode, judge=judge,
+                                 ref_role=ref, seed=seed, rewards=rewards)
+        if greedy:
+            greedy_gen = GenerationSettings(max_new_tokens=generation.max_new_tokens, mode=generation.mode,
+                                            do_sample=False)
+            out = evaluate_policy(registry, batches, greedy_gen, eos_token_id, pad_token_id, decode, judge=judge,
+                                  rewards=rewards)
+            result.update({f"greedy/{k}": v for k, v in out.items() if k != "samples"})
+    result["seconds"] = time.perf_counter() - t0
+    return result

@@ -41,6 +41,17 @@ import torch
 
 __all__ = [
     "ANSWER_RE",
+    "BUILTIN_ENVS",
+    "MultiTurnRollouts",
+    "arithmetic_rows",
+    "arithmetic_vocabulary",
+    "check_env_settings",
+    "environment_factory",
+    "episode_figures",
+    "evaluate_multiturn",
+    "prepare_arithmetic",
+    "prepare_arithmetic_assets",
+    "registry_rollouts",
     "TOOL_CALL_RE",
     "ArithmeticEnv",
     "CalculatorError",
@@ -475,3 +486,237 @@ def to_experience_layout(rollouts: Sequence[MultiTurnRollout], pad_token_id: int
         action[i, :rest] = r.action_mask[p:]
     score = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     return {"sequences": seq, "attention_mask": attention, "context_length": C, "action_mask": action, "score": score}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the arithmetic task as a built-in data set, and the multi-turn rollout on the registry (rlhf_grpo's grpo.env)
+# ------------------------------------------------------------------------------------------------------------
+
+BUILTIN_ENVS = ("builtin:arithmetic",)
+_TAGS = ("<calc>", "</calc>", "<result>", "</result>", "<answer>", "</answer>", "error:")
+
+
+def environment_factory(spec: str) -> Callable[[], Environment]:
+    """A fresh environment per episode from ``spec``: ``builtin:arithmetic`` (:class:`ArithmeticEnv`) or
+    ``module:callable`` (any importable zero-argument factory returning an :class:`Environment`)."""
+    if spec == "builtin:arithmetic":
+        return ArithmeticEnv
+    if spec.startswith("builtin:") or ":" not in spec:
+        raise ValueError(f"grpo.env={spec!r}: use one of {list(BUILTIN_ENVS)} or 'module:factory' (an importable "
+                         "zero-argument callable that returns an environment with reset(prompt) and step(turn)).")
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"grpo.env={spec!r}: cannot import {name} from {module} ({err}).") from err
+    if not callable(factory):
+        raise ValueError(f"grpo.env={spec!r}: {name} is not callable.")
+    return factory
+
+
+def arithmetic_vocabulary(max_operand: int = 20) -> list[str]:
+    """Every word of the arithmetic task (prompts, calls, results and answers of ``+ - *`` on operands in
+    ``[0, max_operand]``), so a word-level tokenizer never needs ``<unk>``."""
+    numbers = {str(v) for v in range(-max_operand, max_operand * max_operand + 1)}
+    return sorted(numbers | {"compute", "+", "-", "*", *_TAGS})
+
+
+def arithmetic_rows(n: int, seed: int, tool_fraction: float = 0.5, max_operand: int = 20) -> list[dict[str, str]]:
+    """SFT demonstrations of the calculator convention as ``{prompt, response}`` rows, reproducible from ``seed``.
+
+    A prompt either gets a tool episode, split into its two model turns (``compute 3 + 4`` ->
+    ``<calc> 3 + 4 </calc>``, and the prompt with that turn, its EOS and the tool's reply ->
+    ``<answer> 7 </answer>``), with probability ``tool_fraction``, or a direct answer (``<answer> 7 </answer>``
+    right away). A tiny model copies numbers well but cannot add or multiply, so direct answers mostly fail:
+    RL has room to learn to call the calculator."""
+    rng = random.Random(seed)
+    rows = []
+    for prompt in arithmetic_prompts(n, seed=rng.randrange(2**31), max_operand=max_operand):
+        expr = prompt.removeprefix("compute ")
+        value = format_number(safe_calculate(expr))
+        if rng.random() < tool_fraction:
+            call = f"<calc> {expr} </calc>"
+            rows.append({"prompt": prompt, "response": call})
+            rows.append({"prompt": f"{prompt} {call} </s> <result> {value} </result>",
+                         "response": f"<answer> {value} </answer>"})
+        else:
+            rows.append({"prompt": prompt, "response": f"<answer> {value} </answer>"})
+    return rows
+
+
+def prepare_arithmetic(root: str, seed: int = 0, hidden: int = 64, layers: int = 2, n_sft: int = 2000,
+                       n_prompts: int = 1000, n_eval: int = 256) -> dict[str, str]:
+    """The arithmetic task under ``root``: ``data/{sft,ppo,eval}.jsonl`` (demonstrations, training prompts,
+    held-out prompts), a word-level tokenizer (:func:`arithmetic_vocabulary`, no chat template: turns are plain
+    text) and a random tiny OPT. Call on one rank; returns the paths."""
+    import json
+    import os
+
+    from . import tiny
+
+    data = os.path.join(root, "data")
+    os.makedirs(data, exist_ok=True)
+    prompts = arithmetic_prompts(n_prompts + n_eval, seed=seed + 1)
+    # the held-out rows carry a first turn too: the SFT run's held-out loss reads them
+    splits = {"sft": arithmetic_rows(n_sft, seed), "ppo": [{"prompt": p} for p in prompts[:n_prompts]],
+              "eval": [{"prompt": p, "response": f"<calc> {p.removeprefix('compute ')} </calc>"}
+                       for p in prompts[n_prompts:]]}
+    for split, rows in splits.items():
+        with open(os.path.join(data, f"{split}.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    tokenizer, model = os.path.join(root, "tokenizer"), os.path.join(root, "model")
+    tiny.train_tokenizer(arithmetic_vocabulary(), tokenizer, vocab_size=1024)
+    tiny.build_tiny_causal_lm(model, tokenizer, hidden=hidden, layers=layers, seed=seed)
+    return {"data": data, "tokenizer": tokenizer, "model": model}
+
+
+def _engine_generate(module: Any, eos: int, pad: int, temperature: float, top_k: int, top_p: float,
+                     do_sample: bool) -> Generate:
+    @torch.no_grad()
+    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
+        device = next(module.parameters()).device
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=eos,
+                                      pad_token_id=pad, use_cache=True)
+        if do_sample:
+            kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        out = module.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+        return out[0, len(ids):].tolist()
+
+    return generate
+
+
+def registry_rollouts(registry: Any, prompts: Sequence[str], make_env: Callable[[], Environment],
+                      renderer: TurnRenderer, generation: Any, *, seed: int, max_turns: int, max_total_tokens: int,
+                      actor: str = "actor") -> list[MultiTurnRollout]:
+    """:func:`multiturn_rollouts` with the actor of ``registry`` (``generation``: a ``GenerationSettings``).
+
+    Collective in a fixed way: the actor is gathered once for all episodes (``generation.mode="gather"``), so a
+    rank whose episodes take more turns runs more local forwards without the others waiting on it. A ZeRO-3
+    actor with ``mode="per_token"`` on several ranks is refused (each token would be a collective, and the
+    ranks' turn counts differ)."""
+    role = registry.role(actor)
+    if generation.mode != "gather" and role.stage == 3 and registry.world_size > 1:
+        raise ValueError("multi-turn rollouts need generation.mode=gather with a ZeRO-3 actor on several ranks: "
+                         "episodes take different numbers of turns per rank, so per-token collectives would hang.")
+    with registry.generation(actor, gather=generation.mode == "gather") as module:
+        was_training = module.training
+        module.eval()
+        gen = _engine_generate(module, renderer.eos_token_id, renderer.tokenizer.pad_token_id, generation.temperature,
+                               generation.top_k, generation.top_p, generation.do_sample)
+        try:
+            return multiturn_rollouts(prompts, make_env, gen, renderer, seed=seed, max_turns=max_turns,
+                                      max_total_tokens=max_total_tokens, max_new_tokens=generation.max_new_tokens)
+        finally:
+            module.train(was_training)
+
+
+def episode_figures(rollouts: Sequence[MultiTurnRollout]) -> dict[str, torch.Tensor]:
+    """Per-episode figures reported as step means: ``multiturn/success`` (reward > 0), ``multiturn/turns``
+    (model turns), ``multiturn/tool_calls`` (environment replies) and ``multiturn/capped`` (ended by a cap)."""
+    return {"multiturn/success": torch.tensor([float(r.reward > 0) for r in rollouts], dtype=torch.float64),
+            "multiturn/turns": torch.tensor([float(r.turns) for r in rollouts], dtype=torch.float64),
+            "multiturn/tool_calls": torch.tensor([float(len(r.env_turns)) for r in rollouts], dtype=torch.float64),
+            "multiturn/capped": torch.tensor([float(not r.done) for r in rollouts], dtype=torch.float64)}
+
+
+class MultiTurnRollouts:
+    """``GRPOTrainer``'s ``rollout``: ``n_samples_per_prompt`` episodes per prompt (consecutive rows), the
+    actor's and ref's log-probs on the whole token sequence (one forward per role, every rank) and the
+    environment's reward as the score. Only the model's tokens are actions (:func:`to_experience_layout`)."""
+
+    def __init__(self, registry: Any, make_env: Callable[[], Environment], renderer: TurnRenderer, generation: Any,
+                 *, n_samples_per_prompt: int, max_turns: int, max_total_tokens: int, actor: str = "actor",
+                 ref: str | None = None) -> None:
+        self.registry, self.make_env, self.renderer, self.generation = registry, make_env, renderer, generation
+        self.n, self.max_turns, self.max_total_tokens = n_samples_per_prompt, max_turns, max_total_tokens
+        self.actor, self.ref = actor, ref
+
+    def episodes(self, prompts: Sequence[str], seed: int) -> list[MultiTurnRollout]:
+        return registry_rollouts(self.registry, prompts, self.make_env, self.renderer, self.generation, seed=seed,
+                                 max_turns=self.max_turns, max_total_tokens=self.max_total_tokens, actor=self.actor)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, Any], step: int, seed: int) -> Any:
+        import time
+
+        from .rollout import Experience
+        from .scoring import role_logprobs
+
+        registry = self.registry
+        prompts = [p for p in batch["prompts"] for _ in range(self.n)]
+        t0 = time.perf_counter()
+        rollouts = self.episodes(prompts, seed)
+        t_gen = time.perf_counter() - t0
+        layout = to_experience_layout(rollouts, self.renderer.tokenizer.pad_token_id)
+        seq = layout["sequences"].to(registry.device)
+        attention = layout["attention_mask"].to(registry.device)
+        action = layout["action_mask"].to(registry.device)
+        C, action_f = layout["context_length"], action.float()
+        temperature = self.generation.temperature
+        logprobs = role_logprobs(registry, self.actor, seq, attention, C, temperature) * action_f
+        ref_logprobs = None
+        if self.ref is not None:
+            ref_logprobs = role_logprobs(registry, self.ref, seq, attention, C, temperature) * action_f
+        score = layout["score"].to(registry.device)
+        return Experience(
+            sequences=seq, attention_mask=attention, context_length=C, action_mask=action, logprobs=logprobs,
+            score=score, ref_logprobs=ref_logprobs, reward_parts={"env": score.clone()}, prompts=prompts,
+            responses=[" | ".join(r.model_turns) for r in rollouts], group_size=self.n,
+            extras=episode_figures(rollouts),
+            timings={"generation_s": t_gen, "experience_s": time.perf_counter() - t0 - t_gen,
+                     "generation_steps": float(sum(int(r.action_mask.sum()) for r in rollouts))})
+
+
+def evaluate_multiturn(rollouts: MultiTurnRollouts, batches: Sequence[dict[str, Any]], seed: int) -> dict[str, float]:
+    """Sampled episodes on the evaluation prompts (one per prompt, batch ``i`` seeded with ``seed + i``), over all
+    ranks (collective: every rank must hold the same number of batches): ``success``, ``reward``, ``turns``,
+    ``tool_calls``."""
+    from multiengine.engines import all_reduce_sum
+
+    totals = torch.zeros(5, dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        episodes = rollouts.episodes(batch["prompts"], seed + i)
+        fig = episode_figures(episodes)
+        totals += torch.tensor([float(fig["multiturn/success"].sum()), sum(r.reward for r in episodes),
+                                float(fig["multiturn/turns"].sum()), float(fig["multiturn/tool_calls"].sum()),
+                                float(len(episodes))], dtype=torch.float64)
+    totals = all_reduce_sum(totals)
+    n = max(float(totals[4]), 1.0)
+    return {"success": float(totals[0]) / n, "reward": float(totals[1]) / n, "turns": float(totals[2]) / n,
+            "tool_calls": float(totals[3]) / n}
+
+
+def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: int = 64,
+                              layers: int = 2) -> dict[str, str]:
+    """:func:`prepare_arithmetic` under ``root`` on rank 0 on first use (the others wait at a barrier)."""
+    import os
+
+    from multiengine.engines import barrier
+
+    paths = {k: os.path.join(root, k) for k in ("data", "tokenizer", "model")}
+    done = os.path.join(root, ".complete")
+    if registry.is_main and not os.path.isfile(done):
+        prepare_arithmetic(root, seed=seed, hidden=hidden, layers=layers)
+        with open(done, "w") as f:
+            f.write("ok\n")
+    barrier()
+    return paths
+
+
+def check_env_settings(env: str, has_rewards: bool, generation_mode: str, overlong_buffer: int) -> None:
+    """rlhf_grpo's ``grpo.env`` settings: an environment that loads, its reward alone, gathered generation, no
+    per-answer length penalty. Raises ``ValueError`` naming the key and the fix."""
+    environment_factory(env)
+    if has_rewards:
+        raise ValueError(f"grpo.env={env!r} scores episodes with the environment's reward; set reward.models=[] and "
+                         "reward.functions=[] (or grpo.env=\"\" for single answers).")
+    if generation_mode != "gather":
+        raise ValueError(f"generation.mode={generation_mode!r} with grpo.env={env!r}: episodes take a different "
+                         "number of turns on each rank, so per-token collectives would hang; use generation.mode="
+                         "gather.")
+    if overlong_buffer:
+        raise ValueError(f"grpo.overlong_buffer={overlong_buffer} applies to single answers; set it to 0 with "
+                         "grpo.env (grpo.max_total_tokens caps an episode).")

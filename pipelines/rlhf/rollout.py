@@ -35,8 +35,8 @@ from .generation import GenerationSettings, generate, position_ids_from_mask
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
-__all__ = ["Experience", "StepStats", "expand_prompts", "make_experience", "rollout_metrics", "sampling_seed",
-           "step_timings"]
+__all__ = ["Experience", "StepStats", "concat_experiences", "expand_prompts", "make_experience", "rollout_metrics",
+           "sampling_seed", "step_timings"]
 
 Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
@@ -71,6 +71,8 @@ class Experience:
     columns: dict[str, list[Any]] = field(default_factory=dict)  # the rows' other dataset columns, one value a row
     group_size: int = 1  # consecutive rows that answer the same prompt
     timings: dict[str, float] = field(default_factory=dict)
+    # per-row figures reported as step means (e.g. a multi-turn episode's success and turns), key -> [B]
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -89,7 +91,52 @@ class Experience:
             prompts=[self.prompts[i] for i in picked] if self.prompts else [],
             responses=[self.responses[i] for i in picked] if self.responses else [],
             columns={k: [v[i] for i in picked] for k, v in self.columns.items()},
+            extras={k: v[index] for k, v in self.extras.items()},
         )
+
+
+def _pad(x: torch.Tensor, left: int, right: int, value: float = 0) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (left, right), value=value) if left or right else x
+
+
+def concat_experiences(parts: list[Experience], pad_token_id: int, group_size: int) -> Experience:
+    """Rows of several rollouts in one :class:`Experience` (dynamic sampling's rounds): each part's prompts
+    left padded to the longest ``C``, its responses right padded to the longest ``T`` (padding is masked out
+    of attention and actions, and positions count real tokens only). Timings are summed."""
+    if len(parts) == 1:
+        parts[0].group_size = group_size
+        return parts[0]
+    C = max(p.context_length for p in parts)
+    T = max(p.sequences.shape[1] - p.context_length for p in parts)
+    cols: dict[str, list[torch.Tensor]] = {}
+    for p in parts:
+        left, right = C - p.context_length, T - (p.sequences.shape[1] - p.context_length)
+        for key in _ROW_TENSORS:
+            value = getattr(p, key)
+            if value is None or key.startswith("critic_"):
+                if value is not None:
+                    raise ValueError("concat_experiences: rows re-encoded for a critic cannot be joined.")
+                continue
+            if key == "sequences":
+                value = _pad(value, left, right, pad_token_id)
+            elif key == "attention_mask":
+                value = _pad(value, left, right)
+            elif value.dim() == 2:  # [B, T]
+                value = _pad(value, 0, right)
+            cols.setdefault(key, []).append(value)
+    take = {k: torch.cat(v) for k, v in cols.items()}
+    first = parts[0]
+    timings: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
+    return Experience(
+        context_length=C, **take,
+        reward_parts={k: torch.cat([p.reward_parts[k] for p in parts]) for k in first.reward_parts},
+        prompts=[x for p in parts for x in p.prompts], responses=[x for p in parts for x in p.responses],
+        columns={k: [x for p in parts for x in p.columns[k]] for k in first.columns},
+        group_size=group_size, timings=timings,
+        extras={k: torch.cat([p.extras[k] for p in parts]) for k in first.extras})
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:
@@ -135,6 +182,7 @@ def make_experience(
     seed: int = 0,
     no_eos_penalty: float | None = None,
     critic_retokenizer: Any = None,
+    sample_seed: int | None = None,
 ) -> Experience:
     """Sample and score one rollout (collective).
 
@@ -149,6 +197,7 @@ def make_experience(
         n_samples_per_prompt: completions per prompt, in consecutive rows.
         no_eos_penalty: subtracted from the score of answers that never emitted EOS.
         critic_retokenizer: a ``Retokenizer`` from the actor's tokenizer to the critic's, when they differ.
+        sample_seed: the sampling seed (``None`` = :func:`sampling_seed` of ``(seed, step, rank)``).
 
     Returns:
         An :class:`Experience` of ``P * n_samples_per_prompt`` rows without rewards/advantages.
@@ -161,7 +210,7 @@ def make_experience(
 
     # 1. sample (seeded per step and rank: resume and stage changes sample the same tokens)
     t0 = time.perf_counter()
-    torch.manual_seed(sampling_seed(seed, step, registry.rank))
+    torch.manual_seed(sampling_seed(seed, step, registry.rank) if sample_seed is None else sample_seed)
     response = generate(registry, prompt_ids, prompt_mask, generation, eos_token_id, pad_token_id, role=actor)
     t_gen = time.perf_counter() - t0
 
@@ -281,6 +330,8 @@ def rollout_metrics(exp: Experience, judge: Judge | None = None, stats: StepStat
         g = exp.score.reshape(-1, exp.group_size)
         stats.mean("reward/group_std", g.std(-1))
         stats.mean("reward/flat_groups", (g.max(-1).values == g.min(-1).values).double())
+    for name, value in exp.extras.items():
+        stats.mean(name, value)
     if judge is not None and exp.prompts and exp.responses:
         judged = torch.tensor([judge(p, a) for p, a in zip(exp.prompts, exp.responses)], dtype=torch.float64)
         stats.mean("judge/mean", judged)

@@ -19,6 +19,7 @@ from multiengine.engines import EngineRegistry, all_reduce_sum
 from . import ppo
 from .generation import position_ids_from_mask
 from .losses import kl_loss, loss_units, policy_gradient_loss
+from .policy_variants import asymmetric_clipped_surrogate, clipped_policy_loss
 from .rollout import Experience, StepStats
 from .scoring import policy_logits
 from .steps import causal_lm_loss
@@ -73,6 +74,9 @@ def train_on_experience(
     epochs: int = 1,
     clip_eps: float = 0.2,
     dual_clip: float | None = None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    importance_level: str = "token",
     value_clip: float | None = 0.2,
     loss_agg: str = "token_mean",
     horizon: int | None = None,
@@ -97,6 +101,10 @@ def train_on_experience(
         critic_mini_batch_size: the critic's rows per forward/backward (``None`` = ``mini_batch_size``); its
             minibatches take the same seeded order of rows.
         temperature: the sampling temperature (the log-probs divide the logits by it).
+        clip_eps / dual_clip: the symmetric ratio clip (and the dual clip of negative advantages).
+        clip_low / clip_high / importance_level: DAPO's asymmetric clip (``None`` = ``clip_eps``) and GSPO's
+            sequence ratio (``policy_variants.clipped_policy_loss``); all at their defaults the loss is
+            ``losses.policy_gradient_loss``, unchanged.
         critic: the value role to train, or ``None`` (critic-free).
         loss_agg / horizon: normalisation of the policy and KL losses (``losses.LOSS_AGG_MODES``).
         kl_coef / kl_estimator / kl_clamp: KL to the ref as a loss term (``0`` = none, e.g. when it is
@@ -109,7 +117,8 @@ def train_on_experience(
 
     Returns:
         Global means over ranks and micro-batches: ``policy_loss`` / ``value_loss`` / ``kl_loss`` (per
-        optimizer step), ``clip_frac``, ``approx_kl``, ``ratio_mean``, ``entropy``, ``value_clip_frac``,
+        optimizer step), ``clip_frac``, ``clip_low_frac`` / ``clip_high_frac`` (tokens clipped below with
+        ``A < 0`` / above with ``A > 0``), ``approx_kl``, ``ratio_mean``, ``entropy``, ``value_clip_frac``,
         ``ptx_loss``, ``kl_loss_kl`` (the mean per-token estimate).
     """
     if exp.advantages is None:
@@ -124,6 +133,9 @@ def train_on_experience(
     g_actor = actor_engine.gradient_accumulation_steps()
     g_critic = critic_engine.gradient_accumulation_steps() if critic_engine is not None else 1
     C = exp.context_length
+    variant = clip_low is not None or clip_high is not None or importance_level != "token"
+    low = clip_eps if clip_low is None else clip_low
+    high = low if clip_high is None else clip_high
     sums: dict[str, float] = {}
     n_micro = {"actor": 0, "critic": 0}
 
@@ -150,8 +162,20 @@ def train_on_experience(
                 den = denominators[("actor", epoch, i - i % g_actor)]
                 logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
                 logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
-                pg_loss, pg_stats = policy_gradient_loss(logp, mb.logprobs, mb.advantages, mb.action_mask, clip_eps,
-                                                         dual_clip, loss_agg, den, horizon)
+                if variant:
+                    pg_loss, pg_stats = clipped_policy_loss(logp, mb.logprobs, mb.advantages, mb.action_mask, low, high,
+                                                            importance_level, dual_clip, loss_agg, den, horizon)
+                else:  # the plain symmetric clip: the existing loss, bit for bit; only the per-side shares added
+                    pg_loss, pg_stats = policy_gradient_loss(logp, mb.logprobs, mb.advantages, mb.action_mask,
+                                                             clip_eps, dual_clip, loss_agg, den, horizon)
+                    zero = torch.zeros(())
+                    sides = {"clip_frac_low": zero, "clip_frac_high": zero}
+                    if clip_eps < 1.0:  # a lower bound 1 - clip_eps <= 0 clips nothing below
+                        with torch.no_grad():
+                            sides = asymmetric_clipped_surrogate(logp.detach(), mb.logprobs, mb.advantages,
+                                                                 mb.action_mask, low, high)[1]
+                    pg_stats = {**pg_stats, "clip_frac_low": sides["clip_frac_low"],
+                                "clip_frac_high": sides["clip_frac_high"]}
                 loss = pg_loss
                 if kl_coef:
                     k_loss, k_mean = kl_loss(logp, mb.ref_logprobs, mb.action_mask, kl_estimator, kl_clamp, loss_agg,
@@ -173,6 +197,8 @@ def train_on_experience(
                 add("policy_loss_global", pg_loss.detach() / (world * g_actor))
                 for key in ("clip_frac", "approx_kl", "ratio_mean"):
                     add(key, pg_stats[key])
+                add("clip_low_frac", pg_stats["clip_frac_low"])
+                add("clip_high_frac", pg_stats["clip_frac_high"])
                 add("entropy", entropy)
                 n_micro["actor"] += 1
             # 2. critic: clipped value loss against the returns

@@ -1,0 +1,161 @@
+"""rlhf_grpo's variant keys (DAPO/GSPO losses, overlong penalty, dynamic sampling, multi-turn environments): refused
+before any rank starts when wrong, the defaults unchanged, and the trainer paths they switch on, in one process on
+the torch backend (a world of one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiengine.engines import EngineRegistry, OptimSpec, Placement
+from multiengine.engines.recipe_config import RecipeConfigError, checked_config
+from multiengine.pipelines.rlhf import multiturn, tiny
+from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
+from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
+from multiengine.pipelines.rlhf.rewards import reward_function
+from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+from multiengine.pipelines.rlhf.rollout import Experience, concat_experiences
+from multiengine.recipes.rlhf_grpo import grpo_settings
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("tiny", ["grpo.loss_agg=token_mean"], "'grpo.loss_agg' .* is now 'grpo.loss_aggregation'"),
+    ("tiny", ["grpo.loss_aggregation=dapo"], "'grpo.loss_aggregation' .* must be one of"),
+    ("tiny", ["grpo.clip_high=wide"], "grpo.clip_high.*not a number"),
+    ("tiny", ["grpo.clip_low=1.5"], "clip_low=1.5.*0 <= clip_low < 1"),
+    ("tiny", ["grpo.clip_high=-0.1"], "clip_high=-0.1"),
+    ("tiny", ["grpo.importance_level=row"], "'grpo.importance_level' .* must be one of token, sequence"),
+    ("tiny", ["grpo.overlong_buffer=9"], "grpo.overlong_buffer.*exceeds generation.max_new_tokens=8"),
+    ("tiny", ["grpo.max_resample_rounds=0"], "'grpo.max_resample_rounds'"),
+    ("tiny", ["grpo.env=builtin:chess", "reward.functions=[]"], "grpo.env='builtin:chess'.*builtin:arithmetic"),
+    ("tiny", ["grpo.env=builtin:arithmetic"], "environment's reward; set reward.models=\\[\\] and reward.functions"),
+    ("tiny_multiturn", ["generation.mode=per_token"], "generation.mode='per_token' with grpo.env.*gather"),
+    ("tiny_multiturn", ["grpo.overlong_buffer=2"], "grpo.overlong_buffer=2 applies to single answers"),
+    ("tiny_multiturn", ["grpo.max_turns=0"], "'grpo.max_turns'"),
+])
+def test_bad_variant_keys_are_refused_before_any_rank_starts(config, overrides, message):
+    with pytest.raises(RecipeConfigError, match=message):
+        checked_config("rlhf_grpo", config, overrides)
+
+
+def test_defaults_keep_the_plain_grpo_settings_and_keys_reach_them():
+    s = grpo_settings(checked_config("rlhf_grpo", "tiny", []))
+    assert (s.clip_low, s.clip_high, s.importance_level, s.loss_agg) == (None, None, "token", None)
+    assert (s.overlong_buffer, s.dynamic_sampling) == (0, False)
+    s = grpo_settings(checked_config("rlhf_grpo", "tiny", [
+        "grpo.loss_aggregation=token_mean", "grpo.clip_high=0.28", "grpo.importance_level=sequence",
+        "grpo.dynamic_sampling=true", "grpo.max_resample_rounds=2", "grpo.overlong_buffer=3",
+        "grpo.overlong_penalty=0.5"]))
+    assert (s.resolved_loss_agg, s.clip_high, s.importance_level) == ("token_mean", 0.28, "sequence")
+    assert (s.dynamic_sampling, s.max_resample_rounds, s.overlong_buffer, s.overlong_penalty) == (True, 2, 3, 0.5)
+
+
+def _exp(C: int, T: int, rows: int, pad: int = 0) -> Experience:
+    seq = torch.arange(rows * (C + T)).reshape(rows, C + T) + 1
+    mask = torch.ones(rows, T, dtype=torch.bool)
+    return Experience(sequences=seq, attention_mask=torch.ones_like(seq), context_length=C, action_mask=mask,
+                      logprobs=-mask.float(), score=torch.arange(rows).float(), prompts=["p"] * rows,
+                      responses=["r"] * rows, timings={"generation_s": 1.0})
+
+
+def test_concat_experiences_pads_prompts_left_and_responses_right():
+    a, b = _exp(2, 3, 2), _exp(4, 1, 2)
+    out = concat_experiences([a, b], pad_token_id=0, group_size=2)
+    assert out.context_length == 4 and out.sequences.shape == (4, 7) and out.group_size == 2
+    assert torch.equal(out.sequences[0], torch.tensor([0, 0, 1, 2, 3, 4, 5]))
+    assert torch.equal(out.attention_mask[0], torch.tensor([0, 0, 1, 1, 1, 1, 1]))
+    assert torch.equal(out.sequences[2], torch.cat([b.sequences[0], torch.zeros(2, dtype=torch.long)]))
+    assert torch.equal(out.action_mask[2], torch.tensor([True, False, False]))
+    assert out.logprobs[2].tolist() == [-1.0, 0.0, 0.0] and out.score.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert out.timings["generation_s"] == 2.0 and len(out.prompts) == 4
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_variant_assets")
+    paths = tiny.prepare_builtin(root, hidden=32, layers=1, n_sft=8, n_reward=8, n_ppo=16, n_eval=4)
+    return {**paths, "tok": tiny.train_tokenizer(tiny.task_vocabulary(), paths["tokenizer"])}
+
+
+def _registry(model: str) -> EngineRegistry:
+    registry = EngineRegistry(backend="torch")
+    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=8), micro_batch_size=4))
+    registry.add(ref_spec(model, Placement(0, "fp32")))
+    return registry.build()
+
+
+def test_dynamic_sampling_keeps_groups_with_a_spread_and_its_state_resumes(assets):
+    tok = assets["tok"]
+    registry = _registry(assets["model"])
+    rows = load_rlhf_dataset(assets["data"], "ppo")
+    collate = PromptCollator(tok, 16)
+    stream = iter([collate([rows[i], rows[i + 1]]) for i in range(2, 16, 2)])
+    # reward: 1 for the first sample of a group, 0 otherwise, except groups of the prompt set to all-equal below
+    calls = []
+
+    def reward(prompts, completions, **kw):
+        calls.append(len(prompts))
+        flat = len(calls) == 1  # the first round's groups are flat: all dropped
+        return [0.0 if flat else float(i % 2 == 0) for i in range(len(prompts))]
+
+    settings = GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, dynamic_sampling=True,
+                            max_resample_rounds=3, clip_high=0.28, loss_agg="token_mean")
+    decode = lambda ids: tok.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
+    trainer = GRPOTrainer(registry, GenerationSettings(max_new_tokens=4), settings, tok.eos_token_id,
+                          tok.pad_token_id, [reward_function(reward)], decode, more_prompts=lambda: next(stream))
+    metrics = trainer.step(collate([rows[0], rows[1]]), step=0)
+    assert calls == [4, 4]  # a second round, with new prompts, filled the batch
+    assert metrics["dynamic/rounds"] == 2 and metrics["dynamic/dropped_rate"] == 0.5
+    assert metrics["reward/flat_groups"] == 0.0 and metrics["reward/mean"] == 0.5
+    for key in ("clip_low_frac", "clip_high_frac"):
+        assert 0.0 <= metrics[key] <= 1.0
+    state = trainer.state_dict()["dynamic"]
+    assert state["totals"] == {"steps": 1, "rounds": 2, "groups": 4, "dropped": 2, "filled": 0}
+    again = GRPOTrainer(registry, GenerationSettings(max_new_tokens=4), settings, tok.eos_token_id,
+                        tok.pad_token_id, [reward_function(reward)], decode)
+    again.load_state_dict(trainer.state_dict())
+    assert again.sampler.totals == trainer.sampler.totals
+
+
+def test_overlong_penalty_is_added_to_the_score(assets):
+    tok = assets["tok"]
+    registry = _registry(assets["model"])
+    rows = load_rlhf_dataset(assets["data"], "ppo")
+    batch = PromptCollator(tok, 16)([rows[0], rows[1]])
+    make = lambda **kw: GRPOTrainer(  # noqa: E731
+        registry, GenerationSettings(max_new_tokens=4), GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=2,
+                                                                     mini_batch_size=4, **kw),
+        tok.eos_token_id, tok.pad_token_id, [reward_function(lambda prompts, completions: [1.0] * len(prompts))],
+        lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    plain = make().make_experience(batch, step=0)
+    penalised = make(overlong_buffer=2, overlong_penalty=0.5).make_experience(batch, step=0)
+    lengths = plain.action_mask.sum(-1).float()
+    expected = 1.0 - 0.5 * ((lengths - 2.0) / 2.0).clamp(0.0, 1.0)
+    assert torch.equal(penalised.sequences, plain.sequences)  # the same samples (same seed)
+    assert torch.allclose(penalised.score, expected) and "overlong" in penalised.reward_parts
+
+
+def test_multiturn_rollouts_on_the_registry_mask_environment_tokens(tmp_path):
+    paths = multiturn.prepare_arithmetic(str(tmp_path), hidden=32, layers=1, n_sft=4, n_prompts=4, n_eval=2)
+    from multiengine.pipelines.rlhf.runs import resolve_tokenizer
+
+    tok = resolve_tokenizer(paths["model"])
+    registry = _registry(paths["model"])
+    episodes = multiturn.MultiTurnRollouts(
+        registry, multiturn.ArithmeticEnv, multiturn.TurnRenderer(tok), GenerationSettings(max_new_tokens=4),
+        n_samples_per_prompt=2, max_turns=3, max_total_tokens=24, ref="ref")
+    settings = GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4)
+    trainer = GRPOTrainer(registry, GenerationSettings(max_new_tokens=4), settings, tok.eos_token_id,
+                          tok.pad_token_id, [], rollout=episodes)
+    batch = {"prompts": ["compute 3 + 4", "compute 2 * 9"]}
+    exp = trainer.make_experience(batch, step=0)
+    again = trainer.make_experience(batch, step=0)
+    assert torch.equal(exp.sequences, again.sequences)  # reproducible from the seed
+    # every action is a sampled model token; environment replies (<result> ...) are never actions
+    result_id = tok.convert_tokens_to_ids("<result>")
+    response = exp.sequences[:, exp.context_length:]
+    assert not bool((exp.action_mask & (response == result_id)).any())
+    assert exp.sequences.shape[0] == 4 and set(exp.extras) >= {"multiturn/success", "multiturn/turns"}
+    assert torch.equal(exp.logprobs * ~exp.action_mask, torch.zeros_like(exp.logprobs))
+    metrics = trainer.step(batch, step=1)
+    assert 1.0 <= metrics["multiturn/turns"] <= 3.0 and "policy_loss" in metrics
