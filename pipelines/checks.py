@@ -1,5 +1,5 @@
-"""Cheap checks of a user's model folders and tokenizers, meant to run before any rank starts (the data
-checks are ``rlhf.data.check_rlhf_data`` and ``diffusion.data.check_image_caption_data``).
+"""Cheap checks of a user's model folders and tokenizers and of the batch arithmetic, meant to run before any
+rank starts (the data checks are ``rlhf.data.check_rlhf_data`` and ``diffusion.data.check_image_caption_data``).
 
 Nothing here builds a model: only ``config.json`` / ``model_index.json`` and tokenizer files are read.
 Every error names the config key, the value and the fix.
@@ -17,8 +17,8 @@ from .sources import is_hub_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelFolderError", "check_diffusers_folder", "check_model_folder", "check_vocab_fits", "load_tokenizer",
-           "tokenizer_size"]
+__all__ = ["ModelFolderError", "check_diffusers_folder", "check_model_folder", "check_rows_per_rank",
+           "check_vocab_fits", "heldout_of_training", "load_tokenizer", "tokenizer_size"]
 
 
 class ModelFolderError(ValueError):
@@ -174,3 +174,54 @@ def check_diffusers_folder(path: str, key: str = "model.pretrained") -> list[str
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.expanduser(path), tok))
         check_vocab_fits(tokenizer, os.path.expanduser(path), key=key, tokenizer_key=f"{key}/{tok}", subfolder=enc)
     return encoders
+
+
+# --- batch arithmetic: the rows each rank gets against the batches it draws ----------------------------------
+def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, factor: int = 1, unit: str = "rows",
+                        what: str = "", heldout: int = 0, heldout_key: str = "data.eval_split",
+                        setting: str = "{key}={n}") -> None:
+    """Refuse a batch that the training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
+    (engines.ShardedEpochSampler: each rank gets ``rows // world_size`` rows per epoch, the tail dropped) and
+    draws batches of ``value x factor`` rows per rank; the run itself would fail only after building its models.
+
+    Args:
+        rows: the training rows, after the held-out split (and any row limit).
+        key / value: the config key of the batch size and its value; ``factor`` multiplies it (``grad_accum``
+            when one batch holds every micro batch of a step), ``what`` says so ("roles.actor.micro_batch_size x
+            roles.actor.grad_accum").
+        heldout: rows the evaluation split took out of the training data (0 when they come from elsewhere);
+            ``heldout_key`` is the key that sets that split.
+        setting: how the fix sets a smaller value (``{key}``, ``{n}``), e.g. for another recipe's overrides.
+
+    Raises:
+        ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
+        split).
+    """
+    from multiengine.engines.recipe_config import config_problem
+
+    need = int(value) * int(factor)
+    per_rank = rows // world_size
+    if per_rank >= need:
+        return
+    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+    after = f" (left after {heldout} held out for evaluation)" if heldout else ""
+    problem = (f"asks for {need} {unit} per rank per step{f' ({what})' if what else ''}, but the {rows} training "
+               f"{unit}{after} give {per_rank} per rank on {ranks}")
+    fixes = []
+    largest = per_rank // factor
+    if largest >= 1:
+        fixes.append(f"set {setting.format(key=key, n=largest)} or less")
+    fit = rows // need
+    if world_size > 1 and fit >= 1:
+        fixes.append(f"run on {'1 rank' if fit == 1 else f'{fit} ranks or fewer'} (--nproc-per-node x --nnodes)")
+    if heldout and (rows + heldout) // world_size >= need:
+        fixes.append(f"hold out fewer rows ({heldout_key}; {heldout} now) or give evaluation rows of their own "
+                     "(data.eval_source)")
+    fixes.append(f"add training {unit}")
+    fix = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f", or {fixes[-1]}"
+    raise config_problem(key, value, problem, fix)
+
+
+def heldout_of_training(report: dict[str, Any]) -> int:
+    """Evaluation rows that the data check's split took out of the training rows (not a split or file of their own)."""
+    return int(report.get("eval_rows") or 0) if "held out" in str(report.get("eval_origin") or "") else 0

@@ -1,18 +1,22 @@
-"""What the RLHF recipes share beyond the role schema (recipes/schema.py): the data section and its loading,
-tokenizers per role, the reward section, the batch arithmetic checks and the checks of shared key names."""
+"""What the RLHF recipes read from their configs beyond the role schema (recipes/schema.py): the data section and
+its loading, the reward section, the evaluation and generation sections, the batch checks of validate(cfg) and the
+checks of shared key names. The work itself (tokenizers per role, reward entries, batch arithmetic) lives in
+pipelines/; its names are importable from here too."""
 
 from __future__ import annotations
 
-import difflib
 import logging
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.recipe_config import Key
+from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
+from multiengine.pipelines.rlhf.retokenize import retokenizers
+from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
+from multiengine.pipelines.rlhf.reward_sources import reward_entries as _reward_entries
+from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -114,31 +118,6 @@ def data_overrides(section: Any, source: str | None = None) -> list[str]:
     return out
 
 
-def _on_rank0_first(registry: Any, load: Any) -> Any:
-    """``load()`` on rank 0, then on the others (rank 0 fills the datasets cache, the others read it instead
-    of racing to write the same files). A failure on rank 0 fails every rank, never leaves them waiting."""
-    import torch.distributed as dist
-
-    if registry.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return load()
-    error: BaseException | None = None
-    result = None
-    if registry.is_main:
-        try:
-            result = load()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            error = exc
-    box = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[0] is not None:
-        from multiengine.engines.recipe_config import RecipeConfigError
-
-        raise RecipeConfigError(f"rank 0 could not load the data: {box[0]}")
-    return result if registry.is_main else load()
-
-
 def load_data(recipe: Any, stage: str, *, eval_stage: str | None = None, default_source: str = "",
               source: Any = None, evaluate: bool = True) -> Any:
     """The training and evaluation rows of one stage (``rlhf.data.load_rlhf_data``) from the recipe's ``data``
@@ -151,7 +130,7 @@ def load_data(recipe: Any, stage: str, *, eval_stage: str | None = None, default
     cfg = recipe.cfg
     spec = data_spec(cfg.data)
     train_source = source or spec["source"] or default_source
-    return _on_rank0_first(recipe.registry, lambda: load_rlhf_data(
+    return on_rank0_first(recipe.registry, lambda: load_rlhf_data(
         train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
         eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"], eval_stage=eval_stage,
         seed=cfg.seed, evaluate=evaluate))
@@ -207,23 +186,6 @@ def uses_builtin_data(section: Any) -> bool:
     return not (section.get("source") or _plain(section.get("sources")))
 
 
-def role_tokenizer(given: str, model_path: str, fallback: Any = None, *, what: str = "") -> Any:
-    """A role's tokenizer: ``given`` (a tokenizer folder or hub name, a ``model.*_tokenizer`` key), else the
-    model folder's own, else ``fallback`` (e.g. the actor's, for a folder saved without one; logged)."""
-    from multiengine.pipelines.rlhf.runs import has_tokenizer, resolve_tokenizer
-    from multiengine.pipelines.sources import is_hub_name
-
-    if given:
-        return resolve_tokenizer(given)
-    if has_tokenizer(os.path.expanduser(model_path)) or (not os.path.exists(model_path) and is_hub_name(model_path)):
-        return resolve_tokenizer(model_path)
-    if fallback is None:
-        raise FileNotFoundError(f"no tokenizer in {model_path}; set the tokenizer key of {what or 'this role'}")
-    logger.info("%s: %s has no tokenizer files; using %s's", what or "role", model_path,
-                getattr(fallback, "name_or_path", "the actor"))
-    return fallback
-
-
 def check_model_path(key: str, given: str, recipe: str) -> str:
     """``given`` unless it names a local folder that does not exist ("org/name" or "name" is a hub model)."""
     from multiengine.engines.recipe_config import RecipeConfigError
@@ -251,49 +213,6 @@ def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_mod
 
 
 # --- tokenizers per role (rlhf_ppo, rlhf_grpo) ---------------------------------------------------------------
-def _position_budget(path: str) -> int:
-    """Tokens a re-encoded row may have per part (prompt, response): half the model's positions."""
-    from transformers import AutoConfig
-
-    try:
-        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-    except (OSError, ValueError):
-        positions = None
-    return max(int(positions or 1024) // 2, 8)
-
-
-def retokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str]], conversational: bool,
-                 tokenizers: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Each scoring role's tokenizer and, when it tokenizes differently from the actor (vocabularies
-    compared, and chat templates for conversational prompts), the ``Retokenizer`` that re-encodes the actor's
-    rows for it; ``None`` = the actor's ids are used as they are.
-
-    Args:
-        roles: ``(role, model folder, tokenizer key's value)``; "" = the folder's own tokenizer (the actor's
-            when the folder has none).
-        tokenizers: tokenizers already loaded, by role (reused, e.g. the critic's = the reward model's).
-
-    Returns:
-        ``({role: tokenizer}, {role: Retokenizer or None})``.
-    """
-    from multiengine.pipelines.rlhf.retokenize import Retokenizer, needs_reencoding
-
-    toks, retoks = dict(tokenizers or {}), {}
-    for role, path, given in roles:
-        tok = toks.get(role) or role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
-        toks[role] = tok
-        if needs_reencoding(actor_tokenizer, tok, conversational):
-            budget = _position_budget(path)
-            retoks[role] = Retokenizer(actor_tokenizer, tok, budget, budget, conversational=conversational)
-            logger.info("%s: its tokenizer (%s, %d tokens) differs from the actor's (%s, %d tokens): the actor's "
-                        "prompts and answers are decoded and re-encoded for it", role,
-                        getattr(tok, "name_or_path", "?"), len(tok), getattr(actor_tokenizer, "name_or_path", "?"),
-                        len(actor_tokenizer))
-        else:
-            retoks[role] = None
-    return toks, retoks
-
-
 def check_scoring_tokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str, str]],
                              conversational: bool) -> None:
     """Before any rank starts: each scoring role's tokenizer loads and fits its model, and, when it must
@@ -457,56 +376,6 @@ def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str |
 
 
 # --- batch arithmetic: the rows each rank gets against the batches it draws (before any rank starts) ---------
-def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, factor: int = 1, unit: str = "rows",
-                        what: str = "", heldout: int = 0, heldout_key: str = "data.eval_split",
-                        setting: str = "{key}={n}") -> None:
-    """Refuse a batch that the training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
-    (engines.ShardedEpochSampler: each rank gets ``rows // world_size`` rows per epoch, the tail dropped) and
-    draws batches of ``value x factor`` rows per rank; the run itself would fail only after building its models.
-
-    Args:
-        rows: the training rows, after the held-out split (and any row limit).
-        key / value: the config key of the batch size and its value; ``factor`` multiplies it (``grad_accum``
-            when one batch holds every micro batch of a step), ``what`` says so ("roles.actor.micro_batch_size x
-            train.grad_accum").
-        heldout: rows the evaluation split took out of the training data (0 when they come from elsewhere);
-            ``heldout_key`` is the key that sets that split.
-        setting: how the fix sets a smaller value (``{key}``, ``{n}``), e.g. for another recipe's overrides.
-
-    Raises:
-        ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
-        split).
-    """
-    from multiengine.engines.recipe_config import config_problem
-
-    need = int(value) * int(factor)
-    per_rank = rows // world_size
-    if per_rank >= need:
-        return
-    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
-    after = f" (left after {heldout} held out for evaluation)" if heldout else ""
-    problem = (f"asks for {need} {unit} per rank per step{f' ({what})' if what else ''}, but the {rows} training "
-               f"{unit}{after} give {per_rank} per rank on {ranks}")
-    fixes = []
-    largest = per_rank // factor
-    if largest >= 1:
-        fixes.append(f"set {setting.format(key=key, n=largest)} or less")
-    fit = rows // need
-    if world_size > 1 and fit >= 1:
-        fixes.append(f"run on {'1 rank' if fit == 1 else f'{fit} ranks or fewer'} (--nproc-per-node x --nnodes)")
-    if heldout and (rows + heldout) // world_size >= need:
-        fixes.append(f"hold out fewer rows ({heldout_key}; {heldout} now) or give evaluation rows of their own "
-                     "(data.eval_source)")
-    fixes.append(f"add training {unit}")
-    fix = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f", or {fixes[-1]}"
-    raise config_problem(key, value, problem, fix)
-
-
-def _heldout_of_training(report: dict[str, Any]) -> int:
-    """Evaluation rows that check_data's split took out of the training rows (not a split or file of their own)."""
-    return int(report.get("eval_rows") or 0) if "held out" in str(report.get("eval_origin") or "") else 0
-
-
 def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
                         unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
     """:func:`check_rows_per_rank` for the training rows of a :func:`check_data` report; built-in data (no report,
@@ -514,7 +383,7 @@ def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: 
     if report is None:
         return
     check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,
-                        what=what, heldout=_heldout_of_training(report), setting=setting)
+                        what=what, heldout=heldout_of_training(report), setting=setting)
 
 
 def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_size: int, name: str,
@@ -532,33 +401,13 @@ def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_siz
                         setting=f"{name}.overrides=[roles.actor.micro_batch_size={{n}}]")
 
 
-# --- reward sources named in a config (rlhf_ppo, rlhf_grpo) -----------------------------------------------
-# ``reward.models``: reward-model roles, each ``{role, model, weight}`` plus an optional ``tokenizer`` (a folder;
-# "" = the model folder's own, re-encoded when it differs from the actor's) and optional placement keys
-# (``stage, dtype, offload_params, gather_forward``) over ``roles.reward``'s; ``role`` is ``reward`` or
-# ``reward_<name>``, and only ``reward`` may leave ``model`` empty (then ``roles.reward.model``).
-# ``reward.functions``: ``fn(prompts, completions, **kwargs) -> list[float]`` (TRL's form: the rows' other columns
-# arrive as keyword arguments; see pipelines/rlhf/rewards.py) as ``"pkg.mod:fn"``, ``"/path/file.py:fn"`` or
-# ``"builtin:judge"`` (weight 1), or ``{fn: <spec>, weight: w}``. The score is the weighted sum.
+# --- reward sources named in a config (rlhf_ppo, rlhf_grpo; the entries' forms: pipelines/rlhf/reward_sources.py)
 REWARD_KEYS: dict[str, Any] = {
     "models": Key([], "reward-model roles [{role, model, weight, tokenizer, stage, ...}]; [] and no functions = "
                       "the `reward` role (roles.reward), weight 1"),
     "functions": Key([], "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}"),
     "normalize": Key(False, "running mean/std of the combined score over all ranks, before clipping"),
 }
-_MODEL_KEYS = ("role", "model", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
-_FUNCTION_KEYS = ("fn", "weight")
-
-
-@dataclass(frozen=True)
-class RewardModelRole:
-    """A frozen reward-model role to build: its name, folder, weight in the sum and placement."""
-
-    role: str
-    path: str
-    weight: float
-    placement: Any  # engines.Placement
-    tokenizer: str = ""  # its tokenizer folder; "" = the model folder's own
 
 
 def _plain(value: Any) -> Any:
@@ -569,87 +418,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _weight(key: str, value: Any) -> float:
-    from multiengine.engines.recipe_config import RecipeConfigError
-
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RecipeConfigError(f"{key}={value!r}: a reward weight is a finite number (e.g. 1.0).")
-    return float(value)
-
-
-def _check_keys(key: str, entry: Mapping[str, Any], valid: tuple[str, ...]) -> None:
-    from multiengine.engines.recipe_config import RecipeConfigError
-
-    for name in entry:
-        if name == "path" and "model" in valid:  # the old name of an entry's folder
-            raise RecipeConfigError(f"config key '{key}.path' (value {entry[name]!r}) is now '{key}.model': a "
-                                    f"role's folder is its `model` everywhere. Fix: write model: {entry[name]}.")
-        if name not in valid:
-            close = difflib.get_close_matches(str(name), valid, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(valid)}."
-            raise RecipeConfigError(f"unknown key '{key}.{name}' (value {entry[name]!r}).{hint}")
-
-
 def reward_entries(section: Any, key: str = "reward", default_model: str = ""
                    ) -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
-    """The checked entries of a reward section, without building or importing anything heavy:
-    ``([{role, model, weight, <placement keys>}], [(function spec, weight)])``. Every reward function is
-    resolved once here, so a typo in a spec fails before any rank starts. ``default_model``:
-    ``roles.reward.model``, which an entry for the ``reward`` role may leave empty but not contradict.
-
-    Raises:
-        RecipeConfigError: naming the key, the value and the fix.
-    """
-    from multiengine.engines.recipe_config import RecipeConfigError
-    from multiengine.pipelines.rlhf.rewards import load_reward_function
-
-    models, functions = _plain(section.get("models")) or [], _plain(section.get("functions")) or []
-    if not isinstance(models, list):
-        raise RecipeConfigError(f"{key}.models={models!r}: expected a list, e.g. [{{role: reward, weight: 1.0}}].")
-    if not isinstance(functions, list):
-        raise RecipeConfigError(f"{key}.functions={functions!r}: expected a list, e.g. [builtin:judge].")
-    roles: list[dict[str, Any]] = []
-    for i, entry in enumerate(models):
-        where = f"{key}.models[{i}]"
-        if isinstance(entry, str):
-            entry = {"role": entry}
-        if not isinstance(entry, dict):
-            raise RecipeConfigError(f"{where}={entry!r}: expected a mapping such as {{role: reward, weight: 1.0}}.")
-        _check_keys(where, entry, _MODEL_KEYS)
-        role = entry.get("role", "reward")
-        if not isinstance(role, str) or not (role == "reward" or (role.startswith("reward_") and len(role) > 7)):
-            raise RecipeConfigError(f"{where}.role={role!r}: a reward-model role is named 'reward' or "
-                                    "'reward_<name>' (e.g. reward_safety).")
-        if any(r["role"] == role for r in roles):
-            raise RecipeConfigError(f"{where}.role={role!r} appears twice in {key}.models; give each a new name.")
-        path = entry.get("model", "") or ""
-        if not isinstance(path, str):
-            raise RecipeConfigError(f"{where}.model={path!r}: expected a model folder or hub name.")
-        if not path and role != "reward":
-            raise RecipeConfigError(f"{where}.model is empty: only the 'reward' role defaults to roles.reward.model; "
-                                    f"give {role!r} its own folder.")
-        if path and role == "reward" and default_model and path != default_model:
-            raise RecipeConfigError(f"{where}.model={path!r} and roles.reward.model={default_model!r} both set the "
-                                    "'reward' role's folder; keep one (roles.reward.model is the usual place).")
-        roles.append({**entry, "role": role, "model": path, "weight": _weight(f"{where}.weight",
-                                                                             entry.get("weight", 1.0))})
-    specs: list[tuple[str, float]] = []
-    for i, entry in enumerate(functions):
-        where = f"{key}.functions[{i}]"
-        if isinstance(entry, str):
-            entry = {"fn": entry}
-        if not isinstance(entry, dict) or not isinstance(entry.get("fn"), str):
-            raise RecipeConfigError(f"{where}={entry!r}: expected 'pkg.module:function', '/path/file.py:function', "
-                                    "'builtin:judge' or {fn: <one of those>, weight: 1.0}.")
-        _check_keys(where, entry, _FUNCTION_KEYS)
-        try:
-            load_reward_function(entry["fn"])
-        except ValueError as exc:
-            raise RecipeConfigError(f"{where}: {exc}") from None
-        if any(s == entry["fn"] for s, _ in specs):
-            raise RecipeConfigError(f"{where}={entry['fn']!r} appears twice in {key}.functions; merge the weights.")
-        specs.append((entry["fn"], _weight(f"{where}.weight", entry.get("weight", 1.0))))
-    return roles, specs
+    """The checked ``models`` and ``functions`` entries of a reward section (``reward_sources.reward_entries``)."""
+    return _reward_entries(_plain(section.get("models")) or [], _plain(section.get("functions")) or [], key,
+                           default_model)
 
 
 def wants_reward_role(section: Any) -> bool:
@@ -661,51 +434,11 @@ def wants_reward_role(section: Any) -> bool:
 
 def reward_config(section: Any, default_path: str | None, base: Any, key: str = "reward",
                   default_tokenizer: str = "") -> tuple[list[RewardModelRole], list[Any]]:
-    """The reward-model roles to build and every reward source (``rewards.RewardSource``) of a reward
-    section. With neither models nor functions the reward is the ``reward`` role at ``default_path``
-    (``roles.reward.model``, with ``default_tokenizer``: ``roles.reward.tokenizer``); ``None`` then is an error,
-    "" a folder not known yet (checks before any rank starts). ``base`` is ``roles.reward``'s resolved
-    placement, which each entry's own placement keys override."""
-    from multiengine.engines import Placement
-    from multiengine.engines.recipe_config import RecipeConfigError
-    from multiengine.pipelines.rlhf.rewards import RESERVED_NAMES, reward_function, reward_model
-
+    """The reward-model roles to build and every reward source of a reward section
+    (``reward_sources.reward_roles``): ``default_path`` is ``roles.reward.model`` (``None`` = none may be used),
+    ``base`` ``roles.reward``'s resolved placement, ``default_tokenizer`` ``roles.reward.tokenizer``."""
     entries, specs = reward_entries(section, key, default_path or "")
-    if not entries and not specs:
-        if default_path is None:
-            raise RecipeConfigError(f"no reward source: set roles.reward.model (a reward-model folder), {key}.models "
-                                    f"or {key}.functions (e.g. {key}.functions=[builtin:judge] on the built-in task).")
-        entries = [{"role": "reward", "model": "", "weight": 1.0}]
-    roles = []
-    for i, entry in enumerate(entries):
-        path = entry["model"] or default_path
-        if path is None:
-            raise RecipeConfigError(f"{key}.models[{i}] (role 'reward') has no model and roles.reward.model is empty.")
-        stage = entry.get("stage", base.stage)
-        try:
-            place = Placement(stage=base.stage if stage is None or stage < 0 else int(stage),
-                              dtype=entry.get("dtype") or base.dtype,
-                              offload_params=bool(entry.get("offload_params", base.offload_params)),
-                              gather_forward=bool(entry.get("gather_forward", base.gather_forward)))
-        except ValueError as exc:  # the engines' ConfigError: name the entry it came from
-            raise RecipeConfigError(f"{key}.models[{i}] (role {entry['role']!r}): {exc}") from None
-        tokenizer = entry.get("tokenizer") or (default_tokenizer if entry["role"] == "reward" else "")
-        roles.append(RewardModelRole(entry["role"], path, entry["weight"], place, str(tokenizer or "")))
-    sources = [reward_model(r.role, r.weight) for r in roles]
-    labels = [spec.rpartition(":")[2] for spec, _ in specs]
-    taken = {r.role for r in roles} | set(RESERVED_NAMES)
-    for (spec, weight), label in zip(specs, labels):
-        # a function's metric name (reward/<name>) is its own name, or the whole spec where that would be
-        # ambiguous or take the name of another metric (reward/mean, ...)
-        unique = labels.count(label) == 1 and label not in taken
-        sources.append(reward_function(spec, weight, name=label if unique else spec))
-    return roles, sources
-
-
-def reward_tokenizer_checks(roles: list[RewardModelRole]) -> list[tuple[str, str, str, str]]:
-    """``(role, folder, tokenizer, tokenizer key)`` of each reward-model role, for check_scoring_tokenizers."""
-    return [(r.role, r.path, r.tokenizer, "roles.reward.tokenizer" if r.role == "reward"
-             else f"reward.models ({r.role}).tokenizer") for r in roles]
+    return reward_roles(entries, specs, default_path, base, key, default_tokenizer)
 
 
 def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -> None:

@@ -10,14 +10,18 @@ one), as OpenRLHF does for remote reward models. Equal vocabularies need no re-e
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .data import _Encoder, _pad, is_conversation
+from .runs import role_tokenizer
 
-__all__ = ["Retokenizer", "needs_reencoding", "vocabularies_match"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["Retokenizer", "needs_reencoding", "retokenizers", "vocabularies_match"]
 
 _SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -159,3 +163,44 @@ class Retokenizer:
         if ended:
             out.append(last)  # the actor's EOS -> the target's EOS
         return (out + [last] * width)[:width]
+
+
+def position_budget(path: str) -> int:
+    """Tokens a re-encoded row may have per part (prompt, response): half the model's positions."""
+    from transformers import AutoConfig
+
+    try:
+        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        positions = None
+    return max(int(positions or 1024) // 2, 8)
+
+
+def retokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str]], conversational: bool,
+                 tokenizers: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Retokenizer | None]]:
+    """Each scoring role's tokenizer and, when it tokenizes differently from the actor (vocabularies
+    compared, and chat templates for conversational prompts), the :class:`Retokenizer` that re-encodes the
+    actor's rows for it; ``None`` = the actor's ids are used as they are.
+
+    Args:
+        roles: ``(role, model folder, tokenizer key's value)``; "" = the folder's own tokenizer (the actor's
+            when the folder has none).
+        tokenizers: tokenizers already loaded, by role (reused, e.g. the critic's = the reward model's).
+
+    Returns:
+        ``({role: tokenizer}, {role: Retokenizer or None})``.
+    """
+    toks, retoks = dict(tokenizers or {}), {}
+    for role, path, given in roles:
+        tok = toks.get(role) or role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
+        toks[role] = tok
+        if needs_reencoding(actor_tokenizer, tok, conversational):
+            budget = position_budget(path)
+            retoks[role] = Retokenizer(actor_tokenizer, tok, budget, budget, conversational=conversational)
+            logger.info("%s: its tokenizer (%s, %d tokens) differs from the actor's (%s, %d tokens): the actor's "
+                        "prompts and answers are decoded and re-encoded for it", role,
+                        getattr(tok, "name_or_path", "?"), len(tok), getattr(actor_tokenizer, "name_or_path", "?"),
+                        len(actor_tokenizer))
+        else:
+            retoks[role] = None
+    return toks, retoks

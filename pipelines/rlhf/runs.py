@@ -1,5 +1,5 @@
-"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge and
-tokenizer resolution."""
+"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge,
+tokenizer resolution and loading on rank 0 first."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from . import tiny
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["builtin_judge", "has_tokenizer", "prepare_tiny_assets", "resolve_tokenizer"]
+__all__ = ["builtin_judge", "has_tokenizer", "on_rank0_first", "prepare_tiny_assets", "resolve_tokenizer",
+           "role_tokenizer"]
 
 
 def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0, hidden: int = 64,
@@ -77,3 +78,44 @@ def resolve_tokenizer(*candidates: str) -> Any:
         return tok
     detail = f" ({'; '.join(errors)})" if errors else ""
     raise FileNotFoundError(f"no tokenizer in any of {[c for c in candidates if c]}{detail}")
+
+
+def role_tokenizer(given: str, model_path: str, fallback: Any = None, *, what: str = "") -> Any:
+    """A role's tokenizer: ``given`` (a tokenizer folder or hub name: its ``roles.<role>.tokenizer``), else the
+    model folder's own, else ``fallback`` (e.g. the actor's, for a folder saved without one; logged)."""
+    from ..sources import is_hub_name
+
+    if given:
+        return resolve_tokenizer(given)
+    if has_tokenizer(os.path.expanduser(model_path)) or (not os.path.exists(model_path) and is_hub_name(model_path)):
+        return resolve_tokenizer(model_path)
+    if fallback is None:
+        raise FileNotFoundError(f"no tokenizer in {model_path}; set the tokenizer key of {what or 'this role'}")
+    logger.info("%s: %s has no tokenizer files; using %s's", what or "role", model_path,
+                getattr(fallback, "name_or_path", "the actor"))
+    return fallback
+
+
+def on_rank0_first(registry: EngineRegistry, load: Callable[[], Any]) -> Any:
+    """``load()`` on rank 0, then on the others (rank 0 fills the datasets cache, the others read it instead
+    of racing to write the same files). A failure on rank 0 fails every rank, never leaves them waiting."""
+    import torch.distributed as dist
+
+    if registry.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return load()
+    error: BaseException | None = None
+    result = None
+    if registry.is_main:
+        try:
+            result = load()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+    box = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        from multiengine.engines.recipe_config import RecipeConfigError
+
+        raise RecipeConfigError(f"rank 0 could not load the data: {box[0]}")
+    return result if registry.is_main else load()
