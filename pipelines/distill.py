@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["DIVERGENCES", "check_vocab", "distillation_loss", "divergence", "generalized_jsd", "generalized_jsd_loss",
-           "next_token_mask", "on_policy_batch", "response_distill_loss"]
+           "gkd_beta", "next_token_mask", "on_policy_batch", "prompts_of_demonstrations", "response_distill_loss",
+           "sampled_distill_loss", "student_samples"]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -190,8 +191,8 @@ def check_vocab(student_vocab_size: int, teacher_vocab_size: int, student_tokeni
     Returns:
         How many leading logits to compare (slice both ``[..., :n]``).
     """
-    fix = ("use a teacher and a student of one model family (one tokenizer), or distill offline from the "
-           "teacher's generated text (distill.on_policy_fraction=0 with a teacher dataset) instead of its logits")
+    fix = ("use a teacher and a student of one model family (one tokenizer), or train the student on text the "
+           "teacher generated (sequence-level distillation: rlhf_sft on the teacher's answers) instead of its logits")
     s, t = int(student_vocab_size), int(teacher_vocab_size)
     both = student_tokenizer is not None and teacher_tokenizer is not None
     if both:
@@ -227,3 +228,64 @@ def on_policy_batch(seed: int, step: int, fraction: float) -> bool:
     g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step) * 7919 + 17) % (2**63 - 1))
     u = float(torch.rand((), generator=g, dtype=torch.float64))
     return u < fraction
+
+
+def gkd_beta(kind: str, beta: float = 0.5) -> float:
+    """GKD's ``beta`` of a divergence name: ``forward_kl`` 0, ``reverse_kl`` 1, ``jsd`` ``beta``."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"divergence kind={kind!r}; use one of {list(DIVERGENCES)}.")
+    return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(kind, float(beta))
+
+
+def sampled_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
+                         action_mask: torch.Tensor, kind: str = "forward_kl", temperature: float = 1.0,
+                         beta: float = 0.5) -> torch.Tensor:
+    """The offline :func:`divergence` (``kind``, ``beta``, times ``temperature^2``) on the response tokens of a
+    rollout (:func:`response_distill_loss`'s layout), so on-policy and offline batches of one run optimise the
+    same per-token objective and differ only in where the responses come from (GKD's ``lambda``)."""
+    loss = response_distill_loss(student_logits, teacher_logits, context_length, action_mask,
+                                 gkd_beta(kind, beta), temperature)
+    return loss * temperature**2
+
+
+def prompts_of_demonstrations(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                              pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts of right-padded demonstrations, left padded for generation.
+
+    A row's prompt is its tokens before the first labelled one (``labels != -100``: the response, or a
+    conversation's first assistant turn), at least one token; a row with no label keeps all its real tokens.
+
+    Returns:
+        ``(prompt_ids, prompt_mask)``, each ``[B, C]``, ``C`` the longest prompt.
+    """
+    labelled = labels != -100
+    real = attention_mask.long().sum(1)
+    first = torch.where(labelled.any(1), labelled.long().argmax(1), real)
+    lengths = first.clamp(min=1).tolist()
+    C = max(lengths)
+    ids = torch.full((input_ids.shape[0], C), int(pad_token_id), dtype=input_ids.dtype, device=input_ids.device)
+    mask = torch.zeros((input_ids.shape[0], C), dtype=attention_mask.dtype, device=attention_mask.device)
+    for i, n in enumerate(lengths):
+        ids[i, C - n:] = input_ids[i, :n]
+        mask[i, C - n:] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Any,
+                    eos_token_id: int, pad_token_id: int, seed: int) -> dict[str, Any]:
+    """The student's own responses to left-padded prompts (collective: every rank calls it, same count).
+
+    ``settings`` is an ``rlhf.generation.GenerationSettings``; ``seed`` seeds torch's generator first, so a
+    resumed run samples the same tokens. Returns ``sequences`` and ``attention_mask`` ``[B, C + T]``,
+    ``action_mask`` ``[B, T]`` (the response up to and including its first EOS) and ``context_length`` ``C``.
+    """
+    from multiengine.pipelines.rlhf.generation import generate
+    from multiengine.pipelines.rlhf.ppo import action_mask
+
+    torch.manual_seed(seed)
+    response = generate(registry, prompt_ids, prompt_mask, settings, eos_token_id, pad_token_id, role=role)
+    action = action_mask(response, eos_token_id)
+    return {"sequences": torch.cat([prompt_ids, response], dim=1),
+            "attention_mask": torch.cat([prompt_mask, action.to(prompt_mask.dtype)], dim=1),
+            "action_mask": action, "context_length": prompt_ids.shape[1]}

@@ -1,9 +1,11 @@
 """Knowledge distillation: a frozen teacher (any stage, ZeRO-3 with optional parameter offload) and a
 trainable student (any stage, optional LoRA), each its own engine; forward KL, reverse KL or JSD with a temperature,
-optionally mixed with the hard-label loss.
+optionally mixed with the hard-label loss; on-policy (GKD) on a share of the steps, where the student samples the
+responses itself and the teacher scores every token of them.
 
     multiengine run distill --config tiny --nproc-per-node 2
     multiengine run distill --config tiny --nproc-per-node 2 distill.loss=jsd roles.teacher.offload_params=true
+    multiengine run distill --config tiny --nproc-per-node 2 distill.on_policy_fraction=0.5 distill.loss=reverse_kl
 
 The tiny config distils the RLHF tiny SFT model (trained here on first use, as rlhf_e2e does, under
 output_dir/teacher) into a smaller random tiny model, on the built-in task's demonstrations. Reports the
@@ -23,11 +25,20 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, mean_over_ranks, save_role
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
-from multiengine.pipelines.distill import DIVERGENCES, distillation_loss
+from multiengine.pipelines.distill import (
+    DIVERGENCES,
+    check_vocab,
+    distillation_loss,
+    on_policy_batch,
+    prompts_of_demonstrations,
+    sampled_distill_loss,
+    student_samples,
+)
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.evaluation import evaluate_policy
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+from multiengine.pipelines.rlhf.rollout import sampling_seed
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.common import (
     DATA_KEYS,
@@ -91,12 +102,14 @@ KEYS: dict[str, Any] = {
         "loss": Key("forward_kl", "forward_kl | reverse_kl | jsd"),
         "temperature": Key(1.0, "softens both distributions; the loss is multiplied by its square"),
         "alpha": Key(1.0, "weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy"),
-        "jsd_beta": Key(0.5, "the JSD's teacher weight, in (0, 1)"),
-    }, "the distillation loss"),
+        "beta": Key(0.5, "the JSD's teacher weight, in (0, 1) (GKD's beta; forward_kl is beta 0, reverse_kl 1)"),
+        "on_policy_fraction": Key(0.0, "GKD's lambda: the share of steps whose responses the student samples itself "
+                                       "(generation.*) for the teacher to score; 0 = offline, 1 = always"),
+    }, "the distillation loss (the same per-token divergence on demonstrations and on the student's samples)"),
     "generation": Key({
         "max_new_tokens": Key(8, "tokens generated per answer"),
         "temperature": Key(1.0, "sampling temperature"),
-    }, "sampling of evaluation answers"),
+    }, "sampling of evaluation answers and of the student's on-policy responses"),
     "eval": Key({
         "every": Key(100, "also every N steps (always before and after)"),
         "size": Key(256, "evaluation prompts (split evenly over ranks); 0 = none"),
@@ -111,36 +124,54 @@ KEYS: dict[str, Any] = {
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
     "distill.loss": Choice(*DIVERGENCES), "distill.temperature": Range(0, min_exclusive=True),
-    "distill.alpha": Range(0, 1), "distill.jsd_beta": Range(0, 1, min_exclusive=True, max_exclusive=True),
+    "distill.alpha": Range(0, 1), "distill.beta": Range(0, 1), "distill.on_policy_fraction": Range(0, 1),
 })
 RENAMED = old_keys("student", model="model.student", extra={
     "model.teacher": "roles.teacher.model", "model.tokenizer": "roles.teacher.tokenizer",
-    "model.student_hidden": "tiny.student_hidden", "model.student_layers": "tiny.student_layers"})
+    "model.student_hidden": "tiny.student_hidden", "model.student_layers": "tiny.student_layers",
+    "distill.jsd_beta": "distill.beta"})
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
-    """Teacher and student folders, the tokenizer against both vocabularies (and the student's own tokenizer,
-    if it has one, equal to it), the demonstrations and evaluation rows; on ``world_size`` ranks, a micro batch
-    of training rows per rank (for the student, and for the SFT run that trains a missing teacher)."""
-    from multiengine.pipelines.rlhf.retokenize import vocabularies_match
-
-    teacher, student = cfg.roles.teacher, cfg.roles.student
+    """Teacher and student folders, one vocabulary for both (``check_vocab``: the same tokenizer; logit sizes may
+    differ by padding), the loss settings, the demonstrations (with prompts, for on-policy steps) and evaluation
+    rows; on ``world_size`` ranks, a micro batch of training rows per rank (for the student, and for the SFT run
+    that trains a missing teacher)."""
+    teacher, student, d = cfg.roles.teacher, cfg.roles.student, cfg.distill
+    if d.loss == "jsd" and not 0.0 < d.beta < 1.0:
+        raise RecipeConfigError(f"distill.beta={d.beta} with distill.loss=jsd: the JSD's teacher weight must be in "
+                                "(0, 1); its ends are distill.loss=forward_kl (beta 0) and reverse_kl (beta 1)")
     check_model("roles.teacher.model", teacher.model)
     check_model("roles.student.model", student.model)
     tok = check_tokenizer("roles.teacher.tokenizer", teacher.tokenizer, "roles.teacher.model", teacher.model)
     if student.model:
         own = check_tokenizer("roles.student.tokenizer", tokenizer_path(cfg, ROLES, "student"), "roles.student.model",
                               student.model, tok)
-        if tok is not None and own is not None and not vocabularies_match(tok, own):
-            raise config_error(ValueError(
-                f"roles.teacher.model ({teacher.model}) and roles.student.model ({student.model}) have different "
-                "tokenizers: token-level distillation compares next-token distributions over one vocabulary; use a "
-                "student with the teacher's tokenizer (or set roles.teacher.tokenizer if both really share one)"))
+        if teacher.model:  # a tiny teacher trained at run time is checked when the models are built
+            shared_logits(teacher.model, student.model, tok, own)
     report = check_data(cfg, "sft", tok, tokenizer_key="roles.teacher.tokenizer")
+    if d.on_policy_fraction > 0 and report and not {"prompt", "messages"} & set(report["columns"]["train"]):
+        raise RecipeConfigError(f"distill.on_policy_fraction={d.on_policy_fraction}: the student samples answers to "
+                                "the demonstrations' prompts, and text rows have none; use prompt + response or "
+                                "messages rows, or distill.on_policy_fraction=0")
     if not teacher.model:
         check_sft_run_batches(cfg.teacher_sft, report, world_size, "teacher_sft", "teacher")
     # demonstrations(): one stream of micro batches per rank (grad_accum draws it again)
     check_stage_batches(report, world_size, key="roles.student.micro_batch_size", value=student.micro_batch_size)
+
+
+def shared_logits(teacher: str, student: str, teacher_tokenizer: Any, student_tokenizer: Any) -> int:
+    """How many leading logits teacher and student share (``check_vocab`` on their folders' logit sizes and
+    tokenizers), or a config error naming both models, both sizes and the fix."""
+    from transformers import AutoConfig
+
+    sizes = [AutoConfig.from_pretrained(str(path)).vocab_size for path in (teacher, student)]
+    try:
+        return check_vocab(sizes[1], sizes[0], student_tokenizer, teacher_tokenizer)
+    except ValueError as err:
+        raise config_error(ValueError(
+            f"roles.teacher.model ({teacher}: {sizes[0]} logits) and roles.student.model ({student}: {sizes[1]} "
+            f"logits) do not share one vocabulary, which token-level distillation needs: {err}")) from None
 
 
 class Distill(Recipe):
@@ -163,7 +194,8 @@ class Distill(Recipe):
         self.student_path = student.model or self._tiny_student(assets["tokenizer"])
         tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
         self.tokenizer = role_tokenizer(teacher.tokenizer, self.teacher_path, tiny_tok, what="roles.teacher.model")
-        self._check_vocabularies()
+        own = role_tokenizer(tokenizer_path(cfg, ROLES, "student"), self.student_path, self.tokenizer)
+        self.vocab = shared_logits(self.teacher_path, self.student_path, self.tokenizer, own)
 
         # 2. the two roles: a frozen teacher, a trainable student, each at its own placement
         registry.add(ref_spec(self.teacher_path, placement(cfg, ROLES, "teacher"), name="teacher"))
@@ -191,44 +223,59 @@ class Distill(Recipe):
         barrier()
         return path
 
-    def _check_vocabularies(self) -> None:
-        from transformers import AutoConfig
-
-        sizes = {name: AutoConfig.from_pretrained(path).vocab_size
-                 for name, path in (("teacher", self.teacher_path), ("student", self.student_path))}
-        if sizes["teacher"] != sizes["student"]:
-            raise RecipeConfigError(
-                f"roles.teacher.model has a vocabulary of {sizes['teacher']} tokens and roles.student.model one of "
-                f"{sizes['student']}: token-level distillation needs the same tokenizer for both.")
-
-    def _logits(self, role: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logits(self, role: str, batch: dict[str, torch.Tensor], position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         out = self.registry[role](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                  use_cache=False)
-        return out.logits
+                                  position_ids=position_ids, use_cache=False)
+        # padded embeddings of one tokenizer: compare the real tokens only (shared_logits)
+        return out.logits if out.logits.shape[-1] == self.vocab else out.logits[..., :self.vocab]
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         d = self.cfg.distill
         teacher = self._logits("teacher", batch)  # frozen role: no graph
         student = self._logits("student", batch)
-        return distillation_loss(student, teacher, batch["labels"], d.loss, d.temperature, d.alpha, d.jsd_beta)
+        return distillation_loss(student, teacher, batch["labels"], d.loss, d.temperature, d.alpha, d.beta)
+
+    def _on_policy_loss(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        from multiengine.pipelines.rlhf.generation import position_ids_from_mask
+
+        cfg, registry, tok = self.cfg, self.registry, self.tokenizer
+        prompt_ids, prompt_mask = prompts_of_demonstrations(batch["input_ids"], batch["attention_mask"],
+                                                            batch["labels"], tok.pad_token_id)
+        # seeded by (seed, step, micro batch, rank) alone: a resumed run samples the same answers
+        seed = sampling_seed(cfg.seed, self.step * self.registry["student"].gradient_accumulation_steps() + micro,
+                             registry.rank)
+        rollout = student_samples(registry, "student", prompt_ids, prompt_mask, self.generation, tok.eos_token_id,
+                                  tok.pad_token_id, seed)
+        seqs = {"input_ids": rollout["sequences"], "attention_mask": rollout["attention_mask"]}
+        positions = position_ids_from_mask(rollout["attention_mask"])  # left-padded prompts
+        teacher = self._logits("teacher", seqs, positions)  # the same forwards on every rank (ZeRO-3)
+        student = self._logits("student", seqs, positions)
+        d, action = cfg.distill, rollout["action_mask"]
+        loss = sampled_distill_loss(student, teacher, rollout["context_length"], action, d.loss, d.temperature,
+                                    d.beta)
+        return loss, {"divergence": loss.detach(), "sampled_length": action.sum(-1).float().mean()}
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry
         student = registry["student"]
-        totals: dict[str, list[float]] = {"loss": [], "divergence": [], "ce": []}
-        for _ in range(student.gradient_accumulation_steps()):
+        # GKD's lambda: one decision per step from (seed, step) alone, the same on every rank and after a resume
+        on_policy = on_policy_batch(self.cfg.seed, self.step, self.cfg.distill.on_policy_fraction)
+        totals: dict[str, list[float]] = {}
+        for micro in range(student.gradient_accumulation_steps()):
             # 1. next micro batch: prompt + response + EOS, labels -100 on the prompt and padding
             batch = {k: v.to(registry.device) for k, v in next(self.batches).items()}
-            # 2. teacher and student logits of the same tokens; divergence (+ hard-label CE) on the response
-            loss, parts = self._loss(batch)
+            # 2. teacher and student logits of the same tokens (the demonstration, or the student's own answer to
+            #    its prompt); divergence (+ hard-label CE offline) on the response
+            loss, parts = self._on_policy_loss(batch, micro) if on_policy else self._loss(batch)
             # 3. backward through the student's engine; 4. its optimizer steps at the accumulation boundary
             student.backward(loss)
             student.step()
-            totals["loss"].append(loss.item())
-            for key, value in parts.items():
-                totals[key].append(value.item())
+            for key, value in {"loss": loss, **parts}.items():
+                totals.setdefault(key, []).append(value.item())
         # 5. means over micro batches and ranks
-        return mean_over_ranks({**{k: statistics.fmean(v) for k, v in totals.items()}, "lr": student.get_lr()[0]})
+        return mean_over_ranks({**{k: statistics.fmean(v) for k, v in totals.items()}, "lr": student.get_lr()[0],
+                                "on_policy": float(on_policy)})
 
     def decode(self, ids: torch.Tensor) -> list[str]:
         return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
@@ -288,6 +335,8 @@ class Distill(Recipe):
     def summary_metrics(self) -> dict[str, Any]:
         metrics = {f"teacher/{k[len('teacher_'):]}": v for k, v in self.teacher_eval.items() if v is not None}
         metrics.update(self.eval_figures(("loss", "judge", "response_length")))
+        steps = [m["on_policy"] for m in self.step_metrics if "on_policy" in m]
+        metrics["train/on_policy_share"] = statistics.fmean(steps) if steps else None
         return metrics
 
     def summary_extra(self) -> dict[str, Any]:

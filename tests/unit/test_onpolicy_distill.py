@@ -151,3 +151,87 @@ def test_on_policy_batch_is_seeded_and_has_the_share():
             distill.on_policy_batch(0, 0, bad)
     with pytest.raises(ValueError, match="distill.beta"):
         distill.generalized_jsd(torch.zeros(3), torch.zeros(3), beta=1.2)
+
+
+def test_the_decision_sequence_is_pinned():
+    # a resumed run (and every rank) decides step k from (seed, k) alone; these values pin the generator, so a
+    # change to it would change where an old run's on-policy steps fall (the 2-rank test runs this sequence)
+    assert [distill.on_policy_batch(0, k, 0.4) for k in range(6)] == [False, False, True, True, False, True]
+
+
+@pytest.mark.parametrize("kind", distill.DIVERGENCES)
+def test_sampled_distill_loss_is_the_offline_divergence_on_the_response(kind):
+    g = torch.Generator().manual_seed(3)
+    B, C, T, V = 2, 3, 4, 9
+    student = torch.randn(B, C + T, V, generator=g)
+    teacher = torch.randn(B, C + T, V, generator=g)
+    action = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)  # prefixes up to the first EOS
+    for tau in (1.0, 2.0):
+        got = distill.sampled_distill_loss(student, teacher, C, action, kind, tau, beta=0.3)
+        # the same per-token objective as the offline batches: Hinton's tau^2 included
+        close(got, distill.divergence(student[:, C - 1:-1], teacher[:, C - 1:-1], action, kind, tau, 0.3))
+    assert distill.gkd_beta(kind, 0.3) == {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.3}[kind]
+
+
+def test_prompts_of_demonstrations():
+    pad = 0
+    # right-padded prompt + response: labels -100 on the prompt (and padding)
+    ids = torch.tensor([[5, 6, 7, 8, 2, 0], [9, 4, 3, 2, 0, 0], [7, 7, 7, 7, 7, 2]])
+    mask = (ids != 0).long()
+    labels = torch.tensor([[-100, -100, -100, 8, 2, -100], [-100, 4, 3, 2, -100, -100], [7, 7, 7, 7, 7, 2]])
+    prompt, prompt_mask = distill.prompts_of_demonstrations(ids, mask, labels, pad)
+    # row 3 is a text row (everything learned): its prompt is its first token
+    assert prompt.tolist() == [[5, 6, 7], [0, 0, 9], [0, 0, 7]]
+    assert prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 1]]
+
+
+@pytest.fixture(scope="module")
+def two_vocabularies(tmp_path_factory):
+    """Tiny models on the task tokenizer (108 tokens), one of them with its embedding padded to 128 rows, and one
+    on the chat tokenizer (three more tokens: 111)."""
+    from multiengine.pipelines.rlhf import tiny
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("vocab")
+    tiny.train_tokenizer(tiny.task_vocabulary(), d / "tok")
+    tiny.train_tokenizer(tiny.task_vocabulary(), d / "chat_tok", chat_template=True)
+    plain = tiny.build_tiny_causal_lm(d / "plain", d / "tok", hidden=16, layers=1)
+    tiny.build_tiny_causal_lm(d / "chat", d / "chat_tok", hidden=16, layers=1)
+    padded = AutoModelForCausalLM.from_pretrained(plain)
+    padded.resize_token_embeddings(128)
+    padded.save_pretrained(d / "padded")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (plain / name).is_file():
+            (d / "padded" / name).write_bytes((plain / name).read_bytes())
+    return d
+
+
+def _validate(capsys, d, *args: str) -> tuple[int, str]:
+    from multiengine.recipes import cli
+
+    code = cli.main(["validate", "distill", "--config", "tiny", *args, f"output_dir={d / 'out'}"])
+    return code, capsys.readouterr().err
+
+
+def test_validate_refuses_two_vocabularies_before_any_rank(two_vocabularies, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MULTIENGINE_VALIDATED"):
+        monkeypatch.delenv(name, raising=False)
+    d = two_vocabularies
+    code, err = _validate(capsys, d, f"roles.teacher.model={d / 'chat'}", f"roles.student.model={d / 'plain'}",
+                          "distill.on_policy_fraction=0.5")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    # both models, both sizes and the fix
+    for part in (f"roles.teacher.model ({d / 'chat'}: 111 logits)", f"roles.student.model ({d / 'plain'}: 108 logits)",
+                 "student 108 tokens, teacher 111", "Fix: use a teacher and a student of one model family"):
+        assert part in lines[0], lines[0]
+    # one tokenizer, embeddings padded to another size (a model family's sizes): accepted, teacher larger or not
+    assert _validate(capsys, d, f"roles.teacher.model={d / 'padded'}", f"roles.student.model={d / 'plain'}")[0] == 0
+    assert _validate(capsys, d, f"roles.teacher.model={d / 'plain'}", f"roles.student.model={d / 'padded'}")[0] == 0
+    # on-policy steps need prompts to sample answers to: text rows are refused, naming the key
+    (d / "text.jsonl").write_text("".join(f'{{"text": "list {i} fruits : apple pear"}}\n' for i in range(64)))
+    code, err = _validate(capsys, d, f"data.source={d / 'text.jsonl'}", "distill.on_policy_fraction=0.5")
+    assert code == 2 and "distill.on_policy_fraction=0.5" in err and "text rows have none" in err, err
+    assert _validate(capsys, d, f"data.source={d / 'text.jsonl'}")[0] == 0  # offline distillation of text: fine
+    code, err = _validate(capsys, d, "distill.loss=jsd", "distill.beta=0")
+    assert code == 2 and "distill.beta=0.0 with distill.loss=jsd" in err and "forward_kl (beta 0)" in err, err
