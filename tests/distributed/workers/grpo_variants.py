@@ -35,9 +35,9 @@ dapo = ["grpo.loss_aggregation=token_mean", "grpo.clip_low=0.2", "grpo.clip_high
 results["dapo"] = run(f"{out}/dapo", "tiny", *dapo, "max_steps=12", "checkpoint.every=0", "eval.every=0", *EVAL)
 actor = f"{out}/dapo/sft/export/actor"
 # 2. resume: 4 steps with a checkpoint at 2, then steps 3-4 again from it (GSPO's sequence ratio, 2 epochs so the
-#    ratio moves off 1 and clips)
-variant = [*dapo, "grpo.importance_level=sequence", "grpo.epochs=2", "grpo.rollout_batch_size=4",
-           "roles.actor.micro_batch_size=16", f"roles.actor.model={actor}", "eval.size=0", "max_steps=4"]
+#    ratio moves off 1 and clips; pairs of answers, so that equal judge scores, and dropped groups, are common)
+variant = [*dapo, "grpo.importance_level=sequence", "grpo.epochs=2", "grpo.n_samples_per_prompt=2",
+           "roles.actor.micro_batch_size=8", f"roles.actor.model={actor}", "eval.size=0", "max_steps=4"]
 results["full"] = run(f"{out}/full", "tiny", *variant, "checkpoint.every=2", "checkpoint.keep_last=2")
 results["resumed"] = run(f"{out}/resumed", "tiny", *variant, "checkpoint.every=0",
                          f"resume_from={out}/full/checkpoints/step_00000002")
