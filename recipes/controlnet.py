@@ -33,32 +33,16 @@ from multiengine.engines.recipe_config import (
 )
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.controlnet import controlnet_factory
-from multiengine.pipelines.diffusion.export import export_pipeline, export_roles
+from multiengine.pipelines.diffusion.export import export_run
+from multiengine.pipelines.diffusion.inputs import check_resolution, model_folder_family
 from multiengine.pipelines.diffusion.models import SEED_BASELINE, load_component
 from multiengine.pipelines.diffusion.runs import conditioning_rows
-from multiengine.pipelines.diffusion.training import ControlNetObjective
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
+from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.lifecycle import COMMON_KEYS
 from multiengine.recipes.schema import Role, optim_spec, placement, role_keys
-from multiengine.recipes.sd_finetune import (
-    DDPM_KEYS,
-    EVAL_KEYS,
-    FROZEN,
-    MODEL_KEYS,
-    SD_DATA_KEYS,
-    TRAINED,
-    VALIDATION_KEYS,
-    SDFinetune,
-    check_batches,
-    check_components,
-    check_data,
-    component_model,
-    diffusion_checks,
-    model_folder_family,
-    renamed,
-    validate_resolution,
-)
+from multiengine.recipes.sd_finetune import SDFinetune
 
 # ControlNet pipelines per base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
 CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
@@ -66,29 +50,24 @@ CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "Stab
 ROLES = (
     Role("controlnet", "the ControlNet, trained; model \"\" = initialised from the unet (diffusers' "
          "ControlNetModel.from_unet), or a ControlNetModel folder to continue training", trainable=True,
-         keys={**TRAINED, "model": Key("", "a ControlNetModel folder (save_pretrained); \"\" = initialised from the "
-                                           "unet")}),
+         keys={**shared.TRAINED, "model": Key("", "a ControlNetModel folder (save_pretrained); \"\" = initialised "
+                                                  "from the unet")}),
     Role("unet", "frozen; its backward carries the gradient to the controlnet",
-         keys={"dtype": "fp32", "model": component_model("unet")}),
-    Role("vae", "frozen: latents of the training images, validation decodes",
-         keys={**FROZEN, "model": component_model("vae")}),
-    Role("text_encoder", "frozen: the first text encoder (CLIP-L)",
-         keys={**FROZEN, "model": component_model("text_encoder")}),
-    Role("text_encoder_2", "frozen: SDXL's CLIP-G", follows="text_encoder",
-         keys={"gather_forward": True, "model": component_model("text_encoder_2")}),
+         keys={"dtype": "fp32", "model": shared.component_model("unet")}),
+    *shared.component_roles("frozen: SDXL's CLIP-G"),
 )
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/controlnet", "everything the run writes goes under this folder"),
     "max_steps": Key(200, "optimizer steps"),
     "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (frozen unet, vae, text encoders whole)"),
-    "model": Key({**MODEL_KEYS, "tiny_family": Key("sd", "tiny model only: sd | sdxl")},
+    "model": Key({**shared.MODEL_KEYS, "tiny_family": Key("sd", "tiny model only: sd | sdxl")},
                  "the base SD or SDXL pipeline folder"),
     "roles": role_keys(ROLES),
-    "diffusion": Key({"adam_epsilon": Key(1e-8, "AdamW epsilon of the controlnet"), **DDPM_KEYS},
+    "diffusion": Key({"adam_epsilon": Key(1e-8, "AdamW epsilon of the controlnet"), **shared.DDPM_KEYS},
                      "the objective: diffusers' train_controlnet.py DDPM loss through the frozen unet"),
     "data": Key({
-        **SD_DATA_KEYS,
+        **shared.SD_DATA_KEYS,
         "columns": Key({"image": Key("", "your image column (\"\" = data.image_column)"),
                         "caption": Key("", "your caption column (\"\" = data.caption_column)"),
                         "conditioning_image": Key("", "your conditioning image column (\"\" = conditioning_image)")},
@@ -98,9 +77,9 @@ KEYS: dict[str, Any] = {
     "controlnet": Key({
         "conditioning_scale": Key(1.0, "multiplies the controlnet's residuals (1 in diffusers' training)"),
     }, "how the conditioning enters"),
-    "validation": Key({k: v for k, v in VALIDATION_KEYS.items() if k != "use_ema"},
+    "validation": Key({k: v for k, v in shared.VALIDATION_KEYS.items() if k != "use_ema"},
                       "generations from held-out conditioning images and captions"),
-    "eval": EVAL_KEYS,
+    "eval": shared.EVAL_KEYS,
     "export": Key({
         "enabled": Key(True, "export/controlnet and export/pipeline"),
         "dtype": Key("fp32", "dtype of every exported component (copied ones are cast too)"),
@@ -109,20 +88,20 @@ KEYS: dict[str, Any] = {
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
-    **diffusion_checks("controlnet", tuple(CONTROLNET_PIPELINES)),
+    **shared.diffusion_checks(("controlnet",), tuple(CONTROLNET_PIPELINES)),
     "roles.controlnet.lora.r": Satisfies(lambda v: v == 0, "0: the controlnet trains in full (no LoRA)"),
     "data.conditioning_kind": Choice(*data_lib.CONDITIONING_KINDS),
     "export.roles": Each(Choice(*(r.name for r in ROLES))),
 })
-RENAMED = {**renamed("controlnet"), "model.controlnet": "roles.controlnet.model"}
+RENAMED = {**shared.renamed("controlnet"), "model.controlnet": "roles.controlnet.model"}
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts: the base model folder is SD or SDXL, the ControlNet folder (if any) exists, the
     data has images, captions and conditioning images, enough rows (a micro batch per rank on ``world_size``
     ranks), every image readable."""
-    check_components(cfg, tuple(r.name for r in ROLES[1:]))
-    family = model_folder_family(cfg)
+    shared.check_components(cfg, tuple(r.name for r in ROLES[1:]))
+    family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
     if family and family not in CONTROLNET_PIPELINES:
         raise config_problem("model.pretrained", cfg.model.pretrained, f"is a {family} model; a ControlNet "
                              f"conditions a unet ({', '.join(CONTROLNET_PIPELINES)})", "give an SD 1.x/2.x or SDXL "
@@ -132,9 +111,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise config_problem("roles.controlnet.model", given, "is not a ControlNetModel folder (no config.json)",
                              "give a folder saved with ControlNetModel.save_pretrained, or \"\"")
     if family:
-        validate_resolution(cfg, family, str(cfg.model.pretrained))
-    check_data(cfg, conditioning=True)
-    check_batches(cfg, world_size, "controlnet", conditioning=True)
+        check_resolution(int(cfg.data.resolution), family, str(cfg.model.pretrained))
+    shared.check_data(cfg, world_size, "controlnet", conditioning=True)
 
 
 class ControlNetTraining(SDFinetune):
@@ -181,13 +159,8 @@ class ControlNetTraining(SDFinetune):
         for name, place in frozen.items():
             registry.add(frozen_role(name, _component(self.model_path, name, variant), place))
 
-    def make_objective(self) -> Any:
-        cfg, d = self.cfg, self.cfg.diffusion
-        scheduler = self.ddpm_scheduler()
-        return ControlNetObjective(
-            self.registry, self.text_encoders, scheduler.alphas_cumprod, prediction_type=self.prediction_type,
-            snr_gamma=d.snr_gamma, noise_offset=d.noise_offset, input_perturbation=d.input_perturbation,
-            resolution=cfg.data.resolution, conditioning_scale=cfg.controlnet.conditioning_scale)
+    def make_objective(self, **extra: Any) -> tuple[Any, str | None]:
+        return super().make_objective(conditioning_scale=float(self.cfg.controlnet.conditioning_scale))
 
     def make_dataset(self, rows: Any, transform: Any) -> Any:
         return data_lib.ConditionedImageCaptionDataset(rows, transform, "image", "caption", "conditioning_image",
@@ -221,21 +194,13 @@ class ControlNetTraining(SDFinetune):
         return image_grid(cells, cols=2, prompts=labels, step=self.step)
 
     def export(self) -> dict[str, Any]:
-        cfg, registry = self.cfg, self.registry
+        cfg = self.cfg
         if not cfg.export.enabled:
             return {}
-        written = export_roles(registry, self.path("export"), ["controlnet"], dtype=cfg.export.dtype)
         # The frozen components are unchanged: copied from the source folder (cast to export.dtype), not gathered.
-        written["pipeline"] = export_pipeline(registry, self.model_path, self.path("export", "pipeline"),
-                                              {"controlnet": "controlnet"}, dtype=cfg.export.dtype,
-                                              prediction_type=self.prediction_type,
-                                              class_name=CONTROLNET_PIPELINES[self.family], cast_copied=True)
-        extra = [r for r in cfg.export.roles if r != "controlnet"]
-        missing = [r for r in extra if r not in registry]
-        if missing:
-            raise RecipeConfigError(f"export.roles={list(cfg.export.roles)}: {missing} not among this run's roles")
-        written.update(export_roles(registry, self.path("export"), extra, dtype=cfg.export.dtype))
-        return written
+        return export_run(self.registry, self.path("export"), self.model_path, {"controlnet": "controlnet"},
+                          dtype=cfg.export.dtype, prediction_type=self.prediction_type, first=["controlnet"],
+                          roles=list(cfg.export.roles), class_name=CONTROLNET_PIPELINES[self.family], cast_copied=True)
 
     def summary_extra(self) -> dict[str, Any]:
         out = super().summary_extra()

@@ -21,7 +21,7 @@ from .models import read_model_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_pipeline", "export_roles", "save_lora"]
+__all__ = ["export_pipeline", "export_roles", "export_run", "save_lora"]
 
 
 def export_pipeline(
@@ -118,3 +118,29 @@ def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", compon
                 cls.save_lora_weights(tmp, transformer_lora_layers=state, safe_serialization=True)
             logger.info("saved LoRA adapter of %s (%d tensors) to %s", role, len(state), out_dir)
     return out_dir
+
+
+def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str], *,
+               dtype: str = "fp32", prediction_type: str | None = None, roles: Sequence[str] = (),
+               first: Sequence[str] = (), lora: tuple[str, str, str] | None = None, class_name: str | None = None,
+               cast_copied: bool = False, key: str = "export.roles") -> dict[str, str]:
+    """A fine-tune's exports under ``out_dir``: a folder per role of ``first``, ``pipeline/`` (``components``:
+    {component: role}, the others copied from ``model_path``), ``lora/`` when ``lora`` = (role, component,
+    pipeline class), then a folder per role of ``roles`` (those in ``first`` skipped); a role of ``roles`` the
+    registry does not have is refused, naming ``key``."""
+    from multiengine.engines.recipe_config import RecipeConfigError
+
+    written = export_roles(registry, out_dir, list(first), dtype=dtype)
+    written["pipeline"] = export_pipeline(registry, model_path, os.path.join(out_dir, "pipeline"), components,
+                                          dtype=dtype, prediction_type=prediction_type, class_name=class_name,
+                                          cast_copied=cast_copied)
+    if lora:
+        written["lora"] = save_lora(registry, os.path.join(out_dir, "lora"), role=lora[0], component=lora[1],
+                                    pipeline_class=lora[2])
+    extra = [r for r in roles if r not in first]
+    missing = [r for r in extra if r not in registry]
+    if missing:
+        raise RecipeConfigError(f"{key}={list(roles)}: {missing} not among this run's roles "
+                                f"{[r.name for r in registry.roles()]}")
+    written.update(export_roles(registry, out_dir, extra, dtype=dtype))
+    return written

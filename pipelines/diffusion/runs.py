@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
-from multiengine.engines import current_rss_bytes, shard_batches
+from multiengine.engines import barrier, current_rss_bytes, shard_batches
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
 from multiengine.pipelines.diffusion.models import read_model_index, tokenizer_name
@@ -24,9 +26,9 @@ from multiengine.pipelines.diffusion.validation import generate
 logger = logging.getLogger(__name__)
 
 __all__ = ["FLOW_FAMILY_DEFAULTS", "SHAPES_PROMPTS", "ImageColumn", "TrainImages", "build_tiny_model",
-           "collate_captions", "conditioning_rows", "eval_split_value", "flow_options", "held_out_of",
-           "memory_metrics", "resolution_multiple", "run_validation", "save_validation", "t5_length", "text_tokenizers",
-           "token_lengths", "validation_captions"]
+           "caption_batches", "collate_captions", "conditioning_rows", "eval_split_value", "flow_options",
+           "held_out_of", "memory_metrics", "rank0_first", "resolution_multiple", "run_validation", "save_validation",
+           "t5_length", "text_tokenizers", "token_lengths", "validation_captions", "validation_round"]
 
 SHAPES_PROMPTS = [
     "a red square on a white background",
@@ -176,6 +178,33 @@ class TrainImages:
         return self.sampler.state_dict(consumed=self.consumed)
 
 
+def caption_batches(train_rows: Any, heldout_rows: Any | None, make_dataset: Callable[[Any, Any], Any], *,
+                    model_path: str, text_encoders: Sequence[str], t5_tokens: int, resolution: int, center_crop: bool,
+                    random_flip: bool, micro_batch_size: int, world_size: int, rank: int, seed: int,
+                    num_workers: int = 0) -> TrainImages:
+    """The training stream and held-out batches of an image-caption run: each row set made a dataset by
+    ``make_dataset(rows, transform)`` (training rows augmented as asked; held-out rows center-cropped, never
+    flipped), collated with every text encoder's ids. ValueError when a rank's share fills no micro batch."""
+    collate = partial(collate_captions, tokenizers=text_tokenizers(model_path, text_encoders),
+                      lengths=token_lengths(model_path, text_encoders, t5_tokens))
+    train = make_dataset(train_rows, data_lib.ImageTransform(resolution, center_crop, random_flip))
+    heldout = None if heldout_rows is None else make_dataset(heldout_rows, data_lib.ImageTransform(
+        resolution, center_crop=True, random_flip=False))
+    return TrainImages(train, heldout, collate, micro_batch_size=micro_batch_size, world_size=world_size, rank=rank,
+                       seed=seed, num_workers=num_workers)
+
+
+def rank0_first(is_main: bool, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 first, then on the other ranks: rank 0 writes what the others then read (a datasets
+    cache) instead of every rank racing to write it."""
+    if not is_main:
+        barrier()
+    out = fn()
+    if is_main:
+        barrier()
+    return out
+
+
 def validation_captions(captions: Sequence[Any], n: int) -> list[str]:
     """The first ``n`` distinct captions (the first of an image's several)."""
     out: list[str] = []
@@ -215,6 +244,29 @@ def run_validation(registry: Any, pipe: Any, trained: str, prompts: Sequence[str
         return generate(pipe, registry, list(prompts), resolution, steps, guidance_scale, seed, **pipeline_kwargs)
     finally:
         module.train(was_training)
+
+
+def validation_round(registry: Any, metrics: Any, make_pipe: Callable[[], Any], trained: str,
+                     prompts: Sequence[str], grid: Callable[[list[Any]], Any], *, file: str, tag: str, step: int,
+                     role: str, resolution: int, steps: int, guidance_scale: float | None, seed: int,
+                     **pipeline_kwargs: Any) -> dict[str, Any]:
+    """One validation on all ranks in lockstep: ``make_pipe()`` generates ``prompts`` with ``role``; rank 0 saves
+    ``grid(images)`` at ``file`` with its index.jsonl entry and logs it to ``metrics``. Returns the entry."""
+    t0 = time.perf_counter()
+    pipe = make_pipe()
+    images = run_validation(registry, pipe, trained, prompts, resolution=resolution, steps=steps,
+                            guidance_scale=guidance_scale, seed=seed, **pipeline_kwargs)
+    del pipe
+    entry = {"step": step, "tag": tag, "file": file, "role": role, "prompts": list(prompts),
+             "seconds": time.perf_counter() - t0}
+    if registry.is_main:
+        image = grid(images)
+        save_validation(file, entry, image)
+        # One tag for every validation, so TensorBoard's step slider walks through before/step_N/after.
+        metrics.log_image(step, "validation/grid", image)
+        logger.info("validation grid (%s, step %d, %s): %s", tag, step, role, file)
+    metrics.log(step, {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
+    return entry
 
 
 def save_validation(path: str, entry: Mapping[str, Any], grid: Any) -> None:

@@ -52,8 +52,10 @@ __all__ = [
     "FlowMatchingObjective",
     "StepOutput",
     "differentiable_forward",
+    "family_objective",
     "flow_heldout_loss",
     "heldout_loss",
+    "heldout_value",
     "prompt_input_ids",
     "step_generator",
 ]
@@ -546,3 +548,36 @@ def flow_heldout_loss(
     (:meth:`FlowMatchingObjective.heldout_points`), noise fixed by ``seed``, no loss weighting; the mean
     over all ranks. Collective, like :func:`heldout_loss`."""
     return _heldout_mean(objective, batches, indices, seed, role, lambda i, n: torch.full((n,), i, dtype=torch.long))
+
+
+def family_objective(registry: EngineRegistry, model_path: str, family: str, text_encoders: Sequence[str], *,
+                   resolution: int, prediction_type: str = "", snr_gamma: float = 0.0, noise_offset: float = 0.0,
+                   input_perturbation: float = 0.0, flow_options: Mapping[str, Any] | None = None,
+                   conditioning_scale: float | None = None) -> tuple[Any, str | None]:
+    """The family's objective on the folder's scheduler and its prediction type: FlowMatchingObjective (SD3,
+    FLUX; ``flow_options`` its options, prediction type None), else the DDPM objective (``prediction_type`` ""
+    = the scheduler's), a ControlNetObjective when ``conditioning_scale`` is given."""
+    if family_roles(family).objective == "flow":
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        config = FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler")
+        return FlowMatchingObjective(registry, family, config, text_encoders=text_encoders,
+                                     **dict(flow_options or {})), None
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler")
+    prediction_type = prediction_type or scheduler.config.prediction_type
+    options = {"prediction_type": prediction_type, "snr_gamma": snr_gamma, "noise_offset": noise_offset,
+               "input_perturbation": input_perturbation, "resolution": resolution}
+    if conditioning_scale is None:
+        return DiffusionObjective(registry, text_encoders, scheduler.alphas_cumprod, **options), prediction_type
+    return ControlNetObjective(registry, text_encoders, scheduler.alphas_cumprod, conditioning_scale=conditioning_scale,
+                               **options), prediction_type
+
+
+def heldout_value(objective: Any, batches: Sequence[Mapping[str, Any]], points: Sequence[int], seed: int,
+                  role: str | None = None) -> float:
+    """The held-out loss of ``role`` (None: the trained one) with either objective."""
+    if isinstance(objective, FlowMatchingObjective):
+        return flow_heldout_loss(objective, batches, points, seed, role=role)
+    return heldout_loss(objective, batches, points, seed, unet_role=role)
