@@ -69,8 +69,8 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "COMMON_HELP", "COMMON_KEYS", "RUN_FILE", "RUN_OUTPUTS", "Recipe", "check_output_dir",
-           "clear_output_dir", "folder_run", "mark_run", "validate_common", "with_common"]
+__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "COMMON_HELP", "COMMON_KEYS", "RUN_FILE", "RUN_OUTPUTS", "Recipe",
+           "check_output_dir", "clear_output_dir", "folder_run", "mark_run", "validate_common", "with_common"]
 
 COMMON_KEYS: dict[str, Any] = {
     "output_dir": Key("outputs/recipe", "everything the run writes goes under this folder"),
