@@ -21,14 +21,13 @@ from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DATA_COLUMNS", "DATA_KEYS", "REWARD_KEYS", "RLHF_TRAINABLE", "TINY_KEYS", "RewardModelRole", "check_data",
-    "check_reward_columns",
-    "check_rows_per_rank", "check_sft_run_batches", "check_stage_batches",
-    "check_model", "check_model_path", "check_scoring_tokenizers", "check_tokenizer", "config_error", "data_checks",
-    "data_overrides", "data_spec", "demonstrations", "evaluation_prompts", "has_prompts", "load_data",
-    "recipe_checks", "retokenizers", "reward_config", "reward_entries", "reward_tokenizer_checks", "role_tokenizer",
-    "wants_reward_role",
-    "sft_model", "tiny_assets", "uses_builtin_data",
+    "DATA_COLUMNS", "DATA_KEYS", "EVAL_KEYS", "GENERATION_KEYS", "REWARD_KEYS", "RLHF_TRAINABLE", "ROLLOUT_KEYS",
+    "RewardModelRole", "TINY_KEYS", "check_data", "check_model", "check_model_path", "check_reward_columns",
+    "check_rows_per_rank", "check_scoring_tokenizers", "check_sft_run_batches", "check_stage_batches",
+    "check_tokenizer", "config_error", "data_checks", "data_overrides", "data_spec", "demonstrations", "eval_keys",
+    "evaluation_prompts", "export_actor", "has_prompts", "load_data", "policy_answers", "recipe_checks", "retokenizers",
+    "reward_config", "reward_entries", "reward_tokenizer_checks", "role_tokenizer", "sft_model", "tiny_assets",
+    "uses_builtin_data", "wants_reward_role"
 ]
 
 # What every trainable RLHF role changes from the shared role defaults: the Adam betas of DeepSpeed-Chat and
@@ -461,3 +460,64 @@ def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -
                 check(sources, list(cols), "the evaluation rows" if split == "eval" else f"{key} (the training rows)")
     except ValueError as err:
         raise config_error(err) from None
+
+
+# --- the policy's answers to the evaluation prompts, and its export (rlhf_sft, rlhf_dpo, rlhf_ppo) ---------------
+GENERATION_KEYS: dict[str, Any] = {
+    "max_new_tokens": Key(8, "tokens generated per answer"),
+    "temperature": Key(1.0, "sampling temperature"),
+}
+# the sampling of rollouts, which the evaluation answers share
+ROLLOUT_KEYS: dict[str, Any] = {
+    **GENERATION_KEYS,
+    "temperature": Key(1.0, "sampling temperature (also divides the logits of the update)"),
+    "top_k": Key(0, "0 = off"),
+    "top_p": Key(1.0, "nucleus sampling (1 = off)"),
+    "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
+}
+EVAL_KEYS: dict[str, Any] = {
+    "every": Key(50, "also evaluate every N steps (0 = only before and after)"),
+    "size": Key(256, "evaluation prompts (those of the evaluation rows, never training prompts), split evenly over "
+                     "ranks; 0 = none"),
+    "batch_size": Key(32, "prompts per generation batch"),
+    "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+    "greedy": Key(True, "also score greedy answers (the main figures are those of sampled answers, seeded)"),
+    "seed": Key(1234, "sampling seed of evaluation answers"),
+}
+
+
+def eval_keys(meaning: str, **defaults: Any) -> Key:
+    """The ``eval`` section (:data:`EVAL_KEYS`) with a recipe's own defaults, e.g. ``eval_keys("...", every=100)``."""
+    unknown = set(defaults) - set(EVAL_KEYS)
+    if unknown:
+        raise KeyError(f"not eval keys: {sorted(unknown)}")
+    return Key({k: Key(defaults.get(k, v.default), v.help) for k, v in EVAL_KEYS.items()}, meaning)
+
+
+def policy_answers(recipe: Any, rows: Any, tokenizer: Any) -> Any:
+    """The actor's answers to the prompts of ``rows`` (evaluation rows, :func:`evaluation_prompts`) as a
+    ``PolicyAnswers``: sampled with ``generation.*`` (seeded by ``eval.seed``), greedy too with ``eval.greedy``,
+    judged with ``eval.judge`` when the prompts are the built-in task's. Call it to evaluate."""
+    from multiengine.pipelines.rlhf.evaluation import PolicyAnswers
+    from multiengine.pipelines.rlhf.generation import GenerationSettings
+    from multiengine.pipelines.rlhf.runs import builtin_judge
+
+    cfg = recipe.cfg
+    g, mode = cfg.generation, cfg.generation.get("mode", "gather")
+    batches = evaluation_prompts(recipe, rows, tokenizer)
+    sampled = GenerationSettings(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.get("top_k", 0),
+                                 top_p=g.get("top_p", 1.0), mode=mode, do_sample=True)
+    greedy = GenerationSettings(max_new_tokens=g.max_new_tokens, mode=mode, do_sample=False) if cfg.eval.greedy \
+        else None
+    judge = builtin_judge([p for b in batches for p in b["prompts"]], cfg.eval.judge)
+    return PolicyAnswers(recipe.registry, batches, tokenizer, sampled, greedy, judge, cfg.eval.seed)
+
+
+def export_actor(recipe: Any, tokenizer: Any) -> dict[str, Any]:
+    """``export/actor`` (an HF folder with ``tokenizer``; merged weights + adapter/ for LoRA) when
+    ``export.enabled``, else ``{}``."""
+    from multiengine.engines import save_role
+
+    if not recipe.cfg.export.enabled:
+        return {}
+    return {"actor": save_role(recipe.registry, "actor", recipe.path("export", "actor"), tokenizer=tokenizer)}

@@ -22,36 +22,14 @@ import logging
 import time
 from typing import Any
 
-import torch
-from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
 from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
-from multiengine.pipelines.rlhf.evaluation import evaluate_policy
-from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
-from multiengine.pipelines.rlhf.runs import builtin_judge
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    RLHF_TRAINABLE,
-    TINY_KEYS,
-    check_data,
-    check_model,
-    check_model_path,
-    check_sft_run_batches,
-    check_stage_batches,
-    check_tokenizer,
-    config_error,
-    data_overrides,
-    evaluation_prompts,
-    load_data,
-    recipe_checks,
-    role_tokenizer,
-    sft_model,
-    tiny_assets,
-    uses_builtin_data,
-)
+from multiengine.recipes import common
+from multiengine.recipes.common import DATA_KEYS, GENERATION_KEYS, RLHF_TRAINABLE, TINY_KEYS
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 
@@ -90,23 +68,14 @@ KEYS: dict[str, Any] = {
         "precompute_batch_size": Key(64, "pairs per ref forward while precomputing"),
         "sft_coef": Key(1.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)"),
     }, "the preference loss"),
-    "generation": Key({
-        "max_new_tokens": Key(8, "tokens generated per answer"),
-        "temperature": Key(1.0, "sampling temperature"),
-    }, "sampling of evaluation answers"),
-    "eval": Key({
-        "every": Key(50, "also every N steps (always before and after)"),
-        "size": Key(256, "evaluation prompts for the judge (split evenly over ranks); 0 = none"),
-        "batch_size": Key(32, "prompts per generation batch"),
-        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
-        "seed": Key(1234, "sampling seed of evaluation answers"),
-    }, "held-out pairs, and sampled answers to the prompts of the evaluation rows"),
+    "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers"),
+    "eval": common.eval_keys("held-out pairs, and sampled answers to the prompts of the evaluation rows", greedy=False),
     "export": Key({
         "enabled": Key(True, "export/actor"),
     }, "what the run writes under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
+CHECKS = common.recipe_checks(DEFAULTS, {
     "dpo.loss": Choice("sigmoid", "ipo"), "dpo.beta": Range(0, min_exclusive=True),
     "dpo.label_smoothing": Range(0, 0.5, max_exclusive=True), "dpo.precompute_batch_size": Range(1),
     "dpo.sft_coef": Range(0),
@@ -133,25 +102,25 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise RecipeConfigError(f"dpo: {exc}") from None
     actor, ref = cfg.roles.actor, cfg.roles.ref
     if ref.tokenizer and ref.tokenizer != actor.tokenizer:
-        raise config_error(ValueError(f"roles.ref.tokenizer={ref.tokenizer!r}: the ref scores the actor's tokens "
-                                      "with the actor's tokenizer; leave roles.ref.tokenizer empty"))
-    check_model("roles.actor.model", actor.model)
-    check_model("roles.ref.model", ref.model)
-    tok = check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
-    report = check_data(cfg, "reward", tok, tokenizer_key="roles.actor.tokenizer")
+        raise common.config_error(ValueError(f"roles.ref.tokenizer={ref.tokenizer!r}: the ref scores the actor's "
+                                             "tokens with the actor's tokenizer; leave roles.ref.tokenizer empty"))
+    common.check_model("roles.actor.model", actor.model)
+    common.check_model("roles.ref.model", ref.model)
+    tok = common.check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
+    report = common.check_data(cfg, "reward", tok, tokenizer_key="roles.actor.tokenizer")
     if not actor.model:
-        sft = check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
-        check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
+        sft = common.check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
+        common.check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
     check_batches(cfg, report, world_size)
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """One step draws micro_batch_size x grad_accum pairs per rank from one stream (build())."""
     a = cfg.roles.actor
-    check_stage_batches(report, world_size, key="roles.actor.micro_batch_size", value=a.micro_batch_size,
-                        factor=a.grad_accum, unit="pairs", setting=setting,
-                        what=f"roles.actor.micro_batch_size x roles.actor.grad_accum={a.grad_accum}"
-                        if a.grad_accum > 1 else "")
+    common.check_stage_batches(report, world_size, key="roles.actor.micro_batch_size", value=a.micro_batch_size,
+                               factor=a.grad_accum, unit="pairs", setting=setting,
+                               what=f"roles.actor.micro_batch_size x roles.actor.grad_accum={a.grad_accum}"
+                               if a.grad_accum > 1 else "")
 
 
 class RLHFDPO(Recipe):
@@ -169,12 +138,12 @@ class RLHFDPO(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the actor (SFT model, trained here on first use) and the tokenizer
         actor = cfg.roles.actor
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not actor.model)
+        assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not actor.model)
         builtin = assets.get("data", "")
-        actor_path = check_model_path("roles.actor.model", actor.model, "rlhf_sft") or sft_model(
-            self, cfg.actor_sft, self.path("sft"), data_overrides(cfg.data, builtin or None), assets["model"])
-        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = role_tokenizer(actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
+        actor_path = common.check_model_path("roles.actor.model", actor.model, "rlhf_sft") or common.sft_model(
+            self, cfg.actor_sft, self.path("sft"), common.data_overrides(cfg.data, builtin or None), assets["model"])
+        tiny_tok = common.role_tokenizer("", assets["tokenizer"]) if assets else None
+        self.tokenizer = common.role_tokenizer(actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
         self.paths = {"actor": actor_path, "ref": model_path(cfg, ROLES, "ref", {"actor": actor_path})}
 
         # 2. roles: the trainable policy and the frozen ref (by default the actor's folder loaded again)
@@ -190,7 +159,7 @@ class RLHFDPO(Recipe):
         # 3. pairs: a training stream (checkpointed) and held-out pairs (evaluation rows, never trained on); ref
         #    log-probs precomputed if asked
         collate = PreferenceCollator(PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len))
-        data = load_data(self, "reward", default_source=builtin)
+        data = common.load_data(self, "reward", default_source=builtin)
         train_rows = data.train
         heldout_rows = None
         if data.eval is not None:
@@ -212,14 +181,8 @@ class RLHFDPO(Recipe):
         self.heldout = [] if heldout_rows is None else shard_batches(
             heldout_rows, collate, actor.micro_batch_size, registry.world_size, registry.rank)
 
-        # 4. evaluation prompts (those of the evaluation rows) for sampled answers and the built-in judge
-        self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
-        self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
-        self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
-                                             temperature=cfg.generation.temperature)
-
-    def decode(self, ids: torch.Tensor) -> list[str]:
-        return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
+        # 4. sampled answers to the evaluation rows' prompts (the built-in task's judge scores them)
+        self.answers = common.policy_answers(self, data.eval, self.tokenizer)
 
     def train_step(self) -> dict[str, float]:
         # 1. this rank's next B pairs (chosen rows then rejected rows; ref log-probs when precomputed)
@@ -236,17 +199,12 @@ class RLHFDPO(Recipe):
         exact KL to ref."""
         t0 = time.perf_counter()
         result: dict[str, Any] = dict(self.trainer.evaluate(self.heldout)) if self.heldout else {}
-        if self.eval_prompts:
-            eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            result.update(evaluate_policy(self.registry, self.eval_prompts, self.generation, eos, pad, self.decode,
-                                          judge=self.judge, ref_role="ref", seed=self.cfg.eval.seed))
+        result.update(self.answers(ref_role="ref"))
         result["seconds"] = time.perf_counter() - t0
         return result
 
     def export(self) -> dict[str, Any]:
-        if not self.cfg.export.enabled:
-            return {}
-        return {"actor": save_role(self.registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
+        return common.export_actor(self, self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         d = self.cfg.dpo

@@ -20,29 +20,12 @@ import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import mean_over_ranks, save_role
+from multiengine.engines import mean_over_ranks
 from multiengine.engines.recipe_config import Key, split_keys
-from multiengine.pipelines.rlhf.evaluation import evaluate_policy
-from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import actor_spec
-from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.pipelines.rlhf.steps import causal_lm_loss
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    RLHF_TRAINABLE,
-    TINY_KEYS,
-    check_data,
-    check_model,
-    check_stage_batches,
-    check_tokenizer,
-    demonstrations,
-    evaluation_prompts,
-    load_data,
-    recipe_checks,
-    role_tokenizer,
-    tiny_assets,
-    uses_builtin_data,
-)
+from multiengine.recipes import common
+from multiengine.recipes.common import DATA_KEYS, GENERATION_KEYS, RLHF_TRAINABLE, TINY_KEYS
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
@@ -63,24 +46,15 @@ KEYS: dict[str, Any] = {
         "max_response_len": Key(16, "response tokens kept, EOS included"),
         "heldout_size": Key(128, "evaluation rows scored for the held-out loss (0 = all of them)"),
     }, "demonstrations: prompt + response, messages or text rows (docs/data.md)"),
-    "generation": Key({
-        "max_new_tokens": Key(8, "tokens generated per answer"),
-        "temperature": Key(1.0, "sampling temperature"),
-    }, "sampling of evaluation answers"),
-    "eval": Key({
-        "every": Key(100, "also evaluate every N steps (0 = only before and after)"),
-        "size": Key(256, "evaluation prompts (the prompts of the evaluation rows), split over ranks"),
-        "batch_size": Key(32, "prompts per generation batch"),
-        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
-        "greedy": Key(True, "also score greedy answers"),
-        "seed": Key(1234, "sampling seed of evaluation answers"),
-    }, "judge score of sampled answers (seeded; what PPO optimises) and of greedy answers"),
+    "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers"),
+    "eval": common.eval_keys("judge score of sampled answers (seeded; what PPO optimises) and of greedy answers",
+                             every=100),
     "export": Key({
         "enabled": Key(True, "export/actor: an HF folder with the tokenizer (merged weights + adapter/ for LoRA)"),
     }, "what the run writes under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS)
+CHECKS = common.recipe_checks(DEFAULTS)
 RENAMED = old_keys("actor", extra={"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"})
 
 
@@ -88,15 +62,15 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder, tokenizer vs vocabulary, data (formats, columns, rows, chat template, evaluation rows), and a
     micro batch of training rows per rank on ``world_size`` ranks."""
     actor = cfg.roles.actor
-    check_model("roles.actor.model", actor.model)
-    tok = check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
-    check_batches(cfg, check_data(cfg, "sft", tok), world_size)
+    common.check_model("roles.actor.model", actor.model)
+    tok = common.check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
+    check_batches(cfg, common.check_data(cfg, "sft", tok), world_size)
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """demonstrations(): one stream of micro batches per rank (grad_accum draws it again, across epochs)."""
-    check_stage_batches(report, world_size, key="roles.actor.micro_batch_size", value=cfg.roles.actor.micro_batch_size,
-                        setting=setting)
+    common.check_stage_batches(report, world_size, key="roles.actor.micro_batch_size",
+                               value=cfg.roles.actor.micro_batch_size, setting=setting)
 
 
 class RLHFSFT(Recipe):
@@ -110,28 +84,22 @@ class RLHFSFT(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the model and its tokenizer (the random tiny OPT and the built-in task when left empty)
         actor = cfg.roles.actor
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not actor.model)
+        assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not actor.model)
         self.model_path = actor.model or assets["model"]
-        self.tokenizer = role_tokenizer(actor.tokenizer, self.model_path,
-                                        role_tokenizer("", assets["tokenizer"]) if assets else None,
-                                        what="roles.actor.model")
+        self.tokenizer = common.role_tokenizer(actor.tokenizer, self.model_path,
+                                               common.role_tokenizer("", assets["tokenizer"]) if assets else None,
+                                               what="roles.actor.model")
         registry.add(actor_spec(self.model_path, placement(cfg, ROLES, "actor"),
-                                optim_spec(cfg, "actor", cfg.max_steps), micro_batch_size=actor.micro_batch_size, grad_accum=actor.grad_accum,
-                                lora=lora_spec(cfg, "actor"), gradient_checkpointing=actor.gradient_checkpointing,
-                                seed=cfg.seed))
+                                optim_spec(cfg, "actor", cfg.max_steps), micro_batch_size=actor.micro_batch_size,
+                                grad_accum=actor.grad_accum, lora=lora_spec(cfg, "actor"),
+                                gradient_checkpointing=actor.gradient_checkpointing, seed=cfg.seed))
         registry.build()
 
         # 2. demonstrations to train on; evaluation rows (never trained on) for the held-out loss and prompts
-        data = load_data(self, "sft", default_source=assets.get("data", ""))
-        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, actor.micro_batch_size)
-        self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
-        self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
-        self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
-                                             temperature=cfg.generation.temperature)
-        self.greedy_generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=False)
-
-    def decode(self, ids: torch.Tensor) -> list[str]:
-        return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
+        data = common.load_data(self, "sft", default_source=assets.get("data", ""))
+        self.batches, self.heldout = common.demonstrations(self, data, self.tokenizer, actor.micro_batch_size)
+        # 3. sampled and greedy answers to the evaluation rows' prompts (the built-in task's judge scores them)
+        self.answers = common.policy_answers(self, data.eval, self.tokenizer)
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry
@@ -160,21 +128,10 @@ class RLHFSFT(Recipe):
         result: dict[str, Any] = {}
         if losses:
             result["heldout_loss"] = mean_over_ranks({"loss": statistics.fmean(losses)})["loss"]
-        if self.eval_prompts:
-            eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            gen = evaluate_policy(registry, self.eval_prompts, self.generation, eos, pad, self.decode,
-                                  judge=self.judge, seed=self.cfg.eval.seed)
-            result.update(gen)
-            if self.cfg.eval.greedy:
-                greedy = evaluate_policy(registry, self.eval_prompts, self.greedy_generation, eos, pad, self.decode,
-                                         judge=self.judge)
-                result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
-        return result
+        return {**result, **self.answers()}
 
     def export(self) -> dict[str, Any]:
-        if not self.cfg.export.enabled:
-            return {}
-        return {"actor": save_role(self.registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
+        return common.export_actor(self, self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         losses = [m["loss"] for m in self.step_metrics]

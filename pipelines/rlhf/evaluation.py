@@ -1,12 +1,13 @@
 """Evaluation shared by the RLHF recipes (collective: every rank takes part with its own batches):
 answers of a policy judged / scored by the reward sources / compared with the ref
-(:func:`evaluate_policy`), held-out pair
+(:func:`evaluate_policy`; sampled and greedy answers to fixed prompts: :class:`PolicyAnswers`), held-out pair
 accuracy of a reward model (:func:`pair_accuracy`) and of a policy's implicit DPO reward
 (:func:`preference_accuracy`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from .preference import REF_KEYS, pair_logprobs
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, policy_logits, sequence_scores
 
-__all__ = ["evaluate_policy", "pair_accuracy", "preference_accuracy"]
+__all__ = ["PolicyAnswers", "evaluate_policy", "pair_accuracy", "preference_accuracy"]
 
 Judge = Callable[[str, str], float]
 
@@ -66,6 +67,40 @@ def evaluate_policy(
         torch.manual_seed(seed * 7 + registry.rank * 104_729)
         return _evaluate_policy(registry, batches, generation, eos_token_id, pad_token_id, decode, role, judge,
                                 reward_role, ref_role, n_samples, reward_retokenizer, list(rewards or []))
+
+
+@dataclass
+class PolicyAnswers:
+    """A policy's answers to fixed evaluation prompt batches (this rank's): sampled with ``sampled`` (seeded by
+    ``seed``, see :func:`evaluate_policy`) and, with ``greedy`` settings, greedy as well; judged by ``judge``.
+    ``decode`` turns answer ids into text with ``tokenizer`` (special tokens dropped)."""
+
+    registry: EngineRegistry
+    batches: Sequence[dict[str, Any]]
+    tokenizer: Any
+    sampled: GenerationSettings
+    greedy: GenerationSettings | None = None
+    judge: Judge | None = None
+    seed: int = 1234
+    role: str = "actor"
+
+    def decode(self, ids: torch.Tensor) -> list[str]:
+        return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
+
+    def __call__(self, ref_role: str | None = None, rewards: Sequence[RewardSource] | None = None) -> dict[str, Any]:
+        """:func:`evaluate_policy`'s figures of the sampled answers (KL to ``ref_role`` when given, scored by
+        ``rewards``) and those of the greedy answers as ``greedy/<figure>`` (no KL, no samples); ``{}`` when
+        there are no batches (collective)."""
+        if not self.batches:
+            return {}
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        result = evaluate_policy(self.registry, self.batches, self.sampled, eos, pad, self.decode, role=self.role,
+                                 judge=self.judge, ref_role=ref_role, seed=self.seed, rewards=rewards)
+        if self.greedy is not None:
+            greedy = evaluate_policy(self.registry, self.batches, self.greedy, eos, pad, self.decode, role=self.role,
+                                     judge=self.judge, rewards=rewards)
+            result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
+        return result
 
 
 def _evaluate_policy(
