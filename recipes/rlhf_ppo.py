@@ -21,52 +21,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
-import torch
-from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.engines import ShardedBatches, save_role
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
-from multiengine.pipelines.rlhf.evaluation import evaluate_policy
-from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
+from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS, PPOSettings, PPOTrainer, plot_panels
+from multiengine.pipelines.rlhf.reward_sources import with_retokenizers
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
-from multiengine.pipelines.rlhf.runs import builtin_judge
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    REWARD_KEYS,
-    RLHF_TRAINABLE,
-    TINY_KEYS,
-    check_data,
-    check_model,
-    check_model_path,
-    check_reward_columns,
-    check_scoring_tokenizers,
-    check_stage_batches,
-    check_tokenizer,
-    load_data,
-    recipe_checks,
-    retokenizers,
-    reward_config,
-    reward_entries,
-    reward_tokenizer_checks,
-    role_tokenizer,
-    tiny_assets,
-    uses_builtin_data,
-    wants_reward_role,
-)
+from multiengine.recipes import common, schema
+from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, ROLLOUT_KEYS, TINY_KEYS
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import (
-    Role,
-    follow_chain,
-    lora_spec,
-    model_path,
-    old_keys,
-    optim_spec,
-    placement,
-    role_keys,
-)
+from multiengine.recipes.schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +62,7 @@ KEYS: dict[str, Any] = {
         "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
         "max_ptx_len": Key(32, "response tokens kept of a pretraining row"),
     }, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
-    "generation": Key({
-        "max_new_tokens": Key(8, "tokens generated per answer"),
-        "temperature": Key(1.0, "sampling temperature (also divides the PPO logits)"),
-        "top_k": Key(0, "0 = off"),
-        "top_p": Key(1.0, "nucleus sampling (1 = off)"),
-        "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
-    }, "sampling of the rollouts"),
+    "generation": Key(dict(ROLLOUT_KEYS), "sampling of the rollouts and of the evaluation answers"),
     "ppo": Key({
         "rollout_batch_size": Key(32, "prompts per rank per step (a multiple of roles.actor.micro_batch_size)"),
         "epochs": Key(2, "passes over one rollout"),
@@ -127,14 +87,7 @@ KEYS: dict[str, Any] = {
         "decay": Key(0.992, "EMA decay per step"),
     }, "an exponential moving average of the actor"),
     "reward": Key(dict(REWARD_KEYS), "the reward sources: reward-model roles and functions, summed with weights"),
-    "eval": Key({
-        "every": Key(50, "also every N steps (always before and after)"),
-        "size": Key(256, "evaluation prompts (split evenly over ranks)"),
-        "batch_size": Key(32, "prompts per generation batch"),
-        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
-        "greedy": Key(True, "also score greedy answers (the main figures use sampled answers, seeded)"),
-        "seed": Key(1234, "sampling seed of evaluation answers"),
-    }, "sampled answers to the evaluation prompts (never the training prompts)"),
+    "eval": common.eval_keys("sampled answers to the evaluation prompts (never the training prompts)"),
     "export": Key({
         "enabled": Key(True, "export/actor"),
         "critic": Key(True, "export/critic (*ForSequenceClassification)"),
@@ -142,7 +95,7 @@ KEYS: dict[str, Any] = {
     }, "what the run writes under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
+CHECKS = common.recipe_checks(DEFAULTS, {
     "ppo.rollout_batch_size": Range(1), "ppo.epochs": Range(1),
     "ppo.clip_eps": Range(0, min_exclusive=True), "ppo.value_clip": Range(0), "ppo.dual_clip": Range(0),
     "ppo.gamma": Range(0, 1), "ppo.lam": Range(0, 1), "ppo.kl_coef": Range(0),
@@ -178,14 +131,14 @@ def ppo_settings(cfg: Any) -> PPOSettings:
 def _validate_settings(cfg: Any) -> None:
     """Reward sources, the minibatch split and the EMA's placement, checked before any rank starts."""
     roles = cfg.roles
-    reward_entries(cfg.reward, default_model=roles.reward.model)
+    common.reward_entries(cfg.reward, default_model=roles.reward.model)
     for role in ("actor", "critic"):
         mbs = roles[role].micro_batch_size
         if cfg.ppo.rollout_batch_size % mbs:
             raise config_problem("ppo.rollout_batch_size", cfg.ppo.rollout_batch_size,
                                  f"is not a multiple of roles.{role}.micro_batch_size={mbs} (the update's minibatches)",
                                  f"set ppo.rollout_batch_size to a multiple of {mbs}, or a micro batch that divides it")
-    ema, actor = (follow_chain(cfg, ROLES, r, "stage", -1) for r in ("ema", "actor"))
+    ema, actor = (schema.follow_chain(cfg, ROLES, r, "stage", -1) for r in ("ema", "actor"))
     if cfg.ema.enabled and ema != actor:
         raise config_problem("roles.ema.stage", roles.ema.stage, f"differs from the actor's stage {actor}: the EMA "
                              "updates the actor's local partitions", "set roles.ema.stage=-1 (the actor's)")
@@ -203,8 +156,8 @@ def reward_and_critic(cfg: Any, actor_path: str, reward_path: str | None) -> tup
     else the main reward model's (the ``reward`` role, else the first), else the actor's (rewards from
     functions only; a fresh value head)."""
     r = cfg.roles
-    models, sources = reward_config(cfg.reward, reward_path, placement(cfg, ROLES, "reward"),
-                                    default_tokenizer=r.reward.tokenizer)
+    models, sources = common.reward_config(cfg.reward, reward_path, placement(cfg, ROLES, "reward"),
+                                           default_tokenizer=r.reward.tokenizer)
     main = next((m for m in models if m.role == "reward"), models[0] if models else None)
     if main is None:
         return models, sources, r.critic.model or actor_path, r.critic.tokenizer or r.actor.tokenizer
@@ -219,35 +172,37 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _validate_settings(cfg)
     r = cfg.roles
     for role in ("actor", "critic", "reward"):
-        check_model(f"roles.{role}.model", r[role].model)
+        common.check_model(f"roles.{role}.model", r[role].model)
     models, _, critic_path, critic_tok = reward_and_critic(cfg, r.actor.model, r.reward.model)
     for m in models:
         if m.path != r.reward.model:
-            check_model(f"reward.models ({m.role}).model", m.path)
-    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
-    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
+            common.check_model(f"reward.models ({m.role}).model", m.path)
+    actor_tok = common.check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
+    report = common.check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
     if report is not None:  # the columns each reward function names are in the prompts' rows
-        check_reward_columns(cfg.reward, report["columns"])
+        common.check_reward_columns(cfg.reward, report["columns"])
     ptx = None
     if cfg.ppo.ptx_coef > 0:
-        ptx = check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
-                         key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
+        ptx = common.check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
+                                key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
     check_batches(cfg, report, world_size, ptx)
     if r.actor.model:
-        scoring = [*reward_tokenizer_checks(models), ("critic", critic_path, critic_tok, "roles.critic.tokenizer")]
-        check_scoring_tokenizers(actor_tok, [s for s in scoring if s[1]], bool(report and report["conversational"]))
+        scoring = [*common.reward_tokenizer_checks(models),
+                   ("critic", critic_path, critic_tok, "roles.critic.tokenizer")]
+        common.check_scoring_tokenizers(actor_tok, [s for s in scoring if s[1]],
+                                        bool(report and report["conversational"]))
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, ptx: dict[str, Any] | None = None,
                   setting: str = "{key}={n}") -> None:
     """A step draws ppo.rollout_batch_size prompts per rank from one stream and, with ppo.ptx_coef > 0,
     roles.actor.micro_batch_size pretraining rows per minibatch from another (all of its rows: none held out)."""
-    check_stage_batches(report, world_size, key="ppo.rollout_batch_size", value=cfg.ppo.rollout_batch_size,
-                        unit="prompts", setting=setting)
+    common.check_stage_batches(report, world_size, key="ppo.rollout_batch_size", value=cfg.ppo.rollout_batch_size,
+                               unit="prompts", setting=setting)
     if cfg.ppo.ptx_coef > 0:
-        check_stage_batches(ptx, world_size, key="roles.actor.micro_batch_size",
-                            value=cfg.roles.actor.micro_batch_size, unit="pretraining rows",
-                            what="ppo.ptx_coef > 0 draws that many per minibatch", setting=setting)
+        common.check_stage_batches(ptx, world_size, key="roles.actor.micro_batch_size",
+                                   value=cfg.roles.actor.micro_batch_size, unit="pretraining rows",
+                                   what="ppo.ptx_coef > 0 draws that many per minibatch", setting=setting)
 
 
 class RLHFPPO(Recipe):
@@ -261,33 +216,33 @@ class RLHFPPO(Recipe):
     def build(self) -> None:
         cfg, registry, r = self.cfg, self.registry, self.cfg.roles
         # 1. the model folders (the random tiny OPT and the built-in task where left empty) and the reward sources
-        wants_rm = wants_reward_role(cfg.reward)
-        self.assets = tiny_assets(self, uses_builtin_data(cfg.data) or not r.actor.model
-                                  or (wants_rm and not r.reward.model))
+        wants_rm = common.wants_reward_role(cfg.reward)
+        self.assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not r.actor.model
+                                         or (wants_rm and not r.reward.model))
         self.paths = {"actor": self._model_path("actor", "rlhf_sft")}
         reward_roles, rewards, critic_path, critic_tok = reward_and_critic(
             cfg, self.paths["actor"], self._model_path("reward", "rlhf_reward") if wants_rm else None)
         for m in reward_roles:
-            self.paths[m.role] = check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
-        self.paths["critic"] = check_model_path("roles.critic.model", critic_path, "rlhf_reward")
+            self.paths[m.role] = common.check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
+        self.paths["critic"] = common.check_model_path("roles.critic.model", critic_path, "rlhf_reward")
         if not reward_roles:
             logger.info("rewards from functions only: the critic starts from %s with a fresh head", critic_path)
         main_rm = next((m for m in reward_roles if m.role == "reward"), None)
-        tiny_tok = role_tokenizer("", self.assets["tokenizer"]) if self.assets else None
-        self.tokenizer = role_tokenizer(r.actor.tokenizer, self.paths["actor"], tiny_tok, what="roles.actor.model")
+        tiny_tok = common.role_tokenizer("", self.assets["tokenizer"]) if self.assets else None
+        self.tokenizer = common.role_tokenizer(r.actor.tokenizer, self.paths["actor"], tiny_tok,
+                                               what="roles.actor.model")
 
         # 2. the prompts first: whether they are conversations decides how other tokenizers re-encode them
         self._setup_data()
         scoring = [(m.role, m.path, m.tokenizer) for m in reward_roles] + [("critic", critic_path, critic_tok)]
-        self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, scoring, self.conversational)
-        self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
-                        for src in rewards]
-        check_reward_columns(self.rewards, self.data_columns)
+        self.tokenizers, self.retokenizers = common.retokenizers(self.tokenizer, scoring, self.conversational)
+        self.rewards = with_retokenizers(rewards, self.retokenizers)
+        common.check_reward_columns(self.rewards, self.data_columns)
 
         # 3. the roles: actor, ref, critic, reward (+ more reward models, + EMA), each its own engine
         s = self.settings = ppo_settings(cfg)
-        updates = {role: cfg.max_steps * s.ppo_epochs * (s.rollout_batch_size // r[role].micro_batch_size)
-                   // r[role].grad_accum for role in ("actor", "critic")}
+        updates = {role: s.optimizer_steps(cfg.max_steps, r[role].micro_batch_size, r[role].grad_accum)
+                   for role in ("actor", "critic")}
         build_rlhf_roles(
             registry, self.paths["actor"], main_rm.path if main_rm else None, critic_path,
             actor=placement(cfg, ROLES, "actor"), critic=placement(cfg, ROLES, "critic"),
@@ -301,22 +256,13 @@ class RLHFPPO(Recipe):
             critic_gradient_checkpointing=r.critic.gradient_checkpointing, seed=cfg.seed,
             extra_rewards=[(m.role, m.path, m.placement) for m in reward_roles if m.role != "reward"])
 
-        # 4. sampling, the built-in judge and the trainer (its state goes into every checkpoint)
-        g = cfg.generation
-        self.generation = GenerationSettings(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                             top_k=g.top_k, top_p=g.top_p, mode=g.mode, do_sample=True)
-        self.greedy_generation = GenerationSettings(max_new_tokens=g.max_new_tokens, mode=g.mode, do_sample=False)
-        self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
+        # 4. the trainer (its state goes into every checkpoint): it samples as the evaluation answers are sampled
+        #    and logs the built-in task's judge next to the reward
+        a = self.answers
         self.trainer = registry.add_state("ppo", PPOTrainer(
-            registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.seed,
-            judge=self.judge, decode=self.decode, rewards=self.rewards,
-            critic_retokenizer=self.retokenizers.get("critic")))
-        only_rm = [x.name for x in self.rewards] == ["reward"]
-        self.plot_panels = [("reward-model score" if only_rm else "reward (weighted sum)",
-                             ["train/reward/mean", "eval/reward"])]
-        if self.judge is not None:
-            self.plot_panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
-        self.plot_panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
+            registry, a.sampled, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.seed,
+            judge=a.judge, decode=a.decode, rewards=self.rewards, critic_retokenizer=self.retokenizers.get("critic")))
+        self.plot_panels = plot_panels(self.rewards, a.judge is not None)
 
     def _model_path(self, role: str, recipe: str) -> str:
         given = self.cfg.roles[role].model
@@ -325,31 +271,27 @@ class RLHFPPO(Recipe):
                            "pipeline)", role, self.assets["model"])
             return self.assets["model"]
         # a missing local folder is an error here; "org/name" (one slash) or "name" is a hub model
-        return check_model_path(f"roles.{role}.model", given, recipe)
+        return common.check_model_path(f"roles.{role}.model", given, recipe)
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
         # prompts to train on; evaluation prompts that are never trained on
-        data = load_data(self, "ppo", eval_stage="eval", default_source=self.assets.get("data", ""))
+        data = common.load_data(self, "ppo", eval_stage="eval", default_source=self.assets.get("data", ""))
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
         self.conversational = "prompt_messages" in collate([data.train[0]])
         self.data_columns = {"train": data.train.column_names,
                              "eval": data.eval.column_names if data.eval is not None else None}
         self.prompts = registry.add_state("prompts", ShardedBatches(
             data.train, collate, cfg.ppo.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
-        self.eval_batches = [] if data.eval is None or not cfg.eval.size else shard_batches(
-            data.eval, collate, cfg.eval.batch_size, registry.world_size, registry.rank, limit=cfg.eval.size)
+        self.answers = common.policy_answers(self, data.eval, self.tokenizer)  # sampled (and greedy) answers
         self.ptx: ShardedBatches | None = None
         if cfg.ppo.ptx_coef > 0:
-            ptx = load_data(self, "sft", default_source=self.assets.get("data", ""), evaluate=False,
-                            source=cfg.data.ptx_source or None)
+            ptx = common.load_data(self, "sft", default_source=self.assets.get("data", ""), evaluate=False,
+                                   source=cfg.data.ptx_source or None)
             ptx_collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_ptx_len)
             self.ptx = registry.add_state("ptx", ShardedBatches(
                 ptx.train, ptx_collate, cfg.roles.actor.micro_batch_size, registry.world_size, registry.rank,
                 seed=cfg.seed + 1))
-
-    def decode(self, response_ids: torch.Tensor) -> list[str]:
-        return self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
 
     # --- training --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -367,42 +309,26 @@ class RLHFPPO(Recipe):
         (weighted sum and each source's mean, every rank scoring its own prompts), KL to ref; and optionally
         greedy answers' judge score and reward."""
         t0 = time.perf_counter()
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        if not self.eval_batches:
-            return {}
-        result = evaluate_policy(self.registry, self.eval_batches, self.generation, eos, pad, self.decode,
-                                 judge=self.judge, ref_role="ref", seed=self.cfg.eval.seed, rewards=self.rewards)
-        if self.cfg.eval.greedy:
-            greedy = evaluate_policy(self.registry, self.eval_batches, self.greedy_generation, eos, pad,
-                                     self.decode, judge=self.judge, rewards=self.rewards)
-            result.update({f"greedy/{k}": v for k, v in greedy.items() if k != "samples"})
-        result["seconds"] = time.perf_counter() - t0
-        return result
+        result = self.answers(ref_role="ref", rewards=self.rewards)
+        return {**result, "seconds": time.perf_counter() - t0} if result else {}
 
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
         cfg, registry = self.cfg, self.registry
-        if not cfg.export.enabled:
-            return {}
-        out = {"actor": save_role(registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
-        if cfg.export.critic:
+        out = common.export_actor(self, self.tokenizer)
+        if out and cfg.export.critic:
             out["critic"] = save_role(registry, "critic", self.path("export", "critic"),
                                       tokenizer=self.tokenizers["critic"])  # the critic's own tokenizer
-        if cfg.export.ema and "ema" in registry:
+        if out and cfg.export.ema and "ema" in registry:
             out["ema"] = save_role(registry, "ema", self.path("export", "ema"), tokenizer=self.tokenizer)
         return out
 
     def summary_metrics(self) -> dict[str, Any]:
-        metrics: dict[str, Any] = {
-            "final": self.step_metrics[-1] if self.step_metrics else {},
-            "generation_mode": self.cfg.generation.mode,
-            **{f"{key}_mean": self.mean_step_metric(key)
-               for key in ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s",
-                           "gen/tokens_per_s", "gen/ms_per_token")},
-        }
-        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge",
-                                          "greedy/reward", *(f"reward/{src.name}" for src in self.rewards))))
-        return metrics
+        figures = ("judge", "reward", "kl", "response_length", "greedy/judge", "greedy/reward",
+                   *(f"reward/{src.name}" for src in self.rewards))
+        return {"final": self.step_metrics[-1] if self.step_metrics else {},
+                "generation_mode": self.cfg.generation.mode,
+                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.eval_figures(figures)}
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths,
@@ -410,11 +336,10 @@ class RLHFPPO(Recipe):
 
     def plot(self) -> str | None:
         path = super().plot()
-        if self.registry.is_main:
-            m = self.summary_metrics()
-            if "eval/before/judge" in m and "eval/after/judge" in m:
-                logger.info("judge score: %.3f before PPO -> %.3f after (KL to ref %.3f nats per answer)",
-                            m["eval/before/judge"], m["eval/after/judge"], m.get("eval/after/kl", float("nan")))
+        m = self.eval_figures(("judge", "kl"))
+        if self.registry.is_main and "eval/before/judge" in m and "eval/after/judge" in m:
+            logger.info("judge score: %.3f before PPO -> %.3f after (KL to ref %.3f nats per answer)",
+                        m["eval/before/judge"], m["eval/after/judge"], m.get("eval/after/kl", float("nan")))
         return path
 
 

@@ -18,9 +18,12 @@ from .rewards import RewardSource, RunningMoments, check_sources, reward_model
 from .rollout import Experience, StepStats, make_experience, rollout_metrics, sampling_seed, step_timings
 from .update import train_on_experience
 
-__all__ = ["PPOSettings", "PPOTrainer"]
+__all__ = ["SUMMARY_TIMINGS", "PPOSettings", "PPOTrainer", "plot_panels"]
 
 Judge = Callable[[str, str], float]
+# the per-step timings (rollout.step_timings) whose means a run's summary reports
+SUMMARY_TIMINGS = ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s", "gen/tokens_per_s",
+                   "gen/ms_per_token")
 
 
 @dataclass
@@ -60,6 +63,22 @@ class PPOSettings:
         if self.adaptive_kl:
             return ppo.AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon)
         return ppo.FixedKLController(self.kl_coef)
+
+    def optimizer_steps(self, max_steps: int, micro_batch_size: int, grad_accum: int) -> int:
+        """Optimizer steps of a trainable role over ``max_steps`` PPO steps: each runs ``ppo_epochs`` passes over
+        ``rollout_batch_size`` rows in micro batches of ``micro_batch_size``, stepping every ``grad_accum``."""
+        return max_steps * self.ppo_epochs * (self.rollout_batch_size // micro_batch_size) // grad_accum
+
+
+def plot_panels(sources: Sequence[RewardSource], judged: bool) -> list[tuple[str, list[str]]]:
+    """The panels of a PPO run's curves: the reward (the reward model's score when that is the only source), the
+    built-in task's judge (``judged``) and the KL to ref."""
+    only_rm = [src.name for src in sources] == ["reward"]
+    panels = [("reward-model score" if only_rm else "reward (weighted sum)", ["train/reward/mean", "eval/reward"])]
+    if judged:
+        panels.append(("judge score (built-in task)", ["train/judge/mean", "eval/judge"]))
+    panels.append(("KL to ref (nats per answer)", ["train/kl", "eval/kl"]))
+    return panels
 
 
 class PPOTrainer:

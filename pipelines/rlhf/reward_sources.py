@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from multiengine.engines import Placement
@@ -24,7 +24,7 @@ from multiengine.engines.recipe_config import RecipeConfigError
 if TYPE_CHECKING:  # rewards.py pulls in the model code: imported where used, so importing this stays light
     from .rewards import RewardSource
 
-__all__ = ["RewardModelRole", "reward_entries", "reward_roles", "reward_tokenizer_checks"]
+__all__ = ["RewardModelRole", "reward_entries", "reward_roles", "reward_tokenizer_checks", "with_retokenizers"]
 
 _MODEL_KEYS = ("role", "model", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
 _FUNCTION_KEYS = ("fn", "weight")
@@ -163,3 +163,8 @@ def reward_tokenizer_checks(roles: list[RewardModelRole]) -> list[tuple[str, str
     """``(role, folder, tokenizer, tokenizer key)`` of each reward-model role, for a check of scoring tokenizers."""
     return [(r.role, r.path, r.tokenizer, "roles.reward.tokenizer" if r.role == "reward"
              else f"reward.models ({r.role}).tokenizer") for r in roles]
+
+
+def with_retokenizers(sources: list[RewardSource], retokenizers: Mapping[str, Any]) -> list[RewardSource]:
+    """Each reward-model source with its role's ``Retokenizer`` (``None``: it reads the actor's ids)."""
+    return [replace(src, retokenizer=retokenizers.get(src.role)) if src.role else src for src in sources]
