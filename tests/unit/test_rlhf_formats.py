@@ -301,7 +301,7 @@ def test_conversational_data_needs_a_chat_template(tok, tmp_path):
     with pytest.raises(ValueError, match="has no chat template"):
         SFTCollator(tok, 16, 16)(CHAT)
     path = _jsonl(tmp_path / "chat.jsonl", CHAT)
-    with pytest.raises(DataSourceError, match=r"data.source is conversational .* tokenizer of model.pretrained"):
+    with pytest.raises(DataSourceError, match=r"data.source is conversational .* tokenizer of roles.actor.model"):
         check_rlhf_data(path, "sft", tokenizer=tok)
 
 
