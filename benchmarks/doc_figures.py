@@ -63,7 +63,8 @@ RUNS = [
           f"outputs/rlhf_grpo_{algo}", needs="grpo", image=f"rlhf_{algo}_tiny_curves.png")
       for algo, label in (("dr_grpo", "Dr. GRPO"), ("rloo", "RLOO"), ("reinforce_pp", "REINFORCE++"))),
     Run("dpo", "DPO", D, "SFT first", "outputs/rlhf_dpo", image="rlhf_dpo_tiny_curves.png"),
-    Run("ipo", "IPO", f"{D} dpo.loss=ipo output_dir=outputs/rlhf_ipo roles.actor.model=outputs/rlhf_dpo/sft/export/actor",
+    Run("ipo", "IPO", f"{D} dpo.loss=ipo output_dir=outputs/rlhf_ipo "
+                      "roles.actor.model=outputs/rlhf_dpo/sft/export/actor",
         "SFT reused", "outputs/rlhf_ipo", needs="dpo", image="rlhf_ipo_tiny_curves.png"),
 ]
 BY_NAME = {r.name: r for r in RUNS}

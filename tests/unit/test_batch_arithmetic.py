@@ -66,7 +66,8 @@ CASES = {
                              ("'roles.unet.micro_batch_size'", "value 8", "12 training images", "8 held out",
                               "6 per rank", "hold out fewer rows (eval.heldout_size; 8 now)")),
     "sft-48-rows-4-ranks": ("rlhf_sft", ("data.source={d}/sft48.jsonl", "--nproc-per-node", "4"),
-                            ("'roles.actor.micro_batch_size'", "value 16", "11 per rank on 4 ranks", "2 ranks or fewer")),
+                            ("'roles.actor.micro_batch_size'", "value 16", "11 per rank on 4 ranks",
+                             "2 ranks or fewer")),
     "sft-2-nodes": ("rlhf_sft", ("data.source={d}/sft48.jsonl", "--nproc-per-node", "2", "--nnodes", "2"),
                     ("11 per rank on 4 ranks",)),
     # GRPO: a rollout's prompts per rank (the SFT run it trains its actor with first fits: micro batch 4)

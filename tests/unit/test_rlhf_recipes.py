@@ -157,10 +157,12 @@ def test_ppo_recipe_with_reward_functions_only_on_the_torch_backend(tmp_path):
     assets = tiny.prepare_builtin(tmp_path / "assets", hidden=32, layers=1, n_sft=16, n_reward=16, n_ppo=32,
                                   n_eval=8)
     cfg = load_config("rlhf_ppo", "tiny", [
-        f"output_dir={tmp_path / 'run'}", "backend=torch", f"roles.actor.model={assets['model']}", "roles.reward.model=",
+        f"output_dir={tmp_path / 'run'}", "backend=torch", f"roles.actor.model={assets['model']}",
+        "roles.reward.model=",
         f"data.source={assets['data']}", "reward.functions=[builtin:judge]", "max_steps=2", "eval.every=0",
         "eval.size=8", "eval.batch_size=4", "eval.greedy=false", "ppo.rollout_batch_size=4",
-        "roles.actor.micro_batch_size=2", "roles.critic.micro_batch_size=2", "checkpoint.every=0", "export.critic=false", "plot=false", "tensorboard=false"])
+        "roles.actor.micro_batch_size=2", "roles.critic.micro_batch_size=2", "checkpoint.every=0",
+        "export.critic=false", "plot=false", "tensorboard=false"])
     rlhf_ppo.main(cfg)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert set(summary["roles"]) == {"actor", "ref", "critic"}

@@ -185,7 +185,7 @@ results["flux_resume"] = run_recipe("flux_resume", f"resume_from={ckpt}")
 # LoRA on the FLUX transformer (the family's default targets): export/lora for load_lora_weights, and the
 # merged export/pipeline beside it.
 results["flux_lora"] = run_recipe("flux_lora", "roles.transformer.lora.r=4", "ema.enabled=false",
-                                  "roles.transformer.lr=1.0e-2",                                  "max_steps=2", "checkpoint.every=0")
+                                  "roles.transformer.lr=1.0e-2", "max_steps=2", "checkpoint.every=0")
 results["paths"] = paths
 dump(results)
 

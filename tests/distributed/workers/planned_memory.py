@@ -41,7 +41,8 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
             "eval.batch_size=1", "eval.greedy=false", f"roles.actor.stage={s}", f"roles.critic.stage={s}"]),
         "rlhf_grpo": ("rlhf_grpo", "tiny", [
             f"roles.actor.model={model}", f"data.source={data}", "grpo.rollout_batch_size=2",
-            "grpo.n_samples_per_prompt=2", "roles.actor.micro_batch_size=4", "generation.max_new_tokens=4", "eval.size=0",
+            "grpo.n_samples_per_prompt=2", "roles.actor.micro_batch_size=4", "generation.max_new_tokens=4",
+            "eval.size=0",
             f"roles.actor.stage={s}"]),
         "distill": ("distill", "tiny", [
             f"roles.teacher.model={model}", f"roles.student.model={student}", f"data.source={data}",

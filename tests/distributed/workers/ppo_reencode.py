@@ -37,7 +37,8 @@ dist.barrier()
 cfg = load_config("rlhf_ppo", "tiny", [
     f"output_dir={os.path.join(root, 'run')}", f"roles.actor.model={assets_dir}/model", f"roles.reward.model={rm_dir}",
     f"data.source={assets_dir}/data", "max_steps=2", "ppo.rollout_batch_size=4", "roles.actor.micro_batch_size=2",
-    "roles.critic.micro_batch_size=2", "ppo.epochs=1", "generation.max_new_tokens=6", "roles.actor.stage=2", "roles.critic.stage=3",
+    "roles.critic.micro_batch_size=2", "ppo.epochs=1", "generation.max_new_tokens=6", "roles.actor.stage=2",
+    "roles.critic.stage=3",
     "eval.size=8", "eval.batch_size=4", "eval.every=0", "eval.greedy=false", "checkpoint.every=0", "plot=false",
     "tensorboard=false", "export.ema=false"])
 run = RLHFPPO(cfg)
