@@ -1,0 +1,453 @@
+"""What the diffusion RL recipes need around rl.py's math: the policy's conditioning and denoiser closures on
+registry engines (SD/SDXL unets, SD3/FLUX transformers), prompts, reward functions, preference pairs (and the
+tiny shapes pairs), and labelled grids. Flat typed arguments only: the recipes read their configs and call these.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from multiengine.engines import EngineRegistry
+
+from . import flow
+from .data import SHAPES_COLORS, _draw_shape, _shapes_rows, shapes_captions
+from .families import family_roles
+from .models import call_engine
+from .rl import DDIMSampler, Denoiser, FlowSDESampler, ddim_timesteps, flow_inference_sigmas
+from .training import DiffusionObjective, FlowMatchingObjective, prompt_input_ids
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "load_preference_rows", "load_reward_function",
+           "load_reward_model_role",
+           "make_shapes_preference_pairs", "preference_pixels", "pretrain_tiny_unet", "read_prompts", "reward_grid",
+           "score_images", "shapes_prompt_split"]
+
+REWARD_MODEL = "reward_model"
+BUILTIN_REWARDS = ("color", "shapes", REWARD_MODEL)
+
+
+# --- prompts ----------------------------------------------------------------------------------------------
+def shapes_prompt_split(num_eval: int, seed: int, colors: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """The shapes captions (those naming one of ``colors``; all 54 when empty) shuffled with ``seed``:
+    ``(train, held_out)`` with ``num_eval`` held out (unseen shape / background combinations)."""
+    unknown = [c for c in colors if c not in SHAPES_COLORS]
+    if unknown:
+        raise ValueError(f"colors {unknown} are not shapes colours ({', '.join(SHAPES_COLORS)})")
+    captions = [c for c in shapes_captions() if not colors or c.split()[1] in colors]
+    if not 0 < num_eval < len(captions):
+        raise ValueError(f"num_eval={num_eval} must be in [1, {len(captions) - 1}] ({len(captions)} shapes captions)")
+    random.Random(seed).shuffle(captions)
+    return captions[num_eval:], captions[:num_eval]
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a ``.txt`` file (one per non-empty line) or ``.json``/``.jsonl`` rows with a ``prompt`` (or
+    ``text``/``caption``) field."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".txt"):
+            return [line.strip() for line in f if line.strip()]
+        rows = json.load(f) if path.endswith(".json") else [json.loads(x) for x in f if x.strip()]
+    out = []
+    for i, row in enumerate(rows):
+        text = next((row[k] for k in ("prompt", "text", "caption") if isinstance(row, dict) and k in row), None)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}: row {i + 1} has no prompt/text/caption string")
+        out.append(text)
+    return out
+
+
+# --- rewards ----------------------------------------------------------------------------------------------
+def load_reward_function(spec: str) -> Callable[..., list[float | None]]:
+    """A builtin reward (``color``, ``shapes``) or ``"module:function"`` with the signature ``fn(prompts, images,
+    **kwargs) -> list[float | None]`` (images: float tensor ``[N, 3, H, W]`` in ``[0, 1]``)."""
+    from . import rewards
+
+    if spec in ("color", "shapes"):
+        return rewards.color_reward if spec == "color" else rewards.shapes_reward
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"reward function {spec!r}: use a builtin ({', '.join(BUILTIN_REWARDS)}) or "
+                         "'module:function'")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: module {module!r} has no function {name!r}")
+    return fn
+
+
+def score_images(functions: Sequence[tuple[str, Callable[..., Any], float]], prompts: Sequence[str],
+                 images: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted sum of every reward function on ``images`` ``[N, 3, H, W]`` in ``[0, 1]`` (``[N]`` float32) and
+    each function's mean. A ``None`` (a prompt the function does not score) counts as 0 and is logged once."""
+    total = torch.zeros(len(prompts))
+    means = {}
+    for name, fn, weight in functions:
+        values = fn(list(prompts), images)
+        if len(values) != len(prompts):
+            raise ValueError(f"reward {name!r} returned {len(values)} values for {len(prompts)} images")
+        if any(v is None for v in values):
+            logger.warning("reward %r scored no value for some prompts (counted as 0)", name)
+        scores = torch.tensor([0.0 if v is None else float(v) for v in values])
+        means[name] = float(scores.mean())
+        total += weight * scores
+    return total, means
+
+
+# --- the policy's conditioning and denoiser on the registry --------------------------------------------------
+@dataclass
+class Conditioning:
+    """Prompt embeddings ``hidden [B, L, D]``, ``pooled [B, P]`` (or None), SDXL's ``time_ids [B, 6]`` (or None)."""
+
+    hidden: torch.Tensor
+    pooled: torch.Tensor | None
+    time_ids: torch.Tensor | None = None
+
+    def cat(self, other: Conditioning) -> Conditioning:
+        def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else torch.cat([a, b])
+        return Conditioning(torch.cat([self.hidden, other.hidden]), join(self.pooled, other.pooled),
+                            join(self.time_ids, other.time_ids))
+
+    def repeat(self, n: int) -> Conditioning:
+        def rep(a: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else a.expand(n, *a.shape[1:])
+        return Conditioning(rep(self.hidden), rep(self.pooled), rep(self.time_ids))
+
+
+class _UnetConditioning(DiffusionObjective):
+    """DiffusionObjective's prompt encoding and unet call for a denoiser role of any name."""
+
+    def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], alphas_cumprod: torch.Tensor,
+                 prediction_type: str, resolution: int, role: str) -> None:
+        # DiffusionObjective.__init__ reads the unet's config under the role name "unet": set what it sets.
+        self.registry, self.text_encoders, self.device = registry, list(text_encoders), registry.device
+        self.alphas_cumprod = alphas_cumprod.float()
+        self.num_train_timesteps = int(alphas_cumprod.shape[0])
+        self.prediction_type, self.resolution = prediction_type, resolution
+        self.snr_gamma = self.noise_offset = self.input_perturbation = 0.0
+        vae_config = registry.role("vae").module.config
+        self.scaling_factor = float(vae_config.scaling_factor)
+        self.shift_factor = float(getattr(vae_config, "shift_factor", None) or 0.0)
+        config = registry.role(role).module.config
+        self.text_time = getattr(config, "addition_embed_type", None) == "text_time"
+        self.trained_role = role
+
+
+class PolicyModel:
+    """The denoiser roles (policy, ref), vae and text encoders of a registry as rl.py wants them: prompt
+    conditioning, a :data:`Denoiser` closure per role (classifier-free guidance inside), the stochastic sampler,
+    vae decode to ``[0, 1]`` images, and the noisy input / target / prediction of a denoising loss (Diffusion-DPO).
+
+    ``family``: sd | sdxl (DDIM with ``eta``, unet) or sd3 | flux (Flow-GRPO's SDE, transformer). FLUX takes
+    ``guidance_scale`` as its guidance input (no negative branch); the others run CFG when it is > 1.
+    """
+
+    def __init__(self, registry: EngineRegistry, model_path: str, family: str, text_encoders: Sequence[str], *,
+                 resolution: int, tokenizers: Sequence[Any], token_lengths: Sequence[int | None],
+                 policy: str = "policy", guidance_scale: float = 1.0) -> None:
+        self.registry, self.family, self.resolution = registry, family, int(resolution)
+        self.text_encoders, self.tokenizers, self.lengths = list(text_encoders), list(tokenizers), list(token_lengths)
+        self.flow = family_roles(family).objective == "flow"
+        self.guidance_scale = float(guidance_scale)
+        self.policy = policy
+        if self.flow:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            config = FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler")
+            self.scheduler_config = dict(config)
+            objective_cls = type("_FlowConditioning", (FlowMatchingObjective,), {"trained_role": policy})
+            self.objective = objective_cls(registry, family, config, guidance_scale=self.guidance_scale,
+                                           text_encoders=self.text_encoders)
+            self.cfg = family != "flux" and self.guidance_scale > 1
+        else:
+            from diffusers import DDPMScheduler
+
+            scheduler = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler")
+            self.scheduler_config = dict(scheduler.config)
+            self.prediction_type = str(scheduler.config.prediction_type)
+            self.objective = _UnetConditioning(registry, self.text_encoders, scheduler.alphas_cumprod,
+                                               self.prediction_type, self.resolution, policy)
+            self.cfg = self.guidance_scale > 1
+        self.vae = registry.role("vae")
+        self.vae_scale = 2 ** (len(self.vae.module.config.block_out_channels) - 1)
+        self._negative: Conditioning | None = None
+
+    # conditioning
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        ids = prompt_input_ids(self.tokenizers, list(prompts), self.lengths)
+        ids = [ids["input_ids"]] + [ids[f"input_ids_{i + 1}"] for i in range(1, len(self.tokenizers))]
+        hidden, pooled = self.objective.encode_prompts(ids)
+        time_ids = None
+        if not self.flow and self.objective.text_time:
+            time_ids = self.objective.time_ids({}, len(prompts))
+        return Conditioning(hidden, pooled, time_ids)
+
+    def negative(self) -> Conditioning:
+        """The empty prompt's conditioning (the unconditional branch of CFG), encoded once."""
+        if self._negative is None:
+            self._negative = self.encode([""])
+        return self._negative
+
+    # the denoiser
+    def predict(self, role: str, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """One forward of ``role`` (its engine: a trainable role records autograd, a frozen one does not)."""
+        r = self.registry.role(role)
+        if self.flow:
+            return self.objective.transformer_forward(r.engine, latents, timesteps, cond.hidden, cond.pooled, r.dtype)
+        return self.objective.unet_forward(r.engine, latents, timesteps, cond.hidden, cond.pooled, cond.time_ids,
+                                           r.dtype)
+
+    def denoiser(self, role: str, cond: Conditioning) -> Denoiser:
+        """``fn(latents, timesteps) -> model output`` of ``role`` for ``cond``, with CFG when on."""
+        def fn(latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+            if not self.cfg:
+                return self.predict(role, latents, timesteps, cond).float()
+            both = self.negative().repeat(latents.shape[0]).cat(cond)
+            out = self.predict(role, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), both).float()
+            uncond, text = out.chunk(2)
+            return uncond + self.guidance_scale * (text - uncond)
+        return fn
+
+    def sampler(self, num_steps: int, eta: float, noise_level: float) -> DDIMSampler | FlowSDESampler:
+        """DDIM with ``eta`` (unet families, the scheduler's schedule and offset) or the flow SDE with
+        ``noise_level`` over the scheduler's sigmas (SD3's shift, FLUX's resolution-dependent shift)."""
+        c = self.scheduler_config
+        n_train = int(c.get("num_train_timesteps", 1000))
+        if not self.flow:
+            return DDIMSampler(ddim_timesteps(num_steps, n_train, int(c.get("steps_offset", 0))),
+                               self.objective.alphas_cumprod, eta=eta, prediction_type=self.prediction_type)
+        mu = None
+        if c.get("use_dynamic_shifting"):
+            seq = (self.resolution // self.vae_scale // 2) ** 2
+            m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (c.get("max_image_seq_len", 4096)
+                                                                          - c.get("base_image_seq_len", 256))
+            mu = seq * m + c.get("base_shift", 0.5) - m * c.get("base_image_seq_len", 256)
+        return FlowSDESampler(flow_inference_sigmas(num_steps, n_train, float(c.get("shift", 1.0)), mu=mu),
+                              noise_level=noise_level, num_train_timesteps=n_train)
+
+    def latent_shape(self, batch: int) -> tuple[int, ...]:
+        side = self.resolution // self.vae_scale
+        return (batch, int(self.vae.module.config.latent_channels), side, side)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Scaled latents -> images ``[B, 3, H, W]`` float32 in ``[0, 1]`` on the CPU, through the vae engine."""
+        config = self.vae.module.config
+        z = latents.float() / float(config.scaling_factor) + float(getattr(config, "shift_factor", None) or 0.0)
+        images = call_engine(self.vae.engine, "decode", z.to(self.registry.device, self.vae.dtype), return_dict=False)
+        return (images[0].float().cpu() / 2 + 0.5).clamp(0, 1)
+
+    # a denoising loss (Diffusion-DPO)
+    @torch.no_grad()
+    def image_latents(self, pixel_values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.objective.latents(pixel_values, generator)
+
+    def noisy_and_target(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The noisy input, the regression target and the model's timesteps at ``u`` ``[B]`` in ``[0, 1)``: DDPM
+        timestep ``floor(u T)`` with the epsilon / v target; flow: the table position ``floor(u T)``,
+        ``(1 - sigma) x0 + sigma noise`` and the velocity ``noise - x0``."""
+        from .math import add_noise, training_target
+
+        n = self.objective.num_train_timesteps
+        index = (u * n).long().clamp(0, n - 1)
+        if self.flow:
+            timesteps, sigmas = self.objective.timesteps[index], self.objective.sigmas[index].to(latents.device)
+            return flow.flow_noisy_input(latents, noise, sigmas), flow.flow_target(latents, noise), timesteps
+        ac = self.objective.alphas_cumprod
+        index = index.to(latents.device)
+        return (add_noise(latents, noise, index, ac), training_target(self.prediction_type, latents, noise, index, ac),
+                index)
+
+
+# --- preference pairs ----------------------------------------------------------------------------------------
+def make_shapes_preference_pairs(out_dir: str, n: int, resolution: int = 32, seed: int = 0,
+                                 colors: Sequence[str] = ()) -> str:
+    """``n`` preference pairs on the shapes task under ``out_dir``: ``pairs.jsonl`` rows ``{"prompt", "chosen",
+    "rejected"}`` (file names beside it). The chosen image is the prompt's shape in the prompt's colour (one of
+    ``colors``; any of the six when empty); the rejected one is the same shape, place and background in another
+    colour. Idempotent for the same arguments; written then renamed."""
+    path = os.path.join(out_dir, "pairs.jsonl")
+    wanted = {"n": n, "resolution": resolution, "seed": seed, "colors": list(colors)}
+    marker = os.path.join(out_dir, "pairs.json")
+    if os.path.isfile(path) and os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            if json.load(f) == wanted:
+                return path
+    unknown = [c for c in colors if c not in SHAPES_COLORS]
+    if unknown:
+        raise ValueError(f"colors {unknown} are not shapes colours ({', '.join(SHAPES_COLORS)})")
+    os.makedirs(out_dir, exist_ok=True)
+    rng = random.Random(seed + 1)
+    palette = list(SHAPES_COLORS)
+    rows = []
+    for i, row in enumerate(_shapes_rows(n, resolution, seed)):
+        if colors:
+            color = colors[i % len(colors)]
+            row = dict(row, color=color, text=f"a {color} {row['shape']} on a {row['background']} background")
+        other = dict(row, color=rng.choice([c for c in palette if c != row["color"]]))
+        names = (f"{i:05d}_chosen.png", f"{i:05d}_rejected.png")
+        for name, r in zip(names, (row, other)):
+            _draw_shape(r, resolution).save(os.path.join(out_dir, name + ".tmp"), format="PNG")
+            os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
+        rows.append({"prompt": row["text"], "chosen": names[0], "rejected": names[1]})
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+    with open(marker, "w", encoding="utf-8") as f:
+        json.dump(wanted, f)
+    return path
+
+
+def load_preference_rows(source: str, columns: dict[str, str], split: str = "train",
+                         cache_dir: str | None = None) -> Any:
+    """Preference rows from a data file (``.jsonl``/``.json``/``.csv``/``.parquet``), a ``save_to_disk`` folder or
+    a hub name, with the ``prompt``, ``chosen`` and ``rejected`` columns renamed from ``columns``. Image cells are
+    file paths (relative to the file's folder) or images (``datasets.Image``)."""
+    from multiengine.pipelines.sources import load_source
+
+    ds = load_source(source, split=split, key="data.source", cache_dir=cache_dir)
+    missing = [f"{field} (column {col!r})" for field, col in columns.items() if col not in ds.column_names]
+    if missing:
+        raise ValueError(f"data.source={source!r} has no {', '.join(missing)}; its columns: {ds.column_names}. "
+                         "Set data.columns.<field> to your column names.")
+    ds = ds.select_columns(list(columns.values()))
+    return ds.rename_columns({v: k for k, v in columns.items() if k != v})
+
+
+def preference_pixels(rows: Any, root: str, resolution: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Prompts and the chosen / rejected pixels ``[N, 3, res, res]`` in ``[-1, 1]`` (resized, center-cropped)."""
+    from PIL import Image
+
+    from .data import ImageTransform
+
+    transform = ImageTransform(resolution, center_crop=True, random_flip=False)
+
+    def pixels(cell: Any) -> torch.Tensor:
+        if isinstance(cell, str):
+            with Image.open(cell if os.path.isabs(cell) else os.path.join(root, cell)) as im:
+                return transform(im.convert("RGB"))
+        return transform(cell.convert("RGB"))
+
+    prompts = [str(p) for p in rows["prompt"]]
+    chosen = torch.stack([pixels(c) for c in rows["chosen"]])
+    rejected = torch.stack([pixels(c) for c in rows["rejected"]])
+    return prompts, chosen, rejected
+
+
+# --- grids ------------------------------------------------------------------------------------------------
+def reward_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], step: int) -> Any:
+    """A grid of ``images`` ``[N, 3, H, W]`` in ``[0, 1]``, each labelled with its prompt and reward."""
+    from PIL import Image
+
+    from .validation import image_grid
+
+    pil = [Image.fromarray((x.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)) for x in images]
+    labels = [f"{p} (reward {r:.2f})" for p, r in zip(prompts, rewards)]
+    return image_grid(pil, prompts=labels, step=step)
+
+
+# --- a briefly pre-trained tiny unet ---------------------------------------------------------------------------
+def pretrain_tiny_unet(model_dir: str, images: str, steps: int, *, resolution: int, batch_size: int = 16,
+                       lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
+    """Train the tiny SD unet of ``model_dir`` on the shapes images of folder ``images`` (``metadata.jsonl``
+    captions) with the epsilon objective for ``steps`` steps, in this process, and save it in place: the RL
+    recipes' tiny runs start from a denoiser that paints backgrounds and shapes instead of noise. Deterministic
+    in ``seed``; the global RNG is left untouched; idempotent (``unet/pretrained.json`` records what was done).
+
+    Returns:
+        ``{"steps", "seed", "resolution", "loss" (mean of the last 50 steps), "seconds"}``.
+    """
+    import shutil
+    import time
+
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from .data import ImageTransform
+    from .math import add_noise
+
+    marker = os.path.join(model_dir, "unet", "pretrained.json")
+    wanted = {"steps": steps, "seed": seed, "resolution": resolution, "batch_size": batch_size, "lr": lr}
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            done = json.load(f)
+        if all(done.get(k) == v for k, v in wanted.items()):
+            return done
+    start = time.perf_counter()
+    with open(os.path.join(images, "metadata.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    from PIL import Image
+
+    transform = ImageTransform(resolution, center_crop=True, random_flip=False)
+    pixels = []
+    for row in rows:
+        with Image.open(os.path.join(images, row["file_name"])) as im:
+            pixels.append(transform(im.convert("RGB")))
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae")
+    encoder = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder")
+    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
+    alphas = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler").alphas_cumprod.float()
+    with torch.no_grad():
+        latents = vae.encode(torch.stack(pixels)).latent_dist.mean * float(vae.config.scaling_factor)
+        ids = tokenizer([r["text"] for r in rows], padding="max_length", max_length=tokenizer.model_max_length,
+                        truncation=True, return_tensors="pt").input_ids
+        hidden = encoder(ids)[0]
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    unet.train()
+    for _ in range(steps):
+        i = torch.randint(0, len(rows), (batch_size,), generator=g)
+        noise = torch.randn(latents[i].shape, generator=g)
+        t = torch.randint(0, alphas.shape[0], (batch_size,), generator=g)
+        pred = unet(add_noise(latents[i], noise, t, alphas), t, encoder_hidden_states=hidden[i]).sample
+        loss = torch.nn.functional.mse_loss(pred, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    result = {**wanted, "loss": float(np.mean(losses[-50:])) if losses else None,
+              "seconds": round(time.perf_counter() - start, 2)}
+    tmp = os.path.join(model_dir, "unet.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    unet.save_pretrained(tmp, safe_serialization=True)
+    with open(os.path.join(tmp, "pretrained.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    shutil.rmtree(os.path.join(model_dir, "unet"))
+    os.replace(tmp, os.path.join(model_dir, "unet"))
+    logger.info("pretrained the tiny unet for %d steps at %d px in %.1f s: loss %.4f", steps, resolution,
+                result["seconds"], result["loss"])
+    return result
+
+
+def load_reward_model_role(path: str) -> torch.nn.Module:
+    """:func:`rewards.load_tiny_reward_model` as a role factory: inside a ZeRO-3 role's build scope the module is
+    created partitioned, so the saved weights are loaded into its gathered parameters (every rank reads the same
+    file; rank 0's copy is partitioned back)."""
+    from safetensors.torch import load_file
+
+    from .rewards import TinyShapesRewardModel
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        model = TinyShapesRewardModel(**json.load(f))
+    state = load_file(os.path.join(path, "model.safetensors"))
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            model.load_state_dict(state)
+    else:
+        model.load_state_dict(state)
+    return model.eval()
