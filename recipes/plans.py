@@ -673,6 +673,93 @@ def gan(cfg: Any, assume: Mapping[str, str] | None = None,
     return [plan]
 
 
+def _rl_denoiser_phases(info: P.ModelInfo, name: str, *, res: int, scale: int, batch: int, dtype: str,
+                        trainable: bool, checkpointing: bool, text_tokens: int) -> int:
+    """Activation peak of one denoiser forward (+ backward when trainable) on ``batch`` latents."""
+    if name == "unet":
+        return P.unet_activation_bytes(info.config, batch=batch, latent_height=res // scale, latent_width=res // scale,
+                                       dtype=dtype, trainable=trainable, gradient_checkpointing=checkpointing,
+                                       text_tokens=text_tokens)
+    seq = P.dit_tokens(info.config, height=res, width=res, text_tokens=text_tokens, vae_scale=scale)
+    return P.transformer_activation_bytes(P.dit_dims(info.config), batch=batch, seq=seq, dtype=dtype,
+                                          trainable=trainable, gradient_checkpointing=checkpointing, logits=False)
+
+
+def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None,
+                  rollout: int, train: int, extra: Mapping[str, P.ModelInfo]) -> RecipePlan:
+    """diffusion_grpo / diffusion_dpo: the roles the run builds, from the recipe's declaration; ``rollout`` rows
+    per frozen forward (ref, vae, text encoders), ``train`` rows per policy train step."""
+    from multiengine.pipelines.diffusion.families import family_roles
+    from omegaconf import OmegaConf
+
+    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
+                                          tiny=lambda: _build_tiny_sd(int(cfg.seed), res, str(cfg.model.tiny_family)),
+                                          assume=assume)
+    denoiser = "unet" if "unet" in components else "transformer"
+    family = _sd_family(components)
+    net, vae = components[denoiser], components["vae"]
+    scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
+    encoders = _encoder_names(components)
+    text = 77 + (0 if denoiser == "unet" else (512 if family == "flux" else 77))
+    infos = {"policy": net, "ref": net, "vae": vae, **{n: components[n] for n in encoders}, **extra}
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if cfg.roles.policy.lora.r and not cfg.roles.policy.lora.target_modules:
+        cfg.roles.policy.lora.target_modules = list(family_roles(family).lora_targets)
+    pol = cfg.roles.policy
+    dtype = str(pol.dtype)
+
+    def act(batch: int, trainable: bool, role_dtype: str) -> int:
+        return _rl_denoiser_phases(net, denoiser, res=res, scale=scale, batch=batch, dtype=role_dtype,
+                                   trainable=trainable, checkpointing=bool(pol.gradient_checkpointing),
+                                   text_tokens=text)
+
+    ref_dtype = str(cfg.roles.ref.dtype or dtype)
+    c0 = int(vae.config.get("block_out_channels", (128,))[0])
+    phases = {"policy": [("rollout", act(rollout, False, dtype)), ("train step", act(train, True, dtype))],
+              "ref": [("forward", act(rollout, False, ref_dtype))],
+              "vae": [("decode / encode", P.conv_frozen_activation_bytes(batch=rollout, height=res, width=res,
+                                                                         channels=c0, dtype=str(cfg.roles.vae.dtype)))]}
+    roles = [r for r in recipe.ROLES if r.name in infos]
+    plan = declared_roles(cfg, roles, infos, phases)
+    plan.title = title
+    plan.notes = [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}"]
+    return plan
+
+
+def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
+                   configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    import torch
+    from multiengine.pipelines.diffusion.rewards import TinyShapesRewardModel
+    from multiengine.recipes import diffusion_grpo as recipe
+
+    d = cfg.diffusion
+    extra = {}
+    if recipe.REWARD_MODEL in list(cfg.reward.functions):
+        with torch.device("meta"):
+            extra["reward"] = module_info("reward", TinyShapesRewardModel())
+    micro = int(cfg.roles.policy.micro_batch_size)
+    flux = "flux" in str(cfg.model.pretrained).lower() or (not cfg.model.pretrained and cfg.model.tiny_family == "flux")
+    cfg_branch = 2 if float(d.guidance_scale) > 1 and not flux else 1  # FLUX takes guidance as an input
+    plan = _diffusion_rl(cfg, recipe, "diffusion_grpo", int(d.resolution), assume, micro * cfg_branch,
+                         micro * cfg_branch, extra)
+    if not float(d.kl_coef):
+        plan.roles = [r for r in plan.roles if r.name != "ref"]
+        plan.keys.pop("ref", None)
+    plan.notes.append(f"{int(d.num_inference_steps)} sampling steps, group {int(d.group_size)}"
+                      + (", CFG doubles each denoiser batch" if cfg_branch == 2 else ""))
+    return [plan]
+
+
+def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
+                  configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from multiengine.recipes import diffusion_dpo as recipe
+
+    pairs = 2 * int(cfg.roles.policy.micro_batch_size)  # chosen and rejected images
+    plan = _diffusion_rl(cfg, recipe, "diffusion_dpo", int(cfg.data.resolution), assume, pairs, pairs, {})
+    plan.notes.append(f"{pairs // 2} preference pairs per rank: {pairs} images per forward")
+    return [plan]
+
+
 PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "registry_demo": registry_demo,
     "sd_finetune": sd_finetune,
@@ -685,6 +772,8 @@ PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
     "rlhf_e2e": rlhf_e2e,
     "distill": distill,
     "gan": gan,
+    "diffusion_grpo": diffusion_grpo,
+    "diffusion_dpo": diffusion_dpo,
 }
 
 
