@@ -21,13 +21,14 @@ from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DATA_COLUMNS", "DATA_KEYS", "EVAL_KEYS", "GENERATION_KEYS", "REWARD_KEYS", "RLHF_TRAINABLE", "ROLLOUT_KEYS",
-    "RewardModelRole", "TINY_KEYS", "check_data", "check_model", "check_model_path", "check_reward_columns",
-    "check_rows_per_rank", "check_scoring_tokenizers", "check_sft_run_batches", "check_stage_batches",
-    "check_tokenizer", "config_error", "data_checks", "data_overrides", "data_spec", "demonstrations", "eval_keys",
-    "evaluation_prompts", "export_actor", "has_prompts", "load_data", "policy_answers", "recipe_checks", "retokenizers",
-    "reward_config", "reward_entries", "reward_tokenizer_checks", "role_tokenizer", "sft_model", "tiny_assets",
-    "uses_builtin_data", "wants_reward_role"
+    "DATA_COLUMNS", "DATA_KEYS", "EVAL_KEYS", "GENERATION_KEYS", "JUDGE_HEADLINE", "PROMPT_LEN", "REWARD_HEADLINE",
+    "REWARD_KEYS", "RLHF_TRAINABLE", "ROLLOUT_KEYS", "RewardModelRole", "TINY_KEYS", "TINY_RENAMED", "check_data",
+    "check_model", "check_model_path", "check_prompts_and_rewards", "check_reward_columns", "check_rows_per_rank",
+    "check_scoring_tokenizers", "check_sft_run_batches", "check_stage_batches", "check_tokenizer", "config_error",
+    "data_checks", "data_overrides", "data_spec", "demonstrations", "eval_keys", "evaluation_prompts", "export_actor",
+    "export_keys", "has_prompts", "load_data", "lora_renamed", "policy_answers", "recipe_checks", "retokenizers",
+    "reward_config", "reward_entries", "reward_tokenizer_checks", "role_tokenizer", "sft_actor", "sft_model",
+    "sft_run_keys", "tiny_assets", "uses_builtin_data", "wants_reward_role"
 ]
 
 # What every trainable RLHF role changes from the shared role defaults: the Adam betas of DeepSpeed-Chat and
@@ -494,8 +495,8 @@ def eval_keys(meaning: str, **defaults: Any) -> Key:
     return Key({k: Key(defaults.get(k, v.default), v.help) for k, v in EVAL_KEYS.items()}, meaning)
 
 
-def policy_answers(recipe: Any, rows: Any, tokenizer: Any) -> Any:
-    """The actor's answers to the prompts of ``rows`` (evaluation rows, :func:`evaluation_prompts`) as a
+def policy_answers(recipe: Any, rows: Any, tokenizer: Any, role: str = "actor") -> Any:
+    """``role``'s answers to the prompts of ``rows`` (evaluation rows, :func:`evaluation_prompts`) as a
     ``PolicyAnswers``: sampled with ``generation.*`` (seeded by ``eval.seed``), greedy too with ``eval.greedy``,
     judged with ``eval.judge`` when the prompts are the built-in task's. Call it to evaluate."""
     from multiengine.pipelines.rlhf.evaluation import PolicyAnswers
@@ -510,14 +511,64 @@ def policy_answers(recipe: Any, rows: Any, tokenizer: Any) -> Any:
     greedy = GenerationSettings(max_new_tokens=g.max_new_tokens, mode=mode, do_sample=False) if cfg.eval.greedy \
         else None
     judge = builtin_judge([p for b in batches for p in b["prompts"]], cfg.eval.judge)
-    return PolicyAnswers(recipe.registry, batches, tokenizer, sampled, greedy, judge, cfg.eval.seed)
+    return PolicyAnswers(recipe.registry, batches, tokenizer, sampled, greedy, judge, cfg.eval.seed, role)
 
 
-def export_actor(recipe: Any, tokenizer: Any) -> dict[str, Any]:
-    """``export/actor`` (an HF folder with ``tokenizer``; merged weights + adapter/ for LoRA) when
+def export_actor(recipe: Any, tokenizer: Any, role: str = "actor") -> dict[str, Any]:
+    """``export/<role>`` (an HF folder with ``tokenizer``; merged weights + adapter/ for LoRA) when
     ``export.enabled``, else ``{}``."""
     from multiengine.engines import save_role
 
     if not recipe.cfg.export.enabled:
         return {}
-    return {"actor": save_role(recipe.registry, "actor", recipe.path("export", "actor"), tokenizer=tokenizer)}
+    return {role: save_role(recipe.registry, role, recipe.path("export", role), tokenizer=tokenizer)}
+
+
+# --- small pieces several RLHF recipes declare alike ------------------------------------------------------------
+PROMPT_LEN = Key(16, "prompt tokens kept (a longer prompt loses its beginning)")  # data.max_prompt_len
+TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
+JUDGE_HEADLINE = ("judge", "judge score of sampled answers (built-in task)", True)
+REWARD_HEADLINE = ("reward", "held-out reward (weighted sum of the reward sources)", True)
+
+
+def lora_renamed(role: str) -> dict[str, str]:
+    """RENAMED entries of the old ``lora.<role>.*`` section (its ``enabled`` + ``rank`` are ``roles.<role>.lora.r``)."""
+    return {f"lora.{role}.*": f"roles.{role}.lora.*", f"lora.{role}.rank": f"roles.{role}.lora.r",
+            f"lora.{role}.enabled": f"roles.{role}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"}
+
+
+def export_keys(role: str = "actor") -> Key:
+    """The ``export`` section of a recipe that exports one trained role (:func:`export_actor`)."""
+    return Key({"enabled": Key(True, f"export/{role}")}, "what the run writes under output_dir/export")
+
+
+def sft_actor(recipe: Any, assets: dict[str, str]) -> tuple[str, Any]:
+    """The actor's folder (``roles.actor.model``, else the tiny SFT actor trained first under output_dir/sft with
+    ``actor_sft`` on the recipe's data; ``assets``: :func:`tiny_assets`) and its tokenizer."""
+    cfg, actor = recipe.cfg, recipe.cfg.roles.actor
+    path = check_model_path("roles.actor.model", actor.model, "rlhf_sft") or sft_model(
+        recipe, cfg.actor_sft, recipe.path("sft"), data_overrides(cfg.data, assets.get("data") or None),
+        assets["model"])
+    tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
+    return path, role_tokenizer(actor.tokenizer, path, tiny_tok, what="roles.actor.model")
+
+
+def sft_run_keys(meaning: str) -> Key:
+    """The ``actor_sft`` / ``teacher_sft`` section: how a role left empty is trained first (:func:`sft_model`)."""
+    return Key({"config": Key("tiny", "a shipped rlhf_sft config"),
+                "overrides": Key([], "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)")}, meaning)
+
+
+def check_prompts_and_rewards(cfg: Any, models: list[RewardModelRole]) -> tuple[Any, dict[str, Any] | None]:
+    """Before any rank starts (rlhf_ppo, rlhf_grpo): every reward.models folder besides roles.reward.model, the
+    actor's tokenizer against its model, the prompts and evaluation prompts (:func:`check_data`) and the columns each
+    reward function names. Returns the actor's tokenizer and the data report."""
+    r = cfg.roles
+    for m in models:
+        if m.path != r.reward.model:
+            check_model(f"reward.models ({m.role}).model", m.path)
+    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
+    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
+    if report is not None:  # the columns each reward function names are in the prompts' rows
+        check_reward_columns(cfg.reward, report["columns"])
+    return actor_tok, report

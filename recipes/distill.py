@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+from dataclasses import replace
 from typing import Any
 
 import torch
-from multiengine.engines import barrier, mean_over_ranks, save_role
+from multiengine.engines import barrier, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
 from multiengine.pipelines.distill import (
     DIVERGENCES,
@@ -35,31 +36,10 @@ from multiengine.pipelines.distill import (
     student_samples,
 )
 from multiengine.pipelines.rlhf import tiny
-from multiengine.pipelines.rlhf.evaluation import evaluate_policy
-from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.rollout import sampling_seed
-from multiengine.pipelines.rlhf.runs import builtin_judge
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    RLHF_TRAINABLE,
-    TINY_KEYS,
-    check_data,
-    check_model,
-    check_sft_run_batches,
-    check_stage_batches,
-    check_tokenizer,
-    config_error,
-    data_overrides,
-    demonstrations,
-    evaluation_prompts,
-    load_data,
-    recipe_checks,
-    role_tokenizer,
-    sft_model,
-    tiny_assets,
-    uses_builtin_data,
-)
+from multiengine.recipes import common
+from multiengine.recipes.common import DATA_KEYS, GENERATION_KEYS, RLHF_TRAINABLE, TINY_KEYS
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys, tokenizer_path
 
@@ -88,13 +68,10 @@ KEYS: dict[str, Any] = {
         "student_hidden": Key(32, "width of the random tiny student (roles.student.model=\"\")"),
         "student_layers": Key(1, "layers of the random tiny student"),
     }, "the random tiny models: the OPT the tiny teacher is fine-tuned from, and the student"),
-    "teacher_sft": Key({
-        "config": Key("tiny", "a shipped rlhf_sft config"),
-        "overrides": Key([], "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)"),
-    }, "how the tiny teacher is trained (rlhf_sft) when roles.teacher.model is empty"),
+    "teacher_sft": common.sft_run_keys("how the tiny teacher is trained (rlhf_sft) when roles.teacher.model is empty"),
     "data": Key({
         **DATA_KEYS,
-        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_prompt_len": common.PROMPT_LEN,
         "max_response_len": Key(16, "response tokens kept, EOS included"),
         "heldout_size": Key(128, "evaluation rows scored for the held-out cross-entropy (0 = all of them)"),
     }, "demonstrations: prompt + response, messages or text rows (docs/data.md)"),
@@ -106,23 +83,14 @@ KEYS: dict[str, Any] = {
         "on_policy_fraction": Key(0.0, "GKD's lambda: the share of steps whose responses the student samples itself "
                                        "(generation.*) for the teacher to score; 0 = offline, 1 = always"),
     }, "the distillation loss (the same per-token divergence on demonstrations and on the student's samples)"),
-    "generation": Key({
-        "max_new_tokens": Key(8, "tokens generated per answer"),
-        "temperature": Key(1.0, "sampling temperature"),
-    }, "sampling of evaluation answers and of the student's on-policy responses"),
-    "eval": Key({
-        "every": Key(100, "also every N steps (always before and after)"),
-        "size": Key(256, "evaluation prompts (split evenly over ranks); 0 = none"),
-        "batch_size": Key(32, "prompts per generation batch"),
-        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
-        "seed": Key(1234, "sampling seed of evaluation answers"),
-    }, "held-out cross-entropy and sampled answers to the prompts of the evaluation rows"),
-    "export": Key({
-        "enabled": Key(True, "export/student"),
-    }, "what the run writes under output_dir/export"),
+    "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers and of the student's on-policy "
+                                             "responses"),
+    "eval": common.eval_keys("held-out cross-entropy and sampled answers to the prompts of the evaluation rows (the "
+                             "teacher's once)", every=100, greedy=False),
+    "export": common.export_keys("student"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
+CHECKS = common.recipe_checks(DEFAULTS, {
     "distill.loss": Choice(*DIVERGENCES), "distill.temperature": Range(0, min_exclusive=True),
     "distill.alpha": Range(0, 1), "distill.beta": Range(0, 1), "distill.on_policy_fraction": Range(0, 1),
 })
@@ -141,23 +109,23 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if d.loss == "jsd" and not 0.0 < d.beta < 1.0:
         raise RecipeConfigError(f"distill.beta={d.beta} with distill.loss=jsd: the JSD's teacher weight must be in "
                                 "(0, 1); its ends are distill.loss=forward_kl (beta 0) and reverse_kl (beta 1)")
-    check_model("roles.teacher.model", teacher.model)
-    check_model("roles.student.model", student.model)
-    tok = check_tokenizer("roles.teacher.tokenizer", teacher.tokenizer, "roles.teacher.model", teacher.model)
+    common.check_model("roles.teacher.model", teacher.model)
+    common.check_model("roles.student.model", student.model)
+    tok = common.check_tokenizer("roles.teacher.tokenizer", teacher.tokenizer, "roles.teacher.model", teacher.model)
     if student.model:
-        own = check_tokenizer("roles.student.tokenizer", tokenizer_path(cfg, ROLES, "student"), "roles.student.model",
-                              student.model, tok)
+        own = common.check_tokenizer("roles.student.tokenizer", tokenizer_path(cfg, ROLES, "student"),
+                                     "roles.student.model", student.model, tok)
         if teacher.model:  # a tiny teacher trained at run time is checked when the models are built
             shared_logits(teacher.model, student.model, tok, own)
-    report = check_data(cfg, "sft", tok, tokenizer_key="roles.teacher.tokenizer")
+    report = common.check_data(cfg, "sft", tok, tokenizer_key="roles.teacher.tokenizer")
     if d.on_policy_fraction > 0 and report and not {"prompt", "messages"} & set(report["columns"]["train"]):
         raise RecipeConfigError(f"distill.on_policy_fraction={d.on_policy_fraction}: the student samples answers to "
                                 "the demonstrations' prompts, and text rows have none; use prompt + response or "
                                 "messages rows, or distill.on_policy_fraction=0")
     if not teacher.model:
-        check_sft_run_batches(cfg.teacher_sft, report, world_size, "teacher_sft", "teacher")
+        common.check_sft_run_batches(cfg.teacher_sft, report, world_size, "teacher_sft", "teacher")
     # demonstrations(): one stream of micro batches per rank (grad_accum draws it again)
-    check_stage_batches(report, world_size, key="roles.student.micro_batch_size", value=student.micro_batch_size)
+    common.check_stage_batches(report, world_size, key="roles.student.micro_batch_size", value=student.micro_batch_size)
 
 
 def shared_logits(teacher: str, student: str, teacher_tokenizer: Any, student_tokenizer: Any) -> int:
@@ -169,15 +137,14 @@ def shared_logits(teacher: str, student: str, teacher_tokenizer: Any, student_to
     try:
         return check_vocab(sizes[1], sizes[0], student_tokenizer, teacher_tokenizer)
     except ValueError as err:
-        raise config_error(ValueError(
+        raise common.config_error(ValueError(
             f"roles.teacher.model ({teacher}: {sizes[0]} logits) and roles.student.model ({student}: {sizes[1]} "
             f"logits) do not share one vocabulary, which token-level distillation needs: {err}")) from None
 
 
 class Distill(Recipe):
     name = "distill"
-    headline = (("loss", "held-out cross-entropy of the student", False),
-                ("judge", "judge score of sampled answers (built-in task)", True))
+    headline = (("loss", "held-out cross-entropy of the student", False), common.JUDGE_HEADLINE)
     postfix_keys = ("loss", "divergence")
     plot_panels = [("distillation loss", ["train/loss", "train/divergence"]),
                    ("held-out cross-entropy", ["eval/loss", "eval/teacher_loss"]),
@@ -187,14 +154,16 @@ class Distill(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
         teacher, student = cfg.roles.teacher, cfg.roles.student
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not (student.model and teacher.model))
+        assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not (student.model and teacher.model))
         builtin = assets.get("data", "")
-        self.teacher_path = teacher.model or sft_model(self, cfg.teacher_sft, self.path("teacher"),
-                                                        data_overrides(cfg.data, builtin or None), assets["model"])
+        self.teacher_path = teacher.model or common.sft_model(self, cfg.teacher_sft, self.path("teacher"),
+                                                               common.data_overrides(cfg.data, builtin or None),
+                                                               assets["model"])
         self.student_path = student.model or self._tiny_student(assets["tokenizer"])
-        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = role_tokenizer(teacher.tokenizer, self.teacher_path, tiny_tok, what="roles.teacher.model")
-        own = role_tokenizer(tokenizer_path(cfg, ROLES, "student"), self.student_path, self.tokenizer)
+        tiny_tok = common.role_tokenizer("", assets["tokenizer"]) if assets else None
+        self.tokenizer = common.role_tokenizer(teacher.tokenizer, self.teacher_path, tiny_tok,
+                                               what="roles.teacher.model")
+        own = common.role_tokenizer(tokenizer_path(cfg, ROLES, "student"), self.student_path, self.tokenizer)
         self.vocab = shared_logits(self.teacher_path, self.student_path, self.tokenizer, own)
 
         # 2. the two roles: a frozen teacher, a trainable student, each at its own placement
@@ -206,12 +175,11 @@ class Distill(Recipe):
         registry.build()
 
         # 3. data: demonstrations (prompt + response), evaluation rows never trained on (held-out loss, prompts)
-        data = load_data(self, "sft", default_source=builtin)
-        self.batches, self.heldout = demonstrations(self, data, self.tokenizer, student.micro_batch_size)
-        self.eval_prompts = evaluation_prompts(self, data.eval, self.tokenizer)
-        self.judge = builtin_judge([p for b in self.eval_prompts for p in b["prompts"]], cfg.eval.judge)
-        self.generation = GenerationSettings(max_new_tokens=cfg.generation.max_new_tokens, do_sample=True,
-                                             temperature=cfg.generation.temperature)
+        data = common.load_data(self, "sft", default_source=builtin)
+        self.batches, self.heldout = common.demonstrations(self, data, self.tokenizer, student.micro_batch_size)
+        # the student's and the teacher's answers to the evaluation prompts (generation.*: also the on-policy steps')
+        self.answers = common.policy_answers(self, data.eval, self.tokenizer, role="student")
+        self.teacher_answers = replace(self.answers, role="teacher")
         self.teacher_eval: dict[str, Any] = {}
 
     def _tiny_student(self, tokenizer_dir: str) -> str:
@@ -245,8 +213,8 @@ class Distill(Recipe):
         # seeded by (seed, step, micro batch, rank) alone: a resumed run samples the same answers
         seed = sampling_seed(cfg.seed, self.step * self.registry["student"].gradient_accumulation_steps() + micro,
                              registry.rank)
-        rollout = student_samples(registry, "student", prompt_ids, prompt_mask, self.generation, tok.eos_token_id,
-                                  tok.pad_token_id, seed)
+        rollout = student_samples(registry, "student", prompt_ids, prompt_mask, self.answers.sampled,
+                                  tok.eos_token_id, tok.pad_token_id, seed)
         seqs = {"input_ids": rollout["sequences"], "attention_mask": rollout["attention_mask"]}
         positions = position_ids_from_mask(rollout["attention_mask"])  # left-padded prompts
         teacher = self._logits("teacher", seqs, positions)  # the same forwards on every rank (ZeRO-3)
@@ -277,9 +245,6 @@ class Distill(Recipe):
         return mean_over_ranks({**{k: statistics.fmean(v) for k, v in totals.items()}, "lr": student.get_lr()[0],
                                 "on_policy": float(on_policy)})
 
-    def decode(self, ids: torch.Tensor) -> list[str]:
-        return self.tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
-
     @torch.no_grad()
     def _heldout(self, role: str) -> float | None:
         if not self.heldout:
@@ -303,18 +268,11 @@ class Distill(Recipe):
         sums = mean_over_ranks({"total": total, "count": count})
         return sums["total"] / max(sums["count"], 1.0)
 
-    def _judged(self, role: str) -> dict[str, Any]:
-        if not self.eval_prompts:
-            return {}
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        return evaluate_policy(self.registry, self.eval_prompts, self.generation, eos, pad, self.decode, role=role,
-                               judge=self.judge, seed=self.cfg.eval.seed)
-
     def evaluate(self, tag: str) -> dict[str, Any]:
         result: dict[str, Any] = {"loss": self._heldout("student")}
-        result.update(self._judged("student"))
+        result.update(self.answers())
         if not self.teacher_eval:  # the teacher does not change: once is enough
-            judged = self._judged("teacher")
+            judged = self.teacher_answers()
             self.teacher_eval = {"teacher_loss": self._heldout("teacher"),
                                  **{f"teacher_{k}": v for k, v in judged.items() if k != "samples"}}
         result.update(self.teacher_eval)
@@ -327,14 +285,11 @@ class Distill(Recipe):
         self.teacher_eval = dict(state.get("teacher_eval", {}))
 
     def export(self) -> dict[str, Any]:
-        if not self.cfg.export.enabled:
-            return {}
-        return {"student": save_role(self.registry, "student", self.path("export", "student"),
-                                     tokenizer=self.tokenizer)}
+        return common.export_actor(self, self.tokenizer, role="student")
 
     def summary_metrics(self) -> dict[str, Any]:
         metrics = {f"teacher/{k[len('teacher_'):]}": v for k, v in self.teacher_eval.items() if v is not None}
-        metrics.update(self.eval_figures(("loss", "judge", "response_length")))
+        metrics.update(self.eval_figures(("loss", "judge", "response_length", "greedy/judge")))
         steps = [m["on_policy"] for m in self.step_metrics if "on_policy" in m]
         metrics["train/on_policy_share"] = statistics.fmean(steps) if steps else None
         return metrics

@@ -27,20 +27,19 @@ continues a run exactly.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-from multiengine.engines import ShardedBatches, save_role, shard_batches
+from multiengine.engines import ShardedBatches
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.pipelines.rlhf import multiturn
 from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
-from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, evaluate_grpo, judge_prompt_problem, plot_panels
+from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, judge_prompt_problem, plot_panels
+from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
-from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes import common
-from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, TINY_KEYS
+from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, ROLLOUT_KEYS, TINY_KEYS
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
@@ -62,21 +61,12 @@ KEYS: dict[str, Any] = {
     "max_steps": Key(100, "steps: one rollout and its policy update each"),
     "roles": role_keys(ROLES),
     "tiny": TINY_KEYS,
-    "actor_sft": Key({
-        "config": Key("tiny", "a shipped rlhf_sft config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
-    "data": Key({
-        **DATA_KEYS,
-        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
-    }, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
-    "generation": Key({
-        "max_new_tokens": Key(8, "tokens generated per answer (Dr. GRPO's normalising constant)"),
-        "temperature": Key(1.0, "sampling temperature (also divides the logits of the update)"),
-        "top_k": Key(0, "0 = off"),
-        "top_p": Key(1.0, "nucleus sampling (1 = off)"),
-        "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
-    }, "sampling of the rollouts"),
+    "actor_sft": common.sft_run_keys("how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
+    "data": Key({**DATA_KEYS, "max_prompt_len": common.PROMPT_LEN},
+                "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
+    "generation": Key({**ROLLOUT_KEYS, "max_new_tokens": Key(8, "tokens generated per answer (Dr. GRPO's normalising "
+                                                                 "constant)")},
+                      "sampling of the rollouts and of the evaluation answers"),
     "grpo": Key({
         "algorithm": Key("grpo", "grpo | dr_grpo | rloo | reinforce_pp"),
         "n_samples_per_prompt": Key(8, "completions per prompt (a group; >= 2 except reinforce_pp)"),
@@ -111,17 +101,9 @@ KEYS: dict[str, Any] = {
         "flat_warn_steps": Key(5, "... for this many steps in a row"),
     }, "the critic-free estimator"),
     "reward": Key(dict(REWARD_KEYS), "the reward sources: reward-model roles and functions, summed with weights"),
-    "eval": Key({
-        "every": Key(25, "also every N steps (always before and after)"),
-        "size": Key(256, "evaluation prompts (split evenly over ranks)"),
-        "batch_size": Key(32, "prompts per generation batch"),
-        "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
-        "greedy": Key(False, "also score greedy answers"),
-        "seed": Key(1234, "sampling seed of evaluation answers"),
-    }, "sampled answers to the evaluation prompts (never the training prompts)"),
-    "export": Key({
-        "enabled": Key(True, "export/actor"),
-    }, "what the run writes under output_dir/export"),
+    "eval": common.eval_keys("sampled answers to the evaluation prompts (never the training prompts); with grpo.env "
+                             "one episode per prompt", every=25, greedy=False),
+    "export": common.export_keys(),
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = common.recipe_checks(DEFAULTS, {
@@ -138,13 +120,9 @@ CHECKS = common.recipe_checks(DEFAULTS, {
     "grpo.flat_warn_share": Range(0, 1), "grpo.flat_warn_steps": Range(1),
 })
 RENAMED = old_keys("actor", model="model.actor", extra={
-    "model.reward": "roles.reward.model", "model.reward_tokenizer": "roles.reward.tokenizer",
-    "model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers",
-    "grpo.mini_batch_size": "roles.actor.micro_batch_size", "lora.actor.*": "roles.actor.lora.*",
-    "lora.actor.rank": "roles.actor.lora.r",
-    "lora.actor.enabled": "roles.actor.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)",
-    "grpo.loss_agg": "grpo.loss_aggregation",
-})
+    **common.TINY_RENAMED, **common.lora_renamed("actor"), "model.reward": "roles.reward.model",
+    "model.reward_tokenizer": "roles.reward.tokenizer", "grpo.mini_batch_size": "roles.actor.micro_batch_size",
+    "grpo.loss_agg": "grpo.loss_aggregation"})
 
 
 _SAME_NAMES = ("algorithm", "n_samples_per_prompt", "rollout_batch_size", "epochs", "clip_eps", "kl_coef",
@@ -171,7 +149,7 @@ def rewards_of(cfg: Any, strict: bool = True) -> tuple[list[Any], list[Any]]:
     named = bool(cfg.reward.models) or bool(cfg.reward.functions)
     fallback = cfg.roles.reward.model or ("" if named and not strict else None)
     return common.reward_config(cfg.reward, fallback, placement(cfg, ROLES, "reward"),
-                         default_tokenizer=cfg.roles.reward.tokenizer)
+                                default_tokenizer=cfg.roles.reward.tokenizer)
 
 
 def _validate_settings(cfg: Any) -> None:
@@ -191,7 +169,7 @@ def _validate_settings(cfg: Any) -> None:
     if g.env:
         try:
             multiturn.check_env_settings(g.env, bool(cfg.reward.models or cfg.reward.functions), cfg.generation.mode,
-                               g.overlong_buffer)
+                                         g.overlong_buffer)
         except ValueError as exc:
             raise RecipeConfigError(str(exc)) from None
     rows = g.rollout_batch_size * g.n_samples_per_prompt
@@ -221,20 +199,14 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     models, _ = rewards_of(cfg, strict=False)
     common.check_model("roles.actor.model", r.actor.model)
     common.check_model("roles.reward.model", r.reward.model)
-    for m in models:
-        if m.path != r.reward.model:
-            common.check_model(f"reward.models ({m.role}).model", m.path)
-    actor_tok = common.check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
-    report = common.check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
-    if report is not None:  # the columns each reward function names are in the prompts' rows
-        common.check_reward_columns(cfg.reward, report["columns"])
+    actor_tok, report = common.check_prompts_and_rewards(cfg, models)
     if not r.actor.model:
         sft = common.check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
         common.check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
     check_batches(cfg, report, world_size)
     if r.actor.model:
         common.check_scoring_tokenizers(actor_tok, [s for s in common.reward_tokenizer_checks(models) if s[1]],
-                                 bool(report and report["conversational"]))
+                                        bool(report and report["conversational"]))
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
@@ -242,14 +214,13 @@ def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, sett
     group) from one stream; how the group's rows split into minibatches is _validate_settings'."""
     g = cfg.grpo
     common.check_stage_batches(report, world_size, key="grpo.rollout_batch_size", value=g.rollout_batch_size,
-                        unit="prompts", setting=setting,
-                        what=f"each sampled grpo.n_samples_per_prompt={g.n_samples_per_prompt} times")
+                               unit="prompts", setting=setting,
+                               what=f"each sampled grpo.n_samples_per_prompt={g.n_samples_per_prompt} times")
 
 
 class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
-    headline = (("judge", "judge score of sampled answers (built-in task)", True),
-                ("reward", "held-out reward (weighted sum of the reward sources)", True))
+    headline = (common.JUDGE_HEADLINE, common.REWARD_HEADLINE)
     plot_xlabel = "step"
     postfix_keys = ("reward/mean", "kl")
 
@@ -260,16 +231,12 @@ class RLHFGRPO(Recipe):
         needed, t = common.uses_builtin_data(cfg.data) or not r.actor.model, cfg.tiny  # the embedded task's assets
         assets = common.tiny_assets(self, needed) if cfg.grpo.env != "builtin:arithmetic" or not needed else \
             multiturn.prepare_arithmetic_assets(self.path("arith"), registry, cfg.seed, t.hidden, t.layers)
-        builtin = assets.get("data", "")
-        actor_path = common.check_model_path("roles.actor.model", r.actor.model, "rlhf_sft") or common.sft_model(
-            self, cfg.actor_sft, self.path("sft"), common.data_overrides(cfg.data, builtin or None), assets["model"])
-        tiny_tok = common.role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = common.role_tokenizer(r.actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
+        actor_path, self.tokenizer = common.sft_actor(self, assets)
         self.paths = {"actor": actor_path}
 
-        # 2. data: prompts (checkpointed stream), evaluation prompts never trained on; the built-in judge
+        # 2. data: prompts (checkpointed stream), evaluation prompts never trained on
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        data = common.load_data(self, "ppo", eval_stage="eval", default_source=builtin)
+        data = common.load_data(self, "ppo", eval_stage="eval", default_source=assets.get("data", ""))
         conversational = "prompt_messages" in collate([data.train[0]])
 
         # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
@@ -287,7 +254,7 @@ class RLHFGRPO(Recipe):
                                     f" (e.g. 'list 3 fruits :'); data.source={cfg.data.source!r} has {bad!r}. "
                                     "Use your own reward function or a reward model.")
         common.check_reward_columns(self.rewards, {"train": data.train.column_names,
-                                            "eval": data.eval.column_names if data.eval is not None else None})
+                                                   "eval": data.eval.column_names if data.eval is not None else None})
         updates = cfg.max_steps * s.epochs * (s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size)
         registry.add(actor_spec(
             actor_path, placement(cfg, ROLES, "actor"), optim_spec(cfg, "actor", updates // r.actor.grad_accum),
@@ -305,28 +272,21 @@ class RLHFGRPO(Recipe):
 
         self.prompts = registry.add_state("prompts", ShardedBatches(
             data.train, collate, s.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
-        self.eval_batches = [] if data.eval is None or not cfg.eval.size else shard_batches(
-            data.eval, collate, cfg.eval.batch_size, registry.world_size, registry.rank, limit=cfg.eval.size)
-        self.judge = builtin_judge([p for b in self.eval_batches for p in b["prompts"]], cfg.eval.judge)
+        # sampled (and greedy) answers to the evaluation prompts, judged on the built-in task; rollouts sample alike
+        self.answers = common.policy_answers(self, data.eval, self.tokenizer)
 
-        # 4. the trainer: its state (reward normaliser) goes into every checkpoint
-        gen = cfg.generation
-        self.generation = GenerationSettings(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                                             top_k=gen.top_k, top_p=gen.top_p, mode=gen.mode, do_sample=True)
-        g = cfg.grpo
+        # 4. the trainer (with grpo.env: multi-turn episodes): its state (reward normaliser) goes into every checkpoint
+        a, g = self.answers, cfg.grpo
         self.episodes = multiturn.MultiTurnRollouts(
-            registry, multiturn.environment_factory(g.env), multiturn.TurnRenderer(self.tokenizer), self.generation,
+            registry, multiturn.environment_factory(g.env), multiturn.TurnRenderer(self.tokenizer), a.sampled,
             n_samples_per_prompt=s.n_samples_per_prompt, max_turns=g.max_turns, max_total_tokens=g.max_total_tokens,
             ref=self.ref) if g.env else None
         self.trainer = registry.add_state("grpo", GRPOTrainer(
-            registry, self.generation, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rewards,
-            self.decode, ref=self.ref, seed=cfg.seed, judge=self.judge, rollout=self.episodes,
+            registry, a.sampled, s, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rewards, a.decode,
+            ref=self.ref, seed=cfg.seed, judge=a.judge, rollout=self.episodes,
             more_prompts=(lambda: next(self.prompts)) if s.dynamic_sampling else None))
-        self.plot_panels = plot_panels(self.rewards, self.judge is not None, self.reward_role, self.ref,
+        self.plot_panels = plot_panels(self.rewards, a.judge is not None, self.reward_role, self.ref,
                                        self.episodes is not None)
-
-    def decode(self, response_ids: torch.Tensor) -> list[str]:
-        return self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
 
     # --- training --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -335,31 +295,28 @@ class RLHFGRPO(Recipe):
         return self.trainer.step(next(self.prompts), self.step)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
-        if not self.eval_batches:
+        """Sampled answers (seeded): judge score, held-out reward (sum and per source), KL to ref, with eval.greedy
+        ``greedy/<key>`` too; with grpo.env one sampled episode per prompt: success, reward, turns, tool calls."""
+        a, t0 = self.answers, time.perf_counter()
+        if not a.batches:
             return {}
-        return evaluate_grpo(self.registry, self.eval_batches, self.generation, self.tokenizer.eos_token_id,
-                             self.tokenizer.pad_token_id, self.decode, rewards=self.rewards, judge=self.judge,
-                             ref=self.ref, seed=self.cfg.eval.seed, greedy=self.cfg.eval.greedy, episodes=self.episodes)
+        if self.episodes is not None:
+            result = multiturn.evaluate_multiturn(self.episodes, a.batches, a.seed + 7919 * self.registry.rank)
+        else:
+            result = a(ref_role=self.ref, rewards=self.rewards)
+        return {**result, "seconds": time.perf_counter() - t0}
 
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
-        if not self.cfg.export.enabled:
-            return {}
-        return {"actor": save_role(self.registry, "actor", self.path("export", "actor"), tokenizer=self.tokenizer)}
+        return common.export_actor(self, self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
-        s = self.settings
-        metrics: dict[str, Any] = {
-            "algorithm": s.algorithm, "loss_agg": s.resolved_loss_agg, "kl_in_reward": s.resolved_kl_in_reward,
-            "final": self.step_metrics[-1] if self.step_metrics else {},
-            "generation_mode": self.cfg.generation.mode,
-            **{f"{key}_mean": self.mean_step_metric(key)
-               for key in ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s",
-                           "gen/tokens_per_s", "gen/ms_per_token")},
-        }
-        metrics.update(self.eval_figures(("judge", "reward", "kl", "response_length", "greedy/judge", "success",
-                                          "turns", "tool_calls", *(f"reward/{src.name}" for src in self.rewards))))
-        return metrics
+        s, gen = self.settings, self.cfg.generation
+        figures = ("judge", "reward", "kl", "response_length", "greedy/judge", "success", "turns", "tool_calls",
+                   *(f"reward/{src.name}" for src in self.rewards))
+        return {"algorithm": s.algorithm, "loss_agg": s.resolved_loss_agg, "kl_in_reward": s.resolved_kl_in_reward,
+                "final": self.step_metrics[-1] if self.step_metrics else {}, "generation_mode": gen.mode,
+                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.eval_figures(figures)}
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths, "rewards": [{"name": r.name, "weight": r.weight,
@@ -370,12 +327,11 @@ class RLHFGRPO(Recipe):
 
     def plot(self) -> str | None:
         path = super().plot()
-        if self.registry.is_main:
-            m = self.summary_metrics()
-            if "eval/before/judge" in m and "eval/after/judge" in m:
-                logger.info("%s: judge score %.3f before -> %.3f after (KL to ref %.3f nats per answer)",
-                            self.settings.algorithm, m["eval/before/judge"], m["eval/after/judge"],
-                            m.get("eval/after/kl", float("nan")))
+        m = self.eval_figures(("judge", "kl"))
+        if self.registry.is_main and "eval/before/judge" in m and "eval/after/judge" in m:
+            logger.info("%s: judge score %.3f before -> %.3f after (KL to ref %.3f nats per answer)",
+                        self.settings.algorithm, m["eval/before/judge"], m["eval/after/judge"],
+                        m.get("eval/after/kl", float("nan")))
         return path
 
 

@@ -38,7 +38,7 @@ from .rewards import RewardSource, RunningMoments, check_sources
 from .rollout import Experience, StepStats, concat_experiences, make_experience, rollout_metrics, step_timings
 from .update import train_on_experience
 
-__all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer", "evaluate_grpo", "judge_prompt_problem", "plot_panels"]
+__all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer", "judge_prompt_problem", "plot_panels"]
 
 logger = logging.getLogger(__name__)
 
@@ -390,29 +390,3 @@ def plot_panels(sources: Sequence[RewardSource], judged: bool, reward_role: str 
                                                     "train/multiturn/turns", "eval/turns"]))
     return panels
 
-
-def evaluate_grpo(registry: EngineRegistry, batches: Sequence[dict[str, Any]], generation: GenerationSettings,
-                  eos_token_id: int, pad_token_id: int, decode: Callable[[torch.Tensor], list[str]], *,
-                  rewards: Sequence[RewardSource], judge: Judge | None, ref: str | None, seed: int, greedy: bool,
-                  episodes: Any = None) -> dict[str, Any]:
-    """Sampled answers (seeded) to the evaluation prompts: judge score, held-out reward (weighted sum and each
-    source's mean), exact KL to ref, and with ``greedy`` the greedy answers' figures as ``greedy/<key>``; with
-    ``episodes`` (a ``multiturn.MultiTurnRollouts``) one sampled episode per prompt instead: success rate,
-    reward, turns and tool calls. Collective."""
-    from .evaluation import evaluate_policy
-    from .multiturn import evaluate_multiturn
-
-    t0 = time.perf_counter()
-    if episodes is not None:
-        result = evaluate_multiturn(episodes, batches, seed + 7919 * registry.rank)
-    else:
-        result = evaluate_policy(registry, batches, generation, eos_token_id, pad_token_id, decode, judge=judge,
-                                 ref_role=ref, seed=seed, rewards=rewards)
-        if greedy:
-            greedy_gen = GenerationSettings(max_new_tokens=generation.max_new_tokens, mode=generation.mode,
-                                            do_sample=False)
-            out = evaluate_policy(registry, batches, greedy_gen, eos_token_id, pad_token_id, decode, judge=judge,
-                                  rewards=rewards)
-            result.update({f"greedy/{k}": v for k, v in out.items() if k != "samples"})
-    result["seconds"] = time.perf_counter() - t0
-    return result
