@@ -1,0 +1,112 @@
+"""diffusion_grpo and diffusion_dpo without ranks: their keys and roles, the checks before any rank starts, the
+tiny shapes prompts and preference pairs, reward mixing, and the planner's roles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from multiengine.engines.recipe_config import RecipeConfigError, load_config, validate_config
+from multiengine.pipelines.diffusion.rewards import color_reward
+from multiengine.pipelines.diffusion.rl_runs import (
+    load_preference_rows,
+    make_shapes_preference_pairs,
+    preference_pixels,
+    read_prompts,
+    score_images,
+    shapes_prompt_split,
+)
+from multiengine.recipes import diffusion_dpo, diffusion_grpo, plans
+from multiengine.recipes.schema import placement
+
+
+def _grpo(*overrides):
+    return load_config("diffusion_grpo", "tiny", list(overrides))
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["roles.policy.micro_batch_size=12"], "roles.policy.micro_batch_size", "multiple of diffusion.group_size=8"),
+    (["reward.weights=[1.0]"], "reward.weights", "1 weights for 2 functions"),
+    (["reward.functions=[no_such_module:fn]", "reward.weights=[]"], "reward.functions", "cannot be loaded"),
+    (["reward.functions=[color]", "reward.weights=[]", "eval.reward=reward_model"], "eval.reward", "reward role"),
+    (["model.tiny_family=sdxl"], "model.tiny_unet_steps", "tiny SD unet only"),
+    (["eval.size=9"], "eval.size", "cannot split the shapes captions"),
+    (["diffusion.num_inference_steps=1"], "diffusion.train_timestep_fraction", "trains on no step"),
+    (["roles.vae.model=/somewhere"], "roles.vae.model", "load from model.pretrained"),
+])
+def test_grpo_refuses_bad_settings_naming_the_key(overrides, key, words):
+    with pytest.raises(RecipeConfigError) as info:
+        validate_config("diffusion_grpo", _grpo(*overrides), world_size=2)
+    assert key in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_grpo_keys_and_roles():
+    help_ = diffusion_grpo.HELP
+    for key in ("diffusion.kl_coef", "diffusion.group_size", "diffusion.eta", "diffusion.noise_level",
+                "reward.functions", "roles.policy.lora.r", "roles.ref.stage", "roles.reward.stage"):
+        assert help_[key], key
+    cfg = _grpo()
+    assert cfg.roles.policy.micro_batch_size % cfg.diffusion.group_size == 0
+    ref = placement(cfg, diffusion_grpo.ROLES, "ref")
+    assert (ref.stage, ref.dtype, ref.gather_forward) == (3, "fp32", True)  # ZeRO-3, the policy's dtype
+    assert placement(_grpo("roles.policy.dtype=bf16"), diffusion_grpo.ROLES, "ref").dtype == "bf16"  # follows
+    assert placement(cfg, diffusion_grpo.ROLES, "reward").stage == 3
+
+
+def test_dpo_refuses_bad_data(tmp_path):
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text(json.dumps({"prompt": "a", "good": "x.png", "rejected": "y.png"}) + "\n")
+    cfg = load_config("diffusion_dpo", "tiny", [f"data.source={rows}"])
+    with pytest.raises(RecipeConfigError, match="data.source.*no chosen \\(column 'chosen'\\).*data.columns"):
+        validate_config("diffusion_dpo", cfg)
+    cfg = load_config("diffusion_dpo", "tiny", ["eval.size=256"])
+    with pytest.raises(RecipeConfigError, match="eval.size.*every one of the 256 pairs"):
+        validate_config("diffusion_dpo", cfg)
+    assert diffusion_dpo.HELP["dpo.beta"] and diffusion_dpo.DEFAULTS["roles"]["ref"]["stage"] == 3
+
+
+def test_shapes_prompts_split_by_colour():
+    train, held = shapes_prompt_split(3, seed=0, colors=["red"])
+    assert len(train) == 6 and len(held) == 3 and not set(train) & set(held)
+    assert all(p.split()[1] == "red" for p in train + held)
+    train, held = shapes_prompt_split(12, seed=0)
+    assert len(train) + len(held) == 54
+    with pytest.raises(ValueError, match="not shapes colours"):
+        shapes_prompt_split(1, 0, ["pink"])
+
+
+def test_shapes_preference_pairs_prefer_the_prompt_colour(tmp_path):
+    path = make_shapes_preference_pairs(str(tmp_path / "pairs"), 12, resolution=16, seed=0)
+    rows = load_preference_rows(path, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"})
+    prompts, chosen, rejected = preference_pixels(rows, str(tmp_path / "pairs"), 16)
+    assert chosen.shape == rejected.shape == (12, 3, 16, 16) and float(chosen.min()) >= -1
+    good = color_reward(prompts, (chosen + 1) / 2)
+    bad = color_reward(prompts, (rejected + 1) / 2)
+    assert min(good) > 0.9 and max(bad) < 0.1, (good, bad)
+    assert make_shapes_preference_pairs(str(tmp_path / "pairs"), 12, resolution=16, seed=0) == path  # idempotent
+
+
+def test_prompt_files_and_reward_mixing(tmp_path):
+    (tmp_path / "p.txt").write_text("a red square\n\n a blue circle \n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    assert read_prompts(str(tmp_path / "p.txt")) == ["a red square", "a blue circle"]
+    assert read_prompts(str(tmp_path / "p.jsonl")) == ["x", "y"]
+    images = torch.zeros(2, 3, 4, 4)
+    fns = [("a", lambda p, i: [1.0, None], 0.5), ("b", lambda p, i: [0.2, 0.4], 2.0)]
+    total, means = score_images(fns, ["p", "q"], images)
+    assert torch.allclose(total, torch.tensor([0.5 + 0.4, 0.0 + 0.8])) and means == pytest.approx({"a": 0.5, "b": 0.3})
+
+
+def test_planner_lays_out_the_built_roles():
+    (plan,) = plans.recipe_plans("diffusion_grpo", _grpo())
+    roles = {r.name: r for r in plan.roles}
+    assert set(roles) == {"policy", "ref", "reward", "vae", "text_encoder"}
+    assert roles["policy"].trainable_params == roles["ref"].params and roles["ref"].trainable_params == 0
+    (plan,) = plans.recipe_plans("diffusion_grpo", _grpo("diffusion.kl_coef=0", "reward.functions=[color]",
+                                                         "reward.weights=[]", "roles.policy.lora.r=4"))
+    roles = {r.name: r for r in plan.roles}
+    assert "ref" not in roles and "reward" not in roles
+    assert roles["policy"].lora and 0 < roles["policy"].trainable_params < roles["policy"].params
+    (plan,) = plans.recipe_plans("diffusion_dpo", load_config("diffusion_dpo", "tiny"))
+    assert {r.name for r in plan.roles} == {"policy", "ref", "vae", "text_encoder"}
