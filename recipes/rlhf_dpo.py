@@ -50,13 +50,10 @@ KEYS: dict[str, Any] = {
     "max_steps": Key(300, "optimizer steps"),
     "roles": role_keys(ROLES),
     "tiny": TINY_KEYS,
-    "actor_sft": Key({
-        "config": Key("tiny", "a shipped rlhf_sft config"),
-        "overrides": Key([], "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)"),
-    }, "how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
+    "actor_sft": common.sft_run_keys("how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
     "data": Key({
         **DATA_KEYS,
-        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_prompt_len": common.PROMPT_LEN,
         "max_response_len": Key(16, "answer tokens kept, EOS included"),
         "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
     }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
@@ -70,9 +67,7 @@ KEYS: dict[str, Any] = {
     }, "the preference loss"),
     "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers"),
     "eval": common.eval_keys("held-out pairs, and sampled answers to the prompts of the evaluation rows", greedy=False),
-    "export": Key({
-        "enabled": Key(True, "export/actor"),
-    }, "what the run writes under output_dir/export"),
+    "export": common.export_keys(),
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = common.recipe_checks(DEFAULTS, {
@@ -80,10 +75,7 @@ CHECKS = common.recipe_checks(DEFAULTS, {
     "dpo.label_smoothing": Range(0, 0.5, max_exclusive=True), "dpo.precompute_batch_size": Range(1),
     "dpo.sft_coef": Range(0),
 })
-RENAMED = old_keys("actor", model="model.actor", extra={
-    "model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers",
-    "lora.actor.enabled": "roles.actor.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)",
-    "lora.actor.rank": "roles.actor.lora.r", "lora.actor.*": "roles.actor.lora.*"})
+RENAMED = old_keys("actor", model="model.actor", extra={**common.TINY_RENAMED, **common.lora_renamed("actor")})
 
 
 def dpo_settings(cfg: Any) -> DPOSettings:
@@ -126,7 +118,7 @@ def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, sett
 class RLHFDPO(Recipe):
     name = "rlhf_dpo"
     headline = (("accuracy", "held-out preference accuracy", True),
-                ("judge", "judge score of sampled answers (built-in task)", True))
+                common.JUDGE_HEADLINE)
     postfix_keys = ("loss", "accuracy")
     plot_panels = [("DPO loss", ["train/loss", "eval/loss"]),
                    ("preference accuracy", ["train/accuracy", "eval/accuracy"]),
@@ -140,10 +132,7 @@ class RLHFDPO(Recipe):
         actor = cfg.roles.actor
         assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not actor.model)
         builtin = assets.get("data", "")
-        actor_path = common.check_model_path("roles.actor.model", actor.model, "rlhf_sft") or common.sft_model(
-            self, cfg.actor_sft, self.path("sft"), common.data_overrides(cfg.data, builtin or None), assets["model"])
-        tiny_tok = common.role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = common.role_tokenizer(actor.tokenizer, actor_path, tiny_tok, what="roles.actor.model")
+        actor_path, self.tokenizer = common.sft_actor(self, assets)
         self.paths = {"actor": actor_path, "ref": model_path(cfg, ROLES, "ref", {"actor": actor_path})}
 
         # 2. roles: the trainable policy and the frozen ref (by default the actor's folder loaded again)

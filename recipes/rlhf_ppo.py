@@ -59,7 +59,7 @@ KEYS: dict[str, Any] = {
     "data": Key({
         **DATA_KEYS,
         "ptx_source": Key("", "SFT rows for the pretraining loss (ppo.ptx_coef); \"\" = data.source's SFT rows"),
-        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_prompt_len": common.PROMPT_LEN,
         "max_ptx_len": Key(32, "response tokens kept of a pretraining row"),
     }, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
     "generation": Key(dict(ROLLOUT_KEYS), "sampling of the rollouts and of the evaluation answers"),
@@ -106,12 +106,10 @@ CHECKS = common.recipe_checks(DEFAULTS, {
 RENAMED = old_keys("actor", model="model.actor", extra={
     "model.reward": "roles.reward.model", "model.critic": "roles.critic.model",
     "model.reward_tokenizer": "roles.reward.tokenizer", "model.critic_tokenizer": "roles.critic.tokenizer",
-    "model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers",
+    **common.TINY_RENAMED,
     "ppo.mini_batch_size": "roles.actor.micro_batch_size (and roles.critic.micro_batch_size: each role's own)",
     "ppo.ppo_epochs": "ppo.epochs", "ema.dtype": "roles.ema.dtype", "ema.offload_params": "roles.ema.offload_params",
-    **{f"lora.{r}.{k}": v for r in ("actor", "critic") for k, v in (
-        ("*", f"roles.{r}.lora.*"), ("rank", f"roles.{r}.lora.r"),
-        ("enabled", f"roles.{r}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"))},
+    **common.lora_renamed("actor"), **common.lora_renamed("critic"),
 })
 
 
@@ -207,8 +205,7 @@ def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, ptx:
 
 class RLHFPPO(Recipe):
     name = "rlhf_ppo"
-    headline = (("judge", "judge score of sampled answers (built-in task)", True),
-                ("reward", "held-out reward (weighted sum of the reward sources)", True))
+    headline = (common.JUDGE_HEADLINE, common.REWARD_HEADLINE)
     plot_xlabel = "PPO step"
     postfix_keys = ("reward/mean", "kl")
 

@@ -42,7 +42,7 @@ KEYS: dict[str, Any] = {
     "tiny": TINY_KEYS,
     "data": Key({
         **DATA_KEYS,
-        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_prompt_len": common.PROMPT_LEN,
         "max_response_len": Key(16, "response tokens kept, EOS included"),
         "heldout_size": Key(128, "evaluation rows scored for the held-out loss (0 = all of them)"),
     }, "demonstrations: prompt + response, messages or text rows (docs/data.md)"),
@@ -55,7 +55,7 @@ KEYS: dict[str, Any] = {
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = common.recipe_checks(DEFAULTS)
-RENAMED = old_keys("actor", extra={"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"})
+RENAMED = old_keys("actor", extra=common.TINY_RENAMED)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
@@ -76,7 +76,7 @@ def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, sett
 class RLHFSFT(Recipe):
     name = "rlhf_sft"
     headline = (("heldout_loss", "held-out loss", False),
-                ("judge", "judge score of sampled answers (built-in task)", True))
+                common.JUDGE_HEADLINE)
     plot_panels = [("cross-entropy", ["train/loss", "eval/heldout_loss"]),
                    ("judge score (built-in task)", ["eval/judge", "eval/greedy/judge"])]
 
