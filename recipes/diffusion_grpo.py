@@ -332,11 +332,8 @@ class DiffusionRoles(Recipe):
             return lambda: denoiser_from_folder(folder)
 
         p = cfg.roles.policy
-        lora = lora_spec(cfg, "policy")
-        if lora is not None and not lora.target_modules:
-            from dataclasses import replace
-
-            lora = replace(lora, target_modules=tuple(self.family_roles.lora_targets))
+        # target_modules [] = diffusers' LoRA targets of the family
+        lora = lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules or self.family_roles.lora_targets))
         registry.add(trainable_role("policy", load("policy"), placement(cfg, self.roles, "policy"),
                                     optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
                                     grad_accum=accum, lora=lora, gradient_checkpointing=p.gradient_checkpointing,
