@@ -24,13 +24,12 @@ import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import barrier, frozen_role, mean_over_ranks, trainable_role
+from multiengine.engines import barrier, frozen_role, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
 from multiengine.pipelines.diffusion import rl
-from multiengine.pipelines.diffusion.data import make_shapes_dataset
 from multiengine.pipelines.diffusion.export import export_pipeline, save_lora
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
-from multiengine.pipelines.diffusion.models import load_component, resolve_model_path
+from multiengine.pipelines.diffusion.models import resolve_model_path
 from multiengine.pipelines.diffusion.rewards import (
     COLOR_NAMES,
     parse_shapes_prompt,
@@ -43,20 +42,19 @@ from multiengine.pipelines.diffusion.rl_runs import (
     PolicyModel,
     load_reward_function,
     load_reward_model_role,
-    pretrain_tiny_unet,
+    prepare_tiny_pipeline,
     read_prompts,
     reward_grid,
+    rl_role_specs,
     score_images,
     shapes_prompt_split,
 )
 from multiengine.pipelines.diffusion.runs import (
-    build_tiny_model,
     memory_metrics,
     t5_length,
     text_tokenizers,
     token_lengths,
 )
-from multiengine.pipelines.diffusion.tiny import pretrain_tiny_vae
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
@@ -75,11 +73,14 @@ POLICY: dict[str, Any] = {
                          "grad_accum x the trained steps)"),
     "lora": {"target_modules": Key([], "[] = diffusers' targets of the family")},
 }
+# The reference is ZeRO-3 whatever the policy's stage (its dtype follows the policy's).
+REF_STAGE = Key(3, "ZeRO stage 0-3 (a frozen role asked for stage 1 or 2 is built at 0: nothing to partition "
+                   "but its weights)")
 ROLES = (
     Role("policy", "the denoiser trained (SD/SDXL unet, SD3/FLUX transformer)", trainable=True, keys=POLICY),
     Role("ref", "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the "
          "policy's starting weights, with LoRA too", follows="policy", weights="policy",
-         keys={"stage": 3, "gather_forward": True}),
+         keys={"stage": REF_STAGE, "gather_forward": True}),
     Role("reward", "the frozen reward model (reward.functions lists reward_model); model \"\" = the tiny shapes "
          "CNN trained here", keys={**FROZEN}),
     Role("vae", "frozen: decodes the sampled latents", keys={**FROZEN}),
@@ -198,16 +199,6 @@ def check_resolution(cfg: Any, family: str, key: str = "diffusion.resolution") -
                              f"use {key}={max(multiple, res // multiple * multiple)}")
 
 
-def denoiser_from_folder(folder: str) -> torch.nn.Module:
-    """A unet / transformer folder (config.json names its diffusers class)."""
-    import json
-
-    import diffusers
-
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        return getattr(diffusers, json.load(f)["_class_name"]).from_pretrained(folder)
-
-
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = cfg[part]
@@ -291,60 +282,38 @@ class DiffusionRoles(Recipe):
 
     roles = ROLES
 
-    def pipeline_folder(self, resolution: int) -> str:
-        cfg, registry = self.cfg, self.registry
-        if cfg.model.pretrained:
-            return resolve_model_path(str(cfg.model.pretrained), str(cfg.model.revision) or None,
-                                      str(cfg.model.variant) or None)
-        family = str(cfg.model.tiny_family)
-        path = self.path(f"tiny_{family}")
-        shapes = self.path("data", "shapes")
-        if registry.is_main:
-            build_tiny_model(path, cfg.seed, resolution, family)
-            make_shapes_dataset(shapes, 136, resolution, seed=cfg.seed)
-        barrier()
-        if cfg.model.tiny_vae_steps:
-            self.vae_pretrain = pretrain_tiny_vae(path, shapes, int(cfg.model.tiny_vae_steps), seed=cfg.seed,
-                                                  resolution=resolution, progress=False, device=registry.device)
-            barrier()
-        if cfg.model.tiny_unet_steps:
-            # rank 0 trains it (a few hundred tiny steps) while the others wait; every rank then loads it
-            if registry.is_main:
-                self.unet_pretrain = pretrain_tiny_unet(path, shapes, int(cfg.model.tiny_unet_steps),
-                                                        resolution=resolution, seed=cfg.seed)
-            barrier()
-        return path
-
     def add_denoisers(self, resolution: int, uses_ref: bool, total_steps: int, accum: int) -> None:
         cfg, registry = self.cfg, self.registry
         self.vae_pretrain = self.unet_pretrain = None
-        self.model_path = self.pipeline_folder(resolution)
+        if cfg.model.pretrained:
+            self.model_path = resolve_model_path(str(cfg.model.pretrained), str(cfg.model.revision) or None,
+                                                 str(cfg.model.variant) or None)
+        else:  # the tiny model, its vae (and SD unet) pretrained on the shapes images first
+            family = str(cfg.model.tiny_family)
+            self.model_path = self.path(f"tiny_{family}")
+            done = prepare_tiny_pipeline(self.model_path, self.path("data", "shapes"), family, seed=cfg.seed,
+                                         resolution=resolution, vae_steps=int(cfg.model.tiny_vae_steps),
+                                         unet_steps=int(cfg.model.tiny_unet_steps), is_main=registry.is_main,
+                                         device=registry.device)
+            self.vae_pretrain, self.unet_pretrain = done["vae"], done["unet"]
         self.family = model_family(self.model_path)
         self.family_roles = family_roles(self.family)
         self.denoiser = self.family_roles.denoiser
         self.text_encoders = list(self.family_roles.text_encoders)
-        default = os.path.join(self.model_path, self.denoiser)
-
-        def load(name: str):
-            folder = model_path(cfg, self.roles, name, {"policy": default})
-            if folder == default:
-                return lambda: load_component(self.model_path, self.denoiser, str(cfg.model.variant) or None)
-            return lambda: denoiser_from_folder(folder)
-
+        default = {"policy": os.path.join(self.model_path, self.denoiser)}
         p = cfg.roles.policy
-        # target_modules [] = diffusers' LoRA targets of the family
-        lora = lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules or self.family_roles.lora_targets))
-        registry.add(trainable_role("policy", load("policy"), placement(cfg, self.roles, "policy"),
-                                    optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
-                                    grad_accum=accum, lora=lora, gradient_checkpointing=p.gradient_checkpointing,
-                                    seed=cfg.seed))
-        if uses_ref:
-            registry.add(frozen_role("ref", load("ref"), placement(cfg, self.roles, "ref")))
-        registry.add(frozen_role("vae", lambda: load_component(self.model_path, "vae"),
-                                 placement(cfg, self.roles, "vae")))
-        for name in self.text_encoders:
-            registry.add(frozen_role(name, lambda n=name: load_component(self.model_path, n),
-                                     placement(cfg, self.roles, name)))
+        for spec in rl_role_specs(
+                self.model_path, self.denoiser, self.text_encoders,
+                {r.name: placement(cfg, self.roles, r.name) for r in self.roles if r.name in cfg.roles},
+                policy_folder=model_path(cfg, self.roles, "policy", default),
+                ref_folder=model_path(cfg, self.roles, "ref", default) if uses_ref else None,
+                optim=optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
+                grad_accum=accum, gradient_checkpointing=bool(p.gradient_checkpointing), seed=cfg.seed,
+                # target_modules [] = diffusers' LoRA targets of the family
+                lora=lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules
+                                                                   or self.family_roles.lora_targets)),
+                variant=str(cfg.model.variant) or None):
+            registry.add(spec)
 
     def policy_model(self, resolution: int, guidance_scale: float, t5_tokens: int = 0) -> PolicyModel:
         t5 = t5_length(self.family, t5_tokens)

@@ -27,7 +27,8 @@ from .training import DiffusionObjective, FlowMatchingObjective, prompt_input_id
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "load_preference_rows", "load_reward_function",
+__all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "denoiser_from_folder", "prepare_tiny_pipeline",
+           "rl_role_specs", "load_preference_rows", "load_reward_function",
            "load_reward_model_role",
            "make_shapes_preference_pairs", "preference_pixels", "pretrain_tiny_unet", "read_prompts", "reward_grid",
            "score_images", "shapes_prompt_split"]
@@ -451,3 +452,65 @@ def load_reward_model_role(path: str) -> torch.nn.Module:
     else:
         model.load_state_dict(state)
     return model.eval()
+
+
+# --- the model folder and the roles of a diffusion RL run ---------------------------------------------------
+def denoiser_from_folder(folder: str) -> torch.nn.Module:
+    """A unet / transformer folder (its config.json names the diffusers class)."""
+    import diffusers
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        return getattr(diffusers, json.load(f)["_class_name"]).from_pretrained(folder)
+
+
+def prepare_tiny_pipeline(path: str, shapes: str, family: str, *, seed: int, resolution: int, vae_steps: int,
+                          unet_steps: int, is_main: bool, device: Any) -> dict[str, Any]:
+    """The tiny ``family`` pipeline at ``path`` and the shapes images at ``shapes`` (rank 0 writes them), its vae
+    pretrained on them (all ranks) and, for SD, its unet (rank 0 while the others wait). Collective."""
+    from multiengine.engines import barrier
+
+    from .data import make_shapes_dataset
+    from .runs import build_tiny_model
+    from .tiny import pretrain_tiny_vae
+
+    if is_main:
+        build_tiny_model(path, seed, resolution, family)
+        make_shapes_dataset(shapes, 136, resolution, seed=seed)
+    barrier()
+    done: dict[str, Any] = {"vae": None, "unet": None}
+    if vae_steps:
+        done["vae"] = pretrain_tiny_vae(path, shapes, vae_steps, seed=seed, resolution=resolution, progress=False,
+                                        device=device)
+        barrier()
+    if unet_steps:
+        if is_main:
+            done["unet"] = pretrain_tiny_unet(path, shapes, unet_steps, resolution=resolution, seed=seed)
+        barrier()
+    return done
+
+
+def rl_role_specs(model_path: str, denoiser: str, text_encoders: Sequence[str], placements: dict[str, Any], *,
+                  policy_folder: str, ref_folder: str | None, optim: Any, micro_batch_size: int, grad_accum: int,
+                  lora: Any, gradient_checkpointing: bool, seed: int, variant: str | None = None) -> list[Any]:
+    """RoleSpecs of a diffusion RL run: ``policy`` (trainable), ``ref`` (frozen, when ``ref_folder`` is not None),
+    ``vae`` and each text encoder (frozen), placed by ``placements[name]``. A denoiser folder equal to
+    ``<model_path>/<denoiser>`` loads as the pipeline's component (with ``variant``)."""
+    from multiengine.engines import frozen_role, trainable_role
+
+    from .models import load_component
+
+    default = os.path.join(model_path, denoiser)
+
+    def load(folder: str) -> Callable[[], torch.nn.Module]:
+        if folder == default:
+            return lambda: load_component(model_path, denoiser, variant)
+        return lambda: denoiser_from_folder(folder)
+
+    specs = [trainable_role("policy", load(policy_folder), placements["policy"], optim,
+                            micro_batch_size=micro_batch_size, grad_accum=grad_accum, lora=lora,
+                            gradient_checkpointing=gradient_checkpointing, seed=seed)]
+    if ref_folder is not None:
+        specs.append(frozen_role("ref", load(ref_folder), placements["ref"]))
+    specs.append(frozen_role("vae", lambda: load_component(model_path, "vae"), placements["vae"]))
+    specs += [frozen_role(n, lambda n=n: load_component(model_path, n), placements[n]) for n in text_encoders]
+    return specs
