@@ -31,7 +31,7 @@ results = {}
 for family, paths in json.load(open(sys.argv[2])).items():
     root = os.path.join(out, family)
     r = results[family] = {}
-    r["sft"] = run(f"{root}/sft", "rlhf_sft", f"model.pretrained={paths['base']}", *EVAL)
+    r["sft"] = run(f"{root}/sft", "rlhf_sft", f"roles.actor.model={paths['base']}", *EVAL)
     actor = f"{root}/sft/export/actor"
     r["reward"] = run(f"{root}/reward", "rlhf_reward", f"roles.reward.model={actor}", "max_steps=20", "eval.every=0")
     r["ppo"] = run(f"{root}/ppo", "rlhf_ppo", f"roles.actor.model={actor}",
