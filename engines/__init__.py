@@ -1,35 +1,82 @@
 """The engine registry: one DeepSpeed engine per model role, each with its own config.
 
 Imports only torch (and deepspeed, lazily where it is used); transformers, diffusers and peft
-are imported where they are needed.
+are imported where they are needed. The names below load on first use, so that the modules that need
+no torch (the recipe language in ``recipe_config``, the process supervisor in ``launcher``) start fast:
+``multiengine ls`` and ``validate`` do not pay for importing torch.
 """
 
-from .checkpoint import CheckpointError, UnsafeCheckpointError, latest_tag, list_checkpoints
-from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
-from .dist import DistEnv, all_reduce_sum, barrier, global_moments, mean_over_ranks, read_env, sum_over_ranks
-from .ema import ema_decay, ema_update
-from .export import atomic_dir, cast_folder, save_role, write_role
-from .memory import MemoryReport, current_rss_bytes, gather_memory, peak_rss_bytes
-from .metrics import MetricsLogger, plot_curves, read_jsonl, setup_logging, write_summary
-from .nonfinite import NonFiniteError, NonFiniteUpdate
-from .optim import build_optimizer
-from .partition import local_tensors, refresh_full_copies
-from .registry import EngineRegistry, JointLossError, Role, RoleSpec, UnknownRoleError
-from .roles import (
-    LoraSpec,
-    OptimSpec,
-    Placement,
-    apply_lora,
-    frozen_role,
-    is_lora,
-    set_gradient_checkpointing,
-    torch_dtype,
-    trainable_role,
-)
-from .safe_io import set_trust_remote_code, trust_remote_code
-from .sampler import ShardedBatches, ShardedEpochSampler, shard_batches
-from .seeding import derive_seed, generator, seed_everything
-from .zero_scope import zero_init_paused
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the submodule that defines it
+_WHERE: dict[str, str] = {
+    "CheckpointError": "checkpoint", "UnsafeCheckpointError": "checkpoint", "latest_tag": "checkpoint",
+    "list_checkpoints": "checkpoint",
+    "AUTO": "config", "ConfigError": "config", "eval_ds_config": "config", "load_ds_config": "config",
+    "model_hidden_size": "config", "train_ds_config": "config",
+    "DistEnv": "dist", "all_reduce_sum": "dist", "barrier": "dist", "global_moments": "dist",
+    "mean_over_ranks": "dist", "read_env": "dist", "sum_over_ranks": "dist",
+    "ema_decay": "ema", "ema_update": "ema",
+    "atomic_dir": "export", "cast_folder": "export", "save_role": "export", "write_role": "export",
+    "MemoryReport": "memory", "current_rss_bytes": "memory", "gather_memory": "memory", "peak_rss_bytes": "memory",
+    "MetricsLogger": "metrics", "plot_curves": "metrics", "read_jsonl": "metrics", "setup_logging": "metrics",
+    "write_summary": "metrics",
+    "NonFiniteError": "nonfinite", "NonFiniteUpdate": "nonfinite",
+    "build_optimizer": "optim",
+    "local_tensors": "partition", "refresh_full_copies": "partition",
+    "EngineRegistry": "registry", "JointLossError": "registry", "Role": "registry", "RoleSpec": "registry",
+    "UnknownRoleError": "registry",
+    "LoraSpec": "roles", "OptimSpec": "roles", "Placement": "roles", "apply_lora": "roles", "frozen_role": "roles",
+    "is_lora": "roles", "set_gradient_checkpointing": "roles", "torch_dtype": "roles", "trainable_role": "roles",
+    "set_trust_remote_code": "safe_io", "trust_remote_code": "safe_io",
+    "ShardedBatches": "sampler", "ShardedEpochSampler": "sampler", "shard_batches": "sampler",
+    "derive_seed": "seeding", "generator": "seeding", "seed_everything": "seeding",
+    "zero_init_paused": "zero_scope",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+if TYPE_CHECKING:  # what static checkers and IDEs see
+    from .checkpoint import CheckpointError, UnsafeCheckpointError, latest_tag, list_checkpoints
+    from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
+    from .dist import DistEnv, all_reduce_sum, barrier, global_moments, mean_over_ranks, read_env, sum_over_ranks
+    from .ema import ema_decay, ema_update
+    from .export import atomic_dir, cast_folder, save_role, write_role
+    from .memory import MemoryReport, current_rss_bytes, gather_memory, peak_rss_bytes
+    from .metrics import MetricsLogger, plot_curves, read_jsonl, setup_logging, write_summary
+    from .nonfinite import NonFiniteError, NonFiniteUpdate
+    from .optim import build_optimizer
+    from .partition import local_tensors, refresh_full_copies
+    from .registry import EngineRegistry, JointLossError, Role, RoleSpec, UnknownRoleError
+    from .roles import (
+        LoraSpec,
+        OptimSpec,
+        Placement,
+        apply_lora,
+        frozen_role,
+        is_lora,
+        set_gradient_checkpointing,
+        torch_dtype,
+        trainable_role,
+    )
+    from .safe_io import set_trust_remote_code, trust_remote_code
+    from .sampler import ShardedBatches, ShardedEpochSampler, shard_batches
+    from .seeding import derive_seed, generator, seed_everything
+    from .zero_scope import zero_init_paused
 
 __all__ = [
     "AUTO",

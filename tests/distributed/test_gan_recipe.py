@@ -19,7 +19,7 @@ def test_gan_learns_the_ring_and_exports(tmp_path):
     out = tmp_path / "gan"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([*CLI, "run", "gan", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}",
-                           "max_steps=400", "eval.every=0", "eval.size=1024"],
+                           "max_steps=300", "eval.every=0", "eval.size=1024"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -42,6 +42,7 @@ results["full"] = run(f"{out}/full", "tiny", *variant, "checkpoint.every=2", "ch
 results["resumed"] = run(f"{out}/resumed", "tiny", *variant, "checkpoint.every=0",
                          f"resume_from={out}/full/checkpoints/step_00000002")
 # 3. multi-turn episodes with the calculator tool (its SFT actor trained first on the task's demonstrations)
-results["multiturn"] = run(f"{out}/multiturn", "tiny_multiturn", "eval.every=0", "eval.size=128", "eval.batch_size=32")
+results["multiturn"] = run(f"{out}/multiturn", "tiny_multiturn", "max_steps=10", "eval.every=0", "eval.size=128",
+                         "eval.batch_size=32")
 dump(results)
 finish()
