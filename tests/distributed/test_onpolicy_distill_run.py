@@ -1,6 +1,7 @@
 """On-policy distillation (GKD) from the CLI on 2 ranks: a ZeRO-3 teacher (64 wide, 2 layers) scores every token
 the ZeRO-2 student (32 wide, 1 layer, same tokenizer) samples itself on the steps the seeded lambda picks, and
-distils from the demonstrations on the others. One short launch."""
+distils from the demonstrations on the others; then a second launch resumes the run from its step-3 checkpoint
+and ends bit-equal to it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_on_policy_distill_with_a_zero3_teacher_and_a_zero2_student(tmp_path):
         [*CLI, "run", "distill", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "max_steps=6",
          "distill.on_policy_fraction=0.4", "distill.loss=reverse_kl", "eval.size=16", "eval.every=0",
          "data.heldout_size=32", "teacher_sft.overrides=[max_steps=8,eval.size=16,eval.greedy=false]",
-         "checkpoint.every=0", "export.enabled=false"],
+         "checkpoint.every=3", "checkpoint.keep_last=2", "export.enabled=false"],
         capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -50,3 +51,21 @@ def test_on_policy_distill_with_a_zero3_teacher_and_a_zero2_student(tmp_path):
     # the student learns: its held-out cross-entropy falls toward the teacher's (measured 4.68 -> 4.63, teacher 4.43)
     before, after, teacher = m["eval/before/loss"], m["eval/after/loss"], m["teacher/loss"]
     assert teacher < after < before - 0.02, (before, after, teacher)
+
+    # resume: steps 4-6 again from the step-3 checkpoint (the teacher trained above), bit-equal to the first run
+    again = tmp_path / "gkd_resumed"
+    proc = subprocess.run(
+        [*CLI, "run", "distill", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={again}", "max_steps=6",
+         "distill.on_policy_fraction=0.4", "distill.loss=reverse_kl", "eval.size=16", "eval.every=0",
+         "data.heldout_size=32", f"roles.teacher.model={out / 'teacher' / 'export' / 'actor'}",
+         f"resume_from={out / 'checkpoints' / 'step_00000003'}", "checkpoint.every=0", "export.enabled=false"],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    resumed = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in resumed if "train/on_policy" in r]
+
+    def steady(r):  # everything but wall-clock timings
+        return {k: v for k, v in r.items() if "time" not in k}
+
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [steady(r) for r in resumed] == [steady(r) for r in steps[3:]]
