@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .losses import aggregate_loss
-from .ppo import masked_mean
+from .ppo import masked_mean, ratio_stats
 
 __all__ = [
     "IMPORTANCE_LEVELS",
@@ -133,11 +133,7 @@ def asymmetric_clipped_surrogate(
         stats["clip_frac_low"] = frac(low)
         stats["clip_frac_high"] = frac(high)
         stats["clip_frac"] = stats["clip_frac_low"] + stats["clip_frac_high"]
-        token_log_ratio = logprobs.detach().float() - old_logprobs.float()
-        stats["approx_kl"] = 0.5 * masked_mean(token_log_ratio**2, mask)
-        stats["ratio_mean"] = masked_mean(r, mask)
-        valid = torch.where(mask.bool(), r, torch.zeros_like(r))
-        stats["ratio_max"] = valid.max() if valid.numel() else torch.zeros(())
+        stats.update(ratio_stats(logprobs.detach().float() - old_logprobs.float(), r, mask))
     return per_token, stats
 
 

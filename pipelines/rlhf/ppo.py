@@ -493,11 +493,16 @@ def clipped_surrogate(
         stats["dual_clip_frac"] = masked_mean(dual_active.float(), mask).detach()
     with torch.no_grad():
         stats["clip_frac"] = masked_mean((surr2 > surr1).float(), mask)
-        stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, mask)
-        stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
-        valid_ratio = torch.where(mask.bool(), ratio.detach(), torch.zeros_like(ratio))
-        stats["ratio_max"] = valid_ratio.max() if valid_ratio.numel() else torch.zeros(())
+        stats.update(ratio_stats(log_ratio.detach(), ratio.detach(), mask))
     return per_token, stats
+
+
+def ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The diagnostics every policy loss logs, over the masked tokens: ``approx_kl`` (0.5 x mean squared log-ratio),
+    ``ratio_mean`` and ``ratio_max`` (0 for an empty batch)."""
+    valid = torch.where(mask.bool(), ratio, torch.zeros_like(ratio))
+    return {"approx_kl": 0.5 * masked_mean(log_ratio**2, mask), "ratio_mean": masked_mean(ratio, mask),
+            "ratio_max": valid.max() if valid.numel() else torch.zeros(())}
 
 
 def policy_loss(
