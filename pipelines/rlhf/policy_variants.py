@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .losses import aggregate_loss
-from .ppo import masked_mean, ratio_stats
+from .ppo import clipped_max, masked_mean, ratio_stats
 
 __all__ = [
     "IMPORTANCE_LEVELS",
@@ -106,15 +106,7 @@ def asymmetric_clipped_surrogate(
     advantages = advantages.float().detach()
     if advantages.dim() == 1:  # one advantage per row
         advantages = advantages.unsqueeze(-1).expand_as(ratio)
-    surr1 = -advantages * ratio
-    surr2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.max(surr1, surr2)
-    stats: dict[str, torch.Tensor] = {}
-    if dual_clip is not None:
-        capped = torch.min(per_token, -dual_clip * advantages)
-        dual_active = (advantages < 0) & (capped < per_token)
-        per_token = torch.where(advantages < 0, capped, per_token)
-        stats["dual_clip_frac"] = masked_mean(dual_active.float(), mask).detach()
+    per_token, _, stats = clipped_max(ratio, advantages, clip_low, clip_high, dual_clip, mask)
     with torch.no_grad():
         r = ratio.detach()
         low = ((r < 1.0 - clip_low) & (advantages < 0)).float()

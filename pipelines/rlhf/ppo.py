@@ -481,20 +481,30 @@ def clipped_surrogate(
     log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     advantages = advantages.float().detach()
+    mask = action_mask.to(torch.float32)
+    per_token, clipped, stats = clipped_max(ratio, advantages, clip_eps, clip_eps, dual_clip, mask)
+    with torch.no_grad():
+        stats["clip_frac"] = masked_mean(clipped.float(), mask)
+        stats.update(ratio_stats(log_ratio.detach(), ratio.detach(), mask))
+    return per_token, stats
+
+
+def clipped_max(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                dual_clip: float | None, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate's core, shared by every policy loss: ``max(-A r, -A clip(r, 1 - low, 1 + high))``
+    per token, optionally capped at ``-dual_clip * A`` for ``A < 0``. Returns the per-token loss, where the clipped
+    branch is the larger (bool), and ``dual_clip_frac`` when the dual clip is on."""
     surr1 = -advantages * ratio
-    surr2 = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    surr2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.max(surr1, surr2)
     stats: dict[str, torch.Tensor] = {}
-    mask = action_mask.to(torch.float32)
     if dual_clip is not None:
         capped = torch.min(per_token, -dual_clip * advantages)
         dual_active = (advantages < 0) & (capped < per_token)
         per_token = torch.where(advantages < 0, capped, per_token)
         stats["dual_clip_frac"] = masked_mean(dual_active.float(), mask).detach()
-    with torch.no_grad():
-        stats["clip_frac"] = masked_mean((surr2 > surr1).float(), mask)
-        stats.update(ratio_stats(log_ratio.detach(), ratio.detach(), mask))
-    return per_token, stats
+    return per_token, (surr2 > surr1).detach(), stats
 
 
 def ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
