@@ -56,10 +56,9 @@ SCENARIOS: dict[str, Any] = {
 
 def shipped_gpu_configs() -> list[tuple[str, str]]:
     """(recipe, config) of every shipped config except the tiny ones, for the recipes the planner knows."""
-    from multiengine.engines.recipe_config import list_recipes
-    from multiengine.recipes import plans
+    from multiengine.engines.recipe_config import list_recipes, load_recipe
 
-    return [(r, n) for r, names in list_recipes().items() if r in plans.PLANNERS
+    return [(r, n) for r, names in list_recipes().items() if hasattr(load_recipe(r), "plan")
             for n in names if not n.startswith("tiny")]
 
 

@@ -17,7 +17,7 @@ Checks: one mechanism, two hooks, both run before any rank starts. Optionally, a
 * `CHECKS: dict` - dotted key (a `*` part matches any key of a section) -> Range / Choice /
   Length / PathExists / Each / Satisfies / OrFollow (or a list of them): each value on its own.
   Applied by load_config to the resolved values, so every value error names the key, the value,
-  where it was set and the fix. A recipe on the shared lifecycle (recipes/lifecycle.py) also gets
+  where it was set and the fix. A recipe on the shared lifecycle (engines/recipe_lifecycle.py) also gets
   its COMMON_CHECKS (max_steps, backend, checkpoint, resume_from, dist_timeout_s, nonfinite, role
   placements); its own CHECKS entry for the same key replaces the common one;
 * `validate(cfg)` - what needs more than one value or a look outside the config: cross-field
@@ -849,9 +849,9 @@ def _normalise_checks(raw: Any, owner: str, defaults: dict, strict: bool) -> dic
 
 
 def _lifecycle(module: ModuleType) -> ModuleType | None:
-    """recipes.lifecycle when `module` is a recipe on the shared lifecycle (it uses with_common or Recipe).
+    """engines.recipe_lifecycle when `module` is a recipe on the shared lifecycle (it uses with_common or Recipe).
     Looked up, not imported: a module that uses it has imported it, and config.py stays free of torch."""
-    lc = sys.modules.get("multiengine.recipes.lifecycle")
+    lc = sys.modules.get("multiengine.engines.recipe_lifecycle")
     if lc is None:
         return None
     for value in vars(module).values():
@@ -878,7 +878,7 @@ def key_checks(module: ModuleType, tree: dict | None = None) -> dict[str, list[C
             own.setdefault(key, []).extend(checks)
     lc = _lifecycle(module)
     if lc is not None:
-        common = _normalise_checks(lc.COMMON_CHECKS, "recipes.lifecycle", module.DEFAULTS, strict=False)
+        common = _normalise_checks(lc.COMMON_CHECKS, "engines.recipe_lifecycle", module.DEFAULTS, strict=False)
         for pattern, checks in common.items():
             for key in _expand(pattern, tree):
                 if key not in own:

@@ -4,7 +4,8 @@ models resolved without loading weights, and a planned placement written back in
 Models are resolved (:func:`resolve_model`) from a local folder's safetensors headers, the local Hugging Face
 cache, the planner's built-in architectures, or the shipped config that exports the folder a config points at.
 ``assume`` (``--assume role=model``) says what a folder that does not exist yet will hold. Each recipe's own
-part (its models and activation shapes) lives in recipes/plans.py.
+part (its models and activation shapes) is the recipe module's ``plan`` function (recipes/plans.py for the
+shipped recipes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from typing import Any
 import yaml
 
 from . import planner as P
-from .recipe_config import CONFIGS_DIR, RecipeConfigError, list_recipes, load_config, resolve_config_file
+from .recipe_config import (
+    CONFIGS_DIR,
+    RECIPES_PACKAGE,
+    RecipeConfigError,
+    list_recipes,
+    load_config,
+    load_recipe,
+    resolve_config_file,
+)
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,6 @@ class RoleKeys:
     stage: str | None = None
     offload_params: str | None = None
     offload_optimizer: str | None = None
-
 
 
 @dataclass
@@ -44,10 +52,8 @@ class RecipePlan:
     overrides_key: str | None = None
 
 
-
 def _is_pathlike(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") >= 2 or os.path.exists(name)
-
 
 
 def _hub_cache(name: str) -> str | None:
@@ -60,7 +66,6 @@ def _hub_cache(name: str) -> str | None:
         return snapshot_download(name, local_files_only=True)
     except Exception:  # not cached (or no huggingface_hub): fall through to the built-in table
         return None
-
 
 
 def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
@@ -84,7 +89,6 @@ def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
                 return str(model), f"{recipe}/{name} exports there, starting from {model}"
             return "tiny:rlhf", f"{recipe}/{name} exports there, starting from its tiny model"
     return None
-
 
 
 def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = None,
@@ -118,7 +122,6 @@ def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = No
         f"hold with --assume {role}=<folder or built-in name>.")
 
 
-
 def resolve_pipeline(name: str, *, variant: str | None = None,
                      tiny: Callable[[], tuple[dict[str, P.ModelInfo], str]] | None = None,
                      assume: Mapping[str, str] | None = None) -> tuple[dict[str, P.ModelInfo], str]:
@@ -142,12 +145,10 @@ def resolve_pipeline(name: str, *, variant: str | None = None,
         f"--assume pipeline=<folder or built-in name>.")
 
 
-
 def _current(stage: int, trainable: bool, offload_params: bool = False, offload_optimizer: bool = False) -> P.Choice:
     if not trainable and stage in (1, 2):
         stage = 0
     return P.Choice(stage, bool(offload_optimizer and trainable and stage > 0), bool(offload_params and stage == 3))
-
 
 
 def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current: P.Choice,
@@ -175,11 +176,9 @@ def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current:
         note=note, gather_hint=gather_hint)
 
 
-
 def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
     return RoleKeys(f"{prefix}.stage", f"{prefix}.offload_params" if offload_params else None,
                     f"{prefix}.offload_optimizer" if offload_optimizer else None)
-
 
 
 def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
@@ -187,9 +186,160 @@ def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
     return P.ModelInfo(name, tuple(P.TensorEntry(n, tuple(p.shape), dtype) for n, p in module.named_parameters()))
 
 
-
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
+
+def _lora(section: Any) -> tuple[int, tuple[str, ...]] | None:
+    """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``."""
+    return (int(section.r), tuple(section.target_modules)) if section.r else None
+
+
+def _scalar(info: P.ModelInfo) -> P.ModelInfo:
+    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head
+    (the folder's own head when it has one: ``score.weight`` of a *ForSequenceClassification export, or
+    the ``weight`` of a ``value_head.safetensors`` beside a base model)."""
+    has_head = any(t.name in ("score.weight", "weight") or t.name.startswith("value_head") for t in info.tensors)
+    body = info.without("lm_head.")
+    if has_head:
+        return body
+    hidden = P.transformer_dims(info.config).hidden if info.config else (info.hidden_size or 1)
+    return body.plus("value_head.weight", (1, hidden))
+
+
+def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | None = None,
+               forward: tuple[int, int] | None = None, generate: tuple[int, int, int] | None = None,
+               logits: bool = True, checkpointing: bool = False, label: str = "forward") -> list[tuple[str, int]]:
+    phases = []
+    if generate:
+        batch, prompt, new = generate
+        kv = P.kv_cache_bytes(dims, batch=batch, seq=prompt + new, dtype=dtype)
+        prefill = P.transformer_activation_bytes(dims, batch=batch, seq=prompt, dtype=dtype, trainable=False,
+                                                 logits=False)
+        phases.append(("generation", kv + prefill + batch * dims.vocab * 4))
+    if forward:
+        phases.append((label, P.transformer_activation_bytes(dims, batch=forward[0], seq=forward[1], dtype=dtype,
+                                                             trainable=False, logits=logits)))
+    if train:
+        phases.append(("train step", P.transformer_activation_bytes(
+            dims, batch=train[0], seq=train[1], dtype=dtype, trainable=True, gradient_checkpointing=checkpointing,
+            logits=logits)))
+    return phases
+
+
+def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
+                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None) -> RecipePlan:
+    """The planner's roles straight from a recipe's ROLES declaration: trainable or frozen, placement keys
+    roles.<name>.*, the stage a following role takes (engines/role_schema.py resolves it, nowhere else), LoRA; only
+    the models and the activation phases are the recipe's own."""
+    from .role_schema import follow_chain
+
+    phases = phases or {}
+    requests, keys = [], {}
+    for role in roles:
+        section = cfg.roles[role.name]
+        stage = int(follow_chain(cfg, roles, role.name, "stage", -1))
+        dtype = str(follow_chain(cfg, roles, role.name, "dtype", ""))
+        requests.append(_role(
+            role.name, infos[role.name], dtype, trainable=role.trainable,
+            lora=_lora(section.lora) if role.trainable else None,
+            current=_current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
+            phases=phases.get(role.name, ()),
+            choices=P.trainable_choices() if role.trainable else P.frozen_choices()))
+        keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
+    return RecipePlan("", requests, keys)
+
+
+def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,
+                 configs_dir: str | Path = CONFIGS_DIR, package: str = RECIPES_PACKAGE) -> list[RecipePlan]:
+    """What the recipe's config builds, as the planner sees it: the recipe module's ``plan(cfg, assume,
+    configs_dir)`` (a recipe without one cannot be planned)."""
+    planner = getattr(load_recipe(recipe, package, configs_dir), "plan", None)
+    if planner is None:
+        raise RecipeConfigError(f"`multiengine plan` cannot plan recipe '{recipe}': its module defines no "
+                                "plan(cfg, assume, configs_dir) (see docs/adding-a-workflow.md)")
+    return planner(cfg, assume, configs_dir)
+
+
+def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None,
+                      configs_dir: str | Path = CONFIGS_DIR,
+                      package: str = RECIPES_PACKAGE) -> dict[str, dict[str, int]]:
+    """Planned per-rank model-state bytes of every role at the placements `cfg` asks for, for the
+    planned-vs-measured check next to `registry.memory_report()` (keys as in the memory report)."""
+    out: dict[str, dict[str, int]] = {}
+    for item in recipe_plans(recipe, cfg, assume, configs_dir, package):
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            if req.follows:  # derived from the leader exactly as the chooser does
+                choice = P.follower_choice(req, chosen[req.follows], choice)
+            o = P.cost_role(req, choice, world_size)
+            out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
+                             "params_persistent": req.persistent if o.choice.stage == 3 else 0,
+                             "param_bytes": o.states.params, "grad_bytes": o.states.grads,
+                             "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
+    return out
+
+
+def planned_vs_measured(recipe: str, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
+                        assume: Mapping[str, str] | None = None,
+                        configs_dir: str | Path = CONFIGS_DIR, package: str = RECIPES_PACKAGE) -> dict[str, Any]:
+    """Per role: the planner's per-rank model-state bytes at the placements `cfg` asks for beside the
+    measured ones (`per_rank`: ``gather_memory(registry)``, one entry per rank), and the difference.
+
+    Both sides count a role's states wherever they live (the memory report counts offloaded tensors
+    too), so the planned side is the configured stage without offload; ``planned_accelerator_bytes`` /
+    ``planned_host_bytes`` split it as `multiengine plan` does. The measured side is the rank holding the
+    most (ZeRO pads partitions evenly, so ranks differ by a few bytes at most). ``tolerance_bytes`` is
+    what the planner promises: 5% of the planned total plus the persistent parameters' bytes (the
+    parameters of at most ``stage3_param_persistence_threshold`` elements that every rank keeps whole
+    at ZeRO-3, where a threshold sized differently moves bytes between "partitioned" and "whole").
+    """
+    world = len(per_rank)
+    measured: dict[str, list[Mapping[str, Any]]] = {}
+    for rank in per_rank:
+        for row in rank.get("roles", []):
+            measured.setdefault(str(row["role"]), []).append(row)
+    roles: dict[str, Any] = {}
+    for item in recipe_plans(recipe, cfg, assume, configs_dir, package):
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            if req.follows:
+                choice = P.follower_choice(req, chosen[req.follows], choice)
+            gpu = P.cost_role(req, choice, world)
+            anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
+            planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
+            planned["total"] = sum(planned.values())
+            persistent = req.persistent if gpu.choice.stage == 3 else 0
+            entry: dict[str, Any] = {
+                "stage": gpu.choice.stage, "params": req.params, "trainable_params": req.trainable_params,
+                "dtype": req.dtype, "params_persistent": persistent, "planned": planned,
+                "planned_accelerator_bytes": gpu.states.accelerator, "planned_host_bytes": gpu.states.host,
+                "measured": None, "difference_bytes": None, "relative_difference": None,
+                "tolerance_bytes": int(0.05 * planned["total"]) + P.DTYPE_BYTES[req.dtype] * persistent,
+                "within_tolerance": None,
+            }
+            rows = measured.pop(req.name, [])
+            if rows:
+                top = max(rows, key=lambda row: sum(int(row[k]) for k in STATE_KEYS))
+                got = {k: int(top[k]) for k in STATE_KEYS}
+                got["total"] = sum(got.values())
+                diff = got["total"] - planned["total"]
+                entry.update(measured=got, measured_stage=int(top["stage"]),
+                             measured_params=int(top["params_total"]),
+                             measured_params_persistent=int(top["params_persistent"]), difference_bytes=diff,
+                             relative_difference=diff / planned["total"] if planned["total"] else None,
+                             within_tolerance=abs(diff) <= entry["tolerance_bytes"])
+            roles[req.name] = entry
+    for name, rows in measured.items():  # built by the run but not planned
+        got = {k: int(rows[0][k]) for k in STATE_KEYS}
+        roles[name] = {"planned": None, "measured": {**got, "total": sum(got.values())}}
+    planned_total = sum(r["planned"]["total"] for r in roles.values() if r["planned"])
+    measured_total = sum(r["measured"]["total"] for r in roles.values() if r["planned"] and r["measured"])
+    return {"world_size": world, "roles": roles,
+            "total": {"planned": planned_total, "measured": measured_total,
+                      "difference_bytes": measured_total - planned_total},
+            "all_within_tolerance": all(r.get("within_tolerance") for r in roles.values())}
 
 
 def _set(data: dict, dotted: str, value: Any) -> None:
@@ -202,7 +352,6 @@ def _set(data: dict, dotted: str, value: Any) -> None:
     node[last] = value
 
 
-
 def placement_overrides(item: RecipePlan, placements: Mapping[str, P.Choice]) -> list[str]:
     """`key=value` overrides that put each role of `item` at its planned placement."""
     out = []
@@ -213,7 +362,6 @@ def placement_overrides(item: RecipePlan, placements: Mapping[str, P.Choice]) ->
             if key is not None:
                 out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
     return out
-
 
 
 def write_config(recipe: str, config: str | None, overrides: Sequence[str], items: Sequence[RecipePlan],

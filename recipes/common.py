@@ -1,4 +1,4 @@
-"""What the RLHF recipes read from their configs beyond the role schema (recipes/schema.py): the data section and
+"""What the RLHF recipes read from their configs beyond the role schema (engines/role_schema.py): the data section and
 its loading, the reward section, the evaluation and generation sections, the batch checks of validate(cfg) and the
 checks of shared key names. The work itself (tokenizers per role, reward entries, batch arithmetic) lives in
 pipelines/; its names are importable from here too."""

@@ -31,6 +31,8 @@ from multiengine.engines.recipe_config import (
     config_problem,
     split_keys,
 )
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS
+from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.controlnet import controlnet_factory
 from multiengine.pipelines.diffusion.export import export_run
@@ -39,9 +41,8 @@ from multiengine.pipelines.diffusion.models import SEED_BASELINE, load_component
 from multiengine.pipelines.diffusion.runs import conditioning_rows
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
 from multiengine.recipes import diffusion_keys as shared
+from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.lifecycle import COMMON_KEYS
-from multiengine.recipes.schema import Role, optim_spec, placement, role_keys
 from multiengine.recipes.sd_finetune import SDFinetune
 
 # ControlNet pipelines per base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
@@ -215,3 +216,4 @@ def _component(path: str, name: str, variant: str | None):
 
 
 main = ControlNetTraining.main
+plan = plans.controlnet  # what `multiengine plan` sees of this recipe

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS
+from multiengine.engines.role_schema import Role, role_keys
 from multiengine.pipelines.diffusion import rl
 from multiengine.pipelines.diffusion.families import FAMILIES
 from multiengine.pipelines.diffusion.rl_runs import (
@@ -33,6 +35,7 @@ from multiengine.pipelines.diffusion.rl_runs import (
 )
 from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
+from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.diffusion_grpo import (
     FROZEN,
@@ -44,8 +47,6 @@ from multiengine.recipes.diffusion_grpo import (
     check_resolution,
     pipeline_family,
 )
-from multiengine.recipes.lifecycle import COMMON_KEYS
-from multiengine.recipes.schema import Role, role_keys
 
 ROLES = (
     Role("policy", "the denoiser trained (SD/SDXL unet, SD3/FLUX transformer)", trainable=True,
@@ -238,3 +239,4 @@ class DiffusionDPO(DiffusionRoles):
 
 
 main = DiffusionDPO.main
+plan = plans.diffusion_dpo  # what `multiengine plan` sees of this recipe

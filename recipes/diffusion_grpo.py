@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, frozen_role, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, model_path, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import rl
 from multiengine.pipelines.diffusion.export import export_pipeline, save_lora
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
@@ -56,9 +58,8 @@ from multiengine.pipelines.diffusion.runs import (
     token_lengths,
 )
 from multiengine.pipelines.diffusion.training import step_generator
+from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, model_path, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
@@ -461,3 +462,4 @@ class DiffusionGRPO(DiffusionRoles):
 
 
 main = DiffusionGRPO.main
+plan = plans.diffusion_grpo  # what `multiengine plan` sees of this recipe

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, Satisfies, config_problem
+from multiengine.engines.role_schema import Role
 from multiengine.pipelines.diffusion.inputs import ImageData
 from multiengine.pipelines.diffusion.math import PREDICTION_TYPES
 from multiengine.pipelines.diffusion.models import MODES
 from multiengine.recipes.common import check_rows_per_rank
-from multiengine.recipes.schema import Role
 
 
 def component_model(name: str) -> Key:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys, tokenizer_path
 from multiengine.pipelines.distill import (
     DIVERGENCES,
     check_vocab,
@@ -38,10 +40,8 @@ from multiengine.pipelines.distill import (
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.rollout import sampling_seed
-from multiengine.recipes import common
+from multiengine.recipes import common, plans
 from multiengine.recipes.common import DATA_KEYS, GENERATION_KEYS, RLHF_TRAINABLE, TINY_KEYS
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys, tokenizer_path
 
 logger = logging.getLogger(__name__)
 
@@ -299,3 +299,4 @@ class Distill(Recipe):
 
 
 main = Distill.main
+plan = plans.distill  # what `multiengine plan` sees of this recipe

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from multiengine.engines import mean_over_ranks, save_role, trainable_role
 from multiengine.engines.recipe_config import Key, Range, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
 from multiengine.pipelines.gan import MLP, discriminator_loss, generator_loss, ring_modes, sample_quality, sample_ring
+from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, optim_spec, placement, role_keys
 
 GAN_TRAINABLE = {"dtype": "fp32", "lr": 1e-3, "betas": [0.5, 0.999], "max_grad_norm": 0.0, "micro_batch_size": 128,
                  "model": Key("", "a folder this recipe exported (config.json + model.safetensors); \"\" = a new MLP "
@@ -174,3 +175,4 @@ class GAN(Recipe):
 
 
 main = GAN.main
+plan = plans.gan  # what `multiengine plan` sees of this recipe

@@ -15,24 +15,27 @@ import functools
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from multiengine.engines import planner as P
 from multiengine.engines.recipe_config import CONFIGS_DIR, RecipeConfigError, load_config
-from multiengine.engines.recipe_plans import (  # noqa: F401 - write_config and STATE_KEYS: the CLI's and tests' names
-    STATE_KEYS,
+from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the tests' name
     RecipePlan,
     RoleKeys,
     _current,
     _keys,
+    _lm_phases,
+    _lora,
     _role,
+    _scalar,
+    declared_roles,
     module_info,
+    recipe_plans,
     resolve_model,
     resolve_pipeline,
-    write_config,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -54,64 +57,9 @@ def _tiny_rlhf_model(hidden: int, layers: int, seed: int = 0) -> P.ModelInfo:
                        config=info.config, class_name=info.class_name)
 
 
-def _scalar(info: P.ModelInfo) -> P.ModelInfo:
-    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head
-    (the folder's own head when it has one: ``score.weight`` of a *ForSequenceClassification export, or
-    the ``weight`` of a ``value_head.safetensors`` beside a base model)."""
-    has_head = any(t.name in ("score.weight", "weight") or t.name.startswith("value_head") for t in info.tensors)
-    body = info.without("lm_head.")
-    if has_head:
-        return body
-    hidden = P.transformer_dims(info.config).hidden if info.config else (info.hidden_size or 1)
-    return body.plus("value_head.weight", (1, hidden))
-
-
 # --------------------------------------------------------------------------------------------------
 # building role requests
 # --------------------------------------------------------------------------------------------------
-
-
-def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | None = None,
-               forward: tuple[int, int] | None = None, generate: tuple[int, int, int] | None = None,
-               logits: bool = True, checkpointing: bool = False, label: str = "forward") -> list[tuple[str, int]]:
-    phases = []
-    if generate:
-        batch, prompt, new = generate
-        kv = P.kv_cache_bytes(dims, batch=batch, seq=prompt + new, dtype=dtype)
-        prefill = P.transformer_activation_bytes(dims, batch=batch, seq=prompt, dtype=dtype, trainable=False,
-                                                 logits=False)
-        phases.append(("generation", kv + prefill + batch * dims.vocab * 4))
-    if forward:
-        phases.append((label, P.transformer_activation_bytes(dims, batch=forward[0], seq=forward[1], dtype=dtype,
-                                                             trainable=False, logits=logits)))
-    if train:
-        phases.append(("train step", P.transformer_activation_bytes(
-            dims, batch=train[0], seq=train[1], dtype=dtype, trainable=True, gradient_checkpointing=checkpointing,
-            logits=logits)))
-    return phases
-
-
-def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
-                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None) -> RecipePlan:
-    """The planner's roles straight from a recipe's ROLES declaration: trainable or frozen, placement keys
-    roles.<name>.*, the stage a following role takes (recipes/schema.py resolves it, nowhere else), LoRA; only
-    the models and the activation phases are the recipe's own."""
-    from multiengine.recipes.schema import follow_chain
-
-    phases = phases or {}
-    requests, keys = [], {}
-    for role in roles:
-        section = cfg.roles[role.name]
-        stage = int(follow_chain(cfg, roles, role.name, "stage", -1))
-        dtype = str(follow_chain(cfg, roles, role.name, "dtype", ""))
-        requests.append(_role(
-            role.name, infos[role.name], dtype, trainable=role.trainable,
-            lora=_lora(section.lora) if role.trainable else None,
-            current=_current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
-            phases=phases.get(role.name, ()),
-            choices=P.trainable_choices() if role.trainable else P.frozen_choices()))
-        keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
-    return RecipePlan("", requests, keys)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,11 +317,6 @@ def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, confi
     return resolve_model(cfg_model, role, assume=assume, configs_dir=configs_dir, tiny=tiny)
 
 
-def _lora(section: Any) -> tuple[int, tuple[str, ...]] | None:
-    """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``."""
-    return (int(section.r), tuple(section.target_modules)) if section.r else None
-
-
 def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     a, d = cfg.roles.actor, cfg.data
@@ -426,8 +369,9 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[
     follow its placement (they share the section). A role whose entry sets its stage or offload is
     planned at that placement only: its keys live in a list the planner does not rewrite.
     """
+    from multiengine.engines.role_schema import follow_chain
+
     from .common import reward_entries
-    from .schema import follow_chain
 
     r = cfg.roles.reward
     entries, functions = reward_entries(cfg.reward)
@@ -471,7 +415,7 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[
 
 def _ref_role(cfg: Any, declared: Any, info: P.ModelInfo, rows: int, seq: int, dims: Any) -> P.RoleRequest:
     """The frozen ref (the actor's folder), placed as its declaration resolves ``roles.ref``."""
-    from .schema import follow_chain
+    from multiengine.engines.role_schema import follow_chain
 
     ref = cfg.roles.ref
     dtype = str(follow_chain(cfg, declared, "ref", "dtype", ""))
@@ -484,8 +428,9 @@ def _ref_role(cfg: Any, declared: Any, info: P.ModelInfo, rows: int, seq: int, d
 
 def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from multiengine.engines.role_schema import follow_chain
+
     from .rlhf_ppo import ROLES
-    from .schema import follow_chain
 
     r, p, g, d = cfg.roles, cfg.ppo, cfg.generation, cfg.data
     hidden, layers, seed = cfg.tiny.hidden, cfg.tiny.layers, cfg.seed
@@ -568,8 +513,8 @@ def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """A trainable policy and a frozen ref (by default from the same folder); each micro batch is
     ``roles.actor.micro_batch_size`` pairs = twice as many rows (chosen and rejected)."""
+    from multiengine.engines.role_schema import model_path, placement
     from multiengine.recipes.rlhf_dpo import ROLES
-    from multiengine.recipes.schema import model_path, placement
 
     a, r, d = cfg.roles.actor, cfg.roles.ref, cfg.data
     info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
@@ -621,7 +566,7 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
     for recipe, sec, models, key in steps:
         sub = load_config(recipe, str(sec.config) or None, [*common, *models, *sec.overrides],
                           configs_dir=configs_dir)
-        for item in PLANNERS[recipe](sub, assume, configs_dir):
+        for item in recipe_plans(recipe, sub, assume, configs_dir):
             item.title = f"rlhf_e2e step {recipe} (config {sec.config or 'defaults'})"
             item.overrides_key = key
             out.append(item)
@@ -758,116 +703,3 @@ def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
     plan = _diffusion_rl(cfg, recipe, "diffusion_dpo", int(cfg.data.resolution), assume, pairs, pairs, {})
     plan.notes.append(f"{pairs // 2} preference pairs per rank: {pairs} images per forward")
     return [plan]
-
-
-PLANNERS: dict[str, Callable[..., list[RecipePlan]]] = {
-    "registry_demo": registry_demo,
-    "sd_finetune": sd_finetune,
-    "controlnet": controlnet,
-    "rlhf_sft": rlhf_sft,
-    "rlhf_reward": rlhf_reward,
-    "rlhf_ppo": rlhf_ppo,
-    "rlhf_grpo": rlhf_grpo,
-    "rlhf_dpo": rlhf_dpo,
-    "rlhf_e2e": rlhf_e2e,
-    "distill": distill,
-    "gan": gan,
-    "diffusion_grpo": diffusion_grpo,
-    "diffusion_dpo": diffusion_dpo,
-}
-
-
-def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,
-                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    if recipe not in PLANNERS:
-        raise RecipeConfigError(f"`multiengine plan` does not know recipe '{recipe}' yet; it plans "
-                                f"{', '.join(sorted(PLANNERS))}.")
-    return PLANNERS[recipe](cfg, assume, configs_dir)
-
-
-def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None,
-                      configs_dir: str | Path = CONFIGS_DIR) -> dict[str, dict[str, int]]:
-    """Planned per-rank model-state bytes of every role at the placements `cfg` asks for, for the
-    planned-vs-measured check next to `registry.memory_report()` (keys as in the memory report)."""
-    out: dict[str, dict[str, int]] = {}
-    for item in recipe_plans(recipe, cfg, assume, configs_dir):
-        chosen = {r.name: r.current for r in item.roles}
-        for req in item.roles:
-            choice = chosen[req.name]
-            if req.follows:  # derived from the leader exactly as the chooser does
-                choice = P.follower_choice(req, chosen[req.follows], choice)
-            o = P.cost_role(req, choice, world_size)
-            out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
-                             "params_persistent": req.persistent if o.choice.stage == 3 else 0,
-                             "param_bytes": o.states.params, "grad_bytes": o.states.grads,
-                             "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
-    return out
-
-
-def planned_vs_measured(recipe: str, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
-                        assume: Mapping[str, str] | None = None,
-                        configs_dir: str | Path = CONFIGS_DIR) -> dict[str, Any]:
-    """Per role: the planner's per-rank model-state bytes at the placements `cfg` asks for beside the
-    measured ones (`per_rank`: ``gather_memory(registry)``, one entry per rank), and the difference.
-
-    Both sides count a role's states wherever they live (the memory report counts offloaded tensors
-    too), so the planned side is the configured stage without offload; ``planned_accelerator_bytes`` /
-    ``planned_host_bytes`` split it as `multiengine plan` does. The measured side is the rank holding the
-    most (ZeRO pads partitions evenly, so ranks differ by a few bytes at most). ``tolerance_bytes`` is
-    what the planner promises: 5% of the planned total plus the persistent parameters' bytes (the
-    parameters of at most ``stage3_param_persistence_threshold`` elements that every rank keeps whole
-    at ZeRO-3, where a threshold sized differently moves bytes between "partitioned" and "whole").
-    """
-    world = len(per_rank)
-    measured: dict[str, list[Mapping[str, Any]]] = {}
-    for rank in per_rank:
-        for row in rank.get("roles", []):
-            measured.setdefault(str(row["role"]), []).append(row)
-    roles: dict[str, Any] = {}
-    for item in recipe_plans(recipe, cfg, assume, configs_dir):
-        chosen = {r.name: r.current for r in item.roles}
-        for req in item.roles:
-            choice = chosen[req.name]
-            if req.follows:
-                choice = P.follower_choice(req, chosen[req.follows], choice)
-            gpu = P.cost_role(req, choice, world)
-            anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
-            planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
-            planned["total"] = sum(planned.values())
-            persistent = req.persistent if gpu.choice.stage == 3 else 0
-            entry: dict[str, Any] = {
-                "stage": gpu.choice.stage, "params": req.params, "trainable_params": req.trainable_params,
-                "dtype": req.dtype, "params_persistent": persistent, "planned": planned,
-                "planned_accelerator_bytes": gpu.states.accelerator, "planned_host_bytes": gpu.states.host,
-                "measured": None, "difference_bytes": None, "relative_difference": None,
-                "tolerance_bytes": int(0.05 * planned["total"]) + P.DTYPE_BYTES[req.dtype] * persistent,
-                "within_tolerance": None,
-            }
-            rows = measured.pop(req.name, [])
-            if rows:
-                top = max(rows, key=lambda row: sum(int(row[k]) for k in STATE_KEYS))
-                got = {k: int(top[k]) for k in STATE_KEYS}
-                got["total"] = sum(got.values())
-                diff = got["total"] - planned["total"]
-                entry.update(measured=got, measured_stage=int(top["stage"]),
-                             measured_params=int(top["params_total"]),
-                             measured_params_persistent=int(top["params_persistent"]), difference_bytes=diff,
-                             relative_difference=diff / planned["total"] if planned["total"] else None,
-                             within_tolerance=abs(diff) <= entry["tolerance_bytes"])
-            roles[req.name] = entry
-    for name, rows in measured.items():  # built by the run but not planned
-        got = {k: int(rows[0][k]) for k in STATE_KEYS}
-        roles[name] = {"planned": None, "measured": {**got, "total": sum(got.values())}}
-    planned_total = sum(r["planned"]["total"] for r in roles.values() if r["planned"])
-    measured_total = sum(r["measured"]["total"] for r in roles.values() if r["planned"] and r["measured"])
-    return {"world_size": world, "roles": roles,
-            "total": {"planned": planned_total, "measured": measured_total,
-                      "difference_bytes": measured_total - planned_total},
-            "all_within_tolerance": all(r.get("within_tolerance") for r in roles.values())}
-
-
-# --------------------------------------------------------------------------------------------------
-# --write
-# --------------------------------------------------------------------------------------------------
-
-

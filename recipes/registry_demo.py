@@ -24,9 +24,10 @@ from multiengine.engines import (
     trust_remote_code,
 )
 from multiengine.engines.recipe_config import Key, Range, Satisfies, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
+from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, optim_spec, placement, role_keys
 
 _TINY = "model \"\" = the tiny OPT saved under output_dir/tiny_lm on first run (the only model: not settable)"
 ROLES = (
@@ -157,3 +158,4 @@ class RegistryDemo(Recipe):
 
 
 main = RegistryDemo.main
+plan = plans.registry_demo  # what `multiengine plan` sees of this recipe

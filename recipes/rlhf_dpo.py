@@ -24,14 +24,14 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
-from multiengine.recipes import common
+from multiengine.recipes import common, plans
 from multiengine.recipes.common import DATA_KEYS, GENERATION_KEYS, RLHF_TRAINABLE, TINY_KEYS
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
@@ -232,3 +232,4 @@ def _fmt(value: float | None) -> str:
 
 
 main = RLHFDPO.main
+plan = plans.rlhf_dpo  # what `multiengine plan` sees of this recipe

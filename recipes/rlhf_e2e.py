@@ -15,7 +15,7 @@ fingerprint.json records the hash of the step's resolved config and the identity
 local file or folder the config names outside the step's own output_dir: content hashes of small files,
 size + mtime of large ones). Any difference reruns the step (and, through its new exports, the steps
 after it); ``rerun=true`` reruns all. The log and summary.json say which steps were reused and why.
-It runs on the shared lifecycle (recipes/lifecycle.py): the common keys reach every step (``seed``, ``backend``,
+It runs on the shared lifecycle (engines/recipe_lifecycle.py): the common keys reach every step (``seed``, ``backend``,
 ``dist_timeout_s``, ``trust_remote_code``, ``tensorboard``, ``plot``, ``report_to``, ``nonfinite.*``), the figures
 go to metrics.jsonl and summary.json, and step 3's curves are copied to output_dir/curves.png.
 
@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines.recipe_config import Choice, Key, Range, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.recipes import plans
 from multiengine.recipes.common import (
     DATA_KEYS,
     check_data,
@@ -42,7 +44,6 @@ from multiengine.recipes.common import (
     recipe_checks,
     uses_builtin_data,
 )
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
 from multiengine.recipes.steps import FINGERPRINT_FILE, run_step
 
 __all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "validate"]
@@ -281,3 +282,4 @@ def _figures(a: str, m_sft: dict[str, Any], m_rm: dict[str, Any], m_last: dict[s
 
 
 main = RLHFE2E.main
+plan = plans.rlhf_e2e  # what `multiengine plan` sees of this recipe

@@ -33,15 +33,15 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf import multiturn
 from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, judge_prompt_problem, plot_panels
 from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
-from multiengine.recipes import common
+from multiengine.recipes import common, plans
 from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, ROLLOUT_KEYS, TINY_KEYS
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
@@ -336,3 +336,4 @@ class RLHFGRPO(Recipe):
 
 
 main = RLHFGRPO.main
+plan = plans.rlhf_grpo  # what `multiengine plan` sees of this recipe

@@ -24,15 +24,16 @@ import time
 from typing import Any
 
 from multiengine.engines import ShardedBatches, save_role
+from multiengine.engines import role_schema as schema
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
 from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS, PPOSettings, PPOTrainer, plot_panels
 from multiengine.pipelines.rlhf.reward_sources import with_retokenizers
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
-from multiengine.recipes import common, schema
+from multiengine.recipes import common, plans
 from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, ROLLOUT_KEYS, TINY_KEYS
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 
 logger = logging.getLogger(__name__)
 
@@ -341,3 +342,4 @@ class RLHFPPO(Recipe):
 
 
 main = RLHFPPO.main
+plan = plans.rlhf_ppo  # what `multiengine plan` sees of this recipe

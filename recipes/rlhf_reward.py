@@ -18,10 +18,13 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
 from multiengine.engines.recipe_config import Key, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.evaluation import pair_accuracy
 from multiengine.pipelines.rlhf.roles import critic_spec
 from multiengine.pipelines.rlhf.steps import reward_loss
+from multiengine.recipes import plans
 from multiengine.recipes.common import (
     DATA_KEYS,
     RLHF_TRAINABLE,
@@ -36,8 +39,6 @@ from multiengine.recipes.common import (
     tiny_assets,
     uses_builtin_data,
 )
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
 # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
 # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works.
@@ -162,3 +163,4 @@ class RLHFReward(Recipe):
 
 
 main = RLHFReward.main
+plan = plans.rlhf_reward  # what `multiengine plan` sees of this recipe

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from multiengine.engines import mean_over_ranks
 from multiengine.engines.recipe_config import Key, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf.roles import actor_spec
 from multiengine.pipelines.rlhf.steps import causal_lm_loss
-from multiengine.recipes import common
+from multiengine.recipes import common, plans
 from multiengine.recipes.common import DATA_KEYS, GENERATION_KEYS, RLHF_TRAINABLE, TINY_KEYS
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 
 ROLES = (
     Role("actor", "the policy being fine-tuned; model \"\" = the random tiny OPT (tiny.*)", trainable=True,
@@ -143,3 +143,4 @@ class RLHFSFT(Recipe):
 
 
 main = RLHFSFT.main
+plan = plans.rlhf_sft  # what `multiengine plan` sees of this recipe

@@ -23,6 +23,8 @@ from typing import Any
 
 from multiengine.engines import Placement, barrier, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Each, Key, Range, RecipeConfigError, config_problem, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.role_schema import Role, lora_spec, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion import models, runs
 from multiengine.pipelines.diffusion.export import export_run
@@ -34,9 +36,8 @@ from multiengine.pipelines.diffusion.tiny import pretrain_tiny_vae
 from multiengine.pipelines.diffusion.training import family_objective, heldout_value, step_generator
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
 from multiengine.recipes import diffusion_keys as shared
+from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.lifecycle import COMMON_KEYS, Recipe
-from multiengine.recipes.schema import Role, lora_spec, optim_spec, placement, role_keys
 
 __all__ = ["SHAPES_PROMPTS", "build_tiny_model", "check_family_options", "main"]
 logger = logging.getLogger(__name__)
@@ -439,3 +440,4 @@ class SDFinetune(Recipe):
 
 
 main = SDFinetune.main
+plan = plans.sd_finetune  # what `multiengine plan` sees of this recipe

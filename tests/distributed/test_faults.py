@@ -129,7 +129,7 @@ import os
 
 import torch
 from multiengine.engines import OptimSpec, Placement, mean_over_ranks, save_role, trainable_role
-from multiengine.recipes.lifecycle import Recipe, with_common
+from multiengine.engines.recipe_lifecycle import Recipe, with_common
 
 DEFAULTS = with_common({"output_dir": "out", "max_steps": 4, "backend": "deepspeed", "tensorboard": False,
                         "plot": False, "nan_at": [], "nan_rank": 1, "checkpoint": {"every": 1, "keep_last": 9}})

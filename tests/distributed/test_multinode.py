@@ -88,10 +88,11 @@ def test_static_two_nodes_then_resume_on_one_node(one_node, tmp_path):
     assert _losses(two) == _losses(one_node)[:2]
 
     # the planner's per-rank model states at the config's placements equal the measured ones, on every rank
+    from multiengine.engines import recipe_plans
     from multiengine.engines.recipe_config import load_config
-    from multiengine.recipes import plans
 
-    planned = plans.configured_states("registry_demo", load_config("registry_demo", "tiny", [f"output_dir={two}"]), 2)
+    cfg = load_config("registry_demo", "tiny", [f"output_dir={two}"])
+    planned = recipe_plans.configured_states("registry_demo", cfg, 2)
     for rank in summary["memory"]["per_rank"]:
         for row in rank["roles"]:
             p = planned[row["role"]]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from multiengine.engines import recipe_cli as cli
 from multiengine.engines.recipe_config import (
     ConfigKeyError,
     ConfigTypeError,
@@ -26,7 +27,6 @@ from multiengine.engines.recipe_config import (
     parse_override,
     to_container,
 )
-from multiengine.recipes import cli
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError
 

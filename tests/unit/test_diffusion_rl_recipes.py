@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from multiengine.engines.recipe_config import RecipeConfigError, load_config, validate_config
+from multiengine.engines.role_schema import placement
 from multiengine.pipelines.diffusion.rewards import color_reward
 from multiengine.pipelines.diffusion.rl_runs import (
     load_preference_rows,
@@ -18,7 +19,6 @@ from multiengine.pipelines.diffusion.rl_runs import (
     shapes_prompt_split,
 )
 from multiengine.recipes import diffusion_dpo, diffusion_grpo, plans
-from multiengine.recipes.schema import placement
 
 
 def _grpo(*overrides):

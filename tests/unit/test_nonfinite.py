@@ -20,7 +20,7 @@ from multiengine.engines import (
     save_role,
     trainable_role,
 )
-from multiengine.recipes.lifecycle import COMMON_DEFAULTS, Recipe, with_common
+from multiengine.engines.recipe_lifecycle import COMMON_DEFAULTS, Recipe, with_common
 from omegaconf import OmegaConf
 
 

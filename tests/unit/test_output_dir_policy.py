@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from multiengine.recipes import cli
-from multiengine.recipes.lifecycle import folder_run
+from multiengine.engines import recipe_cli as cli
+from multiengine.engines.recipe_lifecycle import folder_run
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +158,7 @@ def test_overwrite_never_clears_the_working_directory(tmp_path, capsys, monkeypa
 def test_the_closing_summary_compares_the_first_and_last_evaluation(tmp_path):
     from types import SimpleNamespace
 
-    from multiengine.recipes.lifecycle import Recipe
+    from multiengine.engines.recipe_lifecycle import Recipe
     from omegaconf import OmegaConf
 
     class Toy(Recipe):

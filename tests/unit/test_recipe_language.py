@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from multiengine.engines import role_schema as schema
 from multiengine.engines.recipe_config import (
     ConfigKeyError,
     Key,
@@ -14,8 +15,7 @@ from multiengine.engines.recipe_config import (
     split_keys,
     validate_config,
 )
-from multiengine.recipes import schema
-from multiengine.recipes.schema import ROLE_KEYS, TRAINABLE_KEYS, Role, role_keys
+from multiengine.engines.role_schema import ROLE_KEYS, TRAINABLE_KEYS, Role, role_keys
 
 RECIPES = sorted(list_recipes())
 RUNS_OF_RUNS = {"rlhf_e2e"}  # its roles are its steps' (each step's recipe declares them)

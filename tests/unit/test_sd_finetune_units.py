@@ -58,7 +58,7 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
     assert plans._sd_family(parts) == family
     assert sorted(n for n in parts if n.startswith("text_encoder")) == sorted(encoders)
     check_family_options(cfg, family)  # raises on an option of the other objective
-    from multiengine.recipes.schema import placement
+    from multiengine.engines.role_schema import placement
     from multiengine.recipes.sd_finetune import ROLES
 
     for role in (denoiser, "vae", *encoders):  # text_encoder_2 follows text_encoder unless it says otherwise

@@ -138,7 +138,7 @@ def validate_common(cfg: Any, roles: Any = None) -> None:
     if cfg.get("report_to", "none") == "wandb" and importlib.util.find_spec("wandb") is None:
         raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
     if roles is not None:
-        from multiengine.recipes.schema import check_role_sections
+        from multiengine.engines.role_schema import check_role_sections
 
         check_role_sections(cfg, roles)
         return
@@ -541,17 +541,18 @@ class Recipe:
 
     def planned_memory(self, per_rank: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any] | None:
         """`multiengine plan`'s per-rank model-state bytes per role at this config's placements beside the
-        measured ones (recipes.plans.planned_vs_measured), on the main rank. The models are the folders the
+        measured ones (engines.recipe_plans.planned_vs_measured), on the main rank. The models are the folders the
         run used (``summary_extra()["paths"]``). A planner failure is logged and recorded, not raised: the
         run itself has finished."""
         if not self.registry.is_main:
             return None
-        from multiengine.recipes import plans
+        from . import recipe_plans as plans
 
         used = {role: path for role, path in (extra.get("paths") or {}).items()
                 if isinstance(path, str) and os.path.isdir(path)}
         try:
-            report = plans.planned_vs_measured(self.name, self.cfg, per_rank, assume=used)
+            report = plans.planned_vs_measured(self.name, self.cfg, per_rank, assume=used,
+                                               package=type(self).__module__.rpartition(".")[0])
         except Exception as exc:  # the check must never lose a finished run's summary
             logger.warning("%s: planned-vs-measured memory not computed: %s: %s", self.name, type(exc).__name__, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
