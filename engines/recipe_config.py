@@ -676,7 +676,7 @@ class Choice(Check):
         self.allow_none = allow_none
 
     def describe(self) -> str:
-        return "one of " + ", ".join(json.dumps(c) if not isinstance(c, str) else c for c in self.choices)
+        return "one of " + ", ".join(_choice_text(c) for c in self.choices)
 
     def problem(self, value: Any) -> str | None:
         return None if value in self.choices else f"must be {self.describe()}"
@@ -684,7 +684,12 @@ class Choice(Check):
     def fix(self, key: str, value: Any) -> str:
         close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)
         hint = f"did you mean {key}={close[0]}? " if close else ""
-        return f"{hint}use one of: {', '.join(str(c) for c in self.choices)}"
+        return f"{hint}use one of: {', '.join(_choice_text(c) for c in self.choices)}"
+
+
+def _choice_text(choice: Any) -> str:
+    """A choice as a user types it: strings bare, except the empty one (shown as "")."""
+    return choice if isinstance(choice, str) and choice else json.dumps(choice)
 
 
 class Length(Check):

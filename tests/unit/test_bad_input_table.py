@@ -326,6 +326,23 @@ ROWS = [
         "dpo.loss", "hinge2"),
     cli("e2e-algorithm", "config", "an RL algorithm that does not exist", "validate rlhf_e2e --config tiny "
         "algorithm=a2c", "algorithm", "a2c"),
+    cli("grpo-loss-aggregation", "config", "a loss aggregation that does not exist", "validate rlhf_grpo --config "
+        "tiny grpo.loss_aggregation=foo", "grpo.loss_aggregation", "foo", "token_mean"),
+    cli("grpo-clip-high", "config", "a negative upper clip range", "validate rlhf_grpo --config tiny "
+        "grpo.clip_high=-1", "clip_high=-1", ">= 0"),
+    cli("grpo-overlong-buffer", "config", "an overlong buffer longer than the answers may be",
+        "validate rlhf_grpo --config tiny grpo.overlong_buffer=100", "grpo.overlong_buffer",
+        "generation.max_new_tokens"),
+    cli("grpo-env", "config", "a multi-turn environment that does not exist", "validate rlhf_grpo --config "
+        "tiny_multiturn grpo.env=chess", "grpo.env", "chess", "builtin:arithmetic"),
+    cli("distill-on-policy", "config", "an on-policy share above 1", "validate distill --config tiny "
+        "distill.on_policy_fraction=1.5", "distill.on_policy_fraction", "1.5"),
+    cli("diffusion-grpo-group", "config", "a GRPO group of one image (no advantage to compute)",
+        "validate diffusion_grpo --config tiny diffusion.group_size=1", "diffusion.group_size", "1"),
+    cli("diffusion-dpo-beta", "config", "a Diffusion-DPO beta of 0", "validate diffusion_dpo --config tiny "
+        "dpo.beta=0", "dpo.beta", "0"),
+    cli("gan-d-steps", "config", "no discriminator step per generator step", "validate gan --config tiny "
+        "gan.d_steps=0", "gan.d_steps", "0"),
     cli("sft-scheduler", "config", "a scheduler name with a typo", "validate rlhf_sft --config tiny "
         "roles.actor.scheduler=cosyne", "roles.actor.scheduler", "cosyne"),
     cli("demo-backend", "config", "a backend that does not exist", "validate registry_demo --config tiny backend=jax",
