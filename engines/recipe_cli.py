@@ -495,6 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if fix and f"fix: {fix}" not in str(e):
             print(f"  fix: {fix}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # `multiengine run X --help | head`: the reader left; end quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -401,3 +401,13 @@ def test_launch_env_sets_omp_threads_only_if_unset(toy, monkeypatch):
     assert cli._launch_env(16, toy["package"])["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cli._launch_env(2, toy["package"])["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(monkeypatch, capsys):
+    """`multiengine run X --help | head`: a closed pipe is exit 1 without a traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w", buffering=1) as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert cli.main(["run", "gan", "--help"]) == cli.EXIT_FAILURE
+    assert "Traceback" not in capsys.readouterr().err
