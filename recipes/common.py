@@ -200,9 +200,9 @@ def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_mod
     """Train a model with the rlhf_sft recipe under ``out_dir`` and return its export. ``section`` has ``config``
     (a shipped rlhf_sft config) and ``overrides``; ``data`` are the ``data.*`` overrides that give it the
     recipe's data (:func:`data_overrides`). A finished run is reused only while its resolved config and inputs
-    are unchanged (recipes/steps.py's fingerprints). Recipes compose in one process: the SFT run builds its own registry
+    are unchanged (engines/recipe_steps.py). Recipes compose in one process: the SFT run builds its own registry
     on the same ranks."""
-    from multiengine.recipes.steps import run_step
+    from multiengine.engines.recipe_steps import run_step
 
     cfg = recipe.cfg
     overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"roles.actor.model={base_model}",

@@ -34,6 +34,7 @@ from typing import Any
 
 from multiengine.engines.recipe_config import Choice, Key, Range, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines.recipe_steps import FINGERPRINT_FILE, run_step
 from multiengine.recipes import plans
 from multiengine.recipes.common import (
     DATA_KEYS,
@@ -44,7 +45,6 @@ from multiengine.recipes.common import (
     recipe_checks,
     uses_builtin_data,
 )
-from multiengine.recipes.steps import FINGERPRINT_FILE, run_step
 
 __all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "validate"]
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
+from multiengine.engines.recipe_steps import FINGERPRINT_FILE, reuse_reason, step_fingerprint
 from multiengine.pipelines.rlhf import tiny
-from multiengine.recipes.steps import FINGERPRINT_FILE, reuse_reason, step_fingerprint
 
 
 def _write(path, text):
