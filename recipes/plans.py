@@ -12,7 +12,6 @@ points at. ``assume`` (``--assume role=model``) says what a folder that does not
 from __future__ import annotations
 
 import functools
-import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
     resolve_model,
     resolve_pipeline,
 )
+from multiengine.pipelines.diffusion import planning as D
 
 # --------------------------------------------------------------------------------------------------
 # models
@@ -104,43 +104,7 @@ def _meta_opt(hidden: int, layers: int, vocab: int) -> P.ModelInfo:
 
 
 def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
-    family = str(cfg.model.tiny_family)
-    folder = os.path.join(str(cfg.output_dir), f"tiny_{family}")
-    if os.path.isfile(os.path.join(folder, "model_index.json")):
-        return P.pipeline_info(folder), folder
-    return _build_tiny_sd(int(cfg.seed), int(cfg.data.resolution), family)
-
-
-@functools.cache
-def _build_tiny_sd(seed: int, resolution: int, family: str) -> tuple[dict[str, P.ModelInfo], str]:
-    """The recipe's tiny model of ``family`` (a few M parameters), built in a temporary folder to read its headers."""
-    from multiengine.pipelines.diffusion.runs import build_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
-        folder = build_tiny_model(os.path.join(tmp, f"tiny_{family}"), seed, resolution, family)
-        parts = P.pipeline_info(folder)
-    return parts, f"the recipe's tiny {family} (built as the run would)"
-
-
-def _sd_family(components: Mapping[str, P.ModelInfo]) -> str:
-    """sd | sdxl | sd3 | flux from the components alone (a hub name planned with --assume has no index)."""
-    if "transformer" in components:
-        return "flux" if "axes_dims_rope" in components["transformer"].config else "sd3"
-    return "sdxl" if "text_encoder_2" in components else "sd"
-
-
-def _encoder_names(components: Mapping[str, P.ModelInfo]) -> list[str]:
-    return sorted((n for n in components if n.startswith("text_encoder")), key=lambda n: (len(n), n))
-
-
-def _is_t5(info: P.ModelInfo) -> bool:
-    return info.class_name.startswith("T5") or "d_model" in info.config
-
-
-def _t5_length(cfg: Any, denoiser: P.ModelInfo) -> int:
-    """T5 tokens per caption as the recipe pads them (diffusion.max_sequence_length, else SD3 77 / FLUX 512)."""
-    asked = int(cfg.diffusion.get("max_sequence_length") or 0)
-    return asked or (512 if "axes_dims_rope" in denoiser.config else 77)
+    return D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution), str(cfg.model.tiny_family))
 
 
 def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: str, *, trained: str,
@@ -150,100 +114,90 @@ def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: 
     r, t = cfg.roles, cfg.roles[trained]
     baseline = cfg.mode == "seed_baseline"
     res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
-    vae = components["vae"]
-    scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
-    net = components[denoiser]
+    vae, net = components["vae"], components[denoiser]
+    scale = D.vae_scale(vae)
     lora = _lora(t.lora)
     if lora and not lora[1]:
         from multiengine.pipelines.diffusion.families import family_roles
 
-        lora = (lora[0], family_roles(_sd_family(components)).lora_targets)
-    encoders = _encoder_names(components)
-    t5_len = _t5_length(cfg, net) if denoiser == "transformer" else 0
-    tokens = {n: t5_len if _is_t5(components[n]) else int(components[n].config.get("max_position_embeddings", 77))
+        lora = (lora[0], family_roles(D.pipeline_family(components)).lora_targets)
+    encoders = D.encoder_names(components)
+    # T5 tokens per caption as the recipe pads them (diffusion.max_sequence_length, else SD3 77 / FLUX 512)
+    t5_len = int(cfg.diffusion.get("max_sequence_length") or 0) or (512 if "axes_dims_rope" in net.config else 77)
+    tokens = {n: t5_len if D.is_t5(components[n]) else int(components[n].config.get("max_position_embeddings", 77))
               for n in encoders}
     prompts = (len(cfg.validation.prompts) or int(cfg.validation.num_prompts)) if cfg.validation.enabled else 0
+    # SD/SDXL: the longest CLIP; SD3 joins the CLIP tokens (77) with T5's; FLUX's transformer sees T5's only.
+    text = max(tokens.values(), default=77) if denoiser == "unet" else \
+        t5_len + (0 if "axes_dims_rope" in net.config else 77)
 
     def denoiser_phases(dtype: str, trainable: bool, checkpointing: bool) -> list[tuple[str, int]]:
-        if denoiser == "unet":
-            text = max(tokens.values(), default=77)
-            act = functools.partial(P.unet_activation_bytes, net.config, latent_height=res // scale,
-                                    latent_width=res // scale, dtype=dtype, text_tokens=text)
-            train = act(batch=batch, trainable=trainable, gradient_checkpointing=checkpointing)
-            val = act(batch=2 * prompts, trainable=False) if prompts else 0
-        else:
-            # SD3 joins the CLIP tokens (77) with T5's; FLUX's transformer sees T5's only.
-            text = t5_len + (0 if "axes_dims_rope" in net.config else 77)
-            seq = P.dit_tokens(net.config, height=res, width=res, text_tokens=text, vae_scale=scale)
-            dims = P.dit_dims(net.config)
-            train = P.transformer_activation_bytes(dims, batch=batch, seq=seq, dtype=dtype, trainable=trainable,
-                                                   gradient_checkpointing=checkpointing, logits=False)
-            val = P.transformer_activation_bytes(dims, batch=2 * prompts, seq=seq, dtype=dtype, trainable=False,
-                                                 logits=False) if prompts else 0
+        act = functools.partial(D.denoiser_activation_bytes, net, denoiser, res=res, scale=scale, dtype=dtype,
+                                text_tokens=text)
+        train = act(batch=batch, trainable=trainable, checkpointing=checkpointing)
+        val = act(batch=2 * prompts, trainable=False, checkpointing=False) if prompts else 0
         return [("train step", train)] + ([("validation", val)] if val else [])
 
     fixed0 = (P.Choice(0),)
     whole = "seed_baseline: full copy"
-    section = r[trained]
-    tdtype = str(section.dtype)
-    checkpointing = bool(t.gradient_checkpointing)
+
+    def frozen(name: str, info: P.ModelInfo, dtype: str, phases: list[tuple[str, int]], note: str = "",
+               **extra: Any) -> None:
+        """A frozen role: at stage 0 with a full copy in seed_baseline mode, else where roles.<name> puts it."""
+        s = r[name]
+        roles.append(_role(name, info, dtype, trainable=False, phases=phases,
+                           current=P.Choice(0) if baseline else _current(s.stage, False, s.offload_params),
+                           choices=fixed0 if baseline else (), note=whole if baseline else note, **extra))
+
+    tdtype = str(t.dtype)
     roles = [_role(trained, trained_info, tdtype, trainable=True, lora=lora if trained == denoiser else None,
-                   current=_current(section.stage, True, section.offload_params, section.offload_optimizer),
-                   phases=denoiser_phases(tdtype, True, checkpointing),
+                   current=_current(t.stage, True, t.offload_params, t.offload_optimizer),
+                   phases=denoiser_phases(tdtype, True, bool(t.gradient_checkpointing)),
                    note="LoRA: activations estimated as for a full fine-tune (an upper bound)" if lora else "")]
     keys = {trained: _keys(f"roles.{trained}")}
+    frozen_keys = []  # the frozen roles whose placement the config sets (none in seed_baseline mode)
     if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
         ddtype = str(r[denoiser].dtype)
-        roles.append(_role(
-            denoiser, net, ddtype, trainable=False,
-            current=P.Choice(0) if baseline else _current(r[denoiser].stage, False, r[denoiser].offload_params),
-            phases=denoiser_phases(ddtype, True, False), choices=fixed0 if baseline else (),
-            note=whole if baseline else "frozen; activations kept for the trained role's backward"))
-        if not baseline:
-            keys[denoiser] = _keys(f"roles.{denoiser}", offload_optimizer=False)
+        frozen(denoiser, net, ddtype, denoiser_phases(ddtype, True, False),
+               "frozen; activations kept for the trained role's backward")
+        frozen_keys.append(denoiser)
     vdtype = str(r.vae.dtype)
-    c0 = int(vae.config.get("block_out_channels", (128,))[0])
-    vae_phases = [("encode", P.conv_frozen_activation_bytes(batch=batch, height=res, width=res, channels=c0,
-                                                           dtype=vdtype))]
+    vae_phases = [("encode", D.vae_activation_bytes(vae, batch=batch, resolution=res, dtype=vdtype))]
     if prompts:
-        vae_phases.append(("validation decode", P.conv_frozen_activation_bytes(
-            batch=prompts, height=res, width=res, channels=c0, dtype=vdtype)))
-    roles.append(_role("vae", vae, vdtype, trainable=False,
-                       current=P.Choice(0) if baseline else _current(r.vae.stage, False, r.vae.offload_params),
-                       phases=vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
-                       gather_hint="roles.vae.gather_forward=false",
-                       choices=fixed0 if baseline else (), note=whole if baseline else ""))
-    if not baseline:
-        keys["vae"] = _keys("roles.vae", offload_optimizer=False)
+        vae_phases.append(("validation decode", D.vae_activation_bytes(vae, batch=prompts, resolution=res,
+                                                                       dtype=vdtype)))
+    frozen("vae", vae, vdtype, vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
+           gather_hint="roles.vae.gather_forward=false")
+    frozen_keys.append("vae")
     first = r.text_encoder
     for i, name in enumerate(encoders):
-        info = components[name]
         own = r[name] if i else first
         follow = i > 0 and int(own.stage) < 0  # stage -1: placed as roles.text_encoder
-        place = first if follow else own
         edtype = str(own.dtype or first.dtype)
-        dims = P.transformer_dims(info.config)
-        phases = [("encode", P.transformer_activation_bytes(dims, batch=batch, seq=tokens[name], dtype=edtype,
-                                                            trainable=False, logits=False))]
+        phase = P.transformer_activation_bytes(P.transformer_dims(components[name].config), batch=batch,
+                                               seq=tokens[name], dtype=edtype, trainable=False, logits=False)
         roles.append(_role(
-            name, info, edtype, trainable=False,
-            current=P.Choice(0) if baseline else _current(place.stage, False, own.offload_params),
-            phases=phases, full_gather=("encode",) if own.gather_forward else (),
+            name, components[name], edtype, trainable=False,
+            current=P.Choice(0) if baseline else _current((first if follow else own).stage, False,
+                                                          own.offload_params),
+            phases=[("encode", phase)], full_gather=("encode",) if own.gather_forward else (),
             gather_hint=f"roles.{name}.gather_forward=false",
             choices=fixed0 if baseline else (), follows=encoders[0] if follow and not baseline else None,
             follows_all=follow, note=whole if baseline else
             ("placed like text_encoder (its stage is -1)" if follow else "")))
-        if not baseline and not follow:
-            keys[name] = _keys(f"roles.{name}", offload_optimizer=False)
+        if not follow:
+            frozen_keys.append(name)
+    if not baseline:
+        keys.update({name: _keys(f"roles.{name}", offload_optimizer=False) for name in frozen_keys})
     ema = cfg.get("ema") or {}
     if ema.get("enabled"):
-        stage = 0 if baseline else int(section.stage)
         ema_info = trained_info
         if lora:
             for i, n in enumerate(P.lora_tensors(trained_info.tensors, *lora)):
                 ema_info = ema_info.plus(f"lora_{i}", (n,))
         roles.append(_role(
-            "ema", ema_info, str(ema.dtype), trainable=False, current=_current(stage, False, ema.offload_params),
+            "ema", ema_info, str(ema.dtype), trainable=False,
+            current=_current(0 if baseline else int(t.stage), False, ema.offload_params),
             choices=fixed0 if baseline else (), follows=None if baseline else trained,
             note=whole if baseline else f"sharded like the {trained} (same stage)"))
         if not baseline:
@@ -251,62 +205,40 @@ def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: 
     return roles, keys
 
 
-def _diffusion_notes(cfg: Any, components: Mapping[str, P.ModelInfo], source: str, trained: str) -> list[str]:
+def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, trained: str | None,
+                    info: Any = None) -> list[RecipePlan]:
+    """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (``info(components)``: its ModelInfo)."""
+    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
+                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
+    denoiser = "unet" if "unet" in components or trained else "transformer"
+    if denoiser not in components or "vae" not in components:
+        what = "a unet or a transformer beside a vae" if trained is None else "a ControlNet for a unet"
+        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
+    trained = trained or denoiser
+    roles, keys = _diffusion_roles(cfg, components, denoiser, trained=trained,
+                                   trained_info=info(components) if info else components[denoiser])
     res, t = int(cfg.data.resolution), cfg.roles[trained]
-    scale = 2 ** (len(components["vae"].config.get("block_out_channels", (1, 1, 1, 1))) - 1)
-    return [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
-            f"{int(t.micro_batch_size)}" + (", gradient checkpointing" if t.gradient_checkpointing else "")]
+    scale = D.vae_scale(components["vae"])
+    notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
+             f"{int(t.micro_batch_size)}" + (", gradient checkpointing" if t.gradient_checkpointing else "")]
+    return [RecipePlan(title, roles, keys, notes)]
 
 
 def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
-    denoiser = "unet" if "unet" in components else "transformer"
-    if denoiser not in components or "vae" not in components:
-        raise RecipeConfigError(f"sd_finetune trains a unet or a transformer beside a vae; {source} has "
-                                f"components {sorted(components)}.")
-    roles, keys = _diffusion_roles(cfg, components, denoiser, trained=denoiser, trained_info=components[denoiser])
-    return [RecipePlan("sd_finetune", roles, keys, _diffusion_notes(cfg, components, source, denoiser))]
-
-
-def _meta_controlnet(unet: P.ModelInfo, vae_scale: int) -> P.ModelInfo:
-    """The ControlNetModel the recipe initialises from ``unet``, built on the meta device (no weights)."""
-    tensors, config = _meta_controlnet_tensors(json.dumps(dict(unet.config), sort_keys=True), vae_scale)
-    return P.ModelInfo(source=f"a ControlNet from the unet of {unet.source}", tensors=tensors, config=config,
-                       class_name="ControlNetModel")
-
-
-@functools.cache
-def _meta_controlnet_tensors(unet_config: str, vae_scale: int) -> tuple[tuple[P.TensorEntry, ...], dict[str, Any]]:
-    import torch
-    from diffusers import ControlNetModel, UNet2DConditionModel
-    from multiengine.pipelines.diffusion.controlnet import conditioning_embedding_channels
-
-    with torch.device("meta"):
-        base = UNet2DConditionModel.from_config(json.loads(unet_config))
-        model = ControlNetModel.from_unet(base, load_weights_from_unet=False,
-                                          conditioning_embedding_out_channels=conditioning_embedding_channels(
-                                              vae_scale))
-    tensors = tuple(P.TensorEntry(n, tuple(p.shape), "F32") for n, p in model.named_parameters())
-    return tensors, dict(model.config)
+    return _diffusion_plan(cfg, assume, "sd_finetune", None)
 
 
 def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
-    if "unet" not in components or "vae" not in components:
-        raise RecipeConfigError(f"controlnet trains a ControlNet for a unet; {source} has components "
-                                f"{sorted(components)}.")
     given = str(cfg.roles.controlnet.model)
-    if given and os.path.isdir(given):
-        info = P.model_info(given, str(cfg.model.variant) or None)
-    else:
-        scale = 2 ** (len(components["vae"].config.get("block_out_channels", (1, 1, 1, 1))) - 1)
-        info = _meta_controlnet(components["unet"], scale)
-    roles, keys = _diffusion_roles(cfg, components, "unet", trained="controlnet", trained_info=info)
-    return [RecipePlan("controlnet", roles, keys, _diffusion_notes(cfg, components, source, "controlnet"))]
+
+    def info(components: Mapping[str, P.ModelInfo]) -> P.ModelInfo:
+        if given and os.path.isdir(given):
+            return P.model_info(given, str(cfg.model.variant) or None)
+        return D.meta_controlnet(components["unet"], D.vae_scale(components["vae"]))
+
+    return _diffusion_plan(cfg, assume, "controlnet", "controlnet", info)
 
 
 def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
@@ -618,18 +550,6 @@ def gan(cfg: Any, assume: Mapping[str, str] | None = None,
     return [plan]
 
 
-def _rl_denoiser_phases(info: P.ModelInfo, name: str, *, res: int, scale: int, batch: int, dtype: str,
-                        trainable: bool, checkpointing: bool, text_tokens: int) -> int:
-    """Activation peak of one denoiser forward (+ backward when trainable) on ``batch`` latents."""
-    if name == "unet":
-        return P.unet_activation_bytes(info.config, batch=batch, latent_height=res // scale, latent_width=res // scale,
-                                       dtype=dtype, trainable=trainable, gradient_checkpointing=checkpointing,
-                                       text_tokens=text_tokens)
-    seq = P.dit_tokens(info.config, height=res, width=res, text_tokens=text_tokens, vae_scale=scale)
-    return P.transformer_activation_bytes(P.dit_dims(info.config), batch=batch, seq=seq, dtype=dtype,
-                                          trainable=trainable, gradient_checkpointing=checkpointing, logits=False)
-
-
 def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None,
                   rollout: int, train: int, extra: Mapping[str, P.ModelInfo]) -> RecipePlan:
     """diffusion_grpo / diffusion_dpo: the roles the run builds, from the recipe's declaration; ``rollout`` rows
@@ -637,16 +557,15 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
     from multiengine.pipelines.diffusion.families import family_roles
     from omegaconf import OmegaConf
 
-    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _build_tiny_sd(int(cfg.seed), res, str(cfg.model.tiny_family)),
-                                          assume=assume)
+    components, source = resolve_pipeline(
+        str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
+        tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
     denoiser = "unet" if "unet" in components else "transformer"
-    family = _sd_family(components)
+    family = D.pipeline_family(components)
     net, vae = components[denoiser], components["vae"]
-    scale = 2 ** (len(vae.config.get("block_out_channels", (1, 1, 1, 1))) - 1)
-    encoders = _encoder_names(components)
     text = 77 + (0 if denoiser == "unet" else (512 if family == "flux" else 77))
-    infos = {"policy": net, "ref": net, "vae": vae, **{n: components[n] for n in encoders}, **extra}
+    infos = {"policy": net, "ref": net, "vae": vae, **{n: components[n] for n in D.encoder_names(components)},
+             **extra}
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if cfg.roles.policy.lora.r and not cfg.roles.policy.lora.target_modules:
         cfg.roles.policy.lora.target_modules = list(family_roles(family).lora_targets)
@@ -654,18 +573,15 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
     dtype = str(pol.dtype)
 
     def act(batch: int, trainable: bool, role_dtype: str) -> int:
-        return _rl_denoiser_phases(net, denoiser, res=res, scale=scale, batch=batch, dtype=role_dtype,
-                                   trainable=trainable, checkpointing=bool(pol.gradient_checkpointing),
-                                   text_tokens=text)
+        return D.denoiser_activation_bytes(net, denoiser, res=res, scale=D.vae_scale(vae), batch=batch,
+                                           dtype=role_dtype, trainable=trainable,
+                                           checkpointing=bool(pol.gradient_checkpointing), text_tokens=text)
 
-    ref_dtype = str(cfg.roles.ref.dtype or dtype)
-    c0 = int(vae.config.get("block_out_channels", (128,))[0])
+    vae_act = D.vae_activation_bytes(vae, batch=rollout, resolution=res, dtype=str(cfg.roles.vae.dtype))
     phases = {"policy": [("rollout", act(rollout, False, dtype)), ("train step", act(train, True, dtype))],
-              "ref": [("forward", act(rollout, False, ref_dtype))],
-              "vae": [("decode / encode", P.conv_frozen_activation_bytes(batch=rollout, height=res, width=res,
-                                                                         channels=c0, dtype=str(cfg.roles.vae.dtype)))]}
-    roles = [r for r in recipe.ROLES if r.name in infos]
-    plan = declared_roles(cfg, roles, infos, phases)
+              "ref": [("forward", act(rollout, False, str(cfg.roles.ref.dtype or dtype)))],
+              "vae": [("decode / encode", vae_act)]}
+    plan = declared_roles(cfg, [r for r in recipe.ROLES if r.name in infos], infos, phases)
     plan.title = title
     plan.notes = [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}"]
     return plan

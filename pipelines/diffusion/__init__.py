@@ -10,4 +10,5 @@ models.py      role specs / registry for unet, vae, text encoders and EMA; zero3
 training.py    the training steps (DDPM, ControlNet, flow matching) and held-out losses
 validation.py  a pipeline on the engines' modules, images on all ranks in lockstep, grids
 export.py      diffusers pipeline folder, per-role folders, LoRA weights
+planning.py    the memory planner's view of a pipeline: family, tiny models, activation peaks
 """

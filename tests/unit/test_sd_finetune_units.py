@@ -49,13 +49,13 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
     """The hub model's family (from the built-in architectures, no download) is the one the config is written
     for: its family options pass the recipe's own check, every role it has is ZeRO-3 bf16, the side fits."""
     from multiengine.engines.known_models import is_known, known_pipeline_info
-    from multiengine.recipes import plans
+    from multiengine.pipelines.diffusion.planning import pipeline_family
     from multiengine.recipes.sd_finetune import check_family_options
 
     cfg = load_config("sd_finetune", name)
     assert is_known(str(cfg.model.pretrained))
     parts = known_pipeline_info(str(cfg.model.pretrained))
-    assert plans._sd_family(parts) == family
+    assert pipeline_family(parts) == family
     assert sorted(n for n in parts if n.startswith("text_encoder")) == sorted(encoders)
     check_family_options(cfg, family)  # raises on an option of the other objective
     from multiengine.engines.role_schema import placement
