@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 from multiengine.engines import barrier, mean_over_ranks
-from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
+from multiengine.engines.recipe_config import Key, Length, Range, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
-from multiengine.engines.role_schema import Role, role_keys
+from multiengine.engines.role_schema import role_keys
 from multiengine.pipelines.diffusion import rl
-from multiengine.pipelines.diffusion.families import FAMILIES
 from multiengine.pipelines.diffusion.rl_runs import (
     load_preference_rows,
     make_shapes_preference_pairs,
@@ -35,36 +34,21 @@ from multiengine.pipelines.diffusion.rl_runs import (
 )
 from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
+from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.diffusion_grpo import (
-    FROZEN,
-    MODEL_KEYS,
-    POLICY,
-    REF_STAGE,
-    DiffusionRoles,
-    check_components,
-    check_resolution,
-    pipeline_family,
-)
+from multiengine.recipes.diffusion_keys import DiffusionRoles
 
-ROLES = (
-    Role("policy", "the denoiser trained (SD/SDXL unet, SD3/FLUX transformer)", trainable=True,
-         keys={**POLICY, "lr": 1e-4, "micro_batch_size": Key(16, "preference pairs per rank per forward (2x images)"),
-               "grad_accum": Key(1, "micro batches per optimizer step")}),
-    Role("ref", "frozen reference: the policy's starting weights (a separate copy, also with LoRA)",
-         follows="policy", weights="policy", keys={"stage": REF_STAGE, "gather_forward": True}),
-    Role("vae", "frozen: latents of the chosen and rejected images", keys={**FROZEN}),
-    Role("text_encoder", "frozen: the first text encoder (CLIP-L)", keys={**FROZEN}),
-    Role("text_encoder_2", "frozen: SDXL's and SD3's CLIP-G, FLUX's T5", follows="text_encoder",
-         keys={"gather_forward": True}),
-    Role("text_encoder_3", "frozen: SD3's T5", follows="text_encoder", keys={"gather_forward": True}),
-)
+ROLES = shared.rl_roles(
+    {**shared.POLICY, "lr": 1e-4, "micro_batch_size": Key(16, "preference pairs per rank per forward (2x images)"),
+     "grad_accum": Key(1, "micro batches per optimizer step")},
+    "frozen reference: the policy's starting weights (a separate copy, also with LoRA)",
+    vae="frozen: latents of the chosen and rejected images")
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/diffusion_dpo", "everything the run writes goes under this folder"),
     "max_steps": Key(60, "optimizer steps"),
-    "model": MODEL_KEYS,
+    "model": shared.RL_MODEL_KEYS,
     "roles": role_keys(ROLES),
     "dpo": Key({
         "beta": Key(5000.0, "Diffusion-DPO's beta (diffusers' script: 2500 for SD 1.5, 5000 for SDXL)"),
@@ -90,29 +74,21 @@ KEYS: dict[str, Any] = {
         "timesteps": Key(4, "evenly spaced timesteps per held-out pair"),
         "seed": Key(1234, "the held-out noise's seed"),
     }, "implicit reward accuracy on held-out pairs (fixed noise and timesteps)"),
-    "export": Key({
-        "enabled": Key(True, "export/policy: a diffusers pipeline folder (and export/lora for LoRA)"),
-        "dtype": Key("fp32", "dtype of the exported components"),
-    }, "what the run writes under output_dir/export"),
+    "export": shared.RL_EXPORT_KEYS,
 }
 DEFAULTS, HELP = split_keys(KEYS)
 # (recipe_checks would add the RLHF data section's checks: this data section is its own)
 CHECKS = recipe_checks({k: v for k, v in DEFAULTS.items() if k != "data"}, {
-    "model.tiny_family": Choice(*FAMILIES), "model.tiny_vae_steps": Range(0), "dpo.beta": Range(0, min_exclusive=True),
-    "dpo.guidance_scale": Range(0), "dpo.max_sequence_length": Range(0), "data.resolution": Range(8),
-    "data.builtin_size": Range(2), "eval.size": Range(1), "eval.timesteps": Range(1),
-    "data.columns.*": Length(1), "export.dtype": Choice("fp32", "bf16", "fp16"),
-    "roles.policy.lora.target_modules": Each(Length(1)),
+    **shared.RL_CHECKS, "dpo.beta": Range(0, min_exclusive=True), "dpo.guidance_scale": Range(0),
+    "dpo.max_sequence_length": Range(0), "data.resolution": Range(8), "data.builtin_size": Range(2),
+    "eval.size": Range(1), "eval.timesteps": Range(1), "data.columns.*": Length(1),
 })
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder and resolution, component folders, the pair data (columns, enough rows for the held-out
     split and a micro batch)."""
-    check_components(cfg)
-    family = pipeline_family(cfg)
-    if family:
-        check_resolution(cfg, family, "data.resolution")
+    shared.check_rl_model(cfg, "data.resolution")
     rows = int(cfg.data.builtin_size)
     if cfg.data.source:
         try:
@@ -224,9 +200,6 @@ class DiffusionDPO(DiffusionRoles):
         _, stats = rl.diffusion_dpo_loss_from_losses(mw, ml, rw, rl_, float(cfg.dpo.beta))
         return {"implicit_acc": float(stats.implicit_acc), "margin": float(stats.margin.mean()),
                 "chosen_preferred": float((mw < ml).float().mean()), "policy_mse": float(stats.model_mse)}
-
-    def export(self) -> dict[str, Any]:
-        return self.export_policy(str(self.cfg.export.dtype)) if self.cfg.export.enabled else {}
 
     def summary_metrics(self) -> dict[str, Any]:
         losses = [m["loss"] for m in self.step_metrics]

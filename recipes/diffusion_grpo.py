@@ -18,7 +18,6 @@ folder; export/lora for LoRA runs).
 
 from __future__ import annotations
 
-import logging
 import os
 import statistics
 from typing import Any
@@ -26,12 +25,10 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, frozen_role, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
-from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
-from multiengine.engines.role_schema import Role, lora_spec, model_path, optim_spec, placement, role_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS
+from multiengine.engines.role_schema import Role, placement, role_keys
 from multiengine.pipelines.diffusion import rl
-from multiengine.pipelines.diffusion.export import export_pipeline, save_lora
-from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
-from multiengine.pipelines.diffusion.models import resolve_model_path
+from multiengine.pipelines.diffusion.inputs import check_config_folder, check_prompts, check_rewards
 from multiengine.pipelines.diffusion.rewards import (
     COLOR_NAMES,
     parse_shapes_prompt,
@@ -41,70 +38,30 @@ from multiengine.pipelines.diffusion.rewards import (
 from multiengine.pipelines.diffusion.rl_runs import (
     BUILTIN_REWARDS,
     REWARD_MODEL,
-    PolicyModel,
     load_reward_function,
     load_reward_model_role,
-    prepare_tiny_pipeline,
     read_prompts,
     reward_grid,
-    rl_role_specs,
     score_images,
     shapes_prompt_split,
 )
-from multiengine.pipelines.diffusion.runs import (
-    memory_metrics,
-    t5_length,
-    text_tokenizers,
-    token_lengths,
-)
+from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
+from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
+from multiengine.recipes.diffusion_keys import DiffusionRoles
 
-logger = logging.getLogger(__name__)
-
-# Frozen components: fp32 on CPU, gathered whole once per call (one collective; 1/N of each between calls).
-FROZEN: dict[str, Any] = {"dtype": "fp32", "gather_forward": True}
-POLICY: dict[str, Any] = {
-    "dtype": "fp32", "stage": 2, "lr": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0,
-    "model": Key("", "a folder holding the denoiser (config.json + weights, e.g. an export's unet/); \"\" = the "
-                     "unet/ or transformer/ of model.pretrained"),
-    "micro_batch_size": Key(16, "images per rank per rollout (prompts x diffusion.group_size)"),
-    "grad_accum": Key(1, "rollouts per optimizer step (each trains on its sampled steps; the engine accumulates "
-                         "grad_accum x the trained steps)"),
-    "lora": {"target_modules": Key([], "[] = diffusers' targets of the family")},
-}
-# The reference is ZeRO-3 whatever the policy's stage (its dtype follows the policy's).
-REF_STAGE = Key(3, "ZeRO stage 0-3 (a frozen role asked for stage 1 or 2 is built at 0: nothing to partition "
-                   "but its weights)")
-ROLES = (
-    Role("policy", "the denoiser trained (SD/SDXL unet, SD3/FLUX transformer)", trainable=True, keys=POLICY),
-    Role("ref", "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the "
-         "policy's starting weights, with LoRA too", follows="policy", weights="policy",
-         keys={"stage": REF_STAGE, "gather_forward": True}),
+ROLES = shared.rl_roles(
+    shared.POLICY, "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the "
+    "policy's starting weights, with LoRA too",
     Role("reward", "the frozen reward model (reward.functions lists reward_model); model \"\" = the tiny shapes "
-         "CNN trained here", keys={**FROZEN}),
-    Role("vae", "frozen: decodes the sampled latents", keys={**FROZEN}),
-    Role("text_encoder", "frozen: the first text encoder (CLIP-L)", keys={**FROZEN}),
-    Role("text_encoder_2", "frozen: SDXL's and SD3's CLIG-G, FLUX's T5", follows="text_encoder",
-         keys={"gather_forward": True}),
-    Role("text_encoder_3", "frozen: SD3's T5", follows="text_encoder", keys={"gather_forward": True}),
-)
-COMPONENTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-
-MODEL_KEYS = Key({
-    "pretrained": Key("", "the diffusers pipeline folder or hub name; \"\" = the tiny model of model.tiny_family"),
-    "revision": Key("", "hub revision (\"\" = main)"),
-    "variant": Key("", "weight variant (e.g. fp16; \"\" = the default weights)"),
-    "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux"),
-    "tiny_vae_steps": Key(100, "tiny model only: pretrain its random vae on the shapes images first (0 = no)"),
-    "tiny_unet_steps": Key(400, "tiny SD only: pretrain its random unet on the shapes images first (0 = no)"),
-}, "the diffusers pipeline whose denoiser is trained")
+         "CNN trained here", keys={**shared.FROZEN}), vae="frozen: decodes the sampled latents")
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/diffusion_grpo", "everything the run writes goes under this folder"),
     "max_steps": Key(60, "optimizer steps (each after grad_accum rollouts)"),
-    "model": MODEL_KEYS,
+    "model": shared.RL_MODEL_KEYS,
     "roles": role_keys(ROLES),
     "diffusion": Key({
         "resolution": Key(16, "image side in pixels"),
@@ -140,202 +97,45 @@ KEYS: dict[str, Any] = {
         "seed": Key(1234, "the held-out noise's seed"),
         "grid": Key(True, "grids/ of the held-out images labelled with prompt and reward (before, after)"),
     }, "mean reward of held-out prompts at fixed noise"),
-    "export": Key({
-        "enabled": Key(True, "export/policy: a diffusers pipeline folder (and export/lora for LoRA)"),
-        "dtype": Key("fp32", "dtype of the exported components"),
-    }, "what the run writes under output_dir/export"),
+    "export": shared.RL_EXPORT_KEYS,
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
-    "model.tiny_family": Choice(*FAMILIES), "model.tiny_vae_steps": Range(0),
-    "diffusion.resolution": Range(8), "diffusion.num_inference_steps": Range(1),
+    **shared.RL_CHECKS, "diffusion.resolution": Range(8), "diffusion.num_inference_steps": Range(1),
     "diffusion.eta": Range(0, min_exclusive=True), "diffusion.noise_level": Range(0, min_exclusive=True),
     "diffusion.guidance_scale": Range(0), "diffusion.group_size": Range(2),
     "diffusion.advantage_std": Choice("group", "global", "none"), "diffusion.clip_range": Range(0, min_exclusive=True),
     "diffusion.adv_clip_max": Range(0, min_exclusive=True), "diffusion.kl_coef": Range(0),
     "diffusion.train_timestep_fraction": Range(0, 1, min_exclusive=True), "reward.functions": Each(Length(1)),
     "reward.model_steps": Range(1), "eval.size": Range(1), "eval.images_per_prompt": Range(1),
-    "export.dtype": Choice("fp32", "bf16", "fp16"), "roles.policy.lora.target_modules": Each(Length(1)),
 })
 
 
-# --- checks before any rank starts (shared with diffusion_dpo) ------------------------------------------------
-def pipeline_family(cfg: Any) -> str:
-    """The family of model.pretrained (a local folder), model.tiny_family when empty, "" for a hub name."""
-    path = str(cfg.model.pretrained)
-    if not path:
-        return str(cfg.model.tiny_family)
-    folder = os.path.expanduser(path)
-    if not os.path.isdir(folder):
-        return ""
-    if not os.path.isfile(os.path.join(folder, "model_index.json")):
-        raise config_problem("model.pretrained", path, "is not a diffusers folder (no model_index.json)",
-                             "point it at a pipeline folder saved with save_pretrained, or a hub name")
-    return model_family(folder)
-
-
-def check_components(cfg: Any) -> None:
-    """The vae and text encoders come from model.pretrained; a role folder of their own is refused."""
-    for name in COMPONENTS:
-        if cfg.roles[name].model or cfg.roles[name].tokenizer:
-            raise config_problem(f"roles.{name}.model", cfg.roles[name].model or cfg.roles[name].tokenizer,
-                                 "is not supported: the vae and text encoders load from model.pretrained",
-                                 f"set roles.{name}.model=\"\" (and tokenizer) and point model.pretrained at the "
-                                 "pipeline folder")
-    for name in ("policy", "ref"):
-        folder = str(cfg.roles[name].model)
-        if folder and not os.path.isfile(os.path.join(os.path.expanduser(folder), "config.json")):
-            raise config_problem(f"roles.{name}.model", folder, "has no config.json (not a denoiser folder)",
-                                 f"give a unet/ or transformer/ folder, or set roles.{name}.model=\"\"")
-
-
-def check_resolution(cfg: Any, family: str, key: str = "diffusion.resolution") -> None:
-    from multiengine.pipelines.diffusion.runs import resolution_multiple
-
-    path = os.path.expanduser(str(cfg.model.pretrained))
-    multiple = resolution_multiple(family, path if cfg.model.pretrained and os.path.isdir(path) else None)
-    res = int(_get(cfg, key))
-    if res % multiple:
-        raise config_problem(key, res, f"is not a multiple of {multiple}, which this {family} model needs",
-                             f"use {key}={max(multiple, res // multiple * multiple)}")
-
-
-def _get(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = cfg[part]
-    return cfg
-
-
 def validate(cfg: Any, world_size: int = 1) -> None:
-    """The model folder and family (eta for unets, noise_level for flows), component folders, resolution, the
-    batch (micro batch = prompts x group_size), the reward functions import, the prompt files and the LoRA /
-    reward-model combinations; before any rank starts."""
-    check_components(cfg)
-    family = pipeline_family(cfg)
-    if family:
-        check_resolution(cfg, family)
+    """The model folder and family, component folders, resolution, the batch (micro batch = prompts x
+    group_size), the reward functions import, the prompt files and the reward-model folder; before any rank
+    starts."""
+    shared.check_rl_model(cfg, "diffusion.resolution")
     d = cfg.diffusion
     micro = int(cfg.roles.policy.micro_batch_size)
     if micro % int(d.group_size):
         raise config_problem("roles.policy.micro_batch_size", micro, f"is not a multiple of diffusion.group_size="
                              f"{d.group_size} (each rank samples whole groups)",
                              f"set roles.policy.micro_batch_size={max(1, micro // d.group_size) * d.group_size}")
-    steps = int(int(d.num_inference_steps) * float(d.train_timestep_fraction))
-    if steps < 1:
+    if int(int(d.num_inference_steps) * float(d.train_timestep_fraction)) < 1:
         raise config_problem("diffusion.train_timestep_fraction", d.train_timestep_fraction,
                              f"of {d.num_inference_steps} steps trains on no step",
                              f"use at least {1 / int(d.num_inference_steps):.3g}")
-    names = list(cfg.reward.functions)
-    if not names:
-        raise config_problem("reward.functions", [], "is empty: nothing scores the images",
-                             "list a builtin (color, shapes, reward_model) or module:function")
-    if cfg.reward.weights and len(cfg.reward.weights) != len(names):
-        raise config_problem("reward.weights", list(cfg.reward.weights), f"has {len(cfg.reward.weights)} weights "
-                             f"for {len(names)} functions", "give one weight per reward function, or []")
-    for name in [*names, *([cfg.eval.reward] if cfg.eval.reward else [])]:
-        if name == REWARD_MODEL:
-            continue
-        try:
-            load_reward_function(str(name))
-        except (ValueError, ImportError) as exc:
-            key = "reward.functions" if name in names else "eval.reward"
-            raise config_problem(key, name, f"cannot be loaded: {exc}", "use a builtin (color, shapes, "
-                                 "reward_model) or an importable module:function") from None
-    if cfg.eval.reward == REWARD_MODEL and REWARD_MODEL not in names:
-        raise config_problem("eval.reward", REWARD_MODEL, "needs the reward role, built only when reward.functions "
-                             "lists reward_model", "add reward_model to reward.functions, or set eval.reward=color")
-    model = str(cfg.roles.reward.model)
-    if model and not os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):
-        raise config_problem("roles.reward.model", model, "has no config.json (not a tiny reward model folder)",
-                             "give a folder written by save_tiny_reward_model, or \"\" to train one")
-    for key in ("train_file", "eval_file"):
-        path = str(cfg.prompts[key])
-        if not path:
-            continue
-        try:
-            if not read_prompts(os.path.expanduser(path)):
-                raise ValueError("it holds no prompt")
-        except (OSError, ValueError) as exc:
-            raise config_problem(f"prompts.{key}", path, f"cannot be read as prompts: {exc}",
-                                 "give a .txt file (one prompt a line) or .json/.jsonl rows with a prompt field"
-                                 ) from None
-    colors = [str(c) for c in cfg.prompts.shapes_colors]
-    if not (cfg.prompts.train_file and cfg.prompts.eval_file):
-        try:
-            shapes_prompt_split(int(cfg.eval.size), 0, colors)
-        except ValueError as exc:
-            raise config_problem("eval.size", cfg.eval.size, f"cannot split the shapes captions: {exc}",
-                                 "set eval.size below the number of captions, or prompts.shapes_colors") from None
-    check_tiny_unet(cfg)
-
-
-def check_tiny_unet(cfg: Any) -> None:
-    if cfg.model.tiny_unet_steps and (cfg.model.pretrained or cfg.model.tiny_family != "sd"):
-        raise config_problem("model.tiny_unet_steps", cfg.model.tiny_unet_steps, "pretrains the tiny SD unet only "
-                             f"(model.pretrained={str(cfg.model.pretrained)!r}, model.tiny_family="
-                             f"{cfg.model.tiny_family})", "set model.tiny_unet_steps=0")
-
-
-# --- building (shared with diffusion_dpo) ---------------------------------------------------------------------
-class DiffusionRoles(Recipe):
-    """The model folder (the tiny one built and its vae pretrained when empty) and the roles every diffusion RL
-    recipe has: policy, ref (when ``uses_ref``), vae and the text encoders."""
-
-    roles = ROLES
-
-    def add_denoisers(self, resolution: int, uses_ref: bool, total_steps: int, accum: int) -> None:
-        cfg, registry = self.cfg, self.registry
-        self.vae_pretrain = self.unet_pretrain = None
-        if cfg.model.pretrained:
-            self.model_path = resolve_model_path(str(cfg.model.pretrained), str(cfg.model.revision) or None,
-                                                 str(cfg.model.variant) or None)
-        else:  # the tiny model, its vae (and SD unet) pretrained on the shapes images first
-            family = str(cfg.model.tiny_family)
-            self.model_path = self.path(f"tiny_{family}")
-            done = prepare_tiny_pipeline(self.model_path, self.path("data", "shapes"), family, seed=cfg.seed,
-                                         resolution=resolution, vae_steps=int(cfg.model.tiny_vae_steps),
-                                         unet_steps=int(cfg.model.tiny_unet_steps), is_main=registry.is_main,
-                                         device=registry.device)
-            self.vae_pretrain, self.unet_pretrain = done["vae"], done["unet"]
-        self.family = model_family(self.model_path)
-        self.family_roles = family_roles(self.family)
-        self.denoiser = self.family_roles.denoiser
-        self.text_encoders = list(self.family_roles.text_encoders)
-        default = {"policy": os.path.join(self.model_path, self.denoiser)}
-        p = cfg.roles.policy
-        for spec in rl_role_specs(
-                self.model_path, self.denoiser, self.text_encoders,
-                {r.name: placement(cfg, self.roles, r.name) for r in self.roles if r.name in cfg.roles},
-                policy_folder=model_path(cfg, self.roles, "policy", default),
-                ref_folder=model_path(cfg, self.roles, "ref", default) if uses_ref else None,
-                optim=optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
-                grad_accum=accum, gradient_checkpointing=bool(p.gradient_checkpointing), seed=cfg.seed,
-                # target_modules [] = diffusers' LoRA targets of the family
-                lora=lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules
-                                                                   or self.family_roles.lora_targets)),
-                variant=str(cfg.model.variant) or None):
-            registry.add(spec)
-
-    def policy_model(self, resolution: int, guidance_scale: float, t5_tokens: int = 0) -> PolicyModel:
-        t5 = t5_length(self.family, t5_tokens)
-        return PolicyModel(self.registry, self.model_path, self.family, self.text_encoders, resolution=resolution,
-                           tokenizers=text_tokenizers(self.model_path, self.text_encoders),
-                           token_lengths=token_lengths(self.model_path, self.text_encoders, t5),
-                           guidance_scale=guidance_scale)
-
-    def export_policy(self, dtype: str) -> dict[str, Any]:
-        components = {self.denoiser: "policy", "vae": "vae", **{n: n for n in self.text_encoders}}
-        folder = self.path("export", "policy")
-        written: dict[str, Any] = {"policy": export_pipeline(self.registry, self.model_path, folder, components,
-                                                             dtype=dtype)}
-        if self.cfg.roles.policy.lora.r:
-            written["lora"] = save_lora(self.registry, self.path("export", "lora"), role="policy",
-                                        component=self.denoiser, pipeline_class=self.family_roles.pipeline)
-        return written
+    check_rewards([str(n) for n in cfg.reward.functions], list(cfg.reward.weights), str(cfg.eval.reward))
+    check_config_folder("roles.reward.model", str(cfg.roles.reward.model), "a tiny reward model folder",
+                        "give a folder written by save_tiny_reward_model, or \"\" to train one")
+    check_prompts({f"prompts.{k}": str(cfg.prompts[k]) for k in ("train_file", "eval_file")}, int(cfg.eval.size),
+                  [str(c) for c in cfg.prompts.shapes_colors])
 
 
 class DiffusionGRPO(DiffusionRoles):
     name = "diffusion_grpo"
+    roles = ROLES
     postfix_keys = ("reward", "policy_loss")
     headline = (("reward", "mean reward of held-out prompts", True),)
     plot_panels = [("reward", ["train/reward", "eval/reward"]), ("policy", ["train/policy_loss", "train/kl"]),
@@ -445,9 +245,6 @@ class DiffusionGRPO(DiffusionRoles):
             self.metrics.log_image(self.step, "eval/grid", grid)
             self.grids.append(path)
         return result
-
-    def export(self) -> dict[str, Any]:
-        return self.export_policy(str(self.cfg.export.dtype)) if self.cfg.export.enabled else {}
 
     def summary_metrics(self) -> dict[str, Any]:
         rewards = [m["reward"] for m in self.step_metrics]

@@ -1,15 +1,28 @@
-"""The key sections sd_finetune and controlnet share (model folder, image data, DDPM objective, validation,
-held-out loss), their checks and old names, and the reading of them into the diffusion pipelines' flat inputs."""
+"""What the diffusion recipes share: the key sections of sd_finetune and controlnet (model folder, image data, DDPM
+objective, validation, held-out loss), their checks and old names, the reading of them into the diffusion
+pipelines' flat inputs; and the roles, checks and building of the RL recipes (diffusion_grpo, diffusion_dpo)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, Satisfies, config_problem
-from multiengine.engines.role_schema import Role
-from multiengine.pipelines.diffusion.inputs import ImageData
+from multiengine.engines.recipe_lifecycle import Recipe
+from multiengine.engines.role_schema import Role, lora_spec, model_path, optim_spec, placement
+from multiengine.pipelines.diffusion.export import export_run
+from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
+from multiengine.pipelines.diffusion.inputs import (
+    ImageData,
+    check_config_folder,
+    check_resolution,
+    model_folder_family,
+)
 from multiengine.pipelines.diffusion.math import PREDICTION_TYPES
-from multiengine.pipelines.diffusion.models import MODES
+from multiengine.pipelines.diffusion.models import MODES, resolve_model_path
+from multiengine.pipelines.diffusion.rl_runs import PolicyModel, prepare_tiny_pipeline, rl_role_specs
+from multiengine.pipelines.diffusion.runs import t5_length, text_tokenizers, token_lengths
 from multiengine.recipes.common import check_rows_per_rank
 
 
@@ -29,16 +42,17 @@ TRAINED: dict[str, Any] = {
 FROZEN: dict[str, Any] = {"dtype": "fp32", "gather_forward": True}
 
 
-def component_roles(*encoders: str) -> tuple[Role, ...]:
+def component_roles(*encoders: str, vae: str = "frozen: latents of the training images, validation decodes"
+                    ) -> tuple[Role, ...]:
     """The frozen vae and text encoders, every one from its folder of model.pretrained; ``encoders``: the help of
     text_encoder_2, text_encoder_3, ... (each follows text_encoder's placement)."""
-    return (Role("vae", "frozen: latents of the training images, validation decodes",
-                 keys={**FROZEN, "model": component_model("vae")}),
+    return (Role("vae", vae, keys={**FROZEN, "model": component_model("vae")}),
             Role("text_encoder", "frozen: the first text encoder (CLIP-L)",
                  keys={**FROZEN, "model": component_model("text_encoder")}),
             *(Role(f"text_encoder_{i}", text, follows="text_encoder",
                    keys={"gather_forward": True, "model": component_model(f"text_encoder_{i}")})
               for i, text in enumerate(encoders, start=2)))
+
 
 SD_DATA_KEYS: dict[str, Any] = {  # image-caption rows (docs/data.md)
     "source": Key("", "imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; \"\" = shapes"),
@@ -173,3 +187,112 @@ def check_data(cfg: Any, world_size: int, trained: str, conditioning: bool = Fal
     check_rows_per_rank(train, world_size, key=f"roles.{trained}.micro_batch_size",
                         value=int(cfg.roles[trained].micro_batch_size), unit="images", heldout=held,
                         heldout_key=data.split_key)
+
+
+# --- the diffusion RL recipes (diffusion_grpo, diffusion_dpo) ----------------------------------------------
+POLICY: dict[str, Any] = {
+    "dtype": "fp32", "stage": 2, "lr": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0,
+    "model": Key("", "a folder holding the denoiser (config.json + weights, e.g. an export's unet/); \"\" = the "
+                     "unet/ or transformer/ of model.pretrained"),
+    "micro_batch_size": Key(16, "images per rank per rollout (prompts x diffusion.group_size)"),
+    "grad_accum": Key(1, "rollouts per optimizer step (each trains on its sampled steps; the engine accumulates "
+                         "grad_accum x the trained steps)"),
+    "lora": {"target_modules": Key([], "[] = diffusers' targets of the family")},
+}
+RL_MODEL_KEYS = Key({
+    **MODEL_KEYS,
+    "tiny_vae_steps": Key(100, "tiny model only: pretrain its random vae on the shapes images first (0 = no)"),
+    "tiny_unet_steps": Key(400, "tiny SD only: pretrain its random unet on the shapes images first (0 = no)"),
+}, "the diffusers pipeline whose denoiser is trained")
+RL_EXPORT_KEYS = Key({
+    "enabled": Key(True, "export/policy: a diffusers pipeline folder (and export/lora for LoRA)"),
+    "dtype": Key("fp32", "dtype of the exported components"),
+}, "what the run writes under output_dir/export")
+RL_CHECKS: dict[str, Any] = {"model.tiny_family": Choice(*FAMILIES), "model.tiny_vae_steps": Range(0),
+                             "export.dtype": DTYPE, "roles.policy.lora.target_modules": Each(Length(1))}
+
+
+def rl_roles(policy: Mapping[str, Any], ref: str, *extra: Role, vae: str) -> tuple[Role, ...]:
+    """policy (trained), ref (frozen; a separate copy of the policy's starting weights, ZeRO-3 whatever the policy's
+    stage, its dtype the policy's), ``extra`` roles, the vae and the text encoders."""
+    stage = Key(3, "ZeRO stage 0-3 (a frozen role asked for stage 1 or 2 is built at 0: nothing to partition but "
+                   "its weights)")
+    return (Role("policy", "the denoiser trained (SD/SDXL unet, SD3/FLUX transformer)", trainable=True, keys=policy),
+            Role("ref", ref, follows="policy", weights="policy", keys={"stage": stage, "gather_forward": True}),
+            *extra, *component_roles("frozen: SDXL's and SD3's CLIP-G, FLUX's T5", "frozen: SD3's T5", vae=vae))
+
+
+def check_rl_model(cfg: Any, resolution_key: str) -> None:
+    """The vae and text encoders from model.pretrained, the policy and ref folders, the pipeline folder's family
+    and the image side it allows, and model.tiny_unet_steps only for the tiny SD; before any rank starts."""
+    from omegaconf import OmegaConf
+
+    check_components(cfg, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
+    for name in ("policy", "ref"):
+        check_config_folder(f"roles.{name}.model", str(cfg.roles[name].model), "a denoiser folder",
+                            f"give a unet/ or transformer/ folder, or set roles.{name}.model=\"\"")
+    family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
+    if family:
+        resolution = int(OmegaConf.select(cfg, resolution_key))
+        check_resolution(resolution, family, str(cfg.model.pretrained), resolution_key)
+    if cfg.model.tiny_unet_steps and (cfg.model.pretrained or cfg.model.tiny_family != "sd"):
+        raise config_problem("model.tiny_unet_steps", cfg.model.tiny_unet_steps, "pretrains the tiny SD unet only "
+                             f"(model.pretrained={str(cfg.model.pretrained)!r}, model.tiny_family="
+                             f"{cfg.model.tiny_family})", "set model.tiny_unet_steps=0")
+
+
+class DiffusionRoles(Recipe):
+    """The model folder (the tiny one built, its vae and SD unet pretrained on the shapes images, when
+    model.pretrained is empty) and the roles every diffusion RL recipe has: policy, ref (when ``uses_ref``), vae
+    and the text encoders."""
+
+    roles: tuple[Role, ...] = ()
+
+    def add_denoisers(self, resolution: int, uses_ref: bool, total_steps: int, accum: int) -> None:
+        cfg, registry = self.cfg, self.registry
+        self.vae_pretrain = self.unet_pretrain = None
+        if cfg.model.pretrained:
+            self.model_path = resolve_model_path(str(cfg.model.pretrained), str(cfg.model.revision) or None,
+                                                 str(cfg.model.variant) or None)
+        else:
+            family = str(cfg.model.tiny_family)
+            self.model_path = self.path(f"tiny_{family}")
+            done = prepare_tiny_pipeline(self.model_path, self.path("data", "shapes"), family, seed=cfg.seed,
+                                         resolution=resolution, vae_steps=int(cfg.model.tiny_vae_steps),
+                                         unet_steps=int(cfg.model.tiny_unet_steps), is_main=registry.is_main,
+                                         device=registry.device)
+            self.vae_pretrain, self.unet_pretrain = done["vae"], done["unet"]
+        self.family = model_family(self.model_path)
+        self.family_roles = family_roles(self.family)
+        self.denoiser = self.family_roles.denoiser
+        self.text_encoders = list(self.family_roles.text_encoders)
+        default = {"policy": os.path.join(self.model_path, self.denoiser)}
+        p = cfg.roles.policy
+        for spec in rl_role_specs(
+                self.model_path, self.denoiser, self.text_encoders,
+                {r.name: placement(cfg, self.roles, r.name) for r in self.roles if r.name in cfg.roles},
+                policy_folder=model_path(cfg, self.roles, "policy", default),
+                ref_folder=model_path(cfg, self.roles, "ref", default) if uses_ref else None,
+                optim=optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
+                grad_accum=accum, gradient_checkpointing=bool(p.gradient_checkpointing), seed=cfg.seed,
+                # target_modules [] = diffusers' LoRA targets of the family
+                lora=lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules
+                                                                   or self.family_roles.lora_targets)),
+                variant=str(cfg.model.variant) or None):
+            registry.add(spec)
+
+    def policy_model(self, resolution: int, guidance_scale: float, t5_tokens: int = 0) -> PolicyModel:
+        t5 = t5_length(self.family, t5_tokens)
+        return PolicyModel(self.registry, self.model_path, self.family, self.text_encoders, resolution=resolution,
+                           tokenizers=text_tokenizers(self.model_path, self.text_encoders),
+                           token_lengths=token_lengths(self.model_path, self.text_encoders, t5),
+                           guidance_scale=guidance_scale)
+
+    def export(self) -> dict[str, Any]:
+        """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy."""
+        if not self.cfg.export.enabled:
+            return {}
+        lora = ("policy", self.denoiser, self.family_roles.pipeline) if self.cfg.roles.policy.lora.r else None
+        return export_run(self.registry, self.path("export"), self.model_path,
+                          {self.denoiser: "policy", "vae": "vae", **{n: n for n in self.text_encoders}},
+                          dtype=str(self.cfg.export.dtype), lora=lora, pipeline="policy")

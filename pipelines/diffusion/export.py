@@ -123,15 +123,15 @@ def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", compon
 def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str], *,
                dtype: str = "fp32", prediction_type: str | None = None, roles: Sequence[str] = (),
                first: Sequence[str] = (), lora: tuple[str, str, str] | None = None, class_name: str | None = None,
-               cast_copied: bool = False, key: str = "export.roles") -> dict[str, str]:
-    """A fine-tune's exports under ``out_dir``: a folder per role of ``first``, ``pipeline/`` (``components``:
+               cast_copied: bool = False, key: str = "export.roles", pipeline: str = "pipeline") -> dict[str, str]:
+    """A fine-tune's exports under ``out_dir``: a folder per role of ``first``, ``<pipeline>/`` (``components``:
     {component: role}, the others copied from ``model_path``), ``lora/`` when ``lora`` = (role, component,
     pipeline class), then a folder per role of ``roles`` (those in ``first`` skipped); a role of ``roles`` the
     registry does not have is refused, naming ``key``."""
     from multiengine.engines.recipe_config import RecipeConfigError
 
     written = export_roles(registry, out_dir, list(first), dtype=dtype)
-    written["pipeline"] = export_pipeline(registry, model_path, os.path.join(out_dir, "pipeline"), components,
+    written[pipeline] = export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
                                           dtype=dtype, prediction_type=prediction_type, class_name=class_name,
                                           cast_copied=cast_copied)
     if lora:

@@ -1,7 +1,7 @@
 """What a diffusion fine-tune reads before it trains, checked before any rank starts: the pipeline folder (its
-family, the image side it allows) and the image-caption rows (sources, columns, held-out split, unreadable
-images, training rows per rank). Flat values in; the config keys that the messages name are passed in, the
-diffusion recipes' names by default.
+family, the image side it allows), the image-caption rows (sources, columns, held-out split, unreadable
+images, training rows per rank), and the RL recipes' rewards and prompts. Flat values in; the config keys
+that the messages name are passed in, the diffusion recipes' names by default.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.families import model_family
 from multiengine.pipelines.diffusion.runs import eval_split_value, held_out_of, resolution_multiple
 
-__all__ = ["DATA_KEY_NAMES", "ImageData", "check_resolution", "input_problem", "model_folder_family"]
+__all__ = ["DATA_KEY_NAMES", "ImageData", "check_config_folder", "check_prompts", "check_resolution", "check_rewards",
+           "input_problem", "model_folder_family"]
 
 # The config key of each ImageData field, as the messages name it.
 DATA_KEY_NAMES = {"source": "data.source", "sources": "data.sources", "eval_source": "data.eval_source",
@@ -168,3 +169,57 @@ class ImageData:
             train = len(data.train)
             held = len(data.eval) if data.eval is not None and "held out" in str(data.eval_origin) else 0
         return (min(train, self.max_train_samples) if self.max_train_samples else train), held
+
+
+def check_config_folder(key: str, folder: str, what: str, fix: str) -> None:
+    """A model folder given for ``key`` (a denoiser, a ControlNet, a reward model) holds its config.json."""
+    if folder and not os.path.isfile(os.path.join(os.path.expanduser(folder), "config.json")):
+        raise config_problem(key, folder, f"has no config.json (not {what})", fix)
+
+
+def check_rewards(functions: Sequence[str], weights: Sequence[float], eval_reward: str, *,
+                  reward_model: str = "reward_model") -> None:
+    """reward.functions each load (``reward_model``, the reward role, always does), one weight per function, and
+    the evaluation reward loads (the reward role only when the training rewards build it)."""
+    from .rl_runs import load_reward_function
+
+    if not functions:
+        raise config_problem("reward.functions", [], "is empty: nothing scores the images",
+                             "list a builtin (color, shapes, reward_model) or module:function")
+    if weights and len(weights) != len(functions):
+        raise config_problem("reward.weights", list(weights), f"has {len(weights)} weights for {len(functions)} "
+                             "functions", "give one weight per reward function, or []")
+    for name in [*functions, *([eval_reward] if eval_reward else [])]:
+        if name == reward_model:
+            continue
+        try:
+            load_reward_function(name)
+        except (ValueError, ImportError) as exc:
+            key = "reward.functions" if name in functions else "eval.reward"
+            raise config_problem(key, name, f"cannot be loaded: {exc}", "use a builtin (color, shapes, "
+                                 "reward_model) or an importable module:function") from None
+    if eval_reward == reward_model and reward_model not in functions:
+        raise config_problem("eval.reward", reward_model, "needs the reward role, built only when reward.functions "
+                             "lists reward_model", "add reward_model to reward.functions, or set eval.reward=color")
+
+
+def check_prompts(files: Mapping[str, str], eval_size: int, colors: Sequence[str]) -> None:
+    """Each prompt file given (``{key: path}``) holds prompts; without both, the shapes captions of ``colors``
+    split into training prompts and ``eval_size`` held-out ones."""
+    from .rl_runs import read_prompts, shapes_prompt_split
+
+    for key, path in files.items():
+        if not path:
+            continue
+        try:
+            if not read_prompts(os.path.expanduser(path)):
+                raise ValueError("it holds no prompt")
+        except (OSError, ValueError) as exc:
+            raise config_problem(key, path, f"cannot be read as prompts: {exc}", "give a .txt file (one prompt a "
+                                 "line) or .json/.jsonl rows with a prompt field") from None
+    if not all(files.values()):
+        try:
+            shapes_prompt_split(eval_size, 0, list(colors))
+        except ValueError as exc:
+            raise config_problem("eval.size", eval_size, f"cannot split the shapes captions: {exc}",
+                                 "set eval.size below the number of captions, or prompts.shapes_colors") from None

@@ -33,7 +33,7 @@ def _grpo(*overrides):
     (["model.tiny_family=sdxl"], "model.tiny_unet_steps", "tiny SD unet only"),
     (["eval.size=9"], "eval.size", "cannot split the shapes captions"),
     (["diffusion.num_inference_steps=1"], "diffusion.train_timestep_fraction", "trains on no step"),
-    (["roles.vae.model=/somewhere"], "roles.vae.model", "load from model.pretrained"),
+    (["roles.vae.model=/somewhere"], "roles.vae.model", "loaded from the pipeline folder model.pretrained"),
 ])
 def test_grpo_refuses_bad_settings_naming_the_key(overrides, key, words):
     with pytest.raises(RecipeConfigError) as info:
