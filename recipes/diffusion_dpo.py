@@ -37,7 +37,7 @@ from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.diffusion_keys import DiffusionRoles
+from multiengine.recipes.diffusion_base import DiffusionRoles
 
 ROLES = shared.rl_roles(
     {**shared.POLICY, "lr": 1e-4, "micro_batch_size": Key(16, "preference pairs per rank per forward (2x images)"),

@@ -50,7 +50,7 @@ from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
-from multiengine.recipes.diffusion_keys import DiffusionRoles
+from multiengine.recipes.diffusion_base import DiffusionRoles
 
 ROLES = shared.rl_roles(
     shared.POLICY, "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the "

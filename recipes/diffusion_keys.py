@@ -1,18 +1,16 @@
 """What the diffusion recipes share: the key sections of sd_finetune and controlnet (model folder, image data, DDPM
 objective, validation, held-out loss), their checks and old names, the reading of them into the diffusion
-pipelines' flat inputs; and the roles, checks and building of the RL recipes (diffusion_grpo, diffusion_dpo)."""
+pipelines' flat inputs; and the roles and checks of the RL recipes (diffusion_grpo, diffusion_dpo)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, Satisfies, config_problem
-from multiengine.engines.recipe_lifecycle import Recipe
-from multiengine.engines.role_schema import Role, lora_spec, model_path, optim_spec, placement
-from multiengine.pipelines.diffusion.export import export_run
-from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
+from multiengine.engines.role_schema import Role
+from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
+from multiengine.pipelines.diffusion.flow import SCHEMES
 from multiengine.pipelines.diffusion.inputs import (
     ImageData,
     check_config_folder,
@@ -20,9 +18,7 @@ from multiengine.pipelines.diffusion.inputs import (
     model_folder_family,
 )
 from multiengine.pipelines.diffusion.math import PREDICTION_TYPES
-from multiengine.pipelines.diffusion.models import MODES, resolve_model_path
-from multiengine.pipelines.diffusion.rl_runs import PolicyModel, prepare_tiny_pipeline, rl_role_specs
-from multiengine.pipelines.diffusion.runs import t5_length, text_tokenizers, token_lengths
+from multiengine.pipelines.diffusion.models import MODES
 from multiengine.recipes.common import check_rows_per_rank
 
 
@@ -80,6 +76,22 @@ DDPM_KEYS: dict[str, Any] = {
     "snr_gamma": Key(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)"),
     "noise_offset": Key(0.0, "SD/SDXL: offset-noise scale"),
     "input_perturbation": Key(0.0, "SD/SDXL: input-perturbation scale"),
+}
+FLOW_KEYS: dict[str, Any] = {
+    "weighting_scheme": Key("", "SD3/FLUX: \"\" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, "
+                                "cosmap, ..."),
+    "logit_mean": Key(0.0, "SD3/FLUX: logit_normal density: mean"),
+    "logit_std": Key(1.0, "SD3/FLUX: logit_normal density: standard deviation"),
+    "mode_scale": Key(1.29, "SD3/FLUX: mode density: scale"),
+    "precondition_outputs": Key(None, "SD3/FLUX: null = the family's (SD3 true, FLUX false): x0 loss of noisy - "
+                                      "sigma * pred"),
+    "guidance_scale": Key(3.5, "FLUX with a guidance embedding: the guidance input during training"),
+    "max_sequence_length": Key(0, "SD3/FLUX: T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)"),
+}
+FLOW_CHECKS: dict[str, Any] = {
+    "diffusion.weighting_scheme": Choice("", *SCHEMES), "diffusion.logit_std": Range(0, min_exclusive=True),
+    "diffusion.mode_scale": Range(0), "diffusion.precondition_outputs": Choice(True, False, allow_none=True),
+    "diffusion.guidance_scale": Range(0), "diffusion.max_sequence_length": Range(0),
 }
 VALIDATION_KEYS: dict[str, Any] = {  # images generated before, after and every N steps
     "enabled": Key(True, "validation grids before and after training (and every `every` steps when > 0)"),
@@ -153,6 +165,27 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     for k, v in plain(tree).items():
         out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
     return out
+
+
+def check_family_options(cfg: Any, family: str, role_defaults: Mapping[str, Any], where: str = "") -> None:
+    """The settings of what this family does not have are an error, never silently ignored: the other
+    denoiser's role keys (set to other than ``role_defaults``, the recipe's defaults of the roles section), and the
+    other objective's diffusion.* keys."""
+    suffix = f" ({where})" if where else ""
+    denoiser = family_roles(family).denoiser
+    other = "transformer" if denoiser == "unet" else "unet"
+    defaults = flat(role_defaults[other])
+    for key, value in flat(cfg.roles[other]).items():
+        if value != defaults[key]:
+            raise config_problem(f"roles.{other}.{key}", value, f"is set, but this {family} model has no "
+                                 f"{other}{suffix}: its denoiser is roles.{denoiser}", f"set roles.{denoiser}.{key} "
+                                 "instead")
+    ddpm = family_roles(family).objective != "flow"
+    for key, default in (FLOW_KEYS if ddpm else DDPM_KEYS).items():
+        if cfg.diffusion[key] != default.default:
+            kind = "flow-matching families (sd3, flux)" if ddpm else "DDPM families (sd, sdxl)"
+            raise config_problem(f"diffusion.{key}", cfg.diffusion[key], f"applies to the {kind}, not to this "
+                                 f"{family} model{suffix}", f"drop diffusion.{key}")
 
 
 def check_components(cfg: Any, roles: tuple[str, ...]) -> None:
@@ -239,60 +272,3 @@ def check_rl_model(cfg: Any, resolution_key: str) -> None:
         raise config_problem("model.tiny_unet_steps", cfg.model.tiny_unet_steps, "pretrains the tiny SD unet only "
                              f"(model.pretrained={str(cfg.model.pretrained)!r}, model.tiny_family="
                              f"{cfg.model.tiny_family})", "set model.tiny_unet_steps=0")
-
-
-class DiffusionRoles(Recipe):
-    """The model folder (the tiny one built, its vae and SD unet pretrained on the shapes images, when
-    model.pretrained is empty) and the roles every diffusion RL recipe has: policy, ref (when ``uses_ref``), vae
-    and the text encoders."""
-
-    roles: tuple[Role, ...] = ()
-
-    def add_denoisers(self, resolution: int, uses_ref: bool, total_steps: int, accum: int) -> None:
-        cfg, registry = self.cfg, self.registry
-        self.vae_pretrain = self.unet_pretrain = None
-        if cfg.model.pretrained:
-            self.model_path = resolve_model_path(str(cfg.model.pretrained), str(cfg.model.revision) or None,
-                                                 str(cfg.model.variant) or None)
-        else:
-            family = str(cfg.model.tiny_family)
-            self.model_path = self.path(f"tiny_{family}")
-            done = prepare_tiny_pipeline(self.model_path, self.path("data", "shapes"), family, seed=cfg.seed,
-                                         resolution=resolution, vae_steps=int(cfg.model.tiny_vae_steps),
-                                         unet_steps=int(cfg.model.tiny_unet_steps), is_main=registry.is_main,
-                                         device=registry.device)
-            self.vae_pretrain, self.unet_pretrain = done["vae"], done["unet"]
-        self.family = model_family(self.model_path)
-        self.family_roles = family_roles(self.family)
-        self.denoiser = self.family_roles.denoiser
-        self.text_encoders = list(self.family_roles.text_encoders)
-        default = {"policy": os.path.join(self.model_path, self.denoiser)}
-        p = cfg.roles.policy
-        for spec in rl_role_specs(
-                self.model_path, self.denoiser, self.text_encoders,
-                {r.name: placement(cfg, self.roles, r.name) for r in self.roles if r.name in cfg.roles},
-                policy_folder=model_path(cfg, self.roles, "policy", default),
-                ref_folder=model_path(cfg, self.roles, "ref", default) if uses_ref else None,
-                optim=optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
-                grad_accum=accum, gradient_checkpointing=bool(p.gradient_checkpointing), seed=cfg.seed,
-                # target_modules [] = diffusers' LoRA targets of the family
-                lora=lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules
-                                                                   or self.family_roles.lora_targets)),
-                variant=str(cfg.model.variant) or None):
-            registry.add(spec)
-
-    def policy_model(self, resolution: int, guidance_scale: float, t5_tokens: int = 0) -> PolicyModel:
-        t5 = t5_length(self.family, t5_tokens)
-        return PolicyModel(self.registry, self.model_path, self.family, self.text_encoders, resolution=resolution,
-                           tokenizers=text_tokenizers(self.model_path, self.text_encoders),
-                           token_lengths=token_lengths(self.model_path, self.text_encoders, t5),
-                           guidance_scale=guidance_scale)
-
-    def export(self) -> dict[str, Any]:
-        """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy."""
-        if not self.cfg.export.enabled:
-            return {}
-        lora = ("policy", self.denoiser, self.family_roles.pipeline) if self.cfg.roles.policy.lora.r else None
-        return export_run(self.registry, self.path("export"), self.model_path,
-                          {self.denoiser: "policy", "vae": "vae", **{n: n for n in self.text_encoders}},
-                          dtype=str(self.cfg.export.dtype), lora=lora, pipeline="policy")

@@ -7,40 +7,33 @@ frozen, each its own DeepSpeed engine (ZeRO-3 by default), optional EMA (sharded
     multiengine run sd_finetune --config tiny --nproc-per-node 2 mode=seed_baseline
     multiengine run sd_finetune --config sdxl_full --nproc-per-node 8 data.source=/data/my_imagefolder
 
-The family comes from the folder's ``model_index.json`` (``model.tiny_family`` for the embedded tiny model):
-SD and SDXL train with the DDPM objective (noise / v-prediction, min-SNR), SD3 and FLUX with rectified flow
-matching (timestep density, loss weighting, preconditioning, FLUX guidance, T5 length); both under
-``diffusion.*``. ``mode=seed_baseline`` reproduces diffusers' scripts under ZeRO-3 (frozen roles full copies on
-every rank, EMA a full copy) for comparison. Writes metrics.jsonl, summary.json, validation grids, checkpoints
-and export/ (pipeline/, per-role folders, lora/) under output_dir.
+SD and SDXL train with the DDPM objective, SD3 and FLUX with rectified flow matching (both under
+``diffusion.*``); ``mode=seed_baseline`` is diffusers' layout under ZeRO-3 (frozen roles and EMA whole on every
+rank), for comparison. Writes metrics.jsonl, summary.json, validation grids, checkpoints and export/ (pipeline/,
+per-role folders, lora/) under output_dir (docs/diffusion.md).
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
 from typing import Any
 
-from multiengine.engines import Placement, barrier, mean_over_ranks
-from multiengine.engines.recipe_config import Choice, Each, Key, Range, RecipeConfigError, config_problem, split_keys
-from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
+from multiengine.engines import Placement, mean_over_ranks
+from multiengine.engines.recipe_config import Choice, Each, Key, Range, split_keys
+from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, lora_spec, optim_spec, placement, role_keys
-from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion import models, runs
 from multiengine.pipelines.diffusion.export import export_run
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
-from multiengine.pipelines.diffusion.flow import SCHEMES
 from multiengine.pipelines.diffusion.inputs import check_resolution, model_folder_family
 from multiengine.pipelines.diffusion.runs import SHAPES_PROMPTS, build_tiny_model
-from multiengine.pipelines.diffusion.tiny import pretrain_tiny_vae
-from multiengine.pipelines.diffusion.training import family_objective, heldout_value, step_generator
-from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
+from multiengine.pipelines.diffusion.training import family_objective, step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
+from multiengine.recipes.diffusion_base import ImageFinetune
 
 __all__ = ["SHAPES_PROMPTS", "build_tiny_model", "check_family_options", "main"]
-logger = logging.getLogger(__name__)
 
 
 ROLES = (
@@ -50,20 +43,9 @@ ROLES = (
          "roles.unet)", trainable=True, keys={**shared.TRAINED, "model": shared.component_model("transformer")}),
     *shared.component_roles("frozen: SDXL's and SD3's CLIP-G, FLUX's T5", "frozen: SD3's T5"),
 )
-FLOW_KEYS: dict[str, Any] = {
-    "weighting_scheme": Key("", "SD3/FLUX: \"\" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, "
-                                "cosmap, ..."),
-    "logit_mean": Key(0.0, "SD3/FLUX: logit_normal density: mean"),
-    "logit_std": Key(1.0, "SD3/FLUX: logit_normal density: standard deviation"),
-    "mode_scale": Key(1.29, "SD3/FLUX: mode density: scale"),
-    "precondition_outputs": Key(None, "SD3/FLUX: null = the family's (SD3 true, FLUX false): x0 loss of noisy - "
-                                      "sigma * pred"),
-    "guidance_scale": Key(3.5, "FLUX with a guidance embedding: the guidance input during training"),
-    "max_sequence_length": Key(0, "SD3/FLUX: T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)"),
-}
 DIFFUSION_KEYS = Key({
     "adam_epsilon": Key(1e-8, "AdamW epsilon of the trained role (diffusers' scripts' --adam_epsilon)"),
-    **shared.DDPM_KEYS, **FLOW_KEYS,
+    **shared.DDPM_KEYS, **shared.FLOW_KEYS,
 }, "the objective: DDPM (SD, SDXL) or rectified flow matching (SD3, FLUX), as diffusers' training scripts")
 EMA_KEYS = Key({
     "enabled": Key(True, "keep an EMA role (sharded like the denoiser; exported in the pipeline when on)"),
@@ -96,10 +78,7 @@ KEYS: dict[str, Any] = {
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = recipe_checks(DEFAULTS, {
-    **shared.diffusion_checks(("unet", "transformer"), FAMILIES),
-    "diffusion.weighting_scheme": Choice("", *SCHEMES), "diffusion.logit_std": Range(0, min_exclusive=True),
-    "diffusion.mode_scale": Range(0), "diffusion.precondition_outputs": Choice(True, False, allow_none=True),
-    "diffusion.guidance_scale": Range(0), "diffusion.max_sequence_length": Range(0),
+    **shared.diffusion_checks(("unet", "transformer"), FAMILIES), **shared.FLOW_CHECKS,
     "ema.min_decay": Range(0, 1), "ema.update_after_step": Range(0), "ema.inv_gamma": Range(0, min_exclusive=True),
     "ema.power": Range(0, min_exclusive=True), "ema.dtype": shared.DTYPE,
     "export.roles": Each(Choice(*(r.name for r in ROLES), "ema")),
@@ -109,28 +88,8 @@ CHECKS = recipe_checks(DEFAULTS, {
 RENAMED = shared.renamed("unet", " (roles.transformer.* for SD3/FLUX)")
 
 
-def _changed(cfg: Any, role: str) -> dict[str, Any]:
-    """The keys of roles.<role> set to other than their defaults (dotted names below the role)."""
-    given, defaults = shared.flat(cfg.roles[role]), shared.flat(DEFAULTS["roles"][role])
-    return {key: value for key, value in given.items() if value != defaults[key]}
-
-
 def check_family_options(cfg: Any, family: str, where: str = "") -> None:
-    """The settings of what this family does not have are an error, never silently ignored: the other
-    denoiser's role keys, and the other objective's diffusion.* keys."""
-    suffix = f" ({where})" if where else ""
-    denoiser = family_roles(family).denoiser
-    other = "transformer" if denoiser == "unet" else "unet"
-    for key, value in _changed(cfg, other).items():
-        raise config_problem(f"roles.{other}.{key}", value, f"is set, but this {family} model has no "
-                                 f"{other}{suffix}: its denoiser is roles.{denoiser}",
-                                 f"set roles.{denoiser}.{key} instead")
-    ddpm = family_roles(family).objective != "flow"
-    for key, default in (FLOW_KEYS if ddpm else shared.DDPM_KEYS).items():
-        if cfg.diffusion[key] != default.default:
-            kind = "flow-matching families (sd3, flux)" if ddpm else "DDPM families (sd, sdxl)"
-            raise config_problem(f"diffusion.{key}", cfg.diffusion[key], f"applies to the {kind}, not to this "
-                                 f"{family} model{suffix}", f"drop diffusion.{key}")
+    shared.check_family_options(cfg, family, DEFAULTS["roles"], where)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
@@ -144,43 +103,16 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         check_resolution(int(cfg.data.resolution), family, str(cfg.model.pretrained))
         denoiser = family_roles(family).denoiser
     else:  # a hub name: the family is known once downloaded; the denoiser the config sets, else the unet
-        denoiser = "transformer" if _changed(cfg, "transformer") else "unet"
+        changed = shared.flat(cfg.roles.transformer) != shared.flat(DEFAULTS["roles"]["transformer"])
+        denoiser = "transformer" if changed else "unet"
     shared.check_data(cfg, world_size, denoiser)
 
 
-class SDFinetune(Recipe):
+class SDFinetune(ImageFinetune):
     """diffusers' text-to-image fine-tunes (SD, SDXL) and SD3 / FLUX flow-matching fine-tunes on the shared
-    lifecycle; validation grids before, after and every ``validation.every`` steps."""
+    lifecycle (data, held-out loss and validation grids: ImageFinetune)."""
 
     name = "sd_finetune"
-    headline = (("loss", "held-out diffusion loss", False), ("loss_ema", "held-out diffusion loss of the EMA", False))
-    plot_panels = [("diffusion loss", ["train/loss", "eval/loss", "eval/loss_ema"])]
-    conditioning = False  # the controlnet recipe adds conditioning images to every batch
-
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        self.data = shared.image_data(cfg, self.conditioning)
-        self.validations: list[dict[str, Any]] = []
-        self.heldout: dict[str, float] = {}  # "<tag>/loss" (and "<tag>/loss_ema")
-        self.vae_pretrain: dict[str, Any] | None = None  # pretrain_tiny_vae's result when this run did it
-        self._rows: Any = None
-
-    @property
-    def losses(self) -> list[float]:
-        return [m["loss"] for m in self.step_metrics]
-
-    @property
-    def builtin_data(self) -> bool:
-        return not self.data.spec
-
-    @property
-    def ema_on(self) -> bool:
-        return bool((self.cfg.get("ema") or {}).get("enabled", False))
-
-    @property
-    def trained(self) -> str:
-        """The trainable role: the denoiser here, the controlnet in the controlnet recipe."""
-        return self.denoiser
 
     # --- setup -----------------------------------------------------------------------------------
     def build(self) -> None:
@@ -222,7 +154,8 @@ class SDFinetune(Recipe):
             self.registry.add(spec)
 
     def flow_options(self) -> dict[str, Any]:
-        names = [k for k in FLOW_KEYS if k != "max_sequence_length"]  # the objective's; the T5 length is the data's
+        # the objective's options (the T5 length is the data's)
+        names = [k for k in shared.FLOW_KEYS if k != "max_sequence_length"]
         return runs.flow_options(self.family, **{k: self.cfg.diffusion[k] for k in names})
 
     def make_objective(self, **extra: Any) -> tuple[Any, str | None]:
@@ -232,103 +165,6 @@ class SDFinetune(Recipe):
                                 resolution=self.cfg.data.resolution, prediction_type=d.prediction_type,
                                 snr_gamma=d.snr_gamma, noise_offset=d.noise_offset,
                                 input_perturbation=d.input_perturbation, flow_options=flow, **extra)
-
-    def _model_path(self) -> str:
-        cfg = self.cfg
-        if cfg.model.pretrained:
-            variant = str(cfg.model.variant) or None
-            path = models.resolve_model_path(cfg.model.pretrained, str(cfg.model.revision) or None, variant)
-            if cfg.model.tiny_vae_steps and self.registry.is_main:
-                logger.info("model.tiny_vae_steps=%s skipped: model.pretrained=%s brings its own vae",
-                            cfg.model.tiny_vae_steps, cfg.model.pretrained)
-            return path
-        family = str(cfg.model.tiny_family)
-        path = self.path(f"tiny_{family}")
-        if self.registry.is_main:
-            build_tiny_model(path, cfg.seed, cfg.data.resolution, family)
-        barrier()
-        if cfg.model.tiny_vae_steps:
-            self.pretrain_vae(path)
-        return path
-
-    def pretrain_vae(self, path: str) -> None:
-        """model.tiny_vae_steps on every rank (each encodes and decodes its share of every batch) on the
-        training images at data.resolution; rank 0 saves the vae while the others wait."""
-        cfg, registry = self.cfg, self.registry
-        train = self.data.first_rows(self.rows().train)
-        if registry.is_main:
-            logger.info("model.tiny_vae_steps=%s: the random tiny vae learns the training images first (0 skips "
-                        "it)", cfg.model.tiny_vae_steps)
-        self.vae_pretrain = pretrain_tiny_vae(
-            path, runs.ImageColumn(train, "image"), int(cfg.model.tiny_vae_steps), seed=cfg.seed,
-            resolution=int(cfg.data.resolution), device=registry.device)
-        barrier()
-
-    def rows(self) -> Any:
-        """The rows once per run (the vae pre-train and _setup_data share them); rank 0 first (it writes the
-        datasets cache)."""
-        if self._rows is None:
-            self._rows = runs.rank0_first(self.registry.is_main, lambda: self.data.load(self.data_source))
-        return self._rows
-
-    def make_builtin_data(self, folder: str) -> None:
-        cfg = self.cfg
-        data_lib.make_shapes_dataset(folder, cfg.data.builtin_size, cfg.data.resolution, seed=cfg.seed)
-
-    def _data_source(self) -> Any:
-        """data.sources / data.source, or the built-in shapes dataset that rank 0 generates under output_dir/data."""
-        if not self.builtin_data:
-            return self.data.spec
-        source = self.path("data", "shapes")
-        if self.registry.is_main:
-            self.make_builtin_data(source)
-        barrier()
-        return source
-
-    def make_dataset(self, rows: Any, transform: Any) -> Any:
-        return data_lib.ImageCaptionDataset(rows, transform, "image", "caption", seed=self.cfg.seed)
-
-    def _setup_data(self) -> None:
-        cfg, registry, rows, d = self.cfg, self.registry, self.rows(), self.cfg.data
-        train_rows, heldout_rows = self.data.first_rows(rows.train), self.data.first_heldout(rows.eval)
-        self.eval_origin = rows.eval_origin
-        self.prompts = self.validation_prompts(heldout_rows if heldout_rows is not None else train_rows)
-        try:
-            self.images = runs.caption_batches(
-                train_rows, heldout_rows, self.make_dataset, model_path=self.model_path,
-                text_encoders=self.text_encoders, t5_tokens=self.t5_length, resolution=d.resolution,
-                center_crop=d.center_crop, random_flip=d.random_flip,
-                micro_batch_size=int(cfg.roles[self.trained].micro_batch_size), world_size=registry.world_size,
-                rank=registry.rank, seed=cfg.seed, num_workers=d.num_workers)
-        except ValueError as exc:
-            raise RecipeConfigError(f"{exc}: lower roles.{self.trained}.micro_batch_size or add data.") from None
-        self.train_set, self.batches, self.heldout_batches = self.images.train_set, self.images.stream(), \
-            self.images.heldout
-        self.heldout_points = self.objective.heldout_points(cfg.eval.timesteps)
-
-    def validation_prompts(self, rows: Any) -> list[str]:
-        """validation.prompts; else the shapes prompts for the built-in data, or the first distinct captions of
-        the held-out rows (of the training rows when nothing is held out)."""
-        v = self.cfg.validation
-        if v.prompts:
-            return [str(p) for p in v.prompts]
-        return list(SHAPES_PROMPTS) if self.builtin_data else runs.validation_captions(rows["caption"], v.num_prompts)
-
-    @property
-    def sampler(self) -> Any:
-        return self.images.sampler
-
-    @property
-    def consumed(self) -> int:
-        return self.images.consumed
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.images.state_dict(), "heldout": self.heldout}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.images.sampler.load_state_dict(state["sampler"])
-        self.heldout = dict(state.get("heldout", {}))
-        self.validations = []
 
     # --- training --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -361,51 +197,6 @@ class SDFinetune(Recipe):
             record["ema_decay"] = decay
         return record
 
-    def after_step(self, last: bool) -> None:
-        every = self.cfg.validation.every
-        if every > 0 and self.step % every == 0 and not last:
-            self.validate(f"step_{self.step}")
-
-    # --- evaluation ------------------------------------------------------------------------------
-    def evaluate(self, tag: str) -> dict[str, Any]:
-        """Held-out loss at fixed noise and timesteps (raw denoiser, and the EMA when on), and validation
-        images before and after training; all ranks."""
-        result: dict[str, Any] = {}
-        if self.heldout_batches:
-            fixed = (self.objective, self.heldout_batches, self.heldout_points, self.cfg.eval.seed)
-            result["loss"] = heldout_value(*fixed)
-            if self.ema_on:
-                result["loss_ema"] = heldout_value(*fixed, role="ema")
-            self.heldout.update({f"{tag}/{key}": value for key, value in result.items()})
-        if tag in ("before", "after"):
-            self.validate(tag)
-        return result
-
-    def validation_role(self) -> str:
-        return "ema" if self.ema_on and self.cfg.validation.use_ema else self.trained
-
-    def validation_pipeline(self, role: str) -> Any:
-        return build_pipeline(self.registry, self.model_path, self.text_encoders, role, self.prediction_type,
-                              denoiser=self.denoiser)
-
-    def pipeline_kwargs(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.t5_length} if self.t5_length else {}
-
-    def validate(self, tag: str) -> None:
-        """Images for the validation prompts, on all ranks in lockstep; rank 0 saves the labelled grid."""
-        v, role = self.cfg.validation, self.validation_role()
-        if not v.enabled or not self.prompts:
-            return
-        self.validations.append(runs.validation_round(
-            self.registry, self.metrics, lambda: self.validation_pipeline(role), self.trained, self.prompts,
-            self.grid, file=self.path("validation", f"{self.step:06d}_{tag}.png"), tag=tag, step=self.step,
-            role=role, resolution=self.cfg.data.resolution, steps=v.num_inference_steps,
-            guidance_scale=v.guidance_scale, seed=v.seed, **self.pipeline_kwargs()))
-
-    def grid(self, images: list[Any]) -> Any:
-        """The labelled grid of one validation: each image with its prompt and the step."""
-        return image_grid(images, prompts=self.prompts, step=self.step)
-
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -418,13 +209,6 @@ class SDFinetune(Recipe):
                           dtype=cfg.export.dtype, prediction_type=self.prediction_type,
                           roles=list(cfg.export.roles), lora=lora)
 
-    def summary_metrics(self) -> dict[str, Any]:
-        times = [m["step_time_s"] for m in (self.step_metrics[1:] or self.step_metrics)]
-        return {"first_loss": self.losses[0] if self.losses else None,
-                "final_loss": self.losses[-1] if self.losses else None,
-                "step_time_s_median": statistics.median(times) if times else None,
-                **{f"heldout/{k}": v for k, v in self.heldout.items()}}
-
     def summary_extra(self) -> dict[str, Any]:
         extra = {"mode": self.cfg.mode, "family": self.family, "denoiser": self.denoiser,
                  "model_path": self.model_path, "text_encoders": self.text_encoders,
@@ -434,9 +218,6 @@ class SDFinetune(Recipe):
         if self.vae_pretrain is not None:
             extra["tiny_vae_pretrain"] = self.vae_pretrain
         return extra
-
-    def plot_title(self) -> str:
-        return f"{self.name} ({self.family}, {self.registry.world_size} ranks)"
 
 
 main = SDFinetune.main

@@ -19,7 +19,7 @@ from multiengine.engines import barrier, current_rss_bytes, shard_batches
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
 from multiengine.pipelines.diffusion.models import read_model_index, tokenizer_name
-from multiengine.pipelines.diffusion.tiny import build_tiny
+from multiengine.pipelines.diffusion.tiny import build_tiny, pretrain_tiny_vae
 from multiengine.pipelines.diffusion.training import prompt_input_ids
 from multiengine.pipelines.diffusion.validation import generate
 
@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FLOW_FAMILY_DEFAULTS", "SHAPES_PROMPTS", "ImageColumn", "TrainImages", "build_tiny_model",
            "caption_batches", "collate_captions", "conditioning_rows", "eval_split_value", "flow_options",
-           "held_out_of", "memory_metrics", "rank0_first", "resolution_multiple", "run_validation", "save_validation",
-           "t5_length", "text_tokenizers", "token_lengths", "validation_captions", "validation_round"]
+           "held_out_of", "memory_metrics", "prepare_tiny_model", "rank0_first", "resolution_multiple",
+           "run_validation", "save_validation", "t5_length", "text_tokenizers", "token_lengths", "validation_captions",
+           "validation_round"]
 
 SHAPES_PROMPTS = [
     "a red square on a white background",
@@ -117,6 +118,24 @@ def build_tiny_model(path: str, seed: int, resolution: int, family: str = "sd") 
     if family not in FAMILIES:
         raise ValueError(f"model.tiny_family={family!r}; use one of {list(FAMILIES)}.")
     return build_tiny(family, path, seed=seed, resolution=resolution)
+
+
+def prepare_tiny_model(path: str, family: str, images: Sequence[Any], *, seed: int, resolution: int, vae_steps: int,
+                       is_main: bool, device: Any) -> dict[str, Any] | None:
+    """The tiny ``family`` model at ``path`` (rank 0 builds it while the others wait) and, for ``vae_steps`` > 0, its
+    random vae pretrained on ``images`` at ``resolution`` on every rank (each encodes and decodes its share of
+    every batch; rank 0 saves it). Collective; returns pretrain_tiny_vae's result, None without a pretrain."""
+    if is_main:
+        build_tiny_model(path, seed, resolution, family)
+    barrier()
+    if not vae_steps:
+        return None
+    if is_main:
+        logger.info("model.tiny_vae_steps=%s: the random tiny vae learns the training images first (0 skips it)",
+                    vae_steps)
+    done = pretrain_tiny_vae(path, images, vae_steps, seed=seed, resolution=resolution, device=device)
+    barrier()
+    return done
 
 
 def text_tokenizers(model_path: str, encoders: Sequence[str]) -> list[Any]:

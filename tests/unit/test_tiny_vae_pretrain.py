@@ -71,11 +71,11 @@ def _job(tmp_path, *overrides):
 
 
 def test_recipe_pretrains_at_data_resolution_on_the_training_images(tmp_path, monkeypatch):
-    from multiengine.recipes import sd_finetune as recipe
+    from multiengine.pipelines.diffusion import runs
 
     calls = []
-    monkeypatch.setattr(recipe, "build_tiny_model", lambda *a, **k: None)
-    monkeypatch.setattr(recipe, "pretrain_tiny_vae", lambda path, images, steps, **kw: calls.append(
+    monkeypatch.setattr(runs, "build_tiny_model", lambda *a, **k: None)
+    monkeypatch.setattr(runs, "pretrain_tiny_vae", lambda path, images, steps, **kw: calls.append(
         (path, [images[i].size for i in range(len(images))], steps, kw)) or {"steps": steps})
     job = _job(tmp_path, "data.resolution=16", "data.builtin_size=10", "eval.heldout_size=2",
                "model.tiny_vae_steps=7")
@@ -90,13 +90,14 @@ def test_recipe_pretrains_at_data_resolution_on_the_training_images(tmp_path, mo
 
 
 def test_recipe_skips_the_pretrain_when_the_model_brings_a_vae(tiny_sd, tmp_path, monkeypatch, caplog):
-    from multiengine.recipes import sd_finetune as recipe
+    from multiengine.pipelines.diffusion import runs
+    from multiengine.recipes import diffusion_base
 
     def fail(*args, **kwargs):
         raise AssertionError("pretrain_tiny_vae called for a model with its own vae")
 
-    monkeypatch.setattr(recipe, "pretrain_tiny_vae", fail)
+    monkeypatch.setattr(runs, "pretrain_tiny_vae", fail)
     job = _job(tmp_path, f"model.pretrained={tiny_sd}", "model.tiny_vae_steps=300")
-    with caplog.at_level(logging.INFO, logger=recipe.__name__):
+    with caplog.at_level(logging.INFO, logger=diffusion_base.__name__):
         assert job._model_path() == tiny_sd
     assert "model.tiny_vae_steps=300 skipped" in caplog.text and job.vae_pretrain is None
