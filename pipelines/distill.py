@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["DIVERGENCES", "check_vocab", "distillation_loss", "divergence", "generalized_jsd", "generalized_jsd_loss",
-           "gkd_beta", "next_token_mask", "on_policy_batch", "prompts_of_demonstrations", "response_distill_loss",
-           "sampled_distill_loss", "student_samples"]
+           "gkd_beta", "heldout_cross_entropy", "next_token_mask", "on_policy_batch", "prompts_of_demonstrations",
+           "response_distill_loss", "role_logits", "sampled_distill_loss", "student_samples"]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -289,3 +289,39 @@ def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_m
     return {"sequences": torch.cat([prompt_ids, response], dim=1),
             "attention_mask": torch.cat([prompt_mask, action.to(prompt_mask.dtype)], dim=1),
             "action_mask": action, "context_length": prompt_ids.shape[1]}
+
+
+def role_logits(registry: Any, role: str, batch: dict[str, torch.Tensor], vocab: int,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``role``'s logits of ``batch``'s tokens, cut to the first ``vocab`` (the logits teacher and student share:
+    padded embeddings of one tokenizer, :func:`check_vocab`)."""
+    out = registry[role](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=position_ids, use_cache=False)
+    return out.logits if out.logits.shape[-1] == vocab else out.logits[..., :vocab]
+
+
+@torch.no_grad()
+def heldout_cross_entropy(registry: Any, role: str, batches: list[dict[str, torch.Tensor]], vocab: int
+                          ) -> float | None:
+    """``role``'s next-token cross-entropy on the labelled tokens of ``batches`` (labels -100 elsewhere), a mean
+    over every such token of every rank (collective); ``None`` without batches."""
+    from multiengine.engines import mean_over_ranks
+
+    if not batches:
+        return None
+    module = registry.role(role).module
+    was_training = module.training
+    module.eval()
+    total = count = 0.0
+    for batch in batches:
+        batch = {k: v.to(registry.device) for k, v in batch.items()}
+        logits = role_logits(registry, role, batch, vocab)[:, :-1].float()
+        target = batch["labels"][:, 1:]
+        mask = target != -100
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.clamp(min=0).reshape(-1),
+                             reduction="none").view(target.shape)
+        total += float((ce * mask).sum())
+        count += float(mask.sum())
+    module.train(was_training)
+    sums = mean_over_ranks({"total": total, "count": count})
+    return sums["total"] / max(sums["count"], 1.0)

@@ -1,7 +1,7 @@
-"""What the RLHF recipes read from their configs beyond the role schema (engines/role_schema.py): the data section and
-its loading, the reward section, the evaluation and generation sections, the batch checks of validate(cfg) and the
-checks of shared key names. The work itself (tokenizers per role, reward entries, batch arithmetic) lives in
-pipelines/; its names are importable from here too."""
+"""What the RLHF recipes read from their configs beyond the role schema (engines/role_schema.py): the sections
+they share (data, reward, generation, eval, export), the checks of validate(cfg), and the setup that reads those
+sections (tiny assets, model folders and tokenizers, data streams, evaluation answers, export). The work itself
+lives in pipelines/ (flat arguments)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,13 @@ from typing import Any
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.recipe_config import Key
 from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
-from multiengine.pipelines.rlhf.retokenize import retokenizers
 from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
 from multiengine.pipelines.rlhf.reward_sources import reward_entries as _reward_entries
 from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DATA_COLUMNS", "DATA_KEYS", "EVAL_KEYS", "GENERATION_KEYS", "JUDGE_HEADLINE", "PROMPT_LEN", "REWARD_HEADLINE",
-    "REWARD_KEYS", "RLHF_TRAINABLE", "ROLLOUT_KEYS", "RewardModelRole", "TINY_KEYS", "TINY_RENAMED", "check_data",
-    "check_model", "check_model_path", "check_prompts_and_rewards", "check_reward_columns", "check_rows_per_rank",
-    "check_scoring_tokenizers", "check_sft_run_batches", "check_stage_batches", "check_tokenizer", "config_error",
-    "data_checks", "data_overrides", "data_spec", "demonstrations", "eval_keys", "evaluation_prompts", "export_actor",
-    "export_keys", "has_prompts", "load_data", "lora_renamed", "policy_answers", "recipe_checks", "retokenizers",
-    "reward_config", "reward_entries", "reward_tokenizer_checks", "role_tokenizer", "sft_actor", "sft_model",
-    "sft_run_keys", "tiny_assets", "uses_builtin_data", "wants_reward_role"
-]
-
+# --- the sections several RLHF recipes declare alike ---------------------------------------------------------
 # What every trainable RLHF role changes from the shared role defaults: the Adam betas of DeepSpeed-Chat and
 # OpenRLHF (beta2 = 0.95 tolerates the noisier gradients of RL better than the 0.999 default).
 RLHF_TRAINABLE: dict[str, Any] = {"betas": [0.9, 0.95]}
@@ -38,9 +27,7 @@ RLHF_TRAINABLE: dict[str, Any] = {"betas": [0.9, 0.95]}
 TINY_KEYS = Key({"hidden": Key(64, "width of the random tiny model (roles whose model is \"\")"),
                  "layers": Key(2, "layers of the random tiny model")},
                 "the random tiny OPT built under output_dir/tiny for roles whose model is \"\" (mechanics only)")
-
-
-# --- the RLHF recipes' shared data section and data setup (the built-in task by default) ---------------
+TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
 # Every RLHF recipe's `data` section starts with these keys (docs/data.md); the recipe adds its lengths.
 DATA_COLUMNS: dict[str, str] = {
     "prompt": Key("", "your column holding the prompt (\"\" = a column named prompt)"),
@@ -61,12 +48,124 @@ DATA_KEYS: dict[str, Any] = {
     "eval_split": Key("auto", "auto (the eval/test split, else 5% of rows held out) | none | 0.05 | 200 | a split "
                               "name"),
 }
+PROMPT_LEN = Key(16, "prompt tokens kept (a longer prompt loses its beginning)")  # data.max_prompt_len
+# reward sources named in a config (rlhf_ppo, rlhf_grpo; the entries' forms: pipelines/rlhf/reward_sources.py)
+REWARD_KEYS: dict[str, Any] = {
+    "models": Key([], "reward-model roles [{role, model, weight, tokenizer, stage, ...}]; [] and no functions = "
+                      "the `reward` role (roles.reward), weight 1"),
+    "functions": Key([], "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}"),
+    "normalize": Key(False, "running mean/std of the combined score over all ranks, before clipping"),
+}
+GENERATION_KEYS: dict[str, Any] = {
+    "max_new_tokens": Key(8, "tokens generated per answer"),
+    "temperature": Key(1.0, "sampling temperature"),
+}
+# the sampling of rollouts, which the evaluation answers share
+ROLLOUT_KEYS: dict[str, Any] = {
+    **GENERATION_KEYS,
+    "temperature": Key(1.0, "sampling temperature (also divides the logits of the update)"),
+    "top_k": Key(0, "0 = off"),
+    "top_p": Key(1.0, "nucleus sampling (1 = off)"),
+    "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
+}
+EVAL_KEYS: dict[str, Any] = {
+    "every": Key(50, "also evaluate every N steps (0 = only before and after)"),
+    "size": Key(256, "evaluation prompts (those of the evaluation rows, never training prompts), split evenly over "
+                     "ranks; 0 = none"),
+    "batch_size": Key(32, "prompts per generation batch"),
+    "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
+    "greedy": Key(True, "also score greedy answers (the main figures are those of sampled answers, seeded)"),
+    "seed": Key(1234, "sampling seed of evaluation answers"),
+}
+JUDGE_HEADLINE = ("judge", "judge score of sampled answers (built-in task)", True)
+REWARD_HEADLINE = ("reward", "held-out reward (weighted sum of the reward sources)", True)
 
 
-def data_checks(*lengths: str) -> dict[str, Any]:
-    """CHECKS of the shared data keys (and of the recipe's ``data.<length>`` keys, each >= 1)."""
-    from multiengine.engines.recipe_config import Range, Satisfies
+def eval_keys(meaning: str, **defaults: Any) -> Key:
+    """The ``eval`` section (:data:`EVAL_KEYS`) with a recipe's own defaults, e.g. ``eval_keys("...", every=100)``."""
+    unknown = set(defaults) - set(EVAL_KEYS)
+    if unknown:
+        raise KeyError(f"not eval keys: {sorted(unknown)}")
+    return Key({k: Key(defaults.get(k, v.default), v.help) for k, v in EVAL_KEYS.items()}, meaning)
+
+
+def export_keys(role: str = "actor", what: str = "") -> Key:
+    """The ``export`` section of a recipe that exports one trained role (:func:`export_role`)."""
+    return Key({"enabled": Key(True, f"export/{role}{what}")}, "what the run writes under output_dir/export")
+
+
+def run_keys(meaning: str, config: str = "a shipped rlhf_sft config",
+             overrides: str = "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)") -> Key:
+    """A section naming another recipe's run: ``actor_sft`` / ``teacher_sft`` (how a role left empty is trained
+    first, :func:`sft_model`), rlhf_e2e's steps."""
+    return Key({"config": Key("tiny", config), "overrides": Key([], overrides)}, meaning)
+
+
+def lora_renamed(role: str) -> dict[str, str]:
+    """RENAMED entries of the old ``lora.<role>.*`` section (its ``enabled`` + ``rank`` are ``roles.<role>.lora.r``)."""
+    return {f"lora.{role}.*": f"roles.{role}.lora.*", f"lora.{role}.rank": f"roles.{role}.lora.r",
+            f"lora.{role}.enabled": f"roles.{role}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"}
+
+
+# --- value checks of the keys the recipes share (their CHECKS) ------------------------------------------------
+def _scheduler_names() -> list[str]:
+    from transformers.trainer_utils import SchedulerType
+
+    return [t.value for t in SchedulerType]
+
+
+def _by_name(name: str, default: Any) -> Any:
+    """The check of a key by its last name (the same name means the same thing in every recipe)."""
+    from multiengine.engines.recipe_config import Choice, Length, Range, Satisfies
+
+    positive = Range(0, min_exclusive=True)
+    if isinstance(default, bool):
+        return None
+    simple = {
+        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": positive, "keep_last": Range(0),
+        "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
+        "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
+        "max_grad_norm": Range(0), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
+        "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
+        "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
+        "max_ptx_len": Range(1), "heldout_size": Range(0), "hidden": Range(8), "layers": Range(1), "r": Range(0),
+        "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
+        "backend": Choice("auto", "deepspeed", "torch"), "mode": Choice("gather", "per_token"),
+    }
+    if name in simple:
+        return simple[name]
+    if name == "stage":
+        return Range(-1 if default == -1 else 0, 3)
+    if name == "dtype":
+        return Choice("fp32", "bf16", "fp16", *([""] if default == "" else []))
+    if name == "scheduler":
+        return Satisfies(lambda v: v in _scheduler_names(), "a transformers scheduler name (constant, "
+                                                              "constant_with_warmup, linear, cosine, ...)")
+    if name == "resume_from":
+        return Satisfies(lambda v: v in ("", "latest") or os.path.isdir(os.path.expanduser(str(v))),
+                         '"", "latest" or an existing checkpoint folder')
+    return None
+
+
+def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A recipe's CHECKS: a range or choice for every key of ``defaults`` whose name the recipes share (``lr``,
+    ``stage``, ``dtype``, ``micro_batch_size``, ``max_new_tokens``, ...; see :func:`_by_name`), the data section's
+    (``eval_split``, ``sources``), and ``extra`` (the recipe's own keys), which wins."""
+    from multiengine.engines.recipe_config import Satisfies
     from multiengine.pipelines.sources import DataSourceError, parse_eval_split
+
+    out: dict[str, Any] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for name, value in tree.items():
+            key = f"{prefix}{name}"
+            if isinstance(value, dict):
+                if key != "data.columns":
+                    walk(value, key + ".")
+                continue
+            check = _by_name(name, value)
+            if check is not None:
+                out[key] = check
 
     def eval_split_ok(value: Any) -> bool:
         try:
@@ -75,14 +174,193 @@ def data_checks(*lengths: str) -> dict[str, Any]:
             return False
         return True
 
-    checks: dict[str, Any] = {
-        "data.eval_split": Satisfies(eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or a split "
-                                                    "name"),
-        "data.sources": Satisfies(lambda v: isinstance(v, (list, tuple)), "a list of {path, weight, columns, split}"),
-    }
-    for key in lengths:
-        checks[f"data.{key}"] = Range(1)
-    return checks
+    walk(defaults, "")
+    if "data" in defaults:
+        out["data.eval_split"] = Satisfies(eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or "
+                                                          "a split name")
+        out["data.sources"] = Satisfies(lambda v: isinstance(v, (list, tuple)), "a list of {path, weight, columns, "
+                                                                                "split}")
+    out.update(extra or {})
+    return out
+
+
+# --- the checks of validate(cfg), before any rank starts -------------------------------------------------------
+def config_error(err: Exception) -> Exception:
+    """A data / model-folder error of a check as the config error the CLI reports (exit 2, no traceback)."""
+    from multiengine.engines.recipe_config import RecipeConfigError
+
+    return RecipeConfigError(str(err))
+
+
+def check_model(key: str, path: str) -> None:
+    """``path`` (a ``model`` key) is a model folder with ``config.json`` or a hub name; "" passes (the built-in
+    tiny model)."""
+    from multiengine.pipelines.checks import check_model_folder
+
+    if path:
+        try:
+            check_model_folder(str(path), key=key)
+        except ValueError as err:
+            raise config_error(err) from None
+
+
+def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
+    """Load the tokenizer of a role (``given`` = its tokenizer key's value, else the model folder's) and check
+    that the model embeds every id of it; returns it (``None`` when ``model_path`` is "")."""
+    from multiengine.pipelines.checks import check_vocab_fits
+
+    if not model_path:
+        return None
+    try:
+        tok = role_tokenizer(given, model_path, fallback, what=model_key)
+    except (OSError, ValueError) as err:
+        raise config_error(ValueError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
+                                      f"tokenizer ({err}); set {key} to a tokenizer folder")) from None
+    try:
+        check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
+    except ValueError as err:
+        raise config_error(err) from None
+    return tok
+
+
+def check_role(cfg: Any, role: str, tokenizer: str | None = None, fallback: Any = None) -> Any:
+    """``roles.<role>.model`` (:func:`check_model`) and its tokenizer (``tokenizer``, else
+    ``roles.<role>.tokenizer``) against its vocabulary (:func:`check_tokenizer`); returns the tokenizer."""
+    section = cfg.roles[role]
+    check_model(f"roles.{role}.model", section.model)
+    given = section.tokenizer if tokenizer is None else tokenizer
+    return check_tokenizer(f"roles.{role}.tokenizer", given, f"roles.{role}.model", section.model, fallback)
+
+
+def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str | None = None,
+               tokenizer_key: str = "roles.actor.model", source: Any = None, key: str | None = None,
+               evaluate: bool = True) -> dict[str, Any] | None:
+    """The data of one stage: every source exists and has rows of a format of the stage after the column mapping,
+    conversational rows meet a tokenizer with a chat template, and the evaluation rows resolve (an eval source, a
+    named split the sources have, or held-out rows that leave training rows). The built-in data ("" source)
+    passes. Returns ``check_rlhf_data``'s report with the row counts and columns (``None`` for built-in data)."""
+    from multiengine.pipelines.rlhf.data import check_rlhf_data, load_rlhf_data
+
+    spec = data_spec(cfg.data)
+    train_source = source or spec["source"]
+    if not train_source:
+        return None
+    key = key or ("data.sources" if isinstance(train_source, list) else "data.source")
+    try:
+        report = check_rlhf_data(train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
+                                 tokenizer=tokenizer, key=key, tokenizer_key=tokenizer_key)
+        if evaluate and spec["eval_source"]:
+            check_rlhf_data(spec["eval_source"], eval_stage or stage, columns=spec["columns"], tokenizer=tokenizer,
+                            key="data.eval_source", tokenizer_key=tokenizer_key)
+        data = load_rlhf_data(train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
+                              eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"],
+                              eval_stage=eval_stage, seed=cfg.seed, evaluate=evaluate)
+    except ValueError as err:
+        raise config_error(err) from None
+    report["train_rows"] = len(data.train)
+    report["eval_rows"] = len(data.eval) if data.eval is not None else 0
+    # what reward functions may read besides the prompt (checked against their parameters)
+    report["columns"] = {"train": list(data.train.column_names),
+                         "eval": list(data.eval.column_names) if data.eval is not None else None}
+    report["eval_origin"] = data.eval_origin
+    logger.info("data (%s): %d training rows (%s); evaluation: %s", stage, report["train_rows"],
+                ", ".join(f"{r['path']}: {r['format']}" for r in report["sources"]), data.eval_origin)
+    return report
+
+
+def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
+                        unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
+    """The rows each rank gets against the batches it draws (``check_rows_per_rank``) for the training rows of a
+    :func:`check_data` report; built-in data (no report, thousands of rows per stage) passes."""
+    if report is None:
+        return
+    check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,
+                        what=what, heldout=heldout_of_training(report), setting=setting)
+
+
+def check_sft_run(cfg: Any, section: str, role: str, world_size: int, report: Any = False) -> None:
+    """The rlhf_sft run that trains ``roles.<role>`` first when its model is empty (``section``: ``actor_sft`` /
+    ``teacher_sft``, ``{config, overrides}``), on the recipe's SFT rows (``report``: their :func:`check_data`
+    report when already checked): that run's micro batch against them."""
+    from multiengine.engines.recipe_config import load_config
+
+    if cfg.roles[role].model:
+        return
+    if report is False:
+        report = check_data(cfg, "sft", None)  # the SFT run trains on the same data first
+    if report is None:
+        return
+    run = cfg[section]
+    sub = load_config("rlhf_sft", run.config or None, [str(o) for o in run.overrides])
+    check_stage_batches(report, world_size, key=f"{section}: roles.actor.micro_batch_size",
+                        value=int(sub.roles.actor.micro_batch_size), unit="SFT rows",
+                        what=f"the rlhf_sft run that trains the {role} first, config {run.config!r}",
+                        setting=f"{section}.overrides=[roles.actor.micro_batch_size={{n}}]")
+
+
+def check_prompts_and_rewards(cfg: Any, models: list[RewardModelRole],
+                              scoring: tuple[tuple[str, str, str, str], ...] = ()) -> tuple[Any, Any]:
+    """rlhf_ppo, rlhf_grpo: the folders of the actor, every reward model and the roles of ``scoring`` (more scoring
+    roles' ``(role, folder, tokenizer, key)``), the actor's tokenizer against its model, the prompts and evaluation
+    prompts (:func:`check_data`), the columns each reward function names, and (with roles.actor.model set) each
+    scoring role's tokenizer. Returns the actor's tokenizer and the data report."""
+    from multiengine.pipelines.rlhf.retokenize import check_scoring_tokenizers
+
+    r = cfg.roles
+    for role in ("actor", *(s[0] for s in scoring), "reward"):
+        check_model(f"roles.{role}.model", r[role].model)
+    for m in models:
+        if m.path != r.reward.model:
+            check_model(f"reward.models ({m.role}).model", m.path)
+    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
+    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
+    if report is not None:  # the columns each reward function names are in the prompts' rows
+        check_reward_columns(cfg.reward, report["columns"])
+    if r.actor.model:
+        try:
+            check_scoring_tokenizers(actor_tok, [*reward_tokenizer_checks(models), *scoring],
+                                     bool(report and report["conversational"]))
+        except (OSError, ValueError) as err:
+            raise config_error(err) from None
+    return actor_tok, report
+
+
+def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -> None:
+    """Each reward function's required parameters are columns of the rows it will score: ``columns`` is
+    ``{"train": [...], "eval": [...] or None}`` (``check_data``'s report) or one list; ``sources`` the
+    ``RewardSource`` list, or a reward config section (its functions are loaded here). Raises a config error
+    naming the function, the parameter, the data's columns and the fix."""
+    from multiengine.pipelines.rlhf.rewards import check_reward_columns as check
+    from multiengine.pipelines.rlhf.rewards import reward_function
+
+    if not isinstance(sources, (list, tuple)):
+        sources = [reward_function(spec, weight) for spec, weight in reward_entries(sources)[1]]
+    named = columns if isinstance(columns, Mapping) else {"train": columns}
+    try:
+        for split, cols in named.items():
+            if cols is not None:
+                check(sources, list(cols), "the evaluation rows" if split == "eval" else f"{key} (the training rows)")
+    except ValueError as err:
+        raise config_error(err) from None
+
+
+def check_model_path(key: str, given: str, recipe: str) -> str:
+    """``given`` unless it names a local folder that does not exist ("org/name" or "name" is a hub model)."""
+    from multiengine.engines.recipe_config import RecipeConfigError
+
+    if given and not os.path.exists(given) and (given.startswith(("/", ".", "~")) or given.count("/") >= 2):
+        raise RecipeConfigError(f"{key}={given!r} does not exist; run `multiengine run {recipe} --config tiny "
+                                f"--nproc-per-node 2` first, or use rlhf_e2e.")
+    return given
+
+
+# --- reading the data and reward sections ---------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
 
 
 def data_spec(section: Any) -> dict[str, Any]:
@@ -118,304 +396,9 @@ def data_overrides(section: Any, source: str | None = None) -> list[str]:
     return out
 
 
-def load_data(recipe: Any, stage: str, *, eval_stage: str | None = None, default_source: str = "",
-              source: Any = None, evaluate: bool = True) -> Any:
-    """The training and evaluation rows of one stage (``rlhf.data.load_rlhf_data``) from the recipe's ``data``
-    section, rank 0 first: ``data.sources`` or ``data.source`` (``default_source`` when both are empty: the
-    built-in data), ``data.columns``, ``data.eval_source`` / ``data.eval_split``. ``source`` replaces the
-    training source (PPO's ``data.ptx_source``); ``evaluate=False`` loads training rows only. Returns a
-    ``TrainEval``."""
-    from multiengine.pipelines.rlhf.data import load_rlhf_data
-
-    cfg = recipe.cfg
-    spec = data_spec(cfg.data)
-    train_source = source or spec["source"] or default_source
-    return on_rank0_first(recipe.registry, lambda: load_rlhf_data(
-        train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
-        eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"], eval_stage=eval_stage,
-        seed=cfg.seed, evaluate=evaluate))
-
-
-def has_prompts(rows: Any) -> bool:
-    """Rows that carry prompts to generate from (``prompt`` or ``messages``; ``text`` rows have none)."""
-    return rows is not None and len(rows) > 0 and bool({"prompt", "messages"} & set(rows.column_names))
-
-
-def demonstrations(recipe: Any, data: Any, tokenizer: Any, batch_size: int) -> tuple[ShardedBatches, list[Any]]:
-    """SFT rows as a checkpointed training stream (``add_state("batches")``) and the held-out batches of the
-    evaluation rows (at most ``data.heldout_size`` of them; 0 = all), which are never trained on."""
-    from multiengine.pipelines.rlhf.data import SFTCollator
-
-    cfg, registry = recipe.cfg, recipe.registry
-    collate = SFTCollator(tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-    batches = registry.add_state("batches", ShardedBatches(data.train, collate, batch_size, registry.world_size,
-                                                           registry.rank, seed=cfg.seed))
-    heldout = []
-    if data.eval is not None:
-        heldout = shard_batches(data.eval, collate, batch_size, registry.world_size, registry.rank,
-                                limit=cfg.data.heldout_size)
-    return batches, heldout
-
-
-def evaluation_prompts(recipe: Any, rows: Any, tokenizer: Any) -> list[dict[str, Any]]:
-    """``eval.size`` evaluation prompts from ``rows`` (evaluation rows, never training rows) in batches of
-    ``eval.batch_size``, equal shares per rank; ``[]`` when ``eval.size`` is 0 or the rows have no prompts.
-    Conversational prompts are rendered with ``add_generation_prompt=True``."""
-    from multiengine.pipelines.rlhf.data import PromptCollator
-
-    cfg, registry = recipe.cfg, recipe.registry
-    if not cfg.eval.size or not has_prompts(rows):
-        return []
-    return shard_batches(rows, PromptCollator(tokenizer, cfg.data.max_prompt_len), cfg.eval.batch_size,
-                         registry.world_size, registry.rank, limit=cfg.eval.size)
-
-
-def tiny_assets(recipe: Any, needed: bool) -> dict[str, str]:
-    """The embedded default (built-in dataset, tokenizer, random tiny OPT) under ``output_dir/tiny`` when
-    ``needed`` (a model folder or the data source was left empty), else ``{}``."""
-    from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
-
-    if not needed:
-        return {}
-    tiny = recipe.cfg.tiny
-    return prepare_tiny_assets(recipe.path("tiny"), recipe.registry, recipe.cfg.seed, tiny.hidden, tiny.layers)
-
-
 def uses_builtin_data(section: Any) -> bool:
     """Neither ``data.source`` nor ``data.sources`` is set: the built-in task's data."""
     return not (section.get("source") or _plain(section.get("sources")))
-
-
-def check_model_path(key: str, given: str, recipe: str) -> str:
-    """``given`` unless it names a local folder that does not exist ("org/name" or "name" is a hub model)."""
-    from multiengine.engines.recipe_config import RecipeConfigError
-
-    if given and not os.path.exists(given) and (given.startswith(("/", ".", "~")) or given.count("/") >= 2):
-        raise RecipeConfigError(f"{key}={given!r} does not exist; run `multiengine run {recipe} --config tiny "
-                                f"--nproc-per-node 2` first, or use rlhf_e2e.")
-    return given
-
-
-def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_model: str) -> str:
-    """Train a model with the rlhf_sft recipe under ``out_dir`` and return its export. ``section`` has ``config``
-    (a shipped rlhf_sft config) and ``overrides``; ``data`` are the ``data.*`` overrides that give it the
-    recipe's data (:func:`data_overrides`). A finished run is reused only while its resolved config and inputs
-    are unchanged (engines/recipe_steps.py). Recipes compose in one process: the SFT run builds its own registry
-    on the same ranks."""
-    from multiengine.engines.recipe_steps import run_step
-
-    cfg = recipe.cfg
-    overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"roles.actor.model={base_model}",
-                 *section.overrides]
-    logger.info("%s: the SFT model comes from rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
-    summary = run_step("rlhf_sft", section.config, overrides, out_dir, False, {})
-    return summary["export"]["actor"]["model"]
-
-
-# --- tokenizers per role (rlhf_ppo, rlhf_grpo) ---------------------------------------------------------------
-def check_scoring_tokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str, str]],
-                             conversational: bool) -> None:
-    """Before any rank starts: each scoring role's tokenizer loads and fits its model, and, when it must
-    re-encode conversational prompts, has a chat template. ``roles``: ``(role, model folder, tokenizer value,
-    tokenizer key)``."""
-    from multiengine.pipelines.checks import check_vocab_fits
-    from multiengine.pipelines.rlhf.data import check_chat_template
-    from multiengine.pipelines.rlhf.retokenize import needs_reencoding
-
-    for role, path, given, key in roles:
-        if not path:
-            continue
-        try:
-            tok = role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
-            check_vocab_fits(tok, path, key=f"the {role} model ({path})", tokenizer_key=key if given else None)
-            if actor_tokenizer is not None and needs_reencoding(actor_tokenizer, tok, conversational):
-                check_chat_template(tok, conversational, key="data.source", tokenizer_key=key)
-        except (OSError, ValueError) as err:
-            raise config_error(err) from None
-
-
-# --- value checks of the keys the recipes share (their CHECKS), and the checks of validate(cfg) -----------
-def _scheduler_names() -> list[str]:
-    from transformers.trainer_utils import SchedulerType
-
-    return [t.value for t in SchedulerType]
-
-
-def _by_name(name: str, default: Any) -> Any:
-    """The check of a key by its last name (the same name means the same thing in every recipe)."""
-    from multiengine.engines.recipe_config import Choice, Length, Range, Satisfies
-
-    positive = Range(0, min_exclusive=True)
-    if isinstance(default, bool):
-        return None
-    simple = {
-        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": positive, "keep_last": Range(0),
-        "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
-        "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
-        "max_grad_norm": Range(0), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
-        "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
-        "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
-        "max_ptx_len": Range(1), "heldout_size": Range(0), "hidden": Range(8), "layers": Range(1), "r": Range(0),
-        "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
-    }
-    if name in simple:
-        return simple[name]
-    if name == "backend":
-        return Choice("auto", "deepspeed", "torch")
-    if name == "mode":
-        return Choice("gather", "per_token")
-    if name == "stage":
-        return Range(-1 if default == -1 else 0, 3)
-    if name == "dtype":
-        return Choice("fp32", "bf16", "fp16", *([""] if default == "" else []))
-    if name == "scheduler":
-        return Satisfies(lambda v: v in _scheduler_names(), "a transformers scheduler name (constant, "
-                                                              "constant_with_warmup, linear, cosine, ...)")
-    if name == "resume_from":
-        return Satisfies(lambda v: v in ("", "latest") or os.path.isdir(os.path.expanduser(str(v))),
-                         '"", "latest" or an existing checkpoint folder')
-    return None
-
-
-def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A recipe's CHECKS: a range or choice for every key of ``defaults`` whose name the RLHF recipes share
-    (``lr``, ``stage``, ``dtype``, ``micro_batch_size``, ``max_new_tokens``, ...; see :func:`_by_name`), the data
-    section's, and ``extra`` (the recipe's own keys), which wins."""
-    out: dict[str, Any] = {}
-
-    def walk(tree: dict[str, Any], prefix: str) -> None:
-        for name, value in tree.items():
-            key = f"{prefix}{name}"
-            if isinstance(value, dict):
-                if key != "data.columns":
-                    walk(value, key + ".")
-                continue
-            check = _by_name(name, value)
-            if check is not None:
-                out[key] = check
-
-    walk(defaults, "")
-    if "data" in defaults:
-        out.update(data_checks())
-    out.update(extra or {})
-    return out
-
-
-def config_error(err: Exception) -> Exception:
-    """A data / model-folder error of a check as the config error the CLI reports (exit 2, no traceback)."""
-    from multiengine.engines.recipe_config import RecipeConfigError
-
-    return RecipeConfigError(str(err))
-
-
-def check_model(key: str, path: str) -> None:
-    """``path`` (a ``model.*`` key) is a model folder with ``config.json`` or a hub name; "" passes (the
-    built-in tiny model)."""
-    from multiengine.pipelines.checks import check_model_folder
-
-    if path:
-        try:
-            check_model_folder(str(path), key=key)
-        except ValueError as err:
-            raise config_error(err) from None
-
-
-def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
-    """Load the tokenizer of a role (``given`` = its tokenizer key's value, else the model folder's) and check
-    that the model embeds every id of it; returns it (``None`` when ``model_path`` is "")."""
-    from multiengine.pipelines.checks import check_vocab_fits
-
-    if not model_path:
-        return None
-    try:
-        tok = role_tokenizer(given, model_path, fallback, what=model_key)
-    except (OSError, ValueError) as err:
-        raise config_error(ValueError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
-                                      f"tokenizer ({err}); set {key} to a tokenizer folder")) from None
-    try:
-        check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
-    except ValueError as err:
-        raise config_error(err) from None
-    return tok
-
-
-def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str | None = None,
-               tokenizer_key: str = "roles.actor.model", source: Any = None, key: str | None = None,
-               evaluate: bool = True) -> dict[str, Any] | None:
-    """The data of one stage, before any rank starts: every source exists and has rows of a format of the stage
-    after the column mapping, conversational rows meet a tokenizer with a chat template, and the evaluation
-    rows resolve (an eval source, a named split the sources have, or held-out rows that leave training rows).
-    The built-in data ("" source) passes. Returns ``check_rlhf_data``'s report (``None`` for built-in data)."""
-    from multiengine.pipelines.rlhf.data import check_rlhf_data, load_rlhf_data
-
-    spec = data_spec(cfg.data)
-    train_source = source or spec["source"]
-    if not train_source:
-        return None
-    key = key or ("data.sources" if isinstance(train_source, list) else "data.source")
-    try:
-        report = check_rlhf_data(train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
-                                 tokenizer=tokenizer, key=key, tokenizer_key=tokenizer_key)
-        if evaluate and spec["eval_source"]:
-            check_rlhf_data(spec["eval_source"], eval_stage or stage, columns=spec["columns"], tokenizer=tokenizer,
-                            key="data.eval_source", tokenizer_key=tokenizer_key)
-        data = load_rlhf_data(train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
-                              eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"],
-                              eval_stage=eval_stage, seed=cfg.seed, evaluate=evaluate)
-    except ValueError as err:
-        raise config_error(err) from None
-    report["train_rows"] = len(data.train)
-    report["eval_rows"] = len(data.eval) if data.eval is not None else 0
-    # what reward functions may read besides the prompt (checked against their parameters)
-    report["columns"] = {"train": list(data.train.column_names),
-                         "eval": list(data.eval.column_names) if data.eval is not None else None}
-    report["eval_origin"] = data.eval_origin
-    logger.info("data (%s): %d training rows (%s); evaluation: %s", stage, report["train_rows"],
-                ", ".join(f"{r['path']}: {r['format']}" for r in report["sources"]), data.eval_origin)
-    return report
-
-
-# --- batch arithmetic: the rows each rank gets against the batches it draws (before any rank starts) ---------
-def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
-                        unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
-    """:func:`check_rows_per_rank` for the training rows of a :func:`check_data` report; built-in data (no report,
-    thousands of rows per stage) passes."""
-    if report is None:
-        return
-    check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,
-                        what=what, heldout=heldout_of_training(report), setting=setting)
-
-
-def check_sft_run_batches(section: Any, report: dict[str, Any] | None, world_size: int, name: str,
-                          role: str) -> None:
-    """The rlhf_sft run a recipe trains its ``role`` with first, on its own data (``section``: ``{config,
-    overrides}`` of ``actor_sft`` / ``teacher_sft``): that run's micro batch against the SFT rows of ``report``."""
-    if report is None:
-        return
-    from multiengine.engines.recipe_config import load_config
-
-    sub = load_config("rlhf_sft", section.config or None, [str(o) for o in section.overrides])
-    check_stage_batches(report, world_size, key=f"{name}: roles.actor.micro_batch_size",
-                        value=int(sub.roles.actor.micro_batch_size), unit="SFT rows",
-                        what=f"the rlhf_sft run that trains the {role} first, config {section.config!r}",
-                        setting=f"{name}.overrides=[roles.actor.micro_batch_size={{n}}]")
-
-
-# --- reward sources named in a config (rlhf_ppo, rlhf_grpo; the entries' forms: pipelines/rlhf/reward_sources.py)
-REWARD_KEYS: dict[str, Any] = {
-    "models": Key([], "reward-model roles [{role, model, weight, tokenizer, stage, ...}]; [] and no functions = "
-                      "the `reward` role (roles.reward), weight 1"),
-    "functions": Key([], "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}"),
-    "normalize": Key(False, "running mean/std of the combined score over all ranks, before clipping"),
-}
-
-
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def reward_entries(section: Any, key: str = "reward", default_model: str = ""
@@ -441,134 +424,113 @@ def reward_config(section: Any, default_path: str | None, base: Any, key: str = 
     return reward_roles(entries, specs, default_path, base, key, default_tokenizer)
 
 
-def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -> None:
-    """Each reward function's required parameters are columns of the rows it will score: ``columns`` is
-    ``{"train": [...], "eval": [...] or None}`` (``check_data``'s report) or one list; ``sources`` the
-    ``RewardSource`` list, or a reward config section (its functions are loaded here).
+# --- setup: model folders, data streams, evaluation answers, export --------------------------------------------
+def tiny_assets(recipe: Any, *models: str) -> dict[str, str]:
+    """The embedded default (built-in dataset, tokenizer, random tiny OPT) under ``output_dir/tiny`` when the data
+    source or one of ``models`` (model folders) is left empty, else ``{}``."""
+    from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
 
-    Raises:
-        RecipeConfigError: naming the function, the parameter, the data's columns and the fix.
-    """
-    from multiengine.pipelines.rlhf.rewards import check_reward_columns as check
-    from multiengine.pipelines.rlhf.rewards import reward_function
-
-    if not isinstance(sources, (list, tuple)):
-        sources = [reward_function(spec, weight) for spec, weight in reward_entries(sources)[1]]
-    named = columns if isinstance(columns, Mapping) else {"train": columns}
-    try:
-        for split, cols in named.items():
-            if cols is not None:
-                check(sources, list(cols), "the evaluation rows" if split == "eval" else f"{key} (the training rows)")
-    except ValueError as err:
-        raise config_error(err) from None
+    if not (uses_builtin_data(recipe.cfg.data) or not all(models)):
+        return {}
+    tiny = recipe.cfg.tiny
+    return prepare_tiny_assets(recipe.path("tiny"), recipe.registry, recipe.cfg.seed, tiny.hidden, tiny.layers)
 
 
-# --- the policy's answers to the evaluation prompts, and its export (rlhf_sft, rlhf_dpo, rlhf_ppo) ---------------
-GENERATION_KEYS: dict[str, Any] = {
-    "max_new_tokens": Key(8, "tokens generated per answer"),
-    "temperature": Key(1.0, "sampling temperature"),
-}
-# the sampling of rollouts, which the evaluation answers share
-ROLLOUT_KEYS: dict[str, Any] = {
-    **GENERATION_KEYS,
-    "temperature": Key(1.0, "sampling temperature (also divides the logits of the update)"),
-    "top_k": Key(0, "0 = off"),
-    "top_p": Key(1.0, "nucleus sampling (1 = off)"),
-    "mode": Key("gather", "gather (actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)"),
-}
-EVAL_KEYS: dict[str, Any] = {
-    "every": Key(50, "also evaluate every N steps (0 = only before and after)"),
-    "size": Key(256, "evaluation prompts (those of the evaluation rows, never training prompts), split evenly over "
-                     "ranks; 0 = none"),
-    "batch_size": Key(32, "prompts per generation batch"),
-    "judge": Key(True, "the built-in task's programmatic judge (only for its prompts)"),
-    "greedy": Key(True, "also score greedy answers (the main figures are those of sampled answers, seeded)"),
-    "seed": Key(1234, "sampling seed of evaluation answers"),
-}
+def role_folder(recipe: Any, role: str, assets: dict[str, str], path: str = "") -> tuple[str, Any]:
+    """``roles.<role>.model`` (``path`` when given: what the recipe resolved or trained for it; else the tiny
+    model of ``assets`` when empty) and its tokenizer (``roles.<role>.tokenizer``, else the folder's, else the
+    tiny tokenizer)."""
+    section = recipe.cfg.roles[role]
+    path = path or section.model or assets["model"]
+    tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
+    return path, role_tokenizer(section.tokenizer, path, tiny_tok, what=f"roles.{role}.model")
 
 
-def eval_keys(meaning: str, **defaults: Any) -> Key:
-    """The ``eval`` section (:data:`EVAL_KEYS`) with a recipe's own defaults, e.g. ``eval_keys("...", every=100)``."""
-    unknown = set(defaults) - set(EVAL_KEYS)
-    if unknown:
-        raise KeyError(f"not eval keys: {sorted(unknown)}")
-    return Key({k: Key(defaults.get(k, v.default), v.help) for k, v in EVAL_KEYS.items()}, meaning)
-
-
-def policy_answers(recipe: Any, rows: Any, tokenizer: Any, role: str = "actor") -> Any:
-    """``role``'s answers to the prompts of ``rows`` (evaluation rows, :func:`evaluation_prompts`) as a
-    ``PolicyAnswers``: sampled with ``generation.*`` (seeded by ``eval.seed``), greedy too with ``eval.greedy``,
-    judged with ``eval.judge`` when the prompts are the built-in task's. Call it to evaluate."""
-    from multiengine.pipelines.rlhf.evaluation import PolicyAnswers
-    from multiengine.pipelines.rlhf.generation import GenerationSettings
-    from multiengine.pipelines.rlhf.runs import builtin_judge
+def sft_model(recipe: Any, section: Any, out_dir: str, data: list[str], base_model: str) -> str:
+    """Train a model with the rlhf_sft recipe under ``out_dir`` and return its export. ``section`` has ``config``
+    (a shipped rlhf_sft config) and ``overrides``; ``data`` are the ``data.*`` overrides that give it the
+    recipe's data (:func:`data_overrides`). A finished run is reused only while its resolved config and inputs
+    are unchanged (engines/recipe_steps.py). The SFT run builds its own registry on the same ranks."""
+    from multiengine.engines.recipe_steps import run_step
 
     cfg = recipe.cfg
-    g, mode = cfg.generation, cfg.generation.get("mode", "gather")
-    batches = evaluation_prompts(recipe, rows, tokenizer)
-    sampled = GenerationSettings(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.get("top_k", 0),
-                                 top_p=g.get("top_p", 1.0), mode=mode, do_sample=True)
-    greedy = GenerationSettings(max_new_tokens=g.max_new_tokens, mode=mode, do_sample=False) if cfg.eval.greedy \
-        else None
-    judge = builtin_judge([p for b in batches for p in b["prompts"]], cfg.eval.judge)
-    return PolicyAnswers(recipe.registry, batches, tokenizer, sampled, greedy, judge, cfg.eval.seed, role)
-
-
-def export_actor(recipe: Any, tokenizer: Any, role: str = "actor") -> dict[str, Any]:
-    """``export/<role>`` (an HF folder with ``tokenizer``; merged weights + adapter/ for LoRA) when
-    ``export.enabled``, else ``{}``."""
-    from multiengine.engines import save_role
-
-    if not recipe.cfg.export.enabled:
-        return {}
-    return {role: save_role(recipe.registry, role, recipe.path("export", role), tokenizer=tokenizer)}
-
-
-# --- small pieces several RLHF recipes declare alike ------------------------------------------------------------
-PROMPT_LEN = Key(16, "prompt tokens kept (a longer prompt loses its beginning)")  # data.max_prompt_len
-TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
-JUDGE_HEADLINE = ("judge", "judge score of sampled answers (built-in task)", True)
-REWARD_HEADLINE = ("reward", "held-out reward (weighted sum of the reward sources)", True)
-
-
-def lora_renamed(role: str) -> dict[str, str]:
-    """RENAMED entries of the old ``lora.<role>.*`` section (its ``enabled`` + ``rank`` are ``roles.<role>.lora.r``)."""
-    return {f"lora.{role}.*": f"roles.{role}.lora.*", f"lora.{role}.rank": f"roles.{role}.lora.r",
-            f"lora.{role}.enabled": f"roles.{role}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"}
-
-
-def export_keys(role: str = "actor") -> Key:
-    """The ``export`` section of a recipe that exports one trained role (:func:`export_actor`)."""
-    return Key({"enabled": Key(True, f"export/{role}")}, "what the run writes under output_dir/export")
+    overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *data, f"roles.actor.model={base_model}",
+                 *section.overrides]
+    logger.info("%s: the SFT model comes from rlhf_sft (config %s) in %s", recipe.name, section.config, out_dir)
+    summary = run_step("rlhf_sft", section.config, overrides, out_dir, False, {})
+    return summary["export"]["actor"]["model"]
 
 
 def sft_actor(recipe: Any, assets: dict[str, str]) -> tuple[str, Any]:
     """The actor's folder (``roles.actor.model``, else the tiny SFT actor trained first under output_dir/sft with
     ``actor_sft`` on the recipe's data; ``assets``: :func:`tiny_assets`) and its tokenizer."""
-    cfg, actor = recipe.cfg, recipe.cfg.roles.actor
-    path = check_model_path("roles.actor.model", actor.model, "rlhf_sft") or sft_model(
+    cfg = recipe.cfg
+    path = check_model_path("roles.actor.model", cfg.roles.actor.model, "rlhf_sft") or sft_model(
         recipe, cfg.actor_sft, recipe.path("sft"), data_overrides(cfg.data, assets.get("data") or None),
         assets["model"])
-    tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-    return path, role_tokenizer(actor.tokenizer, path, tiny_tok, what="roles.actor.model")
+    return role_folder(recipe, "actor", assets, path)
 
 
-def sft_run_keys(meaning: str) -> Key:
-    """The ``actor_sft`` / ``teacher_sft`` section: how a role left empty is trained first (:func:`sft_model`)."""
-    return Key({"config": Key("tiny", "a shipped rlhf_sft config"),
-                "overrides": Key([], "key=value overrides for it (rlhf_sft's keys: roles.actor.lr=..., ...)")}, meaning)
+def load_data(recipe: Any, stage: str, assets: dict[str, str], *, eval_stage: str | None = None,
+              source: Any = None, evaluate: bool = True) -> Any:
+    """The training and evaluation rows of one stage (``rlhf.data.load_rlhf_data``) from the recipe's ``data``
+    section, rank 0 first: ``data.sources`` or ``data.source`` (the built-in data of ``assets`` when both are
+    empty), ``data.columns``, ``data.eval_source`` / ``data.eval_split``. ``source`` replaces the training source
+    (PPO's ``data.ptx_source``); ``evaluate=False`` loads training rows only. Returns a ``TrainEval``."""
+    from multiengine.pipelines.rlhf.data import load_rlhf_data
+
+    cfg = recipe.cfg
+    spec = data_spec(cfg.data)
+    train_source = source or spec["source"] or assets.get("data", "")
+    return on_rank0_first(recipe.registry, lambda: load_rlhf_data(
+        train_source, stage, columns=spec["columns"], train_split=spec["train_split"],
+        eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"], eval_stage=eval_stage,
+        seed=cfg.seed, evaluate=evaluate))
 
 
-def check_prompts_and_rewards(cfg: Any, models: list[RewardModelRole]) -> tuple[Any, dict[str, Any] | None]:
-    """Before any rank starts (rlhf_ppo, rlhf_grpo): every reward.models folder besides roles.reward.model, the
-    actor's tokenizer against its model, the prompts and evaluation prompts (:func:`check_data`) and the columns each
-    reward function names. Returns the actor's tokenizer and the data report."""
-    r = cfg.roles
-    for m in models:
-        if m.path != r.reward.model:
-            check_model(f"reward.models ({m.role}).model", m.path)
-    actor_tok = check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
-    report = check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
-    if report is not None:  # the columns each reward function names are in the prompts' rows
-        check_reward_columns(cfg.reward, report["columns"])
-    return actor_tok, report
+def training_batches(recipe: Any, data: Any, collate: Any, batch_size: int) -> tuple[ShardedBatches, list[Any]]:
+    """Training rows as a checkpointed stream of ``batch_size`` rows (``add_state("batches")``) and the held-out
+    batches of the evaluation rows (at most ``data.heldout_size`` of them; 0 = all), which are never trained on."""
+    cfg, registry = recipe.cfg, recipe.registry
+    batches = registry.add_state("batches", ShardedBatches(data.train, collate, batch_size, registry.world_size,
+                                                           registry.rank, seed=cfg.seed))
+    heldout = []
+    if data.eval is not None:
+        heldout = shard_batches(data.eval, collate, batch_size, registry.world_size, registry.rank,
+                                limit=cfg.data.heldout_size)
+    return batches, heldout
+
+
+def policy_answers(recipe: Any, rows: Any, tokenizer: Any, role: str = "actor") -> Any:
+    """``role``'s answers to ``eval.size`` prompts of ``rows`` (evaluation rows, never training rows; none when
+    they have no prompts) in batches of ``eval.batch_size``, equal shares per rank, as a ``PolicyAnswers``:
+    sampled with ``generation.*`` (seeded by ``eval.seed``), greedy too with ``eval.greedy``, judged with
+    ``eval.judge`` when the prompts are the built-in task's. Call it to evaluate."""
+    from multiengine.pipelines.rlhf.data import PromptCollator
+    from multiengine.pipelines.rlhf.evaluation import PolicyAnswers
+    from multiengine.pipelines.rlhf.generation import GenerationSettings
+    from multiengine.pipelines.rlhf.runs import builtin_judge
+
+    cfg, registry = recipe.cfg, recipe.registry
+    g, mode = cfg.generation, cfg.generation.get("mode", "gather")
+    batches = []
+    if cfg.eval.size and rows is not None and len(rows) and {"prompt", "messages"} & set(rows.column_names):
+        # conversational prompts are rendered with add_generation_prompt=True
+        batches = shard_batches(rows, PromptCollator(tokenizer, cfg.data.max_prompt_len), cfg.eval.batch_size,
+                                registry.world_size, registry.rank, limit=cfg.eval.size)
+    sampled = GenerationSettings(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.get("top_k", 0),
+                                 top_p=g.get("top_p", 1.0), mode=mode, do_sample=True)
+    greedy = GenerationSettings(max_new_tokens=g.max_new_tokens, mode=mode, do_sample=False) if cfg.eval.greedy \
+        else None
+    judge = builtin_judge([p for b in batches for p in b["prompts"]], cfg.eval.judge)
+    return PolicyAnswers(registry, batches, tokenizer, sampled, greedy, judge, cfg.eval.seed, role)
+
+
+def export_role(recipe: Any, tokenizer: Any, role: str = "actor") -> dict[str, Any]:
+    """``export/<role>`` (an HF folder with ``tokenizer``; merged weights + adapter/ for LoRA; a
+    ``*ForSequenceClassification`` folder for a scalar-head role) when ``export.enabled``, else ``{}``."""
+    from multiengine.engines import save_role
+
+    if not recipe.cfg.export.enabled:
+        return {}
+    return {role: save_role(recipe.registry, role, recipe.path("export", role), tokenizer=tokenizer)}

@@ -1,18 +1,14 @@
-"""Knowledge distillation: a frozen teacher (any stage, ZeRO-3 with optional parameter offload) and a
-trainable student (any stage, optional LoRA), each its own engine; forward KL, reverse KL or JSD with a temperature,
-optionally mixed with the hard-label loss; on-policy (GKD) on a share of the steps, where the student samples the
-responses itself and the teacher scores every token of them.
+"""Knowledge distillation: a frozen teacher and a trainable student (any stage, optional LoRA), each its own engine;
+forward KL, reverse KL or JSD with a temperature, optionally mixed with the hard-label loss; on-policy (GKD) on a
+share of the steps, where the student samples the responses and the teacher scores every token of them.
 
     multiengine run distill --config tiny --nproc-per-node 2
     multiengine run distill --config tiny --nproc-per-node 2 distill.loss=jsd roles.teacher.offload_params=true
     multiengine run distill --config tiny --nproc-per-node 2 distill.on_policy_fraction=0.5 distill.loss=reverse_kl
 
-The tiny config distils the RLHF tiny SFT model (trained here on first use, as rlhf_e2e does, under
-output_dir/teacher) into a smaller random tiny model, on the built-in task's demonstrations. Reports the
-student's held-out cross-entropy and the judge's score of its answers before and after, beside the
-teacher's. Writes metrics.jsonl, summary.json, curves.png and export/student under output_dir.
-Roles: ``roles.teacher.*`` and ``roles.student.*`` (one tokenizer: the student's empty tokenizer is the
-teacher's); the loss: ``distill.*``.
+The tiny config distils the RLHF tiny SFT model (trained here first, under output_dir/teacher) into a smaller
+random tiny model. Reports the student's held-out cross-entropy and judge score beside the teacher's; exports
+export/student. docs/rlhf.md and docs/rlhf-variants.md.
 """
 
 from __future__ import annotations
@@ -32,12 +28,15 @@ from multiengine.pipelines.distill import (
     DIVERGENCES,
     check_vocab,
     distillation_loss,
+    heldout_cross_entropy,
     on_policy_batch,
     prompts_of_demonstrations,
+    role_logits,
     sampled_distill_loss,
     student_samples,
 )
 from multiengine.pipelines.rlhf import tiny
+from multiengine.pipelines.rlhf.data import SFTCollator
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
 from multiengine.pipelines.rlhf.rollout import sampling_seed
 from multiengine.recipes import common, plans
@@ -68,7 +67,7 @@ KEYS: dict[str, Any] = {
         "student_hidden": Key(32, "width of the random tiny student (roles.student.model=\"\")"),
         "student_layers": Key(1, "layers of the random tiny student"),
     }, "the random tiny models: the OPT the tiny teacher is fine-tuned from, and the student"),
-    "teacher_sft": common.sft_run_keys("how the tiny teacher is trained (rlhf_sft) when roles.teacher.model is empty"),
+    "teacher_sft": common.run_keys("how the tiny teacher is trained (rlhf_sft) when roles.teacher.model is empty"),
     "data": Key({
         **DATA_KEYS,
         "max_prompt_len": common.PROMPT_LEN,
@@ -109,22 +108,17 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if d.loss == "jsd" and not 0.0 < d.beta < 1.0:
         raise RecipeConfigError(f"distill.beta={d.beta} with distill.loss=jsd: the JSD's teacher weight must be in "
                                 "(0, 1); its ends are distill.loss=forward_kl (beta 0) and reverse_kl (beta 1)")
-    common.check_model("roles.teacher.model", teacher.model)
-    common.check_model("roles.student.model", student.model)
-    tok = common.check_tokenizer("roles.teacher.tokenizer", teacher.tokenizer, "roles.teacher.model", teacher.model)
-    if student.model:
-        own = common.check_tokenizer("roles.student.tokenizer", tokenizer_path(cfg, ROLES, "student"),
-                                     "roles.student.model", student.model, tok)
-        if teacher.model:  # a tiny teacher trained at run time is checked when the models are built
-            shared_logits(teacher.model, student.model, tok, own)
+    tok = common.check_role(cfg, "teacher")
+    own = common.check_role(cfg, "student", tokenizer_path(cfg, ROLES, "student"), tok)
+    if student.model and teacher.model:  # a tiny teacher trained at run time is checked when the models are built
+        shared_logits(teacher.model, student.model, tok, own)
     report = common.check_data(cfg, "sft", tok, tokenizer_key="roles.teacher.tokenizer")
     if d.on_policy_fraction > 0 and report and not {"prompt", "messages"} & set(report["columns"]["train"]):
         raise RecipeConfigError(f"distill.on_policy_fraction={d.on_policy_fraction}: the student samples answers to "
                                 "the demonstrations' prompts, and text rows have none; use prompt + response or "
                                 "messages rows, or distill.on_policy_fraction=0")
-    if not teacher.model:
-        common.check_sft_run_batches(cfg.teacher_sft, report, world_size, "teacher_sft", "teacher")
-    # demonstrations(): one stream of micro batches per rank (grad_accum draws it again)
+    common.check_sft_run(cfg, "teacher_sft", "teacher", world_size, report)
+    # one stream of micro batches per rank (grad_accum draws it again)
     common.check_stage_batches(report, world_size, key="roles.student.micro_batch_size", value=student.micro_batch_size)
 
 
@@ -154,15 +148,12 @@ class Distill(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
         teacher, student = cfg.roles.teacher, cfg.roles.student
-        assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not (student.model and teacher.model))
-        builtin = assets.get("data", "")
-        self.teacher_path = teacher.model or common.sft_model(self, cfg.teacher_sft, self.path("teacher"),
-                                                               common.data_overrides(cfg.data, builtin or None),
-                                                               assets["model"])
+        assets = common.tiny_assets(self, student.model, teacher.model)
+        teacher_path = teacher.model or common.sft_model(self, cfg.teacher_sft, self.path("teacher"),
+                                                         common.data_overrides(cfg.data, assets.get("data")),
+                                                         assets["model"])
+        self.teacher_path, self.tokenizer = common.role_folder(self, "teacher", assets, teacher_path)
         self.student_path = student.model or self._tiny_student(assets["tokenizer"])
-        tiny_tok = common.role_tokenizer("", assets["tokenizer"]) if assets else None
-        self.tokenizer = common.role_tokenizer(teacher.tokenizer, self.teacher_path, tiny_tok,
-                                               what="roles.teacher.model")
         own = common.role_tokenizer(tokenizer_path(cfg, ROLES, "student"), self.student_path, self.tokenizer)
         self.vocab = shared_logits(self.teacher_path, self.student_path, self.tokenizer, own)
 
@@ -175,8 +166,9 @@ class Distill(Recipe):
         registry.build()
 
         # 3. data: demonstrations (prompt + response), evaluation rows never trained on (held-out loss, prompts)
-        data = common.load_data(self, "sft", default_source=builtin)
-        self.batches, self.heldout = common.demonstrations(self, data, self.tokenizer, student.micro_batch_size)
+        data = common.load_data(self, "sft", assets)
+        collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
+        self.batches, self.heldout = common.training_batches(self, data, collate, student.micro_batch_size)
         # the student's and the teacher's answers to the evaluation prompts (generation.*: also the on-policy steps')
         self.answers = common.policy_answers(self, data.eval, self.tokenizer, role="student")
         self.teacher_answers = replace(self.answers, role="teacher")
@@ -193,10 +185,7 @@ class Distill(Recipe):
 
     def _logits(self, role: str, batch: dict[str, torch.Tensor], position_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        out = self.registry[role](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                  position_ids=position_ids, use_cache=False)
-        # padded embeddings of one tokenizer: compare the real tokens only (shared_logits)
-        return out.logits if out.logits.shape[-1] == self.vocab else out.logits[..., :self.vocab]
+        return role_logits(self.registry, role, batch, self.vocab, position_ids)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         d = self.cfg.distill
@@ -245,35 +234,13 @@ class Distill(Recipe):
         return mean_over_ranks({**{k: statistics.fmean(v) for k, v in totals.items()}, "lr": student.get_lr()[0],
                                 "on_policy": float(on_policy)})
 
-    @torch.no_grad()
-    def _heldout(self, role: str) -> float | None:
-        if not self.heldout:
-            return None
-        import torch.nn.functional as F
-
-        module = self.registry.role(role).module
-        was_training = module.training
-        module.eval()
-        total = count = 0.0
-        for batch in self.heldout:
-            batch = {k: v.to(self.registry.device) for k, v in batch.items()}
-            logits = self._logits(role, batch)[:, :-1].float()
-            target = batch["labels"][:, 1:]
-            mask = target != -100
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.clamp(min=0).reshape(-1),
-                                 reduction="none").view(target.shape)
-            total += float((ce * mask).sum())
-            count += float(mask.sum())
-        module.train(was_training)
-        sums = mean_over_ranks({"total": total, "count": count})
-        return sums["total"] / max(sums["count"], 1.0)
-
     def evaluate(self, tag: str) -> dict[str, Any]:
-        result: dict[str, Any] = {"loss": self._heldout("student")}
+        result: dict[str, Any] = {"loss": heldout_cross_entropy(self.registry, "student", self.heldout, self.vocab)}
         result.update(self.answers())
         if not self.teacher_eval:  # the teacher does not change: once is enough
             judged = self.teacher_answers()
-            self.teacher_eval = {"teacher_loss": self._heldout("teacher"),
+            self.teacher_eval = {"teacher_loss": heldout_cross_entropy(self.registry, "teacher", self.heldout,
+                                                                       self.vocab),
                                  **{f"teacher_{k}": v for k, v in judged.items() if k != "samples"}}
         result.update(self.teacher_eval)
         return result
@@ -285,7 +252,7 @@ class Distill(Recipe):
         self.teacher_eval = dict(state.get("teacher_eval", {}))
 
     def export(self) -> dict[str, Any]:
-        return common.export_actor(self, self.tokenizer, role="student")
+        return common.export_role(self, self.tokenizer, role="student")
 
     def summary_metrics(self) -> dict[str, Any]:
         metrics = {f"teacher/{k[len('teacher_'):]}": v for k, v in self.teacher_eval.items() if v is not None}

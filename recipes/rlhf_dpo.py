@@ -1,19 +1,14 @@
-"""Offline preference optimisation: DPO (sigmoid loss, optional label smoothing) or IPO, with a trainable
-policy (``actor``) and a frozen reference (``ref``, the actor's folder loaded again; it follows the actor's
-ZeRO stage and dtype unless set), each its own engine (both ZeRO-3 by default).
+"""Offline preference optimisation: DPO (sigmoid loss, optional label smoothing) or IPO, with a trainable policy
+(``actor``) and a frozen reference (``ref``, the actor's folder loaded again), each its own engine (docs/rlhf.md).
 
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2                    # SFT actor trained here first
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.loss=ipo roles.actor.lr=5e-4
     multiengine run rlhf_dpo --config tiny --nproc-per-node 2 dpo.precompute_ref=true roles.ref.offload_params=true
     multiengine run rlhf_dpo --config opt1.3b --nproc-per-node 8
 
-Trains on preference pairs (``prompt``, ``chosen``, ``rejected``: the reward split of the RLHF data). The
-reference log-probs come from one no-grad ref forward per batch, or (``dpo.precompute_ref``) are computed
-once for every training and held-out pair before the first step. Reports held-out preference accuracy,
-reward margin and implicit rewards ``beta * (log pi - log pi_ref)``, and on the built-in task the judge's
-score of sampled answers before and after (``metrics["eval/before/judge"]`` / ``["eval/after/judge"]``).
-With no ``roles.actor.model`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft). Writes
-metrics.jsonl, summary.json, curves.png, checkpoints/ and export/actor; ``resume_from=latest`` continues.
+Trains on preference pairs; the ref's log-probs come from a no-grad forward per batch or (``dpo.precompute_ref``)
+once for every pair before the first step. Reports held-out preference accuracy, margin and implicit rewards, and
+on the built-in task the judge's score of sampled answers; exports export/actor.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ KEYS: dict[str, Any] = {
     "max_steps": Key(300, "optimizer steps"),
     "roles": role_keys(ROLES),
     "tiny": TINY_KEYS,
-    "actor_sft": common.sft_run_keys("how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
+    "actor_sft": common.run_keys("how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
     "data": Key({
         **DATA_KEYS,
         "max_prompt_len": common.PROMPT_LEN,
@@ -96,13 +91,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if ref.tokenizer and ref.tokenizer != actor.tokenizer:
         raise common.config_error(ValueError(f"roles.ref.tokenizer={ref.tokenizer!r}: the ref scores the actor's "
                                              "tokens with the actor's tokenizer; leave roles.ref.tokenizer empty"))
-    common.check_model("roles.actor.model", actor.model)
     common.check_model("roles.ref.model", ref.model)
-    tok = common.check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
+    tok = common.check_role(cfg, "actor")
     report = common.check_data(cfg, "reward", tok, tokenizer_key="roles.actor.tokenizer")
-    if not actor.model:
-        sft = common.check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
-        common.check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
+    common.check_sft_run(cfg, "actor_sft", "actor", world_size)
     check_batches(cfg, report, world_size)
 
 
@@ -130,8 +122,7 @@ class RLHFDPO(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the actor (SFT model, trained here on first use) and the tokenizer
         actor = cfg.roles.actor
-        assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not actor.model)
-        builtin = assets.get("data", "")
+        assets = common.tiny_assets(self, actor.model)
         actor_path, self.tokenizer = common.sft_actor(self, assets)
         self.paths = {"actor": actor_path, "ref": model_path(cfg, ROLES, "ref", {"actor": actor_path})}
 
@@ -148,7 +139,7 @@ class RLHFDPO(Recipe):
         # 3. pairs: a training stream (checkpointed) and held-out pairs (evaluation rows, never trained on); ref
         #    log-probs precomputed if asked
         collate = PreferenceCollator(PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len))
-        data = common.load_data(self, "reward", default_source=builtin)
+        data = common.load_data(self, "reward", assets)
         train_rows = data.train
         heldout_rows = None
         if data.eval is not None:
@@ -193,7 +184,7 @@ class RLHFDPO(Recipe):
         return result
 
     def export(self) -> dict[str, Any]:
-        return common.export_actor(self, self.tokenizer)
+        return common.export_role(self, self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         d = self.cfg.dpo
@@ -210,25 +201,8 @@ class RLHFDPO(Recipe):
     def plot_title(self) -> str:
         d = self.cfg.dpo
         extra = f", sft_coef {d.sft_coef:g}" if d.sft_coef else ""
-        return f"{self.name}: {_loss_name(self.cfg)}, beta {d.beta:g}{extra} ({self.registry.world_size} ranks)"
-
-    def plot(self) -> str | None:
-        path = super().plot()
-        if self.registry.is_main:
-            m = self.summary_metrics()
-            if "eval/after/accuracy" in m:
-                logger.info("%s: held-out preference accuracy %.3f -> %.3f, judge score %s -> %s", _loss_name(self.cfg),
-                            m.get("eval/before/accuracy", float("nan")), m["eval/after/accuracy"],
-                            _fmt(m.get("eval/before/judge")), _fmt(m.get("eval/after/judge")))
-        return path
-
-
-def _loss_name(cfg: Any) -> str:
-    return "DPO" if cfg.dpo.loss == "sigmoid" else "IPO"
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
+        loss = "DPO" if d.loss == "sigmoid" else "IPO"
+        return f"{self.name}: {loss}, beta {d.beta:g}{extra} ({self.registry.world_size} ranks)"
 
 
 main = RLHFDPO.main

@@ -3,29 +3,19 @@
     multiengine run rlhf_e2e --config tiny --nproc-per-node 2      # the embedded default, a few minutes on CPU
     multiengine run rlhf_e2e --config opt1.3b_opt350m --nproc-per-node 8
 
-Each step runs its own recipe (rlhf_sft, rlhf_reward, rlhf_ppo) with the shipped config named here plus
-overrides, under output_dir/{sft,reward,ppo}; every ``data.*`` key is passed to every step (each reads
-its stage's rows of the data); this run fills in the model paths: step 1's actor is
-step 3's actor and ref, step 2's reward model is step 3's reward model and critic (and, with
-``reward.init_from_sft``, step 2 starts from step 1's model, as in InstructGPT). The embedded assets
-(built-in dataset, tokenizer, random tiny OPT) are built once under output_dir/tiny.
-
-A finished step is reused only when nothing it was made from changed: beside each step's summary.json a
-fingerprint.json records the hash of the step's resolved config and the identity of its inputs (every
-local file or folder the config names outside the step's own output_dir: content hashes of small files,
-size + mtime of large ones). Any difference reruns the step (and, through its new exports, the steps
-after it); ``rerun=true`` reruns all. The log and summary.json say which steps were reused and why.
-It runs on the shared lifecycle (engines/recipe_lifecycle.py): the common keys reach every step (``seed``, ``backend``,
-``dist_timeout_s``, ``trust_remote_code``, ``tensorboard``, ``plot``, ``report_to``, ``nonfinite.*``), the figures
-go to metrics.jsonl and summary.json, and step 3's curves are copied to output_dir/curves.png.
-
-``algorithm`` picks step 3 (see ``FINAL_STEP``): ``ppo`` (rlhf_ppo, section ``ppo``), ``grpo`` (rlhf_grpo,
-section ``grpo``: the step-2 reward model is its reward) or ``dpo`` (rlhf_dpo, section ``dpo``: trained on
-the preference pairs directly, so step 2 is skipped). Step 3 runs under output_dir/<algorithm>.
+Each step runs its own recipe (rlhf_sft, rlhf_reward, then ``algorithm``'s: see ``FINAL_STEP``) with the shipped
+config named here plus overrides, under output_dir/<step>, on the shared lifecycle. Every ``data.*`` key and the
+common keys reach every step; this run fills in the model paths: step 1's actor is step 3's actor and ref, step 2's
+reward model is step 3's reward model (and PPO's critic); with ``reward.init_from_sft`` step 2 starts from step 1's
+model, as in InstructGPT. DPO trains on the preference pairs directly, so step 2 is skipped. A finished step is
+reused only while its resolved config and inputs are unchanged (engines/recipe_steps.py; ``rerun=true`` reruns
+all); the log and summary.json say which steps were reused and why. Step 3's curves are copied to
+output_dir/curves.png.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -35,16 +25,7 @@ from typing import Any
 from multiengine.engines.recipe_config import Choice, Key, Range, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.recipe_steps import FINGERPRINT_FILE, run_step
-from multiengine.recipes import plans
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    check_data,
-    check_model,
-    check_tokenizer,
-    data_overrides,
-    recipe_checks,
-    uses_builtin_data,
-)
+from multiengine.recipes import common, plans
 
 __all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "validate"]
 
@@ -54,39 +35,25 @@ logger = logging.getLogger(__name__)
 # says (a step's resume_from goes in its overrides), and a finished step is reused by its fingerprint.
 PASSED_TO_STEPS = ("seed", "backend", "dist_timeout_s", "trust_remote_code", "tensorboard", "plot", "report_to",
                    "nonfinite")
+_STEP = functools.partial(common.run_keys, config="its shipped config", overrides="key=value overrides for it")
 KEYS: dict[str, Any] = {
     **{k: v for k, v in COMMON_KEYS.items() if k not in ("checkpoint", "resume_from")},
     "output_dir": Key("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here"),
     "max_steps": Key(0, "steps of step 3; 0 = its config's"),
-    "data": Key({
-        **DATA_KEYS,
-    }, "the data of every step (each step reads its stage's rows: sft, reward, ppo; docs/data.md)"),
+    "data": Key(dict(common.DATA_KEYS), "the data of every step (each step reads its stage's rows: sft, reward, ppo; "
+                                        "docs/data.md)"),
     "model": Key({
         "pretrained": Key("", "step 1's base (a causal-LM folder or hub name); \"\" = the random tiny OPT"),
         "reward_pretrained": Key("", "step 2's base with reward.init_from_sft=false; \"\" = model.pretrained"),
     }, "the base models"),
-    "sft": Key({
-        "config": Key("tiny", "its shipped config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "step 1 (rlhf_sft)"),
-    "reward": Key({
-        "config": Key("tiny", "its shipped config"),
-        "overrides": Key([], "key=value overrides for it"),
-        "init_from_sft": Key(True, "start the reward model from step 1's model (InstructGPT) instead of a base"),
-    }, "step 2 (rlhf_reward)"),
+    "sft": _STEP("step 1 (rlhf_sft)"),
+    "reward": Key({**_STEP("").default, "init_from_sft": Key(True, "start the reward model from step 1's model "
+                                                                   "(InstructGPT) instead of a base")},
+                  "step 2 (rlhf_reward)"),
     "algorithm": Key("ppo", "step 3: ppo | grpo | dpo"),
-    "ppo": Key({
-        "config": Key("tiny", "its shipped config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "step 3 with algorithm=ppo (rlhf_ppo)"),
-    "grpo": Key({
-        "config": Key("tiny", "its shipped config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "step 3 with algorithm=grpo (rlhf_grpo)"),
-    "dpo": Key({
-        "config": Key("tiny", "its shipped config"),
-        "overrides": Key([], "key=value overrides for it"),
-    }, "step 3 with algorithm=dpo (rlhf_dpo)"),
+    "ppo": _STEP("step 3 with algorithm=ppo (rlhf_ppo)"),
+    "grpo": _STEP("step 3 with algorithm=grpo (rlhf_grpo)"),
+    "dpo": _STEP("step 3 with algorithm=dpo (rlhf_dpo)"),
     "rerun": Key(False, "rerun every step, even those whose config and inputs did not change"),
     "overwrite": Key(False, "true: clear another recipe's run from output_dir first (this recipe's own steps are "
                             "reused or rerun anyway)"),
@@ -97,7 +64,7 @@ for _key in PASSED_TO_STEPS:
     HELP[_key] += " (passed to every step)"
 # Its roles are its steps' (rlhf_sft, rlhf_reward and the final recipe each declare theirs).
 ROLES: tuple = ()
-CHECKS = {**recipe_checks(DEFAULTS), "max_steps": Range(0), "algorithm": Choice("ppo", "grpo", "dpo")}
+CHECKS = {**common.recipe_checks(DEFAULTS), "max_steps": Range(0), "algorithm": Choice("ppo", "grpo", "dpo")}
 
 # step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
 # step 1's actor (the ref is loaded from the same folder) and step 2's reward model
@@ -119,17 +86,17 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     of every stage the steps read (SFT rows, preference pairs, prompts and evaluation prompts), and each step's
     batches against its rows on ``world_size`` ranks. The rest of the steps' own configs is checked when they
     load."""
-    check_model("model.pretrained", cfg.model.pretrained)
-    check_model("model.reward_pretrained", cfg.model.reward_pretrained)
-    tok = check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
+    common.check_model("model.pretrained", cfg.model.pretrained)
+    common.check_model("model.reward_pretrained", cfg.model.reward_pretrained)
+    tok = common.check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
     if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
-        check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained", cfg.model.reward_pretrained)
+        common.check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained", cfg.model.reward_pretrained)
     _, needs_rm, _ = FINAL_STEP[cfg.algorithm]
-    reports = {"sft": check_data(cfg, "sft", tok), "reward": None, "ppo": None}
+    reports = {"sft": common.check_data(cfg, "sft", tok), "reward": None, "ppo": None}
     if needs_rm or cfg.algorithm == "dpo":
-        reports["reward"] = check_data(cfg, "reward", tok)
+        reports["reward"] = common.check_data(cfg, "reward", tok)
     if cfg.algorithm in ("ppo", "grpo"):
-        reports["ppo"] = check_data(cfg, "ppo", tok, eval_stage="eval")
+        reports["ppo"] = common.check_data(cfg, "ppo", tok, eval_stage="eval")
     _check_step_batches(cfg, reports, world_size)
 
 
@@ -144,12 +111,12 @@ def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> N
     if needs_rm:
         steps.append(("reward", "rlhf_reward", "reward"))
     steps.append((cfg.algorithm, recipe3, "reward" if cfg.algorithm == "dpo" else "ppo"))
-    common = [f"seed={cfg.seed}", *data_overrides(cfg.data)]
+    shared = [f"seed={cfg.seed}", *common.data_overrides(cfg.data)]
     for section, recipe, stage in steps:
         if reports.get(stage) is None:
             continue
         step = cfg[section]
-        step_cfg = load_config(recipe, step.config or None, [*common, *[str(o) for o in step.overrides]])
+        step_cfg = load_config(recipe, step.config or None, [*shared, *[str(o) for o in step.overrides]])
         try:
             load_recipe(recipe).check_batches(step_cfg, reports[stage], world_size,
                                               setting=f"{section}.overrides=[{{key}}={{n}}]")
@@ -181,7 +148,7 @@ class RLHFE2E(Recipe):
 
         cfg = self.cfg
         # the embedded assets (built-in data, tokenizer, random tiny OPT), built once by rank 0
-        self.builtin = uses_builtin_data(cfg.data)
+        self.builtin = common.uses_builtin_data(cfg.data)
         self.assets: dict[str, str] = {}
         if self.builtin or not cfg.model.pretrained:
             self.assets = prepare_tiny_assets(self.path("tiny"), self.registry, cfg.seed)
@@ -192,9 +159,10 @@ class RLHFE2E(Recipe):
         cfg, out = self.cfg, self.output_dir
         base = cfg.model.pretrained or self.assets["model"]
         # every step gets the common keys and reads the same data (its own stage's rows of it)
-        common = [*_passed_overrides(cfg), *data_overrides(cfg.data, self.assets["data"] if self.builtin else None)]
+        data = common.data_overrides(cfg.data, self.assets["data"] if self.builtin else None)
+        shared = [*_passed_overrides(cfg), *data]
         # 1. SFT: base model -> export/actor
-        sft = run_step("rlhf_sft", cfg.sft.config, [*common, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
+        sft = run_step("rlhf_sft", cfg.sft.config, [*shared, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
                        os.path.join(out, "sft"), cfg.rerun, self.decisions)
         actor = sft["export"]["actor"]["model"]
         # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
@@ -204,12 +172,12 @@ class RLHFE2E(Recipe):
         if needs_rm:
             rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
             reward = run_step("rlhf_reward", cfg.reward.config,
-                              [*common, f"{BASE_MODEL['rlhf_reward']}={rm_base}", *cfg.reward.overrides],
+                              [*shared, f"{BASE_MODEL['rlhf_reward']}={rm_base}", *cfg.reward.overrides],
                               os.path.join(out, "reward"), cfg.rerun, self.decisions)
             reward_path = reward["export"]["reward"]["model"]
         # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
         final = cfg[cfg.algorithm]
-        overrides = [*common, *feed(actor, reward_path), *final.overrides]
+        overrides = [*shared, *feed(actor, reward_path), *final.overrides]
         if cfg.max_steps:
             overrides.append(f"max_steps={cfg.max_steps}")
         last = run_step(recipe, final.config, overrides, os.path.join(out, cfg.algorithm), cfg.rerun, self.decisions)

@@ -1,34 +1,26 @@
-"""Critic-free RL on the registry: GRPO, Dr. GRPO, RLOO or REINFORCE++ with an actor, a frozen ref and
-reward sources (reward-model roles and/or Python reward functions); no critic.
+"""Critic-free RL on the registry: GRPO, Dr. GRPO, RLOO or REINFORCE++ with an actor, a frozen ref and reward
+sources (reward-model roles and/or Python reward functions); no critic. docs/rlhf.md and docs/rlhf-variants.md.
 
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2              # SFT actor trained here first
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.algorithm=rloo
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 'reward.models=[{role: reward, weight: 1.0}]' \\
         reward.functions=[] roles.reward.model=outputs/rlhf_reward/export/reward
     multiengine run rlhf_grpo --config tiny --nproc-per-node 2 grpo.loss_aggregation=token_mean grpo.clip_high=0.28 \\
-        grpo.dynamic_sampling=true                                          # DAPO-style (docs/rlhf-variants.md)
+        grpo.dynamic_sampling=true                                          # DAPO-style
     multiengine run rlhf_grpo --config tiny_multiturn --nproc-per-node 2    # calculator tool, several turns
     multiengine run rlhf_grpo --config opt1.3b --nproc-per-node 8
 
-Each step samples ``grpo.n_samples_per_prompt`` answers to each of a rank's prompts, scores them with the
-weighted reward sources, turns each prompt's group of scores into advantages (``grpo.algorithm``) and runs
-clipped policy-gradient steps on the actor (KL to the ref as a k3 loss term or a k1 reward penalty). The
-actor is at ZeRO-3 with gather-once generation by default; ``ref`` follows its placement. With no
-``roles.actor.model`` the tiny SFT actor is trained first under ``output_dir/sft`` (rlhf_sft, in this process).
-Reward functions are written as for TRL (``fn(prompts, completions, **kwargs)``: the rows' other columns,
-e.g. ``answer``, arrive as keyword arguments). Evaluation reports the held-out reward (``eval/reward``, the
-weighted sum, and ``eval/reward/<name>`` per source); a run whose groups are mostly flat (every answer to a
-prompt scored the same) for ``grpo.flat_warn_steps`` steps gets a warning with what to change.
-Writes metrics.jsonl, summary.json (``metrics["eval/before/judge"]`` / ``["eval/after/judge"]`` on the
-built-in task), curves.png, checkpoints/ and export/actor under output_dir; ``resume_from=latest``
-continues a run exactly.
+Each step samples ``grpo.n_samples_per_prompt`` answers to each of a rank's prompts, scores them with the weighted
+reward sources, turns each prompt's group of scores into advantages (``grpo.algorithm``) and runs clipped
+policy-gradient steps on the actor (KL to the ref as a k3 loss term or a k1 reward penalty). Reward functions are
+written as for TRL (the rows' other columns arrive as keyword arguments). Mostly flat groups (every answer to a
+prompt scored the same) for ``grpo.flat_warn_steps`` steps get a warning with what to change.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from multiengine.engines import ShardedBatches
@@ -39,6 +31,8 @@ from multiengine.pipelines.rlhf import multiturn
 from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, judge_prompt_problem, plot_panels
 from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS
+from multiengine.pipelines.rlhf.retokenize import retokenizers
+from multiengine.pipelines.rlhf.reward_sources import with_retokenizers
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
 from multiengine.recipes import common, plans
 from multiengine.recipes.common import DATA_KEYS, REWARD_KEYS, RLHF_TRAINABLE, ROLLOUT_KEYS, TINY_KEYS
@@ -61,7 +55,7 @@ KEYS: dict[str, Any] = {
     "max_steps": Key(100, "steps: one rollout and its policy update each"),
     "roles": role_keys(ROLES),
     "tiny": TINY_KEYS,
-    "actor_sft": common.sft_run_keys("how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
+    "actor_sft": common.run_keys("how the tiny SFT actor is trained (rlhf_sft) when roles.actor.model is empty"),
     "data": Key({**DATA_KEYS, "max_prompt_len": common.PROMPT_LEN},
                 "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)"),
     "generation": Key({**ROLLOUT_KEYS, "max_new_tokens": Key(8, "tokens generated per answer (Dr. GRPO's normalising "
@@ -187,7 +181,6 @@ def _validate_settings(cfg: Any) -> None:
         raise RecipeConfigError(
             f"roles.actor.grad_accum={actor.grad_accum} does not divide the {minibatches} minibatches of a rollout "
             "(grpo.rollout_batch_size x grpo.n_samples_per_prompt / roles.actor.micro_batch_size); change one of them.")
-    rewards_of(cfg, strict=False)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
@@ -195,18 +188,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     conversations), the prompts and evaluation prompts; with no roles.actor.model, the data the SFT actor trains on.
     On ``world_size`` ranks: a step's prompts per rank (and the SFT run's micro batch)."""
     _validate_settings(cfg)
-    r = cfg.roles
     models, _ = rewards_of(cfg, strict=False)
-    common.check_model("roles.actor.model", r.actor.model)
-    common.check_model("roles.reward.model", r.reward.model)
-    actor_tok, report = common.check_prompts_and_rewards(cfg, models)
-    if not r.actor.model:
-        sft = common.check_data(cfg, "sft", None)  # the tiny SFT actor trains on the same data first
-        common.check_sft_run_batches(cfg.actor_sft, sft, world_size, "actor_sft", "actor")
+    _, report = common.check_prompts_and_rewards(cfg, models)
+    common.check_sft_run(cfg, "actor_sft", "actor", world_size)
     check_batches(cfg, report, world_size)
-    if r.actor.model:
-        common.check_scoring_tokenizers(actor_tok, [s for s in common.reward_tokenizer_checks(models) if s[1]],
-                                        bool(report and report["conversational"]))
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
@@ -228,25 +213,27 @@ class RLHFGRPO(Recipe):
     def build(self) -> None:
         cfg, registry, r = self.cfg, self.registry, self.cfg.roles
         # 1. the actor (SFT model, trained here on first use), tokenizer and data source
-        needed, t = common.uses_builtin_data(cfg.data) or not r.actor.model, cfg.tiny  # the embedded task's assets
-        assets = common.tiny_assets(self, needed) if cfg.grpo.env != "builtin:arithmetic" or not needed else \
-            multiturn.prepare_arithmetic_assets(self.path("arith"), registry, cfg.seed, t.hidden, t.layers)
+        if cfg.grpo.env == "builtin:arithmetic" and (common.uses_builtin_data(cfg.data) or not r.actor.model):
+            # the calculator task's embedded assets instead of the built-in task's
+            assets = multiturn.prepare_arithmetic_assets(self.path("arith"), registry, cfg.seed, cfg.tiny.hidden,
+                                                         cfg.tiny.layers)
+        else:
+            assets = common.tiny_assets(self, r.actor.model)
         actor_path, self.tokenizer = common.sft_actor(self, assets)
         self.paths = {"actor": actor_path}
 
         # 2. data: prompts (checkpointed stream), evaluation prompts never trained on
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        data = common.load_data(self, "ppo", eval_stage="eval", default_source=assets.get("data", ""))
+        data = common.load_data(self, "ppo", assets, eval_stage="eval")
         conversational = "prompt_messages" in collate([data.train[0]])
 
         # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
         #    its own tokenizer: re-encoded when it differs from the actor's)
         s = self.settings = grpo_settings(cfg)
         reward_roles, rewards = rewards_of(cfg)
-        self.tokenizers, self.retokenizers = common.retokenizers(
+        self.tokenizers, self.retokenizers = retokenizers(
             self.tokenizer, [(m.role, m.path, m.tokenizer) for m in reward_roles], conversational)
-        self.rewards = [replace(src, retokenizer=self.retokenizers.get(src.role)) if src.role else src
-                        for src in rewards]
+        self.rewards = with_retokenizers(rewards, self.retokenizers)
         bad = judge_prompt_problem(self.rewards, [prompt_text(data.train[i]["prompt"])
                                                   for i in range(min(len(data.train), 64))])
         if bad is not None:
@@ -308,7 +295,7 @@ class RLHFGRPO(Recipe):
 
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
-        return common.export_actor(self, self.tokenizer)
+        return common.export_role(self, self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         s, gen = self.settings, self.cfg.generation
@@ -324,15 +311,6 @@ class RLHFGRPO(Recipe):
 
     def plot_title(self) -> str:
         return f"{self.name}: {self.settings.algorithm} ({self.registry.world_size} ranks)"
-
-    def plot(self) -> str | None:
-        path = super().plot()
-        m = self.eval_figures(("judge", "kl"))
-        if self.registry.is_main and "eval/before/judge" in m and "eval/after/judge" in m:
-            logger.info("%s: judge score %.3f before -> %.3f after (KL to ref %.3f nats per answer)",
-                        self.settings.algorithm, m["eval/before/judge"], m["eval/after/judge"],
-                        m.get("eval/after/kl", float("nan")))
-        return path
 
 
 main = RLHFGRPO.main

@@ -4,17 +4,11 @@
     multiengine run rlhf_ppo --config tiny --nproc-per-node 2 generation.mode=per_token roles.actor.stage=3
     multiengine run rlhf_ppo --config opt1.3b_opt350m --nproc-per-node 8
 
-Every role is its own DeepSpeed engine with its own stage, dtype and offload (ref follows the actor,
-reward the critic, unless set). Each role may have its own tokenizer (``roles.<role>.tokenizer``; default:
-each folder's own): a reward model or critic
-that tokenizes differently from the actor scores the actor's prompts and answers decoded and re-encoded with
-its tokenizer (its chat template for conversations); one with the same vocabulary reads the actor's ids.
-The reward is the ``reward`` role by default, or any weighted sum of
-reward-model roles and Python reward functions named in ``reward.models`` / ``reward.functions`` (as in
-rlhf_grpo; functions are written as for TRL and get the rows' other columns, e.g. ``answer``, by name).
-Evaluation reports the held-out reward (``eval/reward``, the weighted sum, and ``eval/reward/<name>`` per
-source). Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and
-export/{actor,critic}[/adapter] (and export/ema) under output_dir; ``resume_from=latest`` continues a run.
+Every role is its own DeepSpeed engine with its own stage, dtype, offload and tokenizer (a scoring role that
+tokenizes differently from the actor reads the actor's text re-encoded). The reward is the ``reward`` role, or a
+weighted sum of reward-model roles and Python reward functions (``reward.models`` / ``reward.functions``, as in
+rlhf_grpo). Evaluation reports the judge's score and the held-out reward; exports export/{actor,critic} (and
+export/ema). docs/rlhf.md has the roles, the step and the math.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
 from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS, PPOSettings, PPOTrainer, plot_panels
+from multiengine.pipelines.rlhf.retokenize import retokenizers
 from multiengine.pipelines.rlhf.reward_sources import with_retokenizers
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
 from multiengine.recipes import common, plans
@@ -170,26 +165,14 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     a step's prompts (and pretraining rows) per rank."""
     _validate_settings(cfg)
     r = cfg.roles
-    for role in ("actor", "critic", "reward"):
-        common.check_model(f"roles.{role}.model", r[role].model)
     models, _, critic_path, critic_tok = reward_and_critic(cfg, r.actor.model, r.reward.model)
-    for m in models:
-        if m.path != r.reward.model:
-            common.check_model(f"reward.models ({m.role}).model", m.path)
-    actor_tok = common.check_tokenizer("roles.actor.tokenizer", r.actor.tokenizer, "roles.actor.model", r.actor.model)
-    report = common.check_data(cfg, "ppo", actor_tok, eval_stage="eval", tokenizer_key="roles.actor.tokenizer")
-    if report is not None:  # the columns each reward function names are in the prompts' rows
-        common.check_reward_columns(cfg.reward, report["columns"])
+    actor_tok, report = common.check_prompts_and_rewards(
+        cfg, models, (("critic", critic_path, critic_tok, "roles.critic.tokenizer"),))
     ptx = None
     if cfg.ppo.ptx_coef > 0:
         ptx = common.check_data(cfg, "sft", actor_tok, source=cfg.data.ptx_source or None,
                                 key="data.ptx_source" if cfg.data.ptx_source else None, evaluate=False)
     check_batches(cfg, report, world_size, ptx)
-    if r.actor.model:
-        scoring = [*common.reward_tokenizer_checks(models),
-                   ("critic", critic_path, critic_tok, "roles.critic.tokenizer")]
-        common.check_scoring_tokenizers(actor_tok, [s for s in scoring if s[1]],
-                                        bool(report and report["conversational"]))
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, ptx: dict[str, Any] | None = None,
@@ -215,8 +198,7 @@ class RLHFPPO(Recipe):
         cfg, registry, r = self.cfg, self.registry, self.cfg.roles
         # 1. the model folders (the random tiny OPT and the built-in task where left empty) and the reward sources
         wants_rm = common.wants_reward_role(cfg.reward)
-        self.assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not r.actor.model
-                                         or (wants_rm and not r.reward.model))
+        self.assets = common.tiny_assets(self, r.actor.model, *([r.reward.model] if wants_rm else []))
         self.paths = {"actor": self._model_path("actor", "rlhf_sft")}
         reward_roles, rewards, critic_path, critic_tok = reward_and_critic(
             cfg, self.paths["actor"], self._model_path("reward", "rlhf_reward") if wants_rm else None)
@@ -226,14 +208,12 @@ class RLHFPPO(Recipe):
         if not reward_roles:
             logger.info("rewards from functions only: the critic starts from %s with a fresh head", critic_path)
         main_rm = next((m for m in reward_roles if m.role == "reward"), None)
-        tiny_tok = common.role_tokenizer("", self.assets["tokenizer"]) if self.assets else None
-        self.tokenizer = common.role_tokenizer(r.actor.tokenizer, self.paths["actor"], tiny_tok,
-                                               what="roles.actor.model")
+        _, self.tokenizer = common.role_folder(self, "actor", self.assets, self.paths["actor"])
 
         # 2. the prompts first: whether they are conversations decides how other tokenizers re-encode them
         self._setup_data()
         scoring = [(m.role, m.path, m.tokenizer) for m in reward_roles] + [("critic", critic_path, critic_tok)]
-        self.tokenizers, self.retokenizers = common.retokenizers(self.tokenizer, scoring, self.conversational)
+        self.tokenizers, self.retokenizers = retokenizers(self.tokenizer, scoring, self.conversational)
         self.rewards = with_retokenizers(rewards, self.retokenizers)
         common.check_reward_columns(self.rewards, self.data_columns)
 
@@ -274,7 +254,7 @@ class RLHFPPO(Recipe):
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
         # prompts to train on; evaluation prompts that are never trained on
-        data = common.load_data(self, "ppo", eval_stage="eval", default_source=self.assets.get("data", ""))
+        data = common.load_data(self, "ppo", self.assets, eval_stage="eval")
         collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
         self.conversational = "prompt_messages" in collate([data.train[0]])
         self.data_columns = {"train": data.train.column_names,
@@ -284,8 +264,7 @@ class RLHFPPO(Recipe):
         self.answers = common.policy_answers(self, data.eval, self.tokenizer)  # sampled (and greedy) answers
         self.ptx: ShardedBatches | None = None
         if cfg.ppo.ptx_coef > 0:
-            ptx = common.load_data(self, "sft", default_source=self.assets.get("data", ""), evaluate=False,
-                                   source=cfg.data.ptx_source or None)
+            ptx = common.load_data(self, "sft", self.assets, evaluate=False, source=cfg.data.ptx_source or None)
             ptx_collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_ptx_len)
             self.ptx = registry.add_state("ptx", ShardedBatches(
                 ptx.train, ptx_collate, cfg.roles.actor.micro_batch_size, registry.world_size, registry.rank,
@@ -313,7 +292,7 @@ class RLHFPPO(Recipe):
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
         cfg, registry = self.cfg, self.registry
-        out = common.export_actor(self, self.tokenizer)
+        out = common.export_role(self, self.tokenizer)
         if out and cfg.export.critic:
             out["critic"] = save_role(registry, "critic", self.path("export", "critic"),
                                       tokenizer=self.tokenizers["critic"])  # the critic's own tokenizer
@@ -331,14 +310,6 @@ class RLHFPPO(Recipe):
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths,
                 "reencoded": {role: r is not None for role, r in self.retokenizers.items()}}
-
-    def plot(self) -> str | None:
-        path = super().plot()
-        m = self.eval_figures(("judge", "kl"))
-        if self.registry.is_main and "eval/before/judge" in m and "eval/after/judge" in m:
-            logger.info("judge score: %.3f before PPO -> %.3f after (KL to ref %.3f nats per answer)",
-                        m["eval/before/judge"], m["eval/after/judge"], m.get("eval/after/kl", float("nan")))
-        return path
 
 
 main = RLHFPPO.main

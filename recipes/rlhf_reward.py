@@ -1,14 +1,11 @@
-"""RLHF step 2: reward model (LM body + scalar head) trained on preference pairs.
+"""RLHF step 2: reward model (LM body + scalar head) trained on preference pairs (docs/rlhf.md).
 
     multiengine run rlhf_reward --config tiny --nproc-per-node 2
     multiengine run rlhf_reward --config opt350m --nproc-per-node 8
 
-One trainable role (``reward``, a :class:`ScalarHeadModel`) on the registry. Loss: Bradley-Terry
-``-log sigmoid(s_chosen - s_rejected)`` on the score at the last real token (the EOS). Reports held-out
-pair accuracy before and after, on evaluation rows that are never trained on (``data.eval_source`` /
-``data.eval_split``). Writes metrics.jsonl, summary.json, curves.png and export/reward (a
-``*ForSequenceClassification`` folder + tokenizer; loads as step 3's reward model and critic and with
-``AutoModelForSequenceClassification``) under output_dir; ``resume_from=latest`` continues a run.
+One trainable role (``reward``). Loss: Bradley-Terry ``-log sigmoid(s_chosen - s_rejected)`` on the score at the
+last real token (the EOS). Reports held-out pair accuracy on evaluation rows never trained on; exports
+export/reward (a ``*ForSequenceClassification`` folder + tokenizer: step 3's reward model and critic).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from multiengine.engines import ShardedBatches, mean_over_ranks, save_role, shard_batches
+from multiengine.engines import mean_over_ranks
 from multiengine.engines.recipe_config import Key, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
@@ -24,21 +21,8 @@ from multiengine.pipelines.rlhf.data import PairCollator
 from multiengine.pipelines.rlhf.evaluation import pair_accuracy
 from multiengine.pipelines.rlhf.roles import critic_spec
 from multiengine.pipelines.rlhf.steps import reward_loss
-from multiengine.recipes import plans
-from multiengine.recipes.common import (
-    DATA_KEYS,
-    RLHF_TRAINABLE,
-    TINY_KEYS,
-    check_data,
-    check_model,
-    check_stage_batches,
-    check_tokenizer,
-    load_data,
-    recipe_checks,
-    role_tokenizer,
-    tiny_assets,
-    uses_builtin_data,
-)
+from multiengine.recipes import common, plans
+from multiengine.recipes.common import DATA_KEYS, RLHF_TRAINABLE, TINY_KEYS
 
 # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
 # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works.
@@ -58,35 +42,31 @@ KEYS: dict[str, Any] = {
     "tiny": TINY_KEYS,
     "data": Key({
         **DATA_KEYS,
-        "max_prompt_len": Key(16, "prompt tokens kept (a longer prompt loses its beginning)"),
+        "max_prompt_len": common.PROMPT_LEN,
         "max_response_len": Key(16, "answer tokens kept, EOS included"),
         "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
     }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
     "eval": Key({
         "every": Key(250, "also evaluate every N steps (0 = only before and after)"),
     }, "held-out pair accuracy"),
-    "export": Key({
-        "enabled": Key(True, "export/reward: a *ForSequenceClassification folder with the tokenizer"),
-    }, "what the run writes under output_dir/export"),
+    "export": common.export_keys("reward", ": a *ForSequenceClassification folder with the tokenizer"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS)
-RENAMED = old_keys("reward", extra={"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"})
+CHECKS = common.recipe_checks(DEFAULTS)
+RENAMED = old_keys("reward", extra=common.TINY_RENAMED)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder, tokenizer vs vocabulary, preference data (formats, columns, rows, chat template, held-out
     pairs), and a micro batch of training pairs per rank on ``world_size`` ranks."""
-    reward = cfg.roles.reward
-    check_model("roles.reward.model", reward.model)
-    tok = check_tokenizer("roles.reward.tokenizer", reward.tokenizer, "roles.reward.model", reward.model)
-    check_batches(cfg, check_data(cfg, "reward", tok, tokenizer_key="roles.reward.tokenizer"), world_size)
+    tok = common.check_role(cfg, "reward")
+    check_batches(cfg, common.check_data(cfg, "reward", tok, tokenizer_key="roles.reward.tokenizer"), world_size)
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """One stream of micro batches of pairs per rank (grad_accum draws it again, across epochs)."""
-    check_stage_batches(report, world_size, key="roles.reward.micro_batch_size",
-                        value=cfg.roles.reward.micro_batch_size, unit="pairs", setting=setting)
+    common.check_stage_batches(report, world_size, key="roles.reward.micro_batch_size",
+                               value=cfg.roles.reward.micro_batch_size, unit="pairs", setting=setting)
 
 
 class RLHFReward(Recipe):
@@ -99,11 +79,8 @@ class RLHFReward(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the model (LM body + scalar head) and its tokenizer
         reward = cfg.roles.reward
-        assets = tiny_assets(self, uses_builtin_data(cfg.data) or not reward.model)
-        self.model_path = reward.model or assets["model"]
-        self.tokenizer = role_tokenizer(reward.tokenizer, self.model_path,
-                                        role_tokenizer("", assets["tokenizer"]) if assets else None,
-                                        what="roles.reward.model")
+        assets = common.tiny_assets(self, reward.model)
+        self.model_path, self.tokenizer = common.role_folder(self, "reward", assets)
         registry.add(critic_spec(
             self.model_path, placement(cfg, ROLES, "reward"), optim_spec(cfg, "reward", cfg.max_steps),
             micro_batch_size=reward.micro_batch_size * 2,  # chosen and rejected rows of each pair in one batch
@@ -112,13 +89,9 @@ class RLHFReward(Recipe):
         registry.build()
 
         # 2. pairs to train on and held-out pairs (evaluation rows, never trained on)
-        data = load_data(self, "reward", default_source=assets.get("data", ""))
+        data = common.load_data(self, "reward", assets)
         collate = PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        pairs, world, rank = reward.micro_batch_size, registry.world_size, registry.rank
-        self.batches = registry.add_state("batches", ShardedBatches(data.train, collate, pairs, world, rank,
-                                                                    seed=cfg.seed))
-        self.heldout = [] if data.eval is None else shard_batches(data.eval, collate, pairs, world, rank,
-                                                                  limit=cfg.data.heldout_size)
+        self.batches, self.heldout = common.training_batches(self, data, collate, reward.micro_batch_size)
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry
@@ -141,9 +114,7 @@ class RLHFReward(Recipe):
         return pair_accuracy(self.registry, "reward", self.heldout) if self.heldout else {}
 
     def export(self) -> dict[str, Any]:
-        if not self.cfg.export.enabled:
-            return {}
-        return {"reward": save_role(self.registry, "reward", self.path("export", "reward"), tokenizer=self.tokenizer)}
+        return common.export_role(self, self.tokenizer, role="reward")
 
     def summary_metrics(self) -> dict[str, Any]:
         before, after = self.evaluation("before") or {}, self.evaluation("after") or {}

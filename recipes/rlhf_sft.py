@@ -1,17 +1,12 @@
-"""RLHF step 1: supervised fine-tuning of the actor on demonstrations (prompt + response).
+"""RLHF step 1: supervised fine-tuning of the actor on demonstrations (prompt + response; docs/rlhf.md).
 
     multiengine run rlhf_sft --config tiny --nproc-per-node 2
     multiengine run rlhf_sft --config opt1.3b --nproc-per-node 8
 
-One trainable role (``actor``) on the registry, any ZeRO stage, optional LoRA. The loss covers the
-response and its EOS only (prompt tokens are labelled -100); conversations are rendered with the
-tokenizer's chat template and only assistant tokens are learned. Data: ``data.source`` / ``data.sources``
-with ``data.columns.<field>``; evaluation rows from ``data.eval_source`` / ``data.eval_split`` (by default
-the source's eval/test split, else 5% held out), never the training rows (docs/data.md). Reports held-out
-loss and, on the built-in
-task, the judge's score of sampled and greedy answers before and after. Writes metrics.jsonl,
-summary.json, curves.png and export/actor (an HF folder with the tokenizer; merged weights + adapter/
-for LoRA) under output_dir; ``resume_from=latest`` continues a run from its checkpoints.
+One trainable role (``actor``), any ZeRO stage, optional LoRA. The loss covers the response and its EOS only;
+conversations are rendered with the chat template and only assistant tokens are learned. Reports the held-out
+loss on evaluation rows that are never trained on (docs/data.md) and, on the built-in task, the judge's score of
+sampled and greedy answers; exports export/actor (an HF folder with the tokenizer).
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from multiengine.engines import mean_over_ranks
 from multiengine.engines.recipe_config import Key, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
+from multiengine.pipelines.rlhf.data import SFTCollator
 from multiengine.pipelines.rlhf.roles import actor_spec
 from multiengine.pipelines.rlhf.steps import causal_lm_loss
 from multiengine.recipes import common, plans
@@ -49,9 +45,7 @@ KEYS: dict[str, Any] = {
     "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers"),
     "eval": common.eval_keys("judge score of sampled answers (seeded; what PPO optimises) and of greedy answers",
                              every=100),
-    "export": Key({
-        "enabled": Key(True, "export/actor: an HF folder with the tokenizer (merged weights + adapter/ for LoRA)"),
-    }, "what the run writes under output_dir/export"),
+    "export": common.export_keys("actor", ": an HF folder with the tokenizer (merged weights + adapter/ for LoRA)"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
 CHECKS = common.recipe_checks(DEFAULTS)
@@ -61,14 +55,11 @@ RENAMED = old_keys("actor", extra=common.TINY_RENAMED)
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Model folder, tokenizer vs vocabulary, data (formats, columns, rows, chat template, evaluation rows), and a
     micro batch of training rows per rank on ``world_size`` ranks."""
-    actor = cfg.roles.actor
-    common.check_model("roles.actor.model", actor.model)
-    tok = common.check_tokenizer("roles.actor.tokenizer", actor.tokenizer, "roles.actor.model", actor.model)
-    check_batches(cfg, common.check_data(cfg, "sft", tok), world_size)
+    check_batches(cfg, common.check_data(cfg, "sft", common.check_role(cfg, "actor")), world_size)
 
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
-    """demonstrations(): one stream of micro batches per rank (grad_accum draws it again, across epochs)."""
+    """One stream of micro batches per rank (grad_accum draws it again, across epochs)."""
     common.check_stage_batches(report, world_size, key="roles.actor.micro_batch_size",
                                value=cfg.roles.actor.micro_batch_size, setting=setting)
 
@@ -84,11 +75,8 @@ class RLHFSFT(Recipe):
         cfg, registry = self.cfg, self.registry
         # 1. the model and its tokenizer (the random tiny OPT and the built-in task when left empty)
         actor = cfg.roles.actor
-        assets = common.tiny_assets(self, common.uses_builtin_data(cfg.data) or not actor.model)
-        self.model_path = actor.model or assets["model"]
-        self.tokenizer = common.role_tokenizer(actor.tokenizer, self.model_path,
-                                               common.role_tokenizer("", assets["tokenizer"]) if assets else None,
-                                               what="roles.actor.model")
+        assets = common.tiny_assets(self, actor.model)
+        self.model_path, self.tokenizer = common.role_folder(self, "actor", assets)
         registry.add(actor_spec(self.model_path, placement(cfg, ROLES, "actor"),
                                 optim_spec(cfg, "actor", cfg.max_steps), micro_batch_size=actor.micro_batch_size,
                                 grad_accum=actor.grad_accum, lora=lora_spec(cfg, "actor"),
@@ -96,8 +84,9 @@ class RLHFSFT(Recipe):
         registry.build()
 
         # 2. demonstrations to train on; evaluation rows (never trained on) for the held-out loss and prompts
-        data = common.load_data(self, "sft", default_source=assets.get("data", ""))
-        self.batches, self.heldout = common.demonstrations(self, data, self.tokenizer, actor.micro_batch_size)
+        data = common.load_data(self, "sft", assets)
+        collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
+        self.batches, self.heldout = common.training_batches(self, data, collate, actor.micro_batch_size)
         # 3. sampled and greedy answers to the evaluation rows' prompts (the built-in task's judge scores them)
         self.answers = common.policy_answers(self, data.eval, self.tokenizer)
 
@@ -131,7 +120,7 @@ class RLHFSFT(Recipe):
         return {**result, **self.answers()}
 
     def export(self) -> dict[str, Any]:
-        return common.export_actor(self, self.tokenizer)
+        return common.export_role(self, self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         losses = [m["loss"] for m in self.step_metrics]

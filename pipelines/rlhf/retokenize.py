@@ -21,7 +21,7 @@ from .runs import role_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Retokenizer", "needs_reencoding", "retokenizers", "vocabularies_match"]
+__all__ = ["Retokenizer", "check_scoring_tokenizers", "needs_reencoding", "retokenizers", "vocabularies_match"]
 
 _SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -204,3 +204,24 @@ def retokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str]], conver
         else:
             retoks[role] = None
     return toks, retoks
+
+
+def check_scoring_tokenizers(actor_tokenizer: Any, roles: Sequence[tuple[str, str, str, str]],
+                             conversational: bool) -> None:
+    """Each scoring role's tokenizer loads and fits its model and, when it must re-encode conversational
+    prompts, has a chat template. ``roles``: ``(role, model folder, tokenizer value, tokenizer key)``; a role
+    without a folder is skipped.
+
+    Raises:
+        OSError, ValueError: naming the role, its folder or tokenizer key, and the fix.
+    """
+    from ..checks import check_vocab_fits
+    from .data import check_chat_template
+
+    for role, path, given, key in roles:
+        if not path:
+            continue
+        tok = role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
+        check_vocab_fits(tok, path, key=f"the {role} model ({path})", tokenizer_key=key if given else None)
+        if actor_tokenizer is not None and needs_reencoding(actor_tokenizer, tok, conversational):
+            check_chat_template(tok, conversational, key="data.source", tokenizer_key=key)
