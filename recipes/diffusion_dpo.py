@@ -92,8 +92,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     rows = int(cfg.data.builtin_size)
     if cfg.data.source:
         try:
-            rows = len(load_preference_rows(os.path.expanduser(str(cfg.data.source)), _columns(cfg),
-                                            str(cfg.data.split), str(cfg.data.cache_dir) or None))
+            rows = len(_pairs(cfg, str(cfg.data.source))[0])
         except (ValueError, FileNotFoundError) as exc:
             raise config_problem("data.source", cfg.data.source, f"cannot be used as preference pairs: {exc}",
                                  "give a file or dataset with prompt/chosen/rejected columns (data.columns)") from None
@@ -104,8 +103,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                              f"set {key} below {rows} or give data.eval_source")
 
 
-def _columns(cfg: Any) -> dict[str, str]:
-    return {k: str(v) for k, v in cfg.data.columns.items()}
+def _pairs(cfg: Any, source: str) -> tuple[Any, str]:
+    """The preference rows of ``source`` (data.columns renamed) and the folder their image paths are relative to."""
+    source = os.path.expanduser(source)
+    rows = load_preference_rows(source, {k: str(v) for k, v in cfg.data.columns.items()}, str(cfg.data.split),
+                                str(cfg.data.cache_dir) or None)
+    return rows, os.path.dirname(source) if os.path.isfile(source) else source
 
 
 class DiffusionDPO(DiffusionRoles):
@@ -128,28 +131,14 @@ class DiffusionDPO(DiffusionRoles):
                 make_shapes_preference_pairs(os.path.dirname(source), int(cfg.data.builtin_size), res, cfg.seed,
                                              [str(c) for c in cfg.data.shapes_colors])
             barrier()
-        rows = load_preference_rows(source, _columns(cfg), str(cfg.data.split), str(cfg.data.cache_dir) or None)
-        root = os.path.dirname(source) if os.path.isfile(source) else source
+        rows, root = _pairs(cfg, source)
         if cfg.data.eval_source:
-            ev = os.path.expanduser(str(cfg.data.eval_source))
-            held = load_preference_rows(ev, _columns(cfg), str(cfg.data.split), str(cfg.data.cache_dir) or None)
-            self.held = preference_pixels(held, os.path.dirname(ev) if os.path.isfile(ev) else ev, res)
+            self.held = preference_pixels(*_pairs(cfg, str(cfg.data.eval_source)), res)
         else:
             n = len(rows) - int(cfg.eval.size)
             self.held = preference_pixels(rows.select(range(n, len(rows))), root, res)
             rows = rows.select(range(n))
         self.train_pairs = preference_pixels(rows, root, res)
-
-    def pair_losses(self, role: str, prompts: list[str], chosen: torch.Tensor, rejected: torch.Tensor,
-                    g: torch.Generator, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prediction and target ``[2B, ...]`` of ``role`` for the pairs (chosen first), shared noise and timestep."""
-        latents = self.pm.image_latents(torch.cat([chosen, rejected]), g)
-        noise = rl.paired(torch.randn(latents.shape, generator=g).to(latents.device))
-        if u is None:
-            u = torch.rand(len(prompts), generator=g)
-        noisy, target, t = self.pm.noisy_and_target(latents, noise, torch.cat([u, u]).to(latents.device))
-        cond = self.pm.encode(prompts + prompts)
-        return self.pm.predict(role, noisy, t, cond), target
 
     def train_step(self) -> dict[str, float]:
         cfg, registry = self.cfg, self.registry
@@ -163,10 +152,10 @@ class DiffusionDPO(DiffusionRoles):
             prompts = [prompts_all[i] for i in idx.tolist()]
             state = g.get_state()
             # 2. the policy's and the reference's predictions on the same latents, noise and timesteps
-            pred, target = self.pair_losses("policy", prompts, chosen_all[idx], rejected_all[idx], g)
+            pred, target = self.pm.pair_predictions("policy", prompts, chosen_all[idx], rejected_all[idx], g)
             g.set_state(state)
             with torch.no_grad():
-                ref_pred, _ = self.pair_losses("ref", prompts, chosen_all[idx], rejected_all[idx], g)
+                ref_pred, _ = self.pm.pair_predictions("ref", prompts, chosen_all[idx], rejected_all[idx], g)
             # 3. the Diffusion-DPO loss; backward and step through the policy engine
             loss, stats = rl.diffusion_dpo_loss(pred, ref_pred, target, float(cfg.dpo.beta))
             policy.backward(loss)
@@ -181,22 +170,9 @@ class DiffusionDPO(DiffusionRoles):
         """Every rank scores every held-out pair at eval.timesteps evenly spaced timesteps with fixed noise: the
         policy's and the reference's mean denoising losses, the implicit reward margin and its accuracy."""
         cfg = self.cfg
-        prompts, chosen, rejected = self.held
-        losses = {}
-        count = int(cfg.eval.timesteps)
-        for role in ("policy", "ref"):
-            module = self.registry.role(role).module
-            was = module.training
-            module.eval()
-            per = []
-            for k in range(count):
-                g = torch.Generator().manual_seed(int(cfg.eval.seed) + k)
-                u = torch.full((len(prompts),), (k + 0.5) / count)
-                pred, target = self.pair_losses(role, prompts, chosen, rejected, g, u)
-                per.append(((pred.float() - target.float()) ** 2).mean(dim=tuple(range(1, pred.ndim))).cpu())
-            module.train(was)
-            losses[role] = torch.stack(per).mean(0).chunk(2)
-        (mw, ml), (rw, rl_) = losses["policy"], losses["ref"]
+        timesteps, seed = int(cfg.eval.timesteps), int(cfg.eval.seed)
+        mw, ml = self.pm.pair_losses("policy", *self.held, timesteps=timesteps, seed=seed)
+        rw, rl_ = self.pm.pair_losses("ref", *self.held, timesteps=timesteps, seed=seed)
         _, stats = rl.diffusion_dpo_loss_from_losses(mw, ml, rw, rl_, float(cfg.dpo.beta))
         return {"implicit_acc": float(stats.implicit_acc), "margin": float(stats.margin.mean()),
                 "chosen_preferred": float((mw < ml).float().mean()), "policy_mse": float(stats.model_mse)}

@@ -18,23 +18,18 @@ folder; export/lora for LoRA runs).
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import barrier, frozen_role, mean_over_ranks
+from multiengine.engines import frozen_role, mean_over_ranks
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, placement, role_keys
 from multiengine.pipelines.diffusion import rl
 from multiengine.pipelines.diffusion.inputs import check_config_folder, check_prompts, check_rewards
-from multiengine.pipelines.diffusion.rewards import (
-    COLOR_NAMES,
-    parse_shapes_prompt,
-    save_tiny_reward_model,
-    train_tiny_reward_model,
-)
 from multiengine.pipelines.diffusion.rl_runs import (
     BUILTIN_REWARDS,
     REWARD_MODEL,
@@ -42,8 +37,10 @@ from multiengine.pipelines.diffusion.rl_runs import (
     load_reward_model_role,
     read_prompts,
     reward_grid,
+    reward_model_scores,
     score_images,
     shapes_prompt_split,
+    tiny_reward_model,
 )
 from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
@@ -149,47 +146,25 @@ class DiffusionGRPO(DiffusionRoles):
         self.add_denoisers(int(d.resolution), self.uses_ref, cfg.max_steps, accum)
         names = [str(n) for n in cfg.reward.functions]
         weights = [float(w) for w in cfg.reward.weights] or [1.0] * len(names)
-        if REWARD_MODEL in names:
-            folder = str(cfg.roles.reward.model) or self.path("tiny_reward")
-            if not cfg.roles.reward.model and registry.is_main and not os.path.isfile(os.path.join(folder,
-                                                                                                   "config.json")):
-                save_tiny_reward_model(train_tiny_reward_model(resolution=int(d.resolution), steps=int(
-                    cfg.reward.model_steps), seed=cfg.seed), folder)
-            barrier()
+        if REWARD_MODEL in names:  # roles.reward.model "" = the tiny shapes CNN, trained here by rank 0
+            folder = str(cfg.roles.reward.model) or tiny_reward_model(
+                self.path("tiny_reward"), resolution=int(d.resolution), steps=int(cfg.reward.model_steps),
+                seed=cfg.seed, is_main=registry.is_main)
             registry.add(frozen_role("reward", lambda: load_reward_model_role(folder),
                                      placement(cfg, ROLES, "reward")))
         registry.build()
-        self.rewards = [(n, self.reward_model_fn if n == REWARD_MODEL else load_reward_function(n), w)
+        scorer = functools.partial(reward_model_scores, registry)
+        self.rewards = [(n, scorer if n == REWARD_MODEL else load_reward_function(n), w)
                         for n, w in zip(names, weights)]
         ev = str(cfg.eval.reward)
-        self.eval_rewards = [(ev, self.reward_model_fn if ev == REWARD_MODEL else load_reward_function(ev), 1.0)] \
-            if ev else self.rewards
+        self.eval_rewards = [(ev, scorer if ev == REWARD_MODEL else load_reward_function(ev), 1.0)] if ev else \
+            self.rewards
         self.pm = self.policy_model(int(d.resolution), float(d.guidance_scale))
         self.sampler = self.pm.sampler(int(d.num_inference_steps), float(d.eta), float(d.noise_level))
         train, held = shapes_prompt_split(int(cfg.eval.size), cfg.seed, [str(c) for c in cfg.prompts.shapes_colors])
         self.train_prompts = read_prompts(str(cfg.prompts.train_file)) if cfg.prompts.train_file else train
         self.eval_prompts = read_prompts(str(cfg.prompts.eval_file)) if cfg.prompts.eval_file else held
         self.grids: list[str] = []
-
-    @torch.no_grad()
-    def reward_model_fn(self, prompts: list[str], images: torch.Tensor, **kwargs: Any) -> list[float | None]:
-        """The reward role's score for the colour each prompt names (every rank calls it: ZeRO-3 lockstep)."""
-        colors = [parse_shapes_prompt(p)["color"] for p in prompts]
-        ids = torch.tensor([COLOR_NAMES.index(c) if c else 0 for c in colors])
-        role = self.registry.role("reward")
-        scores = role.engine(images.to(self.registry.device, role.dtype), ids.to(self.registry.device)).float().cpu()
-        return [None if c is None else float(s) for c, s in zip(colors, scores)]
-
-    def rollout(self, prompts: list[str], generator: torch.Generator) -> tuple[rl.Trajectory, Any, torch.Tensor]:
-        cond = self.pm.encode(prompts)
-        latents = torch.randn(self.pm.latent_shape(len(prompts)), generator=generator).to(self.registry.device)
-        module = self.registry.role("policy").module
-        module.eval()
-        try:
-            trajectory = rl.sample_with_logprobs(self.pm.denoiser("policy", cond), latents, self.sampler, generator)
-        finally:
-            module.train()
-        return trajectory, cond, self.pm.decode(trajectory.final)
 
     def train_step(self) -> dict[str, float]:
         cfg, registry, d = self.cfg, self.registry, self.cfg.diffusion
@@ -203,7 +178,7 @@ class DiffusionGRPO(DiffusionRoles):
             picks = torch.randint(0, len(self.train_prompts), (count,), generator=g).tolist()
             prompts = [self.train_prompts[i] for i in picks for _ in range(group)]
             # 2. sample with the current policy, recording every step's log-probability; decode; score
-            trajectory, cond, images = self.rollout(prompts, g)
+            trajectory, cond, images = self.pm.rollout(prompts, self.sampler, g)
             rewards, means = score_images(self.rewards, prompts, images)
             # 3. group-relative advantages (a group of equal rewards gets 0)
             adv = rl.group_advantages(rewards, group, std=str(d.advantage_std)).to(registry.device)
@@ -233,7 +208,7 @@ class DiffusionGRPO(DiffusionRoles):
         cfg = self.cfg
         n = int(cfg.eval.images_per_prompt)
         prompts = [p for p in self.eval_prompts for _ in range(n)]
-        trajectory, _, images = self.rollout(prompts, torch.Generator().manual_seed(int(cfg.eval.seed)))
+        _, _, images = self.pm.rollout(prompts, self.sampler, torch.Generator().manual_seed(int(cfg.eval.seed)))
         rewards, means = score_images(self.eval_rewards, prompts, images)
         result: dict[str, Any] = {"reward": float(rewards.mean()), **{f"reward/{k}": v for k, v in means.items()}}
         if cfg.eval.grid and tag in ("before", "after") and self.registry.is_main:

@@ -28,8 +28,8 @@ from .training import DiffusionObjective, FlowMatchingObjective, prompt_input_id
 logger = logging.getLogger(__name__)
 
 __all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "denoiser_from_folder", "prepare_tiny_pipeline",
-           "rl_role_specs", "load_preference_rows", "load_reward_function",
-           "load_reward_model_role",
+           "rl_role_specs", "load_preference_rows", "load_reward_function", "load_reward_model_role",
+           "reward_model_scores", "tiny_reward_model",
            "make_shapes_preference_pairs", "preference_pixels", "pretrain_tiny_unet", "read_prompts", "reward_grid",
            "score_images", "shapes_prompt_split"]
 
@@ -247,10 +247,57 @@ class PolicyModel:
         images = call_engine(self.vae.engine, "decode", z.to(self.registry.device, self.vae.dtype), return_dict=False)
         return (images[0].float().cpu() / 2 + 0.5).clamp(0, 1)
 
+    def rollout(self, prompts: Sequence[str], sampler: DDIMSampler | FlowSDESampler, generator: torch.Generator,
+                role: str = "policy") -> tuple[Any, Conditioning, torch.Tensor]:
+        """Images for ``prompts`` sampled by ``role`` (in eval mode meanwhile) from noise drawn from ``generator``,
+        recording every step's log-probability: (trajectory, the prompts' conditioning, images in ``[0, 1]``)."""
+        from .rl import sample_with_logprobs
+
+        cond = self.encode(prompts)
+        latents = torch.randn(self.latent_shape(len(prompts)), generator=generator).to(self.registry.device)
+        module = self.registry.role(role).module
+        module.eval()
+        try:
+            trajectory = sample_with_logprobs(self.denoiser(role, cond), latents, sampler, generator)
+        finally:
+            module.train()
+        return trajectory, cond, self.decode(trajectory.final)
+
     # a denoising loss (Diffusion-DPO)
     @torch.no_grad()
     def image_latents(self, pixel_values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return self.objective.latents(pixel_values, generator)
+
+    def pair_predictions(self, role: str, prompts: list[str], chosen: torch.Tensor, rejected: torch.Tensor,
+                         g: torch.Generator, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prediction and target ``[2B, ...]`` of ``role`` for preference pairs (chosen first): each pair shares its
+        noise and its timestep position ``u`` (drawn from ``g`` when None)."""
+        from .rl import paired
+
+        latents = self.image_latents(torch.cat([chosen, rejected]), g)
+        noise = paired(torch.randn(latents.shape, generator=g).to(latents.device))
+        if u is None:
+            u = torch.rand(len(prompts), generator=g)
+        noisy, target, t = self.noisy_and_target(latents, noise, torch.cat([u, u]).to(latents.device))
+        return self.predict(role, noisy, t, self.encode(prompts + prompts)), target
+
+    @torch.no_grad()
+    def pair_losses(self, role: str, prompts: list[str], chosen: torch.Tensor, rejected: torch.Tensor, *,
+                    timesteps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``role``'s mean denoising loss of each chosen and each rejected image ``([B], [B])`` over ``timesteps``
+        evenly spaced positions, the noise of position k from ``seed + k`` (the same on every rank); eval mode."""
+        module = self.registry.role(role).module
+        was = module.training
+        module.eval()
+        per = []
+        for k in range(timesteps):
+            u = torch.full((len(prompts),), (k + 0.5) / timesteps)
+            pred, target = self.pair_predictions(role, prompts, chosen, rejected, torch.Generator().manual_seed(
+                seed + k), u)
+            per.append(((pred.float() - target.float()) ** 2).mean(dim=tuple(range(1, pred.ndim))).cpu())
+        module.train(was)
+        chosen_loss, rejected_loss = torch.stack(per).mean(0).chunk(2)
+        return chosen_loss, rejected_loss
 
     def noisy_and_target(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,6 +315,33 @@ class PolicyModel:
         index = index.to(latents.device)
         return (add_noise(latents, noise, index, ac), training_target(self.prediction_type, latents, noise, index, ac),
                 index)
+
+
+@torch.no_grad()
+def reward_model_scores(registry: EngineRegistry, prompts: Sequence[str], images: torch.Tensor, role: str = "reward",
+                        **kwargs: Any) -> list[float | None]:
+    """The reward role's score (the tiny shapes reward model) for the colour each prompt names; None for a prompt
+    that names none. Every rank calls it (ZeRO-3 lockstep)."""
+    from .rewards import COLOR_NAMES, parse_shapes_prompt
+
+    colors = [parse_shapes_prompt(p)["color"] for p in prompts]
+    ids = torch.tensor([COLOR_NAMES.index(c) if c else 0 for c in colors])
+    r = registry.role(role)
+    scores = r.engine(images.to(registry.device, r.dtype), ids.to(registry.device)).float().cpu()
+    return [None if c is None else float(s) for c, s in zip(colors, scores)]
+
+
+def tiny_reward_model(folder: str, *, resolution: int, steps: int, seed: int, is_main: bool) -> str:
+    """The tiny shapes reward model at ``folder``: trained and saved by rank 0 when it is not there yet, while the
+    others wait. Collective."""
+    from multiengine.engines import barrier
+
+    from .rewards import save_tiny_reward_model, train_tiny_reward_model
+
+    if is_main and not os.path.isfile(os.path.join(folder, "config.json")):
+        save_tiny_reward_model(train_tiny_reward_model(resolution=resolution, steps=steps, seed=seed), folder)
+    barrier()
+    return folder
 
 
 # --- preference pairs ----------------------------------------------------------------------------------------
