@@ -227,13 +227,15 @@ def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | 
 
 
 def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
-                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None) -> RecipePlan:
+                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None,
+                   options: Mapping[str, Mapping[str, Any]] | None = None) -> RecipePlan:
     """The planner's roles straight from a recipe's ROLES declaration: trainable or frozen, placement keys
     roles.<name>.*, the stage a following role takes (engines/role_schema.py resolves it, nowhere else), LoRA; only
-    the models and the activation phases are the recipe's own."""
+    the models, the activation phases and ``options`` (more of a role's request: ``full_gather``, ``gather_hint``,
+    ``extra_trainable``, ``note``) are the recipe's own."""
     from .role_schema import follow_chain
 
-    phases = phases or {}
+    phases, options = phases or {}, options or {}
     requests, keys = [], {}
     for role in roles:
         section = cfg.roles[role.name]
@@ -244,7 +246,7 @@ def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelIn
             lora=_lora(section.lora) if role.trainable else None,
             current=_current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
             phases=phases.get(role.name, ()),
-            choices=P.trainable_choices() if role.trainable else P.frozen_choices()))
+            choices=P.trainable_choices() if role.trainable else P.frozen_choices(), **options.get(role.name, {})))
         keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
     return RecipePlan("", requests, keys)
 

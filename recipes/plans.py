@@ -36,6 +36,7 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
     resolve_model,
     resolve_pipeline,
 )
+from multiengine.engines.role_schema import follow_chain
 from multiengine.pipelines.diffusion import planning as D
 
 # --------------------------------------------------------------------------------------------------
@@ -241,44 +242,57 @@ def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
     return _diffusion_plan(cfg, assume, "controlnet", "controlnet", info)
 
 
-def _lm_model(cfg_model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
-              hidden: int, layers: int, seed: int) -> P.ModelInfo:
-    tiny = functools.partial(_tiny_rlhf_model, hidden, layers, seed)
-    if not cfg_model and not (assume and role in assume):
-        return tiny()
-    return resolve_model(cfg_model, role, assume=assume, configs_dir=configs_dir, tiny=tiny)
+def _lm_model(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
+              tiny: tuple[int, int, int] | None = None) -> P.ModelInfo:
+    """A causal LM's ModelInfo; ``model`` "" = the random tiny OPT ``(hidden, layers, seed)``, by default tiny.*'s."""
+    hidden, layers, seed = tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
+    build = functools.partial(_tiny_rlhf_model, hidden, layers, seed)
+    if not model and not (assume and role in assume):
+        return build()
+    return resolve_model(str(model), role, assume=assume, configs_dir=configs_dir, tiny=build)
+
+
+def _eval_generation(cfg: Any) -> tuple[int, int, int] | None:
+    """The evaluation answers' generation (eval.batch_size prompts, prompt and new tokens); None with eval.size 0."""
+    d = cfg.data
+    return (int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens)) if cfg.eval.size \
+        else None
+
+
+def _declared(title: str, cfg: Any, roles: Any, infos: Mapping[str, P.ModelInfo], phases: Mapping[str, Any],
+              notes: list[str], **options: Any) -> RecipePlan:
+    plan = declared_roles(cfg, roles, infos, phases, options)
+    plan.title, plan.notes = title, notes
+    return plan
 
 
 def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from .rlhf_sft import ROLES
+
     a, d = cfg.roles.actor, cfg.data
-    info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
-    dims = P.transformer_dims(info.config)
+    info = _lm_model(cfg, a.model, "actor", assume, configs_dir)
     seq = int(d.max_prompt_len) + int(d.max_response_len)
-    phases = _lm_phases(dims, str(a.dtype), train=(int(a.micro_batch_size), seq),
-                        checkpointing=bool(a.gradient_checkpointing),
-                        generate=(int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens))
-                        if cfg.eval.size else None)
-    actor = _role("actor", info, str(a.dtype), trainable=True, lora=_lora(a.lora),
-                  current=_current(a.stage, True, a.offload_params, a.offload_optimizer),
-                  phases=phases, full_gather=("generation",))
-    return [RecipePlan("rlhf_sft", [actor], {"actor": _keys("roles.actor")},
-                       [f"sequences of {seq} tokens, micro batch {a.micro_batch_size}"])]
+    phases = _lm_phases(P.transformer_dims(info.config), str(a.dtype), train=(int(a.micro_batch_size), seq),
+                        checkpointing=bool(a.gradient_checkpointing), generate=_eval_generation(cfg))
+    return [_declared("rlhf_sft", cfg, ROLES, {"actor": info}, {"actor": phases},
+                      [f"sequences of {seq} tokens, micro batch {a.micro_batch_size}"],
+                      actor={"full_gather": ("generation",)})]
 
 
 def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from .rlhf_reward import ROLES
+
     r, d = cfg.roles.reward, cfg.data
-    info = _scalar(_lm_model(str(r.model), "reward", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed))
+    info = _scalar(_lm_model(cfg, r.model, "reward", assume, configs_dir))
     dims = P.transformer_dims(info.config)
     seq = int(d.max_prompt_len) + int(d.max_response_len)
-    reward = _role("reward", info, str(r.dtype), trainable=True, lora=_lora(r.lora), extra_trainable=dims.hidden,
-                   current=_current(r.stage, True, r.offload_params, r.offload_optimizer),
-                   phases=_lm_phases(dims, str(r.dtype), train=(2 * int(r.micro_batch_size), seq), logits=False,
-                                     checkpointing=bool(r.gradient_checkpointing)))
-    return [RecipePlan("rlhf_reward", [reward], {"reward": _keys("roles.reward")},
-                       [f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs "
-                        f"({2 * int(r.micro_batch_size)} rows)"])]
+    phases = _lm_phases(dims, str(r.dtype), train=(2 * int(r.micro_batch_size), seq), logits=False,
+                        checkpointing=bool(r.gradient_checkpointing))
+    return [_declared("rlhf_reward", cfg, ROLES, {"reward": info}, {"reward": phases},
+                      [f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs "
+                       f"({2 * int(r.micro_batch_size)} rows)"], reward={"extra_trainable": dims.hidden})]
 
 
 @dataclass
@@ -314,8 +328,7 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[
     out = _RewardRoles([], {}, {}, [])
     leader: str | None = None
     for i, e in enumerate(entries):
-        path = str(e.get("model") or r.model or "")
-        info = _scalar(_lm_model(path, e["role"], assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed))
+        info = _scalar(_lm_model(cfg, e.get("model") or r.model or "", e["role"], assume, configs_dir))
         e_stage = e.get("stage")
         e_stage = stage if e_stage is None or e_stage < 0 else int(e_stage)
         e_dtype = str(e.get("dtype") or dtype)
@@ -345,66 +358,63 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[
     return out
 
 
-def _ref_role(cfg: Any, declared: Any, info: P.ModelInfo, rows: int, seq: int, dims: Any) -> P.RoleRequest:
-    """The frozen ref (the actor's folder), placed as its declaration resolves ``roles.ref``."""
-    from multiengine.engines.role_schema import follow_chain
-
+def _policy(cfg: Any, roles: Any, names: tuple[str, ...], infos: Mapping[str, P.ModelInfo], rollout: int,
+            phases: Mapping[str, Any]) -> RecipePlan:
+    """rlhf_ppo, rlhf_grpo: the declared ``names`` (the actor generating ``rollout`` rows, ref and critic forwards
+    of them) before the reward models."""
+    seq = int(cfg.data.max_prompt_len) + int(cfg.generation.max_new_tokens)
     ref = cfg.roles.ref
-    dtype = str(follow_chain(cfg, declared, "ref", "dtype", ""))
-    stage = int(follow_chain(cfg, declared, "ref", "stage", -1))
-    return _role("ref", info, dtype, trainable=False, current=_current(stage, False, ref.offload_params),
-                 phases=_lm_phases(dims, dtype, forward=(rows, seq), label="experience forward"),
-                 full_gather=("experience forward",) if ref.gather_forward else (),
-                 gather_hint="roles.ref.gather_forward=false")
+    options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
+                         "gather_hint": "generation.mode=per_token"},
+               "ref": {"full_gather": ("experience forward",) if ref.gather_forward else (),
+                       "gather_hint": "roles.ref.gather_forward=false"}}
+    if "critic" in names:
+        options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
+    ref_phases = _lm_phases(P.transformer_dims(infos["ref"].config), str(follow_chain(cfg, roles, "ref", "dtype", "")),
+                            forward=(rollout, seq), label="experience forward")
+    return declared_roles(cfg, [r for r in roles if r.name in names], infos, {**phases, "ref": ref_phases},
+                          {k: v for k, v in options.items() if k in names})
 
 
 def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    from multiengine.engines.role_schema import follow_chain
-
     from .rlhf_ppo import ROLES
 
     r, p, g, d = cfg.roles, cfg.ppo, cfg.generation, cfg.data
-    hidden, layers, seed = cfg.tiny.hidden, cfg.tiny.layers, cfg.seed
-    actor_info = _lm_model(str(r.actor.model), "actor", assume, configs_dir, hidden, layers, seed)
+    actor_info = _lm_model(cfg, r.actor.model, "actor", assume, configs_dir)
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
     seq, rollout = prompt + new, int(p.rollout_batch_size)
     mini, critic_mini = int(r.actor.micro_batch_size), int(r.critic.micro_batch_size)
-    actor_dtype, critic_dtype = str(r.actor.dtype), str(r.critic.dtype)
-    actor_cur = _current(r.actor.stage, True, r.actor.offload_params, r.actor.offload_optimizer)
-    critic_cur = _current(r.critic.stage, True, r.critic.offload_params, r.critic.offload_optimizer)
     rewards = _reward_roles(cfg, ROLES, rollout, seq, assume, configs_dir)
     # the critic's folder as the recipe resolves it: roles.critic.model, else the reward model's (its
     # declaration), else the first reward model, else the actor's with a fresh head (rewards from functions only)
     if r.critic.model or (assume and "critic" in assume):
-        critic_info = _scalar(_lm_model(str(r.critic.model), "critic", assume, configs_dir, hidden, layers, seed))
+        critic_info = _scalar(_lm_model(cfg, r.critic.model, "critic", assume, configs_dir))
     elif rewards.infos:
         critic_info = rewards.infos.get("reward") or next(iter(rewards.infos.values()))
     else:
         critic_info = _scalar(actor_info)
     adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
-    actor = _role("actor", actor_info, actor_dtype, trainable=True, lora=_lora(r.actor.lora), current=actor_cur,
-                  phases=_lm_phases(adims, actor_dtype, generate=(rollout, prompt, new), forward=(rollout, seq),
-                                    train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
-                                    label="experience forward"),
-                  full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
-    critic = _role("critic", critic_info, critic_dtype, trainable=True, lora=_lora(r.critic.lora),
-                   extra_trainable=cdims.hidden, current=critic_cur,
-                   phases=_lm_phases(cdims, critic_dtype, forward=(rollout, seq), train=(critic_mini, seq),
-                                     logits=False, checkpointing=bool(r.critic.gradient_checkpointing),
-                                     label="experience forward"))
-    roles = [actor, critic, _ref_role(cfg, ROLES, actor_info, rollout, seq, adims), *rewards.roles]
-    keys = {"actor": _keys("roles.actor"), "critic": _keys("roles.critic"),
-            "ref": _keys("roles.ref", offload_optimizer=False), **rewards.keys}
-    if cfg.ema.enabled:
+    phases = {"actor": _lm_phases(adims, str(r.actor.dtype), generate=(rollout, prompt, new), forward=(rollout, seq),
+                                  train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
+                                  label="experience forward"),
+              "critic": _lm_phases(cdims, str(r.critic.dtype), forward=(rollout, seq), train=(critic_mini, seq),
+                                   logits=False, checkpointing=bool(r.critic.gradient_checkpointing),
+                                   label="experience forward")}
+    plan = _policy(cfg, ROLES, ("actor", "critic", "ref"), {"actor": actor_info, "critic": critic_info,
+                                                             "ref": actor_info}, rollout, phases)
+    plan.roles += rewards.roles
+    plan.keys.update(rewards.keys)
+    if cfg.ema.enabled:  # the actor's weights (and adapters) at the actor's stage
         ema_dtype = str(follow_chain(cfg, ROLES, "ema", "dtype", ""))
-        roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(r.actor.lora),
-                           current=_current(actor_cur.stage, False, r.ema.offload_params), follows="actor",
-                           note="built at the actor's stage"))
-        keys["ema"] = RoleKeys(None, "roles.ema.offload_params")
-    notes = [f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; updates on "
-             f"{mini} rows (critic {critic_mini}) per forward/backward", *rewards.notes]
-    return [RecipePlan("rlhf_ppo", roles, keys, notes)]
+        plan.roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(r.actor.lora),
+                                current=_current(plan.roles[0].current.stage, False, r.ema.offload_params),
+                                follows="actor", note="built at the actor's stage"))
+        plan.keys["ema"] = RoleKeys(None, "roles.ema.offload_params")
+    plan.title = "rlhf_ppo"
+    plan.notes = [f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; updates on "
+                  f"{mini} rows (critic {critic_mini}) per forward/backward", *rewards.notes]
+    return [plan]
 
 
 def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -414,67 +424,51 @@ def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
     scored in one batch; the update runs on ``roles.actor.micro_batch_size`` rows at a time."""
     from .rlhf_grpo import ROLES
 
-    r, gr, g, d = cfg.roles, cfg.grpo, cfg.generation, cfg.data
-    a = r.actor
-    actor_info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
-    dims = P.transformer_dims(actor_info.config)
+    gr, g, d, a = cfg.grpo, cfg.generation, cfg.data, cfg.roles.actor
+    info = _lm_model(cfg, a.model, "actor", assume, configs_dir)
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
     seq, rows, mini = prompt + new, int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt), int(a.micro_batch_size)
-    eval_rows = int(cfg.eval.batch_size) if cfg.eval.size else 0
-    dtype = str(a.dtype)
-    actor_cur = _current(a.stage, True, a.offload_params, a.offload_optimizer)
-    actor = _role("actor", actor_info, dtype, trainable=True, lora=_lora(a.lora), current=actor_cur,
-                  phases=_lm_phases(dims, dtype, generate=(max(rows, eval_rows), prompt, new), forward=(rows, seq),
-                                    train=(mini, seq), checkpointing=bool(a.gradient_checkpointing),
-                                    label="experience forward"),
-                  full_gather=("generation",) if g.mode == "gather" else (), gather_hint="generation.mode=per_token")
-    roles, keys = [actor], {"actor": _keys("roles.actor")}
-    if float(gr.kl_coef) > 0:
-        roles.append(_ref_role(cfg, ROLES, actor_info, max(rows, eval_rows), seq, dims))
-        keys["ref"] = _keys("roles.ref", offload_optimizer=False)
-    rewards = _reward_roles(cfg, ROLES, max(rows, eval_rows), seq, assume, configs_dir)
-    roles += rewards.roles
-    keys.update(rewards.keys)
-    notes = [f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
-             f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {mini} rows per "
-             f"forward/backward", *rewards.notes]
-    return [RecipePlan("rlhf_grpo", roles, keys, notes)]
+    rows_gen = max(rows, int(cfg.eval.batch_size) if cfg.eval.size else 0)
+    phases = {"actor": _lm_phases(P.transformer_dims(info.config), str(a.dtype), generate=(rows_gen, prompt, new),
+                                  forward=(rows, seq), train=(mini, seq), checkpointing=bool(a.gradient_checkpointing),
+                                  label="experience forward")}
+    names = ("actor", "ref") if float(gr.kl_coef) > 0 else ("actor",)
+    plan = _policy(cfg, ROLES, names, {"actor": info, "ref": info}, rows_gen, phases)
+    rewards = _reward_roles(cfg, ROLES, rows_gen, seq, assume, configs_dir)
+    plan.roles += rewards.roles
+    plan.keys.update(rewards.keys)
+    plan.title = "rlhf_grpo"
+    plan.notes = [f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
+                  f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {mini} rows per "
+                  f"forward/backward", *rewards.notes]
+    return [plan]
 
 
 def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """A trainable policy and a frozen ref (by default from the same folder); each micro batch is
     ``roles.actor.micro_batch_size`` pairs = twice as many rows (chosen and rejected)."""
-    from multiengine.engines.role_schema import model_path, placement
-    from multiengine.recipes.rlhf_dpo import ROLES
+    from multiengine.engines.role_schema import model_path
 
-    a, r, d = cfg.roles.actor, cfg.roles.ref, cfg.data
-    info = _lm_model(str(a.model), "actor", assume, configs_dir, cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
+    from .rlhf_dpo import ROLES
+
+    a, d, dpo = cfg.roles.actor, cfg.data, cfg.dpo
+    info = _lm_model(cfg, a.model, "actor", assume, configs_dir)
     ref_path = model_path(cfg, ROLES, "ref")
-    ref_info = info if ref_path == str(a.model) else _lm_model(ref_path, "ref", assume, configs_dir, cfg.tiny.hidden,
-                                                               cfg.tiny.layers, cfg.seed)
-    dims, ref_dims = P.transformer_dims(info.config), P.transformer_dims(ref_info.config)
-    prompt, new = int(d.max_prompt_len), int(cfg.generation.max_new_tokens)
-    seq, rows = prompt + int(d.max_response_len), 2 * int(a.micro_batch_size)
-    gen = (int(cfg.eval.batch_size), prompt, new) if cfg.eval.size else None
-    dtype = str(a.dtype)
-    actor = _role("actor", info, dtype, trainable=True, lora=_lora(a.lora),
-                  current=_current(a.stage, True, a.offload_params, a.offload_optimizer),
-                  phases=_lm_phases(dims, dtype, train=(rows, seq), generate=gen,
-                                    checkpointing=bool(a.gradient_checkpointing)),
-                  full_gather=("generation",))
-    ref_place = placement(cfg, ROLES, "ref")
-    ref_rows, label = rows, "reference forward"
-    if cfg.dpo.precompute_ref:
-        ref_rows, label = 2 * int(cfg.dpo.precompute_batch_size), "precompute"
-    ref = _role("ref", ref_info, ref_place.dtype, trainable=False,
-                current=_current(ref_place.stage, False, r.offload_params),
-                phases=_lm_phases(ref_dims, ref_place.dtype, forward=(ref_rows, seq), label=label),
-                full_gather=(label,) if r.gather_forward else (), gather_hint="roles.ref.gather_forward=false")
-    notes = [f"micro batch {a.micro_batch_size} pairs = {rows} rows of {seq} tokens"
-             + ("; ref log-probs precomputed before training" if cfg.dpo.precompute_ref else "")]
-    return [RecipePlan("rlhf_dpo", [actor, ref], {"actor": _keys("roles.actor"),
-                                                  "ref": _keys("roles.ref", offload_optimizer=False)}, notes)]
+    ref_info = info if ref_path == str(a.model) else _lm_model(cfg, ref_path, "ref", assume, configs_dir)
+    seq, rows = int(d.max_prompt_len) + int(d.max_response_len), 2 * int(a.micro_batch_size)
+    ref_rows, label = (2 * int(dpo.precompute_batch_size), "precompute") if dpo.precompute_ref \
+        else (rows, "reference forward")
+    phases = {"actor": _lm_phases(P.transformer_dims(info.config), str(a.dtype), train=(rows, seq),
+                                  generate=_eval_generation(cfg), checkpointing=bool(a.gradient_checkpointing)),
+              "ref": _lm_phases(P.transformer_dims(ref_info.config), str(follow_chain(cfg, ROLES, "ref", "dtype", "")),
+                                forward=(ref_rows, seq), label=label)}
+    return [_declared("rlhf_dpo", cfg, ROLES, {"actor": info, "ref": ref_info}, phases,
+                      [f"micro batch {a.micro_batch_size} pairs = {rows} rows of {seq} tokens"
+                       + ("; ref log-probs precomputed before training" if dpo.precompute_ref else "")],
+                      actor={"full_gather": ("generation",)},
+                      ref={"full_gather": (label,) if cfg.roles.ref.gather_forward else (),
+                           "gather_hint": "roles.ref.gather_forward=false"})]
 
 
 def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -508,33 +502,26 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
 def distill(cfg: Any, assume: Mapping[str, str] | None = None,
             configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """A frozen teacher and a trainable student; the teacher's logits stay alive through the student's step."""
+    from .distill import ROLES
+
     r, d, tiny = cfg.roles, cfg.data, cfg.tiny
     # "" = the tiny SFT model the recipe trains first (the RLHF recipes' tiny OPT) / a random tiny student
-    teacher_info = _lm_model(str(r.teacher.model), "teacher", assume, configs_dir, tiny.hidden, tiny.layers, cfg.seed)
-    student_info = _lm_model(str(r.student.model), "student", assume, configs_dir, int(tiny.student_hidden),
-                             int(tiny.student_layers), int(cfg.seed) + 1)
-    tdims, sdims = P.transformer_dims(teacher_info.config), P.transformer_dims(student_info.config)
-    tdtype, sdtype = str(r.teacher.dtype), str(r.student.dtype)
+    teacher_info = _lm_model(cfg, r.teacher.model, "teacher", assume, configs_dir)
+    student_info = _lm_model(cfg, r.student.model, "student", assume, configs_dir,
+                             (int(tiny.student_hidden), int(tiny.student_layers), int(cfg.seed) + 1))
+    tdims, tdtype = P.transformer_dims(teacher_info.config), str(r.teacher.dtype)
     batch, seq = int(r.student.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
-    gen = (int(cfg.eval.batch_size), int(d.max_prompt_len), int(cfg.generation.max_new_tokens)) if cfg.eval.size \
-        else None
     teacher_logits = batch * seq * tdims.vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
-    student_phases = [(label, nbytes + (teacher_logits if label == "train step" else 0))
-                      for label, nbytes in _lm_phases(sdims, sdtype, train=(batch, seq), generate=gen,
-                                                      checkpointing=bool(r.student.gradient_checkpointing))]
-    teacher = _role("teacher", teacher_info, tdtype, trainable=False,
-                    current=_current(r.teacher.stage, False, r.teacher.offload_params),
-                    phases=_lm_phases(tdims, tdtype, forward=(batch, seq), generate=gen),
-                    full_gather=("generation", "forward") if r.teacher.gather_forward else ("generation",),
-                    gather_hint="roles.teacher.gather_forward=false")
-    student = _role("student", student_info, sdtype, trainable=True, lora=_lora(r.student.lora),
-                    current=_current(r.student.stage, True, r.student.offload_params, r.student.offload_optimizer),
-                    phases=student_phases, full_gather=("generation",))
-    notes = [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the teacher's "
-             "logits too"]
-    return [RecipePlan("distill", [teacher, student],
-                       {"teacher": _keys("roles.teacher", offload_optimizer=False), "student": _keys("roles.student")},
-                       notes)]
+    student = _lm_phases(P.transformer_dims(student_info.config), str(r.student.dtype), train=(batch, seq),
+                         generate=_eval_generation(cfg), checkpointing=bool(r.student.gradient_checkpointing))
+    phases = {"teacher": _lm_phases(tdims, tdtype, forward=(batch, seq), generate=_eval_generation(cfg)),
+              "student": [(label, n + (teacher_logits if label == "train step" else 0)) for label, n in student]}
+    return [_declared("distill", cfg, ROLES, {"teacher": teacher_info, "student": student_info}, phases,
+                      [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the "
+                       "teacher's logits too"],
+                      teacher={"full_gather": ("generation", "forward") if r.teacher.gather_forward
+                               else ("generation",), "gather_hint": "roles.teacher.gather_forward=false"},
+                      student={"full_gather": ("generation",)})]
 
 
 def gan(cfg: Any, assume: Mapping[str, str] | None = None,
