@@ -1,24 +1,19 @@
 """ControlNet training with every model sharded: a trainable ControlNetModel initialised from the unet, the
-frozen unet beside it at ZeRO-3 (each rank holds 1/N of it, where diffusers' train_controlnet.py keeps a whole
-copy on every GPU), the frozen vae and text encoder(s); each its own DeepSpeed engine.
+frozen unet beside it at ZeRO-3 (1/N per rank, where diffusers' train_controlnet.py keeps a whole copy on every
+GPU), the frozen vae and text encoder(s); each its own DeepSpeed engine.
 
     multiengine run controlnet --config tiny --nproc-per-node 2                  # tiny SD, shapes + edge maps
     multiengine run controlnet --config tiny --nproc-per-node 2 data.conditioning_kind=mask
-    multiengine run controlnet --config sd15_canny --nproc-per-node 8            # SD 1.5, fill50k (GPUs)
 
-The conditioning images come from a dataset column (``data.columns.conditioning_image``, default
-``conditioning_image``; an imagefolder's ``conditioning_image_file_name`` in metadata.jsonl loads as it). The
-built-in data is the shapes dataset with an edge or mask image per picture. The loss is diffusers'
-``train_controlnet.py`` step (:class:`ControlNetObjective`): the controlnet's residuals go into the frozen unet,
+The conditioning images come from ``data.columns.conditioning_image`` (the built-in shapes data: an edge or mask
+image per picture). The loss is train_controlnet.py's step: the controlnet's residuals go into the frozen unet,
 whose noise prediction is compared with the noise; the gradient reaches the controlnet through the unet.
-``mode=seed_baseline`` builds the frozen roles whole on every rank, as the diffusers script does. Writes
-metrics.jsonl, summary.json, validation grids (conditioning image beside each generation), checkpoints,
-export/controlnet (ControlNetModel.from_pretrained) and export/pipeline (StableDiffusionControlNetPipeline).
+``mode=seed_baseline`` builds the frozen roles whole on every rank. Writes what sd_finetune writes, with the
+conditioning image beside each validation image, export/controlnet and export/pipeline (docs/diffusion.md).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from multiengine.engines import Placement, frozen_role, trainable_role
@@ -34,9 +29,9 @@ from multiengine.engines.recipe_config import (
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import data as data_lib
-from multiengine.pipelines.diffusion.controlnet import controlnet_factory
+from multiengine.pipelines.diffusion.controlnet import CONTROLNET_PIPELINES, controlnet_factory
 from multiengine.pipelines.diffusion.export import export_run
-from multiengine.pipelines.diffusion.inputs import check_resolution, model_folder_family
+from multiengine.pipelines.diffusion.inputs import check_config_folder, check_resolution, model_folder_family
 from multiengine.pipelines.diffusion.models import SEED_BASELINE, load_component
 from multiengine.pipelines.diffusion.runs import conditioning_rows
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
@@ -44,9 +39,6 @@ from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
 from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.sd_finetune import SDFinetune
-
-# ControlNet pipelines per base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
-CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
 
 ROLES = (
     Role("controlnet", "the ControlNet, trained; model \"\" = initialised from the unet (diffusers' "
@@ -107,10 +99,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise config_problem("model.pretrained", cfg.model.pretrained, f"is a {family} model; a ControlNet "
                              f"conditions a unet ({', '.join(CONTROLNET_PIPELINES)})", "give an SD 1.x/2.x or SDXL "
                              "folder")
-    given = cfg.roles.controlnet.model
-    if given and not os.path.isfile(os.path.join(os.path.expanduser(str(given)), "config.json")):
-        raise config_problem("roles.controlnet.model", given, "is not a ControlNetModel folder (no config.json)",
-                             "give a folder saved with ControlNetModel.save_pretrained, or \"\"")
+    check_config_folder("roles.controlnet.model", str(cfg.roles.controlnet.model), "a ControlNetModel folder",
+                        "give a folder saved with ControlNetModel.save_pretrained, or \"\"")
     if family:
         check_resolution(int(cfg.data.resolution), family, str(cfg.model.pretrained))
     shared.check_data(cfg, world_size, "controlnet", conditioning=True)
@@ -125,10 +115,6 @@ class ControlNetTraining(SDFinetune):
     @property
     def trained(self) -> str:
         return "controlnet"
-
-    @property
-    def ema_on(self) -> bool:
-        return False
 
     @property
     def conditioning_column(self) -> str:
@@ -158,7 +144,7 @@ class ControlNetTraining(SDFinetune):
                                     micro_batch_size=c.micro_batch_size, grad_accum=c.grad_accum,
                                     gradient_checkpointing=c.gradient_checkpointing, seed=cfg.seed))
         for name, place in frozen.items():
-            registry.add(frozen_role(name, _component(self.model_path, name, variant), place))
+            registry.add(frozen_role(name, lambda n=name: load_component(self.model_path, n, variant), place))
 
     def make_objective(self, **extra: Any) -> tuple[Any, str | None]:
         return super().make_objective(conditioning_scale=float(self.cfg.controlnet.conditioning_scale))
@@ -209,10 +195,6 @@ class ControlNetTraining(SDFinetune):
         if self.builtin_data:
             out["conditioning_kind"] = self.cfg.data.conditioning_kind
         return out
-
-
-def _component(path: str, name: str, variant: str | None):
-    return lambda: load_component(path, name, variant)
 
 
 main = ControlNetTraining.main

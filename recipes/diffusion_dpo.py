@@ -5,14 +5,10 @@ rejected image), against a frozen reference copy of its starting weights.
     multiengine run diffusion_dpo --config sdxl --nproc-per-node 8
     multiengine plan diffusion_dpo --config sdxl --gpus 8 --gpu-mem 80GiB
 
-Roles: ``policy`` (the unet of SD/SDXL, or the transformer of SD3/FLUX with the velocity target; full or LoRA),
-``ref`` (frozen, always built: the policy's starting weights), the ``vae`` and each text encoder (frozen). Each
-pair shares its noise and timestep; the loss is diffusers' research script's. Data: ``data.source`` a
-``.jsonl``/``.json``/``.csv``/``.parquet`` file whose image cells are paths relative to it, a ``save_to_disk``
-folder or a hub name with image columns (``data.columns`` maps your column names); ``""`` = pairs generated
-from the shapes data (chosen: the prompt's colour; rejected: the same shape in another colour). Reports the
-implicit reward accuracy on held-out pairs (0 before training: the policy equals the reference). Writes
-metrics.jsonl, summary.json, checkpoints and export/policy (a diffusers pipeline folder; export/lora for LoRA).
+Roles: ``policy`` (the SD/SDXL unet or the SD3/FLUX transformer; full or LoRA), ``ref`` (frozen, its starting
+weights), the ``vae`` and each text encoder (frozen). Data: ``data.source`` (``""`` = shapes pairs: chosen in the
+prompt's colour, rejected in another). Reports the implicit reward accuracy on held-out pairs; writes
+export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusion-rl.md has the details.
 """
 
 from __future__ import annotations

@@ -6,14 +6,11 @@ importance-ratio objective with group-relative advantages and an optional KL to 
     multiengine run diffusion_grpo --config sd3_medium --nproc-per-node 8
     multiengine plan diffusion_grpo --config flux_lora --gpus 8 --gpu-mem 80GiB
 
-Roles: ``policy`` (the unet of SD/SDXL or the transformer of SD3/FLUX; full or LoRA with
-``roles.policy.lora.r``), ``ref`` (frozen; a separate copy of the policy's starting weights, built only when
-``diffusion.kl_coef > 0``, also for LoRA: the adapter-disabled policy is never used as the reference),
-``reward`` (the frozen reward model, built when ``reward.functions`` lists ``reward_model``), the ``vae`` and
-each text encoder (frozen). Unet families sample with DDIM at ``diffusion.eta > 0`` (DDPO), flow families with
-Flow-GRPO's SDE at ``diffusion.noise_level``. Writes metrics.jsonl, summary.json, grids/ (held-out images
-labelled with prompt and reward, also in TensorBoard), checkpoints and export/policy (a diffusers pipeline
-folder; export/lora for LoRA runs).
+Roles: ``policy`` (the SD/SDXL unet or the SD3/FLUX transformer; full or LoRA), ``ref`` (a separate frozen copy
+of its starting weights, when ``diffusion.kl_coef > 0``), ``reward`` (when ``reward.functions`` lists
+``reward_model``), the ``vae`` and each text encoder (frozen). Unets sample with DDIM at ``diffusion.eta``
+(DDPO), flow families with Flow-GRPO's SDE at ``diffusion.noise_level``. Writes grids/ of held-out images and
+export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusion-rl.md has the details.
 """
 
 from __future__ import annotations

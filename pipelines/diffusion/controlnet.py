@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["conditioning_embedding_channels", "controlnet_factory", "controlnet_from_unet", "load_full_copy"]
+__all__ = ["CONTROLNET_PIPELINES", "conditioning_embedding_channels", "controlnet_factory", "controlnet_from_unet",
+           "load_full_copy"]
+
+# The ControlNet pipeline of each base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
+CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
 
 # diffusers' default conditioning-embedding widths, for an 8x vae.
 _CHANNELS: tuple[int, ...] = (16, 32, 96, 256)
