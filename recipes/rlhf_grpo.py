@@ -146,8 +146,11 @@ def rewards_of(cfg: Any, strict: bool = True) -> tuple[list[Any], list[Any]]:
                                 default_tokenizer=cfg.roles.reward.tokenizer)
 
 
-def _validate_settings(cfg: Any) -> None:
-    """Algorithm settings, reward sources and batch shapes, checked before any rank starts."""
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Model folders, each role's tokenizer against its model's vocabulary (and chat template when it re-encodes
+    conversations), the prompts and evaluation prompts; with no roles.actor.model, the data the SFT actor trains on.
+    On ``world_size`` ranks: a step's prompts per rank (and the SFT run's micro batch). First the algorithm settings
+    and how a rollout's rows split into minibatches."""
     g, actor = cfg.grpo, cfg.roles.actor
     if g.kl_in_reward is not None and not isinstance(g.kl_in_reward, bool):
         raise RecipeConfigError(f"grpo.kl_in_reward={g.kl_in_reward!r}: use null (the algorithm's "
@@ -181,13 +184,6 @@ def _validate_settings(cfg: Any) -> None:
         raise RecipeConfigError(
             f"roles.actor.grad_accum={actor.grad_accum} does not divide the {minibatches} minibatches of a rollout "
             "(grpo.rollout_batch_size x grpo.n_samples_per_prompt / roles.actor.micro_batch_size); change one of them.")
-
-
-def validate(cfg: Any, world_size: int = 1) -> None:
-    """Model folders, each role's tokenizer against its model's vocabulary (and chat template when it re-encodes
-    conversations), the prompts and evaluation prompts; with no roles.actor.model, the data the SFT actor trains on.
-    On ``world_size`` ranks: a step's prompts per rank (and the SFT run's micro batch)."""
-    _validate_settings(cfg)
     models, _ = rewards_of(cfg, strict=False)
     _, report = common.check_prompts_and_rewards(cfg, models)
     common.check_sft_run(cfg, "actor_sft", "actor", world_size)
@@ -196,7 +192,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
 
 def check_batches(cfg: Any, report: dict[str, Any] | None, world_size: int, setting: str = "{key}={n}") -> None:
     """A step draws grpo.rollout_batch_size prompts per rank (each sampled grpo.n_samples_per_prompt times: the
-    group) from one stream; how the group's rows split into minibatches is _validate_settings'."""
+    group) from one stream; how the group's rows split into minibatches is validate's."""
     g = cfg.grpo
     common.check_stage_batches(report, world_size, key="grpo.rollout_batch_size", value=g.rollout_batch_size,
                                unit="prompts", setting=setting,

@@ -122,29 +122,6 @@ def ppo_settings(cfg: Any) -> PPOSettings:
     )
 
 
-def _validate_settings(cfg: Any) -> None:
-    """Reward sources, the minibatch split and the EMA's placement, checked before any rank starts."""
-    roles = cfg.roles
-    common.reward_entries(cfg.reward, default_model=roles.reward.model)
-    for role in ("actor", "critic"):
-        mbs = roles[role].micro_batch_size
-        if cfg.ppo.rollout_batch_size % mbs:
-            raise config_problem("ppo.rollout_batch_size", cfg.ppo.rollout_batch_size,
-                                 f"is not a multiple of roles.{role}.micro_batch_size={mbs} (the update's minibatches)",
-                                 f"set ppo.rollout_batch_size to a multiple of {mbs}, or a micro batch that divides it")
-    ema, actor = (schema.follow_chain(cfg, ROLES, r, "stage", -1) for r in ("ema", "actor"))
-    if cfg.ema.enabled and ema != actor:
-        raise config_problem("roles.ema.stage", roles.ema.stage, f"differs from the actor's stage {actor}: the EMA "
-                             "updates the actor's local partitions", "set roles.ema.stage=-1 (the actor's)")
-    if roles.ema.model:
-        raise config_problem("roles.ema.model", roles.ema.model, "the EMA starts from the actor's weights",
-                             "leave roles.ema.model empty")
-    try:
-        ppo_settings(cfg)
-    except ValueError as exc:
-        raise RecipeConfigError(f"ppo: {exc}") from None
-
-
 def reward_and_critic(cfg: Any, actor_path: str, reward_path: str | None) -> tuple[list[Any], list[Any], str, str]:
     """The reward-model roles, the reward sources, and the critic's folder and tokenizer: ``roles.critic``'s,
     else the main reward model's (the ``reward`` role, else the first), else the actor's (rewards from
@@ -162,9 +139,27 @@ def reward_and_critic(cfg: Any, actor_path: str, reward_path: str | None) -> tup
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Every model folder, each role's tokenizer against its model's vocabulary (and its chat template when it
     re-encodes conversations), the prompts and evaluation prompts, the pretraining rows; on ``world_size`` ranks,
-    a step's prompts (and pretraining rows) per rank."""
-    _validate_settings(cfg)
+    a step's prompts (and pretraining rows) per rank. First the reward sources, the minibatch split and the EMA's
+    placement."""
     r = cfg.roles
+    common.reward_entries(cfg.reward, default_model=r.reward.model)
+    for role in ("actor", "critic"):
+        mbs = r[role].micro_batch_size
+        if cfg.ppo.rollout_batch_size % mbs:
+            raise config_problem("ppo.rollout_batch_size", cfg.ppo.rollout_batch_size,
+                                 f"is not a multiple of roles.{role}.micro_batch_size={mbs} (the update's minibatches)",
+                                 f"set ppo.rollout_batch_size to a multiple of {mbs}, or a micro batch that divides it")
+    ema, actor = (schema.follow_chain(cfg, ROLES, name, "stage", -1) for name in ("ema", "actor"))
+    if cfg.ema.enabled and ema != actor:
+        raise config_problem("roles.ema.stage", r.ema.stage, f"differs from the actor's stage {actor}: the EMA "
+                             "updates the actor's local partitions", "set roles.ema.stage=-1 (the actor's)")
+    if r.ema.model:
+        raise config_problem("roles.ema.model", r.ema.model, "the EMA starts from the actor's weights",
+                             "leave roles.ema.model empty")
+    try:
+        ppo_settings(cfg)
+    except ValueError as exc:
+        raise RecipeConfigError(f"ppo: {exc}") from None
     models, _, critic_path, critic_tok = reward_and_critic(cfg, r.actor.model, r.reward.model)
     actor_tok, report = common.check_prompts_and_rewards(
         cfg, models, (("critic", critic_path, critic_tok, "roles.critic.tokenizer"),))
