@@ -501,6 +501,19 @@ def training_batches(recipe: Any, data: Any, collate: Any, batch_size: int) -> t
     return batches, heldout
 
 
+def prompt_batches(recipe: Any, data: Any, tokenizer: Any, batch_size: int) -> tuple[ShardedBatches, bool, dict]:
+    """The training prompts as a checkpointed stream (``add_state("prompts")``), whether they are conversations,
+    and the columns of the training and evaluation rows (what reward functions may read)."""
+    from multiengine.pipelines.rlhf.data import PromptCollator
+
+    cfg, registry = recipe.cfg, recipe.registry
+    collate = PromptCollator(tokenizer, cfg.data.max_prompt_len)
+    prompts = registry.add_state("prompts", ShardedBatches(data.train, collate, batch_size, registry.world_size,
+                                                           registry.rank, seed=cfg.seed))
+    columns = {"train": data.train.column_names, "eval": data.eval.column_names if data.eval is not None else None}
+    return prompts, "prompt_messages" in collate([data.train[0]]), columns
+
+
 def policy_answers(recipe: Any, rows: Any, tokenizer: Any, role: str = "actor") -> Any:
     """``role``'s answers to ``eval.size`` prompts of ``rows`` (evaluation rows, never training rows; none when
     they have no prompts) in batches of ``eval.batch_size``, equal shares per rank, as a ``PolicyAnswers``:

@@ -23,12 +23,11 @@ import logging
 import time
 from typing import Any
 
-from multiengine.engines import ShardedBatches
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, lora_spec, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf import multiturn
-from multiengine.pipelines.rlhf.data import PromptCollator, prompt_text
+from multiengine.pipelines.rlhf.data import prompt_text
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, judge_prompt_problem, plot_panels
 from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS
 from multiengine.pipelines.rlhf.retokenize import retokenizers
@@ -219,13 +218,12 @@ class RLHFGRPO(Recipe):
         self.paths = {"actor": actor_path}
 
         # 2. data: prompts (checkpointed stream), evaluation prompts never trained on
-        collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
         data = common.load_data(self, "ppo", assets, eval_stage="eval")
-        conversational = "prompt_messages" in collate([data.train[0]])
+        s = self.settings = grpo_settings(cfg)
+        self.prompts, conversational, columns = common.prompt_batches(self, data, self.tokenizer, s.rollout_batch_size)
 
         # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
         #    its own tokenizer: re-encoded when it differs from the actor's)
-        s = self.settings = grpo_settings(cfg)
         reward_roles, rewards = rewards_of(cfg)
         self.tokenizers, self.retokenizers = retokenizers(
             self.tokenizer, [(m.role, m.path, m.tokenizer) for m in reward_roles], conversational)
@@ -236,8 +234,7 @@ class RLHFGRPO(Recipe):
             raise RecipeConfigError(f"reward.functions has builtin:judge, which scores only the built-in task's prompts"
                                     f" (e.g. 'list 3 fruits :'); data.source={cfg.data.source!r} has {bad!r}. "
                                     "Use your own reward function or a reward model.")
-        common.check_reward_columns(self.rewards, {"train": data.train.column_names,
-                                                   "eval": data.eval.column_names if data.eval is not None else None})
+        common.check_reward_columns(self.rewards, columns)
         updates = cfg.max_steps * s.epochs * (s.rollout_batch_size * s.n_samples_per_prompt // s.mini_batch_size)
         registry.add(actor_spec(
             actor_path, placement(cfg, ROLES, "actor"), optim_spec(cfg, "actor", updates // r.actor.grad_accum),
@@ -253,8 +250,6 @@ class RLHFGRPO(Recipe):
         registry.build()
         self.reward_role = reward_roles[0].role if reward_roles else None
 
-        self.prompts = registry.add_state("prompts", ShardedBatches(
-            data.train, collate, s.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
         # sampled (and greedy) answers to the evaluation prompts, judged on the built-in task; rollouts sample alike
         self.answers = common.policy_answers(self, data.eval, self.tokenizer)
 

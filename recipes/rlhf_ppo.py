@@ -22,7 +22,7 @@ from multiengine.engines import role_schema as schema
 from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
-from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator
+from multiengine.pipelines.rlhf.data import SFTCollator
 from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS, PPOSettings, PPOTrainer, plot_panels
 from multiengine.pipelines.rlhf.retokenize import retokenizers
 from multiengine.pipelines.rlhf.reward_sources import with_retokenizers
@@ -250,12 +250,8 @@ class RLHFPPO(Recipe):
         cfg, registry = self.cfg, self.registry
         # prompts to train on; evaluation prompts that are never trained on
         data = common.load_data(self, "ppo", self.assets, eval_stage="eval")
-        collate = PromptCollator(self.tokenizer, cfg.data.max_prompt_len)
-        self.conversational = "prompt_messages" in collate([data.train[0]])
-        self.data_columns = {"train": data.train.column_names,
-                             "eval": data.eval.column_names if data.eval is not None else None}
-        self.prompts = registry.add_state("prompts", ShardedBatches(
-            data.train, collate, cfg.ppo.rollout_batch_size, registry.world_size, registry.rank, seed=cfg.seed))
+        self.prompts, self.conversational, self.data_columns = common.prompt_batches(
+            self, data, self.tokenizer, cfg.ppo.rollout_batch_size)
         self.answers = common.policy_answers(self, data.eval, self.tokenizer)  # sampled (and greedy) answers
         self.ptx: ShardedBatches | None = None
         if cfg.ppo.ptx_coef > 0:
