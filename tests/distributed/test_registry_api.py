@@ -48,13 +48,12 @@ def test_one_loss_over_two_trainable_roles(tmp_path, backend):
 def test_seeded_runs_repeat_and_the_sampler_resumes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     full = launch("seeded", tmp_path / "full", "full", ckpt)
-    again = launch("seeded", tmp_path / "again", "full", ckpt)
-    for a, b in zip(full, again):
-        assert a["losses"] == b["losses"] and a["rand_after"] == b["rand_after"]  # bit for bit
     assert full[0]["losses"] != full[1]["losses"]  # each rank its own shard and dropout stream
     part1 = launch("seeded", tmp_path / "p1", "part1", ckpt)
     part2 = launch("seeded", tmp_path / "p2", "part2", ckpt)
     for f, p1, p2 in zip(full, part1, part2):
+        # another launch repeats the first 3 steps bit for bit, its global RNG (dropout's) in the same state after them
+        assert p1["losses"] == f["losses"][:3] and p1["rand_at_3"] == f["rand_at_3"]
         assert p2["client_state"] == {"step": 3}
         assert p2["sampler_after_load"] == p1["sampler_at_save"] and p1["sampler_at_save"]["position"] == 12
         assert p2["seen"] == f["seen"][3:]  # the sampler resumed at the right position

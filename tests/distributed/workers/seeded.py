@@ -34,6 +34,10 @@ for step in range(start, stop):
     engine.step()
     losses.append(loss.item())
     seen.append(x[:, 0].tolist())
+    if step == 2:  # the global RNG (dropout's) after 3 steps, read without advancing it
+        rng = torch.get_rng_state()
+        result["rand_at_3"] = torch.rand(3).tolist()
+        torch.set_rng_state(rng)
 if mode == "part1":
     registry.save_checkpoint(ckpt, client_state={"step": stop})
     result["sampler_at_save"] = batches.state_dict()
