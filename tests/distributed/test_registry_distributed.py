@@ -97,9 +97,8 @@ def test_several_trainable_roles(tmp_path, backend):
 
 @pytest.mark.parametrize("backend", ["deepspeed", "torch"])
 def test_resume_continues_identically(tmp_path, backend):
-    full = launch("ckpt", tmp_path / "full", "full", str(tmp_path / "unused"), backend)
     ckpt = tmp_path / "ckpt"
-    launch("ckpt", tmp_path / "p1", "part1", str(ckpt), backend)
+    full = launch("ckpt", tmp_path / "full", "full", str(ckpt), backend)  # saves after step 3 and goes on
     assert (ckpt / "latest").read_text() == "step_00000003"
     manifest = json.loads((ckpt / "step_00000003" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and set(manifest["roles"]) == {"actor", "critic"}
@@ -107,6 +106,7 @@ def test_resume_continues_identically(tmp_path, backend):
     assert not (ckpt / "step_00000003" / "ref").exists()  # frozen roles are rebuilt from source
     resumed = launch("ckpt", tmp_path / "p2", "part2", str(ckpt), backend)
     for r_full, r_res in zip(full, resumed):
+        assert r_full["save_changed"] == []  # the run that saved went on as if it had not
         assert r_res["client_state"] == {"step": 3, "data_position": 3}
         assert r_res["losses"] == pytest.approx(r_full["losses"][6:], rel=1e-5)
         for name in ("actor", "critic", "ema"):

@@ -1,9 +1,8 @@
 """Checkpoint round trip, resume equivalence, and a save killed before its commit.
 
 argv: out_dir mode ckpt_dir backend
-  full:   train 6 steps uninterrupted
-  part1:  train 3 steps, save
-  part2:  load, train steps 4..6
+  full:   train 6 steps, saving a checkpoint after step 3 and going on
+  part2:  load that checkpoint, train steps 4..6
   crash:  train 2 steps, save; train 1 more; die inside the next save before its commit
   verify: load what the crash left; check mismatching registries are refused
 """
@@ -72,13 +71,16 @@ np.random.seed(1234)
 result = {"mode": mode}
 if mode == "full":
     registry = build()
-    result["losses"], _ = train(registry, 0, TOTAL, 0)
+    first, pos = train(registry, 0, 3, 0)
+    before = fingerprint(registry), torch.get_rng_state(), np.random.get_state()[1].tolist()
+    result["path"] = registry.save_checkpoint(ckpt_dir, client_state={"step": 3, "data_position": pos})
+    after = fingerprint(registry), torch.get_rng_state(), np.random.get_state()[1].tolist()
+    # the save leaves the run as it was: weights and both RNGs the data noise is drawn from
+    result["save_changed"] = [name for name, x, y in zip(("params", "torch_rng", "numpy_rng"), before, after)
+                              if not (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y)]
+    rest, _ = train(registry, 3, TOTAL, pos)
+    result["losses"] = first + rest
     result["params"] = fingerprint(registry)
-elif mode == "part1":
-    registry = build()
-    result["losses"], pos = train(registry, 0, 3, 0)
-    path = registry.save_checkpoint(ckpt_dir, client_state={"step": 3, "data_position": pos})
-    result["path"] = path
 elif mode == "part2":
     registry = build()
     state = registry.load_checkpoint(ckpt_dir)
