@@ -17,14 +17,16 @@ earlier version of the recipe used, and the planner lays the roles out from the 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiengine.engines.recipe_config import Key, config_problem
+from multiengine.engines.recipe_config import Choice, Key, Length, Range, Satisfies, config_problem
 
 __all__ = ["LORA_TARGETS", "ROLE_KEYS", "TRAINABLE_KEYS", "Role", "follow_chain", "lora_spec", "model_path",
-           "old_keys", "optim_spec", "placement", "role_keys", "roles_of", "tokenizer_path", "trainable_roles"]
+           "old_keys", "optim_spec", "placement", "role_keys", "roles_of", "shared_checks", "tokenizer_path",
+           "trainable_roles"]
 
 # The attention projections of OPT (the embedded tiny model), Llama, Mistral, Qwen and most decoders.
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -240,3 +242,63 @@ def check_role_sections(cfg: Any, roles: Sequence[Role]) -> None:
             raise config_problem(f"{key}.offload_params", True, f"needs ZeRO-3 (roles.{role.name} runs at stage "
                                  f"{stage}): only ZeRO-3 partitions parameters",
                                  f"set {key}.stage=3, or {key}.offload_params=false")
+
+
+# --- value checks by key name: the same name means the same thing in every recipe --------------------------------
+def _scheduler_names() -> list[str]:
+    from transformers.trainer_utils import SchedulerType
+
+    return [t.value for t in SchedulerType]
+
+
+def _by_name(name: str, default: Any) -> Any:
+    """The check of a key by its last name (``lr``, ``stage``, ``micro_batch_size``, ``max_new_tokens``, ...)."""
+    positive = Range(0, min_exclusive=True)
+    if isinstance(default, bool):
+        return None
+    simple = {
+        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": positive, "keep_last": Range(0),
+        "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
+        "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
+        "max_grad_norm": Range(0), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
+        "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
+        "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
+        "max_ptx_len": Range(1), "heldout_size": Range(0), "hidden": Range(8), "layers": Range(1), "r": Range(0),
+        "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
+        "backend": Choice("auto", "deepspeed", "torch"), "mode": Choice("gather", "per_token"),
+    }
+    if name in simple:
+        return simple[name]
+    if name == "stage":
+        return Range(-1 if default == -1 else 0, 3)
+    if name == "dtype":
+        return Choice("fp32", "bf16", "fp16", *([""] if default == "" else []))
+    if name == "scheduler":
+        return Satisfies(lambda v: v in _scheduler_names(), "a transformers scheduler name (constant, "
+                                                              "constant_with_warmup, linear, cosine, ...)")
+    if name == "resume_from":
+        return Satisfies(lambda v: v in ("", "latest") or os.path.isdir(os.path.expanduser(str(v))),
+                         '"", "latest" or an existing checkpoint folder')
+    return None
+
+
+def shared_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A recipe's CHECKS: a range or choice for every key of ``defaults`` whose name the recipes share (see
+    :func:`_by_name`; ``data.columns`` is a user's mapping, not checked), and ``extra`` (the recipe's own keys),
+    which wins."""
+    out: dict[str, Any] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for name, value in tree.items():
+            key = f"{prefix}{name}"
+            if isinstance(value, dict):
+                if key != "data.columns":
+                    walk(value, key + ".")
+                continue
+            check = _by_name(name, value)
+            if check is not None:
+                out[key] = check
+
+    walk(defaults, "")
+    out.update(extra or {})
+    return out

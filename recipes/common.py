@@ -12,6 +12,7 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.recipe_config import Key
+from multiengine.engines.role_schema import shared_checks
 from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
 from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
 from multiengine.pipelines.rlhf.reward_sources import reward_entries as _reward_entries
@@ -107,65 +108,12 @@ def lora_renamed(role: str) -> dict[str, str]:
             f"lora.{role}.enabled": f"roles.{role}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"}
 
 
-# --- value checks of the keys the recipes share (their CHECKS) ------------------------------------------------
-def _scheduler_names() -> list[str]:
-    from transformers.trainer_utils import SchedulerType
-
-    return [t.value for t in SchedulerType]
-
-
-def _by_name(name: str, default: Any) -> Any:
-    """The check of a key by its last name (the same name means the same thing in every recipe)."""
-    from multiengine.engines.recipe_config import Choice, Length, Range, Satisfies
-
-    positive = Range(0, min_exclusive=True)
-    if isinstance(default, bool):
-        return None
-    simple = {
-        "max_steps": Range(1), "seed": Range(0), "dist_timeout_s": positive, "keep_last": Range(0),
-        "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
-        "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
-        "max_grad_norm": Range(0), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
-        "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
-        "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
-        "max_ptx_len": Range(1), "heldout_size": Range(0), "hidden": Range(8), "layers": Range(1), "r": Range(0),
-        "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
-        "backend": Choice("auto", "deepspeed", "torch"), "mode": Choice("gather", "per_token"),
-    }
-    if name in simple:
-        return simple[name]
-    if name == "stage":
-        return Range(-1 if default == -1 else 0, 3)
-    if name == "dtype":
-        return Choice("fp32", "bf16", "fp16", *([""] if default == "" else []))
-    if name == "scheduler":
-        return Satisfies(lambda v: v in _scheduler_names(), "a transformers scheduler name (constant, "
-                                                              "constant_with_warmup, linear, cosine, ...)")
-    if name == "resume_from":
-        return Satisfies(lambda v: v in ("", "latest") or os.path.isdir(os.path.expanduser(str(v))),
-                         '"", "latest" or an existing checkpoint folder')
-    return None
-
-
+# --- value checks (their CHECKS) ---------------------------------------------------------------------------
 def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A recipe's CHECKS: a range or choice for every key of ``defaults`` whose name the recipes share (``lr``,
-    ``stage``, ``dtype``, ``micro_batch_size``, ``max_new_tokens``, ...; see :func:`_by_name`), the data section's
-    (``eval_split``, ``sources``), and ``extra`` (the recipe's own keys), which wins."""
+    """An RLHF recipe's CHECKS: :func:`~multiengine.engines.role_schema.shared_checks` plus the data section's
+    (``eval_split``, ``sources``); ``extra`` (the recipe's own keys) wins."""
     from multiengine.engines.recipe_config import Satisfies
     from multiengine.pipelines.sources import DataSourceError, parse_eval_split
-
-    out: dict[str, Any] = {}
-
-    def walk(tree: dict[str, Any], prefix: str) -> None:
-        for name, value in tree.items():
-            key = f"{prefix}{name}"
-            if isinstance(value, dict):
-                if key != "data.columns":
-                    walk(value, key + ".")
-                continue
-            check = _by_name(name, value)
-            if check is not None:
-                out[key] = check
 
     def eval_split_ok(value: Any) -> bool:
         try:
@@ -174,7 +122,7 @@ def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None)
             return False
         return True
 
-    walk(defaults, "")
+    out = shared_checks(defaults)
     if "data" in defaults:
         out["data.eval_split"] = Satisfies(eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or "
                                                           "a split name")
