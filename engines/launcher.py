@@ -10,6 +10,7 @@ is this module's job, so it writes to stderr directly rather than through loggin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ EXIT_NONFINITE = 3  # the run's nonfinite policy stopped it
 ENV_ERROR_DIR = "MULTIENGINE_ERROR_DIR"  # where ranks leave their error records for this process
 ENV_VALIDATED = "MULTIENGINE_VALIDATED"  # the launching process already ran the recipe's validate(cfg)
 STOP_GRACE_S = 20.0  # after forwarding a stop signal, how long ranks get before SIGKILL
+FAILED_GRACE_S = 5.0  # after a rank's failure record, how long a stopped rank is left before SIGKILL
 _LAUNCH = "_launch"  # hidden sub-command: the launcher process (torchrun's agent, quiet)
 
 
@@ -193,8 +195,24 @@ def _exit_with_parent() -> None:
         pass
 
 
-def _launch(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+def _stopped_ranks(root: int) -> list[int]:
+    """The job's processes that are stopped (state T: SIGSTOP, a debugger): they cannot act on a SIGTERM."""
+    out = []
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2:].split()[0] in ("T", "t"):
+            out.append(pid)
+    return out
+
+
+def _launch(cmd: list[str], env: dict[str, str], error_dir: str | None = None) -> tuple[int, int | None]:
     """Run the launcher; forward SIGTERM/SIGINT to it and to every rank, then wait for them.
+    Once a rank has recorded a failure (in ``error_dir``), a rank that is stopped gets SIGKILL after
+    FAILED_GRACE_S: torchrun's SIGTERM cannot reach it, and torchrun would wait 30 s before killing it.
     Returns (exit code, the stop signal received or None)."""
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_exit_with_parent if sys.platform.startswith("linux") else None)
@@ -212,12 +230,18 @@ def _launch(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, forward) for s in handled}
     try:
-        deadline = None
+        deadline = failed_at = None
         while True:
             try:
                 code = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
+                if error_dir and failed_at is None and any(Path(error_dir).glob("rank*-error.json")):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() > failed_at + FAILED_GRACE_S:
+                    for pid in _stopped_ranks(proc.pid):
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(pid, signal.SIGKILL)
                 if received and deadline is None:
                     deadline = time.monotonic() + STOP_GRACE_S
                 if deadline is not None and time.monotonic() > deadline:

@@ -259,7 +259,7 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
         env = _launch_env(args.nproc_per_node, package)
         env[ENV_ERROR_DIR] = error_dir
         env[ENV_VALIDATED] = "1"
-        code, stop = _launch(cmd, env)
+        code, stop = _launch(cmd, env, error_dir)
         return _report_job(error_dir, code, stop, args.nproc_per_node)
     return _run_here(args, overrides)
 

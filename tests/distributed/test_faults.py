@@ -237,7 +237,8 @@ def test_stopped_rank_ends_the_job_within_the_timeout(tmp_path, fault_recipes):
     ended = time.time()
     stopped = float((out / "stopped_at").read_text())
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert ended - stopped <= timeout_s + 60, f"the job took {ended - stopped:.0f} s after the rank stopped"
+    # the timeout, then FAILED_GRACE_S before the stopped rank is killed (torchrun alone would wait 30 s more)
+    assert ended - stopped <= timeout_s + 25, f"the job took {ended - stopped:.0f} s after the rank stopped"
     assert _wait_gone(str(out), 5) == []  # the stopped rank too (the launcher kills it)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
