@@ -17,8 +17,9 @@ pytestmark = pytest.mark.distributed
 
 # GRPO: a shorter unet pretrain than the documented run's 400 steps (the vae's 100 are needed: with 40 the
 # sampled images carry no colour and the reward stays at 0). DPO: from the random unet, a brief vae pretrain.
-GRPO = ["max_steps=12", "model.tiny_unet_steps=150"]
-DPO = ["max_steps=20", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30"]
+# Measured (2 ranks, seed 0): GRPO reward 0.044 -> 0.511 in 12 steps; DPO implicit accuracy 0 -> 0.81 in 12.
+GRPO = ["max_steps=12", "model.tiny_unet_steps=100"]
+DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30"]
 
 
 @pytest.fixture(scope="module")
