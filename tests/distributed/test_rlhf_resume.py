@@ -1,25 +1,22 @@
-"""resume_from for rlhf_sft and rlhf_reward from the CLI on 2 ranks: a run resumed from its step-2 checkpoint
+"""resume_from for rlhf_sft and rlhf_reward on 2 ranks: a run resumed from its step-2 checkpoint
 ends bit-equal to the uninterrupted 4-step run (every logged training figure per step, the final evaluation and
 every exported weight). The step-2 checkpoint is what a run stopped after step 2 leaves: the lifecycle writes
 it before step 3 starts, and nothing after it changes it (`latest` moves on to a new folder).
 
-Kept short: one shared set of tiny assets (small data), 4 steps, no evaluation during training.
+Kept short: one shared set of tiny assets (small data), 4 steps, no evaluation during training, and all four runs
+in one launch (workers/recipe_runs.py runs each as the CLI does: checked_config, then main). Resuming through the
+CLI itself is tested by test_onpolicy_distill_run.py and test_multinode.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.distributed
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli", "run"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 TIMING = ("train/time/", "train/step_time_s")  # timings differ between runs; every other figure must not
 STEPS, STOP = 4, 2
 
@@ -29,11 +26,6 @@ RECIPES = {
                            "eval.batch_size=4", "eval.greedy=false", "generation.max_new_tokens=4"]),
     "rlhf_reward": ("reward", ["roles.reward.micro_batch_size=4", "data.heldout_size=8", "eval.every=0"]),
 }
-
-
-def cli(*args: str) -> None:
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-6000:]
 
 
 def train_lines(path) -> list[dict]:
@@ -50,27 +42,35 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return {f"{f.name}:{k}": v for f in files for k, v in load_file(f).items()}
 
 
+def _overrides(recipe: str, paths: dict) -> list[str]:
+    role, overrides = RECIPES[recipe]
+    return [f"roles.{role}.model={paths['model']}", f"data.source={paths['data']}", f"max_steps={STEPS}",
+            f"roles.{role}.warmup_steps=1", *overrides]
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    """The tiny assets, then every recipe's uninterrupted run and its run resumed from the step-2 checkpoint."""
+    from conftest import launch
     from multiengine.pipelines.rlhf import tiny
 
     root = tmp_path_factory.mktemp("rlhf_resume")
     paths = tiny.prepare_builtin(root / "tiny", seed=0, hidden=32, layers=1, n_sft=64, n_reward=64, n_ppo=8,
                                  n_eval=32)
+    runs = [[r, [*_overrides(r, paths), f"output_dir={root / f'{r}_full'}", f"checkpoint.every={STOP}"]]
+            for r in RECIPES]
+    runs += [[r, [*_overrides(r, paths), f"output_dir={root / f'{r}_resumed'}", "checkpoint.every=0",
+                  f"resume_from={root / f'{r}_full' / 'checkpoints' / f'step_{STOP:08d}'}"]] for r in RECIPES]
+    launch("recipe_runs", root / "runs", json.dumps(runs))
     return root, paths
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_resume_from_a_checkpoint_ends_bit_equal_to_an_uninterrupted_run(assets, recipe):
     root, paths = assets
-    role, overrides = RECIPES[recipe]
-    common = [recipe, "--config", "tiny", "--nproc-per-node", "2", f"roles.{role}.model={paths['model']}",
-              f"data.source={paths['data']}", f"max_steps={STEPS}", f"roles.{role}.warmup_steps=1", *overrides]
+    role = RECIPES[recipe][0]
     full, resumed = root / f"{recipe}_full", root / f"{recipe}_resumed"
-    cli(*common, f"output_dir={full}", f"checkpoint.every={STOP}")
-    ckpt = full / "checkpoints" / f"step_{STOP:08d}"
-    assert (ckpt / "manifest.json").is_file()
-    cli(*common, f"output_dir={resumed}", "checkpoint.every=0", f"resume_from={ckpt}")
+    assert (full / "checkpoints" / f"step_{STOP:08d}" / "manifest.json").is_file()
 
     a, b = train_lines(full / "metrics.jsonl"), train_lines(resumed / "metrics.jsonl")
     assert [x["step"] for x in a] == list(range(1, STEPS + 1))
