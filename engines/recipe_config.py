@@ -59,8 +59,7 @@ RECIPES_PACKAGE = "multiengine.recipes"
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "configs"
 REQUIRED_KEYS = ("output_dir", "seed", "max_steps")
 # Modules of the recipes package that are infrastructure, not recipes.
-_NOT_RECIPES = frozenset({"cli", "common", "config", "diffusion_base", "diffusion_keys", "lifecycle", "plans", "schema",
-                           "steps"})
+_NOT_RECIPES = frozenset({"cli", "common", "diffusion_base", "diffusion_keys", "plans"})
 
 
 class RecipeConfigError(ValueError):
