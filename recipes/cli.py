@@ -1,9 +1,505 @@
-"""The `multiengine` command for the recipes shipped in this package (engines/recipe_cli.py is the command
-itself; it runs any package of recipes given with --recipes-package)."""
+"""The `multiengine` command: run a recipe (in this process or on N ranks), check, list and copy configs.
 
+    multiengine ls
+    multiengine cp registry_demo/tiny my.yaml
+    multiengine validate registry_demo --config tiny max_steps=3
+    multiengine run registry_demo --help                      # every key: type, default, meaning
+    multiengine run registry_demo --config tiny max_steps=3
+    multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
+    multiengine plan rlhf_ppo --config opt1.3b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
+    multiengine run rlhf_ppo --config my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 \
+        --master-addr node0 --master-port 29500          # the same on node1 with --node-rank 1
+
+The config is validated here before any rank starts, so a typo costs a second, not a launch.
+
+Failures are reported once: each failing rank writes its traceback to
+<output_dir>/logs/rank<N>-error.log and a one-line record; this process prints the root cause as
+one `error:` line (naming the rank when ranks disagree) plus the fix. Exit codes: 0 success,
+1 a failure, 2 a user error (bad config, key, value, checkpoint), 3 stopped by the non-finite policy
+(a NaN/inf loss or gradient norm; nothing exported, the last checkpoint kept), 128+N stopped by signal N.
+SIGTERM and SIGINT are forwarded to the launcher and to every rank (each rank runs in its own
+session, so the terminal's process group does not reach them); ranks that lose their launcher exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from multiengine.engines.recipe_cli import main
+from multiengine.engines.launcher import (  # noqa: F401 - tests and recipes reach these through the CLI
+    _LAUNCH,
+    ENV_ERROR_DIR,
+    ENV_VALIDATED,
+    EXIT_FAILURE,
+    EXIT_NONFINITE,
+    EXIT_USAGE,
+    RDZV_BACKENDS,
+    STOP_GRACE_S,
+    _cpu_count,
+    _describe,
+    _free_port,
+    _is_config_error,
+    _is_user_error,
+    _launch,
+    _launch_env,
+    _launch_main,
+    _leave,
+    _logs_dir,
+    _print_error,
+    _record_failure,
+    _report_job,
+    build_launch_command,
+)
+from multiengine.engines.recipe_config import (
+    CONFIGS_DIR,
+    RECIPES_PACKAGE,
+    RecipeConfigError,
+    config_header,
+    config_path,
+    format_key_help,
+    list_recipes,
+    load_config,
+    load_recipe,
+    resolve_config_file,
+    validate_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="multiengine", description="Run multi-engine DeepSpeed recipes and manage their configs.",
+        allow_abbrev=False,  # `--conf` silently meaning `--config` hides typos
+    )
+    parser.add_argument(
+        "--recipes-package", default=RECIPES_PACKAGE,
+        help="package holding the recipe modules (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--configs-dir", default=str(CONFIGS_DIR),
+        help="folder of shipped configs, <recipe>/<name>.yaml (default: the installed ones)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a recipe", allow_abbrev=False, add_help=False,
+                         description="Run a recipe. Overrides are key=value "
+                         "with dotted keys and YAML values: max_steps=3 roles.actor.stage=2 prompts=[a,b]")
+    run.add_argument("-h", "--help", action="store_true",
+                     help="show this help and, with a recipe, every config key: type, default, meaning")
+    run.add_argument("recipe", nargs="?")
+    run.add_argument("--config", help="shipped config name (see `multiengine ls`) or path to a YAML file")
+    run.add_argument("--nproc-per-node", type=int, help="launch N ranks with torch.distributed.run")
+    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (the command runs once on each)")
+    run.add_argument("--node-rank", type=int, default=None,
+                     help="this node's index, 0 on rank 0's node (static rendezvous; required with --nnodes > 1)")
+    run.add_argument("--master-addr", help="rank 0's host (required with --nnodes > 1; with c10d: the rendezvous host)")
+    run.add_argument("--master-port", type=int, help="rank 0's port (default: a free one on one node)")
+    run.add_argument("--rdzv-backend", choices=RDZV_BACKENDS, default="static",
+                     help="static (default): fixed --node-rank, rank 0's node serves the store at "
+                     "--master-addr:--master-port; c10d: nodes join in any order and are numbered as they arrive")
+    run.add_argument("--rdzv-id", default="multiengine", help="c10d: a job id, the same on every node")
+    run.add_argument("overrides", nargs="*", metavar="key=value")
+
+    val = sub.add_parser("validate", help="check a config (types, ranges, choices, paths, data) without running",
+                         allow_abbrev=False, add_help=False,
+                         description="Check a recipe config in this process, in seconds, without building models:"
+                         " the same checks `run` does before any rank starts.")
+    val.add_argument("-h", "--help", action="store_true", help="show this help and the recipe's config keys")
+    val.add_argument("recipe", nargs="?")
+    val.add_argument("--config", help="shipped config name or path to a YAML file")
+    val.add_argument("--print", action="store_true", dest="print_config", help="print the resolved config")
+    val.add_argument("--nproc-per-node", type=int, default=1,
+                     help="ranks per node the run will have (default 1): the batch arithmetic is checked for them")
+    val.add_argument("--nnodes", type=int, default=1, help="nodes the run will have (default 1)")
+    val.add_argument("overrides", nargs="*", metavar="key=value")
+
+    _add_plan_parser(sub)
+
+    sub.add_parser("ls", help="list recipes and their shipped configs")
+
+    cp = sub.add_parser("cp", help="copy a shipped config to edit it")
+    cp.add_argument("source", metavar="RECIPE/CONFIG")
+    cp.add_argument("dest", help="file, or an existing folder to copy into")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    return parser
+
+
+def run_recipe(
+    recipe: str,
+    config: str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    package: str = RECIPES_PACKAGE,
+    configs_dir: str | Path = CONFIGS_DIR,
+) -> dict[str, Any]:
+    """Load and check the config (CHECKS and validate(cfg)), run the recipe's main(cfg) in this
+    process; returns its summary."""
+    cfg = load_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
+    validate_config(recipe, cfg, package=package, configs_dir=configs_dir)
+    return _run_loaded(recipe, cfg, package, configs_dir)
+
+
+def _run_loaded(recipe: str, cfg: Any, package: str, configs_dir: str | Path) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    logger.info("recipe %s, config:\n%s", recipe, OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+    result = load_recipe(recipe, package, configs_dir).main(cfg)
+    return {} if result is None else result
+
+
+def _print_run_help(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    sub.print_help()
+    if args.recipe:
+        print()
+        print(format_key_help(args.recipe, load_recipe(args.recipe, args.recipes_package, args.configs_dir)))
+    else:
+        print(f"\n`multiengine {args.command} <recipe> --help` also lists the recipe's config keys.")
+    return 0
+
+
+def _output_dir_policy(args: argparse.Namespace, cfg: Any, clear: bool) -> None:
+    """A recipe with an ``overwrite`` key runs only into a folder that holds no other recipe's run and no finished
+    run of its own (lifecycle.check_output_dir); ``clear``: with overwrite=true, this process clears the earlier
+    run's files, on rank 0's node only (several nodes may share the folder)."""
+    if "overwrite" not in cfg:
+        return
+    from multiengine.engines.recipe_lifecycle import check_output_dir, clear_output_dir
+
+    module = load_recipe(args.recipe, args.recipes_package, args.configs_dir)
+    name = str(getattr(getattr(getattr(module, "main", None), "__self__", None), "name", None) or args.recipe)
+    if not clear:
+        check_output_dir(name, cfg)
+        return
+    if not cfg.overwrite:
+        return
+    nnodes = getattr(args, "nnodes", 1)
+    if nnodes > 1 and getattr(args, "rdzv_backend", "static") == "c10d":
+        raise RecipeConfigError("overwrite=true with --rdzv-backend c10d on several nodes: nodes are numbered as they "
+                                "join, so none can clear output_dir before the others start; clear the earlier run's "
+                                "files by hand, use a new output_dir, or the static rendezvous")
+    if nnodes == 1 or not getattr(args, "node_rank", None):
+        clear_output_dir(name, cfg)
+
+
+def _world_size(nproc_per_node: int | None, nnodes: int) -> int:
+    for flag, value in (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes)):
+        if value is not None and value < 1:
+            raise RecipeConfigError(f"{flag} must be >= 1, got {value}")
+    return (nproc_per_node or 1) * nnodes
+
+
+def _load_checked(args: argparse.Namespace, overrides: list[str], hook: bool, world_size: int | None = None) -> Any:
+    """load_config (types, unknown keys, CHECKS) and, if `hook`, the output_dir policy and the recipe's
+    validate(cfg) for `world_size` ranks (default: this rank's job, else 1)."""
+    if not args.recipe:
+        raise RecipeConfigError(f"`multiengine {args.command}` needs a recipe name (see `multiengine ls`)")
+    cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
+    if hook:
+        _output_dir_policy(args, cfg, clear=False)
+        validate_config(args.recipe, cfg, package=args.recipes_package, configs_dir=args.configs_dir,
+                        world_size=world_size)
+    return cfg
+
+
+def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.help:
+        return _print_run_help(parser, args)
+    world = _world_size(args.nproc_per_node, args.nnodes)
+    cfg = _load_checked(args, overrides, hook=True, world_size=world)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+    print(f"ok: config for recipe '{args.recipe}' is valid" + (f" on {world} ranks" if world > 1 else ""))
+    return 0
+
+
+def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.help:
+        return _print_run_help(parser, args)
+    package, configs_dir = args.recipes_package, args.configs_dir
+    multinode = ((args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_backend)
+                 != (1, None, None, None, "static"))
+    if args.nproc_per_node is None and multinode:
+        raise RecipeConfigError(
+            "--nnodes/--node-rank/--master-addr/--master-port/--rdzv-backend need --nproc-per-node")
+    if args.nproc_per_node is not None:
+        # Validate first, in this process: a bad key or value, a batch the data cannot fill on this many ranks or
+        # a reused output_dir must fail before any rank starts.
+        cfg = _load_checked(args, overrides, hook=True, world_size=_world_size(args.nproc_per_node, args.nnodes))
+        from multiengine.engines.metrics import setup_logging  # imports neither torch nor numpy
+
+        setup_logging(0)
+        # The ranks get the resolved file, so a shipped name or relative path means the same to all.
+        config_file = str(resolve_config_file(args.recipe, args.config, configs_dir)) if args.config else None
+        cmd = build_launch_command(
+            args.recipe, config_file, overrides,
+            nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=args.master_port,
+            package=package, configs_dir=configs_dir, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
+        )
+        _output_dir_policy(args, cfg, clear=True)  # overwrite=true: cleared before any rank writes into it
+        error_dir = _logs_dir(str(cfg.output_dir))
+        for stale in Path(error_dir).glob("rank*-error.*"):  # records of an earlier run in this output_dir
+            stale.unlink(missing_ok=True)
+        for stale in Path(error_dir).glob("launcher.*"):
+            stale.unlink(missing_ok=True)
+        env = _launch_env(args.nproc_per_node, package)
+        env[ENV_ERROR_DIR] = error_dir
+        env[ENV_VALIDATED] = "1"
+        code, stop = _launch(cmd, env, error_dir)
+        return _report_job(error_dir, code, stop, args.nproc_per_node)
+    return _run_here(args, overrides)
+
+
+def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
+    """This process runs the recipe: alone, or as one rank of a launched job."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if launched:
+        from multiengine.engines.dist import watch_launcher
+
+        watch_launcher()  # from the start: imports and model builds can take minutes
+    cfg = None
+    checked = os.environ.get(ENV_VALIDATED) != "1"  # else the launching CLI checked, for every rank
+    try:
+        cfg = _load_checked(args, overrides, hook=checked)
+        from multiengine.engines.metrics import setup_logging, to_plain
+
+        setup_logging(rank)
+        if checked and rank == 0:
+            _output_dir_policy(args, cfg, clear=True)
+    except Exception as exc:
+        if checked and _is_user_error(exc):
+            # Launched without the CLI's checks (torchrun directly) every rank runs them and fails alike, before any
+            # model is built: rank 0 reports, once, and nothing is written (no log file for a config error).
+            code = EXIT_USAGE
+            if rank == 0:
+                _print_error(*_describe(exc), None)
+        else:
+            code = _record_failure(exc, _output_dir(cfg), rank, world)
+        if launched and world > 1:
+            _leave(code)
+        return code
+    try:
+        result = _run_loaded(args.recipe, cfg, args.recipes_package, args.configs_dir)
+        from multiengine.engines.dist import shutdown
+
+        shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
+    except Exception as exc:
+        code = _record_failure(exc, _output_dir(cfg), rank, world)
+        if launched and world > 1:
+            # Peers may still be inside a collective with us: skip the process group's teardown
+            # (and atexit hooks) that could wait on them, and leave now.
+            _leave(code)
+        return code
+    except KeyboardInterrupt:
+        if launched:
+            os._exit(128 + signal.SIGINT)
+        raise
+    if rank == 0 and result:
+        print(_closing_lines(args.recipe, cfg, to_plain(result)))
+    if launched and world > 1:
+        _leave(0)
+    return 0
+
+
+def _closing_lines(recipe: str, cfg: Any, result: dict[str, Any]) -> str:
+    """What a finished run tells the person who started it: the recipe's own closing summary (lifecycle
+    recipes), else its before -> after figures, exports and summary.json, read from what main(cfg) returned."""
+    if isinstance(result.get("report"), str):
+        return result["report"]
+    out = str(cfg.output_dir)
+    lines = [f"{recipe}: finished"]
+    figures = result.get("figures") if isinstance(result.get("figures"), dict) else {}
+    for key, before in figures.items():
+        if key.endswith("_before") and isinstance(before, (int, float)):
+            after = figures.get(key[: -len("_before")] + "_after")
+            if isinstance(after, (int, float)):
+                lines.append(f"  {key[: -len('_before')]}: {before:.4g} -> {after:.4g} (before -> after)")
+    exports = {role: value.get("model") if isinstance(value, dict) else value
+               for role, value in (result.get("export") or {}).items() if value}
+    for role, path in exports.items():
+        lines.append(f"  export ({role}): {path}")
+    summary = os.path.join(out, "summary.json")
+    if os.path.isfile(summary):
+        lines.append(f"  summary: {summary}")
+    if len(lines) == 1:  # a recipe outside the lifecycle that returned something else: as it is
+        return json.dumps(result, indent=2, sort_keys=True)
+    return "\n".join(lines)
+
+
+def _output_dir(cfg: Any) -> str | None:
+    try:
+        return str(cfg.output_dir) if cfg is not None else None
+    except Exception:
+        return None
+
+
+# --- plan --------------------------------------------------------------------------------
+EXIT_DOES_NOT_FIT = 1
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan", help="per-role memory plan: will it fit, with which stage and offload per role",
+        allow_abbrev=False,
+        description="Plan a recipe's per-rank memory without loading any weights: per role, the bytes of "
+        "parameters, gradients and optimizer state at each ZeRO stage and offload choice, activation "
+        "estimates, fixed overheads, and the cheapest placement per role that fits. Exits 0 when it fits, "
+        f"{EXIT_DOES_NOT_FIT} when it does not, 2 on a bad argument.")
+    plan.add_argument("recipe")
+    plan.add_argument("--config", help="shipped config name or path to a YAML file")
+    plan.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
+    plan.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 80GiB or 80GB")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    plan.add_argument("--cpu-mem", help="host memory per node, e.g. 512GiB (default: not checked)")
+    plan.add_argument("--margin", type=float, default=None,
+                      help="fragmentation margin as a fraction of the total (default 0.10)")
+    plan.add_argument("--assume", action="append", default=[], metavar="ROLE=MODEL",
+                      help="what a model folder that does not exist yet will hold (folder or built-in name)")
+    plan.add_argument("--write", metavar="FILE", help="write the config with the chosen placements")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from multiengine.engines import planner
+    from multiengine.engines import recipe_plans as plans
+
+    cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
+    if args.gpus < 1:
+        raise RecipeConfigError(f"--gpus {args.gpus}: plan for at least 1 GPU")
+    if args.nodes < 1 or args.gpus % args.nodes:
+        raise RecipeConfigError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the total "
+                                "number of GPUs, spread evenly over the nodes")
+    if args.margin is not None and not 0 <= args.margin < 1:
+        raise RecipeConfigError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.1")
+    assume = {}
+    for item in args.assume:
+        role, sep, model = item.partition("=")
+        if not sep or not role or not model:
+            raise RecipeConfigError(f"--assume {item!r}: expected ROLE=MODEL, e.g. --assume actor=facebook/opt-1.3b")
+        assume[role] = model
+    try:
+        budget = planner.Budget(
+            world_size=args.gpus, gpus_per_node=args.gpus // args.nodes,
+            gpu_bytes=planner.parse_bytes(args.gpu_mem, "--gpu-mem"),
+            host_bytes=planner.parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
+            margin=planner.FRAGMENTATION_MARGIN if args.margin is None else args.margin)
+        # Libraries building the tiny models print to stdout (DeepSpeed's logger): keep --json clean.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir, args.recipes_package)
+            results = [planner.plan(item.roles, budget) for item in items]
+    except planner.PlanError as e:
+        raise RecipeConfigError(str(e)) from None
+    for item, result in zip(items, results):
+        result.notes.extend(item.notes)
+    fits = all(r.fits for r in results)
+    if args.json:
+        print(json.dumps([dict(r.to_dict(), title=i.title) for i, r in zip(items, results)], indent=2))
+    else:
+        name = f"{args.recipe} --config {args.config}" if args.config else args.recipe
+        for item, result in zip(items, results):
+            print(planner.format_plan(result, title=f"== plan: {item.title} ({name})"))
+            print()
+    if args.write:
+        if not fits:
+            print(f"error: not writing {args.write}: the run does not fit (see above)", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        command = " ".join(["multiengine plan", args.recipe, *(["--config", args.config] if args.config else []),
+                            *overrides, "--gpus", str(args.gpus), "--gpu-mem", args.gpu_mem,
+                            *(["--nodes", str(args.nodes)] if args.nodes > 1 else [])])
+        header = (f"Placements chosen by `{command}`:\n"
+                  + "\n".join(f"  {r.request.name}: {r.chosen.choice.label}" for res in results for r in res.roles))
+        path = plans.write_config(args.recipe, args.config, overrides, items, [r.placements() for r in results],
+                                  args.write, header, configs_dir=args.configs_dir)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+# --- ls / cp -----------------------------------------------------------------------------
+def _cmd_ls(args: argparse.Namespace) -> int:
+    recipes = list_recipes(args.configs_dir)
+    if not recipes:
+        print(f"no recipes found in {args.configs_dir}")
+        return 0
+    rows = [("RECIPE", "CONFIG", "DESCRIPTION")]
+    for recipe, names in recipes.items():
+        if not names:
+            rows.append((recipe, "-", "(no shipped configs)"))
+        for name in names:
+            rows.append((recipe, name, config_header(config_path(recipe, name, args.configs_dir))))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for row in rows:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip())
+    return 0
+
+
+def _cmd_cp(args: argparse.Namespace) -> int:
+    recipe, sep, name = args.source.partition("/")
+    if not sep or not recipe or not name:
+        raise RecipeConfigError(f"'{args.source}' is not RECIPE/CONFIG (e.g. registry_demo/tiny)")
+    src = config_path(recipe, name, args.configs_dir)
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / src.name
+    if dest.exists() and not args.force:
+        print(f"error: {dest} exists; pass --force to overwrite it", file=sys.stderr)
+        return 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    print(f"copied {recipe}/{src.stem} to {dest}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `multiengine` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [_LAUNCH]:
+        return _launch_main(argv[1:])
+    parser = build_parser()
+    # parse_known_args lets overrides come after options too (`run r --config c a=1 --nnodes 1 b=2`).
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or args.command not in ("run", "validate", "plan")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    try:
+        if args.command == "run":
+            return _cmd_run(parser, args, [*args.overrides, *extra])
+        if args.command == "validate":
+            return _cmd_validate(parser, args, [*args.overrides, *extra])
+        if args.command == "plan":
+            return _cmd_plan(args, [*args.overrides, *extra])
+        if args.command == "ls":
+            return _cmd_ls(args)
+        return _cmd_cp(args)
+    except ValueError as e:
+        if not _is_config_error(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        fix = getattr(e, "fix", None)
+        if fix and f"fix: {fix}" not in str(e):
+            print(f"  fix: {fix}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # `multiengine run X --help | head`: the reader left; end quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+
 
 if __name__ == "__main__":
     sys.exit(main())

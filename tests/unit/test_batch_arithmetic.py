@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from multiengine.engines import recipe_cli as cli
 from multiengine.engines.recipe_config import ConfigValueError
+from multiengine.recipes import cli
 from multiengine.recipes.common import check_rows_per_rank
 
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-from multiengine.engines import recipe_cli as cli
 from multiengine.engines.recipe_config import (
     Choice,
     ConfigValueError,
@@ -28,6 +27,7 @@ from multiengine.engines.recipe_config import (
     load_recipe,
     validate_config,
 )
+from multiengine.recipes import cli
 
 PKG = "me_checks_recipes"
 

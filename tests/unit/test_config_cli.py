@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from multiengine.engines import recipe_cli as cli
 from multiengine.engines.recipe_config import (
     ConfigKeyError,
     ConfigTypeError,
@@ -27,6 +26,7 @@ from multiengine.engines.recipe_config import (
     parse_override,
     to_container,
 )
+from multiengine.recipes import cli
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError
 

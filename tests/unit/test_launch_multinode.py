@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from multiengine.engines import recipe_cli as cli
 from multiengine.engines.recipe_config import RecipeConfigError
+from multiengine.recipes import cli
 
 
 def _cmd(**kw):

@@ -207,7 +207,7 @@ def two_vocabularies(tmp_path_factory):
 
 
 def _validate(capsys, d, *args: str) -> tuple[int, str]:
-    from multiengine.engines import recipe_cli as cli
+    from multiengine.recipes import cli
 
     code = cli.main(["validate", "distill", "--config", "tiny", *args, f"output_dir={d / 'out'}"])
     return code, capsys.readouterr().err

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from multiengine.engines import recipe_cli as cli
 from multiengine.engines.recipe_lifecycle import folder_run
+from multiengine.recipes import cli
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from multiengine.engines import recipe_cli as cli
 from multiengine.engines import recipe_plans
 from multiengine.engines.recipe_config import list_recipes, load_config, load_recipe
-from multiengine.recipes import plans
+from multiengine.recipes import cli, plans
 
 PLANNED = list_recipes()
 GPU_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names if not n.startswith("tiny")]
