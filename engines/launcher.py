@@ -131,6 +131,16 @@ def _launch_env(nproc_per_node: int, package: str) -> dict[str, str]:
 
 
 # --- the job's processes: signals and their tree ----------------------------------------------------
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command (state, ppid, ...); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()  # the command may contain spaces and ')'
+
+
 def _children_map() -> dict[int, list[int]]:
     """ppid -> child pids, from /proc (Linux); empty elsewhere."""
     out: dict[int, list[int]] = {}
@@ -139,15 +149,9 @@ def _children_map() -> dict[int, list[int]]:
     except OSError:
         return out
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # the command may contain spaces and ')'
-        out.setdefault(ppid, []).append(int(name))
+        fields = _stat_fields(name) if name.isdigit() else None
+        if fields is not None:
+            out.setdefault(int(fields[1]), []).append(int(name))
     return out
 
 
@@ -197,16 +201,7 @@ def _exit_with_parent() -> None:
 
 def _stopped_ranks(root: int) -> list[int]:
     """The job's processes that are stopped (state T: SIGSTOP, a debugger): they cannot act on a SIGTERM."""
-    out = []
-    for pid in _descendants(root):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if stat[stat.rindex(")") + 2:].split()[0] in ("T", "t"):
-            out.append(pid)
-    return out
+    return [pid for pid in _descendants(root) if (_stat_fields(pid) or ["?"])[0] in ("T", "t")]
 
 
 def _launch(cmd: list[str], env: dict[str, str], error_dir: str | None = None) -> tuple[int, int | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,23 +262,28 @@ def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,
     return planner(cfg, assume, configs_dir)
 
 
+def _configured(items: Sequence[RecipePlan]) -> Iterator[tuple[P.RoleRequest, P.Choice]]:
+    """Each role of each plan with the placement its config asks for (a follower's derived from its leader's
+    exactly as the chooser derives it)."""
+    for item in items:
+        chosen = {r.name: r.current for r in item.roles}
+        for req in item.roles:
+            choice = chosen[req.name]
+            yield req, P.follower_choice(req, chosen[req.follows], choice) if req.follows else choice
+
+
 def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None,
                       configs_dir: str | Path = CONFIGS_DIR,
                       package: str = RECIPES_PACKAGE) -> dict[str, dict[str, int]]:
     """Planned per-rank model-state bytes of every role at the placements `cfg` asks for, for the
     planned-vs-measured check next to `registry.memory_report()` (keys as in the memory report)."""
     out: dict[str, dict[str, int]] = {}
-    for item in recipe_plans(recipe, cfg, assume, configs_dir, package):
-        chosen = {r.name: r.current for r in item.roles}
-        for req in item.roles:
-            choice = chosen[req.name]
-            if req.follows:  # derived from the leader exactly as the chooser does
-                choice = P.follower_choice(req, chosen[req.follows], choice)
-            o = P.cost_role(req, choice, world_size)
-            out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
-                             "params_persistent": req.persistent if o.choice.stage == 3 else 0,
-                             "param_bytes": o.states.params, "grad_bytes": o.states.grads,
-                             "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
+    for req, choice in _configured(recipe_plans(recipe, cfg, assume, configs_dir, package)):
+        o = P.cost_role(req, choice, world_size)
+        out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
+                         "params_persistent": req.persistent if o.choice.stage == 3 else 0,
+                         "param_bytes": o.states.params, "grad_bytes": o.states.grads,
+                         "optimizer_bytes": o.states.optimizer, "host_bytes": o.states.host}
     return out
 
 
@@ -302,37 +307,32 @@ def planned_vs_measured(recipe: str, cfg: Any, per_rank: Sequence[Mapping[str, A
         for row in rank.get("roles", []):
             measured.setdefault(str(row["role"]), []).append(row)
     roles: dict[str, Any] = {}
-    for item in recipe_plans(recipe, cfg, assume, configs_dir, package):
-        chosen = {r.name: r.current for r in item.roles}
-        for req in item.roles:
-            choice = chosen[req.name]
-            if req.follows:
-                choice = P.follower_choice(req, chosen[req.follows], choice)
-            gpu = P.cost_role(req, choice, world)
-            anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
-            planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
-            planned["total"] = sum(planned.values())
-            persistent = req.persistent if gpu.choice.stage == 3 else 0
-            entry: dict[str, Any] = {
-                "stage": gpu.choice.stage, "params": req.params, "trainable_params": req.trainable_params,
-                "dtype": req.dtype, "params_persistent": persistent, "planned": planned,
-                "planned_accelerator_bytes": gpu.states.accelerator, "planned_host_bytes": gpu.states.host,
-                "measured": None, "difference_bytes": None, "relative_difference": None,
-                "tolerance_bytes": int(0.05 * planned["total"]) + P.DTYPE_BYTES[req.dtype] * persistent,
-                "within_tolerance": None,
-            }
-            rows = measured.pop(req.name, [])
-            if rows:
-                top = max(rows, key=lambda row: sum(int(row[k]) for k in STATE_KEYS))
-                got = {k: int(top[k]) for k in STATE_KEYS}
-                got["total"] = sum(got.values())
-                diff = got["total"] - planned["total"]
-                entry.update(measured=got, measured_stage=int(top["stage"]),
-                             measured_params=int(top["params_total"]),
-                             measured_params_persistent=int(top["params_persistent"]), difference_bytes=diff,
-                             relative_difference=diff / planned["total"] if planned["total"] else None,
-                             within_tolerance=abs(diff) <= entry["tolerance_bytes"])
-            roles[req.name] = entry
+    for req, choice in _configured(recipe_plans(recipe, cfg, assume, configs_dir, package)):
+        gpu = P.cost_role(req, choice, world)
+        anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
+        planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
+        planned["total"] = sum(planned.values())
+        persistent = req.persistent if gpu.choice.stage == 3 else 0
+        entry: dict[str, Any] = {
+            "stage": gpu.choice.stage, "params": req.params, "trainable_params": req.trainable_params,
+            "dtype": req.dtype, "params_persistent": persistent, "planned": planned,
+            "planned_accelerator_bytes": gpu.states.accelerator, "planned_host_bytes": gpu.states.host,
+            "measured": None, "difference_bytes": None, "relative_difference": None,
+            "tolerance_bytes": int(0.05 * planned["total"]) + P.DTYPE_BYTES[req.dtype] * persistent,
+            "within_tolerance": None,
+        }
+        rows = measured.pop(req.name, [])
+        if rows:
+            top = max(rows, key=lambda row: sum(int(row[k]) for k in STATE_KEYS))
+            got = {k: int(top[k]) for k in STATE_KEYS}
+            got["total"] = sum(got.values())
+            diff = got["total"] - planned["total"]
+            entry.update(measured=got, measured_stage=int(top["stage"]),
+                         measured_params=int(top["params_total"]),
+                         measured_params_persistent=int(top["params_persistent"]), difference_bytes=diff,
+                         relative_difference=diff / planned["total"] if planned["total"] else None,
+                         within_tolerance=abs(diff) <= entry["tolerance_bytes"])
+        roles[req.name] = entry
     for name, rows in measured.items():  # built by the run but not planned
         got = {k: int(rows[0][k]) for k in STATE_KEYS}
         roles[name] = {"planned": None, "measured": {**got, "total": sum(got.values())}}
