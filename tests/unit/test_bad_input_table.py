@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from multiengine.engines.recipe_config import (
+    CONFIGS_DIR,
     ConfigValueError,
     DuplicateKeyError,
     RecipeConfigError,
@@ -638,6 +639,21 @@ class Result:
     message: str  # as the docs show it: the error line (or exception) with the folders as {d} and {locked}
     new_files: list[str]  # what appeared under the data folder (or the locked folder)
     stderr: str
+    skipped: str = ""  # why the row could not run here
+
+
+def nobody_can_read(*paths: Path) -> bool:
+    """As root, whether `nobody` reaches these files: a clone inside `mktemp -d` (mode 0700) is closed to it, and
+    then a row acting as `nobody` cannot even read the CLI's configs."""
+    if os.geteuid() != 0:
+        return True
+    with unprivileged():
+        try:
+            for path in paths:
+                os.stat(path)
+        except PermissionError:
+            return False
+    return True
 
 
 def _paths(*roots: Path) -> set[Path]:
@@ -650,6 +666,9 @@ def run_row(row: Row, d: Path, locked: Path) -> Result:
     def shown(text: str) -> str:
         return text.replace(str(locked), "{locked}").replace(str(d), "{d}")
 
+    if "{locked}" in row.command and not nobody_can_read(*CONFIGS_DIR.glob("*/tiny.yaml")):
+        return Result(None, [], "", [], "", skipped="acting as `nobody`, the CLI must read the shipped configs, and "
+                      "this repository is under a folder only its owner may enter")
     before = _paths(d, locked.parent)
     command = row.command.replace("{d}", str(d)).replace("{locked}", str(locked))
     stderr = io.StringIO()
@@ -706,7 +725,11 @@ def _cell(text: str) -> str:
 def table(results: dict[str, Result]) -> str:
     lines = ["| Row | Area | Bad input | Command (`multiengine ...`) or Python call | Message |",
              "|---|---|---|---|---|"]
+    documented = {line.split(" | ")[0].removeprefix("| "): line for line in docs_table().splitlines()}
     for row in ROWS:
+        if results[row.id].skipped:  # not run here: the documented line stands
+            lines.append(documented.get(row.id, f"| {row.id} | (not run) |"))
+            continue
         message = results[row.id].message
         lines.append(f"| {row.id} | {row.area} | {row.what} | {_cell(row.command)} | {_cell(message)} |")
     return "\n".join(lines)
@@ -731,6 +754,8 @@ def test_the_table_spans_every_area_with_60_cases_or_more():
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_each_bad_input_is_one_error_naming_it_and_writes_nothing(results, row):
     result = results[row.id]
+    if result.skipped:
+        pytest.skip(result.skipped)
     assert len(result.errors) == 1, f"{row.command}: {result.errors}\n{result.stderr[-3000:]}"
     if row.api:
         assert result.errors[0].split(":")[0] in ("ConfigError", "DataSourceError", "ValueError",
