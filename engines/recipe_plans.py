@@ -228,26 +228,37 @@ def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | 
 
 def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
                    phases: Mapping[str, Sequence[tuple[str, int]]] | None = None,
-                   options: Mapping[str, Mapping[str, Any]] | None = None) -> RecipePlan:
+                   options: Mapping[str, Mapping[str, Any]] | None = None, *,
+                   pinned: Mapping[str, P.Choice] | None = None, followers: bool = False) -> RecipePlan:
     """The planner's roles straight from a recipe's ROLES declaration: trainable or frozen, placement keys
     roles.<name>.*, the stage a following role takes (engines/role_schema.py resolves it, nowhere else), LoRA; only
-    the models, the activation phases and ``options`` (more of a role's request: ``full_gather``, ``gather_hint``,
-    ``extra_trainable``, ``note``) are the recipe's own."""
+    the models, the activation phases and ``options`` (more of a role's request, or a different one:
+    ``full_gather``, ``gather_hint``, ``extra_trainable``, ``note``, ...) are the recipe's own.
+
+    ``pinned``: roles the recipe builds at that one placement whatever their keys say (diffusers' layout: whole
+    copies). ``followers``: a role whose stage is -1 is planned at its leader's whole placement, as the recipe
+    builds it from one set of keys. Neither has keys of its own for ``--write``."""
     from .role_schema import follow_chain
 
-    phases, options = phases or {}, options or {}
+    phases, options, pinned = phases or {}, options or {}, pinned or {}
     requests, keys = [], {}
     for role in roles:
         section = cfg.roles[role.name]
         stage = int(follow_chain(cfg, roles, role.name, "stage", -1))
         dtype = str(follow_chain(cfg, roles, role.name, "dtype", ""))
-        requests.append(_role(
-            role.name, infos[role.name], dtype, trainable=role.trainable,
-            lora=_lora(section.lora) if role.trainable else None,
-            current=_current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
-            phases=phases.get(role.name, ()),
-            choices=P.trainable_choices() if role.trainable else P.frozen_choices(), **options.get(role.name, {})))
-        keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
+        request: dict[str, Any] = {
+            "lora": _lora(section.lora) if role.trainable else None,
+            "current": _current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
+            "phases": phases.get(role.name, ()),
+            "choices": P.trainable_choices() if role.trainable else P.frozen_choices()}
+        if role.name in pinned:
+            request.update(current=pinned[role.name], choices=(pinned[role.name],))
+        elif followers and role.follows and int(section.stage) == -1:
+            request.update(follows=role.follows, follows_all=True, note=f"placed like {role.follows} (its stage is -1)")
+        else:
+            keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
+        request.update(options.get(role.name, {}))
+        requests.append(_role(role.name, infos[role.name], dtype, trainable=role.trainable, **request))
     return RecipePlan("", requests, keys)
 
 
