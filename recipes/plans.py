@@ -103,21 +103,45 @@ def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
     return D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution), str(cfg.model.tiny_family))
 
 
-def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: str, *, trained: str,
-                     trained_info: P.ModelInfo) -> tuple[list[P.RoleRequest], dict[str, RoleKeys]]:
-    """Role requests of a diffusion fine-tune: ``trained`` (the denoiser, or a ControlNet beside a frozen
-    denoiser) trainable; the denoiser (when it is not the trained role), vae and text encoders frozen."""
+SEED_BASELINE_NOTE = "seed_baseline: full copy"
+
+
+def _family_lora(cfg: Any, role: str, components: Mapping[str, P.ModelInfo]) -> Any:
+    """``cfg`` with an empty roles.<role>.lora.target_modules set to diffusers' targets of the model's family, as
+    the diffusion recipes fill it."""
+    from multiengine.pipelines.diffusion.families import family_roles
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    lora = cfg.roles[role].lora
+    if lora.r and not lora.target_modules:
+        lora.target_modules = list(family_roles(D.pipeline_family(components)).lora_targets)
+    return cfg
+
+
+def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any, trained: str | None,
+                    info: Any = None) -> list[RecipePlan]:
+    """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (``info(components)``: its ModelInfo),
+    from the recipe's ``roles``: ``trained`` (the denoiser, or a ControlNet beside a frozen denoiser) trainable;
+    the denoiser (when it is not the trained role), vae and text encoders frozen, all of them whole at stage 0 in
+    seed_baseline mode; an EMA of the trained role where ``ema.enabled``."""
+    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
+                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
+    denoiser = "unet" if "unet" in components or trained else "transformer"
+    if denoiser not in components or "vae" not in components:
+        what = "a unet or a transformer beside a vae" if trained is None else "a ControlNet for a unet"
+        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
+    trained = trained or denoiser
+    cfg = _family_lora(cfg, trained, components)
     r, t = cfg.roles, cfg.roles[trained]
     baseline = cfg.mode == "seed_baseline"
     res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
     vae, net = components["vae"], components[denoiser]
     scale = D.vae_scale(vae)
     lora = _lora(t.lora)
-    if lora and not lora[1]:
-        from multiengine.pipelines.diffusion.families import family_roles
-
-        lora = (lora[0], family_roles(D.pipeline_family(components)).lora_targets)
     encoders = D.encoder_names(components)
+    infos = {trained: info(components) if info else net, denoiser: net, "vae": vae,
+             **{n: components[n] for n in encoders}}
     # T5 tokens per caption as the recipe pads them (diffusion.max_sequence_length, else SD3 77 / FLUX 512)
     t5_len = int(cfg.diffusion.get("max_sequence_length") or 0) or (512 if "axes_dims_rope" in net.config else 77)
     tokens = {n: t5_len if D.is_t5(components[n]) else int(components[n].config.get("max_position_embeddings", 77))
@@ -134,99 +158,57 @@ def _diffusion_roles(cfg: Any, components: Mapping[str, P.ModelInfo], denoiser: 
         val = act(batch=2 * prompts, trainable=False, checkpointing=False) if prompts else 0
         return [("train step", train)] + ([("validation", val)] if val else [])
 
-    fixed0 = (P.Choice(0),)
-    whole = "seed_baseline: full copy"
-
-    def frozen(name: str, info: P.ModelInfo, dtype: str, phases: list[tuple[str, int]], note: str = "",
-               **extra: Any) -> None:
-        """A frozen role: at stage 0 with a full copy in seed_baseline mode, else where roles.<name> puts it."""
-        s = r[name]
-        roles.append(_role(name, info, dtype, trainable=False, phases=phases,
-                           current=P.Choice(0) if baseline else _current(s.stage, False, s.offload_params),
-                           choices=fixed0 if baseline else (), note=whole if baseline else note, **extra))
-
-    tdtype = str(t.dtype)
-    roles = [_role(trained, trained_info, tdtype, trainable=True, lora=lora if trained == denoiser else None,
-                   current=_current(t.stage, True, t.offload_params, t.offload_optimizer),
-                   phases=denoiser_phases(tdtype, True, bool(t.gradient_checkpointing)),
-                   note="LoRA: activations estimated as for a full fine-tune (an upper bound)" if lora else "")]
-    keys = {trained: _keys(f"roles.{trained}")}
-    frozen_keys = []  # the frozen roles whose placement the config sets (none in seed_baseline mode)
-    if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
-        ddtype = str(r[denoiser].dtype)
-        frozen(denoiser, net, ddtype, denoiser_phases(ddtype, True, False),
-               "frozen; activations kept for the trained role's backward")
-        frozen_keys.append(denoiser)
     vdtype = str(r.vae.dtype)
-    vae_phases = [("encode", D.vae_activation_bytes(vae, batch=batch, resolution=res, dtype=vdtype))]
-    if prompts:
-        vae_phases.append(("validation decode", D.vae_activation_bytes(vae, batch=prompts, resolution=res,
-                                                                       dtype=vdtype)))
-    frozen("vae", vae, vdtype, vae_phases, full_gather=("encode", "validation decode") if r.vae.gather_forward else (),
-           gather_hint="roles.vae.gather_forward=false")
-    frozen_keys.append("vae")
-    first = r.text_encoder
-    for i, name in enumerate(encoders):
-        own = r[name] if i else first
-        follow = i > 0 and int(own.stage) < 0  # stage -1: placed as roles.text_encoder
-        edtype = str(own.dtype or first.dtype)
-        phase = P.transformer_activation_bytes(P.transformer_dims(components[name].config), batch=batch,
-                                               seq=tokens[name], dtype=edtype, trainable=False, logits=False)
-        roles.append(_role(
-            name, components[name], edtype, trainable=False,
-            current=P.Choice(0) if baseline else _current((first if follow else own).stage, False,
-                                                          own.offload_params),
-            phases=[("encode", phase)], full_gather=("encode",) if own.gather_forward else (),
-            gather_hint=f"roles.{name}.gather_forward=false",
-            choices=fixed0 if baseline else (), follows=encoders[0] if follow and not baseline else None,
-            follows_all=follow, note=whole if baseline else
-            ("placed like text_encoder (its stage is -1)" if follow else "")))
-        if not follow:
-            frozen_keys.append(name)
-    if not baseline:
-        keys.update({name: _keys(f"roles.{name}", offload_optimizer=False) for name in frozen_keys})
+    phases = {trained: denoiser_phases(str(t.dtype), True, bool(t.gradient_checkpointing)),
+              "vae": [("encode", D.vae_activation_bytes(vae, batch=batch, resolution=res, dtype=vdtype))]
+              + ([("validation decode", D.vae_activation_bytes(vae, batch=prompts, resolution=res, dtype=vdtype))]
+                 if prompts else [])}
+    for n in encoders:
+        phases[n] = [("encode", P.transformer_activation_bytes(
+            P.transformer_dims(components[n].config), batch=batch, seq=tokens[n],
+            dtype=str(follow_chain(cfg, roles, n, "dtype", "")), trainable=False, logits=False))]
+    options: dict[str, dict[str, Any]] = {
+        n: {"full_gather": gathered if r[n].gather_forward else (), "gather_hint": f"roles.{n}.gather_forward=false"}
+        for n, gathered in [("vae", ("encode", "validation decode")), *((n, ("encode",)) for n in encoders)]}
+    if lora:
+        options[trained] = {"note": "LoRA: activations estimated as for a full fine-tune (an upper bound)"}
+    if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
+        phases[denoiser] = denoiser_phases(str(r[denoiser].dtype), True, False)
+        options[denoiser] = {"note": "frozen; activations kept for the trained role's backward"}
+    pinned = {n: P.Choice(0) for n in infos if n != trained} if baseline else {}
+    for n in pinned:
+        options.setdefault(n, {})["note"] = SEED_BASELINE_NOTE
+    plan = declared_roles(cfg, [role for role in roles if role.name in infos], infos, phases, options,
+                          pinned=pinned, followers=True)
     ema = cfg.get("ema") or {}
-    if ema.get("enabled"):
-        ema_info = trained_info
-        if lora:
-            for i, n in enumerate(P.lora_tensors(trained_info.tensors, *lora)):
-                ema_info = ema_info.plus(f"lora_{i}", (n,))
-        roles.append(_role(
+    if ema.get("enabled"):  # the trained role's weights (and adapters), sharded like it
+        ema_info = infos[trained]
+        for i, n in enumerate(P.lora_tensors(ema_info.tensors, *lora) if lora else ()):
+            ema_info = ema_info.plus(f"lora_{i}", (n,))
+        plan.roles.append(_role(
             "ema", ema_info, str(ema.dtype), trainable=False,
             current=_current(0 if baseline else int(t.stage), False, ema.offload_params),
-            choices=fixed0 if baseline else (), follows=None if baseline else trained,
-            note=whole if baseline else f"sharded like the {trained} (same stage)"))
+            choices=(P.Choice(0),) if baseline else (), follows=None if baseline else trained,
+            note=SEED_BASELINE_NOTE if baseline else f"sharded like the {trained} (same stage)"))
         if not baseline:
-            keys["ema"] = RoleKeys(None, "ema.offload_params")
-    return roles, keys
-
-
-def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, trained: str | None,
-                    info: Any = None) -> list[RecipePlan]:
-    """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (``info(components)``: its ModelInfo)."""
-    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
-    denoiser = "unet" if "unet" in components or trained else "transformer"
-    if denoiser not in components or "vae" not in components:
-        what = "a unet or a transformer beside a vae" if trained is None else "a ControlNet for a unet"
-        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
-    trained = trained or denoiser
-    roles, keys = _diffusion_roles(cfg, components, denoiser, trained=trained,
-                                   trained_info=info(components) if info else components[denoiser])
-    res, t = int(cfg.data.resolution), cfg.roles[trained]
-    scale = D.vae_scale(components["vae"])
-    notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
-             f"{int(t.micro_batch_size)}" + (", gradient checkpointing" if t.gradient_checkpointing else "")]
-    return [RecipePlan(title, roles, keys, notes)]
+            plan.keys["ema"] = RoleKeys(None, "ema.offload_params")
+    plan.title = title
+    plan.notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
+                  f"{batch}" + (", gradient checkpointing" if t.gradient_checkpointing else "")]
+    return [plan]
 
 
 def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
                 configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    return _diffusion_plan(cfg, assume, "sd_finetune", None)
+    from .sd_finetune import ROLES
+
+    return _diffusion_plan(cfg, assume, "sd_finetune", ROLES, None)
 
 
 def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from .controlnet import ROLES
+
     given = str(cfg.roles.controlnet.model)
 
     def info(components: Mapping[str, P.ModelInfo]) -> P.ModelInfo:
@@ -234,7 +216,7 @@ def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
             return P.model_info(given, str(cfg.model.variant) or None)
         return D.meta_controlnet(components["unet"], D.vae_scale(components["vae"]))
 
-    return _diffusion_plan(cfg, assume, "controlnet", "controlnet", info)
+    return _diffusion_plan(cfg, assume, "controlnet", ROLES, "controlnet", info)
 
 
 def _lm_model(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
