@@ -15,7 +15,6 @@ import functools
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +98,6 @@ def _meta_opt(hidden: int, layers: int, vocab: int) -> P.ModelInfo:
                        tensors=tensors, config=config.to_dict(), class_name="OPTForCausalLM")
 
 
-def _tiny_sd(cfg: Any) -> tuple[dict[str, P.ModelInfo], str]:
-    return D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution), str(cfg.model.tiny_family))
-
-
 SEED_BASELINE_NOTE = "seed_baseline: full copy"
 
 
@@ -125,8 +120,10 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
     from the recipe's ``roles``: ``trained`` (the denoiser, or a ControlNet beside a frozen denoiser) trainable;
     the denoiser (when it is not the trained role), vae and text encoders frozen, all of them whole at stage 0 in
     seed_baseline mode; an EMA of the trained role where ``ema.enabled``."""
-    components, source = resolve_pipeline(str(cfg.model.pretrained), variant=str(cfg.model.variant) or None,
-                                          tiny=lambda: _tiny_sd(cfg), assume=assume)
+    components, source = resolve_pipeline(
+        str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
+        tiny=lambda: D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution),
+                                     str(cfg.model.tiny_family)))
     denoiser = "unet" if "unet" in components or trained else "transformer"
     if denoiser not in components or "vae" not in components:
         what = "a unet or a transformer beside a vae" if trained is None else "a ControlNet for a unet"
@@ -272,25 +269,16 @@ def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
                        f"({2 * int(r.micro_batch_size)} rows)"], reward={"extra_trainable": dims.hidden})]
 
 
-@dataclass
-class _RewardRoles:
-    """The reward-model roles of a `reward` section (rlhf_ppo, rlhf_grpo), as the planner sees them."""
-
-    roles: list[P.RoleRequest]
-    keys: dict[str, RoleKeys]
-    infos: dict[str, P.ModelInfo]  # the scalar-head model of each role
-    notes: list[str]
-
-
-def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[str, str] | None,
-                  configs_dir: str | Path) -> _RewardRoles:
+def _reward_roles(cfg: Any, declared: Any, rows: int, assume: Mapping[str, str] | None,
+                  configs_dir: str | Path) -> tuple[RecipePlan, dict[str, P.ModelInfo]]:
     """Every reward-model role the recipe builds from ``reward.models`` (or the `reward` role from
     ``roles.reward.model`` when the section names no source), placed as the recipe places them: ``roles.reward``
     as its declaration resolves it (``declared``: the recipe's ROLES), then each entry's own placement keys.
 
     ``roles.reward``'s keys go to the first role that sets no placement of its own; the other such roles
     follow its placement (they share the section). A role whose entry sets its stage or offload is
-    planned at that placement only: its keys live in a list the planner does not rewrite.
+    planned at that placement only: its keys live in a list the planner does not rewrite. Returns their roles,
+    keys and notes (rlhf_ppo, rlhf_grpo: forwards of ``rows`` rollout rows) and the scalar-head model of each.
     """
     from multiengine.engines.role_schema import follow_chain
 
@@ -302,7 +290,8 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[
         entries = [{"role": "reward", "model": "", "weight": 1.0}]
     stage = int(follow_chain(cfg, declared, "reward", "stage", -1))
     dtype = str(follow_chain(cfg, declared, "reward", "dtype", ""))
-    out = _RewardRoles([], {}, {}, [])
+    seq = int(cfg.data.max_prompt_len) + int(cfg.generation.max_new_tokens)
+    out, infos = RecipePlan("", []), {}
     leader: str | None = None
     for i, e in enumerate(entries):
         info = _scalar(_lm_model(cfg, e.get("model") or r.model or "", e["role"], assume, configs_dir))
@@ -326,19 +315,19 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, seq: int, assume: Mapping[
             gather_hint=f"reward.models[{i}].gather_forward=false" if "gather_forward" in e
             else "roles.reward.gather_forward=false",
             choices=(current,) if own else (), follows=follows, follows_all=follows is not None, note=note))
-        out.infos[e["role"]] = info
+        infos[e["role"]] = info
         if not own and leader is None:
             leader = e["role"]
             out.keys[e["role"]] = _keys("roles.reward", offload_optimizer=False)
     if functions:
         out.notes.append("reward functions (no memory): " + ", ".join(f"{fn} x {w:g}" for fn, w in functions))
-    return out
+    return out, infos
 
 
-def _policy(cfg: Any, roles: Any, names: tuple[str, ...], infos: Mapping[str, P.ModelInfo], rollout: int,
-            phases: Mapping[str, Any]) -> RecipePlan:
+def _policy(title: str, note: str, cfg: Any, roles: Any, names: tuple[str, ...], infos: Mapping[str, P.ModelInfo],
+            rollout: int, phases: Mapping[str, Any], rewards: RecipePlan) -> RecipePlan:
     """rlhf_ppo, rlhf_grpo: the declared ``names`` (the actor generating ``rollout`` rows, ref and critic forwards
-    of them) before the reward models."""
+    of them), then the reward-model roles ``rewards``."""
     seq = int(cfg.data.max_prompt_len) + int(cfg.generation.max_new_tokens)
     ref = cfg.roles.ref
     options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
@@ -349,8 +338,11 @@ def _policy(cfg: Any, roles: Any, names: tuple[str, ...], infos: Mapping[str, P.
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
     ref_phases = _lm_phases(P.transformer_dims(infos["ref"].config), str(follow_chain(cfg, roles, "ref", "dtype", "")),
                             forward=(rollout, seq), label="experience forward")
-    return declared_roles(cfg, [r for r in roles if r.name in names], infos, {**phases, "ref": ref_phases},
-                          {k: v for k, v in options.items() if k in names})
+    plan = _declared(title, cfg, [r for r in roles if r.name in names], infos, {**phases, "ref": ref_phases},
+                     [note, *rewards.notes], **{k: v for k, v in options.items() if k in names})
+    plan.roles += rewards.roles
+    plan.keys.update(rewards.keys)
+    return plan
 
 
 def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -362,13 +354,13 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
     seq, rollout = prompt + new, int(p.rollout_batch_size)
     mini, critic_mini = int(r.actor.micro_batch_size), int(r.critic.micro_batch_size)
-    rewards = _reward_roles(cfg, ROLES, rollout, seq, assume, configs_dir)
+    rewards, reward_infos = _reward_roles(cfg, ROLES, rollout, assume, configs_dir)
     # the critic's folder as the recipe resolves it: roles.critic.model, else the reward model's (its
     # declaration), else the first reward model, else the actor's with a fresh head (rewards from functions only)
     if r.critic.model or (assume and "critic" in assume):
         critic_info = _scalar(_lm_model(cfg, r.critic.model, "critic", assume, configs_dir))
-    elif rewards.infos:
-        critic_info = rewards.infos.get("reward") or next(iter(rewards.infos.values()))
+    elif reward_infos:
+        critic_info = reward_infos.get("reward") or next(iter(reward_infos.values()))
     else:
         critic_info = _scalar(actor_info)
     adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
@@ -378,19 +370,16 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
               "critic": _lm_phases(cdims, str(r.critic.dtype), forward=(rollout, seq), train=(critic_mini, seq),
                                    logits=False, checkpointing=bool(r.critic.gradient_checkpointing),
                                    label="experience forward")}
-    plan = _policy(cfg, ROLES, ("actor", "critic", "ref"), {"actor": actor_info, "critic": critic_info,
-                                                             "ref": actor_info}, rollout, phases)
-    plan.roles += rewards.roles
-    plan.keys.update(rewards.keys)
+    plan = _policy("rlhf_ppo", f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; "
+                   f"updates on {mini} rows (critic {critic_mini}) per forward/backward", cfg, ROLES,
+                   ("actor", "critic", "ref"), {"actor": actor_info, "critic": critic_info, "ref": actor_info},
+                   rollout, phases, rewards)
     if cfg.ema.enabled:  # the actor's weights (and adapters) at the actor's stage
         ema_dtype = str(follow_chain(cfg, ROLES, "ema", "dtype", ""))
         plan.roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(r.actor.lora),
                                 current=_current(plan.roles[0].current.stage, False, r.ema.offload_params),
                                 follows="actor", note="built at the actor's stage"))
         plan.keys["ema"] = RoleKeys(None, "roles.ema.offload_params")
-    plan.title = "rlhf_ppo"
-    plan.notes = [f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; updates on "
-                  f"{mini} rows (critic {critic_mini}) per forward/backward", *rewards.notes]
     return [plan]
 
 
@@ -410,15 +399,11 @@ def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
                                   forward=(rows, seq), train=(mini, seq), checkpointing=bool(a.gradient_checkpointing),
                                   label="experience forward")}
     names = ("actor", "ref") if float(gr.kl_coef) > 0 else ("actor",)
-    plan = _policy(cfg, ROLES, names, {"actor": info, "ref": info}, rows_gen, phases)
-    rewards = _reward_roles(cfg, ROLES, rows_gen, seq, assume, configs_dir)
-    plan.roles += rewards.roles
-    plan.keys.update(rewards.keys)
-    plan.title = "rlhf_grpo"
-    plan.notes = [f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
-                  f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {mini} rows per "
-                  f"forward/backward", *rewards.notes]
-    return [plan]
+    note = (f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
+            f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {mini} rows per "
+            "forward/backward")
+    return [_policy("rlhf_grpo", note, cfg, ROLES, names, {"actor": info, "ref": info}, rows_gen, phases,
+                    _reward_roles(cfg, ROLES, rows_gen, assume, configs_dir)[0])]
 
 
 def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -518,21 +503,15 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
                   rollout: int, train: int, extra: Mapping[str, P.ModelInfo]) -> RecipePlan:
     """diffusion_grpo / diffusion_dpo: the roles the run builds, from the recipe's declaration; ``rollout`` rows
     per frozen forward (ref, vae, text encoders), ``train`` rows per policy train step."""
-    from multiengine.pipelines.diffusion.families import family_roles
-    from omegaconf import OmegaConf
-
     components, source = resolve_pipeline(
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
     denoiser = "unet" if "unet" in components else "transformer"
-    family = D.pipeline_family(components)
     net, vae = components[denoiser], components["vae"]
-    text = 77 + (0 if denoiser == "unet" else (512 if family == "flux" else 77))
+    text = 77 + (0 if denoiser == "unet" else (512 if D.pipeline_family(components) == "flux" else 77))
     infos = {"policy": net, "ref": net, "vae": vae, **{n: components[n] for n in D.encoder_names(components)},
              **extra}
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    if cfg.roles.policy.lora.r and not cfg.roles.policy.lora.target_modules:
-        cfg.roles.policy.lora.target_modules = list(family_roles(family).lora_targets)
+    cfg = _family_lora(cfg, "policy", components)
     pol = cfg.roles.policy
     dtype = str(pol.dtype)
 
