@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -443,3 +443,62 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
+
+
+# --- the two sides of `multiengine run --nproc-per-node N` --------------------------------------------
+def launch_job(cmd: list[str], env: dict[str, str], output_dir: str, nproc_per_node: int) -> int:
+    """Run build_launch_command's ``cmd`` for a config this process has checked for every rank; the error records
+    of an earlier run in output_dir are removed first, so only this job's are reported. Returns its exit code."""
+    error_dir = _logs_dir(output_dir)
+    for pattern in ("rank*-error.*", "launcher.*"):
+        for stale in Path(error_dir).glob(pattern):
+            stale.unlink(missing_ok=True)
+    code, stop = _launch(cmd, {**env, ENV_ERROR_DIR: error_dir, ENV_VALIDATED: "1"}, error_dir)
+    return _report_job(error_dir, code, stop, nproc_per_node)
+
+
+def run_rank(load: Callable[[bool], Any], run: Callable[[Any], str | None]) -> int:
+    """This process runs a recipe: alone, or as one rank of a launched job. ``load(checked)`` reads the config and
+    sets up logging (``checked``: also run the checks, which the launching CLI otherwise ran for every rank);
+    ``run(cfg)`` runs it and returns what rank 0 prints at the end. A failure is recorded once (for the launcher
+    when launched); a launched rank leaves without the interpreter's teardown."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if launched:
+        from .dist import watch_launcher
+
+        watch_launcher()  # from the start: imports and model builds can take minutes
+    cfg = None
+    checked = os.environ.get(ENV_VALIDATED) != "1"
+    try:
+        cfg = load(checked)
+        text = run(cfg)
+        from .dist import shutdown
+
+        shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
+    except KeyboardInterrupt:
+        if launched:
+            os._exit(128 + signal.SIGINT)
+        raise
+    except Exception as exc:
+        if cfg is None and checked and _is_user_error(exc):
+            # Launched without the CLI's checks (torchrun directly) every rank runs them and fails alike, before any
+            # model is built: rank 0 reports, once, and nothing is written (no log file for a config error).
+            code = EXIT_USAGE
+            if rank == 0:
+                _print_error(*_describe(exc), None)
+        else:
+            output_dir = None
+            with contextlib.suppress(Exception):
+                output_dir = str(cfg.output_dir) if cfg is not None else None
+            code = _record_failure(exc, output_dir, rank, world)
+        if launched and world > 1:
+            # Peers may still be inside a collective with us: skip the process group's teardown (and atexit hooks)
+            # that could wait on them, and leave now.
+            _leave(code)
+        return code
+    if rank == 0 and text:
+        sys.stdout.write(text + "\n")
+    if launched and world > 1:
+        _leave(0)
+    return 0

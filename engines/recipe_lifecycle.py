@@ -61,6 +61,7 @@ from multiengine.engines.recipe_config import (
     Length,
     OrFollow,
     Range,
+    RecipeConfigError,
     Satisfies,
     config_problem,
     split_keys,
@@ -262,6 +263,23 @@ def clear_output_dir(name: str, cfg: Any) -> list[str]:
                 folder)
     return removed
 
+
+def output_dir_policy(module: Any, recipe: str, cfg: Any, *, clear: bool, nnodes: int = 1, node_rank: int | None = None,
+                      rdzv_backend: str = "static") -> None:
+    """The policy for a recipe with an ``overwrite`` key (``module``: its module, whose ``main`` names its run):
+    :func:`check_output_dir`, or with ``clear`` and overwrite=true, :func:`clear_output_dir` on rank 0's node only
+    (several nodes may share the folder)."""
+    if "overwrite" not in cfg:
+        return
+    name = str(getattr(getattr(getattr(module, "main", None), "__self__", None), "name", None) or recipe)
+    if not clear:
+        check_output_dir(name, cfg)
+    elif cfg.overwrite and nnodes > 1 and rdzv_backend == "c10d":
+        raise RecipeConfigError("overwrite=true with --rdzv-backend c10d on several nodes: nodes are numbered as they "
+                                "join, so none can clear output_dir before the others start; clear the earlier run's "
+                                "files by hand, use a new output_dir, or the static rendezvous")
+    elif nnodes == 1 or not node_rank:
+        clear_output_dir(name, cfg)
 
 def mark_run(output_dir: str, name: str) -> None:
     """Record in output_dir which recipe runs there (run.json), so a later run of another recipe is refused

@@ -29,35 +29,22 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from multiengine.engines.launcher import (  # noqa: F401 - tests and recipes reach these through the CLI
+from multiengine.engines.launcher import (
     _LAUNCH,
-    ENV_ERROR_DIR,
-    ENV_VALIDATED,
     EXIT_FAILURE,
-    EXIT_NONFINITE,
     EXIT_USAGE,
     RDZV_BACKENDS,
-    STOP_GRACE_S,
-    _cpu_count,
-    _describe,
-    _free_port,
     _is_config_error,
-    _is_user_error,
-    _launch,
     _launch_env,
     _launch_main,
-    _leave,
-    _logs_dir,
-    _print_error,
-    _record_failure,
-    _report_job,
     build_launch_command,
+    launch_job,
+    run_rank,
 )
 from multiengine.engines.recipe_config import (
     CONFIGS_DIR,
@@ -170,27 +157,11 @@ def _print_run_help(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _output_dir_policy(args: argparse.Namespace, cfg: Any, clear: bool) -> None:
-    """A recipe with an ``overwrite`` key runs only into a folder that holds no other recipe's run and no finished
-    run of its own (lifecycle.check_output_dir); ``clear``: with overwrite=true, this process clears the earlier
-    run's files, on rank 0's node only (several nodes may share the folder)."""
-    if "overwrite" not in cfg:
-        return
-    from multiengine.engines.recipe_lifecycle import check_output_dir, clear_output_dir
+    from multiengine.engines.recipe_lifecycle import output_dir_policy
 
-    module = load_recipe(args.recipe, args.recipes_package, args.configs_dir)
-    name = str(getattr(getattr(getattr(module, "main", None), "__self__", None), "name", None) or args.recipe)
-    if not clear:
-        check_output_dir(name, cfg)
-        return
-    if not cfg.overwrite:
-        return
-    nnodes = getattr(args, "nnodes", 1)
-    if nnodes > 1 and getattr(args, "rdzv_backend", "static") == "c10d":
-        raise RecipeConfigError("overwrite=true with --rdzv-backend c10d on several nodes: nodes are numbered as they "
-                                "join, so none can clear output_dir before the others start; clear the earlier run's "
-                                "files by hand, use a new output_dir, or the static rendezvous")
-    if nnodes == 1 or not getattr(args, "node_rank", None):
-        clear_output_dir(name, cfg)
+    output_dir_policy(load_recipe(args.recipe, args.recipes_package, args.configs_dir), args.recipe, cfg, clear=clear,
+                      nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", None),
+                      rdzv_backend=getattr(args, "rdzv_backend", "static"))
 
 
 def _world_size(nproc_per_node: int | None, nnodes: int) -> int:
@@ -251,102 +222,33 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
             package=package, configs_dir=configs_dir, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
         )
         _output_dir_policy(args, cfg, clear=True)  # overwrite=true: cleared before any rank writes into it
-        error_dir = _logs_dir(str(cfg.output_dir))
-        for stale in Path(error_dir).glob("rank*-error.*"):  # records of an earlier run in this output_dir
-            stale.unlink(missing_ok=True)
-        for stale in Path(error_dir).glob("launcher.*"):
-            stale.unlink(missing_ok=True)
-        env = _launch_env(args.nproc_per_node, package)
-        env[ENV_ERROR_DIR] = error_dir
-        env[ENV_VALIDATED] = "1"
-        code, stop = _launch(cmd, env, error_dir)
-        return _report_job(error_dir, code, stop, args.nproc_per_node)
+        return launch_job(cmd, _launch_env(args.nproc_per_node, package), str(cfg.output_dir), args.nproc_per_node)
     return _run_here(args, overrides)
 
 
 def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
-    """This process runs the recipe: alone, or as one rank of a launched job."""
+    """This process runs the recipe: alone, or as one rank of a launched job (engines/launcher.run_rank)."""
     rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
-    if launched:
-        from multiengine.engines.dist import watch_launcher
 
-        watch_launcher()  # from the start: imports and model builds can take minutes
-    cfg = None
-    checked = os.environ.get(ENV_VALIDATED) != "1"  # else the launching CLI checked, for every rank
-    try:
+    def load(checked: bool) -> Any:
         cfg = _load_checked(args, overrides, hook=checked)
-        from multiengine.engines.metrics import setup_logging, to_plain
+        from multiengine.engines.metrics import setup_logging
 
         setup_logging(rank)
         if checked and rank == 0:
             _output_dir_policy(args, cfg, clear=True)
-    except Exception as exc:
-        if checked and _is_user_error(exc):
-            # Launched without the CLI's checks (torchrun directly) every rank runs them and fails alike, before any
-            # model is built: rank 0 reports, once, and nothing is written (no log file for a config error).
-            code = EXIT_USAGE
-            if rank == 0:
-                _print_error(*_describe(exc), None)
-        else:
-            code = _record_failure(exc, _output_dir(cfg), rank, world)
-        if launched and world > 1:
-            _leave(code)
-        return code
-    try:
-        result = _run_loaded(args.recipe, cfg, args.recipes_package, args.configs_dir)
-        from multiengine.engines.dist import shutdown
+        return cfg
 
-        shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
-    except Exception as exc:
-        code = _record_failure(exc, _output_dir(cfg), rank, world)
-        if launched and world > 1:
-            # Peers may still be inside a collective with us: skip the process group's teardown
-            # (and atexit hooks) that could wait on them, and leave now.
-            _leave(code)
-        return code
-    except KeyboardInterrupt:
-        if launched:
-            os._exit(128 + signal.SIGINT)
-        raise
-    if rank == 0 and result:
-        print(_closing_lines(args.recipe, cfg, to_plain(result)))
-    if launched and world > 1:
-        _leave(0)
-    return 0
+    def run(cfg: Any) -> str | None:
+        from multiengine.engines.metrics import to_plain
 
+        result = to_plain(_run_loaded(args.recipe, cfg, args.recipes_package, args.configs_dir))
+        # the lifecycle's closing summary; a recipe of your own outside it: what its main(cfg) returned
+        if not result:
+            return None
+        return result["report"] if isinstance(result.get("report"), str) else json.dumps(result, indent=2)
 
-def _closing_lines(recipe: str, cfg: Any, result: dict[str, Any]) -> str:
-    """What a finished run tells the person who started it: the recipe's own closing summary (lifecycle
-    recipes), else its before -> after figures, exports and summary.json, read from what main(cfg) returned."""
-    if isinstance(result.get("report"), str):
-        return result["report"]
-    out = str(cfg.output_dir)
-    lines = [f"{recipe}: finished"]
-    figures = result.get("figures") if isinstance(result.get("figures"), dict) else {}
-    for key, before in figures.items():
-        if key.endswith("_before") and isinstance(before, (int, float)):
-            after = figures.get(key[: -len("_before")] + "_after")
-            if isinstance(after, (int, float)):
-                lines.append(f"  {key[: -len('_before')]}: {before:.4g} -> {after:.4g} (before -> after)")
-    exports = {role: value.get("model") if isinstance(value, dict) else value
-               for role, value in (result.get("export") or {}).items() if value}
-    for role, path in exports.items():
-        lines.append(f"  export ({role}): {path}")
-    summary = os.path.join(out, "summary.json")
-    if os.path.isfile(summary):
-        lines.append(f"  summary: {summary}")
-    if len(lines) == 1:  # a recipe outside the lifecycle that returned something else: as it is
-        return json.dumps(result, indent=2, sort_keys=True)
-    return "\n".join(lines)
-
-
-def _output_dir(cfg: Any) -> str | None:
-    try:
-        return str(cfg.output_dir) if cfg is not None else None
-    except Exception:
-        return None
+    return run_rank(load, run)
 
 
 # --- plan --------------------------------------------------------------------------------

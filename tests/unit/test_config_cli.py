@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from multiengine.engines import launcher
 from multiengine.engines.recipe_config import (
     ConfigKeyError,
     ConfigTypeError,
@@ -379,7 +380,7 @@ def test_cli_run_launches_two_ranks(toy, tmp_path, monkeypatch):
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in records] == ["0", "1"]
     assert all(r["world"] == "2" and r["max_steps"] == 5 for r in records)
-    assert records[0]["omp"] == str(max(1, cli._cpu_count() // 2))
+    assert records[0]["omp"] == str(max(1, launcher._cpu_count() // 2))
 
 
 @pytest.mark.timeout(120)
