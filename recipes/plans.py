@@ -494,23 +494,22 @@ def gan(cfg: Any, assume: Mapping[str, str] | None = None,
 
     with torch.device("meta"):
         infos = {r.name: module_info(r.name, MLP(**recipe._shape(cfg, r.name))) for r in recipe.ROLES}
-    plan = declared_roles(cfg, recipe.ROLES, infos)
-    plan.title, plan.notes = "gan", ["two MLPs of gan.width x gan.depth; activations are negligible"]
-    return [plan]
+    return [_declared("gan", cfg, recipe.ROLES, infos, {}, ["two MLPs of gan.width x gan.depth; activations are "
+                                                          "negligible"])]
 
 
-def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None,
-                  rollout: int, train: int, extra: Mapping[str, P.ModelInfo]) -> RecipePlan:
-    """diffusion_grpo / diffusion_dpo: the roles the run builds, from the recipe's declaration; ``rollout`` rows
-    per frozen forward (ref, vae, text encoders), ``train`` rows per policy train step."""
+def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None, rows: int,
+                  note: str, extra: Mapping[str, P.ModelInfo] | None = None, ref: bool = True) -> list[RecipePlan]:
+    """diffusion_grpo / diffusion_dpo: the roles the run builds (the frozen ref where ``ref``, the models of
+    ``extra``), from the recipe's declaration; ``rows`` per forward of the policy, ref and vae."""
     components, source = resolve_pipeline(
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
     denoiser = "unet" if "unet" in components else "transformer"
     net, vae = components[denoiser], components["vae"]
     text = 77 + (0 if denoiser == "unet" else (512 if D.pipeline_family(components) == "flux" else 77))
-    infos = {"policy": net, "ref": net, "vae": vae, **{n: components[n] for n in D.encoder_names(components)},
-             **extra}
+    infos = {"policy": net, **({"ref": net} if ref else {}), "vae": vae,
+             **{n: components[n] for n in D.encoder_names(components)}, **(extra or {})}
     cfg = _family_lora(cfg, "policy", components)
     pol = cfg.roles.policy
     dtype = str(pol.dtype)
@@ -520,14 +519,12 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
                                            dtype=role_dtype, trainable=trainable,
                                            checkpointing=bool(pol.gradient_checkpointing), text_tokens=text)
 
-    vae_act = D.vae_activation_bytes(vae, batch=rollout, resolution=res, dtype=str(cfg.roles.vae.dtype))
-    phases = {"policy": [("rollout", act(rollout, False, dtype)), ("train step", act(train, True, dtype))],
-              "ref": [("forward", act(rollout, False, str(cfg.roles.ref.dtype or dtype)))],
+    vae_act = D.vae_activation_bytes(vae, batch=rows, resolution=res, dtype=str(cfg.roles.vae.dtype))
+    phases = {"policy": [("rollout", act(rows, False, dtype)), ("train step", act(rows, True, dtype))],
+              "ref": [("forward", act(rows, False, str(follow_chain(cfg, recipe.ROLES, "ref", "dtype", ""))))],
               "vae": [("decode / encode", vae_act)]}
-    plan = declared_roles(cfg, [r for r in recipe.ROLES if r.name in infos], infos, phases)
-    plan.title = title
-    plan.notes = [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}"]
-    return plan
+    return [_declared(title, cfg, [r for r in recipe.ROLES if r.name in infos], infos, phases,
+                      [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}", note])]
 
 
 def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -544,14 +541,10 @@ def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
     micro = int(cfg.roles.policy.micro_batch_size)
     flux = "flux" in str(cfg.model.pretrained).lower() or (not cfg.model.pretrained and cfg.model.tiny_family == "flux")
     cfg_branch = 2 if float(d.guidance_scale) > 1 and not flux else 1  # FLUX takes guidance as an input
-    plan = _diffusion_rl(cfg, recipe, "diffusion_grpo", int(d.resolution), assume, micro * cfg_branch,
-                         micro * cfg_branch, extra)
-    if not float(d.kl_coef):
-        plan.roles = [r for r in plan.roles if r.name != "ref"]
-        plan.keys.pop("ref", None)
-    plan.notes.append(f"{int(d.num_inference_steps)} sampling steps, group {int(d.group_size)}"
-                      + (", CFG doubles each denoiser batch" if cfg_branch == 2 else ""))
-    return [plan]
+    return _diffusion_rl(cfg, recipe, "diffusion_grpo", int(d.resolution), assume, micro * cfg_branch,
+                         f"{int(d.num_inference_steps)} sampling steps, group {int(d.group_size)}"
+                         + (", CFG doubles each denoiser batch" if cfg_branch == 2 else ""), extra,
+                         ref=bool(float(d.kl_coef)))
 
 
 def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -559,6 +552,5 @@ def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
     from multiengine.recipes import diffusion_dpo as recipe
 
     pairs = 2 * int(cfg.roles.policy.micro_batch_size)  # chosen and rejected images
-    plan = _diffusion_rl(cfg, recipe, "diffusion_dpo", int(cfg.data.resolution), assume, pairs, pairs, {})
-    plan.notes.append(f"{pairs // 2} preference pairs per rank: {pairs} images per forward")
-    return [plan]
+    return _diffusion_rl(cfg, recipe, "diffusion_dpo", int(cfg.data.resolution), assume, pairs,
+                         f"{pairs // 2} preference pairs per rank: {pairs} images per forward")
