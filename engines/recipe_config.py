@@ -51,7 +51,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 RECIPES_PACKAGE = "multiengine.recipes"
@@ -555,6 +555,19 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     out = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
+
+
+def plain(value: Any) -> Any:
+    """A config node as plain, resolved Python values (a leaf as it is)."""
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested section (config node or dict) as ``{dotted key: leaf}``."""
+    out: dict[str, Any] = {}
+    for k, v in plain(tree).items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
 
 
 # --- value checks: a recipe's CHECKS and its validate(cfg) hook -------------------------------------

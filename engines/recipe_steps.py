@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from multiengine.engines.metrics import write_summary
+from multiengine.engines.recipe_config import flatten
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +85,6 @@ def step_fingerprint(recipe: str, resolved: dict[str, Any], out_dir: str) -> dic
             "inputs": inputs}
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
-
-
 def reuse_reason(out_dir: str, fingerprint: dict[str, Any], rerun: bool) -> tuple[bool, str]:
     """``(reuse, why)`` for a step whose fingerprint would be ``fingerprint``."""
     if rerun:
@@ -106,7 +98,7 @@ def reuse_reason(out_dir: str, fingerprint: dict[str, Any], rerun: bool) -> tupl
         old = json.load(f)
     changes = []
     if old.get("config_sha256") != fingerprint["config_sha256"]:
-        before, after = _flatten(old.get("config", {})), _flatten(fingerprint["config"])
+        before, after = flatten(old.get("config", {})), flatten(fingerprint["config"])
         keys = sorted(k for k in set(before) | set(after) if before.get(k, "<unset>") != after.get(k, "<unset>"))
         shown = ", ".join(f"{k} ({before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r})" for k in keys[:4])
         changes.append(f"config changed: {shown}{' ...' if len(keys) > 4 else ''}")

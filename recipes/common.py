@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
-from multiengine.engines.recipe_config import Key
+from multiengine.engines.recipe_config import Key, plain
 from multiengine.engines.role_schema import shared_checks
 from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
 from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
@@ -303,22 +303,14 @@ def check_model_path(key: str, given: str, recipe: str) -> str:
 
 
 # --- reading the data and reward sections ---------------------------------------------------------------------
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
 def data_spec(section: Any) -> dict[str, Any]:
     """The loading arguments of a ``data`` section: ``source`` (``data.sources`` when set, else
     ``data.source``), ``columns`` (the fields that are mapped), ``train_split``, ``eval_source``, ``eval_split``
     (parsed)."""
     from multiengine.pipelines.sources import parse_eval_split
 
-    sources = _plain(section.get("sources")) or []
-    columns = {k: v for k, v in (_plain(section.get("columns")) or {}).items() if v}
+    sources = plain(section.get("sources")) or []
+    columns = {k: v for k, v in (plain(section.get("columns")) or {}).items() if v}
     return {"source": sources or section.get("source") or "", "columns": columns,
             "train_split": section.get("train_split") or "train",
             "eval_source": section.get("eval_source") or "",
@@ -332,10 +324,10 @@ def data_overrides(section: Any, source: str | None = None) -> list[str]:
     import json
 
     out = [f"data.source={source if source is not None else section.get('source') or ''}"]
-    sources = _plain(section.get("sources")) or []
+    sources = plain(section.get("sources")) or []
     if sources:
         out.append(f"data.sources={json.dumps(sources)}")
-    for field, column in (_plain(section.get("columns")) or {}).items():
+    for field, column in (plain(section.get("columns")) or {}).items():
         if column:
             out.append(f"data.columns.{field}={column}")
     for key in ("train_split", "eval_source", "eval_split"):
@@ -346,13 +338,13 @@ def data_overrides(section: Any, source: str | None = None) -> list[str]:
 
 def uses_builtin_data(section: Any) -> bool:
     """Neither ``data.source`` nor ``data.sources`` is set: the built-in task's data."""
-    return not (section.get("source") or _plain(section.get("sources")))
+    return not (section.get("source") or plain(section.get("sources")))
 
 
 def reward_entries(section: Any, key: str = "reward", default_model: str = ""
                    ) -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
     """The checked ``models`` and ``functions`` entries of a reward section (``reward_sources.reward_entries``)."""
-    return _reward_entries(_plain(section.get("models")) or [], _plain(section.get("functions")) or [], key,
+    return _reward_entries(plain(section.get("models")) or [], plain(section.get("functions")) or [], key,
                            default_model)
 
 

@@ -7,7 +7,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, Satisfies, config_problem
+from multiengine.engines.recipe_config import (
+    Choice,
+    Each,
+    Key,
+    Length,
+    Range,
+    Satisfies,
+    config_problem,
+    flatten,
+    plain,
+)
 from multiengine.engines.role_schema import Role
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
 from multiengine.pipelines.diffusion.flow import SCHEMES
@@ -153,20 +163,6 @@ def renamed(trained: str, hint: str = "") -> dict[str, str]:
     return out
 
 
-def plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested section as {dotted key: value}."""
-    out: dict[str, Any] = {}
-    for k, v in plain(tree).items():
-        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
 def check_family_options(cfg: Any, family: str, role_defaults: Mapping[str, Any], where: str = "") -> None:
     """The settings of what this family does not have are an error, never silently ignored: the other
     denoiser's role keys (set to other than ``role_defaults``, the recipe's defaults of the roles section), and the
@@ -174,8 +170,8 @@ def check_family_options(cfg: Any, family: str, role_defaults: Mapping[str, Any]
     suffix = f" ({where})" if where else ""
     denoiser = family_roles(family).denoiser
     other = "transformer" if denoiser == "unet" else "unet"
-    defaults = flat(role_defaults[other])
-    for key, value in flat(cfg.roles[other]).items():
+    defaults = flatten(role_defaults[other])
+    for key, value in flatten(cfg.roles[other]).items():
         if value != defaults[key]:
             raise config_problem(f"roles.{other}.{key}", value, f"is set, but this {family} model has no "
                                  f"{other}{suffix}: its denoiser is roles.{denoiser}", f"set roles.{denoiser}.{key} "

@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from multiengine.engines import Placement, mean_over_ranks
-from multiengine.engines.recipe_config import Choice, Each, Key, Range, split_keys
+from multiengine.engines.recipe_config import Choice, Each, Key, Range, flatten, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, lora_spec, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import models, runs
@@ -103,7 +103,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         check_resolution(int(cfg.data.resolution), family, str(cfg.model.pretrained))
         denoiser = family_roles(family).denoiser
     else:  # a hub name: the family is known once downloaded; the denoiser the config sets, else the unet
-        changed = shared.flat(cfg.roles.transformer) != shared.flat(DEFAULTS["roles"]["transformer"])
+        changed = flatten(cfg.roles.transformer) != flatten(DEFAULTS["roles"]["transformer"])
         denoiser = "transformer" if changed else "unet"
     shared.check_data(cfg, world_size, denoiser)
 
