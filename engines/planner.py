@@ -799,6 +799,32 @@ class Budget:
         return self.gpus_per_node or self.world_size
 
 
+def budget_for(gpus: int, gpu_mem: str, nodes: int = 1, cpu_mem: str | None = None,
+               margin: float | None = None) -> Budget:
+    """The Budget of ``gpus`` GPUs of ``gpu_mem`` each (e.g. "80GiB") spread evenly over ``nodes``, ``cpu_mem`` of
+    host memory per node (None: not checked); PlanError naming the command-line flag when one is impossible."""
+    if gpus < 1:
+        raise PlanError(f"--gpus {gpus}: plan for at least 1 GPU")
+    if nodes < 1 or gpus % nodes:
+        raise PlanError(f"--gpus {gpus} is not a multiple of --nodes {nodes}; give the total number of GPUs, spread "
+                        "evenly over the nodes")
+    if margin is not None and not 0 <= margin < 1:
+        raise PlanError(f"--margin {margin}: give a fraction in [0, 1), e.g. 0.1")
+    return Budget(world_size=gpus, gpus_per_node=gpus // nodes, gpu_bytes=parse_bytes(gpu_mem, "--gpu-mem"),
+                  host_bytes=parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem else None,
+                  margin=FRAGMENTATION_MARGIN if margin is None else margin)
+
+
+def parse_assume(items: Sequence[str]) -> dict[str, str]:
+    """``--assume ROLE=MODEL`` options as {role: model}."""
+    out = {}
+    for item in items:
+        role, sep, model = item.partition("=")
+        if not sep or not role or not model:
+            raise PlanError(f"--assume {item!r}: expected ROLE=MODEL, e.g. --assume actor=facebook/opt-1.3b")
+        out[role] = model
+    return out
+
 @dataclass
 class RolePlan:
     request: RoleRequest

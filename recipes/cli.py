@@ -283,25 +283,9 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from multiengine.engines import recipe_plans as plans
 
     cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
-    if args.gpus < 1:
-        raise RecipeConfigError(f"--gpus {args.gpus}: plan for at least 1 GPU")
-    if args.nodes < 1 or args.gpus % args.nodes:
-        raise RecipeConfigError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the total "
-                                "number of GPUs, spread evenly over the nodes")
-    if args.margin is not None and not 0 <= args.margin < 1:
-        raise RecipeConfigError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.1")
-    assume = {}
-    for item in args.assume:
-        role, sep, model = item.partition("=")
-        if not sep or not role or not model:
-            raise RecipeConfigError(f"--assume {item!r}: expected ROLE=MODEL, e.g. --assume actor=facebook/opt-1.3b")
-        assume[role] = model
     try:
-        budget = planner.Budget(
-            world_size=args.gpus, gpus_per_node=args.gpus // args.nodes,
-            gpu_bytes=planner.parse_bytes(args.gpu_mem, "--gpu-mem"),
-            host_bytes=planner.parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
-            margin=planner.FRAGMENTATION_MARGIN if args.margin is None else args.margin)
+        budget = planner.budget_for(args.gpus, args.gpu_mem, args.nodes, args.cpu_mem, args.margin)
+        assume = planner.parse_assume(args.assume)
         # Libraries building the tiny models print to stdout (DeepSpeed's logger): keep --json clean.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir, args.recipes_package)
