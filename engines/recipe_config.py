@@ -15,7 +15,10 @@ not checked (for pass-through settings such as extra DeepSpeed config).
 
 Checks: one mechanism, two hooks, both run before any rank starts. Optionally, a recipe module defines
 * `CHECKS: dict` - dotted key (a `*` part matches any key of a section) -> Range / Choice /
-  Length / PathExists / Each / Satisfies / OrFollow (or a list of them): each value on its own.
+  Length / PathExists / Each / Satisfies / OrFollow (or a list of them): each value on its own. A recipe
+  that writes its keys as `Key(default, "meaning", check)` leaves (KEYS, below) gets each Key's check and
+  the check of every key whose name the recipes share (engines/role_schema.py); its CHECKS then holds
+  only what a Key cannot say (patterns such as `roles.*.model`), and wins.
   Applied by load_config to the resolved values, so every value error names the key, the value,
   where it was set and the fix. A recipe on the shared lifecycle (engines/recipe_lifecycle.py) also gets
   its COMMON_CHECKS (max_steps, backend, checkpoint, resume_from, dist_timeout_s, nonfinite, role
@@ -28,8 +31,8 @@ Checks: one mechanism, two hooks, both run before any rank starts. Optionally, a
   (`--nproc-per-node` x `--nnodes`), for checks of the batch arithmetic (rows per rank).
   Lifecycle recipes get the common cross-field checks first (lifecycle.validate_common);
 * `HELP: dict` - dotted key -> one-line meaning, what `multiengine run <recipe> --help` shows. Recipes
-  write their keys as `Key(default, "meaning")` leaves and take both from one definition:
-  `DEFAULTS, HELP = split_keys({...})`.
+  write their keys as `Key(default, "meaning")` leaves in `KEYS` and take both from one definition:
+  `DEFAULTS, HELP = split_keys(KEYS)`.
 
 There is no third hook: a module-level `check_config` (the name an earlier version ran inside
 load_config) is refused, so a check written for it cannot be skipped silently.
@@ -879,8 +882,14 @@ def _lifecycle(module: ModuleType) -> ModuleType | None:
 
 
 def recipe_checks(module: ModuleType) -> dict[str, list[Check]]:
-    """The module's CHECKS, normalised to lists and checked against its DEFAULTS (a bad CHECKS is a bug)."""
+    """The module's checks, normalised to lists and checked against its DEFAULTS (a bad CHECKS is a bug): for a
+    module with KEYS, the check of each key by its name and the check its Key carries (role_schema.shared_checks),
+    then its CHECKS, which win."""
     raw = getattr(module, "CHECKS", None)
+    if isinstance(getattr(module, "KEYS", None), dict):
+        from .role_schema import shared_checks
+
+        raw = shared_checks(module.KEYS, raw)
     if raw is None:
         return {}
     return _normalise_checks(raw, f"recipe module {module.__name__}", module.DEFAULTS, strict=True)
@@ -1018,11 +1027,13 @@ def checked_config(
 
 # --- typed key definitions: a default and its one-line meaning -------------------------------------
 class Key(NamedTuple):
-    """One config key: its default value (which also gives its type) and one line of help for ``--help``.
-    A Key whose default is a dict is a section with a meaning of its own."""
+    """One config key: its default value (which also gives its type), one line of help for ``--help`` and the
+    check of its value, if it needs one beyond the check its name gets (engines/role_schema.py). A Key whose
+    default is a dict is a section with a meaning of its own."""
 
     default: Any
     help: str
+    check: Any = None  # a Check (Range, Choice, ...) or a list of them
 
 
 def split_keys(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, str]]:
@@ -1041,6 +1052,20 @@ def split_keys(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], 
         else:
             defaults[name] = copy.deepcopy(value)
     return defaults, meanings
+
+
+def declared_checks(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> check of every :class:`Key` of ``tree`` that carries one."""
+    out: dict[str, Any] = {}
+    for name, value in tree.items():
+        path = prefix + str(name)
+        if isinstance(value, Key):
+            if value.check is not None:
+                out[path] = value.check
+            value = value.default
+        if isinstance(value, dict):
+            out.update(declared_checks(value, path + "."))
+    return out
 
 
 def key_meanings(module: ModuleType) -> dict[str, str]:

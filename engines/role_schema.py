@@ -22,7 +22,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiengine.engines.recipe_config import Choice, Key, Length, Range, Satisfies, config_problem
+from multiengine.engines.recipe_config import (
+    Choice,
+    Each,
+    Key,
+    Length,
+    Range,
+    Satisfies,
+    config_problem,
+    declared_checks,
+    split_keys,
+)
 
 __all__ = ["LORA_TARGETS", "ROLE_KEYS", "TRAINABLE_KEYS", "Role", "follow_chain", "lora_spec", "model_path",
            "old_keys", "optim_spec", "placement", "role_keys", "roles_of", "shared_checks", "tokenizer_path",
@@ -261,11 +271,21 @@ def _by_name(name: str, default: Any) -> Any:
         "every": Range(0), "size": Range(0), "batch_size": Range(1), "micro_batch_size": Range(1),
         "grad_accum": Range(1), "lr": positive, "weight_decay": Range(0), "warmup_steps": Range(0),
         "max_grad_norm": Range(0), "alpha": Range(0), "dropout": Range(0, 1, max_exclusive=True),
-        "target_modules": Length(1), "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
+        "target_modules": Length(1) if default else Each(Length(1)),  # [] = the family's targets (diffusion)
+        "max_new_tokens": Range(1), "temperature": positive, "top_k": Range(0),
         "top_p": Range(0, 1, min_exclusive=True), "max_prompt_len": Range(1), "max_response_len": Range(1),
         "max_ptx_len": Range(1), "heldout_size": Range(0), "hidden": Range(8), "layers": Range(1), "r": Range(0),
         "student_hidden": Range(8), "student_layers": Range(1), "decay": Range(0, 1),
         "backend": Choice("auto", "deepspeed", "torch"), "mode": Choice("gather", "per_token"),
+        # the algorithm sections' shared names (ppo, grpo, dpo, diffusion, ...)
+        "epochs": Range(1), "rollout_batch_size": Range(1), "clip_eps": positive, "dual_clip": Range(0),
+        "kl_coef": Range(0), "gamma": Range(0, 1), "clip_reward": Range(0), "no_eos_penalty": Range(0),
+        # the diffusion recipes' shared names
+        "resolution": Range(8), "builtin_size": Range(2), "num_inference_steps": Range(1), "timesteps": Range(1),
+        "max_sequence_length": Range(0), "adam_epsilon": positive, "max_train_samples": Range(0),
+        "num_workers": Range(0), "tiny_vae_steps": Range(0), "tiny_unet_steps": Range(0),
+        "guidance_scale": Range(0, allow_none=default is None),
+        "sources": Satisfies(lambda v: isinstance(v, (list, tuple)), "a list of {path, weight, columns, split}"),
     }
     if name in simple:
         return simple[name]
@@ -282,10 +302,10 @@ def _by_name(name: str, default: Any) -> Any:
     return None
 
 
-def shared_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A recipe's CHECKS: a range or choice for every key of ``defaults`` whose name the recipes share (see
-    :func:`_by_name`; ``data.columns`` is a user's mapping, not checked), and ``extra`` (the recipe's own keys),
-    which wins."""
+def shared_checks(keys: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A recipe's CHECKS from its KEYS: the check by name of every key whose name the recipes share (see
+    :func:`_by_name`; ``data.columns`` is a user's mapping, not checked), each Key's own check, which wins, and
+    ``extra`` (patterns, or checks that need more than one key's declaration), which wins over both."""
     out: dict[str, Any] = {}
 
     def walk(tree: dict[str, Any], prefix: str) -> None:
@@ -299,6 +319,7 @@ def shared_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None)
             if check is not None:
                 out[key] = check
 
-    walk(defaults, "")
+    walk(split_keys(keys)[0], "")
+    out.update(declared_checks(keys))
     out.update(extra or {})
     return out

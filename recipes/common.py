@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
-from multiengine.engines.recipe_config import Key, plain
-from multiengine.engines.role_schema import shared_checks
+from multiengine.engines.recipe_config import Key, Satisfies, plain
 from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
 from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
 from multiengine.pipelines.rlhf.reward_sources import reward_entries as _reward_entries
@@ -29,6 +28,16 @@ TINY_KEYS = Key({"hidden": Key(64, "width of the random tiny model (roles whose 
                  "layers": Key(2, "layers of the random tiny model")},
                 "the random tiny OPT built under output_dir/tiny for roles whose model is \"\" (mechanics only)")
 TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
+def _eval_split_ok(value: Any) -> bool:
+    from multiengine.pipelines.sources import DataSourceError, parse_eval_split
+
+    try:
+        parse_eval_split(value)
+    except DataSourceError:
+        return False
+    return True
+
+
 # Every RLHF recipe's `data` section starts with these keys (docs/data.md); the recipe adds its lengths.
 DATA_COLUMNS: dict[str, str] = {
     "prompt": Key("", "your column holding the prompt (\"\" = a column named prompt)"),
@@ -47,7 +56,8 @@ DATA_KEYS: dict[str, Any] = {
     "train_split": Key("train", "the split of a hub dataset / DatasetDict folder to train on"),
     "eval_source": Key("", "separate evaluation rows (the forms of data.source); never a training source"),
     "eval_split": Key("auto", "auto (the eval/test split, else 5% of rows held out) | none | 0.05 | 200 | a split "
-                              "name"),
+                              "name", Satisfies(_eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or "
+                                                                "a split name")),
 }
 PROMPT_LEN = Key(16, "prompt tokens kept (a longer prompt loses its beginning)")  # data.max_prompt_len
 # reward sources named in a config (rlhf_ppo, rlhf_grpo; the entries' forms: pipelines/rlhf/reward_sources.py)
@@ -106,30 +116,6 @@ def lora_renamed(role: str) -> dict[str, str]:
     """RENAMED entries of the old ``lora.<role>.*`` section (its ``enabled`` + ``rank`` are ``roles.<role>.lora.r``)."""
     return {f"lora.{role}.*": f"roles.{role}.lora.*", f"lora.{role}.rank": f"roles.{role}.lora.r",
             f"lora.{role}.enabled": f"roles.{role}.lora.r (to the adapter rank, e.g. 8; 0 = no LoRA)"}
-
-
-# --- value checks (their CHECKS) ---------------------------------------------------------------------------
-def recipe_checks(defaults: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An RLHF recipe's CHECKS: :func:`~multiengine.engines.role_schema.shared_checks` plus the data section's
-    (``eval_split``, ``sources``); ``extra`` (the recipe's own keys) wins."""
-    from multiengine.engines.recipe_config import Satisfies
-    from multiengine.pipelines.sources import DataSourceError, parse_eval_split
-
-    def eval_split_ok(value: Any) -> bool:
-        try:
-            parse_eval_split(value)
-        except DataSourceError:
-            return False
-        return True
-
-    out = shared_checks(defaults)
-    if "data" in defaults:
-        out["data.eval_split"] = Satisfies(eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or "
-                                                          "a split name")
-        out["data.sources"] = Satisfies(lambda v: isinstance(v, (list, tuple)), "a list of {path, weight, columns, "
-                                                                                "split}")
-    out.update(extra or {})
-    return out
 
 
 # --- the checks of validate(cfg), before any rank starts -------------------------------------------------------

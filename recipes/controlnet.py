@@ -32,12 +32,11 @@ from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.controlnet import CONTROLNET_PIPELINES, controlnet_factory
 from multiengine.pipelines.diffusion.export import export_run
 from multiengine.pipelines.diffusion.inputs import check_config_folder, check_resolution, model_folder_family
-from multiengine.pipelines.diffusion.models import SEED_BASELINE, load_component
+from multiengine.pipelines.diffusion.models import MODES, SEED_BASELINE, load_component
 from multiengine.pipelines.diffusion.runs import conditioning_rows
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.sd_finetune import SDFinetune
 
 ROLES = (
@@ -53,8 +52,10 @@ KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/controlnet", "everything the run writes goes under this folder"),
     "max_steps": Key(200, "optimizer steps"),
-    "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (frozen unet, vae, text encoders whole)"),
-    "model": Key({**shared.MODEL_KEYS, "tiny_family": Key("sd", "tiny model only: sd | sdxl")},
+    "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (frozen unet, vae, text encoders whole)",
+                Choice(*MODES)),
+    "model": Key({**shared.MODEL_KEYS, "tiny_family": Key("sd", "tiny model only: sd | sdxl",
+                                                           Choice(*CONTROLNET_PIPELINES))},
                  "the base SD or SDXL pipeline folder"),
     "roles": role_keys(ROLES),
     "diffusion": Key({"adam_epsilon": Key(1e-8, "AdamW epsilon of the controlnet"), **shared.DDPM_KEYS},
@@ -65,7 +66,8 @@ KEYS: dict[str, Any] = {
                         "caption": Key("", "your caption column (\"\" = data.caption_column)"),
                         "conditioning_image": Key("", "your conditioning image column (\"\" = conditioning_image)")},
                        "your column names per field"),
-        "conditioning_kind": Key("edge", "built-in shapes data: edge (outline) or mask (filled shape) images"),
+        "conditioning_kind": Key("edge", "built-in shapes data: edge (outline) or mask (filled shape) images",
+                                 Choice(*data_lib.CONDITIONING_KINDS)),
     }, "image-caption rows with a conditioning image each (docs/data.md)"),
     "controlnet": Key({
         "conditioning_scale": Key(1.0, "multiplies the controlnet's residuals (1 in diffusers' training)"),
@@ -76,16 +78,11 @@ KEYS: dict[str, Any] = {
     "export": Key({
         "enabled": Key(True, "export/controlnet and export/pipeline"),
         "dtype": Key("fp32", "dtype of every exported component (copied ones are cast too)"),
-        "roles": Key([], "further per-role folders, e.g. [unet] ([] = none)"),
+        "roles": Key([], "further per-role folders, e.g. [unet] ([] = none)", Each(Choice(*(r.name for r in ROLES)))),
     }, "outputs under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
-    **shared.diffusion_checks(("controlnet",), tuple(CONTROLNET_PIPELINES)),
-    "roles.controlnet.lora.r": Satisfies(lambda v: v == 0, "0: the controlnet trains in full (no LoRA)"),
-    "data.conditioning_kind": Choice(*data_lib.CONDITIONING_KINDS),
-    "export.roles": Each(Choice(*(r.name for r in ROLES))),
-})
+CHECKS = {"roles.controlnet.lora.r": Satisfies(lambda v: v == 0, "0: the controlnet trains in full (no LoRA)")}
 RENAMED = {**shared.renamed("controlnet"), "model.controlnet": "roles.controlnet.model"}
 
 

@@ -32,7 +32,6 @@ from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.diffusion_base import DiffusionRoles
 
 ROLES = shared.rl_roles(
@@ -47,7 +46,8 @@ KEYS: dict[str, Any] = {
     "model": shared.RL_MODEL_KEYS,
     "roles": role_keys(ROLES),
     "dpo": Key({
-        "beta": Key(5000.0, "Diffusion-DPO's beta (diffusers' script: 2500 for SD 1.5, 5000 for SDXL)"),
+        "beta": Key(5000.0, "Diffusion-DPO's beta (diffusers' script: 2500 for SD 1.5, 5000 for SDXL)",
+                    Range(0, min_exclusive=True)),
         "guidance_scale": Key(1.0, "FLUX only: its guidance input while training"),
         "max_sequence_length": Key(0, "SD3/FLUX: T5 tokens per prompt (0 = the family's)"),
     }, "the objective"),
@@ -66,19 +66,14 @@ KEYS: dict[str, Any] = {
     }, "preference pairs (prompt, chosen, rejected)"),
     "eval": Key({
         "every": Key(0, "also evaluate every N steps (0 = only before and after)"),
-        "size": Key(32, "held-out pairs taken from data.source when data.eval_source is \"\""),
+        "size": Key(32, "held-out pairs taken from data.source when data.eval_source is \"\"", Range(1)),
         "timesteps": Key(4, "evenly spaced timesteps per held-out pair"),
         "seed": Key(1234, "the held-out noise's seed"),
     }, "implicit reward accuracy on held-out pairs (fixed noise and timesteps)"),
     "export": shared.RL_EXPORT_KEYS,
 }
 DEFAULTS, HELP = split_keys(KEYS)
-# (recipe_checks would add the RLHF data section's checks: this data section is its own)
-CHECKS = recipe_checks({k: v for k, v in DEFAULTS.items() if k != "data"}, {
-    **shared.RL_CHECKS, "dpo.beta": Range(0, min_exclusive=True), "dpo.guidance_scale": Range(0),
-    "dpo.max_sequence_length": Range(0), "data.resolution": Range(8), "data.builtin_size": Range(2),
-    "eval.size": Range(1), "eval.timesteps": Range(1), "data.columns.*": Length(1),
-})
+CHECKS = {"data.columns.*": Length(1)}
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:

@@ -43,7 +43,6 @@ from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.diffusion_base import DiffusionRoles
 
 ROLES = shared.rl_roles(
@@ -60,22 +59,26 @@ KEYS: dict[str, Any] = {
     "diffusion": Key({
         "resolution": Key(16, "image side in pixels"),
         "num_inference_steps": Key(4, "sampler steps per image"),
-        "eta": Key(1.0, "unet families: DDIM noise (> 0; DDPO uses 1.0)"),
-        "noise_level": Key(0.7, "flow families: SDE noise level (> 0; Flow-GRPO uses 0.7)"),
+        "eta": Key(1.0, "unet families: DDIM noise (> 0; DDPO uses 1.0)", Range(0, min_exclusive=True)),
+        "noise_level": Key(0.7, "flow families: SDE noise level (> 0; Flow-GRPO uses 0.7)",
+                           Range(0, min_exclusive=True)),
         "guidance_scale": Key(1.0, "CFG scale while sampling (1 = none); FLUX: its guidance input"),
-        "group_size": Key(8, "images per prompt (advantages are relative to the group)"),
-        "advantage_std": Key("global", "group | global (the batch's std, Flow-GRPO's base config) | none (Dr. GRPO)"),
-        "clip_range": Key(1e-4, "importance-ratio clip (DDPO, Flow-GRPO)"),
-        "adv_clip_max": Key(5.0, "advantages clamped to [-x, x]"),
+        "group_size": Key(8, "images per prompt (advantages are relative to the group)", Range(2)),
+        "advantage_std": Key("global", "group | global (the batch's std, Flow-GRPO's base config) | none (Dr. GRPO)",
+                             Choice("group", "global", "none")),
+        "clip_range": Key(1e-4, "importance-ratio clip (DDPO, Flow-GRPO)", Range(0, min_exclusive=True)),
+        "adv_clip_max": Key(5.0, "advantages clamped to [-x, x]", Range(0, min_exclusive=True)),
         "kl_coef": Key(0.01, "weight of the KL to roles.ref (0 = no ref role)"),
-        "train_timestep_fraction": Key(0.5, "fraction of each trajectory's steps trained on"),
+        "train_timestep_fraction": Key(0.5, "fraction of each trajectory's steps trained on",
+                                       Range(0, 1, min_exclusive=True)),
         "train_noisiest": Key(True, "true: the noisiest steps first; false: a random subset per image (DDPO)"),
     }, "sampling and the policy objective"),
     "reward": Key({
         "functions": Key(["color", REWARD_MODEL], f"rewards summed: builtins {', '.join(BUILTIN_REWARDS)}, or "
-                                                  "module:function fn(prompts, images [N,3,H,W] in [0,1]) -> list"),
+                                                  "module:function fn(prompts, images [N,3,H,W] in [0,1]) -> list",
+                         Each(Length(1))),
         "weights": Key([0.8, 0.2], "one weight per function ([] = 1 each)"),
-        "model_steps": Key(300, "tiny reward model (roles.reward.model \"\"): its training steps"),
+        "model_steps": Key(300, "tiny reward model (roles.reward.model \"\"): its training steps", Range(1)),
     }, "what the sampled images are scored with"),
     "prompts": Key({
         "train_file": Key("", "training prompts: .txt (one per line) or .json/.jsonl (prompt field); \"\" = the "
@@ -85,8 +88,8 @@ KEYS: dict[str, Any] = {
     }, "prompts sampled for rollouts and held out for evaluation"),
     "eval": Key({
         "every": Key(0, "also evaluate every N steps (0 = only before and after)"),
-        "size": Key(3, "held-out shapes captions when prompts.eval_file is \"\""),
-        "images_per_prompt": Key(8, "images per held-out prompt (fixed noise)"),
+        "size": Key(3, "held-out shapes captions when prompts.eval_file is \"\"", Range(1)),
+        "images_per_prompt": Key(8, "images per held-out prompt (fixed noise)", Range(1)),
         "reward": Key("color", "the evaluation reward (a builtin or module:function); \"\" = the training rewards"),
         "seed": Key(1234, "the held-out noise's seed"),
         "grid": Key(True, "grids/ of the held-out images labelled with prompt and reward (before, after)"),
@@ -94,15 +97,6 @@ KEYS: dict[str, Any] = {
     "export": shared.RL_EXPORT_KEYS,
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
-    **shared.RL_CHECKS, "diffusion.resolution": Range(8), "diffusion.num_inference_steps": Range(1),
-    "diffusion.eta": Range(0, min_exclusive=True), "diffusion.noise_level": Range(0, min_exclusive=True),
-    "diffusion.guidance_scale": Range(0), "diffusion.group_size": Range(2),
-    "diffusion.advantage_std": Choice("group", "global", "none"), "diffusion.clip_range": Range(0, min_exclusive=True),
-    "diffusion.adv_clip_max": Range(0, min_exclusive=True), "diffusion.kl_coef": Range(0),
-    "diffusion.train_timestep_fraction": Range(0, 1, min_exclusive=True), "reward.functions": Each(Length(1)),
-    "reward.model_steps": Range(1), "eval.size": Range(1), "eval.images_per_prompt": Range(1),
-})
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:

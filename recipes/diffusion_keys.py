@@ -28,7 +28,6 @@ from multiengine.pipelines.diffusion.inputs import (
     model_folder_family,
 )
 from multiengine.pipelines.diffusion.math import PREDICTION_TYPES
-from multiengine.pipelines.diffusion.models import MODES
 from multiengine.recipes.common import check_rows_per_rank
 
 
@@ -71,7 +70,8 @@ SD_DATA_KEYS: dict[str, Any] = {  # image-caption rows (docs/data.md)
     "train_split": Key("train", "the split of a hub dataset or DatasetDict folder to train on"),
     "eval_source": Key("", "separate evaluation rows (same forms as data.source); wins over data.eval_split"),
     "eval_split": Key("", "held-out rows: a fraction (0.05), a count (16), a split name (test); \"\" = "
-                          "eval.heldout_size"),
+                          "eval.heldout_size",
+                      Satisfies(lambda v: isinstance(v, str), "\"\", a fraction, a count or a split name")),
     "check_images": Key(True, "before any rank starts: open every image and list the unreadable ones"),
     "resolution": Key(32, "training (and validation) size in pixels, square"),
     "center_crop": Key(True, "center crop after resizing the shorter side (false: random crop)"),
@@ -82,32 +82,28 @@ SD_DATA_KEYS: dict[str, Any] = {  # image-caption rows (docs/data.md)
     "cache_dir": Key("", "datasets cache folder (\"\" = the default)"),
 }
 DDPM_KEYS: dict[str, Any] = {
-    "prediction_type": Key("", "SD/SDXL: \"\" = the scheduler's; epsilon | v_prediction | sample"),
-    "snr_gamma": Key(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)"),
-    "noise_offset": Key(0.0, "SD/SDXL: offset-noise scale"),
-    "input_perturbation": Key(0.0, "SD/SDXL: input-perturbation scale"),
+    "prediction_type": Key("", "SD/SDXL: \"\" = the scheduler's; epsilon | v_prediction | sample",
+                           Choice("", *PREDICTION_TYPES)),
+    "snr_gamma": Key(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)", Range(0)),
+    "noise_offset": Key(0.0, "SD/SDXL: offset-noise scale", Range(0)),
+    "input_perturbation": Key(0.0, "SD/SDXL: input-perturbation scale", Range(0)),
 }
 FLOW_KEYS: dict[str, Any] = {
     "weighting_scheme": Key("", "SD3/FLUX: \"\" = the family's (SD3 logit_normal, FLUX none); or uniform, mode, "
-                                "cosmap, ..."),
+                                "cosmap, ...", Choice("", *SCHEMES)),
     "logit_mean": Key(0.0, "SD3/FLUX: logit_normal density: mean"),
-    "logit_std": Key(1.0, "SD3/FLUX: logit_normal density: standard deviation"),
-    "mode_scale": Key(1.29, "SD3/FLUX: mode density: scale"),
+    "logit_std": Key(1.0, "SD3/FLUX: logit_normal density: standard deviation", Range(0, min_exclusive=True)),
+    "mode_scale": Key(1.29, "SD3/FLUX: mode density: scale", Range(0)),
     "precondition_outputs": Key(None, "SD3/FLUX: null = the family's (SD3 true, FLUX false): x0 loss of noisy - "
-                                      "sigma * pred"),
+                                      "sigma * pred", Choice(True, False, allow_none=True)),
     "guidance_scale": Key(3.5, "FLUX with a guidance embedding: the guidance input during training"),
     "max_sequence_length": Key(0, "SD3/FLUX: T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)"),
-}
-FLOW_CHECKS: dict[str, Any] = {
-    "diffusion.weighting_scheme": Choice("", *SCHEMES), "diffusion.logit_std": Range(0, min_exclusive=True),
-    "diffusion.mode_scale": Range(0), "diffusion.precondition_outputs": Choice(True, False, allow_none=True),
-    "diffusion.guidance_scale": Range(0), "diffusion.max_sequence_length": Range(0),
 }
 VALIDATION_KEYS: dict[str, Any] = {  # images generated before, after and every N steps
     "enabled": Key(True, "validation grids before and after training (and every `every` steps when > 0)"),
     "every": Key(100, "also every N steps (0 = only before and after)"),
-    "prompts": Key([], "[] = the shapes prompts (built-in data) or captions of your held-out rows"),
-    "num_prompts": Key(4, "how many held-out captions when validation.prompts is []"),
+    "prompts": Key([], "[] = the shapes prompts (built-in data) or captions of your held-out rows", Each(Length(1))),
+    "num_prompts": Key(4, "how many held-out captions when validation.prompts is []", Range(1)),
     "num_inference_steps": Key(20, "sampler steps"),
     "guidance_scale": Key(None, "null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)"),
     "seed": Key(0, "the sampler's seed (the same images on every rank)"),
@@ -124,26 +120,11 @@ MODEL_KEYS: dict[str, Any] = {
                           "comes from; \"\" = the tiny model of model.tiny_family, built here"),
     "revision": Key("", "hub revision (\"\" = main)"),
     "variant": Key("", "weight variant passed to from_pretrained (e.g. fp16; \"\" = the default weights)"),
-    "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux"),
+    "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux", Choice(*FAMILIES)),
     "tiny_vae_steps": Key(300, "tiny model only: pretrain its random vae on the training images first (0 = no)"),
 }
 DTYPE = Choice("fp32", "bf16", "fp16")
 
-
-def diffusion_checks(trained: tuple[str, ...], tiny_families: tuple[str, ...]) -> dict[str, Any]:
-    """The checks sd_finetune and controlnet share beyond the by-name ones (``trained``: the trainable roles)."""
-    return {**{f"roles.{role}.lora.target_modules": Each(Length(1)) for role in trained},
-        "mode": Choice(*MODES), "model.tiny_family": Choice(*tiny_families), "model.tiny_vae_steps": Range(0),
-        "data.resolution": Range(8), "data.builtin_size": Range(2), "data.max_train_samples": Range(0),
-        "data.num_workers": Range(0), "data.eval_split": Satisfies(lambda v: isinstance(v, str), "\"\", a fraction, "
-                                                                   "a count or a split name"),
-        "diffusion.adam_epsilon": Range(0, min_exclusive=True),
-        "diffusion.prediction_type": Choice("", *PREDICTION_TYPES), "diffusion.snr_gamma": Range(0),
-        "diffusion.noise_offset": Range(0), "diffusion.input_perturbation": Range(0),
-        "validation.prompts": Each(Length(1)), "validation.num_prompts": Range(1),
-        "validation.num_inference_steps": Range(1), "validation.guidance_scale": Range(0, allow_none=True),
-        "eval.timesteps": Range(1), "export.dtype": DTYPE,
-    }
 
 
 def renamed(trained: str, hint: str = "") -> dict[str, str]:
@@ -237,8 +218,6 @@ RL_EXPORT_KEYS = Key({
     "enabled": Key(True, "export/policy: a diffusers pipeline folder (and export/lora for LoRA)"),
     "dtype": Key("fp32", "dtype of the exported components"),
 }, "what the run writes under output_dir/export")
-RL_CHECKS: dict[str, Any] = {"model.tiny_family": Choice(*FAMILIES), "model.tiny_vae_steps": Range(0),
-                             "export.dtype": DTYPE, "roles.policy.lora.target_modules": Each(Length(1))}
 
 
 def rl_roles(policy: Mapping[str, Any], ref: str, *extra: Role, vae: str) -> tuple[Role, ...]:

@@ -75,12 +75,14 @@ KEYS: dict[str, Any] = {
         "heldout_size": Key(128, "evaluation rows scored for the held-out cross-entropy (0 = all of them)"),
     }, "demonstrations: prompt + response, messages or text rows (docs/data.md)"),
     "distill": Key({
-        "loss": Key("forward_kl", "forward_kl | reverse_kl | jsd"),
+        "loss": Key("forward_kl", "forward_kl | reverse_kl | jsd", Choice(*DIVERGENCES)),
         "temperature": Key(1.0, "softens both distributions; the loss is multiplied by its square"),
-        "alpha": Key(1.0, "weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy"),
-        "beta": Key(0.5, "the JSD's teacher weight, in (0, 1) (GKD's beta; forward_kl is beta 0, reverse_kl 1)"),
+        "alpha": Key(1.0, "weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy",
+                     Range(0, 1)),
+        "beta": Key(0.5, "the JSD's teacher weight, in (0, 1) (GKD's beta; forward_kl is beta 0, reverse_kl 1)",
+                    Range(0, 1)),
         "on_policy_fraction": Key(0.0, "GKD's lambda: the share of steps whose responses the student samples itself "
-                                       "(generation.*) for the teacher to score; 0 = offline, 1 = always"),
+                                       "(generation.*) for the teacher to score; 0 = offline, 1 = always", Range(0, 1)),
     }, "the distillation loss (the same per-token divergence on demonstrations and on the student's samples)"),
     "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers and of the student's on-policy "
                                              "responses"),
@@ -89,10 +91,6 @@ KEYS: dict[str, Any] = {
     "export": common.export_keys("student"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = common.recipe_checks(DEFAULTS, {
-    "distill.loss": Choice(*DIVERGENCES), "distill.temperature": Range(0, min_exclusive=True),
-    "distill.alpha": Range(0, 1), "distill.beta": Range(0, 1), "distill.on_policy_fraction": Range(0, 1),
-})
 RENAMED = old_keys("student", model="model.student", extra={
     "model.teacher": "roles.teacher.model", "model.tokenizer": "roles.teacher.tokenizer",
     "model.student_hidden": "tiny.student_hidden", "model.student_layers": "tiny.student_layers",

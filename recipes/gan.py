@@ -28,7 +28,6 @@ from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
 from multiengine.pipelines.gan import MLP, discriminator_loss, generator_loss, ring_modes, sample_quality, sample_ring
 from multiengine.recipes import plans
-from multiengine.recipes.common import recipe_checks
 
 GAN_TRAINABLE = {"dtype": "fp32", "lr": 1e-3, "betas": [0.5, 0.999], "max_grad_norm": 0.0, "micro_batch_size": 128,
                  "model": Key("", "a folder this recipe exported (config.json + model.safetensors); \"\" = a new MLP "
@@ -43,26 +42,23 @@ KEYS: dict[str, Any] = {
     "max_steps": Key(800, "generator steps (each after gan.d_steps discriminator steps)"),
     "roles": role_keys(ROLES),
     "gan": Key({
-        "noise_dim": Key(8, "generator input size"),
-        "width": Key(64, "hidden width of both MLPs"),
-        "depth": Key(2, "hidden layers of both MLPs"),
-        "d_steps": Key(1, "discriminator steps per generator step"),
-        "modes": Key(8, "Gaussians on the target ring"),
-        "radius": Key(2.0, "radius of the ring"),
-        "std": Key(0.2, "standard deviation of each Gaussian (\"near a mode\" = within 3 std)"),
+        "noise_dim": Key(8, "generator input size", Range(1)),
+        "width": Key(64, "hidden width of both MLPs", Range(1)),
+        "depth": Key(2, "hidden layers of both MLPs", Range(1)),
+        "d_steps": Key(1, "discriminator steps per generator step", Range(1)),
+        "modes": Key(8, "Gaussians on the target ring", Range(1)),
+        "radius": Key(2.0, "radius of the ring", Range(0, min_exclusive=True)),
+        "std": Key(0.2, "standard deviation of each Gaussian (\"near a mode\" = within 3 std)",
+                   Range(0, min_exclusive=True)),
     }, "the two networks and the target distribution"),
     "eval": Key({
         "every": Key(200, "also evaluate every N steps (0 = only before and after)"),
-        "size": Key(2048, "generated points scored at each evaluation (the same noise every time)"),
+        "size": Key(2048, "generated points scored at each evaluation (the same noise every time)", Range(1)),
     }, "sample quality on a fixed evaluation noise"),
     "export": Key({"enabled": Key(True, "export/gen: model.safetensors + config.json")},
                   "what the run writes under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
-    "gan.noise_dim": Range(1), "gan.width": Range(1), "gan.depth": Range(1), "gan.d_steps": Range(1),
-    "gan.modes": Range(1), "gan.radius": Range(0, min_exclusive=True), "gan.std": Range(0, min_exclusive=True),
-    "eval.size": Range(1)})
 
 
 def load_mlp(folder: str) -> MLP:

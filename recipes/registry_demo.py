@@ -27,7 +27,6 @@ from multiengine.engines.recipe_config import Key, Range, Satisfies, config_prob
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
 from multiengine.recipes import plans
-from multiengine.recipes.common import recipe_checks
 
 _TINY = "model \"\" = the tiny OPT saved under output_dir/tiny_lm on first run (the only model: not settable)"
 ROLES = (
@@ -37,28 +36,23 @@ ROLES = (
          keys={"stage": 2}),
     Role("encoder", f"frozen, stage 0 (the OPT without its head); {_TINY}", follows="actor", keys={"stage": 0}),
 )
+_MAX_POSITIONS = 128  # of the tiny OPT
 KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/registry_demo", "everything the run writes goes under this folder"),
     "max_steps": Key(10, "optimizer steps of the actor"),
-    "seq_len": Key(32, "tokens per synthetic sequence"),
+    "seq_len": Key(32, "tokens per synthetic sequence", Range(2, _MAX_POSITIONS)),
     "roles": role_keys(ROLES),
     "model": Key({
-        "hidden_size": Key(64, "a multiple of its 4 attention heads"),
+        "hidden_size": Key(64, "a multiple of its 4 attention heads",
+                           [Range(4), Satisfies(lambda h: h % 4 == 0, "a multiple of 4 (the attention heads)")]),
         "layers": Key(2, "decoder layers"),
-        "vocab_size": Key(512, "vocabulary size"),
+        "vocab_size": Key(512, "vocabulary size", Range(8)),
     }, "the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-_MAX_POSITIONS = 128  # of the tiny OPT
-CHECKS = recipe_checks(DEFAULTS, {
-    "seq_len": Range(2, _MAX_POSITIONS),
-    "model.hidden_size": [Range(4), Satisfies(lambda h: h % 4 == 0, "a multiple of 4 (the attention heads)")],
-    "model.layers": Range(1),
-    "model.vocab_size": Range(8),
-    **{f"roles.{r.name}.{k}": Satisfies(lambda v: not v, "\"\": every role loads the tiny OPT under output_dir")
-       for r in ROLES for k in ("model", "tokenizer")},
-})
+CHECKS = {f"roles.*.{k}": Satisfies(lambda v: not v, "\"\": every role loads the tiny OPT under output_dir")
+          for k in ("model", "tokenizer")}
 RENAMED = {"lr": "roles.actor.lr", "max_grad_norm": "roles.actor.max_grad_norm",
            "micro_batch_size": "roles.actor.micro_batch_size", "grad_accum": "roles.actor.grad_accum",
            "dtype": "roles.actor.dtype (the frozen roles follow it)"}

@@ -53,23 +53,19 @@ KEYS: dict[str, Any] = {
         "heldout_size": Key(512, "evaluation pairs scored for the held-out accuracy (0 = all of them)"),
     }, "preference pairs: prompt + chosen + rejected, or chosen + rejected (docs/data.md)"),
     "dpo": Key({
-        "loss": Key("sigmoid", "sigmoid (DPO) | ipo"),
-        "beta": Key(0.5, "strength of the KL regularisation to the ref"),
-        "label_smoothing": Key(0.0, "sigmoid only: assumed probability of a flipped label (conservative DPO)"),
+        "loss": Key("sigmoid", "sigmoid (DPO) | ipo", Choice("sigmoid", "ipo")),
+        "beta": Key(0.5, "strength of the KL regularisation to the ref", Range(0, min_exclusive=True)),
+        "label_smoothing": Key(0.0, "sigmoid only: assumed probability of a flipped label (conservative DPO)",
+                               Range(0, 0.5, max_exclusive=True)),
         "precompute_ref": Key(False, "ref log-probs of every pair once before training, not a ref forward per batch"),
-        "precompute_batch_size": Key(64, "pairs per ref forward while precomputing"),
-        "sft_coef": Key(1.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)"),
+        "precompute_batch_size": Key(64, "pairs per ref forward while precomputing", Range(1)),
+        "sft_coef": Key(1.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)", Range(0)),
     }, "the preference loss"),
     "generation": Key(dict(GENERATION_KEYS), "sampling of evaluation answers"),
     "eval": common.eval_keys("held-out pairs, and sampled answers to the prompts of the evaluation rows", greedy=False),
     "export": common.export_keys(),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = common.recipe_checks(DEFAULTS, {
-    "dpo.loss": Choice("sigmoid", "ipo"), "dpo.beta": Range(0, min_exclusive=True),
-    "dpo.label_smoothing": Range(0, 0.5, max_exclusive=True), "dpo.precompute_batch_size": Range(1),
-    "dpo.sft_coef": Range(0),
-})
 RENAMED = old_keys("actor", model="model.actor", extra={**common.TINY_RENAMED, **common.lora_renamed("actor")})
 
 

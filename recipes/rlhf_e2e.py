@@ -39,7 +39,7 @@ _STEP = functools.partial(common.run_keys, config="its shipped config", override
 KEYS: dict[str, Any] = {
     **{k: v for k, v in COMMON_KEYS.items() if k not in ("checkpoint", "resume_from")},
     "output_dir": Key("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here"),
-    "max_steps": Key(0, "steps of step 3; 0 = its config's"),
+    "max_steps": Key(0, "steps of step 3; 0 = its config's", Range(0)),
     "data": Key(dict(common.DATA_KEYS), "the data of every step (each step reads its stage's rows: sft, reward, ppo; "
                                         "docs/data.md)"),
     "model": Key({
@@ -50,7 +50,7 @@ KEYS: dict[str, Any] = {
     "reward": Key({**_STEP("").default, "init_from_sft": Key(True, "start the reward model from step 1's model "
                                                                    "(InstructGPT) instead of a base")},
                   "step 2 (rlhf_reward)"),
-    "algorithm": Key("ppo", "step 3: ppo | grpo | dpo"),
+    "algorithm": Key("ppo", "step 3: ppo | grpo | dpo", Choice("ppo", "grpo", "dpo")),
     "ppo": _STEP("step 3 with algorithm=ppo (rlhf_ppo)"),
     "grpo": _STEP("step 3 with algorithm=grpo (rlhf_grpo)"),
     "dpo": _STEP("step 3 with algorithm=dpo (rlhf_dpo)"),
@@ -64,7 +64,6 @@ for _key in PASSED_TO_STEPS:
     HELP[_key] += " (passed to every step)"
 # Its roles are its steps' (rlhf_sft, rlhf_reward and the final recipe each declare theirs).
 ROLES: tuple = ()
-CHECKS = {**common.recipe_checks(DEFAULTS), "max_steps": Range(0), "algorithm": Choice("ppo", "grpo", "dpo")}
 
 # step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
 # step 1's actor (the ref is loaded from the same folder) and step 2's reward model

@@ -19,7 +19,7 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, save_role
 from multiengine.engines import role_schema as schema
-from multiengine.engines.recipe_config import Choice, Key, Range, RecipeConfigError, config_problem, split_keys
+from multiengine.engines.recipe_config import Key, Range, RecipeConfigError, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.role_schema import Role, lora_spec, model_path, old_keys, optim_spec, placement, role_keys
 from multiengine.pipelines.rlhf.data import SFTCollator
@@ -63,19 +63,19 @@ KEYS: dict[str, Any] = {
         "rollout_batch_size": Key(32, "prompts per rank per step (a multiple of roles.actor.micro_batch_size)"),
         "epochs": Key(2, "passes over one rollout"),
         "clip_eps": Key(0.2, "policy ratio clip"),
-        "value_clip": Key(0.2, "0 = unclipped value loss"),
+        "value_clip": Key(0.2, "0 = unclipped value loss", Range(0)),
         "dual_clip": Key(0.0, "0 = off; > 1 (e.g. 3) caps the loss of negative-advantage tokens"),
         "gamma": Key(1.0, "discount"),
-        "lam": Key(0.95, "GAE lambda"),
+        "lam": Key(0.95, "GAE lambda", Range(0, 1)),
         "kl_coef": Key(0.1, "beta of the k1 KL penalty in the reward"),
         "adaptive_kl": Key(False, "adapt beta towards kl_target (Ziegler et al.)"),
-        "kl_target": Key(6.0, "target KL per answer of the adaptive controller"),
-        "kl_horizon": Key(10000, "horizon of the adaptive controller"),
+        "kl_target": Key(6.0, "target KL per answer of the adaptive controller", Range(0, min_exclusive=True)),
+        "kl_horizon": Key(10000, "horizon of the adaptive controller", Range(1)),
         "clip_reward": Key(5.0, "0 = no clipping"),
         "whiten_advantages": Key(True, "whiten advantages over the whole rollout (all ranks)"),
         "no_eos_penalty": Key(0.0, "> 0: subtracted from the score of answers without EOS"),
-        "ptx_coef": Key(0.0, "> 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat"),
-        "critic_warmup_steps": Key(0, "first N steps train only the critic"),
+        "ptx_coef": Key(0.0, "> 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat", Range(0)),
+        "critic_warmup_steps": Key(0, "first N steps train only the critic", Range(0)),
         "shuffle_minibatches": Key(True, "seeded minibatch order"),
     }, "the PPO step"),
     "ema": Key({
@@ -91,14 +91,6 @@ KEYS: dict[str, Any] = {
     }, "what the run writes under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = common.recipe_checks(DEFAULTS, {
-    "ppo.rollout_batch_size": Range(1), "ppo.epochs": Range(1),
-    "ppo.clip_eps": Range(0, min_exclusive=True), "ppo.value_clip": Range(0), "ppo.dual_clip": Range(0),
-    "ppo.gamma": Range(0, 1), "ppo.lam": Range(0, 1), "ppo.kl_coef": Range(0),
-    "ppo.kl_target": Range(0, min_exclusive=True), "ppo.kl_horizon": Range(1), "ppo.clip_reward": Range(0),
-    "ppo.no_eos_penalty": Range(0), "ppo.ptx_coef": Range(0), "ppo.critic_warmup_steps": Range(0),
-    "generation.mode": Choice("gather", "per_token"),
-})
 RENAMED = old_keys("actor", model="model.actor", extra={
     "model.reward": "roles.reward.model", "model.critic": "roles.critic.model",
     "model.reward_tokenizer": "roles.reward.tokenizer", "model.critic_tokenizer": "roles.critic.tokenizer",

@@ -52,7 +52,6 @@ KEYS: dict[str, Any] = {
     "export": common.export_keys("reward", ": a *ForSequenceClassification folder with the tokenizer"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = common.recipe_checks(DEFAULTS)
 RENAMED = old_keys("reward", extra=common.TINY_RENAMED)
 
 

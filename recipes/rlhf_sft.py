@@ -48,7 +48,6 @@ KEYS: dict[str, Any] = {
     "export": common.export_keys("actor", ": an HF folder with the tokenizer (merged weights + adapter/ for LoRA)"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = common.recipe_checks(DEFAULTS)
 RENAMED = old_keys("actor", extra=common.TINY_RENAMED)
 
 

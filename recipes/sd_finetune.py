@@ -24,13 +24,12 @@ from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, lora_spec, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import models, runs
 from multiengine.pipelines.diffusion.export import export_run
-from multiengine.pipelines.diffusion.families import FAMILIES, family_roles, model_family
+from multiengine.pipelines.diffusion.families import family_roles, model_family
 from multiengine.pipelines.diffusion.inputs import check_resolution, model_folder_family
 from multiengine.pipelines.diffusion.runs import SHAPES_PROMPTS, build_tiny_model
 from multiengine.pipelines.diffusion.training import family_objective, step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.common import recipe_checks
 from multiengine.recipes.diffusion_base import ImageFinetune
 
 __all__ = ["SHAPES_PROMPTS", "build_tiny_model", "check_family_options", "main"]
@@ -51,10 +50,10 @@ EMA_KEYS = Key({
     "enabled": Key(True, "keep an EMA role (sharded like the denoiser; exported in the pipeline when on)"),
     "decay": Key(0.99, "the largest decay (diffusers' EMAModel default 0.9999 suits long runs)"),
     "use_ema_warmup": Key(False, "true: 1 - (1 + s/inv_gamma)^-power; false: (1 + s) / (10 + s)"),
-    "min_decay": Key(0.0, "the smallest decay after the first update"),
-    "update_after_step": Key(0, "copy the weights (decay 0) for this many steps first"),
-    "inv_gamma": Key(1.0, "warmup: inverse multiplicative factor"),
-    "power": Key(2 / 3, "warmup: exponent (2/3 for long runs, 3/4 for short ones)"),
+    "min_decay": Key(0.0, "the smallest decay after the first update", Range(0, 1)),
+    "update_after_step": Key(0, "copy the weights (decay 0) for this many steps first", Range(0)),
+    "inv_gamma": Key(1.0, "warmup: inverse multiplicative factor", Range(0, min_exclusive=True)),
+    "power": Key(2 / 3, "warmup: exponent (2/3 for long runs, 3/4 for short ones)", Range(0, min_exclusive=True)),
     "dtype": Key("fp32", "EMA weights' dtype (bf16 would round away small updates)"),
     "offload_params": Key(False, "ZeRO-3 parameter offload of the EMA to the host"),
 }, "EMA of the denoiser, diffusers' EMAModel options")
@@ -62,7 +61,8 @@ KEYS: dict[str, Any] = {
     **COMMON_KEYS,
     "output_dir": Key("outputs/sd_finetune", "everything the run writes goes under this folder"),
     "max_steps": Key(200, "optimizer steps"),
-    "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (diffusers' layout: frozen roles whole)"),
+    "mode": Key("zero3", "zero3 (every role as in roles.*) | seed_baseline (diffusers' layout: frozen roles whole)",
+                Choice(*models.MODES)),
     "model": Key(shared.MODEL_KEYS, "the diffusers pipeline folder to fine-tune"),
     "roles": role_keys(ROLES),
     "diffusion": DIFFUSION_KEYS,
@@ -73,16 +73,11 @@ KEYS: dict[str, Any] = {
     "export": Key({
         "enabled": Key(True, "write export/pipeline (and export/lora for LoRA runs)"),
         "dtype": Key("fp32", "dtype of every exported component"),
-        "roles": Key([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)"),
+        "roles": Key([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)",
+                     Each(Choice(*(r.name for r in ROLES), "ema"))),
     }, "outputs under output_dir/export"),
 }
 DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = recipe_checks(DEFAULTS, {
-    **shared.diffusion_checks(("unet", "transformer"), FAMILIES), **shared.FLOW_CHECKS,
-    "ema.min_decay": Range(0, 1), "ema.update_after_step": Range(0), "ema.inv_gamma": Range(0, min_exclusive=True),
-    "ema.power": Range(0, min_exclusive=True), "ema.dtype": shared.DTYPE,
-    "export.roles": Each(Choice(*(r.name for r in ROLES), "ema")),
-})
 
 
 RENAMED = shared.renamed("unet", " (roles.transformer.* for SD3/FLUX)")

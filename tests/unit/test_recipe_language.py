@@ -172,3 +172,30 @@ def test_lora_and_optimizer_specs_from_a_role():
     assert schema.lora_spec(cfg, "critic") is None  # r: 0 = full fine-tuning
     optim = schema.optim_spec(cfg, "actor", 100)
     assert (optim.lr, optim.betas, optim.clip, optim.total_steps) == (2e-4, (0.9, 0.95), None, 100)
+
+
+@pytest.mark.parametrize("recipe, key", [("rlhf_ppo", "ppo.kl_coef"), ("rlhf_grpo", "grpo.kl_coef"),
+                                         ("diffusion_grpo", "diffusion.kl_coef"), ("rlhf_ppo", "ppo.epochs"),
+                                         ("rlhf_grpo", "grpo.epochs")])
+def test_a_shared_name_is_checked_alike_in_every_recipe(recipe, key):
+    # kl_coef and epochs mean the same in every algorithm section: one check by name, the same message
+    value = 0 if key.endswith("epochs") else -0.5
+    with pytest.raises(RecipeConfigError) as info:
+        load_config(recipe, None, [f"{key}={value}"])
+    assert f"{key}" in str(info.value) and (">= 1" if key.endswith("epochs") else ">= 0") in str(info.value)
+
+
+def test_a_key_carries_its_own_check_and_checks_override_it():
+    from multiengine.engines.recipe_config import Choice, Range, declared_checks
+
+    keys = {"a": Key({"n": Key(3, "a count", Range(2)), "kind": Key("x", "x | y", Choice("x", "y"))}, "a section"),
+            "lr": Key(0.1, "by name")}
+    checks = declared_checks(keys)
+    assert set(checks) == {"a.n", "a.kind"}  # only the Keys that carry a check
+    shared = schema.shared_checks(keys, {"a.n": Range(5)})
+    assert shared["a.n"].describe() == Range(5).describe()  # CHECKS wins over the Key's own check
+    assert shared["a.kind"].describe() == Choice("x", "y").describe()
+    assert shared["lr"].describe() == Range(0, min_exclusive=True).describe()  # by name
+    # a recipe's own check is applied at load time, naming the key and the value
+    with pytest.raises(RecipeConfigError, match=r"grpo\.max_turns.*0"):
+        load_config("rlhf_grpo", None, ["grpo.max_turns=0"])
