@@ -123,7 +123,6 @@ MODEL_KEYS: dict[str, Any] = {
     "tiny_family": Key("sd", "tiny model only: sd | sdxl | sd3 | flux", Choice(*FAMILIES)),
     "tiny_vae_steps": Key(300, "tiny model only: pretrain its random vae on the training images first (0 = no)"),
 }
-DTYPE = Choice("fp32", "bf16", "fp16")
 
 
 

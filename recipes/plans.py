@@ -62,40 +62,30 @@ def _tiny_rlhf_model(hidden: int, layers: int, seed: int = 0) -> P.ModelInfo:
 # --------------------------------------------------------------------------------------------------
 def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
                   configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
+    from .registry_demo import ROLES, tiny_opt_config
+
     folder = os.path.join(str(cfg.output_dir), "tiny_lm")
     if (assume and "actor" in assume) or os.path.isfile(os.path.join(folder, "config.json")):
         info = resolve_model(folder, "actor", assume=assume, configs_dir=configs_dir)
-    else:
-        info = _meta_opt(cfg.model.hidden_size, cfg.model.layers, cfg.model.vocab_size)
-    dims = P.transformer_dims(info.config)
-    roles = cfg.roles
-    dtype, batch, seq = str(roles.actor.dtype), int(roles.actor.micro_batch_size), int(cfg.seq_len)
-    actor = _role("actor", info, dtype, trainable=True,
-                  current=_current(roles.actor.stage, True, roles.actor.offload_params, roles.actor.offload_optimizer),
-                  phases=_lm_phases(dims, dtype, train=(batch, seq)), choices=P.trainable_choices(False))
-    reward = _role("reward", info, dtype, trainable=False, current=_current(roles.reward.stage, False),
-                   phases=_lm_phases(dims, dtype, forward=(batch, seq)), choices=P.frozen_choices(False))
-    encoder = _role("encoder", info.without("lm_head."), dtype, trainable=False,
-                    current=_current(roles.encoder.stage, False),
-                    phases=_lm_phases(dims, dtype, forward=(batch, seq), logits=False), choices=P.frozen_choices(False))
-    return [RecipePlan("registry_demo", [actor, reward, encoder], {
-        "actor": _keys("roles.actor"),
-        "reward": RoleKeys("roles.reward.stage"), "encoder": RoleKeys("roles.encoder.stage")})]
+    else:  # the recipe's own tiny OPT, on the meta device
+        import torch
+        from transformers import OPTForCausalLM
 
-
-@functools.cache
-def _meta_opt(hidden: int, layers: int, vocab: int) -> P.ModelInfo:
-    """registry_demo's tiny OPT (the recipe's own config values), built on the meta device."""
-    import torch
-    from transformers import OPTConfig, OPTForCausalLM
-
-    config = OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
-                       num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=hidden)
-    with torch.device("meta"):
-        model = OPTForCausalLM(config)
-    tensors = tuple(P.TensorEntry(n, tuple(p.shape), "F32") for n, p in model.named_parameters())
-    return P.ModelInfo(source=f"registry_demo's tiny OPT (hidden {hidden}, {layers} layers, vocab {vocab})",
-                       tensors=tensors, config=config.to_dict(), class_name="OPTForCausalLM")
+        m = cfg.model
+        config = tiny_opt_config(m.hidden_size, m.layers, m.vocab_size)
+        with torch.device("meta"):
+            tensors = module_info("", OPTForCausalLM(config)).tensors
+        info = P.ModelInfo(f"registry_demo's tiny OPT (hidden {m.hidden_size}, {m.layers} layers, vocab "
+                           f"{m.vocab_size})", tensors, config=config.to_dict(), class_name="OPTForCausalLM")
+    dims, batch, seq = P.transformer_dims(info.config), int(cfg.roles.actor.micro_batch_size), int(cfg.seq_len)
+    dtype = {r.name: str(follow_chain(cfg, ROLES, r.name, "dtype", "")) for r in ROLES}
+    phases = {"actor": _lm_phases(dims, dtype["actor"], train=(batch, seq)),
+              "reward": _lm_phases(dims, dtype["reward"], forward=(batch, seq)),
+              "encoder": _lm_phases(dims, dtype["encoder"], forward=(batch, seq), logits=False)}
+    # the demo's roles are planned without optimizer offload, and its frozen roles without parameter offload
+    return [_declared("registry_demo", cfg, ROLES, {"actor": info, "reward": info, "encoder": info.without("lm_head.")},
+                      phases, [], actor={"choices": P.trainable_choices(False)},
+                      reward={"choices": P.frozen_choices(False)}, encoder={"choices": P.frozen_choices(False)})]
 
 
 SEED_BASELINE_NOTE = "seed_baseline: full copy"

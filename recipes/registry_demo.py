@@ -74,14 +74,20 @@ def validate(cfg: Any) -> None:
                                  f"model.{key}={saved.get(field)}")
 
 
+def tiny_opt_config(hidden: int, layers: int, vocab: int) -> Any:
+    """The demo's tiny OPT (model.*), which every role loads (the planner builds it on the meta device)."""
+    from transformers import OPTConfig
+
+    return OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
+                     num_attention_heads=4, max_position_embeddings=_MAX_POSITIONS, word_embed_proj_dim=hidden,
+                     dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def _save_tiny_lm(path: str, hidden: int, layers: int, vocab: int, seed: int) -> None:
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import OPTForCausalLM
 
     torch.manual_seed(seed)
-    config = OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
-                       num_attention_heads=4, max_position_embeddings=_MAX_POSITIONS, word_embed_proj_dim=hidden,
-                       dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    OPTForCausalLM(config).save_pretrained(path)
+    OPTForCausalLM(tiny_opt_config(hidden, layers, vocab)).save_pretrained(path)
 
 
 class RegistryDemo(Recipe):

@@ -75,8 +75,9 @@ KEYS: dict[str, Any] = {
         "loss_aggregation": Key("", "\"\" = the algorithm's | token_mean (DAPO) | seq_mean_token_mean (GRPO) | "
                                     "seq_mean_token_sum_norm (Dr. GRPO)",
                                 Choice("", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")),
-        "clip_low": Key(None, "null = clip_eps; the ratio's lower bound is 1 - clip_low"),
-        "clip_high": Key(None, "null = clip_low; > clip_low is DAPO's clip-higher (e.g. 0.28)"),
+        "clip_low": Key(None, "null = clip_eps; the ratio's lower bound is 1 - clip_low", Range(0, allow_none=True)),
+        "clip_high": Key(None, "null = clip_low; > clip_low is DAPO's clip-higher (e.g. 0.28)",
+                         Range(0, allow_none=True)),
         "importance_level": Key("token", "token | sequence (GSPO's length-normalised sequence ratio)",
                                 Choice("token", "sequence")),
         "overlong_buffer": Key(0, "0 = off; DAPO's soft overlong penalty over the last N tokens before "
@@ -146,10 +147,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if g.kl_in_reward is not None and not isinstance(g.kl_in_reward, bool):
         raise RecipeConfigError(f"grpo.kl_in_reward={g.kl_in_reward!r}: use null (the algorithm's "
                                 "default), true (k1 in the reward) or false (k3 loss term).")
-    for key in ("clip_low", "clip_high"):
-        value = g[key]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise config_problem(f"grpo.{key}", value, "is not a number", "use null (= clip_eps) or e.g. 0.28")
     if g.overlong_buffer > cfg.generation.max_new_tokens:
         raise config_problem("grpo.overlong_buffer", g.overlong_buffer, f"exceeds generation.max_new_tokens="
                              f"{cfg.generation.max_new_tokens} (the penalty ramps over the last tokens before it)",
