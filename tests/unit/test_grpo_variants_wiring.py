@@ -21,7 +21,7 @@ from multiengine.recipes.rlhf_grpo import grpo_settings
 @pytest.mark.parametrize("config, overrides, message", [
     ("tiny", ["grpo.loss_agg=token_mean"], "'grpo.loss_agg' .* is now 'grpo.loss_aggregation'"),
     ("tiny", ["grpo.loss_aggregation=dapo"], "'grpo.loss_aggregation' .* must be one of"),
-    ("tiny", ["grpo.clip_high=wide"], "grpo.clip_high.*not a number"),
+    ("tiny", ["grpo.clip_high=wide"], "grpo.clip_high.*must be a number"),
     ("tiny", ["grpo.clip_low=1.5"], "clip_low=1.5.*0 <= clip_low < 1"),
     ("tiny", ["grpo.clip_high=-0.1"], "clip_high=-0.1"),
     ("tiny", ["grpo.importance_level=row"], "'grpo.importance_level' .* must be one of token, sequence"),
