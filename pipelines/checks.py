@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from multiengine.engines.recipe_config import RecipeConfigError
+
 from .sources import is_hub_name
 
 logger = logging.getLogger(__name__)
@@ -21,8 +23,9 @@ __all__ = ["ModelFolderError", "check_diffusers_folder", "check_model_folder", "
            "check_vocab_fits", "heldout_of_training", "load_tokenizer", "tokenizer_size"]
 
 
-class ModelFolderError(ValueError):
-    """A model folder / tokenizer that cannot be used as given (key, value and fix in the message)."""
+class ModelFolderError(RecipeConfigError):
+    """A model folder / tokenizer that cannot be used as given (key, value and fix in the message): a config
+    error, reported without a traceback."""
 
 
 def _offline() -> bool:

@@ -132,10 +132,7 @@ def check_model(key: str, path: str) -> None:
     from multiengine.pipelines.checks import check_model_folder
 
     if path:
-        try:
-            check_model_folder(str(path), key=key)
-        except ValueError as err:
-            raise config_error(err) from None
+        check_model_folder(str(path), key=key)
 
 
 def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
@@ -150,10 +147,7 @@ def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallb
     except (OSError, ValueError) as err:
         raise config_error(ValueError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
                                       f"tokenizer ({err}); set {key} to a tokenizer folder")) from None
-    try:
-        check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
-    except ValueError as err:
-        raise config_error(err) from None
+    check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
     return tok
 
 
