@@ -377,12 +377,27 @@ def placement_overrides(item: RecipePlan, placements: Mapping[str, P.Choice]) ->
     return out
 
 
+def plan_recipe(recipe: str, cfg: Any, budget: P.Budget, assume: Mapping[str, str] | None = None,
+                configs_dir: str | Path = CONFIGS_DIR, package: str = RECIPES_PACKAGE
+                ) -> tuple[list[RecipePlan], list[P.Plan]]:
+    """The recipe's plans (:func:`recipe_plans`) laid out for ``budget``, each result with its plan's notes."""
+    items = recipe_plans(recipe, cfg, assume, configs_dir, package)
+    results = [P.plan(item.roles, budget) for item in items]
+    for item, result in zip(items, results):
+        result.notes.extend(item.notes)
+    return items, results
+
+
 def write_config(recipe: str, config: str | None, overrides: Sequence[str], items: Sequence[RecipePlan],
-                 placements: Sequence[Mapping[str, P.Choice]], dest: str | os.PathLike, header: str,
+                 results: Sequence[P.Plan], dest: str | os.PathLike, command: str,
                  configs_dir: str | Path = CONFIGS_DIR) -> Path:
-    """The config (file + overrides) with every planned placement set, written to `dest` (atomically)."""
+    """The config (file + overrides) with every placement of ``results`` set, written to `dest` (atomically)
+    under a header naming the ``command`` that chose them."""
     from multiengine.engines.recipe_config import _yaml_load, parse_override
 
+    placements = [r.placements() for r in results]
+    header = (f"Placements chosen by `{command}`:\n"
+              + "\n".join(f"  {r.request.name}: {r.chosen.choice.label}" for res in results for r in res.roles))
     data: dict[str, Any] = {}
     source_header: list[str] = []
     if config:

@@ -50,6 +50,7 @@ from multiengine.engines.recipe_config import (
     CONFIGS_DIR,
     RECIPES_PACKAGE,
     RecipeConfigError,
+    checked_config,
     config_header,
     config_path,
     format_key_help,
@@ -130,10 +131,8 @@ def run_recipe(
     package: str = RECIPES_PACKAGE,
     configs_dir: str | Path = CONFIGS_DIR,
 ) -> dict[str, Any]:
-    """Load and check the config (CHECKS and validate(cfg)), run the recipe's main(cfg) in this
-    process; returns its summary."""
-    cfg = load_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
-    validate_config(recipe, cfg, package=package, configs_dir=configs_dir)
+    """checked_config (CHECKS and validate(cfg)), then the recipe's main(cfg) in this process; returns its summary."""
+    cfg = checked_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
     return _run_loaded(recipe, cfg, package, configs_dir)
 
 
@@ -288,12 +287,9 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         assume = planner.parse_assume(args.assume)
         # Libraries building the tiny models print to stdout (DeepSpeed's logger): keep --json clean.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            items = plans.recipe_plans(args.recipe, cfg, assume, args.configs_dir, args.recipes_package)
-            results = [planner.plan(item.roles, budget) for item in items]
+            items, results = plans.plan_recipe(args.recipe, cfg, budget, assume, args.configs_dir, args.recipes_package)
     except planner.PlanError as e:
         raise RecipeConfigError(str(e)) from None
-    for item, result in zip(items, results):
-        result.notes.extend(item.notes)
     fits = all(r.fits for r in results)
     if args.json:
         print(json.dumps([dict(r.to_dict(), title=i.title) for i, r in zip(items, results)], indent=2))
@@ -309,10 +305,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         command = " ".join(["multiengine plan", args.recipe, *(["--config", args.config] if args.config else []),
                             *overrides, "--gpus", str(args.gpus), "--gpu-mem", args.gpu_mem,
                             *(["--nodes", str(args.nodes)] if args.nodes > 1 else [])])
-        header = (f"Placements chosen by `{command}`:\n"
-                  + "\n".join(f"  {r.request.name}: {r.chosen.choice.label}" for res in results for r in res.roles))
-        path = plans.write_config(args.recipe, args.config, overrides, items, [r.placements() for r in results],
-                                  args.write, header, configs_dir=args.configs_dir)
+        path = plans.write_config(args.recipe, args.config, overrides, items, results, args.write, command,
+                                  configs_dir=args.configs_dir)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0 if fits else EXIT_DOES_NOT_FIT
 
