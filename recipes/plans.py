@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,24 +36,9 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
 )
 from multiengine.engines.role_schema import follow_chain
 from multiengine.pipelines.diffusion import planning as D
+from multiengine.pipelines.rlhf.tiny import tiny_model_info
 
-# --------------------------------------------------------------------------------------------------
-# models
-# --------------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _tiny_rlhf_model(hidden: int, layers: int, seed: int = 0) -> P.ModelInfo:
-    """The RLHF recipes' random tiny OPT (built in a temporary folder: it is a few hundred KB)."""
-    from multiengine.pipelines.rlhf import tiny
-
-    with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
-        tok = os.path.join(tmp, "tokenizer")
-        tiny.train_tokenizer(tiny.task_vocabulary(), tok)
-        model = tiny.build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed)
-        info = P.model_info(str(model))
-    return P.ModelInfo(source=f"the recipes' tiny OPT (hidden {hidden}, {layers} layers)", tensors=info.tensors,
-                       config=info.config, class_name=info.class_name)
+_tiny_rlhf_model = tiny_model_info  # the name the tests use
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,11 +61,10 @@ def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
             tensors = module_info("", OPTForCausalLM(config)).tensors
         info = P.ModelInfo(f"registry_demo's tiny OPT (hidden {m.hidden_size}, {m.layers} layers, vocab "
                            f"{m.vocab_size})", tensors, config=config.to_dict(), class_name="OPTForCausalLM")
-    dims, batch, seq = P.transformer_dims(info.config), int(cfg.roles.actor.micro_batch_size), int(cfg.seq_len)
-    dtype = {r.name: str(follow_chain(cfg, ROLES, r.name, "dtype", "")) for r in ROLES}
-    phases = {"actor": _lm_phases(dims, dtype["actor"], train=(batch, seq)),
-              "reward": _lm_phases(dims, dtype["reward"], forward=(batch, seq)),
-              "encoder": _lm_phases(dims, dtype["encoder"], forward=(batch, seq), logits=False)}
+    batch, seq = int(cfg.roles.actor.micro_batch_size), int(cfg.seq_len)
+    phases = {"actor": _lm_role_phases(cfg, ROLES, "actor", info, train=(batch, seq)),
+              "reward": _lm_role_phases(cfg, ROLES, "reward", info, forward=(batch, seq)),
+              "encoder": _lm_role_phases(cfg, ROLES, "encoder", info, forward=(batch, seq), logits=False)}
     # the demo's roles are planned without optimizer offload, and its frozen roles without parameter offload
     return [_declared("registry_demo", cfg, ROLES, {"actor": info, "reward": info, "encoder": info.without("lm_head.")},
                       phases, [], actor={"choices": P.trainable_choices(False)},
@@ -102,6 +85,13 @@ def _family_lora(cfg: Any, role: str, components: Mapping[str, P.ModelInfo]) -> 
     if lora.r and not lora.target_modules:
         lora.target_modules = list(family_roles(D.pipeline_family(components)).lora_targets)
     return cfg
+
+
+def _gathered(cfg: Any, name: str, *phases: str) -> dict[str, Any]:
+    """A frozen role's request options: its ``phases`` run on whole (gathered) weights while
+    roles.<name>.gather_forward is on."""
+    return {"full_gather": phases if cfg.roles[name].gather_forward else (),
+            "gather_hint": f"roles.{name}.gather_forward=false"}
 
 
 def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any, trained: str | None,
@@ -129,14 +119,8 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
     encoders = D.encoder_names(components)
     infos = {trained: info(components) if info else net, denoiser: net, "vae": vae,
              **{n: components[n] for n in encoders}}
-    # T5 tokens per caption as the recipe pads them (diffusion.max_sequence_length, else SD3 77 / FLUX 512)
-    t5_len = int(cfg.diffusion.get("max_sequence_length") or 0) or (512 if "axes_dims_rope" in net.config else 77)
-    tokens = {n: t5_len if D.is_t5(components[n]) else int(components[n].config.get("max_position_embeddings", 77))
-              for n in encoders}
+    tokens, text = D.text_tokens(components, int(cfg.diffusion.get("max_sequence_length") or 0))
     prompts = (len(cfg.validation.prompts) or int(cfg.validation.num_prompts)) if cfg.validation.enabled else 0
-    # SD/SDXL: the longest CLIP; SD3 joins the CLIP tokens (77) with T5's; FLUX's transformer sees T5's only.
-    text = max(tokens.values(), default=77) if denoiser == "unet" else \
-        t5_len + (0 if "axes_dims_rope" in net.config else 77)
 
     def denoiser_phases(dtype: str, trainable: bool, checkpointing: bool) -> list[tuple[str, int]]:
         act = functools.partial(D.denoiser_activation_bytes, net, denoiser, res=res, scale=scale, dtype=dtype,
@@ -154,9 +138,8 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
         phases[n] = [("encode", P.transformer_activation_bytes(
             P.transformer_dims(components[n].config), batch=batch, seq=tokens[n],
             dtype=str(follow_chain(cfg, roles, n, "dtype", "")), trainable=False, logits=False))]
-    options: dict[str, dict[str, Any]] = {
-        n: {"full_gather": gathered if r[n].gather_forward else (), "gather_hint": f"roles.{n}.gather_forward=false"}
-        for n, gathered in [("vae", ("encode", "validation decode")), *((n, ("encode",)) for n in encoders)]}
+    options = {"vae": _gathered(cfg, "vae", "encode", "validation decode"),
+               **{n: _gathered(cfg, n, "encode") for n in encoders}}
     if lora:
         options[trained] = {"note": "LoRA: activations estimated as for a full fine-tune (an upper bound)"}
     if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
@@ -210,7 +193,7 @@ def _lm_model(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None,
               tiny: tuple[int, int, int] | None = None) -> P.ModelInfo:
     """A causal LM's ModelInfo; ``model`` "" = the random tiny OPT ``(hidden, layers, seed)``, by default tiny.*'s."""
     hidden, layers, seed = tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
-    build = functools.partial(_tiny_rlhf_model, hidden, layers, seed)
+    build = functools.partial(tiny_model_info, hidden, layers, seed)
     if not model and not (assume and role in assume):
         return build()
     return resolve_model(str(model), role, assume=assume, configs_dir=configs_dir, tiny=build)
@@ -230,6 +213,13 @@ def _declared(title: str, cfg: Any, roles: Any, infos: Mapping[str, P.ModelInfo]
     return plan
 
 
+def _lm_role_phases(cfg: Any, roles: Any, name: str, info: P.ModelInfo, **shapes: Any) -> list[tuple[str, int]]:
+    """The activation phases (``_lm_phases(**shapes)``) of the causal-LM role ``name`` on ``info``, at the dtype
+    its declaration resolves and with its gradient checkpointing."""
+    return _lm_phases(P.transformer_dims(info.config), str(follow_chain(cfg, roles, name, "dtype", "")),
+                      checkpointing=bool(cfg.roles[name].get("gradient_checkpointing", False)), **shapes)
+
+
 def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     from .rlhf_sft import ROLES
@@ -237,8 +227,8 @@ def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
     a, d = cfg.roles.actor, cfg.data
     info = _lm_model(cfg, a.model, "actor", assume, configs_dir)
     seq = int(d.max_prompt_len) + int(d.max_response_len)
-    phases = _lm_phases(P.transformer_dims(info.config), str(a.dtype), train=(int(a.micro_batch_size), seq),
-                        checkpointing=bool(a.gradient_checkpointing), generate=_eval_generation(cfg))
+    phases = _lm_role_phases(cfg, ROLES, "actor", info, train=(int(a.micro_batch_size), seq),
+                             generate=_eval_generation(cfg))
     return [_declared("rlhf_sft", cfg, ROLES, {"actor": info}, {"actor": phases},
                       [f"sequences of {seq} tokens, micro batch {a.micro_batch_size}"],
                       actor={"full_gather": ("generation",)})]
@@ -250,13 +240,11 @@ def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
 
     r, d = cfg.roles.reward, cfg.data
     info = _scalar(_lm_model(cfg, r.model, "reward", assume, configs_dir))
-    dims = P.transformer_dims(info.config)
-    seq = int(d.max_prompt_len) + int(d.max_response_len)
-    phases = _lm_phases(dims, str(r.dtype), train=(2 * int(r.micro_batch_size), seq), logits=False,
-                        checkpointing=bool(r.gradient_checkpointing))
+    seq, rows = int(d.max_prompt_len) + int(d.max_response_len), 2 * int(r.micro_batch_size)
+    phases = _lm_role_phases(cfg, ROLES, "reward", info, train=(rows, seq), logits=False)
     return [_declared("rlhf_reward", cfg, ROLES, {"reward": info}, {"reward": phases},
-                      [f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs "
-                       f"({2 * int(r.micro_batch_size)} rows)"], reward={"extra_trainable": dims.hidden})]
+                      [f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs ({rows} rows)"],
+                      reward={"extra_trainable": P.transformer_dims(info.config).hidden})]
 
 
 def _reward_roles(cfg: Any, declared: Any, rows: int, assume: Mapping[str, str] | None,
@@ -270,8 +258,6 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, assume: Mapping[str, str] 
     planned at that placement only: its keys live in a list the planner does not rewrite. Returns their roles,
     keys and notes (rlhf_ppo, rlhf_grpo: forwards of ``rows`` rollout rows) and the scalar-head model of each.
     """
-    from multiengine.engines.role_schema import follow_chain
-
     from .common import reward_entries
 
     r = cfg.roles.reward
@@ -315,21 +301,27 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, assume: Mapping[str, str] 
 
 
 def _policy(title: str, note: str, cfg: Any, roles: Any, names: tuple[str, ...], infos: Mapping[str, P.ModelInfo],
-            rollout: int, phases: Mapping[str, Any], rewards: RecipePlan) -> RecipePlan:
-    """rlhf_ppo, rlhf_grpo: the declared ``names`` (the actor generating ``rollout`` rows, ref and critic forwards
-    of them), then the reward-model roles ``rewards``."""
-    seq = int(cfg.data.max_prompt_len) + int(cfg.generation.max_new_tokens)
-    ref = cfg.roles.ref
+            rows: int, rollout: int, rewards: RecipePlan) -> RecipePlan:
+    """rlhf_ppo, rlhf_grpo: the declared ``names`` (the actor generating ``rollout`` rows and updating on its
+    micro batch, experience forwards of ``rows`` rows by the actor and critic and of ``rollout`` rows by the ref),
+    then the reward-model roles ``rewards``."""
+    prompt, new = int(cfg.data.max_prompt_len), int(cfg.generation.max_new_tokens)
+    seq, r = prompt + new, cfg.roles
+    phases = {"actor": _lm_role_phases(cfg, roles, "actor", infos["actor"], generate=(rollout, prompt, new),
+                                       forward=(rows, seq), train=(int(r.actor.micro_batch_size), seq),
+                                       label="experience forward"),
+              "ref": _lm_role_phases(cfg, roles, "ref", infos["ref"], forward=(rollout, seq),
+                                     label="experience forward")}
     options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
                          "gather_hint": "generation.mode=per_token"},
-               "ref": {"full_gather": ("experience forward",) if ref.gather_forward else (),
-                       "gather_hint": "roles.ref.gather_forward=false"}}
+               "ref": _gathered(cfg, "ref", "experience forward")}
     if "critic" in names:
+        phases["critic"] = _lm_role_phases(cfg, roles, "critic", infos["critic"], forward=(rows, seq),
+                                           train=(int(r.critic.micro_batch_size), seq), logits=False,
+                                           label="experience forward")
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
-    ref_phases = _lm_phases(P.transformer_dims(infos["ref"].config), str(follow_chain(cfg, roles, "ref", "dtype", "")),
-                            forward=(rollout, seq), label="experience forward")
-    plan = _declared(title, cfg, [r for r in roles if r.name in names], infos, {**phases, "ref": ref_phases},
-                     [note, *rewards.notes], **{k: v for k, v in options.items() if k in names})
+    plan = _declared(title, cfg, [r for r in roles if r.name in names], infos, phases, [note, *rewards.notes],
+                     **{k: v for k, v in options.items() if k in names})
     plan.roles += rewards.roles
     plan.keys.update(rewards.keys)
     return plan
@@ -339,11 +331,9 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     from .rlhf_ppo import ROLES
 
-    r, p, g, d = cfg.roles, cfg.ppo, cfg.generation, cfg.data
+    r, g, d = cfg.roles, cfg.generation, cfg.data
     actor_info = _lm_model(cfg, r.actor.model, "actor", assume, configs_dir)
-    prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
-    seq, rollout = prompt + new, int(p.rollout_batch_size)
-    mini, critic_mini = int(r.actor.micro_batch_size), int(r.critic.micro_batch_size)
+    prompt, new, rollout = int(d.max_prompt_len), int(g.max_new_tokens), int(cfg.ppo.rollout_batch_size)
     rewards, reward_infos = _reward_roles(cfg, ROLES, rollout, assume, configs_dir)
     # the critic's folder as the recipe resolves it: roles.critic.model, else the reward model's (its
     # declaration), else the first reward model, else the actor's with a fresh head (rewards from functions only)
@@ -353,17 +343,10 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
         critic_info = reward_infos.get("reward") or next(iter(reward_infos.values()))
     else:
         critic_info = _scalar(actor_info)
-    adims, cdims = P.transformer_dims(actor_info.config), P.transformer_dims(critic_info.config)
-    phases = {"actor": _lm_phases(adims, str(r.actor.dtype), generate=(rollout, prompt, new), forward=(rollout, seq),
-                                  train=(mini, seq), checkpointing=bool(r.actor.gradient_checkpointing),
-                                  label="experience forward"),
-              "critic": _lm_phases(cdims, str(r.critic.dtype), forward=(rollout, seq), train=(critic_mini, seq),
-                                   logits=False, checkpointing=bool(r.critic.gradient_checkpointing),
-                                   label="experience forward")}
     plan = _policy("rlhf_ppo", f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; "
-                   f"updates on {mini} rows (critic {critic_mini}) per forward/backward", cfg, ROLES,
-                   ("actor", "critic", "ref"), {"actor": actor_info, "critic": critic_info, "ref": actor_info},
-                   rollout, phases, rewards)
+                   f"updates on {int(r.actor.micro_batch_size)} rows (critic {int(r.critic.micro_batch_size)}) per "
+                   "forward/backward", cfg, ROLES, ("actor", "critic", "ref"),
+                   {"actor": actor_info, "critic": critic_info, "ref": actor_info}, rollout, rollout, rewards)
     if cfg.ema.enabled:  # the actor's weights (and adapters) at the actor's stage
         ema_dtype = str(follow_chain(cfg, ROLES, "ema", "dtype", ""))
         plan.roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(r.actor.lora),
@@ -383,16 +366,13 @@ def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
     gr, g, d, a = cfg.grpo, cfg.generation, cfg.data, cfg.roles.actor
     info = _lm_model(cfg, a.model, "actor", assume, configs_dir)
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
-    seq, rows, mini = prompt + new, int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt), int(a.micro_batch_size)
+    rows = int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt)
     rows_gen = max(rows, int(cfg.eval.batch_size) if cfg.eval.size else 0)
-    phases = {"actor": _lm_phases(P.transformer_dims(info.config), str(a.dtype), generate=(rows_gen, prompt, new),
-                                  forward=(rows, seq), train=(mini, seq), checkpointing=bool(a.gradient_checkpointing),
-                                  label="experience forward")}
     names = ("actor", "ref") if float(gr.kl_coef) > 0 else ("actor",)
     note = (f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
-            f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {mini} rows per "
-            "forward/backward")
-    return [_policy("rlhf_grpo", note, cfg, ROLES, names, {"actor": info, "ref": info}, rows_gen, phases,
+            f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {int(a.micro_batch_size)} "
+            "rows per forward/backward")
+    return [_policy("rlhf_grpo", note, cfg, ROLES, names, {"actor": info, "ref": info}, rows, rows_gen,
                     _reward_roles(cfg, ROLES, rows_gen, assume, configs_dir)[0])]
 
 
@@ -411,16 +391,12 @@ def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
     seq, rows = int(d.max_prompt_len) + int(d.max_response_len), 2 * int(a.micro_batch_size)
     ref_rows, label = (2 * int(dpo.precompute_batch_size), "precompute") if dpo.precompute_ref \
         else (rows, "reference forward")
-    phases = {"actor": _lm_phases(P.transformer_dims(info.config), str(a.dtype), train=(rows, seq),
-                                  generate=_eval_generation(cfg), checkpointing=bool(a.gradient_checkpointing)),
-              "ref": _lm_phases(P.transformer_dims(ref_info.config), str(follow_chain(cfg, ROLES, "ref", "dtype", "")),
-                                forward=(ref_rows, seq), label=label)}
+    phases = {"actor": _lm_role_phases(cfg, ROLES, "actor", info, train=(rows, seq), generate=_eval_generation(cfg)),
+              "ref": _lm_role_phases(cfg, ROLES, "ref", ref_info, forward=(ref_rows, seq), label=label)}
     return [_declared("rlhf_dpo", cfg, ROLES, {"actor": info, "ref": ref_info}, phases,
                       [f"micro batch {a.micro_batch_size} pairs = {rows} rows of {seq} tokens"
                        + ("; ref log-probs precomputed before training" if dpo.precompute_ref else "")],
-                      actor={"full_gather": ("generation",)},
-                      ref={"full_gather": (label,) if cfg.roles.ref.gather_forward else (),
-                           "gather_hint": "roles.ref.gather_forward=false"})]
+                      actor={"full_gather": ("generation",)}, ref=_gathered(cfg, "ref", label))]
 
 
 def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -461,12 +437,12 @@ def distill(cfg: Any, assume: Mapping[str, str] | None = None,
     teacher_info = _lm_model(cfg, r.teacher.model, "teacher", assume, configs_dir)
     student_info = _lm_model(cfg, r.student.model, "student", assume, configs_dir,
                              (int(tiny.student_hidden), int(tiny.student_layers), int(cfg.seed) + 1))
-    tdims, tdtype = P.transformer_dims(teacher_info.config), str(r.teacher.dtype)
     batch, seq = int(r.student.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
-    teacher_logits = batch * seq * tdims.vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
-    student = _lm_phases(P.transformer_dims(student_info.config), str(r.student.dtype), train=(batch, seq),
-                         generate=_eval_generation(cfg), checkpointing=bool(r.student.gradient_checkpointing))
-    phases = {"teacher": _lm_phases(tdims, tdtype, forward=(batch, seq), generate=_eval_generation(cfg)),
+    vocab, tdtype = P.transformer_dims(teacher_info.config).vocab, str(r.teacher.dtype)
+    teacher_logits = batch * seq * vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
+    student = _lm_role_phases(cfg, ROLES, "student", student_info, train=(batch, seq), generate=_eval_generation(cfg))
+    phases = {"teacher": _lm_role_phases(cfg, ROLES, "teacher", teacher_info, forward=(batch, seq),
+                                         generate=_eval_generation(cfg)),
               "student": [(label, n + (teacher_logits if label == "train step" else 0)) for label, n in student]}
     return [_declared("distill", cfg, ROLES, {"teacher": teacher_info, "student": student_info}, phases,
                       [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the "
@@ -489,15 +465,19 @@ def gan(cfg: Any, assume: Mapping[str, str] | None = None,
 
 
 def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None, rows: int,
-                  note: str, extra: Mapping[str, P.ModelInfo] | None = None, ref: bool = True) -> list[RecipePlan]:
+                  note: str, extra: Mapping[str, P.ModelInfo] | None = None, ref: bool = True,
+                  guidance_scale: float = 1.0, t5_tokens: int = 0) -> list[RecipePlan]:
     """diffusion_grpo / diffusion_dpo: the roles the run builds (the frozen ref where ``ref``, the models of
-    ``extra``), from the recipe's declaration; ``rows`` per forward of the policy, ref and vae."""
+    ``extra``), from the recipe's declaration; ``rows`` per forward of the policy, ref and vae, doubled by CFG
+    where ``guidance_scale`` > 1 (FLUX takes it as an input instead); ``t5_tokens``: T5 tokens per prompt."""
     components, source = resolve_pipeline(
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
     denoiser = "unet" if "unet" in components else "transformer"
     net, vae = components[denoiser], components["vae"]
-    text = 77 + (0 if denoiser == "unet" else (512 if D.pipeline_family(components) == "flux" else 77))
+    text = D.text_tokens(components, t5_tokens)[1]
+    if guidance_scale > 1 and D.pipeline_family(components) != "flux":
+        rows, note = 2 * rows, note + ", CFG doubles each denoiser batch"
     infos = {"policy": net, **({"ref": net} if ref else {}), "vae": vae,
              **{n: components[n] for n in D.encoder_names(components)}, **(extra or {})}
     cfg = _family_lora(cfg, "policy", components)
@@ -528,13 +508,10 @@ def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
     if recipe.REWARD_MODEL in list(cfg.reward.functions):
         with torch.device("meta"):
             extra["reward"] = module_info("reward", TinyShapesRewardModel())
-    micro = int(cfg.roles.policy.micro_batch_size)
-    flux = "flux" in str(cfg.model.pretrained).lower() or (not cfg.model.pretrained and cfg.model.tiny_family == "flux")
-    cfg_branch = 2 if float(d.guidance_scale) > 1 and not flux else 1  # FLUX takes guidance as an input
-    return _diffusion_rl(cfg, recipe, "diffusion_grpo", int(d.resolution), assume, micro * cfg_branch,
-                         f"{int(d.num_inference_steps)} sampling steps, group {int(d.group_size)}"
-                         + (", CFG doubles each denoiser batch" if cfg_branch == 2 else ""), extra,
-                         ref=bool(float(d.kl_coef)))
+    return _diffusion_rl(cfg, recipe, "diffusion_grpo", int(d.resolution), assume,
+                         int(cfg.roles.policy.micro_batch_size),
+                         f"{int(d.num_inference_steps)} sampling steps, group {int(d.group_size)}", extra,
+                         ref=bool(float(d.kl_coef)), guidance_scale=float(d.guidance_scale))
 
 
 def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -543,4 +520,5 @@ def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
 
     pairs = 2 * int(cfg.roles.policy.micro_batch_size)  # chosen and rejected images
     return _diffusion_rl(cfg, recipe, "diffusion_dpo", int(cfg.data.resolution), assume, pairs,
-                         f"{pairs // 2} preference pairs per rank: {pairs} images per forward")
+                         f"{pairs // 2} preference pairs per rank: {pairs} images per forward",
+                         t5_tokens=int(cfg.dpo.max_sequence_length))

@@ -14,7 +14,7 @@ from typing import Any
 
 from multiengine.engines import planner as P
 
-__all__ = ["denoiser_activation_bytes", "encoder_names", "is_t5", "meta_controlnet", "pipeline_family",
+__all__ = ["denoiser_activation_bytes", "encoder_names", "is_t5", "meta_controlnet", "pipeline_family", "text_tokens",
            "tiny_pipeline", "tiny_pipeline_info", "vae_activation_bytes", "vae_scale"]
 
 
@@ -50,6 +50,20 @@ def encoder_names(components: Mapping[str, P.ModelInfo]) -> list[str]:
 
 def is_t5(info: P.ModelInfo) -> bool:
     return info.class_name.startswith("T5") or "d_model" in info.config
+
+
+def text_tokens(components: Mapping[str, P.ModelInfo], max_sequence_length: int = 0) -> tuple[dict[str, int], int]:
+    """Tokens per caption of each text encoder as the recipes pad them (a CLIP its ``max_position_embeddings``, T5
+    ``max_sequence_length``, 0 = the family's), and the text tokens the denoiser attends to: SD/SDXL the longest
+    CLIP's; SD3 joins them with T5's; FLUX's transformer sees T5's only."""
+    from .runs import t5_length
+
+    family = pipeline_family(components)
+    t5 = t5_length(family, max_sequence_length)
+    tokens = {n: t5 if is_t5(components[n]) else int(components[n].config.get("max_position_embeddings", 77))
+              for n in encoder_names(components)}
+    clip = max((tokens[n] for n in tokens if not is_t5(components[n])), default=77)
+    return tokens, t5 if family == "flux" else clip + t5
 
 
 def vae_scale(vae: P.ModelInfo) -> int:

@@ -21,15 +21,19 @@ answers at most ``n + 3`` tokens: a 2-layer, 64-wide model learns it on CPU in m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import random
 import re
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from multiengine.engines.planner import ModelInfo
     from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ __all__ = [
     "prepare_builtin",
     "task_vocabulary",
     "tiny_lm_config",
+    "tiny_model_info",
     "train_bpe_tokenizer",
     "train_tokenizer",
     "write_builtin_dataset",
@@ -464,6 +469,21 @@ def build_tiny_causal_lm(
     tokenizer.save_pretrained(str(out))
     logger.info("built tiny %s (%d params) in %s", family, sum(p.numel() for p in model.parameters()), out)
     return out
+
+
+@functools.cache
+def tiny_model_info(hidden: int, layers: int, seed: int = 0) -> ModelInfo:
+    """The memory planner's view of the random tiny OPT the RLHF recipes build (built in a temporary folder to
+    read its headers: it is a few hundred KB)."""
+    from multiengine.engines import planner as P
+
+    with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
+        tok = os.path.join(tmp, "tokenizer")
+        train_tokenizer(task_vocabulary(), tok)
+        model = build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed)
+        info = P.model_info(str(model))
+    return P.ModelInfo(source=f"the recipes' tiny OPT (hidden {hidden}, {layers} layers)", tensors=info.tensors,
+                       config=info.config, class_name=info.class_name)
 
 
 def prepare_builtin(
