@@ -34,16 +34,13 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
     resolve_model,
     resolve_pipeline,
 )
-from multiengine.engines.role_schema import follow_chain
+from multiengine.engines.role_schema import follow_chain, model_path
 from multiengine.pipelines.diffusion import planning as D
 from multiengine.pipelines.rlhf.tiny import tiny_model_info
 
 _tiny_rlhf_model = tiny_model_info  # the name the tests use
 
 
-# --------------------------------------------------------------------------------------------------
-# one function per recipe
-# --------------------------------------------------------------------------------------------------
 def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
                   configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     from .registry_demo import ROLES, tiny_opt_config
@@ -74,17 +71,13 @@ def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
 SEED_BASELINE_NOTE = "seed_baseline: full copy"
 
 
-def _family_lora(cfg: Any, role: str, components: Mapping[str, P.ModelInfo]) -> Any:
-    """``cfg`` with an empty roles.<role>.lora.target_modules set to diffusers' targets of the model's family, as
-    the diffusion recipes fill it."""
+def _family_lora(section: Any, components: Mapping[str, P.ModelInfo]) -> tuple[int, tuple[str, ...]] | None:
+    """A diffusion role's LoRA (``_lora``), empty target_modules filled with diffusers' targets of the model's
+    family as the diffusion recipes fill them."""
     from multiengine.pipelines.diffusion.families import family_roles
-    from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    lora = cfg.roles[role].lora
-    if lora.r and not lora.target_modules:
-        lora.target_modules = list(family_roles(D.pipeline_family(components)).lora_targets)
-    return cfg
+    targets = tuple(section.lora.target_modules) or family_roles(D.pipeline_family(components)).lora_targets
+    return (int(section.lora.r), tuple(targets)) if section.lora.r else None
 
 
 def _gathered(cfg: Any, name: str, *phases: str) -> dict[str, Any]:
@@ -94,12 +87,12 @@ def _gathered(cfg: Any, name: str, *phases: str) -> dict[str, Any]:
             "gather_hint": f"roles.{name}.gather_forward=false"}
 
 
-def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any, trained: str | None,
-                    info: Any = None) -> list[RecipePlan]:
-    """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (``info(components)``: its ModelInfo),
-    from the recipe's ``roles``: ``trained`` (the denoiser, or a ControlNet beside a frozen denoiser) trainable;
-    the denoiser (when it is not the trained role), vae and text encoders frozen, all of them whole at stage 0 in
-    seed_baseline mode; an EMA of the trained role where ``ema.enabled``."""
+def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any,
+                    trained: str | None) -> list[RecipePlan]:
+    """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (its folder, else one initialised from
+    the unet), from the recipe's ``roles``: ``trained`` (the denoiser, or a ControlNet beside a frozen denoiser)
+    trainable; the denoiser (when it is not the trained role), vae and text encoders frozen, all of them whole at
+    stage 0 in seed_baseline mode; an EMA of the trained role where ``ema.enabled``."""
     components, source = resolve_pipeline(
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution),
@@ -109,16 +102,18 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
         what = "a unet or a transformer beside a vae" if trained is None else "a ControlNet for a unet"
         raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
     trained = trained or denoiser
-    cfg = _family_lora(cfg, trained, components)
     r, t = cfg.roles, cfg.roles[trained]
     baseline = cfg.mode == "seed_baseline"
     res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
     vae, net = components["vae"], components[denoiser]
     scale = D.vae_scale(vae)
-    lora = _lora(t.lora)
+    lora = _family_lora(t, components)
     encoders = D.encoder_names(components)
-    infos = {trained: info(components) if info else net, denoiser: net, "vae": vae,
-             **{n: components[n] for n in encoders}}
+    infos = {denoiser: net, "vae": vae, **{n: components[n] for n in encoders}}
+    if trained != denoiser:
+        given = str(t.model)
+        infos[trained] = P.model_info(given, str(cfg.model.variant) or None) if os.path.isdir(given) \
+            else D.meta_controlnet(net, scale)
     tokens, text = D.text_tokens(components, int(cfg.diffusion.get("max_sequence_length") or 0))
     prompts = (len(cfg.validation.prompts) or int(cfg.validation.num_prompts)) if cfg.validation.enabled else 0
 
@@ -129,19 +124,18 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
         val = act(batch=2 * prompts, trainable=False, checkpointing=False) if prompts else 0
         return [("train step", train)] + ([("validation", val)] if val else [])
 
-    vdtype = str(r.vae.dtype)
+    vae_act = functools.partial(D.vae_activation_bytes, vae, resolution=res, dtype=str(r.vae.dtype))
     phases = {trained: denoiser_phases(str(t.dtype), True, bool(t.gradient_checkpointing)),
-              "vae": [("encode", D.vae_activation_bytes(vae, batch=batch, resolution=res, dtype=vdtype))]
-              + ([("validation decode", D.vae_activation_bytes(vae, batch=prompts, resolution=res, dtype=vdtype))]
-                 if prompts else [])}
+              "vae": [("encode", vae_act(batch=batch))]
+              + ([("validation decode", vae_act(batch=prompts))] if prompts else [])}
     for n in encoders:
-        phases[n] = [("encode", P.transformer_activation_bytes(
-            P.transformer_dims(components[n].config), batch=batch, seq=tokens[n],
-            dtype=str(follow_chain(cfg, roles, n, "dtype", "")), trainable=False, logits=False))]
+        phases[n] = _lm_role_phases(cfg, roles, n, components[n], forward=(batch, tokens[n]), logits=False,
+                                    label="encode")
     options = {"vae": _gathered(cfg, "vae", "encode", "validation decode"),
                **{n: _gathered(cfg, n, "encode") for n in encoders}}
+    options[trained] = {"lora": lora}
     if lora:
-        options[trained] = {"note": "LoRA: activations estimated as for a full fine-tune (an upper bound)"}
+        options[trained]["note"] = "LoRA: activations estimated as for a full fine-tune (an upper bound)"
     if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
         phases[denoiser] = denoiser_phases(str(r[denoiser].dtype), True, False)
         options[denoiser] = {"note": "frozen; activations kept for the trained role's backward"}
@@ -179,21 +173,13 @@ def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     from .controlnet import ROLES
 
-    given = str(cfg.roles.controlnet.model)
-
-    def info(components: Mapping[str, P.ModelInfo]) -> P.ModelInfo:
-        if given and os.path.isdir(given):
-            return P.model_info(given, str(cfg.model.variant) or None)
-        return D.meta_controlnet(components["unet"], D.vae_scale(components["vae"]))
-
-    return _diffusion_plan(cfg, assume, "controlnet", ROLES, "controlnet", info)
+    return _diffusion_plan(cfg, assume, "controlnet", ROLES, "controlnet")
 
 
 def _lm_model(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
               tiny: tuple[int, int, int] | None = None) -> P.ModelInfo:
     """A causal LM's ModelInfo; ``model`` "" = the random tiny OPT ``(hidden, layers, seed)``, by default tiny.*'s."""
-    hidden, layers, seed = tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)
-    build = functools.partial(tiny_model_info, hidden, layers, seed)
+    build = functools.partial(tiny_model_info, *(tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)))
     if not model and not (assume and role in assume):
         return build()
     return resolve_model(str(model), role, assume=assume, configs_dir=configs_dir, tiny=build)
@@ -208,7 +194,8 @@ def _eval_generation(cfg: Any) -> tuple[int, int, int] | None:
 
 def _declared(title: str, cfg: Any, roles: Any, infos: Mapping[str, P.ModelInfo], phases: Mapping[str, Any],
               notes: list[str], **options: Any) -> RecipePlan:
-    plan = declared_roles(cfg, roles, infos, phases, options)
+    """``declared_roles`` of the declared ``roles`` the recipe builds (those ``infos`` has a model for)."""
+    plan = declared_roles(cfg, [role for role in roles if role.name in infos], infos, phases, options)
     plan.title, plan.notes = title, notes
     return plan
 
@@ -300,28 +287,28 @@ def _reward_roles(cfg: Any, declared: Any, rows: int, assume: Mapping[str, str] 
     return out, infos
 
 
-def _policy(title: str, note: str, cfg: Any, roles: Any, names: tuple[str, ...], infos: Mapping[str, P.ModelInfo],
-            rows: int, rollout: int, rewards: RecipePlan) -> RecipePlan:
-    """rlhf_ppo, rlhf_grpo: the declared ``names`` (the actor generating ``rollout`` rows and updating on its
-    micro batch, experience forwards of ``rows`` rows by the actor and critic and of ``rollout`` rows by the ref),
-    then the reward-model roles ``rewards``."""
+def _policy(title: str, note: str, cfg: Any, roles: Any, infos: Mapping[str, P.ModelInfo], ref: bool, rows: int,
+            rollout: int, rewards: RecipePlan) -> RecipePlan:
+    """rlhf_ppo, rlhf_grpo: the actor generating ``rollout`` rows and updating on its micro batch, the critic where
+    ``infos`` has one, a frozen ref from the actor's folder where ``ref`` (experience forwards of ``rows`` rows by
+    the actor and critic, of ``rollout`` rows by the ref), then the reward-model roles ``rewards``."""
     prompt, new = int(cfg.data.max_prompt_len), int(cfg.generation.max_new_tokens)
     seq, r = prompt + new, cfg.roles
+    infos = {**infos, "ref": infos["actor"]} if ref else infos
     phases = {"actor": _lm_role_phases(cfg, roles, "actor", infos["actor"], generate=(rollout, prompt, new),
                                        forward=(rows, seq), train=(int(r.actor.micro_batch_size), seq),
                                        label="experience forward"),
-              "ref": _lm_role_phases(cfg, roles, "ref", infos["ref"], forward=(rollout, seq),
+              "ref": _lm_role_phases(cfg, roles, "ref", infos["actor"], forward=(rollout, seq),
                                      label="experience forward")}
     options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
                          "gather_hint": "generation.mode=per_token"},
                "ref": _gathered(cfg, "ref", "experience forward")}
-    if "critic" in names:
+    if "critic" in infos:
         phases["critic"] = _lm_role_phases(cfg, roles, "critic", infos["critic"], forward=(rows, seq),
                                            train=(int(r.critic.micro_batch_size), seq), logits=False,
                                            label="experience forward")
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
-    plan = _declared(title, cfg, [r for r in roles if r.name in names], infos, phases, [note, *rewards.notes],
-                     **{k: v for k, v in options.items() if k in names})
+    plan = _declared(title, cfg, roles, infos, phases, [note, *rewards.notes], **options)
     plan.roles += rewards.roles
     plan.keys.update(rewards.keys)
     return plan
@@ -345,8 +332,8 @@ def rlhf_ppo(cfg: Any, assume: Mapping[str, str] | None = None,
         critic_info = _scalar(actor_info)
     plan = _policy("rlhf_ppo", f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, mode {g.mode}; "
                    f"updates on {int(r.actor.micro_batch_size)} rows (critic {int(r.critic.micro_batch_size)}) per "
-                   "forward/backward", cfg, ROLES, ("actor", "critic", "ref"),
-                   {"actor": actor_info, "critic": critic_info, "ref": actor_info}, rollout, rollout, rewards)
+                   "forward/backward", cfg, ROLES, {"actor": actor_info, "critic": critic_info}, True, rollout,
+                   rollout, rewards)
     if cfg.ema.enabled:  # the actor's weights (and adapters) at the actor's stage
         ema_dtype = str(follow_chain(cfg, ROLES, "ema", "dtype", ""))
         plan.roles.append(_role("ema", actor_info, ema_dtype, trainable=False, lora=_lora(r.actor.lora),
@@ -368,11 +355,10 @@ def rlhf_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
     prompt, new = int(d.max_prompt_len), int(g.max_new_tokens)
     rows = int(gr.rollout_batch_size) * int(gr.n_samples_per_prompt)
     rows_gen = max(rows, int(cfg.eval.batch_size) if cfg.eval.size else 0)
-    names = ("actor", "ref") if float(gr.kl_coef) > 0 else ("actor",)
     note = (f"rollout: {gr.rollout_batch_size} prompts x {gr.n_samples_per_prompt} samples = {rows} rows of "
             f"({prompt} + {new}) tokens per rank, generation mode {g.mode}; updates on {int(a.micro_batch_size)} "
             "rows per forward/backward")
-    return [_policy("rlhf_grpo", note, cfg, ROLES, names, {"actor": info, "ref": info}, rows, rows_gen,
+    return [_policy("rlhf_grpo", note, cfg, ROLES, {"actor": info}, float(gr.kl_coef) > 0, rows, rows_gen,
                     _reward_roles(cfg, ROLES, rows_gen, assume, configs_dir)[0])]
 
 
@@ -380,8 +366,6 @@ def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """A trainable policy and a frozen ref (by default from the same folder); each micro batch is
     ``roles.actor.micro_batch_size`` pairs = twice as many rows (chosen and rejected)."""
-    from multiengine.engines.role_schema import model_path
-
     from .rlhf_dpo import ROLES
 
     a, d, dpo = cfg.roles.actor, cfg.data, cfg.dpo
@@ -410,12 +394,11 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
     # the reward model starts from the SFT export (same architecture as the base) or its own base
     rm_base = base if cfg.reward.init_from_sft else (str(cfg.model.reward_pretrained) or base)
     final, needs_rm, feed = FINAL_STEP[str(cfg.algorithm)]
-    section = cfg[str(cfg.algorithm)]
     steps = [("rlhf_sft", cfg.sft, [f"{BASE_MODEL['rlhf_sft']}={base}"] if base else [], "sft.overrides")]
     if needs_rm:
         steps.append(("rlhf_reward", cfg.reward, [f"{BASE_MODEL['rlhf_reward']}={rm_base}"] if rm_base else [],
                       "reward.overrides"))
-    steps.append((final, section, feed(base, rm_base), f"{cfg.algorithm}.overrides"))
+    steps.append((final, cfg[str(cfg.algorithm)], feed(base, rm_base), f"{cfg.algorithm}.overrides"))
     out = []
     for recipe, sec, models, key in steps:
         sub = load_config(recipe, str(sec.config) or None, [*common, *models, *sec.overrides],
@@ -480,21 +463,18 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
         rows, note = 2 * rows, note + ", CFG doubles each denoiser batch"
     infos = {"policy": net, **({"ref": net} if ref else {}), "vae": vae,
              **{n: components[n] for n in D.encoder_names(components)}, **(extra or {})}
-    cfg = _family_lora(cfg, "policy", components)
     pol = cfg.roles.policy
-    dtype = str(pol.dtype)
-
-    def act(batch: int, trainable: bool, role_dtype: str) -> int:
-        return D.denoiser_activation_bytes(net, denoiser, res=res, scale=D.vae_scale(vae), batch=batch,
-                                           dtype=role_dtype, trainable=trainable,
-                                           checkpointing=bool(pol.gradient_checkpointing), text_tokens=text)
-
+    dtype, ref_dtype = str(pol.dtype), str(follow_chain(cfg, recipe.ROLES, "ref", "dtype", ""))
+    act = functools.partial(D.denoiser_activation_bytes, net, denoiser, res=res, scale=D.vae_scale(vae), batch=rows,
+                            checkpointing=bool(pol.gradient_checkpointing), text_tokens=text)
     vae_act = D.vae_activation_bytes(vae, batch=rows, resolution=res, dtype=str(cfg.roles.vae.dtype))
-    phases = {"policy": [("rollout", act(rows, False, dtype)), ("train step", act(rows, True, dtype))],
-              "ref": [("forward", act(rows, False, str(follow_chain(cfg, recipe.ROLES, "ref", "dtype", ""))))],
+    phases = {"policy": [("rollout", act(dtype=dtype, trainable=False)),
+                         ("train step", act(dtype=dtype, trainable=True))],
+              "ref": [("forward", act(dtype=ref_dtype, trainable=False))],
               "vae": [("decode / encode", vae_act)]}
-    return [_declared(title, cfg, [r for r in recipe.ROLES if r.name in infos], infos, phases,
-                      [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}", note])]
+    return [_declared(title, cfg, recipe.ROLES, infos, phases,
+                      [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}", note],
+                      policy={"lora": _family_lora(pol, components)})]
 
 
 def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
