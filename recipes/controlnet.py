@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from multiengine.engines import Placement, frozen_role, trainable_role
 from multiengine.engines.recipe_config import (
     Choice,
     Each,
     Key,
-    RecipeConfigError,
     Satisfies,
     config_problem,
     split_keys,
@@ -29,10 +27,10 @@ from multiengine.engines.recipe_config import (
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
 from multiengine.pipelines.diffusion import data as data_lib
-from multiengine.pipelines.diffusion.controlnet import CONTROLNET_PIPELINES, controlnet_factory
+from multiengine.pipelines.diffusion.controlnet import CONTROLNET_PIPELINES, controlnet_role_specs
 from multiengine.pipelines.diffusion.export import export_run
-from multiengine.pipelines.diffusion.inputs import check_config_folder, check_resolution, model_folder_family
-from multiengine.pipelines.diffusion.models import MODES, SEED_BASELINE, load_component
+from multiengine.pipelines.diffusion.inputs import check_config_folder
+from multiengine.pipelines.diffusion.models import MODES
 from multiengine.pipelines.diffusion.runs import conditioning_rows
 from multiengine.pipelines.diffusion.validation import build_pipeline, image_grid
 from multiengine.recipes import diffusion_keys as shared
@@ -62,10 +60,8 @@ KEYS: dict[str, Any] = {
                      "the objective: diffusers' train_controlnet.py DDPM loss through the frozen unet"),
     "data": Key({
         **shared.SD_DATA_KEYS,
-        "columns": Key({"image": Key("", "your image column (\"\" = data.image_column)"),
-                        "caption": Key("", "your caption column (\"\" = data.caption_column)"),
-                        "conditioning_image": Key("", "your conditioning image column (\"\" = conditioning_image)")},
-                       "your column names per field"),
+        "columns": Key({**shared.SD_DATA_KEYS["columns"].default, "conditioning_image": Key(
+            "", "your conditioning image column (\"\" = conditioning_image)")}, "your column names per field"),
         "conditioning_kind": Key("edge", "built-in shapes data: edge (outline) or mask (filled shape) images",
                                  Choice(*data_lib.CONDITIONING_KINDS)),
     }, "image-caption rows with a conditioning image each (docs/data.md)"),
@@ -86,20 +82,20 @@ CHECKS = {"roles.controlnet.lora.r": Satisfies(lambda v: v == 0, "0: the control
 RENAMED = {**shared.renamed("controlnet"), "model.controlnet": "roles.controlnet.model"}
 
 
+def check_unet_family(family: str, pretrained: str) -> None:
+    """A ControlNet conditions a unet: the base model's family ("" = not known yet) is SD or SDXL."""
+    if family and family not in CONTROLNET_PIPELINES:
+        raise config_problem("model.pretrained", pretrained, f"is a {family} model; a ControlNet conditions a unet "
+                             f"({', '.join(CONTROLNET_PIPELINES)})", "give an SD 1.x/2.x or SDXL folder")
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts: the base model folder is SD or SDXL, the ControlNet folder (if any) exists, the
     data has images, captions and conditioning images, enough rows (a micro batch per rank on ``world_size``
     ranks), every image readable."""
-    shared.check_components(cfg, tuple(r.name for r in ROLES[1:]))
-    family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
-    if family and family not in CONTROLNET_PIPELINES:
-        raise config_problem("model.pretrained", cfg.model.pretrained, f"is a {family} model; a ControlNet "
-                             f"conditions a unet ({', '.join(CONTROLNET_PIPELINES)})", "give an SD 1.x/2.x or SDXL "
-                             "folder")
+    check_unet_family(shared.check_model(cfg, tuple(r.name for r in ROLES[1:])), str(cfg.model.pretrained))
     check_config_folder("roles.controlnet.model", str(cfg.roles.controlnet.model), "a ControlNetModel folder",
                         "give a folder saved with ControlNetModel.save_pretrained, or \"\"")
-    if family:
-        check_resolution(int(cfg.data.resolution), family, str(cfg.model.pretrained))
     shared.check_data(cfg, world_size, "controlnet", conditioning=True)
 
 
@@ -118,9 +114,7 @@ class ControlNetTraining(SDFinetune):
         return str(self.cfg.data.columns.conditioning_image or "conditioning_image")
 
     def check_family(self, where: str) -> None:
-        if self.family not in CONTROLNET_PIPELINES:
-            raise RecipeConfigError(f"model.pretrained={where!r} is a {self.family} model; the controlnet recipe "
-                                    f"trains a ControlNet for a unet ({', '.join(CONTROLNET_PIPELINES)}).")
+        check_unet_family(self.family, where)
 
     def make_builtin_data(self, folder: str) -> None:
         cfg = self.cfg
@@ -128,20 +122,16 @@ class ControlNetTraining(SDFinetune):
                                                 kind=cfg.data.conditioning_kind)
 
     def add_roles(self) -> None:
-        cfg, registry = self.cfg, self.registry
-        frozen = {name: placement(cfg, ROLES, name) for name in ("unet", "vae", *self.text_encoders)}
-        if cfg.mode == SEED_BASELINE:  # diffusers' train_controlnet.py: only the trained model goes through ZeRO
-            frozen = {name: Placement(stage=0, dtype=p.dtype) for name, p in frozen.items()}
-        variant = str(cfg.model.variant) or None
-        c = cfg.roles.controlnet
-        factory = controlnet_factory(self.model_path, seed=cfg.seed, variant=variant,
-                                     controlnet_path=str(c.model) or None)
-        registry.add(trainable_role("controlnet", factory, placement(cfg, ROLES, "controlnet"),
-                                    optim_spec(cfg, "controlnet", cfg.max_steps, eps=float(cfg.diffusion.adam_epsilon)),
-                                    micro_batch_size=c.micro_batch_size, grad_accum=c.grad_accum,
-                                    gradient_checkpointing=c.gradient_checkpointing, seed=cfg.seed))
-        for name, place in frozen.items():
-            registry.add(frozen_role(name, lambda n=name: load_component(self.model_path, n, variant), place))
+        cfg, c = self.cfg, self.cfg.roles.controlnet
+        frozen = ("unet", "vae", *self.text_encoders)
+        for spec in controlnet_role_specs(
+            self.model_path, {name: placement(cfg, ROLES, name) for name in ("controlnet", *frozen)},
+            optim_spec(cfg, "controlnet", cfg.max_steps, eps=float(cfg.diffusion.adam_epsilon)), mode=cfg.mode,
+            frozen=frozen, controlnet_path=str(c.model) or None, micro_batch_size=c.micro_batch_size,
+            grad_accum=c.grad_accum, gradient_checkpointing=c.gradient_checkpointing, seed=cfg.seed,
+            variant=str(cfg.model.variant) or None,
+        ):
+            self.registry.add(spec)
 
     def make_objective(self, **extra: Any) -> tuple[Any, str | None]:
         return super().make_objective(conditioning_scale=float(self.cfg.controlnet.conditioning_scale))

@@ -24,9 +24,9 @@ from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import role_keys
 from multiengine.pipelines.diffusion import rl
 from multiengine.pipelines.diffusion.rl_runs import (
-    load_preference_rows,
     make_shapes_preference_pairs,
-    preference_pixels,
+    preference_source,
+    preference_split,
 )
 from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
@@ -83,7 +83,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     rows = int(cfg.data.builtin_size)
     if cfg.data.source:
         try:
-            rows = len(_pairs(cfg, str(cfg.data.source))[0])
+            rows = len(preference_source(str(cfg.data.source), **_load(cfg))[0])
         except (ValueError, FileNotFoundError) as exc:
             raise config_problem("data.source", cfg.data.source, f"cannot be used as preference pairs: {exc}",
                                  "give a file or dataset with prompt/chosen/rejected columns (data.columns)") from None
@@ -94,12 +94,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                              f"set {key} below {rows} or give data.eval_source")
 
 
-def _pairs(cfg: Any, source: str) -> tuple[Any, str]:
-    """The preference rows of ``source`` (data.columns renamed) and the folder their image paths are relative to."""
-    source = os.path.expanduser(source)
-    rows = load_preference_rows(source, {k: str(v) for k, v in cfg.data.columns.items()}, str(cfg.data.split),
-                                str(cfg.data.cache_dir) or None)
-    return rows, os.path.dirname(source) if os.path.isfile(source) else source
+def _load(cfg: Any) -> dict[str, Any]:
+    """How the data section reads preference rows (preference_source's options)."""
+    return {"columns": {k: str(v) for k, v in cfg.data.columns.items()}, "split": str(cfg.data.split),
+            "cache_dir": str(cfg.data.cache_dir) or None}
 
 
 class DiffusionDPO(DiffusionRoles):
@@ -122,14 +120,8 @@ class DiffusionDPO(DiffusionRoles):
                 make_shapes_preference_pairs(os.path.dirname(source), int(cfg.data.builtin_size), res, cfg.seed,
                                              [str(c) for c in cfg.data.shapes_colors])
             barrier()
-        rows, root = _pairs(cfg, source)
-        if cfg.data.eval_source:
-            self.held = preference_pixels(*_pairs(cfg, str(cfg.data.eval_source)), res)
-        else:
-            n = len(rows) - int(cfg.eval.size)
-            self.held = preference_pixels(rows.select(range(n, len(rows))), root, res)
-            rows = rows.select(range(n))
-        self.train_pairs = preference_pixels(rows, root, res)
+        self.train_pairs, self.held = preference_split(source, str(cfg.data.eval_source), int(cfg.eval.size), res,
+                                                       **_load(cfg))
 
     def train_step(self) -> dict[str, float]:
         cfg, registry = self.cfg, self.registry

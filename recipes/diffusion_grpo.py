@@ -16,7 +16,6 @@ export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusio
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 from typing import Any
 
@@ -203,11 +202,8 @@ class DiffusionGRPO(DiffusionRoles):
         rewards, means = score_images(self.eval_rewards, prompts, images)
         result: dict[str, Any] = {"reward": float(rewards.mean()), **{f"reward/{k}": v for k, v in means.items()}}
         if cfg.eval.grid and tag in ("before", "after") and self.registry.is_main:
-            keep = list(range(0, len(prompts), n))[:16]  # the first image of each prompt
-            grid = reward_grid(images[keep], [prompts[i] for i in keep], [float(rewards[i]) for i in keep], self.step)
             path = self.path("grids", f"{self.step:06d}_{tag}.png")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            grid.save(path)
+            grid = reward_grid(images, prompts, rewards.tolist(), self.step, per_prompt=n, path=path)
             self.metrics.log_image(self.step, "eval/grid", grid)
             self.grids.append(path)
         return result

@@ -175,6 +175,20 @@ def check_components(cfg: Any, roles: tuple[str, ...]) -> None:
                                      "holding this component")
 
 
+def check_model(cfg: Any, components: tuple[str, ...], resolution_key: str = "data.resolution") -> str:
+    """The ``components`` come from model.pretrained (check_components), and the image side at ``resolution_key``
+    suits the family of the pipeline folder (the tiny model's without one); returns that family, "" for a hub name
+    (its family is known once downloaded). Before any rank starts."""
+    from omegaconf import OmegaConf
+
+    check_components(cfg, components)
+    family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
+    if family:
+        resolution = int(OmegaConf.select(cfg, resolution_key))
+        check_resolution(resolution, family, str(cfg.model.pretrained), resolution_key)
+    return family
+
+
 def image_data(cfg: Any, conditioning: bool = False) -> ImageData:
     """The data section (and eval.heldout_size) as the pipelines' flat ImageData."""
     d = cfg.data
@@ -232,16 +246,10 @@ def rl_roles(policy: Mapping[str, Any], ref: str, *extra: Role, vae: str) -> tup
 def check_rl_model(cfg: Any, resolution_key: str) -> None:
     """The vae and text encoders from model.pretrained, the policy and ref folders, the pipeline folder's family
     and the image side it allows, and model.tiny_unet_steps only for the tiny SD; before any rank starts."""
-    from omegaconf import OmegaConf
-
-    check_components(cfg, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
     for name in ("policy", "ref"):
         check_config_folder(f"roles.{name}.model", str(cfg.roles[name].model), "a denoiser folder",
                             f"give a unet/ or transformer/ folder, or set roles.{name}.model=\"\"")
-    family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
-    if family:
-        resolution = int(OmegaConf.select(cfg, resolution_key))
-        check_resolution(resolution, family, str(cfg.model.pretrained), resolution_key)
+    check_model(cfg, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"), resolution_key)
     if cfg.model.tiny_unet_steps and (cfg.model.pretrained or cfg.model.tiny_family != "sd"):
         raise config_problem("model.tiny_unet_steps", cfg.model.tiny_unet_steps, "pretrains the tiny SD unet only "
                              f"(model.pretrained={str(cfg.model.pretrained)!r}, model.tiny_family="

@@ -25,7 +25,6 @@ from multiengine.engines.role_schema import Role, lora_spec, optim_spec, placeme
 from multiengine.pipelines.diffusion import models, runs
 from multiengine.pipelines.diffusion.export import export_run
 from multiengine.pipelines.diffusion.families import family_roles, model_family
-from multiengine.pipelines.diffusion.inputs import check_resolution, model_folder_family
 from multiengine.pipelines.diffusion.runs import SHAPES_PROMPTS, build_tiny_model
 from multiengine.pipelines.diffusion.training import family_objective, step_generator
 from multiengine.recipes import diffusion_keys as shared
@@ -91,11 +90,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts, without building a model: the model folder (and its family's options), the
     data sources, columns and rows, held-out size against the rows, every image readable, and a micro batch of
     training images per rank on ``world_size`` ranks."""
-    shared.check_components(cfg, tuple(r.name for r in ROLES))
-    family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
+    family = shared.check_model(cfg, tuple(r.name for r in ROLES))
     if family:
         check_family_options(cfg, family)
-        check_resolution(int(cfg.data.resolution), family, str(cfg.model.pretrained))
         denoiser = family_roles(family).denoiser
     else:  # a hub name: the family is known once downloaded; the denoiser the config sets, else the unet
         changed = flatten(cfg.roles.transformer) != flatten(DEFAULTS["roles"]["transformer"])

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["CONTROLNET_PIPELINES", "conditioning_embedding_channels", "controlnet_factory", "controlnet_from_unet",
-           "load_full_copy"]
+           "controlnet_role_specs", "load_full_copy"]
 
 # The ControlNet pipeline of each base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
 CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
@@ -93,3 +93,25 @@ def controlnet_factory(model_path: str, seed: int = 0, variant: str | None = Non
             return controlnet_from_unet(unet, factor, seed)
 
     return build
+
+
+def controlnet_role_specs(model_path: str, placements: dict[str, Any], optim: Any, *, mode: str, frozen: Sequence[str],
+                          controlnet_path: str | None, micro_batch_size: int, grad_accum: int,
+                          gradient_checkpointing: bool, seed: int, variant: str | None = None) -> list[Any]:
+    """RoleSpecs of a ControlNet run: ``controlnet`` (trainable, :func:`controlnet_factory`) and the ``frozen``
+    components of ``model_path`` (the unet, vae and text encoders), each placed by ``placements[name]``; in
+    ``seed_baseline`` mode the frozen ones whole on every rank (stage 0), as in diffusers' train_controlnet.py,
+    where only the trained model goes through ZeRO."""
+    from multiengine.engines import Placement, frozen_role, trainable_role
+
+    from .models import SEED_BASELINE, load_component
+
+    specs = [trainable_role("controlnet", controlnet_factory(model_path, seed, variant, controlnet_path),
+                            placements["controlnet"], optim, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                            gradient_checkpointing=gradient_checkpointing, seed=seed)]
+    for name in frozen:
+        place = placements[name]
+        if mode == SEED_BASELINE:
+            place = Placement(stage=0, dtype=place.dtype)
+        specs.append(frozen_role(name, lambda n=name: load_component(model_path, n, variant), place))
+    return specs

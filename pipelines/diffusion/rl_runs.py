@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "denoiser_from_folder", "prepare_tiny_pipeline",
            "rl_role_specs", "load_preference_rows", "load_reward_function", "load_reward_model_role",
            "reward_model_scores", "tiny_reward_model",
-           "make_shapes_preference_pairs", "preference_pixels", "pretrain_tiny_unet", "read_prompts", "reward_grid",
+           "make_shapes_preference_pairs", "preference_pixels", "preference_source", "preference_split",
+           "pretrain_tiny_unet", "read_prompts", "reward_grid",
            "score_images", "shapes_prompt_split"]
 
 REWARD_MODEL = "reward_model"
@@ -399,6 +400,28 @@ def load_preference_rows(source: str, columns: dict[str, str], split: str = "tra
     return ds.rename_columns({v: k for k, v in columns.items() if k != v})
 
 
+def preference_source(source: str, columns: dict[str, str], split: str = "train", cache_dir: str | None = None
+                      ) -> tuple[Any, str]:
+    """The preference rows of ``source`` (:func:`load_preference_rows`) and the folder their image paths are
+    relative to."""
+    source = os.path.expanduser(source)
+    rows = load_preference_rows(source, columns, split, cache_dir)
+    return rows, os.path.dirname(source) if os.path.isfile(source) else source
+
+
+def preference_split(source: str, eval_source: str, eval_size: int, resolution: int, **load: Any) -> tuple[Any, Any]:
+    """The training and the held-out pairs as :func:`preference_pixels`: the pairs of ``eval_source`` held out,
+    else the last ``eval_size`` rows of ``source``; ``load``: :func:`preference_source`'s options."""
+    rows, root = preference_source(source, **load)
+    if eval_source:
+        held = preference_pixels(*preference_source(eval_source, **load), resolution)
+    else:
+        n = len(rows) - eval_size
+        held = preference_pixels(rows.select(range(n, len(rows))), root, resolution)
+        rows = rows.select(range(n))
+    return preference_pixels(rows, root, resolution), held
+
+
 def preference_pixels(rows: Any, root: str, resolution: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """Prompts and the chosen / rejected pixels ``[N, 3, res, res]`` in ``[-1, 1]`` (resized, center-cropped)."""
     from PIL import Image
@@ -420,15 +443,21 @@ def preference_pixels(rows: Any, root: str, resolution: int) -> tuple[list[str],
 
 
 # --- grids ------------------------------------------------------------------------------------------------
-def reward_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], step: int) -> Any:
-    """A grid of ``images`` ``[N, 3, H, W]`` in ``[0, 1]``, each labelled with its prompt and reward."""
+def reward_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], step: int, *,
+                per_prompt: int = 1, path: str = "") -> Any:
+    """A grid of ``images`` ``[N, 3, H, W]`` in ``[0, 1]``, each labelled with its prompt and reward: the first
+    image of each prompt (each repeated ``per_prompt`` times in a row), at most 16; saved at ``path`` if given."""
     from PIL import Image
 
     from .validation import image_grid
 
-    pil = [Image.fromarray((x.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)) for x in images]
-    labels = [f"{p} (reward {r:.2f})" for p, r in zip(prompts, rewards)]
-    return image_grid(pil, prompts=labels, step=step)
+    keep = list(range(0, len(prompts), per_prompt))[:16]
+    pil = [Image.fromarray((images[i].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)) for i in keep]
+    grid = image_grid(pil, prompts=[f"{prompts[i]} (reward {float(rewards[i]):.2f})" for i in keep], step=step)
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        grid.save(path)
+    return grid
 
 
 # --- a briefly pre-trained tiny unet ---------------------------------------------------------------------------
