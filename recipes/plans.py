@@ -38,8 +38,6 @@ from multiengine.engines.role_schema import follow_chain, model_path
 from multiengine.pipelines.diffusion import planning as D
 from multiengine.pipelines.rlhf.tiny import tiny_model_info
 
-_tiny_rlhf_model = tiny_model_info  # the name the tests use
-
 
 def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
                   configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:

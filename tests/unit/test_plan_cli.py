@@ -8,6 +8,7 @@ import json
 import pytest
 from multiengine.engines import recipe_plans
 from multiengine.engines.recipe_config import list_recipes, load_config, load_recipe
+from multiengine.pipelines.rlhf.tiny import tiny_model_info
 from multiengine.recipes import cli, plans
 
 PLANNED = list_recipes()
@@ -199,7 +200,7 @@ def test_ppo_critic_and_rewards_from_the_reward_section():
     # reward functions only: the critic starts from the actor's folder with a fresh head, no reward role
     roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "roles.actor.model=", "roles.reward.model=")
     assert list(roles) == ["actor", "critic", "ref"]
-    assert roles["critic"].params == plans._scalar(plans._tiny_rlhf_model(64, 2, 0)).params
+    assert roles["critic"].params == plans._scalar(tiny_model_info(64, 2, 0)).params
     assert roles["critic"].trainable_params == roles["critic"].params
     # roles.critic.model is planned from its own folder; reward roles from reward.models, placed like the critic
     roles = _roles("rlhf_ppo", "roles.actor.model=", "roles.critic.model=facebook/opt-350m", "roles.critic.stage=3",
