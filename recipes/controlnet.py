@@ -109,10 +109,6 @@ class ControlNetTraining(SDFinetune):
     def trained(self) -> str:
         return "controlnet"
 
-    @property
-    def conditioning_column(self) -> str:
-        return str(self.cfg.data.columns.conditioning_image or "conditioning_image")
-
     def check_family(self, where: str) -> None:
         check_unet_family(self.family, where)
 
@@ -152,9 +148,6 @@ class ControlNetTraining(SDFinetune):
                               denoiser="unet", components={"controlnet": role},
                               class_name=CONTROLNET_PIPELINES[self.family])
 
-    def validation_role(self) -> str:
-        return "controlnet"
-
     def pipeline_kwargs(self) -> dict[str, Any]:
         return {"image": list(self.conditions),
                 "controlnet_conditioning_scale": float(self.cfg.controlnet.conditioning_scale)}
@@ -178,7 +171,8 @@ class ControlNetTraining(SDFinetune):
 
     def summary_extra(self) -> dict[str, Any]:
         out = super().summary_extra()
-        out.update({"conditioning_column": self.conditioning_column, "pipeline": CONTROLNET_PIPELINES[self.family]})
+        out.update({"conditioning_column": str(self.cfg.data.columns.conditioning_image or "conditioning_image"),
+                    "pipeline": CONTROLNET_PIPELINES[self.family]})
         if self.builtin_data:
             out["conditioning_kind"] = self.cfg.data.conditioning_kind
         return out

@@ -9,7 +9,7 @@ import os
 import statistics
 from typing import Any
 
-from multiengine.engines import barrier
+from multiengine.engines import barrier, mean_over_ranks
 from multiengine.engines.recipe_config import RecipeConfigError
 from multiengine.engines.recipe_lifecycle import Recipe
 from multiengine.engines.role_schema import Role, lora_spec, model_path, optim_spec, placement
@@ -24,6 +24,12 @@ from multiengine.pipelines.diffusion.validation import build_pipeline, image_gri
 from multiengine.recipes import diffusion_keys as shared
 
 logger = logging.getLogger(__name__)
+
+
+def first_last(step_metrics: list[dict[str, float]], key: str) -> dict[str, Any]:
+    """first_<key> and final_<key>: the training metric of the first and the last step (None before any)."""
+    values = [m[key] for m in step_metrics if key in m]
+    return {f"first_{key}": values[0] if values else None, f"final_{key}": values[-1] if values else None}
 
 
 class ImageFinetune(Recipe):
@@ -164,9 +170,6 @@ class ImageFinetune(Recipe):
             self.validate(tag)
         return result
 
-    def validation_role(self) -> str:
-        return "ema" if self.ema_on and self.cfg.validation.use_ema else self.trained
-
     def validation_pipeline(self, role: str) -> Any:
         return build_pipeline(self.registry, self.model_path, self.text_encoders, role, self.prediction_type,
                               denoiser=self.denoiser)
@@ -176,7 +179,8 @@ class ImageFinetune(Recipe):
 
     def validate(self, tag: str) -> None:
         """Images for the validation prompts, on all ranks in lockstep; rank 0 saves the labelled grid."""
-        v, role = self.cfg.validation, self.validation_role()
+        v = self.cfg.validation
+        role = "ema" if self.ema_on and v.use_ema else self.trained  # the controlnet recipe has no EMA
         if not v.enabled or not self.prompts:
             return
         self.validations.append(runs.validation_round(
@@ -191,8 +195,7 @@ class ImageFinetune(Recipe):
 
     def summary_metrics(self) -> dict[str, Any]:
         times = [m["step_time_s"] for m in (self.step_metrics[1:] or self.step_metrics)]
-        return {"first_loss": self.losses[0] if self.losses else None,
-                "final_loss": self.losses[-1] if self.losses else None,
+        return {**first_last(self.step_metrics, "loss"),
                 "step_time_s_median": statistics.median(times) if times else None,
                 **{f"heldout/{k}": v for k, v in self.heldout.items()}}
 
@@ -246,6 +249,12 @@ class DiffusionRoles(Recipe):
                            tokenizers=runs.text_tokenizers(self.model_path, self.text_encoders),
                            token_lengths=runs.token_lengths(self.model_path, self.text_encoders, t5),
                            guidance_scale=guidance_scale)
+
+    def step_record(self, records: list[dict[str, float]]) -> dict[str, float]:
+        """A step's metrics: each the mean over the micro batches that have it and over the ranks, the policy's
+        learning rate and the memory per role."""
+        out = {key: statistics.fmean(r[key] for r in records if key in r) for key in records[-1]}
+        return {**mean_over_ranks(out), "lr": self.registry["policy"].get_lr()[0], **runs.memory_metrics(self.registry)}
 
     def export(self) -> dict[str, Any]:
         """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy."""

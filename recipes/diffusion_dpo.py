@@ -14,11 +14,10 @@ export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusio
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import barrier, mean_over_ranks
+from multiengine.engines import barrier
 from multiengine.engines.recipe_config import Key, Length, Range, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import role_keys
@@ -28,11 +27,10 @@ from multiengine.pipelines.diffusion.rl_runs import (
     preference_source,
     preference_split,
 )
-from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.diffusion_base import DiffusionRoles
+from multiengine.recipes.diffusion_base import DiffusionRoles, first_last
 
 ROLES = shared.rl_roles(
     {**shared.POLICY, "lr": 1e-4, "micro_batch_size": Key(16, "preference pairs per rank per forward (2x images)"),
@@ -89,9 +87,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                                  "give a file or dataset with prompt/chosen/rejected columns (data.columns)") from None
     train = rows if cfg.data.eval_source else rows - int(cfg.eval.size)
     if train < 1:
-        key = "eval.size"
-        raise config_problem(key, cfg.eval.size, f"holds out every one of the {rows} pairs",
-                             f"set {key} below {rows} or give data.eval_source")
+        raise config_problem("eval.size", cfg.eval.size, f"holds out every one of the {rows} pairs",
+                             f"set eval.size below {rows} or give data.eval_source")
 
 
 def _load(cfg: Any) -> dict[str, Any]:
@@ -145,8 +142,7 @@ class DiffusionDPO(DiffusionRoles):
             policy.step()
             records.append({"loss": loss.item(), "implicit_acc": float(stats.implicit_acc),
                             "model_mse": float(stats.model_mse), "ref_mse": float(stats.ref_mse)})
-        out = {k: statistics.fmean(r[k] for r in records) for k in records[0]}
-        return {**mean_over_ranks(out), "lr": policy.get_lr()[0], **memory_metrics(registry)}
+        return self.step_record(records)
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:
@@ -161,8 +157,7 @@ class DiffusionDPO(DiffusionRoles):
                 "chosen_preferred": float((mw < ml).float().mean()), "policy_mse": float(stats.model_mse)}
 
     def summary_metrics(self) -> dict[str, Any]:
-        losses = [m["loss"] for m in self.step_metrics]
-        return {"first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        return {**first_last(self.step_metrics, "loss"),
                 **self.eval_figures(("implicit_acc", "margin", "chosen_preferred"))}
 
     def summary_extra(self) -> dict[str, Any]:

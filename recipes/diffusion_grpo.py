@@ -16,11 +16,10 @@ export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusio
 from __future__ import annotations
 
 import functools
-import statistics
 from typing import Any
 
 import torch
-from multiengine.engines import frozen_role, mean_over_ranks
+from multiengine.engines import frozen_role
 from multiengine.engines.recipe_config import Choice, Each, Key, Length, Range, config_problem, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, placement, role_keys
@@ -38,11 +37,10 @@ from multiengine.pipelines.diffusion.rl_runs import (
     shapes_prompt_split,
     tiny_reward_model,
 )
-from multiengine.pipelines.diffusion.runs import memory_metrics
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.diffusion_base import DiffusionRoles
+from multiengine.recipes.diffusion_base import DiffusionRoles, first_last
 
 ROLES = shared.rl_roles(
     shared.POLICY, "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the "
@@ -189,8 +187,7 @@ class DiffusionGRPO(DiffusionRoles):
                 policy.step()
                 records.append({"loss": loss.item(), **{k2: float(v) for k2, v in stats.items()}})
             records[-1].update({"reward": float(rewards.mean()), **{f"reward/{n}": v for n, v in means.items()}})
-        out = {key: statistics.fmean(r[key] for r in records if key in r) for key in records[-1]}
-        return {**mean_over_ranks(out), "lr": policy.get_lr()[0], **memory_metrics(registry)}
+        return self.step_record(records)
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:
@@ -209,9 +206,7 @@ class DiffusionGRPO(DiffusionRoles):
         return result
 
     def summary_metrics(self) -> dict[str, Any]:
-        rewards = [m["reward"] for m in self.step_metrics]
-        return {"first_reward": rewards[0] if rewards else None, "final_reward": rewards[-1] if rewards else None,
-                **self.eval_figures(("reward",))}
+        return {**first_last(self.step_metrics, "reward"), **self.eval_figures(("reward",))}
 
     def summary_extra(self) -> dict[str, Any]:
         return {"family": self.family, "model_path": self.model_path, "grids": self.grids,
