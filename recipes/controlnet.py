@@ -104,10 +104,7 @@ class ControlNetTraining(SDFinetune):
 
     name = "controlnet"
     conditioning = True
-
-    @property
-    def trained(self) -> str:
-        return "controlnet"
+    trained_role = "controlnet"
 
     def check_family(self, where: str) -> None:
         check_unet_family(self.family, where)

@@ -32,6 +32,13 @@ def first_last(step_metrics: list[dict[str, float]], key: str) -> dict[str, Any]
     return {f"first_{key}": values[0] if values else None, f"final_{key}": values[-1] if values else None}
 
 
+def step_record(registry: Any, records: list[dict[str, float]], trained: str) -> dict[str, float]:
+    """A step's metrics: each the mean over the micro batches that have it and over the ranks, the learning rate of
+    the ``trained`` role and the memory per role."""
+    out = {key: statistics.fmean(r[key] for r in records if key in r) for key in records[-1]}
+    return {**mean_over_ranks(out), "lr": registry[trained].get_lr()[0], **runs.memory_metrics(registry)}
+
+
 class ImageFinetune(Recipe):
     """A fine-tune on image-caption rows (sd_finetune; controlnet adds a conditioning image per row): the tiny
     model or model.pretrained, the training stream and held-out batches, the held-out loss before and after,
@@ -41,6 +48,7 @@ class ImageFinetune(Recipe):
     headline = (("loss", "held-out diffusion loss", False), ("loss_ema", "held-out diffusion loss of the EMA", False))
     plot_panels = [("diffusion loss", ["train/loss", "eval/loss", "eval/loss_ema"])]
     conditioning = False  # the controlnet recipe adds conditioning images to every batch
+    trained_role = ""  # "" = the family's denoiser
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
@@ -64,8 +72,8 @@ class ImageFinetune(Recipe):
 
     @property
     def trained(self) -> str:
-        """The trainable role: the denoiser here, the controlnet in the controlnet recipe."""
-        return self.denoiser
+        """The trainable role: the denoiser here, the controlnet in the controlnet recipe (``trained_role``)."""
+        return self.trained_role or self.denoiser
 
     def _model_path(self) -> str:
         cfg, registry = self.cfg, self.registry
@@ -249,12 +257,6 @@ class DiffusionRoles(Recipe):
                            tokenizers=runs.text_tokenizers(self.model_path, self.text_encoders),
                            token_lengths=runs.token_lengths(self.model_path, self.text_encoders, t5),
                            guidance_scale=guidance_scale)
-
-    def step_record(self, records: list[dict[str, float]]) -> dict[str, float]:
-        """A step's metrics: each the mean over the micro batches that have it and over the ranks, the policy's
-        learning rate and the memory per role."""
-        out = {key: statistics.fmean(r[key] for r in records if key in r) for key in records[-1]}
-        return {**mean_over_ranks(out), "lr": self.registry["policy"].get_lr()[0], **runs.memory_metrics(self.registry)}
 
     def export(self) -> dict[str, Any]:
         """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy."""

@@ -30,7 +30,7 @@ from multiengine.pipelines.diffusion.rl_runs import (
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.diffusion_base import DiffusionRoles, first_last
+from multiengine.recipes.diffusion_base import DiffusionRoles, first_last, step_record
 
 ROLES = shared.rl_roles(
     {**shared.POLICY, "lr": 1e-4, "micro_batch_size": Key(16, "preference pairs per rank per forward (2x images)"),
@@ -142,7 +142,7 @@ class DiffusionDPO(DiffusionRoles):
             policy.step()
             records.append({"loss": loss.item(), "implicit_acc": float(stats.implicit_acc),
                             "model_mse": float(stats.model_mse), "ref_mse": float(stats.ref_mse)})
-        return self.step_record(records)
+        return step_record(registry, records, "policy")
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from multiengine.pipelines.diffusion.rl_runs import (
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.diffusion_base import DiffusionRoles, first_last
+from multiengine.recipes.diffusion_base import DiffusionRoles, first_last, step_record
 
 ROLES = shared.rl_roles(
     shared.POLICY, "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the "
@@ -187,7 +187,7 @@ class DiffusionGRPO(DiffusionRoles):
                 policy.step()
                 records.append({"loss": loss.item(), **{k2: float(v) for k2, v in stats.items()}})
             records[-1].update({"reward": float(rewards.mean()), **{f"reward/{n}": v for n, v in means.items()}})
-        return self.step_record(records)
+        return step_record(registry, records, "policy")
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:

@@ -164,24 +164,20 @@ def check_family_options(cfg: Any, family: str, role_defaults: Mapping[str, Any]
                                  f"{family} model{suffix}", f"drop diffusion.{key}")
 
 
-def check_components(cfg: Any, roles: tuple[str, ...]) -> None:
-    """Every component comes from model.pretrained: a role's own model or tokenizer folder is refused."""
-    for name in roles:
+def check_model(cfg: Any, components: tuple[str, ...], resolution_key: str = "data.resolution") -> str:
+    """Every one of the ``components`` comes from model.pretrained (a role's own model or tokenizer folder is
+    refused), and the image side at ``resolution_key`` suits the family of the pipeline folder (the tiny model's
+    without one); returns that family, "" for a hub name (its family is known once downloaded). Before any rank
+    starts."""
+    from omegaconf import OmegaConf
+
+    for name in components:
         for key in ("model", "tokenizer"):
             if cfg.roles[name][key]:
                 raise config_problem(f"roles.{name}.{key}", cfg.roles[name][key], "is not supported: every component "
                                      "is loaded from the pipeline folder model.pretrained",
                                      f"set roles.{name}.{key}=\"\" and point model.pretrained at a diffusers folder "
                                      "holding this component")
-
-
-def check_model(cfg: Any, components: tuple[str, ...], resolution_key: str = "data.resolution") -> str:
-    """The ``components`` come from model.pretrained (check_components), and the image side at ``resolution_key``
-    suits the family of the pipeline folder (the tiny model's without one); returns that family, "" for a hub name
-    (its family is known once downloaded). Before any rank starts."""
-    from omegaconf import OmegaConf
-
-    check_components(cfg, components)
     family = model_folder_family(str(cfg.model.pretrained), str(cfg.model.tiny_family))
     if family:
         resolution = int(OmegaConf.select(cfg, resolution_key))

@@ -15,10 +15,9 @@ per-role folders, lora/) under output_dir (docs/diffusion.md).
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from multiengine.engines import Placement, mean_over_ranks
+from multiengine.engines import Placement
 from multiengine.engines.recipe_config import Choice, Each, Key, Range, flatten, split_keys
 from multiengine.engines.recipe_lifecycle import COMMON_KEYS
 from multiengine.engines.role_schema import Role, lora_spec, optim_spec, placement, role_keys
@@ -29,7 +28,7 @@ from multiengine.pipelines.diffusion.runs import SHAPES_PROMPTS, build_tiny_mode
 from multiengine.pipelines.diffusion.training import family_objective, step_generator
 from multiengine.recipes import diffusion_keys as shared
 from multiengine.recipes import plans
-from multiengine.recipes.diffusion_base import ImageFinetune
+from multiengine.recipes.diffusion_base import ImageFinetune, step_record
 
 __all__ = ["SHAPES_PROMPTS", "build_tiny_model", "check_family_options", "main"]
 
@@ -162,7 +161,7 @@ class SDFinetune(ImageFinetune):
     def train_step(self) -> dict[str, float]:
         cfg, registry = self.cfg, self.registry
         engine = registry[self.trained]
-        micro_losses = []
+        records = []
         for micro in range(engine.gradient_accumulation_steps()):
             # 1. this rank's next micro batch (sharded, resumable sampler)
             batch = next(self.batches)
@@ -176,15 +175,14 @@ class SDFinetune(ImageFinetune):
             engine.backward(out.loss)
             # 5. optimizer step, gradient clipping and lr schedule at the accumulation boundary only
             engine.step()
-            micro_losses.append(out.loss.item())
+            records.append({"loss": out.loss.item()})
         # 6. EMA: on matching local partitions (zero3), or by gathering the denoiser (seed_baseline)
         e = cfg.ema if self.ema_on else None
         decay = None if e is None else models.update_ema(
             registry, self.step + 1, e.decay, e.use_ema_warmup, min_decay=e.min_decay,
             update_after_step=e.update_after_step, inv_gamma=e.inv_gamma, power=e.power, source=self.trained)
         # 7. the loss averaged over micro batches and ranks, lr, memory per role
-        record = {**mean_over_ranks({"loss": statistics.fmean(micro_losses)}), "lr": engine.get_lr()[0],
-                  **runs.memory_metrics(registry)}
+        record = step_record(registry, records, self.trained)
         if decay is not None:
             record["ema_decay"] = decay
         return record
