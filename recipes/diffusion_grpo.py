@@ -15,7 +15,6 @@ export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusio
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -28,11 +27,10 @@ from multiengine.pipelines.diffusion.inputs import check_config_folder, check_pr
 from multiengine.pipelines.diffusion.rl_runs import (
     BUILTIN_REWARDS,
     REWARD_MODEL,
-    load_reward_function,
     load_reward_model_role,
     read_prompts,
+    reward_functions,
     reward_grid,
-    reward_model_scores,
     score_images,
     shapes_prompt_split,
     tiny_reward_model,
@@ -133,7 +131,6 @@ class DiffusionGRPO(DiffusionRoles):
         self.uses_ref = float(d.kl_coef) > 0
         self.add_denoisers(int(d.resolution), self.uses_ref, cfg.max_steps, accum)
         names = [str(n) for n in cfg.reward.functions]
-        weights = [float(w) for w in cfg.reward.weights] or [1.0] * len(names)
         if REWARD_MODEL in names:  # roles.reward.model "" = the tiny shapes CNN, trained here by rank 0
             folder = str(cfg.roles.reward.model) or tiny_reward_model(
                 self.path("tiny_reward"), resolution=int(d.resolution), steps=int(cfg.reward.model_steps),
@@ -141,12 +138,9 @@ class DiffusionGRPO(DiffusionRoles):
             registry.add(frozen_role("reward", lambda: load_reward_model_role(folder),
                                      placement(cfg, ROLES, "reward")))
         registry.build()
-        scorer = functools.partial(reward_model_scores, registry)
-        self.rewards = [(n, scorer if n == REWARD_MODEL else load_reward_function(n), w)
-                        for n, w in zip(names, weights)]
+        self.rewards = reward_functions(names, list(cfg.reward.weights), registry)
         ev = str(cfg.eval.reward)
-        self.eval_rewards = [(ev, scorer if ev == REWARD_MODEL else load_reward_function(ev), 1.0)] if ev else \
-            self.rewards
+        self.eval_rewards = reward_functions([ev], [1.0], registry) if ev else self.rewards
         self.pm = self.policy_model(int(d.resolution), float(d.guidance_scale))
         self.sampler = self.pm.sampler(int(d.num_inference_steps), float(d.eta), float(d.noise_level))
         train, held = shapes_prompt_split(int(cfg.eval.size), cfg.seed, [str(c) for c in cfg.prompts.shapes_colors])

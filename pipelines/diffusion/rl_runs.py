@@ -5,6 +5,7 @@ tiny shapes pairs), and labelled grids. Flat typed arguments only: the recipes r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "denoiser_from_folder", "prepare_tiny_pipeline",
            "rl_role_specs", "load_preference_rows", "load_reward_function", "load_reward_model_role",
-           "reward_model_scores", "tiny_reward_model",
+           "reward_functions", "reward_model_scores", "tiny_reward_model",
            "make_shapes_preference_pairs", "preference_pixels", "preference_source", "preference_split",
            "pretrain_tiny_unet", "read_prompts", "reward_grid",
            "score_images", "shapes_prompt_split"]
@@ -84,6 +85,16 @@ def load_reward_function(spec: str) -> Callable[..., list[float | None]]:
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: module {module!r} has no function {name!r}")
     return fn
+
+
+def reward_functions(names: Sequence[str], weights: Sequence[float], registry: EngineRegistry
+                     ) -> list[tuple[str, Callable[..., Any], float]]:
+    """:func:`score_images`' ``(name, function, weight)`` of each reward: ``reward_model`` scores with the
+    registry's reward role (:func:`reward_model_scores`), the others load with :func:`load_reward_function`;
+    ``weights`` [] = 1 each."""
+    weights = [float(w) for w in weights] or [1.0] * len(names)
+    return [(n, functools.partial(reward_model_scores, registry) if n == REWARD_MODEL else load_reward_function(n), w)
+            for n, w in zip(names, weights)]
 
 
 def score_images(functions: Sequence[tuple[str, Callable[..., Any], float]], prompts: Sequence[str],

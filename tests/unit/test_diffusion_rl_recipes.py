@@ -14,7 +14,9 @@ from multiengine.pipelines.diffusion.rl_runs import (
     load_preference_rows,
     make_shapes_preference_pairs,
     preference_pixels,
+    preference_split,
     read_prompts,
+    reward_functions,
     score_images,
     shapes_prompt_split,
 )
@@ -85,6 +87,11 @@ def test_shapes_preference_pairs_prefer_the_prompt_colour(tmp_path):
     bad = color_reward(prompts, (rejected + 1) / 2)
     assert min(good) > 0.9 and max(bad) < 0.1, (good, bad)
     assert make_shapes_preference_pairs(str(tmp_path / "pairs"), 12, resolution=16, seed=0) == path  # idempotent
+    columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    train, held = preference_split(path, "", 4, 16, columns=columns)  # the last 4 rows held out
+    assert train[0] == prompts[:8] and held[0] == prompts[8:] and torch.equal(held[1], chosen[8:])
+    train, held = preference_split(path, path, 4, 16, columns=columns)  # a separate held-out source
+    assert train[0] == held[0] == prompts
 
 
 def test_prompt_files_and_reward_mixing(tmp_path):
@@ -96,6 +103,10 @@ def test_prompt_files_and_reward_mixing(tmp_path):
     fns = [("a", lambda p, i: [1.0, None], 0.5), ("b", lambda p, i: [0.2, 0.4], 2.0)]
     total, means = score_images(fns, ["p", "q"], images)
     assert torch.allclose(total, torch.tensor([0.5 + 0.4, 0.0 + 0.8])) and means == pytest.approx({"a": 0.5, "b": 0.3})
+    (name, fn, weight), = reward_functions(["color"], [], registry=None)  # weights [] = 1 each
+    assert (name, fn, weight) == ("color", color_reward, 1.0)
+    model = reward_functions(["color", "reward_model"], [0.8, 0.2], registry="reg")[1]
+    assert model[0] == "reward_model" and model[1].args == ("reg",) and model[2] == 0.2
 
 
 def test_planner_lays_out_the_built_roles():
