@@ -227,22 +227,25 @@ def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | 
 
 
 def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
-                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None,
-                   options: Mapping[str, Mapping[str, Any]] | None = None, *,
-                   pinned: Mapping[str, P.Choice] | None = None, followers: bool = False) -> RecipePlan:
-    """The planner's roles straight from a recipe's ROLES declaration: trainable or frozen, placement keys
-    roles.<name>.*, the stage a following role takes (engines/role_schema.py resolves it, nowhere else), LoRA; only
-    the models, the activation phases and ``options`` (more of a role's request, or a different one:
-    ``full_gather``, ``gather_hint``, ``extra_trainable``, ``note``, ...) are the recipe's own.
+                   phases: Mapping[str, Sequence[tuple[str, int]]] | None = None, *, title: str = "",
+                   notes: Sequence[str] = (), pinned: Mapping[str, P.Choice] | None = None, followers: bool = False,
+                   **options: Mapping[str, Any]) -> RecipePlan:
+    """The planner's roles straight from a recipe's ROLES declaration (the roles it builds: those ``infos`` has a
+    model for): trainable or frozen, placement keys roles.<name>.*, the stage a following role takes
+    (engines/role_schema.py resolves it, nowhere else), LoRA; only the models, the activation phases and
+    ``options`` (``<role>={...}``: more of a role's request, or a different one: ``full_gather``, ``gather_hint``,
+    ``extra_trainable``, ``note``, ...) are the recipe's own.
 
     ``pinned``: roles the recipe builds at that one placement whatever their keys say (diffusers' layout: whole
     copies). ``followers``: a role whose stage is -1 is planned at its leader's whole placement, as the recipe
     builds it from one set of keys. Neither has keys of its own for ``--write``."""
     from .role_schema import follow_chain
 
-    phases, options, pinned = phases or {}, options or {}, pinned or {}
+    phases, pinned = phases or {}, pinned or {}
     requests, keys = [], {}
     for role in roles:
+        if role.name not in infos:
+            continue
         section = cfg.roles[role.name]
         stage = int(follow_chain(cfg, roles, role.name, "stage", -1))
         dtype = str(follow_chain(cfg, roles, role.name, "dtype", ""))
@@ -259,7 +262,24 @@ def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelIn
             keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
         request.update(options.get(role.name, {}))
         requests.append(_role(role.name, infos[role.name], dtype, trainable=role.trainable, **request))
-    return RecipePlan("", requests, keys)
+    return RecipePlan(title, requests, keys, list(notes))
+
+
+def lm_role_phases(cfg: Any, roles: Sequence[Any], name: str, info: P.ModelInfo,
+                   **shapes: Any) -> list[tuple[str, int]]:
+    """The activation phases (:func:`_lm_phases` of ``shapes``) of the causal-LM role ``name`` on ``info``, at the
+    dtype its declaration resolves and with its gradient checkpointing."""
+    from .role_schema import follow_chain
+
+    return _lm_phases(P.transformer_dims(info.config), str(follow_chain(cfg, roles, name, "dtype", "")),
+                      checkpointing=bool(cfg.roles[name].get("gradient_checkpointing", False)), **shapes)
+
+
+def gather_options(cfg: Any, name: str, *phases: str) -> dict[str, Any]:
+    """A frozen role's request options: its ``phases`` run on whole (gathered) weights while
+    roles.<name>.gather_forward is on."""
+    return {"full_gather": phases if cfg.roles[name].gather_forward else (),
+            "gather_hint": f"roles.{name}.gather_forward=false"}
 
 
 def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
-from multiengine.engines.recipe_config import Key, Satisfies, plain
+from multiengine.engines.recipe_config import Key, RecipeConfigError, Satisfies, plain
 from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
 from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
 from multiengine.pipelines.rlhf.reward_sources import reward_entries as _reward_entries
@@ -119,13 +119,6 @@ def lora_renamed(role: str) -> dict[str, str]:
 
 
 # --- the checks of validate(cfg), before any rank starts -------------------------------------------------------
-def config_error(err: Exception) -> Exception:
-    """A data / model-folder error of a check as the config error the CLI reports (exit 2, no traceback)."""
-    from multiengine.engines.recipe_config import RecipeConfigError
-
-    return RecipeConfigError(str(err))
-
-
 def check_model(key: str, path: str) -> None:
     """``path`` (a ``model`` key) is a model folder with ``config.json`` or a hub name; "" passes (the built-in
     tiny model)."""
@@ -145,8 +138,8 @@ def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallb
     try:
         tok = role_tokenizer(given, model_path, fallback, what=model_key)
     except (OSError, ValueError) as err:
-        raise config_error(ValueError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
-                                      f"tokenizer ({err}); set {key} to a tokenizer folder")) from None
+        raise RecipeConfigError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
+                                f"tokenizer ({err}); set {key} to a tokenizer folder") from None
     check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
     return tok
 
@@ -184,7 +177,7 @@ def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str |
                               eval_source=spec["eval_source"] or None, eval_split=spec["eval_split"],
                               eval_stage=eval_stage, seed=cfg.seed, evaluate=evaluate)
     except ValueError as err:
-        raise config_error(err) from None
+        raise RecipeConfigError(str(err)) from None
     report["train_rows"] = len(data.train)
     report["eval_rows"] = len(data.eval) if data.eval is not None else 0
     # what reward functions may read besides the prompt (checked against their parameters)
@@ -249,7 +242,7 @@ def check_prompts_and_rewards(cfg: Any, models: list[RewardModelRole],
             check_scoring_tokenizers(actor_tok, [*reward_tokenizer_checks(models), *scoring],
                                      bool(report and report["conversational"]))
         except (OSError, ValueError) as err:
-            raise config_error(err) from None
+            raise RecipeConfigError(str(err)) from None
     return actor_tok, report
 
 
@@ -269,13 +262,11 @@ def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -
             if cols is not None:
                 check(sources, list(cols), "the evaluation rows" if split == "eval" else f"{key} (the training rows)")
     except ValueError as err:
-        raise config_error(err) from None
+        raise RecipeConfigError(str(err)) from None
 
 
 def check_model_path(key: str, given: str, recipe: str) -> str:
     """``given`` unless it names a local folder that does not exist ("org/name" or "name" is a hub model)."""
-    from multiengine.engines.recipe_config import RecipeConfigError
-
     if given and not os.path.exists(given) and (given.startswith(("/", ".", "~")) or given.count("/") >= 2):
         raise RecipeConfigError(f"{key}={given!r} does not exist; run `multiengine run {recipe} --config tiny "
                                 f"--nproc-per-node 2` first, or use rlhf_e2e.")

@@ -129,9 +129,9 @@ def shared_logits(teacher: str, student: str, teacher_tokenizer: Any, student_to
     try:
         return check_vocab(sizes[1], sizes[0], student_tokenizer, teacher_tokenizer)
     except ValueError as err:
-        raise common.config_error(ValueError(
+        raise RecipeConfigError(
             f"roles.teacher.model ({teacher}: {sizes[0]} logits) and roles.student.model ({student}: {sizes[1]} "
-            f"logits) do not share one vocabulary, which token-level distillation needs: {err}")) from None
+            f"logits) do not share one vocabulary, which token-level distillation needs: {err}") from None
 
 
 class Distill(Recipe):

@@ -29,6 +29,8 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
     _role,
     _scalar,
     declared_roles,
+    gather_options,
+    lm_role_phases,
     module_info,
     recipe_plans,
     resolve_model,
@@ -57,13 +59,13 @@ def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
         info = P.ModelInfo(f"registry_demo's tiny OPT (hidden {m.hidden_size}, {m.layers} layers, vocab "
                            f"{m.vocab_size})", tensors, config=config.to_dict(), class_name="OPTForCausalLM")
     batch, seq = int(cfg.roles.actor.micro_batch_size), int(cfg.seq_len)
-    phases = {"actor": _lm_role_phases(cfg, ROLES, "actor", info, train=(batch, seq)),
-              "reward": _lm_role_phases(cfg, ROLES, "reward", info, forward=(batch, seq)),
-              "encoder": _lm_role_phases(cfg, ROLES, "encoder", info, forward=(batch, seq), logits=False)}
+    phases = {"actor": lm_role_phases(cfg, ROLES, "actor", info, train=(batch, seq)),
+              "reward": lm_role_phases(cfg, ROLES, "reward", info, forward=(batch, seq)),
+              "encoder": lm_role_phases(cfg, ROLES, "encoder", info, forward=(batch, seq), logits=False)}
     # the demo's roles are planned without optimizer offload, and its frozen roles without parameter offload
-    return [_declared("registry_demo", cfg, ROLES, {"actor": info, "reward": info, "encoder": info.without("lm_head.")},
-                      phases, [], actor={"choices": P.trainable_choices(False)},
-                      reward={"choices": P.frozen_choices(False)}, encoder={"choices": P.frozen_choices(False)})]
+    return [declared_roles(cfg, ROLES, {"actor": info, "reward": info, "encoder": info.without("lm_head.")}, phases,
+                           title="registry_demo", actor={"choices": P.trainable_choices(False)},
+                           reward={"choices": P.frozen_choices(False)}, encoder={"choices": P.frozen_choices(False)})]
 
 
 SEED_BASELINE_NOTE = "seed_baseline: full copy"
@@ -76,13 +78,6 @@ def _family_lora(section: Any, components: Mapping[str, P.ModelInfo]) -> tuple[i
 
     targets = tuple(section.lora.target_modules) or family_roles(D.pipeline_family(components)).lora_targets
     return (int(section.lora.r), tuple(targets)) if section.lora.r else None
-
-
-def _gathered(cfg: Any, name: str, *phases: str) -> dict[str, Any]:
-    """A frozen role's request options: its ``phases`` run on whole (gathered) weights while
-    roles.<name>.gather_forward is on."""
-    return {"full_gather": phases if cfg.roles[name].gather_forward else (),
-            "gather_hint": f"roles.{name}.gather_forward=false"}
 
 
 def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any,
@@ -127,10 +122,10 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
               "vae": [("encode", vae_act(batch=batch))]
               + ([("validation decode", vae_act(batch=prompts))] if prompts else [])}
     for n in encoders:
-        phases[n] = _lm_role_phases(cfg, roles, n, components[n], forward=(batch, tokens[n]), logits=False,
+        phases[n] = lm_role_phases(cfg, roles, n, components[n], forward=(batch, tokens[n]), logits=False,
                                     label="encode")
-    options = {"vae": _gathered(cfg, "vae", "encode", "validation decode"),
-               **{n: _gathered(cfg, n, "encode") for n in encoders}}
+    options = {"vae": gather_options(cfg, "vae", "encode", "validation decode"),
+               **{n: gather_options(cfg, n, "encode") for n in encoders}}
     options[trained] = {"lora": lora}
     if lora:
         options[trained]["note"] = "LoRA: activations estimated as for a full fine-tune (an upper bound)"
@@ -140,8 +135,9 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
     pinned = {n: P.Choice(0) for n in infos if n != trained} if baseline else {}
     for n in pinned:
         options.setdefault(n, {})["note"] = SEED_BASELINE_NOTE
-    plan = declared_roles(cfg, [role for role in roles if role.name in infos], infos, phases, options,
-                          pinned=pinned, followers=True)
+    notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch {batch}"
+             + (", gradient checkpointing" if t.gradient_checkpointing else "")]
+    plan = declared_roles(cfg, roles, infos, phases, title=title, notes=notes, pinned=pinned, followers=True, **options)
     ema = cfg.get("ema") or {}
     if ema.get("enabled"):  # the trained role's weights (and adapters), sharded like it
         ema_info = infos[trained]
@@ -154,9 +150,6 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
             note=SEED_BASELINE_NOTE if baseline else f"sharded like the {trained} (same stage)"))
         if not baseline:
             plan.keys["ema"] = RoleKeys(None, "ema.offload_params")
-    plan.title = title
-    plan.notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch "
-                  f"{batch}" + (", gradient checkpointing" if t.gradient_checkpointing else "")]
     return [plan]
 
 
@@ -190,21 +183,6 @@ def _eval_generation(cfg: Any) -> tuple[int, int, int] | None:
         else None
 
 
-def _declared(title: str, cfg: Any, roles: Any, infos: Mapping[str, P.ModelInfo], phases: Mapping[str, Any],
-              notes: list[str], **options: Any) -> RecipePlan:
-    """``declared_roles`` of the declared ``roles`` the recipe builds (those ``infos`` has a model for)."""
-    plan = declared_roles(cfg, [role for role in roles if role.name in infos], infos, phases, options)
-    plan.title, plan.notes = title, notes
-    return plan
-
-
-def _lm_role_phases(cfg: Any, roles: Any, name: str, info: P.ModelInfo, **shapes: Any) -> list[tuple[str, int]]:
-    """The activation phases (``_lm_phases(**shapes)``) of the causal-LM role ``name`` on ``info``, at the dtype
-    its declaration resolves and with its gradient checkpointing."""
-    return _lm_phases(P.transformer_dims(info.config), str(follow_chain(cfg, roles, name, "dtype", "")),
-                      checkpointing=bool(cfg.roles[name].get("gradient_checkpointing", False)), **shapes)
-
-
 def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     from .rlhf_sft import ROLES
@@ -212,11 +190,11 @@ def rlhf_sft(cfg: Any, assume: Mapping[str, str] | None = None,
     a, d = cfg.roles.actor, cfg.data
     info = _lm_model(cfg, a.model, "actor", assume, configs_dir)
     seq = int(d.max_prompt_len) + int(d.max_response_len)
-    phases = _lm_role_phases(cfg, ROLES, "actor", info, train=(int(a.micro_batch_size), seq),
+    phases = lm_role_phases(cfg, ROLES, "actor", info, train=(int(a.micro_batch_size), seq),
                              generate=_eval_generation(cfg))
-    return [_declared("rlhf_sft", cfg, ROLES, {"actor": info}, {"actor": phases},
-                      [f"sequences of {seq} tokens, micro batch {a.micro_batch_size}"],
-                      actor={"full_gather": ("generation",)})]
+    return [declared_roles(cfg, ROLES, {"actor": info}, {"actor": phases}, title="rlhf_sft",
+                           notes=[f"sequences of {seq} tokens, micro batch {a.micro_batch_size}"],
+                           actor={"full_gather": ("generation",)})]
 
 
 def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -226,10 +204,11 @@ def rlhf_reward(cfg: Any, assume: Mapping[str, str] | None = None,
     r, d = cfg.roles.reward, cfg.data
     info = _scalar(_lm_model(cfg, r.model, "reward", assume, configs_dir))
     seq, rows = int(d.max_prompt_len) + int(d.max_response_len), 2 * int(r.micro_batch_size)
-    phases = _lm_role_phases(cfg, ROLES, "reward", info, train=(rows, seq), logits=False)
-    return [_declared("rlhf_reward", cfg, ROLES, {"reward": info}, {"reward": phases},
-                      [f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs ({rows} rows)"],
-                      reward={"extra_trainable": P.transformer_dims(info.config).hidden})]
+    phases = lm_role_phases(cfg, ROLES, "reward", info, train=(rows, seq), logits=False)
+    return [declared_roles(cfg, ROLES, {"reward": info}, {"reward": phases}, title="rlhf_reward",
+                           notes=[f"pairs of {seq}-token sequences, micro batch {r.micro_batch_size} pairs "
+                                  f"({rows} rows)"],
+                           reward={"extra_trainable": P.transformer_dims(info.config).hidden})]
 
 
 def _reward_roles(cfg: Any, declared: Any, rows: int, assume: Mapping[str, str] | None,
@@ -293,20 +272,20 @@ def _policy(title: str, note: str, cfg: Any, roles: Any, infos: Mapping[str, P.M
     prompt, new = int(cfg.data.max_prompt_len), int(cfg.generation.max_new_tokens)
     seq, r = prompt + new, cfg.roles
     infos = {**infos, "ref": infos["actor"]} if ref else infos
-    phases = {"actor": _lm_role_phases(cfg, roles, "actor", infos["actor"], generate=(rollout, prompt, new),
+    phases = {"actor": lm_role_phases(cfg, roles, "actor", infos["actor"], generate=(rollout, prompt, new),
                                        forward=(rows, seq), train=(int(r.actor.micro_batch_size), seq),
                                        label="experience forward"),
-              "ref": _lm_role_phases(cfg, roles, "ref", infos["actor"], forward=(rollout, seq),
+              "ref": lm_role_phases(cfg, roles, "ref", infos["actor"], forward=(rollout, seq),
                                      label="experience forward")}
     options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
                          "gather_hint": "generation.mode=per_token"},
-               "ref": _gathered(cfg, "ref", "experience forward")}
+               "ref": gather_options(cfg, "ref", "experience forward")}
     if "critic" in infos:
-        phases["critic"] = _lm_role_phases(cfg, roles, "critic", infos["critic"], forward=(rows, seq),
+        phases["critic"] = lm_role_phases(cfg, roles, "critic", infos["critic"], forward=(rows, seq),
                                            train=(int(r.critic.micro_batch_size), seq), logits=False,
                                            label="experience forward")
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
-    plan = _declared(title, cfg, roles, infos, phases, [note, *rewards.notes], **options)
+    plan = declared_roles(cfg, roles, infos, phases, title=title, notes=[note, *rewards.notes], **options)
     plan.roles += rewards.roles
     plan.keys.update(rewards.keys)
     return plan
@@ -373,12 +352,12 @@ def rlhf_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
     seq, rows = int(d.max_prompt_len) + int(d.max_response_len), 2 * int(a.micro_batch_size)
     ref_rows, label = (2 * int(dpo.precompute_batch_size), "precompute") if dpo.precompute_ref \
         else (rows, "reference forward")
-    phases = {"actor": _lm_role_phases(cfg, ROLES, "actor", info, train=(rows, seq), generate=_eval_generation(cfg)),
-              "ref": _lm_role_phases(cfg, ROLES, "ref", ref_info, forward=(ref_rows, seq), label=label)}
-    return [_declared("rlhf_dpo", cfg, ROLES, {"actor": info, "ref": ref_info}, phases,
-                      [f"micro batch {a.micro_batch_size} pairs = {rows} rows of {seq} tokens"
-                       + ("; ref log-probs precomputed before training" if dpo.precompute_ref else "")],
-                      actor={"full_gather": ("generation",)}, ref=_gathered(cfg, "ref", label))]
+    phases = {"actor": lm_role_phases(cfg, ROLES, "actor", info, train=(rows, seq), generate=_eval_generation(cfg)),
+              "ref": lm_role_phases(cfg, ROLES, "ref", ref_info, forward=(ref_rows, seq), label=label)}
+    return [declared_roles(cfg, ROLES, {"actor": info, "ref": ref_info}, phases, title="rlhf_dpo",
+                           notes=[f"micro batch {a.micro_batch_size} pairs = {rows} rows of {seq} tokens"
+                                  + ("; ref log-probs precomputed before training" if dpo.precompute_ref else "")],
+                           actor={"full_gather": ("generation",)}, ref=gather_options(cfg, "ref", label))]
 
 
 def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -421,16 +400,16 @@ def distill(cfg: Any, assume: Mapping[str, str] | None = None,
     batch, seq = int(r.student.micro_batch_size), int(d.max_prompt_len) + int(d.max_response_len)
     vocab, tdtype = P.transformer_dims(teacher_info.config).vocab, str(r.teacher.dtype)
     teacher_logits = batch * seq * vocab * (P.DTYPE_BYTES[tdtype] + 4)  # its logits and log-softmax
-    student = _lm_role_phases(cfg, ROLES, "student", student_info, train=(batch, seq), generate=_eval_generation(cfg))
-    phases = {"teacher": _lm_role_phases(cfg, ROLES, "teacher", teacher_info, forward=(batch, seq),
+    student = lm_role_phases(cfg, ROLES, "student", student_info, train=(batch, seq), generate=_eval_generation(cfg))
+    phases = {"teacher": lm_role_phases(cfg, ROLES, "teacher", teacher_info, forward=(batch, seq),
                                          generate=_eval_generation(cfg)),
               "student": [(label, n + (teacher_logits if label == "train step" else 0)) for label, n in student]}
-    return [_declared("distill", cfg, ROLES, {"teacher": teacher_info, "student": student_info}, phases,
-                      [f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds the "
-                       "teacher's logits too"],
-                      teacher={"full_gather": ("generation", "forward") if r.teacher.gather_forward
-                               else ("generation",), "gather_hint": "roles.teacher.gather_forward=false"},
-                      student={"full_gather": ("generation",)})]
+    return [declared_roles(cfg, ROLES, {"teacher": teacher_info, "student": student_info}, phases, title="distill",
+                           notes=[f"sequences of {seq} tokens, micro batch {batch}; the student's train step holds "
+                                  "the teacher's logits too"],
+                           teacher={"full_gather": ("generation", "forward") if r.teacher.gather_forward
+                                    else ("generation",), "gather_hint": "roles.teacher.gather_forward=false"},
+                           student={"full_gather": ("generation",)})]
 
 
 def gan(cfg: Any, assume: Mapping[str, str] | None = None,
@@ -441,8 +420,8 @@ def gan(cfg: Any, assume: Mapping[str, str] | None = None,
 
     with torch.device("meta"):
         infos = {r.name: module_info(r.name, MLP(**recipe._shape(cfg, r.name))) for r in recipe.ROLES}
-    return [_declared("gan", cfg, recipe.ROLES, infos, {}, ["two MLPs of gan.width x gan.depth; activations are "
-                                                          "negligible"])]
+    return [declared_roles(cfg, recipe.ROLES, infos, title="gan",
+                           notes=["two MLPs of gan.width x gan.depth; activations are negligible"])]
 
 
 def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None, rows: int,
@@ -470,9 +449,9 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
                          ("train step", act(dtype=dtype, trainable=True))],
               "ref": [("forward", act(dtype=ref_dtype, trainable=False))],
               "vae": [("decode / encode", vae_act)]}
-    return [_declared(title, cfg, recipe.ROLES, infos, phases,
-                      [f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}", note],
-                      policy={"lora": _family_lora(pol, components)})]
+    return [declared_roles(cfg, recipe.ROLES, infos, phases, title=title,
+                           notes=[f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}",
+                                  note], policy={"lora": _family_lora(pol, components)})]
 
 
 def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,

@@ -85,8 +85,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise RecipeConfigError(f"dpo: {exc}") from None
     actor, ref = cfg.roles.actor, cfg.roles.ref
     if ref.tokenizer and ref.tokenizer != actor.tokenizer:
-        raise common.config_error(ValueError(f"roles.ref.tokenizer={ref.tokenizer!r}: the ref scores the actor's "
-                                             "tokens with the actor's tokenizer; leave roles.ref.tokenizer empty"))
+        raise RecipeConfigError(f"roles.ref.tokenizer={ref.tokenizer!r}: the ref scores the actor's tokens with the "
+                                "actor's tokenizer; leave roles.ref.tokenizer empty")
     common.check_model("roles.ref.model", ref.model)
     tok = common.check_role(cfg, "actor")
     report = common.check_data(cfg, "reward", tok, tokenizer_key="roles.actor.tokenizer")
