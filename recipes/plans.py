@@ -364,25 +364,23 @@ def rlhf_e2e(cfg: Any, assume: Mapping[str, str] | None = None,
              configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
     """The steps rlhf_e2e runs one after another (SFT, reward model unless step 3 is DPO, then PPO, GRPO or
     DPO per ``algorithm``), each planned on its own."""
-    from .rlhf_e2e import BASE_MODEL, FINAL_STEP
+    from .rlhf_e2e import BASE_MODEL, FINAL_STEP, steps
 
     common = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
     base = str(cfg.model.pretrained)
     # the reward model starts from the SFT export (same architecture as the base) or its own base
     rm_base = base if cfg.reward.init_from_sft else (str(cfg.model.reward_pretrained) or base)
-    final, needs_rm, feed = FINAL_STEP[str(cfg.algorithm)]
-    steps = [("rlhf_sft", cfg.sft, [f"{BASE_MODEL['rlhf_sft']}={base}"] if base else [], "sft.overrides")]
-    if needs_rm:
-        steps.append(("rlhf_reward", cfg.reward, [f"{BASE_MODEL['rlhf_reward']}={rm_base}"] if rm_base else [],
-                      "reward.overrides"))
-    steps.append((final, cfg[str(cfg.algorithm)], feed(base, rm_base), f"{cfg.algorithm}.overrides"))
+    models = {"sft": [f"{BASE_MODEL['rlhf_sft']}={base}"] if base else [],
+              "reward": [f"{BASE_MODEL['rlhf_reward']}={rm_base}"] if rm_base else [],
+              str(cfg.algorithm): FINAL_STEP[str(cfg.algorithm)][2](base, rm_base)}
     out = []
-    for recipe, sec, models, key in steps:
-        sub = load_config(recipe, str(sec.config) or None, [*common, *models, *sec.overrides],
+    for section, recipe, _ in steps(cfg):
+        sec = cfg[section]
+        sub = load_config(recipe, str(sec.config) or None, [*common, *models[section], *sec.overrides],
                           configs_dir=configs_dir)
         for item in recipe_plans(recipe, sub, assume, configs_dir):
             item.title = f"rlhf_e2e step {recipe} (config {sec.config or 'defaults'})"
-            item.overrides_key = key
+            item.overrides_key = f"{section}.overrides"
             out.append(item)
     return out
 

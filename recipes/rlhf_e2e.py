@@ -27,7 +27,7 @@ from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
 from multiengine.engines.recipe_steps import FINGERPRINT_FILE, run_step
 from multiengine.recipes import common, plans
 
-__all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "validate"]
+__all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "steps", "validate"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,44 +80,37 @@ BASE_MODEL = {"rlhf_sft": "roles.actor.model", "rlhf_reward": "roles.reward.mode
 
 
 
+def steps(cfg: Any) -> list[tuple[str, str, str]]:
+    """``(section, recipe, data stage)`` of each step the config runs: SFT, the reward model unless step 3 is DPO
+    (which trains on the pairs directly), then step 3."""
+    recipe, needs_rm, _ = FINAL_STEP[cfg.algorithm]
+    return [("sft", "rlhf_sft", "sft"), *([("reward", "rlhf_reward", "reward")] if needs_rm else []),
+            (cfg.algorithm, recipe, "reward" if cfg.algorithm == "dpo" else "ppo")]
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Before any rank starts: the base model folders and their tokenizers against their vocabularies, the data
     of every stage the steps read (SFT rows, preference pairs, prompts and evaluation prompts), and each step's
     batches against its rows on ``world_size`` ranks. The rest of the steps' own configs is checked when they
     load."""
+    from multiengine.engines.recipe_config import RecipeConfigError, load_config, load_recipe
+
     common.check_model("model.pretrained", cfg.model.pretrained)
     common.check_model("model.reward_pretrained", cfg.model.reward_pretrained)
     tok = common.check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
     if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
         common.check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained", cfg.model.reward_pretrained)
-    _, needs_rm, _ = FINAL_STEP[cfg.algorithm]
-    reports = {"sft": common.check_data(cfg, "sft", tok), "reward": None, "ppo": None}
-    if needs_rm or cfg.algorithm == "dpo":
-        reports["reward"] = common.check_data(cfg, "reward", tok)
-    if cfg.algorithm in ("ppo", "grpo"):
-        reports["ppo"] = common.check_data(cfg, "ppo", tok, eval_stage="eval")
-    _check_step_batches(cfg, reports, world_size)
-
-
-def _check_step_batches(cfg: Any, reports: dict[str, Any], world_size: int) -> None:
-    """Each step's batches (its recipe's check_batches) against the rows of its stage, with the step's config as
-    run_step loads it (its shipped config, the data keys, its overrides); the model folders it gets from the
-    steps before do not exist yet and are not needed here. Built-in data has no report: nothing to check."""
-    from multiengine.engines.recipe_config import RecipeConfigError, load_config, load_recipe
-
-    recipe3, needs_rm, _ = FINAL_STEP[cfg.algorithm]
-    steps = [("sft", "rlhf_sft", "sft")]
-    if needs_rm:
-        steps.append(("reward", "rlhf_reward", "reward"))
-    steps.append((cfg.algorithm, recipe3, "reward" if cfg.algorithm == "dpo" else "ppo"))
     shared = [f"seed={cfg.seed}", *common.data_overrides(cfg.data)]
-    for section, recipe, stage in steps:
-        if reports.get(stage) is None:
+    for section, recipe, stage in steps(cfg):
+        report = common.check_data(cfg, stage, tok, eval_stage="eval" if stage == "ppo" else None)
+        if report is None:  # built-in data: nothing to check
             continue
+        # the step's batches against its rows, with its config as run_step loads it (the model folders it gets
+        # from the steps before do not exist yet and are not needed here)
         step = cfg[section]
         step_cfg = load_config(recipe, step.config or None, [*shared, *[str(o) for o in step.overrides]])
         try:
-            load_recipe(recipe).check_batches(step_cfg, reports[stage], world_size,
+            load_recipe(recipe).check_batches(step_cfg, report, world_size,
                                               setting=f"{section}.overrides=[{{key}}={{n}}]")
         except RecipeConfigError as exc:
             raise RecipeConfigError(f"step {section} ({recipe} --config {step.config}): {exc}") from None
