@@ -6,7 +6,6 @@ lives in pipelines/ (flat arguments)."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -265,14 +264,6 @@ def check_reward_columns(sources: Any, columns: Any, key: str = "data.source") -
         raise RecipeConfigError(str(err)) from None
 
 
-def check_model_path(key: str, given: str, recipe: str) -> str:
-    """``given`` unless it names a local folder that does not exist ("org/name" or "name" is a hub model)."""
-    if given and not os.path.exists(given) and (given.startswith(("/", ".", "~")) or given.count("/") >= 2):
-        raise RecipeConfigError(f"{key}={given!r} does not exist; run `multiengine run {recipe} --config tiny "
-                                f"--nproc-per-node 2` first, or use rlhf_e2e.")
-    return given
-
-
 # --- reading the data and reward sections ---------------------------------------------------------------------
 def data_spec(section: Any) -> dict[str, Any]:
     """The loading arguments of a ``data`` section: ``source`` (``data.sources`` when set, else
@@ -376,7 +367,7 @@ def sft_actor(recipe: Any, assets: dict[str, str]) -> tuple[str, Any]:
     """The actor's folder (``roles.actor.model``, else the tiny SFT actor trained first under output_dir/sft with
     ``actor_sft`` on the recipe's data; ``assets``: :func:`tiny_assets`) and its tokenizer."""
     cfg = recipe.cfg
-    path = check_model_path("roles.actor.model", cfg.roles.actor.model, "rlhf_sft") or sft_model(
+    path = cfg.roles.actor.model or sft_model(
         recipe, cfg.actor_sft, recipe.path("sft"), data_overrides(cfg.data, assets.get("data") or None),
         assets["model"])
     return role_folder(recipe, "actor", assets, path)

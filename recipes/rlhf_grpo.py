@@ -234,7 +234,7 @@ class RLHFGRPO(Recipe):
             registry.add(ref_spec(actor_path, placement(cfg, ROLES, "ref")))
             self.paths["ref"] = actor_path
         for m in reward_roles:
-            self.paths[m.role] = common.check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
+            self.paths[m.role] = m.path
             registry.add(reward_spec(m.path, m.placement, name=m.role))
         registry.build()
         self.reward_role = reward_roles[0].role if reward_roles else None

@@ -186,12 +186,12 @@ class RLHFPPO(Recipe):
         # 1. the model folders (the random tiny OPT and the built-in task where left empty) and the reward sources
         wants_rm = common.wants_reward_role(cfg.reward)
         self.assets = common.tiny_assets(self, r.actor.model, *([r.reward.model] if wants_rm else []))
-        self.paths = {"actor": self._model_path("actor", "rlhf_sft")}
+        self.paths = {"actor": self._model_path("actor")}
         reward_roles, rewards, critic_path, critic_tok = reward_and_critic(
-            cfg, self.paths["actor"], self._model_path("reward", "rlhf_reward") if wants_rm else None)
+            cfg, self.paths["actor"], self._model_path("reward") if wants_rm else None)
         for m in reward_roles:
-            self.paths[m.role] = common.check_model_path(f"reward.models ({m.role}) model", m.path, "rlhf_reward")
-        self.paths["critic"] = common.check_model_path("roles.critic.model", critic_path, "rlhf_reward")
+            self.paths[m.role] = m.path
+        self.paths["critic"] = critic_path
         if not reward_roles:
             logger.info("rewards from functions only: the critic starts from %s with a fresh head", critic_path)
         main_rm = next((m for m in reward_roles if m.role == "reward"), None)
@@ -229,14 +229,13 @@ class RLHFPPO(Recipe):
             judge=a.judge, decode=a.decode, rewards=self.rewards, critic_retokenizer=self.retokenizers.get("critic")))
         self.plot_panels = plot_panels(self.rewards, a.judge is not None)
 
-    def _model_path(self, role: str, recipe: str) -> str:
+    def _model_path(self, role: str) -> str:
+        """roles.<role>.model (validate checked the folder), else the random tiny model."""
         given = self.cfg.roles[role].model
         if not given:
             logger.warning("roles.%s.model is empty: using the random tiny model %s (run rlhf_e2e for the whole "
                            "pipeline)", role, self.assets["model"])
-            return self.assets["model"]
-        # a missing local folder is an error here; "org/name" (one slash) or "name" is a hub model
-        return common.check_model_path(f"roles.{role}.model", given, recipe)
+        return given or self.assets["model"]
 
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
