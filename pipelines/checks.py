@@ -19,8 +19,9 @@ from .sources import is_hub_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelFolderError", "check_diffusers_folder", "check_model_folder", "check_rows_per_rank",
-           "check_vocab_fits", "heldout_of_training", "load_tokenizer", "tokenizer_size"]
+__all__ = ["ModelFolderError", "check_diffusers_folder", "check_model", "check_model_folder", "check_rows_per_rank",
+           "check_stage_batches", "check_tokenizer", "check_vocab_fits", "heldout_of_training", "load_tokenizer",
+           "tokenizer_size"]
 
 
 class ModelFolderError(RecipeConfigError):
@@ -160,6 +161,29 @@ def check_vocab_fits(tokenizer: Any, model_path: str, *, key: str = "model.pretr
     return need, vocab
 
 
+def check_model(key: str, path: str) -> None:
+    """``path`` (a ``model`` key) is a model folder with ``config.json`` or a hub name; "" passes (the built-in
+    tiny model)."""
+    if path:
+        check_model_folder(str(path), key=key)
+
+
+def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
+    """Load the tokenizer of a role (``given`` = its tokenizer key's value, else the model folder's) and check
+    that the model embeds every id of it; returns it (``None`` when ``model_path`` is "")."""
+    from .rlhf.runs import role_tokenizer
+
+    if not model_path:
+        return None
+    try:
+        tok = role_tokenizer(given, model_path, fallback, what=model_key)
+    except (OSError, ValueError) as err:
+        raise RecipeConfigError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
+                                f"tokenizer ({err}); set {key} to a tokenizer folder") from None
+    check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
+    return tok
+
+
 def check_diffusers_folder(path: str, key: str = "model.pretrained") -> list[str]:
     """A local diffusers folder: ``model_index.json``, each text encoder's config and tokenizer, and the
     tokenizers' vocabularies fit their encoders. Returns the text encoder names (hub names: ``[]``)."""
@@ -223,6 +247,17 @@ def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, fac
     fixes.append(f"add training {unit}")
     fix = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f", or {fixes[-1]}"
     raise config_problem(key, value, problem, fix)
+
+
+def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
+                        unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
+    """The rows each rank gets against the batches it draws (``check_rows_per_rank``) for the training rows of a
+    data check's report (``train_rows``, ``eval_rows``, ``eval_origin``); built-in data (no report, thousands of rows
+    per stage) passes."""
+    if report is None:
+        return
+    check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,
+                        what=what, heldout=heldout_of_training(report), setting=setting)
 
 
 def heldout_of_training(report: dict[str, Any]) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.recipe_config import Key, RecipeConfigError, Satisfies, plain
-from multiengine.pipelines.checks import check_rows_per_rank, heldout_of_training
+from multiengine.pipelines.checks import check_model, check_stage_batches, check_tokenizer
 from multiengine.pipelines.rlhf.reward_sources import RewardModelRole, reward_roles, reward_tokenizer_checks
 from multiengine.pipelines.rlhf.reward_sources import reward_entries as _reward_entries
 from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
@@ -118,31 +118,6 @@ def lora_renamed(role: str) -> dict[str, str]:
 
 
 # --- the checks of validate(cfg), before any rank starts -------------------------------------------------------
-def check_model(key: str, path: str) -> None:
-    """``path`` (a ``model`` key) is a model folder with ``config.json`` or a hub name; "" passes (the built-in
-    tiny model)."""
-    from multiengine.pipelines.checks import check_model_folder
-
-    if path:
-        check_model_folder(str(path), key=key)
-
-
-def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
-    """Load the tokenizer of a role (``given`` = its tokenizer key's value, else the model folder's) and check
-    that the model embeds every id of it; returns it (``None`` when ``model_path`` is "")."""
-    from multiengine.pipelines.checks import check_vocab_fits
-
-    if not model_path:
-        return None
-    try:
-        tok = role_tokenizer(given, model_path, fallback, what=model_key)
-    except (OSError, ValueError) as err:
-        raise RecipeConfigError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
-                                f"tokenizer ({err}); set {key} to a tokenizer folder") from None
-    check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
-    return tok
-
-
 def check_role(cfg: Any, role: str, tokenizer: str | None = None, fallback: Any = None) -> Any:
     """``roles.<role>.model`` (:func:`check_model`) and its tokenizer (``tokenizer``, else
     ``roles.<role>.tokenizer``) against its vocabulary (:func:`check_tokenizer`); returns the tokenizer."""
@@ -186,16 +161,6 @@ def check_data(cfg: Any, stage: str, tokenizer: Any = None, *, eval_stage: str |
     logger.info("data (%s): %d training rows (%s); evaluation: %s", stage, report["train_rows"],
                 ", ".join(f"{r['path']}: {r['format']}" for r in report["sources"]), data.eval_origin)
     return report
-
-
-def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
-                        unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
-    """The rows each rank gets against the batches it draws (``check_rows_per_rank``) for the training rows of a
-    :func:`check_data` report; built-in data (no report, thousands of rows per stage) passes."""
-    if report is None:
-        return
-    check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,
-                        what=what, heldout=heldout_of_training(report), setting=setting)
 
 
 def check_sft_run(cfg: Any, section: str, role: str, world_size: int, report: Any = False) -> None:

@@ -19,6 +19,7 @@ from multiengine.engines.recipe_config import (
     plain,
 )
 from multiengine.engines.role_schema import Role
+from multiengine.pipelines.checks import check_rows_per_rank
 from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
 from multiengine.pipelines.diffusion.flow import SCHEMES
 from multiengine.pipelines.diffusion.inputs import (
@@ -28,7 +29,6 @@ from multiengine.pipelines.diffusion.inputs import (
     model_folder_family,
 )
 from multiengine.pipelines.diffusion.math import PREDICTION_TYPES
-from multiengine.recipes.common import check_rows_per_rank
 
 
 def component_model(name: str) -> Key:

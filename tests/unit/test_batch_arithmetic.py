@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from multiengine.engines.recipe_config import ConfigValueError
+from multiengine.pipelines.checks import check_rows_per_rank
 from multiengine.recipes import cli
-from multiengine.recipes.common import check_rows_per_rank
 
 
 @pytest.fixture(autouse=True)
