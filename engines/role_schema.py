@@ -98,9 +98,9 @@ def _with(base: dict[str, Key], changes: Mapping[str, Any], where: str) -> dict[
         if isinstance(value, Key):
             out[name] = value
         elif isinstance(old.default, dict):
-            out[name] = Key(_with(old.default, value, f"{where}.{name}"), old.help)
+            out[name] = old._replace(default=_with(old.default, value, f"{where}.{name}"))
         else:
-            out[name] = Key(value, old.help)
+            out[name] = old._replace(default=value)  # the shared help (and check) with the role's default
     return out
 
 

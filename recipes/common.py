@@ -96,7 +96,7 @@ def eval_keys(meaning: str, **defaults: Any) -> Key:
     unknown = set(defaults) - set(EVAL_KEYS)
     if unknown:
         raise KeyError(f"not eval keys: {sorted(unknown)}")
-    return Key({k: Key(defaults.get(k, v.default), v.help) for k, v in EVAL_KEYS.items()}, meaning)
+    return Key({k: v._replace(default=defaults.get(k, v.default)) for k, v in EVAL_KEYS.items()}, meaning)
 
 
 def export_keys(role: str = "actor", what: str = "") -> Key:
