@@ -443,8 +443,6 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-
-
 # --- the two sides of `multiengine run --nproc-per-node N` --------------------------------------------
 def launch_job(cmd: list[str], env: dict[str, str], output_dir: str, nproc_per_node: int) -> int:
     """Run build_launch_command's ``cmd`` for a config this process has checked for every rank; the error records

@@ -825,6 +825,7 @@ def parse_assume(items: Sequence[str]) -> dict[str, str]:
         out[role] = model
     return out
 
+
 @dataclass
 class RolePlan:
     request: RoleRequest

@@ -281,6 +281,7 @@ def output_dir_policy(module: Any, recipe: str, cfg: Any, *, clear: bool, nnodes
     elif nnodes == 1 or not node_rank:
         clear_output_dir(name, cfg)
 
+
 def mark_run(output_dir: str, name: str) -> None:
     """Record in output_dir which recipe runs there (run.json), so a later run of another recipe is refused
     before summary.json exists."""

@@ -64,7 +64,6 @@ from multiengine.engines.recipe_config import (
 logger = logging.getLogger(__name__)
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multiengine", description="Run multi-engine DeepSpeed recipes and manage their configs.",

@@ -27,6 +27,8 @@ TINY_KEYS = Key({"hidden": Key(64, "width of the random tiny model (roles whose 
                  "layers": Key(2, "layers of the random tiny model")},
                 "the random tiny OPT built under output_dir/tiny for roles whose model is \"\" (mechanics only)")
 TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
+
+
 def _eval_split_ok(value: Any) -> bool:
     from multiengine.pipelines.sources import DataSourceError, parse_eval_split
 

@@ -125,7 +125,6 @@ MODEL_KEYS: dict[str, Any] = {
 }
 
 
-
 def renamed(trained: str, hint: str = "") -> dict[str, str]:
     """The old keys (train.*, lora.*, flow.*) -> their new names; ``hint`` follows a role key's new name."""
     new = f"roles.{trained}"

@@ -78,8 +78,6 @@ FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
 BASE_MODEL = {"rlhf_sft": "roles.actor.model", "rlhf_reward": "roles.reward.model"}
 
 
-
-
 def steps(cfg: Any) -> list[tuple[str, str, str]]:
     """``(section, recipe, data stage)`` of each step the config runs: SFT, the reward model unless step 3 is DPO
     (which trains on the pairs directly), then step 3."""
