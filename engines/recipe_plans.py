@@ -189,9 +189,10 @@ def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def _lora(section: Any) -> tuple[int, tuple[str, ...]] | None:
-    """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``."""
-    return (int(section.r), tuple(section.target_modules)) if section.r else None
+def _lora(section: Any, default_targets: Sequence[str] = ()) -> tuple[int, tuple[str, ...]] | None:
+    """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``; empty target modules take
+    ``default_targets``, as role_schema.lora_spec does."""
+    return (int(section.r), tuple(section.target_modules) or tuple(default_targets)) if section.r else None
 
 
 def _scalar(info: P.ModelInfo) -> P.ModelInfo:

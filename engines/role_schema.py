@@ -176,15 +176,16 @@ def optim_spec(cfg: Any, name: str, total_steps: int, **overrides: Any) -> Any:
     return OptimSpec(**values)
 
 
-def lora_spec(cfg: Any, name: str, **overrides: Any) -> Any:
-    """The engines' LoraSpec of roles.<name>.lora, or None for ``r: 0`` (``alpha: 0`` = alpha = r)."""
+def lora_spec(cfg: Any, name: str, default_targets: Sequence[str] = (), **overrides: Any) -> Any:
+    """The engines' LoraSpec of roles.<name>.lora, or None for ``r: 0`` (``alpha: 0`` = alpha = r); an empty
+    ``target_modules`` takes ``default_targets`` (the diffusion recipes: the family's)."""
     from multiengine.engines import LoraSpec
 
     s = cfg.roles[name].lora
     if not s.r:
         return None
     values = {"rank": int(s.r), "alpha": float(s.alpha) or None, "dropout": float(s.dropout),
-              "target_modules": tuple(s.target_modules)}
+              "target_modules": tuple(s.target_modules) or tuple(default_targets)}
     values.update(overrides)
     return LoraSpec(**values)
 

@@ -245,9 +245,7 @@ class DiffusionRoles(Recipe):
                 ref_folder=model_path(cfg, self.roles, "ref", default) if uses_ref else None,
                 optim=optim_spec(cfg, "policy", total_steps), micro_batch_size=int(p.micro_batch_size),
                 grad_accum=accum, gradient_checkpointing=bool(p.gradient_checkpointing), seed=cfg.seed,
-                # target_modules [] = diffusers' LoRA targets of the family
-                lora=lora_spec(cfg, "policy", target_modules=tuple(p.lora.target_modules
-                                                                   or self.family_roles.lora_targets)),
+                lora=lora_spec(cfg, "policy", self.family_roles.lora_targets),  # [] = diffusers' targets
                 variant=str(cfg.model.variant) or None):
             registry.add(spec)
 

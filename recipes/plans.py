@@ -72,12 +72,11 @@ SEED_BASELINE_NOTE = "seed_baseline: full copy"
 
 
 def _family_lora(section: Any, components: Mapping[str, P.ModelInfo]) -> tuple[int, tuple[str, ...]] | None:
-    """A diffusion role's LoRA (``_lora``), empty target_modules filled with diffusers' targets of the model's
-    family as the diffusion recipes fill them."""
+    """A diffusion role's LoRA, empty target_modules filled with diffusers' targets of the model's family as the
+    diffusion recipes fill them."""
     from multiengine.pipelines.diffusion.families import family_roles
 
-    targets = tuple(section.lora.target_modules) or family_roles(D.pipeline_family(components)).lora_targets
-    return (int(section.lora.r), tuple(targets)) if section.lora.r else None
+    return _lora(section.lora, family_roles(D.pipeline_family(components)).lora_targets)
 
 
 def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any,

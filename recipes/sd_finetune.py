@@ -132,8 +132,7 @@ class SDFinetune(ImageFinetune):
         place = placement(cfg, ROLES, d)
         ema = Placement(stage=place.stage, dtype=str(cfg.ema.dtype), offload_params=bool(cfg.ema.offload_params)) \
             if cfg.ema.enabled else None
-        lora = lora_spec(cfg, d, init="gaussian", target_modules=tuple(cfg.roles[d].lora.target_modules)
-                         or self.family_roles.lora_targets)
+        lora = lora_spec(cfg, d, self.family_roles.lora_targets, init="gaussian")
         for spec in models.diffusion_role_specs(
             self.model_path, mode=cfg.mode, unet=place, vae=placement(cfg, ROLES, "vae"),
             text_encoder={n: placement(cfg, ROLES, n) for n in self.text_encoders}, ema=ema,

@@ -170,6 +170,10 @@ def test_lora_and_optimizer_specs_from_a_role():
     lora = schema.lora_spec(cfg, "actor")
     assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (8, None, 0.1, ("q_proj",))
     assert schema.lora_spec(cfg, "critic") is None  # r: 0 = full fine-tuning
+    # given targets win over the defaults; an empty list takes them (the diffusion families' targets)
+    assert schema.lora_spec(cfg, "actor", ("to_q",)).target_modules == ("q_proj",)
+    cfg.roles.actor.lora.target_modules = []
+    assert schema.lora_spec(cfg, "actor", ("to_q", "to_v")).target_modules == ("to_q", "to_v")
     optim = schema.optim_spec(cfg, "actor", 100)
     assert (optim.lr, optim.betas, optim.clip, optim.total_steps) == (2e-4, (0.9, 0.95), None, 100)
 
