@@ -431,6 +431,9 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
     denoiser = "unet" if "unet" in components else "transformer"
+    if denoiser not in components or "vae" not in components:
+        raise RecipeConfigError(f"{title} trains a unet or a transformer beside a vae; {source} has components "
+                                f"{sorted(components)}.")
     net, vae = components[denoiser], components["vae"]
     text = D.text_tokens(components, t5_tokens)[1]
     if guidance_scale > 1 and D.pipeline_family(components) != "flux":

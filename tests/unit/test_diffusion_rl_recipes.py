@@ -121,3 +121,12 @@ def test_planner_lays_out_the_built_roles():
     assert roles["policy"].lora and 0 < roles["policy"].trainable_params < roles["policy"].params
     (plan,) = plans.recipe_plans("diffusion_dpo", load_config("diffusion_dpo", "tiny"))
     assert {r.name for r in plan.roles} == {"policy", "ref", "vae", "text_encoder"}
+
+
+@pytest.mark.parametrize("recipe", ["diffusion_grpo", "diffusion_dpo"])
+def test_planner_refuses_a_pipeline_without_a_denoiser(tmp_path, recipe):
+    # a folder whose model_index.json names no component with weights: a clear error, not a KeyError
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    cfg = load_config(recipe, "tiny", [f"model.pretrained={tmp_path}"])
+    with pytest.raises(RecipeConfigError, match=r"trains a unet or a transformer beside a vae; .* components \[\]"):
+        plans.recipe_plans(recipe, cfg)
