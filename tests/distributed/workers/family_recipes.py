@@ -22,11 +22,14 @@ QUIET = ["checkpoint.every=0", "plot=false", "tensorboard=false"]
 
 def run(folder: str, recipe: str, *overrides: str) -> dict:
     tiny = os.path.join(os.path.dirname(folder), "sft", "tiny")
-    if os.path.isdir(tiny) and torch.distributed.get_rank() == 0:
+    if os.path.isdir(tiny):
         # the built-in task's data (30k preference pairs, ~1.3 s to write), built by the family's SFT run: the
         # same seed and sizes every recipe would build it with
-        os.makedirs(folder)
-        os.symlink(tiny, os.path.join(folder, "tiny"))
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            os.symlink(tiny, os.path.join(folder, "tiny"))
+        # the other rank's config check creates output_dir too: it waits until the link is there
+        torch.distributed.barrier()
     cfg = checked_config(recipe, "tiny", [f"output_dir={folder}", *QUIET, *overrides])
     load_recipe(recipe).main(cfg)
     torch.distributed.barrier()  # rank 0 writes summary.json

@@ -18,10 +18,13 @@ EVAL = ["eval.size=64", "eval.batch_size=32"]
 
 
 def run(folder: str, config: str, *overrides: str, tiny: str = "") -> dict:
-    if tiny and torch.distributed.get_rank() == 0:
+    if tiny:
         # the built-in task's data (~1.3 s to write), as the DAPO run built it with the same seed and sizes
-        os.makedirs(folder, exist_ok=True)  # the other rank's config check may have created it already
-        os.symlink(tiny, os.path.join(folder, "tiny"))
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            os.symlink(tiny, os.path.join(folder, "tiny"))
+        # the other rank's config check creates output_dir too: it waits until the link is there
+        torch.distributed.barrier()
     # no curves.png or TensorBoard events (the CLI tests check both); the metrics come from metrics.jsonl
     cfg = checked_config("rlhf_grpo", config, [f"output_dir={folder}", "plot=false", "tensorboard=false", *overrides])
     load_recipe("rlhf_grpo").main(cfg)
