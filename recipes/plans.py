@@ -435,23 +435,30 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
         raise RecipeConfigError(f"{title} trains a unet or a transformer beside a vae; {source} has components "
                                 f"{sorted(components)}.")
     net, vae = components[denoiser], components["vae"]
-    text = D.text_tokens(components, t5_tokens)[1]
+    tokens, text = D.text_tokens(components, t5_tokens)
+    encoders = D.encoder_names(components)
     if guidance_scale > 1 and D.pipeline_family(components) != "flux":
         rows, note = 2 * rows, note + ", CFG doubles each denoiser batch"
-    infos = {"policy": net, **({"ref": net} if ref else {}), "vae": vae,
-             **{n: components[n] for n in D.encoder_names(components)}, **(extra or {})}
+    infos = {"policy": net, **({"ref": net} if ref else {}), "vae": vae, **{n: components[n] for n in encoders},
+             **(extra or {})}
     pol = cfg.roles.policy
     dtype, ref_dtype = str(pol.dtype), str(follow_chain(cfg, recipe.ROLES, "ref", "dtype", ""))
     act = functools.partial(D.denoiser_activation_bytes, net, denoiser, res=res, scale=D.vae_scale(vae), batch=rows,
                             checkpointing=bool(pol.gradient_checkpointing), text_tokens=text)
     vae_act = D.vae_activation_bytes(vae, batch=rows, resolution=res, dtype=str(cfg.roles.vae.dtype))
+    # the text encoders see at most one prompt per denoiser row (an upper bound: prompts repeat across a group)
     phases = {"policy": [("rollout", act(dtype=dtype, trainable=False)),
                          ("train step", act(dtype=dtype, trainable=True))],
               "ref": [("forward", act(dtype=ref_dtype, trainable=False))],
-              "vae": [("decode / encode", vae_act)]}
+              "vae": [("decode / encode", vae_act)],
+              **{n: lm_role_phases(cfg, recipe.ROLES, n, components[n], forward=(rows, tokens[n]), logits=False,
+                                   label="encode") for n in encoders}}
+    options = {"policy": {"lora": _family_lora(pol, components)}, "vae": gather_options(cfg, "vae", "decode / encode"),
+               **({"ref": gather_options(cfg, "ref", "forward")} if ref else {}),
+               **{n: gather_options(cfg, n, "encode") for n in encoders}}
     return [declared_roles(cfg, recipe.ROLES, infos, phases, title=title,
                            notes=[f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}",
-                                  note], policy={"lora": _family_lora(pol, components)})]
+                                  note], **options)]
 
 
 def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,

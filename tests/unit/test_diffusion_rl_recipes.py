@@ -114,6 +114,12 @@ def test_planner_lays_out_the_built_roles():
     roles = {r.name: r for r in plan.roles}
     assert set(roles) == {"policy", "ref", "reward", "vae", "text_encoder"}
     assert roles["policy"].trainable_params == roles["ref"].params and roles["ref"].trainable_params == 0
+    # frozen roles gathered per forward (the default) are planned whole while they run; the encoder's forward
+    # is one of its phases
+    assert roles["ref"].full_gather == ("forward",) and roles["vae"].full_gather == ("decode / encode",)
+    assert roles["text_encoder"].full_gather == ("encode",) and dict(roles["text_encoder"].phases)["encode"] > 0
+    (plan,) = plans.recipe_plans("diffusion_grpo", _grpo("roles.ref.gather_forward=false"))
+    assert {r.name: r for r in plan.roles}["ref"].full_gather == ()
     (plan,) = plans.recipe_plans("diffusion_grpo", _grpo("diffusion.kl_coef=0", "reward.functions=[color]",
                                                          "reward.weights=[]", "roles.policy.lora.r=4"))
     roles = {r.name: r for r in plan.roles}
