@@ -633,7 +633,8 @@ class Recipe:
             summary["plot"] = run.plot()
             if run.registry.is_main:
                 write_summary(run.path("summary.json"), summary)
-                logger.info("%s: per-role memory on rank 0:\n%s", run.name, run.registry.memory_report())
+                if run.registry.roles():  # a recipe of steps (rlhf_e2e) has no roles of its own
+                    logger.info("%s: per-role memory on rank 0:\n%s", run.name, run.registry.memory_report())
                 report = run.closing_summary(export, summary["plot"], time.perf_counter() - t0)
         finally:
             run.close()

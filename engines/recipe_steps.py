@@ -90,7 +90,7 @@ def reuse_reason(out_dir: str, fingerprint: dict[str, Any], rerun: bool) -> tupl
     if rerun:
         return False, "rerun=true"
     if not os.path.isfile(os.path.join(out_dir, "summary.json")):
-        return False, "no summary.json yet"
+        return False, "no finished run to reuse"
     path = os.path.join(out_dir, FINGERPRINT_FILE)
     if not os.path.isfile(path):
         return False, f"summary.json has no {FINGERPRINT_FILE} beside it (an older or interrupted run)"

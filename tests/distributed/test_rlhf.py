@@ -172,6 +172,9 @@ def test_e2e_cli_on_the_embedded_default_shortened(tmp_path):
          "roles.actor.micro_batch_size=4,roles.critic.micro_batch_size=4,roles.actor.lora.r=8]"],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    text = proc.stdout + proc.stderr
+    assert "rlhf_e2e: rlhf_sft ran (no finished run to reuse); rlhf_reward ran" in text
+    assert "rlhf_ppo: per-role memory on rank 0" in text and "rlhf_e2e: per-role memory" not in text  # no roles
     summary = json.loads((out / "summary.json").read_text())
     figures = summary["figures"]
     for key in ("sft/judge", "reward/heldout_accuracy", "ppo/judge_before", "ppo/judge_after", "ppo/kl_after",

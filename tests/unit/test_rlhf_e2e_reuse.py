@@ -25,7 +25,7 @@ def test_fingerprint_sees_config_and_input_changes(tmp_path):
            "data": {"source": "", "mode": "cosine"}, "tiny": str(out / "tiny")}
     fp = step_fingerprint("rlhf_sft", cfg, str(out))
     assert list(fp["inputs"]) == [str(model)] and list(fp["inputs"][str(model)]) == ["config.json"]
-    assert reuse_reason(str(out), fp, rerun=False) == (False, "no summary.json yet")
+    assert reuse_reason(str(out), fp, rerun=False) == (False, "no finished run to reuse")
     _write(out / "summary.json", "{}")
     assert "no fingerprint.json beside it" in reuse_reason(str(out), fp, rerun=False)[1]
     _write(out / FINGERPRINT_FILE, json.dumps(fp))
@@ -62,7 +62,7 @@ def test_a_step_reruns_after_its_base_model_changed(tmp_path):
     out = tmp_path / "e2e"
     runs, _ = _run(out, base, rbase)
     assert not any(r["reused"] for r in runs.values())
-    assert all(r["why"] == "no summary.json yet" for r in runs.values())
+    assert all(r["why"] == "no finished run to reuse" for r in runs.values())
     # the SFT base model changed: SFT reruns, so does PPO (its actor is SFT's new export); the reward model,
     # trained from its own base on unchanged data, is reused (the log says which and why)
     tiny.build_tiny_causal_lm(tmp_path / "base", tmp_path / "tok", hidden=16, layers=1, seed=5)
