@@ -1,7 +1,8 @@
 """diffusion_grpo and diffusion_dpo on 2 ranks, short runs from the random tiny SD unet, both in one launch (as the
 CLI runs them: checked_config + main): the held-out reward rises (GRPO), the held-out implicit reward accuracy rises
-above 0.5 (DPO), the frozen ref and reward roles hold half of their parameters per rank, and the exported policy
-loads and generates in diffusers in a fresh process."""
+above 0.5 (DPO, a LoRA policy), the frozen ref and reward roles hold half of their parameters per rank, and in a
+fresh process the exported policy loads and generates in diffusers and the DPO adapter loads with
+load_lora_weights, giving the merged export's images."""
 
 from __future__ import annotations
 
@@ -16,16 +17,49 @@ from conftest import launch
 pytestmark = pytest.mark.distributed
 
 # GRPO: a shorter unet pretrain than the documented run's 400 steps (the vae's 100 are needed: with 40 the
-# sampled images carry no colour and the reward stays at 0). DPO: from the random unet, a brief vae pretrain.
+# sampled images carry no colour and the reward stays at 0). DPO: LoRA from the random unet, a brief vae pretrain.
 # Measured (2 ranks, seed 0): GRPO reward 0.044 -> 0.511 in 12 steps; DPO implicit accuracy 0 -> 0.81 in 12.
 GRPO = ["max_steps=12", "model.tiny_unet_steps=100"]
-DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30"]
+DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30", "roles.policy.lora.r=8",
+       "roles.policy.lr=1e-3"]
+# In a fresh process, diffusers alone: the GRPO export generates; the DPO adapter on its base pipeline gives the
+# merged export's image and not the base's.
+FRESH = """
+import json, sys
+import numpy as np, torch
+from diffusers import StableDiffusionPipeline
+paths = json.loads(sys.argv[1])
+def run(pipe):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(["a red square on a white background"], height=16, width=16, num_inference_steps=2,
+                generator=torch.Generator().manual_seed(0), output_type="np").images
+out = {"grpo_shape": list(run(StableDiffusionPipeline.from_pretrained(paths["grpo"])).shape)}
+merged = run(StableDiffusionPipeline.from_pretrained(paths["dpo"]))
+base = StableDiffusionPipeline.from_pretrained(paths["base"])
+plain = run(base)
+base.load_lora_weights(paths["lora"])
+adapted = run(base)
+out.update(adapters=base.get_active_adapters(), lora_vs_base=float(np.abs(adapted - plain).max()),
+           lora_vs_merged=float(np.abs(adapted - merged).max()))
+print("RESULT" + json.dumps(out))
+"""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("diffusion_rl")
     return launch("diffusion_rl", out, json.dumps(GRPO), json.dumps(DPO), timeout=900)[0], out
+
+
+@pytest.fixture(scope="module")
+def fresh(runs):
+    out = runs[1]
+    paths = {"grpo": str(out / "grpo" / "export" / "policy"), "dpo": str(out / "dpo" / "export" / "policy"),
+             "base": str(out / "dpo" / "tiny_sd"), "lora": str(out / "dpo" / "export" / "lora")}
+    proc = subprocess.run([sys.executable, "-c", FRESH, json.dumps(paths)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
 
 
 def _half_per_rank(summary: dict, *roles: str) -> None:
@@ -36,24 +70,17 @@ def _half_per_rank(summary: dict, *roles: str) -> None:
             assert total > local and 2 * local >= total and 2 * local - total < 64, (role, local, total)
 
 
-def test_diffusion_grpo_raises_the_held_out_reward_and_exports(runs):
-    summary, out = runs[0]["grpo"], runs[1] / "grpo"
+def test_diffusion_grpo_raises_the_held_out_reward_and_exports(runs, fresh):
+    summary = runs[0]["grpo"]
     before, after = summary["evaluations"][0], summary["evaluations"][-1]
     assert after["reward"] > before["reward"] + 0.2, (before, after)
     assert summary["roles"]["ref"]["stage"] == 3 and summary["roles"]["reward"]["stage"] == 3
     _half_per_rank(summary, "ref", "reward", "vae")
     assert [os.path.basename(g) for g in summary["grids"]] == ["000000_before.png", "000012_after.png"]
-
-    load = ("import sys, torch; from diffusers import StableDiffusionPipeline; "
-            "p = StableDiffusionPipeline.from_pretrained(sys.argv[1]); p.set_progress_bar_config(disable=True); "
-            "im = p(['a red square on a white background'], height=16, width=16, num_inference_steps=2, "
-            "generator=torch.Generator().manual_seed(0)).images[0]; print(im.size)")
-    fresh = subprocess.run([sys.executable, "-c", load, str(out / "export" / "policy")], capture_output=True,
-                           text=True, timeout=300)
-    assert fresh.returncode == 0 and fresh.stdout.strip().endswith("(16, 16)"), fresh.stderr[-3000:]
+    assert fresh["grpo_shape"] == [1, 16, 16, 3]
 
 
-def test_diffusion_dpo_raises_the_held_out_implicit_accuracy(runs):
+def test_diffusion_dpo_raises_the_held_out_implicit_accuracy(runs, fresh):
     summary, out = runs[0]["dpo"], runs[1] / "dpo"
     before, after = summary["evaluations"][0], summary["evaluations"][-1]
     # the policy starts equal to the ref: every margin is 0, no pair counts as correct
@@ -61,3 +88,7 @@ def test_diffusion_dpo_raises_the_held_out_implicit_accuracy(runs):
     assert after["implicit_acc"] > 0.6 and after["margin"] > 0, after
     _half_per_rank(summary, "ref", "vae")
     assert (out / "export" / "policy" / "unet" / "config.json").is_file()
+    # a LoRA policy: the adapter is all that trained, and diffusers' load_lora_weights reads export/lora
+    policy = {r["role"]: r for r in summary["memory"]["per_rank"][0]["roles"]}["policy"]
+    assert summary["roles"]["policy"]["lora"] and 0 < 10 * policy["grad_bytes"] < policy["param_bytes"], policy
+    assert fresh["adapters"] and fresh["lora_vs_base"] > 1e-3 and fresh["lora_vs_merged"] < 1e-4, fresh
