@@ -2,7 +2,8 @@
 CLI runs them: checked_config + main): the held-out reward rises (GRPO), the held-out implicit reward accuracy rises
 above 0.5 (DPO, a LoRA policy), the frozen ref and reward roles hold half of their parameters per rank, and in a
 fresh process the exported policy loads and generates in diffusers and the DPO adapter loads with
-load_lora_weights, giving the merged export's images."""
+load_lora_weights, giving the merged export's images. A DPO run resumed from the first one's step-6 checkpoint
+repeats its steps 7-12 exactly."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.distributed
 # Measured (2 ranks, seed 0): GRPO reward 0.044 -> 0.511 in 12 steps; DPO implicit accuracy 0 -> 0.81 in 12.
 GRPO = ["max_steps=12", "model.tiny_unet_steps=100"]
 DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30", "roles.policy.lora.r=8",
-       "roles.policy.lr=1e-3"]
+       "roles.policy.lr=1e-3", "checkpoint.every=6"]
 # In a fresh process, diffusers alone: the GRPO export generates; the DPO adapter on its base pipeline gives the
 # merged export's image and not the base's.
 FRESH = """
@@ -92,3 +93,19 @@ def test_diffusion_dpo_raises_the_held_out_implicit_accuracy(runs, fresh):
     policy = {r["role"]: r for r in summary["memory"]["per_rank"][0]["roles"]}["policy"]
     assert summary["roles"]["policy"]["lora"] and 0 < 10 * policy["grad_bytes"] < policy["param_bytes"], policy
     assert fresh["adapters"] and fresh["lora_vs_base"] > 1e-3 and fresh["lora_vs_merged"] < 1e-4, fresh
+
+
+def _train_lines(path) -> dict[int, dict]:
+    # the step's training figures; memory and timings differ between any two runs
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    return {x["step"]: {k: v for k, v in x.items() if k.startswith("train/") and not k.startswith("train/mem/")
+                        and not k.endswith("_s")} for x in lines if any(k.startswith("train/") for k in x)}
+
+
+def test_diffusion_dpo_resumed_from_a_checkpoint_repeats_the_run(runs):
+    straight = _train_lines(runs[1] / "dpo" / "metrics.jsonl")
+    resumed = _train_lines(runs[1] / "dpo_resumed" / "metrics.jsonl")
+    assert sorted(resumed) == list(range(7, 13)) and len(straight[7]) > 3, (sorted(resumed), straight[7])
+    assert {s: straight[s] for s in resumed} == resumed
+    summary = runs[0]["dpo_resumed"]
+    assert summary["evaluations"][-1]["implicit_acc"] == runs[0]["dpo"]["evaluations"][-1]["implicit_acc"]
