@@ -2,8 +2,8 @@
 CLI runs them: checked_config + main): the held-out reward rises (GRPO), the held-out implicit reward accuracy rises
 above 0.5 (DPO, a LoRA policy), the frozen ref and reward roles hold half of their parameters per rank, and in a
 fresh process the exported policy loads and generates in diffusers and the DPO adapter loads with
-load_lora_weights, giving the merged export's images. A DPO run resumed from the first one's step-6 checkpoint
-repeats its steps 7-12 exactly."""
+load_lora_weights, giving the merged export's images. Each recipe resumed from its run's step-6 checkpoint
+repeats that run's steps 7-12 exactly."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 # GRPO: a shorter unet pretrain than the documented run's 400 steps (the vae's 100 are needed: with 40 the
 # sampled images carry no colour and the reward stays at 0). DPO: LoRA from the random unet, a brief vae pretrain.
 # Measured (2 ranks, seed 0): GRPO reward 0.044 -> 0.511 in 12 steps; DPO implicit accuracy 0 -> 0.81 in 12.
-GRPO = ["max_steps=12", "model.tiny_unet_steps=100"]
+GRPO = ["max_steps=12", "model.tiny_unet_steps=100", "checkpoint.every=6"]
 DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30", "roles.policy.lora.r=8",
        "roles.policy.lr=1e-3", "checkpoint.every=6"]
 # In a fresh process, diffusers alone: the GRPO export generates; the DPO adapter on its base pipeline gives the
@@ -102,10 +102,10 @@ def _train_lines(path) -> dict[int, dict]:
                         and not k.endswith("_s")} for x in lines if any(k.startswith("train/") for k in x)}
 
 
-def test_diffusion_dpo_resumed_from_a_checkpoint_repeats_the_run(runs):
-    straight = _train_lines(runs[1] / "dpo" / "metrics.jsonl")
-    resumed = _train_lines(runs[1] / "dpo_resumed" / "metrics.jsonl")
+@pytest.mark.parametrize("recipe", ["grpo", "dpo"])
+def test_diffusion_rl_resumed_from_a_checkpoint_repeats_the_run(runs, recipe):
+    straight = _train_lines(runs[1] / recipe / "metrics.jsonl")
+    resumed = _train_lines(runs[1] / f"{recipe}_resumed" / "metrics.jsonl")
     assert sorted(resumed) == list(range(7, 13)) and len(straight[7]) > 3, (sorted(resumed), straight[7])
     assert {s: straight[s] for s in resumed} == resumed
-    summary = runs[0]["dpo_resumed"]
-    assert summary["evaluations"][-1]["implicit_acc"] == runs[0]["dpo"]["evaluations"][-1]["implicit_acc"]
+    assert runs[0][f"{recipe}_resumed"]["evaluations"][-1] == runs[0][recipe]["evaluations"][-1]

@@ -1,6 +1,6 @@
 """diffusion_grpo then diffusion_dpo in one 2-rank launch, in process (checked_config + main, as the CLI runs
-them): one process start and one set of imports for both recipes. Then diffusion_dpo again in a new folder,
-resumed from the first DPO run's step-6 checkpoint (its tiny pipeline linked in: the same pretrained vae).
+them): one process start and one set of imports for both recipes. Then each again in a new folder, resumed from
+the first run's step-6 checkpoint (its tiny pipeline and reward model linked in: the same pretrained weights).
 
 argv: out_dir, then per recipe a JSON list of overrides: grpo_overrides, dpo_overrides.
 """
@@ -17,12 +17,15 @@ out = sys.argv[1]
 FAST = ["eval.every=0", "checkpoint.every=0"]
 
 
-def run(recipe: str, folder: str, overrides: list[str], tiny: str = "") -> dict:
-    if tiny:
+def run(recipe: str, folder: str, overrides: list[str], resume: str = "") -> dict:
+    if resume:
         if torch.distributed.get_rank() == 0:
             os.makedirs(folder, exist_ok=True)
-            os.symlink(tiny, os.path.join(folder, "tiny_sd"))
+            for name in ("tiny_sd", "tiny_reward"):
+                if os.path.isdir(os.path.join(resume, name)):
+                    os.symlink(os.path.join(resume, name), os.path.join(folder, name))
         torch.distributed.barrier()  # the other rank's config check creates output_dir too
+        overrides = [*overrides, f"resume_from={resume}/checkpoints/step_00000006"]
     cfg = checked_config(recipe, "tiny", [f"output_dir={folder}", *FAST, *overrides])
     load_recipe(recipe).main(cfg)
     torch.distributed.barrier()  # rank 0 writes summary.json
@@ -30,10 +33,9 @@ def run(recipe: str, folder: str, overrides: list[str], tiny: str = "") -> dict:
         return json.load(f)
 
 
-dpo = json.loads(sys.argv[3])
-results = {"grpo": run("diffusion_grpo", f"{out}/grpo", json.loads(sys.argv[2])),
-           "dpo": run("diffusion_dpo", f"{out}/dpo", dpo)}
-results["dpo_resumed"] = run("diffusion_dpo", f"{out}/dpo_resumed",
-                             [*dpo, f"resume_from={out}/dpo/checkpoints/step_00000006"], tiny=f"{out}/dpo/tiny_sd")
+grpo, dpo = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+results = {"grpo": run("diffusion_grpo", f"{out}/grpo", grpo), "dpo": run("diffusion_dpo", f"{out}/dpo", dpo)}
+results["grpo_resumed"] = run("diffusion_grpo", f"{out}/grpo_resumed", grpo, resume=f"{out}/grpo")
+results["dpo_resumed"] = run("diffusion_dpo", f"{out}/dpo_resumed", dpo, resume=f"{out}/dpo")
 dump(results)
 finish()
