@@ -137,7 +137,7 @@ def test_flow_families_run_both_recipes_with_every_frozen_role_sharded(runs, fre
     frozen = ["ref", "vae", "text_encoder", *(f"text_encoder_{i}" for i in range(2, encoders + 1))]
     assert {r: summary["roles"][r]["stage"] for r in frozen} == dict.fromkeys(frozen, 3)
     assert summary["roles"]["policy"]["stage"] == 2 and summary["roles"]["policy"]["lora"] == (family == "flux")
-    _half_per_rank(summary, "ref", "vae")
+    _half_per_rank(summary, *frozen)
     if name == "dpo_sd3":  # the policy moved away from the ref
         assert summary["evaluations"][-1]["margin"] > 0, summary["evaluations"]
     if family == "flux":  # the transformer's adapter changes the image and equals the merged export
