@@ -1053,9 +1053,9 @@ def format_plan(p: Plan, title: str = "") -> str:
                + ". Bytes are per GPU (rank); activations are estimates.")
     for rp in p.roles:
         r = rp.request
-        kind = ("trainable, LoRA" if r.lora else "trainable") if r.trainable else "frozen"
-        head = (f"\nrole {r.name}: {r.params:,} parameters ({fmt_count(r.params)}), {r.dtype}, {kind}"
-                + (f", {r.trainable_params:,} trainable" if r.lora else ""))
+        kind = (f"trainable, LoRA, {r.trainable_params:,} trainable" if r.lora else "trainable") if r.trainable \
+            else ("frozen, with LoRA adapters" if r.lora else "frozen")
+        head = f"\nrole {r.name}: {r.params:,} parameters ({fmt_count(r.params)}), {r.dtype}, {kind}"
         if r.source:
             head += f"\n  model: {r.source}"
         if r.note:

@@ -139,11 +139,8 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
     plan = declared_roles(cfg, roles, infos, phases, title=title, notes=notes, pinned=pinned, followers=True, **options)
     ema = cfg.get("ema") or {}
     if ema.get("enabled"):  # the trained role's weights (and adapters), sharded like it
-        ema_info = infos[trained]
-        for i, n in enumerate(P.lora_tensors(ema_info.tensors, *lora) if lora else ()):
-            ema_info = ema_info.plus(f"lora_{i}", (n,))
         plan.roles.append(_role(
-            "ema", ema_info, str(ema.dtype), trainable=False,
+            "ema", infos[trained], str(ema.dtype), trainable=False, lora=lora,
             current=_current(0 if baseline else int(t.stage), False, ema.offload_params),
             choices=(P.Choice(0),) if baseline else (), follows=None if baseline else trained,
             note=SEED_BASELINE_NOTE if baseline else f"sharded like the {trained} (same stage)"))

@@ -349,6 +349,16 @@ def test_plan_to_dict_is_json():
     assert "role actor" in P.format_plan(p)
 
 
+def test_plan_text_names_lora_on_trainable_and_frozen_roles():
+    # an EMA of a LoRA model carries the adapters but trains nothing: no "0 trainable" count
+    roles = [P.RoleRequest("actor", params=1000, dtype="bf16", trainable_params=40, lora=True),
+             P.RoleRequest("ema", params=1000, dtype="bf16", lora=True), P.RoleRequest("ref", params=960, dtype="bf16")]
+    heads = [x for x in P.format_plan(P.plan(roles, _budget(80))).splitlines() if x.startswith("role ") and ":" in x]
+    assert heads == ["role actor: 1,000 parameters (1.00K), bf16, trainable, LoRA, 40 trainable",
+                     "role ema: 1,000 parameters (1.00K), bf16, frozen, with LoRA adapters",
+                     "role ref: 960 parameters (960), bf16, frozen"]
+
+
 def test_built_in_architectures_match_published_counts():
     from multiengine.engines import known_models as K
 
