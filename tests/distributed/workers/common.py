@@ -25,6 +25,17 @@ def finish() -> None:
     os._exit(0)
 
 
+def link_into(folder: str, links: dict[str, str]) -> None:
+    """A run folder holding ``links`` (name -> an earlier run's folder, e.g. its tiny data or pipeline): rank 0
+    creates it (``exist_ok``: the other rank's config check creates output_dir too), then a barrier, so no rank
+    reads its config before the links exist."""
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        for name, target in links.items():
+            os.symlink(target, os.path.join(folder, name))
+    torch.distributed.barrier()
+
+
 def dump(result: dict) -> None:
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out_dir(), f"rank{rank}.json"), "w") as f:

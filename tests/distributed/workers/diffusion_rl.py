@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from common import dump, finish
+from common import dump, finish, link_into
 from multiengine.engines.recipe_config import checked_config, load_recipe
 
 out = sys.argv[1]
@@ -20,12 +20,8 @@ FAST = ["eval.every=0", "checkpoint.every=0"]
 
 def run(recipe: str, folder: str, overrides: list[str], resume: str = "") -> dict:
     if resume:
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(folder, exist_ok=True)
-            for name in ("tiny_sd", "tiny_reward"):
-                if os.path.isdir(os.path.join(resume, name)):
-                    os.symlink(os.path.join(resume, name), os.path.join(folder, name))
-        torch.distributed.barrier()  # the other rank's config check creates output_dir too
+        link_into(folder, {n: os.path.join(resume, n) for n in ("tiny_sd", "tiny_reward")
+                           if os.path.isdir(os.path.join(resume, n))})
         overrides = [*overrides, f"resume_from={resume}/checkpoints/step_00000006"]
     cfg = checked_config(recipe, "tiny", [f"output_dir={folder}", *FAST, *overrides])
     load_recipe(recipe).main(cfg)

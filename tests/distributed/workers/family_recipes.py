@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from common import dump, finish
+from common import dump, finish, link_into
 from multiengine.engines.recipe_config import checked_config, load_recipe
 
 out = sys.argv[1]
@@ -25,11 +25,7 @@ def run(folder: str, recipe: str, *overrides: str) -> dict:
     if os.path.isdir(tiny):
         # the built-in task's data (30k preference pairs, ~1.3 s to write), built by the family's SFT run: the
         # same seed and sizes every recipe would build it with
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(folder, exist_ok=True)
-            os.symlink(tiny, os.path.join(folder, "tiny"))
-        # the other rank's config check creates output_dir too: it waits until the link is there
-        torch.distributed.barrier()
+        link_into(folder, {"tiny": tiny})
     cfg = checked_config(recipe, "tiny", [f"output_dir={folder}", *QUIET, *overrides])
     load_recipe(recipe).main(cfg)
     torch.distributed.barrier()  # rank 0 writes summary.json

@@ -10,7 +10,7 @@ import os
 import sys
 
 import torch
-from common import dump, finish
+from common import dump, finish, link_into
 from multiengine.engines.recipe_config import checked_config, load_recipe
 
 out = sys.argv[1]
@@ -20,11 +20,7 @@ EVAL = ["eval.size=64", "eval.batch_size=32"]
 def run(folder: str, config: str, *overrides: str, tiny: str = "") -> dict:
     if tiny:
         # the built-in task's data (~1.3 s to write), as the DAPO run built it with the same seed and sizes
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(folder, exist_ok=True)
-            os.symlink(tiny, os.path.join(folder, "tiny"))
-        # the other rank's config check creates output_dir too: it waits until the link is there
-        torch.distributed.barrier()
+        link_into(folder, {"tiny": tiny})
     # no curves.png or TensorBoard events (the CLI tests check both); the metrics come from metrics.jsonl
     cfg = checked_config("rlhf_grpo", config, [f"output_dir={folder}", "plot=false", "tensorboard=false", *overrides])
     load_recipe("rlhf_grpo").main(cfg)
