@@ -13,6 +13,28 @@ import pytest
 
 WORKERS = Path(__file__).parent / "workers"
 
+# Pasted into the tests' fresh-process scripts (diffusers alone): FLUX's base pipeline with export/lora loaded as
+# diffusers' LoRA users load it, against the base alone and against the merged export (max pixel differences).
+FLUX_LORA_CHECK = """
+def flux_lora_check(base_path, lora_path, merged_path, size):
+    import numpy as np, torch
+    from diffusers import FluxPipeline
+
+    def image(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        return pipe("a red square on a white background", num_inference_steps=2, height=size, width=size,
+                    max_sequence_length=16, guidance_scale=3.5, generator=torch.Generator().manual_seed(0),
+                    output_type="np").images
+
+    pipe = FluxPipeline.from_pretrained(base_path)
+    plain = image(pipe)
+    pipe.load_lora_weights(lora_path)
+    adapted = image(pipe)
+    merged = image(FluxPipeline.from_pretrained(merged_path))
+    return {"adapters": pipe.get_list_adapters(), "lora_vs_base": float(np.abs(adapted - plain).max()),
+            "lora_vs_merged": float(np.abs(adapted - merged).max())}
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import launch
+from conftest import FLUX_LORA_CHECK, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +26,7 @@ DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30", "ro
        "roles.policy.lr=1e-3", "checkpoint.every=6"]
 # In a fresh process, diffusers alone: the GRPO export generates; the DPO adapter on its base pipeline gives the
 # merged export's image and not the base's.
-FRESH = """
+FRESH = FLUX_LORA_CHECK + """
 import json, sys
 import numpy as np, torch
 from diffusers import StableDiffusionPipeline
@@ -43,20 +43,7 @@ base.load_lora_weights(paths["lora"])
 adapted = run(base)
 out.update(adapters=base.get_active_adapters(), lora_vs_base=float(np.abs(adapted - plain).max()),
            lora_vs_merged=float(np.abs(adapted - merged).max()))
-
-from diffusers import FluxPipeline
-def flux(pipe):
-    pipe.set_progress_bar_config(disable=True)
-    return pipe("a red square on a white background", num_inference_steps=2, height=16, width=16,
-                max_sequence_length=16, guidance_scale=3.5, generator=torch.Generator().manual_seed(0),
-                output_type="np").images
-base = FluxPipeline.from_pretrained(paths["flux_base"])
-plain = flux(base)
-base.load_lora_weights(paths["flux_lora"])
-adapted = flux(base)
-merged = flux(FluxPipeline.from_pretrained(paths["flux_merged"]))
-out["flux"] = {"adapters": base.get_list_adapters(), "lora_vs_base": float(np.abs(adapted - plain).max()),
-               "lora_vs_merged": float(np.abs(adapted - merged).max())}
+out["flux"] = flux_lora_check(paths["flux_base"], paths["flux_lora"], paths["flux_merged"], 16)
 print("RESULT" + json.dumps(out))
 """
 

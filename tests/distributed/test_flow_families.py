@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import launch
+from conftest import FLUX_LORA_CHECK, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -83,7 +83,7 @@ def test_flow_matching_resume_continues_identically(ranks):
             assert resumed["weights"][role] == pytest.approx(full["weights"][role], rel=1e-7), role
 
 
-FRESH = textwrap.dedent(
+FRESH = FLUX_LORA_CHECK + textwrap.dedent(
     """
     import json, sys
     import numpy as np, torch
@@ -99,20 +99,8 @@ FRESH = textwrap.dedent(
         out[name] = {"class": type(pipe).__name__, "shape": list(img.shape), "finite": bool(np.isfinite(img).all()),
                      "std": float(img.std()), "dtype": str(pipe.transformer.dtype)}
 
-    # The FLUX LoRA run: the base model with export/lora loaded as diffusers' LoRA scripts' users do,
-    # against the same model with the adapter merged (export/pipeline) and against the base alone.
-    def flux_image(pipe):
-        return pipe("a red square on a white background", num_inference_steps=2, height=32, width=32,
-                    max_sequence_length=16, guidance_scale=3.5, generator=torch.Generator().manual_seed(0),
-                    output_type="np").images
-
-    base = FluxPipeline.from_pretrained(paths["flux_base"])
-    plain = flux_image(base)
-    base.load_lora_weights(paths["flux_lora"])
-    with_lora = flux_image(base)
-    merged = flux_image(FluxPipeline.from_pretrained(paths["flux_merged"]))
-    out["flux_lora"] = {"adapters": base.get_list_adapters(), "lora_vs_base": float(abs(with_lora - plain).max()),
-                        "lora_vs_merged": float(abs(with_lora - merged).max())}
+    # The FLUX LoRA run: export/lora on the base model, against the merged export (export/pipeline) and the base.
+    out["flux_lora"] = flux_lora_check(paths["flux_base"], paths["flux_lora"], paths["flux_merged"], 32)
     print("RESULT" + json.dumps(out))
     """
 )
