@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from multiengine.engines import planner as P
-from multiengine.engines.recipe_config import CONFIGS_DIR, RecipeConfigError, load_config
+from multiengine.engines.recipe_config import CONFIGS_DIR, load_config
 from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the tests' name
     RecipePlan,
     RoleKeys,
@@ -79,6 +79,13 @@ def _family_lora(section: Any, components: Mapping[str, P.ModelInfo]) -> tuple[i
     return _lora(section.lora, family_roles(D.pipeline_family(components)).lora_targets)
 
 
+def _encode_phases(cfg: Any, roles: Any, components: Mapping[str, P.ModelInfo], rows: int,
+                   tokens: Mapping[str, int]) -> dict[str, list[tuple[str, int]]]:
+    """Each text encoder's forward ("encode") over ``rows`` prompts of its ``tokens``."""
+    return {n: lm_role_phases(cfg, roles, n, components[n], forward=(rows, tokens[n]), logits=False, label="encode")
+            for n in D.encoder_names(components)}
+
+
 def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any,
                     trained: str | None) -> list[RecipePlan]:
     """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (its folder, else one initialised from
@@ -89,10 +96,7 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution),
                                      str(cfg.model.tiny_family)))
-    denoiser = "unet" if "unet" in components or trained else "transformer"
-    if denoiser not in components or "vae" not in components:
-        what = "a unet or a transformer beside a vae" if trained is None else "a ControlNet for a unet"
-        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
+    denoiser = D.denoiser_name(components, title, source, controlnet=trained is not None)
     trained = trained or denoiser
     r, t = cfg.roles, cfg.roles[trained]
     baseline = cfg.mode == "seed_baseline"
@@ -119,10 +123,8 @@ def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, role
     vae_act = functools.partial(D.vae_activation_bytes, vae, resolution=res, dtype=str(r.vae.dtype))
     phases = {trained: denoiser_phases(str(t.dtype), True, bool(t.gradient_checkpointing)),
               "vae": [("encode", vae_act(batch=batch))]
-              + ([("validation decode", vae_act(batch=prompts))] if prompts else [])}
-    for n in encoders:
-        phases[n] = lm_role_phases(cfg, roles, n, components[n], forward=(batch, tokens[n]), logits=False,
-                                    label="encode")
+              + ([("validation decode", vae_act(batch=prompts))] if prompts else []),
+              **_encode_phases(cfg, roles, components, batch, tokens)}
     options = {"vae": gather_options(cfg, "vae", "encode", "validation decode"),
                **{n: gather_options(cfg, n, "encode") for n in encoders}}
     options[trained] = {"lora": lora}
@@ -427,10 +429,7 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
     components, source = resolve_pipeline(
         str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
         tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
-    denoiser = "unet" if "unet" in components else "transformer"
-    if denoiser not in components or "vae" not in components:
-        raise RecipeConfigError(f"{title} trains a unet or a transformer beside a vae; {source} has components "
-                                f"{sorted(components)}.")
+    denoiser = D.denoiser_name(components, title, source)
     net, vae = components[denoiser], components["vae"]
     tokens, text = D.text_tokens(components, t5_tokens)
     encoders = D.encoder_names(components)
@@ -447,9 +446,7 @@ def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[s
     phases = {"policy": [("rollout", act(dtype=dtype, trainable=False)),
                          ("train step", act(dtype=dtype, trainable=True))],
               "ref": [("forward", act(dtype=ref_dtype, trainable=False))],
-              "vae": [("decode / encode", vae_act)],
-              **{n: lm_role_phases(cfg, recipe.ROLES, n, components[n], forward=(rows, tokens[n]), logits=False,
-                                   label="encode") for n in encoders}}
+              "vae": [("decode / encode", vae_act)], **_encode_phases(cfg, recipe.ROLES, components, rows, tokens)}
     options = {"policy": {"lora": _family_lora(pol, components)}, "vae": gather_options(cfg, "vae", "decode / encode"),
                **({"ref": gather_options(cfg, "ref", "forward")} if ref else {}),
                **{n: gather_options(cfg, n, "encode") for n in encoders}}

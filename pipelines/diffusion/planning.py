@@ -13,9 +13,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import planner as P
+from multiengine.engines.recipe_config import RecipeConfigError
 
-__all__ = ["denoiser_activation_bytes", "encoder_names", "is_t5", "meta_controlnet", "pipeline_family", "text_tokens",
-           "tiny_pipeline", "tiny_pipeline_info", "vae_activation_bytes", "vae_scale"]
+__all__ = ["denoiser_activation_bytes", "denoiser_name", "encoder_names", "is_t5", "meta_controlnet", "pipeline_family",
+           "text_tokens", "tiny_pipeline", "tiny_pipeline_info", "vae_activation_bytes", "vae_scale"]
+
+
+def denoiser_name(components: Mapping[str, P.ModelInfo], title: str, source: str, *, controlnet: bool = False) -> str:
+    """The pipeline's denoiser component, "unet" or "transformer" (``controlnet``: the unet a ControlNet feeds),
+    refused naming ``source``'s components when it or the vae is missing."""
+    name = "unet" if "unet" in components or controlnet else "transformer"
+    if name not in components or "vae" not in components:
+        what = "a ControlNet for a unet" if controlnet else "a unet or a transformer beside a vae"
+        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
+    return name
 
 
 def tiny_pipeline(output_dir: str, seed: int, resolution: int, family: str) -> tuple[dict[str, P.ModelInfo], str]:
