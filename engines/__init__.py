@@ -1,9 +1,9 @@
 """The engine registry: one DeepSpeed engine per model role, each with its own config.
 
 Imports only torch (and deepspeed, lazily where it is used); transformers, diffusers and peft
-are imported where they are needed. The names below load on first use, so that the modules that need
-no torch (the recipe language in ``recipe_config``, the process supervisor in ``launcher``) start fast:
-``multiengine ls`` and ``validate`` do not pay for importing torch.
+are imported where they are needed. The names below load on first use, so that what needs no torch (the typed
+settings in ``settings``, and the recipe language built on them) starts fast: ``multiengine ls`` and ``validate``
+do not pay for importing torch.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .settings import SettingsError
+
 AUTO = "auto"
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -53,7 +55,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset(
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingsError):
     """A config value that DeepSpeed (or this project) would reject, with the key, the value and the fix."""
 
 

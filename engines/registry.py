@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
 import logging
 import re
@@ -70,8 +71,9 @@ class RoleSpec:
     gather_forward: a frozen ZeRO-3 role gathers all its parameters once per forward call (one
                   collective) instead of layer by layer; it still holds 1/N between calls. Worth it
                   for small frozen models called once per step (a VAE, a text encoder).
-    placement, lora: descriptive, set by the role builders (engines.roles): what the role was asked
-                  to be, for reports and exports (a LoRA role's export merges its adapters).
+    placement, lora, optim, gradient_checkpointing: descriptive, set by the role builders (engines.roles):
+                  what the role was asked to be, for reports and exports (a LoRA role's export merges its
+                  adapters) and :meth:`describe`.
     """
 
     name: str
@@ -85,6 +87,18 @@ class RoleSpec:
     gather_forward: bool = False
     placement: Any = None
     lora: Any = None
+    optim: Any = None
+    gradient_checkpointing: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
+        def plain(x: Any) -> Any:
+            return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x
+
+        return {"name": self.name, "ds_config": self.ds_config, "trainable": self.trainable,
+                "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
+                "lora": plain(self.lora), "optim": plain(self.optim),
+                "gradient_checkpointing": self.gradient_checkpointing}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

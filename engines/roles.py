@@ -292,7 +292,8 @@ def trainable_role(
                              offload_params=placement.offload_params, gradient_clipping=optim.clip)
     return RoleSpec(name, _factory(model, lora, gradient_checkpointing, seed, torch_dtype(placement.dtype)), config,
                     optimizer=optim.optimizer_factory(placement.offload_optimizer),
-                    lr_scheduler=optim.scheduler_factory(), hidden_size=hidden_size, placement=placement, lora=lora)
+                    lr_scheduler=optim.scheduler_factory(), hidden_size=hidden_size, placement=placement, lora=lora,
+                    optim=optim, gradient_checkpointing=gradient_checkpointing)
 
 
 def frozen_role(

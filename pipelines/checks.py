@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from multiengine.engines.recipe_config import RecipeConfigError
+from multiengine.engines.settings import SettingsError
 
 from .sources import is_hub_name
 
@@ -24,7 +24,7 @@ __all__ = ["ModelFolderError", "check_diffusers_folder", "check_model", "check_m
            "tokenizer_size"]
 
 
-class ModelFolderError(RecipeConfigError):
+class ModelFolderError(SettingsError):
     """A model folder / tokenizer that cannot be used as given (key, value and fix in the message): a config
     error, reported without a traceback."""
 
@@ -178,7 +178,7 @@ def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallb
     try:
         tok = role_tokenizer(given, model_path, fallback, what=model_key)
     except (OSError, ValueError) as err:
-        raise RecipeConfigError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
+        raise SettingsError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
                                 f"tokenizer ({err}); set {key} to a tokenizer folder") from None
     check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
     return tok
@@ -224,7 +224,7 @@ def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, fac
         ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
         split).
     """
-    from multiengine.engines.recipe_config import config_problem
+    from multiengine.engines.settings import config_problem
 
     need = int(value) * int(factor)
     per_rank = rows // world_size

@@ -9,9 +9,11 @@ The losses follow Goodfellow et al. (2014) with the generator's non-saturating f
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines.settings import Range, Settings, setting
 
 
 def discriminator_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
@@ -67,3 +69,22 @@ def sample_quality(samples: torch.Tensor, modes: torch.Tensor, std: float) -> di
     fair = len(samples) / len(modes)
     return {"mode_coverage": float((counts >= 0.25 * fair).double().mean()),
             "high_quality": float(close.double().mean()), "mode_distance": float(nearest.mean())}
+
+
+@dataclass(frozen=True)
+class GANSettings(Settings):
+    """The two networks and the target distribution."""
+
+    noise_dim: int = setting(8, "generator input size", Range(1))
+    width: int = setting(64, "hidden width of both MLPs", Range(1))
+    depth: int = setting(2, "hidden layers of both MLPs", Range(1))
+    d_steps: int = setting(1, "discriminator steps per generator step", Range(1))
+    modes: int = setting(8, "Gaussians on the target ring", Range(1))
+    radius: float = setting(2.0, "radius of the ring", Range(0, min_exclusive=True))
+    std: float = setting(0.2, "standard deviation of each Gaussian (\"near a mode\" = within 3 std)",
+                         Range(0, min_exclusive=True))
+
+    def shape(self, role: str) -> dict[str, int]:
+        """The MLP of the generator (``gen``: noise -> a point) or the discriminator (``disc``: a point -> a logit)."""
+        inputs, outputs = (self.noise_dim, 2) if role == "gen" else (2, 1)
+        return {"inputs": inputs, "width": self.width, "outputs": outputs, "depth": self.depth}

@@ -128,7 +128,7 @@ def export_run(registry: EngineRegistry, out_dir: str, model_path: str, componen
     {component: role}, the others copied from ``model_path``), ``lora/`` when ``lora`` = (role, component,
     pipeline class), then a folder per role of ``roles`` (those in ``first`` skipped); a role of ``roles`` the
     registry does not have is refused, naming ``key``."""
-    from multiengine.engines.recipe_config import RecipeConfigError
+    from multiengine.engines.settings import SettingsError
 
     written = export_roles(registry, out_dir, list(first), dtype=dtype)
     written[pipeline] = export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
@@ -140,7 +140,7 @@ def export_run(registry: EngineRegistry, out_dir: str, model_path: str, componen
     extra = [r for r in roles if r not in first]
     missing = [r for r in extra if r not in registry]
     if missing:
-        raise RecipeConfigError(f"{key}={list(roles)}: {missing} not among this run's roles "
+        raise SettingsError(f"{key}={list(roles)}: {missing} not among this run's roles "
                                 f"{[r.name for r in registry.roles()]}")
     written.update(export_roles(registry, out_dir, extra, dtype=dtype))
     return written

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiengine.engines.recipe_config import RecipeConfigError, config_problem
+from multiengine.engines.settings import SettingsError, config_problem
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.families import model_family
 from multiengine.pipelines.diffusion.runs import eval_split_value, held_out_of, resolution_multiple
@@ -25,10 +25,10 @@ DATA_KEY_NAMES = {"source": "data.source", "sources": "data.sources", "eval_sour
                   "builtin_size": "data.builtin_size", "check_images": "data.check_images"}
 
 
-def input_problem(key: str, value: Any, problem: str, exc: Exception, named: Sequence[str]) -> RecipeConfigError:
+def input_problem(key: str, value: Any, problem: str, exc: Exception, named: Sequence[str]) -> SettingsError:
     """A data or model-folder error as the config error: as it is when it already names its key."""
     text = str(exc)
-    return RecipeConfigError(text) if text.startswith(tuple(named)) else config_problem(key, value, problem, text)
+    return SettingsError(text) if text.startswith(tuple(named)) else config_problem(key, value, problem, text)
 
 
 def model_folder_family(pretrained: str, tiny_family: str, key: str = "model.pretrained") -> str:
@@ -119,7 +119,7 @@ class ImageData:
         """The first ``heldout_size`` held-out rows (None: none held out, or ``heldout_size`` 0)."""
         return None if rows is None or not self.heldout_size else rows.select(range(min(self.heldout_size, len(rows))))
 
-    def _problem(self, key: str, problem: str, exc: Exception) -> RecipeConfigError:
+    def _problem(self, key: str, problem: str, exc: Exception) -> SettingsError:
         return input_problem(key, self.spec, problem, exc, named=(self.keys["source"], self.keys["eval_source"]))
 
     def check(self) -> dict[str, Any] | None:

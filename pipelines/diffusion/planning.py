@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import planner as P
-from multiengine.engines.recipe_config import RecipeConfigError
+from multiengine.engines.settings import SettingsError
 
 __all__ = ["denoiser_activation_bytes", "denoiser_name", "encoder_names", "is_t5", "meta_controlnet", "pipeline_family",
            "text_tokens", "tiny_pipeline", "tiny_pipeline_info", "vae_activation_bytes", "vae_scale"]
@@ -25,7 +25,7 @@ def denoiser_name(components: Mapping[str, P.ModelInfo], title: str, source: str
     name = "unet" if "unet" in components or controlnet else "transformer"
     if name not in components or "vae" not in components:
         what = "a ControlNet for a unet" if controlnet else "a unet or a transformer beside a vae"
-        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
+        raise SettingsError(f"{title} trains {what}; {source} has components {sorted(components)}.")
     return name
 
 

@@ -115,7 +115,7 @@ def on_rank0_first(registry: EngineRegistry, load: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     if box[0] is not None:
-        from multiengine.engines.recipe_config import RecipeConfigError
+        from multiengine.engines.settings import SettingsError
 
-        raise RecipeConfigError(f"rank 0 could not load the data: {box[0]}")
+        raise SettingsError(f"rank 0 could not load the data: {box[0]}")
     return result if registry.is_main else load()

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 from multiengine.engines.metrics import write_summary
-from multiengine.engines.recipe_config import flatten
+
+from .config import checked_config, flatten, load_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +130,9 @@ def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun
     """Run ``recipe`` with its shipped ``config`` and ``overrides`` under ``out_dir`` on the ranks of this process
     group (its own registry), or reuse the finished run there (see :func:`reuse_reason`); returns its
     summary.json. ``decisions[recipe]`` records whether it was reused and why."""
-    from multiengine.engines.recipe_config import checked_config, load_recipe
-    from omegaconf import OmegaConf
-
     # CHECKS and validate(cfg): the step's inputs (earlier steps' exports) exist by now
     cfg = checked_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
-    fingerprint = step_fingerprint(recipe, OmegaConf.to_container(cfg, resolve=True), out_dir)
+    fingerprint = step_fingerprint(recipe, cfg.to_dict(), out_dir)
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     reuse, why = _on_every_rank(reuse_reason(out_dir, fingerprint, rerun) if is_main else None)
     summary_path = os.path.join(out_dir, "summary.json")

@@ -22,10 +22,11 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .recipe_config import CONFIGS_DIR, RECIPES_PACKAGE, RecipeConfigError
+from .config import RECIPES_PACKAGE, RecipeConfigError, configs_dir
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,22 @@ def _free_port() -> int:
 RDZV_BACKENDS = ("static", "c10d")
 
 
-def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None, master_port: int | None,
-                     rdzv_backend: str, rdzv_id: str) -> list[str]:
+@dataclass(frozen=True)
+class Nodes:
+    """Where a job's ranks run: the number of nodes, this node's rank and the rendezvous (torchrun's options)."""
+
+    nnodes: int = 1
+    node_rank: int | None = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_backend: str = "static"
+    rdzv_id: str = "multiengine"
+
+
+def _rendezvous_args(nodes: Nodes) -> list[str]:
     """torchrun's rendezvous options, checked: a wrong node rank or a missing address would hang every node."""
+    nnodes, node_rank, master_addr, master_port = nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port
+    rdzv_backend, rdzv_id = nodes.rdzv_backend, nodes.rdzv_id
     if rdzv_backend not in RDZV_BACKENDS:
         raise RecipeConfigError(f"--rdzv-backend {rdzv_backend!r}; use one of {list(RDZV_BACKENDS)}")
     if nnodes < 1:
@@ -84,33 +98,24 @@ def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None
     return ["--node_rank", str(node_rank), "--master_addr", addr, "--master_port", port]
 
 
-def build_launch_command(
-    recipe: str,
-    config_file: str | None,
-    overrides: Sequence[str],
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    node_rank: int | None = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    package: str = RECIPES_PACKAGE,
-    configs_dir: str | Path = CONFIGS_DIR,
-    rdzv_backend: str = "static",
-    rdzv_id: str = "multiengine",
-) -> list[str]:
-    """`python -m multiengine.recipes.cli _launch <torchrun options> -m multiengine.recipes.cli run <recipe> ...`:
-    torchrun's launcher (run quietly in its own process, see _launch_main), starting every rank."""
+CLI = "multiengine.recipes.language.cli"
+
+
+def build_launch_command(recipe: str, config_file: str | None, overrides: Sequence[str], *, nproc_per_node: int,
+                         nodes: Nodes = Nodes(), package: str = RECIPES_PACKAGE,
+                         folder: str | Path | None = None) -> list[str]:
+    """``python -m <cli> _launch <torchrun options> -m <cli> run <recipe> ...``: torchrun's launcher (run quietly in
+    its own process, see _launch_main), starting every rank."""
     if nproc_per_node < 1:
         raise RecipeConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     cmd = [
-        sys.executable, "-m", "multiengine.recipes.cli", _LAUNCH,
+        sys.executable, "-m", CLI, _LAUNCH,
         "--nproc_per_node", str(nproc_per_node),
-        "--nnodes", str(nnodes),
-        *_rendezvous_args(nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_id),
-        "-m", "multiengine.recipes.cli",
+        "--nnodes", str(nodes.nnodes),
+        *_rendezvous_args(nodes),
+        "-m", CLI,
         "--recipes-package", package,
-        "--configs-dir", str(configs_dir),
+        "--configs-dir", str(folder if folder is not None else configs_dir(package)),
         "run", recipe,
     ]
     if config_file is not None:
@@ -425,12 +430,10 @@ def _report_job(error_dir: str, code: int, stop: int | None, nproc: int) -> int:
 
 
 def _is_config_error(exc: BaseException) -> bool:
-    if isinstance(exc, RecipeConfigError):
-        return True
-    # The engines' DeepSpeed-config errors are user errors too. Looked up, not imported: if the
-    # module was never imported, the exception cannot be one of its classes (and `ls` stays fast).
-    engines_config = sys.modules.get("multiengine.engines.config")
-    return engines_config is not None and isinstance(exc, engines_config.ConfigError)
+    """A user error: a settings error of the recipe language, the engines or the pipelines (SettingsError)."""
+    from multiengine.engines.settings import SettingsError
+
+    return isinstance(exc, SettingsError)
 
 
 def _leave(code: int) -> None:
@@ -463,7 +466,7 @@ def run_rank(load: Callable[[bool], Any], run: Callable[[Any], str | None]) -> i
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
     if launched:
-        from .dist import watch_launcher
+        from multiengine.engines.dist import watch_launcher
 
         watch_launcher()  # from the start: imports and model builds can take minutes
     cfg = None
@@ -471,7 +474,7 @@ def run_rank(load: Callable[[bool], Any], run: Callable[[Any], str | None]) -> i
     try:
         cfg = load(checked)
         text = run(cfg)
-        from .dist import shutdown
+        from multiengine.engines.dist import shutdown
 
         shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
     except KeyboardInterrupt:
