@@ -199,7 +199,11 @@ class Satisfies(Check):
         return self.description
 
     def problem(self, value: Any) -> str | None:
-        return None if self.predicate(value) else f"must be {self.description}"
+        try:
+            ok = bool(self.predicate(value))
+        except (TypeError, ValueError, AttributeError):
+            ok = False
+        return None if ok else f"must be {self.description}"
 
 
 # --- declaring fields ----------------------------------------------------------------------------------------------
@@ -282,7 +286,9 @@ def when_holds(when: str, get: Any) -> bool:
 
 def when_problem(when: str) -> str:
     name, eq, wanted = when.partition("=")
-    return f"applies only with {name}={wanted}" if eq else f"applies only when {name} is set"
+    if eq:
+        return f"applies only with {name}={wanted}" if wanted else f"applies only while {name} is empty"
+    return f"applies only when {name} is set"
 
 
 # Which settings fields a run reads (:func:`track_reads`): how a test finds a key that is accepted and then ignored.
@@ -352,7 +358,7 @@ class Settings:
     def replace(self, **changes: Any) -> Any:
         """A copy with ``changes`` (checked again), keeping this object's place in its config tree."""
         values = object.__getattribute__(self, "__dict__")
-        new = type(self)(**{f.name: values[f.name] for f in dataclasses.fields(self) if f.init}, **changes)
+        new = type(self)(**{**{f.name: values[f.name] for f in dataclasses.fields(self) if f.init}, **changes})
         if "_key" in values:
             object.__setattr__(new, "_key", values["_key"])
         return new
