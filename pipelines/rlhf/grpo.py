@@ -86,7 +86,8 @@ class GRPOSettings(Settings):
     importance_level: str = setting("token", "token | sequence (GSPO's length-normalised sequence ratio)",
                                     Choice(*IMPORTANCE_LEVELS))
     overlong_buffer: int = setting(0, "0 = off; DAPO's soft overlong penalty over the last N tokens before "
-                                      "generation.max_new_tokens ...", Range(0))
+                                      "generation.max_new_tokens ... (single answers: max_total_tokens caps an "
+                                      "episode)", Range(0), when="env=")
     overlong_penalty: float = setting(1.0, "... growing linearly to this at max_new_tokens", Range(0),
                                       when="overlong_buffer")
     dynamic_sampling: bool = setting(False, "DAPO: drop prompt groups whose rewards are all equal, sample new prompts")
@@ -99,7 +100,8 @@ class GRPOSettings(Settings):
     gamma: float = setting(1.0, "discount of the returns-to-go", Range(0, 1))
     std_eps: float = setting(1.0e-6, "added to the group std", Range(0), when="algorithm=grpo")
     clip_reward: float = setting(5.0, "0 = no clipping", Range(0))
-    no_eos_penalty: float = setting(0.0, "> 0: subtracted from the score of answers without EOS", Range(0))
+    no_eos_penalty: float = setting(0.0, "> 0: subtracted from the score of answers without EOS (single answers)",
+                                    Range(0), when="env=")
     shuffle_minibatches: bool = setting(True, "seeded minibatch order")
     flat_warn_share: float = setting(0.8, "warn when more than this share of groups has all-equal rewards (1 = "
                                           "never) ...", Range(0, 1))
@@ -113,9 +115,6 @@ class GRPOSettings(Settings):
         if self.objective != "ppo" and self.clip_low is None and self.clip_eps >= 1:
             raise FieldError("clip_eps", self.clip_eps, f"must be < 1 with the {self.objective} clip (its lower bound "
                              "is 1 - clip_low, clip_low null = clip_eps)", "set clip_eps or clip_low below 1")
-        if self.env and self.overlong_buffer:
-            raise FieldError("overlong_buffer", self.overlong_buffer, "applies to single answers, not to env "
-                             "episodes (max_total_tokens caps an episode)", "set overlong_buffer=0 with env")
 
     @property
     def resolved_kl_in_reward(self) -> bool:

@@ -311,22 +311,13 @@ def multiturn_rollout(
     max_new_tokens: int = 64,
     seed: int | None = None,
 ) -> MultiTurnRollout:
-    """Alternate model and environment turns until the environment says done or a cap is reached.
-
-    Args:
-        prompt: passed to ``env.reset``; its observation is the first turn.
-        generate: ``generate(ids, max_new_tokens) -> new ids``, any model or engine; whatever follows the first
-            EOS (``renderer.tokenizer.eos_token_id``) and anything beyond ``max_new_tokens`` is dropped.
-        max_turns: model turns at most (``grpo.max_turns``).
-        max_total_tokens: the whole sequence's length at most, prompt included (``grpo.max_total_tokens``); a
-            model turn gets at most the room that is left, and an environment turn that would leave no room for
-            another model token ends the episode.
-        max_new_tokens: tokens per model turn at most.
-        seed: seeds torch's global generator first (module docstring); ``None`` leaves it alone.
-
-    Returns:
-        A :class:`MultiTurnRollout`.
-    """
+    """One episode: model and environment turns alternate until the environment says done or a cap is reached.
+    ``env.reset(prompt)`` gives the first turn; ``generate(ids, max_new_tokens) -> new ids`` is any model or engine
+    (whatever follows the first EOS, ``renderer.tokenizer.eos_token_id``, or exceeds ``max_new_tokens`` is dropped).
+    Caps: ``max_turns`` model turns, ``max_total_tokens`` for the whole sequence, prompt included (a model turn gets
+    at most the room left; an environment turn that leaves no room for another model token ends the episode),
+    ``max_new_tokens`` per model turn. ``seed`` seeds torch's global generator first (module docstring; None leaves
+    it alone)."""
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns!r}: the number of model turns per episode, >= 1.")
     if max_new_tokens < 1:

@@ -27,7 +27,8 @@ from multiengine.pipelines.rlhf.rollout import Experience, RolloutSpec, concat_e
     ({"dynamic_sampling": True, "max_resample_rounds": 0}, "max_resample_rounds=0 must be >= 1"),
     ({"overlong_penalty": 0.5}, "overlong_penalty=0.5 applies only when overlong_buffer is set"),
     ({"env": "builtin:chess"}, "env='builtin:chess' must be .*builtin:arithmetic or module:factory"),
-    ({"env": "builtin:arithmetic", "overlong_buffer": 2}, "overlong_buffer=2 applies to single answers"),
+    ({"env": "builtin:arithmetic", "overlong_buffer": 2}, "overlong_buffer=2 applies only with env="),
+    ({"env": "builtin:arithmetic", "no_eos_penalty": 1.0}, "no_eos_penalty=1.0 applies only with env="),
     ({"env": "builtin:arithmetic", "max_turns": 0}, "max_turns=0 must be >= 1"),
     ({"max_total_tokens": 64}, "max_total_tokens=64 applies only when env is set"),
 ])

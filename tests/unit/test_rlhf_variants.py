@@ -335,8 +335,6 @@ def test_sampler_cap_fill_and_error():
     s.add(flat, None)
     with pytest.raises(ValueError, match="max_resample_rounds=1"):
         s.take()
-    with pytest.raises(ValueError, match="max_resample_rounds"):
-        DynamicSampler(2, max_rounds=0)
     with pytest.raises(ValueError, match="on_cap"):
         DynamicSampler(2, on_cap="pad")
 
