@@ -165,7 +165,7 @@ class Ours:
 
                 gen = GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode)
                 trainer = PPOTrainer(self.registry, PPOSettings(rollout_batch_size=batch, epochs=1),
-                                     RolloutSpec(gen, EOS, PAD), batch)
+                                     RolloutSpec(gen, EOS, PAD, critic="critic"), batch)
             trainer.make_experience = _clocked(trainer.make_experience, "experience")
             trainer.train_on = _clocked(trainer.train_on, "train")
             self._trainers[shape] = trainer

@@ -214,7 +214,7 @@ class GRPOTrainer:
         if any(src.fn is not None for src in spec.rewards) and spec.decode is None:
             raise ValueError("reward functions score texts: pass decode= (response ids -> strings).")
         self.registry, self.settings, self.micro_batch_size = registry, s, micro_batch_size
-        self.spec = dataclasses.replace(spec, ref=spec.ref if s.kl_coef > 0 else None, critic=None)
+        self.spec = dataclasses.replace(spec, ref=spec.ref if s.kl_coef > 0 else None, critic=None)  # critic-free
         self.normalizer = RunningMoments() if normalize_rewards else None
         self.flat_watch = FlatGroupWatch(s.flat_warn_share, s.flat_warn_steps)
         self.more_prompts, self.rollout = more_prompts, rollout

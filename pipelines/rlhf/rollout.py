@@ -180,7 +180,7 @@ class RolloutSpec:
     judge: Judge | None = None
     actor: str = "actor"
     ref: str | None = "ref"
-    critic: str | None = "critic"
+    critic: str | None = None
     seed: int = 0
     critic_retokenizer: Any = None
 

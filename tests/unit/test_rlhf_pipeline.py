@@ -112,7 +112,8 @@ def test_ppo_step_on_the_torch_backend(assets):
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
     settings = PPOSettings(rollout_batch_size=4, epochs=1, critic_warmup_steps=1)
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
-                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge)
+                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
+                       critic="critic")
     trainer = PPOTrainer(registry, settings, spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     batch = PromptCollator(tok, 16)([rows[i] for i in range(4)])

@@ -56,7 +56,7 @@ def test_pad_sampled_before_eos_is_an_action_and_rescoring_matches_an_unpadded_f
     batch = {"input_ids": torch.tensor([[PAD, PAD, BOS, 3, 4], [BOS, 5, 6, 7, 3]]),
              "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), "prompts": ["a", "b"]}
     spec = RolloutSpec(GenerationSettings(max_new_tokens=6), EOS, PAD,
-                       [reward_function(lambda p, r: [0.0] * len(p), name="zero")], _ids_text, critic=None, seed=3)
+                       [reward_function(lambda p, r: [0.0] * len(p), name="zero")], _ids_text, seed=3)
     exp = make_experience(registry, batch, 0, spec, n_samples_per_prompt=8)
     response, mask = exp.response_ids, exp.action_mask
     # the mask is a prefix up to and including the first EOS

@@ -52,7 +52,8 @@ def _ppo(assets):
                      ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
-                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge)
+                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
+                       critic="critic")
     trainer = PPOTrainer(registry, PPOSettings(rollout_batch_size=4, epochs=1), spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     return trainer, PromptCollator(tok, 16)([rows[i] for i in range(4)])

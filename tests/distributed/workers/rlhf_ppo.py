@@ -81,7 +81,8 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
         actor_optim=opt, critic_optim=opt, micro_batch_size=2, actor_lora=lora_cfg, critic_lora=lora_cfg,
         actor_gradient_checkpointing=checkpointing, critic_gradient_checkpointing=checkpointing, seed=0)
     settings = settings or PPOSettings(rollout_batch_size=4, epochs=2)
-    spec = RolloutSpec(GenerationSettings(max_new_tokens=6, mode=mode), EOS, PAD, decode=decode, judge=tiny.judge)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=6, mode=mode), EOS, PAD, decode=decode, judge=tiny.judge,
+                       critic="critic")
     trainer = PPOTrainer(registry, settings, spec, 2, ema_decay=0.992 if ema else None)
     return registry, trainer
 
