@@ -59,7 +59,7 @@ Rollout = Callable[[dict[str, Any], int, int], Experience]
 _KL_IN_REWARD = {"grpo": False, "dr_grpo": False, "rloo": True, "reinforce_pp": True}
 _LOSS_AGG = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "rloo": "token_mean",
              "reinforce_pp": "token_mean"}
-_ENV = Satisfies(lambda v: v in ("", *BUILTIN_ENVS) or (":" in v and not v.startswith("builtin:")),
+_ENV = Satisfies(lambda v: isinstance(v, str) and (v in ("", *BUILTIN_ENVS) or ":" in v and "builtin:" not in v),
                  f"\"\", one of {', '.join(BUILTIN_ENVS)} or module:factory")
 
 
@@ -85,9 +85,8 @@ class GRPOSettings(Settings):
     clip_high: float | None = setting(None, "null = clip_low; > clip_low is DAPO's clip-higher (e.g. 0.28)", Range(0))
     importance_level: str = setting("token", "token | sequence (GSPO's length-normalised sequence ratio)",
                                     Choice(*IMPORTANCE_LEVELS))
-    overlong_buffer: int = setting(0, "0 = off; DAPO's soft overlong penalty over the last N tokens before "
-                                      "generation.max_new_tokens ... (single answers: max_total_tokens caps an "
-                                      "episode)", Range(0), when="env=")
+    overlong_buffer: int = setting(0, "0 = off; DAPO's soft overlong penalty of single answers over the last N "
+                                      "tokens before generation.max_new_tokens ...", Range(0), when="env=")
     overlong_penalty: float = setting(1.0, "... growing linearly to this at max_new_tokens", Range(0),
                                       when="overlong_buffer")
     dynamic_sampling: bool = setting(False, "DAPO: drop prompt groups whose rewards are all equal, sample new prompts")
