@@ -1,22 +1,20 @@
 """Experience making: generate responses, then score them with every role.
 
-One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies
-of a prompt are adjacent rows on the same rank: see advantages.py) and runs, on every rank, one
-forward of each role involved: the actor and the ref for log-probs, the critic (optional) for
-values, each reward-model role for a score; reward functions score the decoded texts (with the rows'
-other dataset columns, the collator's ``columns``, repeated with their prompts). Advantages
-are left to the estimator (GAE in ppo_trainer.py, the critic-free family in grpo.py).
+One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies of a prompt are
+adjacent rows on the same rank: see advantages.py) and runs, on every rank, one forward of each role of its
+:class:`RolloutSpec`: the actor and the ref for log-probs, the critic (optional) for values, each reward-model role for
+a score; reward functions score the decoded texts (with the rows' other dataset columns, the collator's ``columns``,
+repeated with their prompts). Advantages are left to the estimator (GAE in ppo_trainer.py, the critic-free family in
+grpo.py).
 
 A reward model or critic with its own tokenizer gets the rows decoded and encoded again with it
-(``RewardSource.retokenizer``, ``critic_retokenizer``); the critic's values are then read at the
-positions that end the same text as the actor's tokens (``Experience.critic_index``), and the update
-feeds the critic the same re-encoded rows.
+(``RewardSource.retokenizer``, ``RolloutSpec.critic_retokenizer``); the critic's values are then read at the positions
+that end the same text as the actor's tokens (``Experience.critic_index``), and the update feeds the critic the same
+re-encoded rows.
 
-Every function here is collective: all ranks call it with the same number of rows, so every rank
-runs the same number of forwards of every role (under ZeRO-3 each forward gathers layers from all
-ranks, and a rank that skipped one would hang the others).
-
-Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
+Every function here is collective: all ranks call it with the same number of rows, so every rank runs the same number
+of forwards of every role (under ZeRO-3 each forward gathers layers from all ranks, and a rank that skipped one would
+hang the others). Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ from .generation import GenerationSettings, generate, position_ids_from_mask
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
-__all__ = ["Experience", "StepStats", "concat_experiences", "expand_prompts", "make_experience", "rollout_metrics",
-           "sampling_seed", "step_timings"]
+__all__ = ["Experience", "RolloutSpec", "StepStats", "concat_experiences", "expand_prompts", "make_experience",
+           "rollout_metrics", "sampling_seed", "step_timings"]
 
 Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
@@ -254,14 +252,11 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
 
 
 class StepStats:
-    """The scalar statistics of one step from every rank, reduced by ONE all-reduce.
-
-    Each entry puts local sums into one float64 vector, with a function of their global sums that gives
-    its value; :meth:`reduce` sums the vector over ranks at once (collective) and returns ``{key: value}``.
-    Every rank must add the same entries in the same order. Used by the trainers to reduce a rollout's
-    metrics, the update's statistics and the throughput together (each collective on gloo costs a
-    latency of about a millisecond, whatever its size).
-    """
+    """The scalar statistics of one step from every rank, reduced by ONE all-reduce: each entry puts local sums into
+    one float64 vector, with a function of their global sums that gives its value; :meth:`reduce` sums the vector
+    over ranks at once (collective) and returns ``{key: value}``. Every rank adds the same entries in the same order.
+    The trainers reduce a rollout's metrics, the update's statistics and the throughput together (each collective on
+    gloo costs about a millisecond, whatever its size)."""
 
     def __init__(self) -> None:
         self._sums: list[float] = []
