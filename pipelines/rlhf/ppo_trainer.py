@@ -106,8 +106,9 @@ class PPOTrainer:
                 raise ValueError(f"PPO needs role {role!r}; the registry has {registry.names()}.")
         if any(s.fn is not None for s in spec.rewards) and spec.decode is None:
             raise ValueError("reward functions score texts: pass decode= (response ids -> strings).")
-        if ema_decay is not None and ema not in registry:
-            raise ValueError(f"ema_decay={ema_decay} needs the role {ema!r}; the registry has {registry.names()}.")
+        if (ema_decay is not None) != (ema in registry):
+            raise ValueError(f"ema_decay={ema_decay} and the registry's roles {registry.names()} disagree: the {ema!r} "
+                             "role is updated after every step with ema_decay; pass both or neither.")
         self.registry, self.settings, self.spec = registry, settings, spec
         self.micro_batch_size, self.critic_micro_batch_size = micro_batch_size, critic_micro_batch_size
         self.ema_decay, self.ema = ema_decay, ema

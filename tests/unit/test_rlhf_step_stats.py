@@ -54,6 +54,8 @@ def _ppo(assets):
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
                        decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
                        critic="critic")
+    with pytest.raises(ValueError, match="ema_decay=0.9 and the registry's roles"):
+        PPOTrainer(registry, PPOSettings(rollout_batch_size=4), spec, 2, ema_decay=0.9)  # no ema role
     trainer = PPOTrainer(registry, PPOSettings(rollout_batch_size=4, epochs=1), spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     return trainer, PromptCollator(tok, 16)([rows[i] for i in range(4)])
