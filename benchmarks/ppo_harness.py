@@ -143,6 +143,7 @@ class Ours:
     def trainer(self, shape: str) -> Any:
         """The trainer for a shape (1 epoch, 1 mini-batch of all rows; engines are shared)."""
         from multiengine.pipelines.rlhf.generation import GenerationSettings
+        from multiengine.pipelines.rlhf.rollout import RolloutSpec
 
         if shape not in self._trainers:
             import multiengine.pipelines.rlhf.rollout as rollout_module
@@ -155,17 +156,16 @@ class Ours:
                 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
                 from multiengine.pipelines.rlhf.rewards import reward_model
 
+                gen = GenerationSettings(max_new_tokens=answer_len, do_sample=True, mode=self.gen_mode)
                 trainer = GRPOTrainer(
-                    self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=True, mode=self.gen_mode),
-                    GRPOSettings(n_samples_per_prompt=GRPO_SAMPLES, rollout_batch_size=batch,
-                                 mini_batch_size=batch * GRPO_SAMPLES), EOS, PAD, [reward_model("reward")], seed=0)
+                    self.registry, GRPOSettings(n_samples_per_prompt=GRPO_SAMPLES, rollout_batch_size=batch),
+                    RolloutSpec(gen, EOS, PAD, [reward_model("reward")]), batch * GRPO_SAMPLES)
             else:
                 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 
-                trainer = PPOTrainer(
-                    self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode),
-                    PPOSettings(rollout_batch_size=batch, mini_batch_size=batch), eos_token_id=EOS,
-                    pad_token_id=PAD, seed=0)
+                gen = GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode)
+                trainer = PPOTrainer(self.registry, PPOSettings(rollout_batch_size=batch, epochs=1),
+                                     RolloutSpec(gen, EOS, PAD, critic="critic"), batch)
             trainer.make_experience = _clocked(trainer.make_experience, "experience")
             trainer.train_on = _clocked(trainer.train_on, "train")
             self._trainers[shape] = trainer
@@ -282,6 +282,8 @@ class Raw:
 
     def step(self, batch: dict[str, torch.Tensor], step: int, shape: str) -> dict[str, float]:
         from multiengine.pipelines.rlhf import ppo
+        from multiengine.pipelines.rlhf.losses import PolicyLossInputs, policy_loss
+        from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings
 
         from benchmarks.variants import running
 
@@ -320,7 +322,8 @@ class Raw:
                 self.critic.module.train()
                 count = ppo.global_token_count(action.float()) / dist.get_world_size()
                 logp = ppo.response_logprobs(self._logits(self.actor, seq, attn), seq, C)
-                pg_loss, _ = ppo.policy_loss(logp, logprobs, advantages, action, 0.2, None, count)
+                pg_loss, _ = policy_loss("ppo", PolicyLossInputs(logp, logprobs, advantages, action, denominator=count),
+                                         PPOSettings(clip_eps=0.2))
                 self.actor.backward(pg_loss)
                 self.actor.step()
                 count = ppo.global_token_count(action.float()) / dist.get_world_size()

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from ..rlhf.losses import PolicyLossInputs, register_policy_loss
 from .math import PREDICTION_TYPES
 
 __all__ = [
@@ -486,6 +487,15 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
              "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
              "ratio_mean": ratio.detach().mean()}
     return loss, stats
+
+
+@register_policy_loss("diffusion_grpo")
+def _diffusion_grpo_policy_loss(x: PolicyLossInputs, settings: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`clipped_policy_loss` as the policy loss ``diffusion_grpo``: per-step log-probs ``[B]`` or ``[B, K]``,
+    one advantage per image, the mean over every entry (``x.mask`` and the aggregation do not apply);
+    ``settings.clip_range`` and ``settings.adv_clip_max`` (0 or None = no clamp)."""
+    return clipped_policy_loss(x.logprobs, x.old_logprobs, x.advantages, settings.clip_range,
+                               settings.adv_clip_max or None)
 
 
 def kl_to_reference(prev_sample_mean: torch.Tensor, ref_prev_sample_mean: torch.Tensor,

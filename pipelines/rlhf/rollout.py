@@ -1,22 +1,20 @@
 """Experience making: generate responses, then score them with every role.
 
-One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies
-of a prompt are adjacent rows on the same rank: see advantages.py) and runs, on every rank, one
-forward of each role involved: the actor and the ref for log-probs, the critic (optional) for
-values, each reward-model role for a score; reward functions score the decoded texts (with the rows'
-other dataset columns, the collator's ``columns``, repeated with their prompts). Advantages
-are left to the estimator (GAE in ppo_trainer.py, the critic-free family in grpo.py).
+One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies of a prompt are
+adjacent rows on the same rank: see advantages.py) and runs, on every rank, one forward of each role of its
+:class:`RolloutSpec`: the actor and the ref for log-probs, the critic (optional) for values, each reward-model role for
+a score; reward functions score the decoded texts (with the rows' other dataset columns, the collator's ``columns``,
+repeated with their prompts). Advantages are left to the estimator (GAE in ppo_trainer.py, the critic-free family in
+grpo.py).
 
 A reward model or critic with its own tokenizer gets the rows decoded and encoded again with it
-(``RewardSource.retokenizer``, ``critic_retokenizer``); the critic's values are then read at the
-positions that end the same text as the actor's tokens (``Experience.critic_index``), and the update
-feeds the critic the same re-encoded rows.
+(``RewardSource.retokenizer``, ``RolloutSpec.critic_retokenizer``); the critic's values are then read at the positions
+that end the same text as the actor's tokens (``Experience.critic_index``), and the update feeds the critic the same
+re-encoded rows.
 
-Every function here is collective: all ranks call it with the same number of rows, so every rank
-runs the same number of forwards of every role (under ZeRO-3 each forward gathers layers from all
-ranks, and a rank that skipped one would hang the others).
-
-Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
+Every function here is collective: all ranks call it with the same number of rows, so every rank runs the same number
+of forwards of every role (under ZeRO-3 each forward gathers layers from all ranks, and a rank that skipped one would
+hang the others). Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ from .generation import GenerationSettings, generate, position_ids_from_mask
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
-__all__ = ["Experience", "StepStats", "concat_experiences", "expand_prompts", "make_experience", "rollout_metrics",
-           "sampling_seed", "step_timings"]
+__all__ = ["Experience", "RolloutSpec", "StepStats", "concat_experiences", "expand_prompts", "make_experience",
+           "rollout_metrics", "sampling_seed", "step_timings"]
 
 Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
@@ -164,44 +162,37 @@ def expand_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
     return {k: {c: repeat(x) for c, x in v.items()} if k == "columns" else repeat(v) for k, v in batch.items()}
 
 
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What a rollout samples and scores with: the sampling settings (``temperature`` also scales every log-prob),
+    the tokenizer's EOS and pad ids, the reward sources (summed with their weights), ``decode`` (``response_ids
+    [B, T] -> texts``, needed by reward functions and the judge), an optional ``judge(prompt, answer)`` logged as
+    ``judge/mean``, the roles (``ref`` and ``critic`` may be None), the run's seed (sampling seeds derive from
+    ``(seed, step, rank)``) and a ``Retokenizer`` to the critic's tokenizer when it differs from the actor's."""
+
+    generation: GenerationSettings
+    eos_token_id: int
+    pad_token_id: int
+    rewards: Sequence[RewardSource] = ()
+    decode: Decode | None = None
+    judge: Judge | None = None
+    actor: str = "actor"
+    ref: str | None = "ref"
+    critic: str | None = None
+    seed: int = 0
+    critic_retokenizer: Any = None
+
+
 @torch.no_grad()
-def make_experience(
-    registry: EngineRegistry,
-    batch: dict[str, Any],
-    step: int,
-    *,
-    generation: GenerationSettings,
-    eos_token_id: int,
-    pad_token_id: int,
-    rewards: Sequence[RewardSource],
-    decode: Decode | None = None,
-    actor: str = "actor",
-    ref: str | None = "ref",
-    critic: str | None = None,
-    n_samples_per_prompt: int = 1,
-    seed: int = 0,
-    no_eos_penalty: float | None = None,
-    critic_retokenizer: Any = None,
-    sample_seed: int | None = None,
-) -> Experience:
-    """Sample and score one rollout (collective).
-
-    Args:
-        batch: a :class:`PromptCollator` batch: ``input_ids`` / ``attention_mask`` ``[P, C]`` left
-            padded, ``prompts`` (texts; needed by reward functions), optionally ``columns`` (the rows' other
-            dataset columns, passed to reward functions by name).
-        step: seeds the sampling (with ``seed`` and the rank).
-        rewards: the reward sources, summed with their weights.
-        decode: ``response_ids [B, T] -> list[str]``; needed by reward functions (and judges).
-        actor / ref / critic: role names; ``ref`` and ``critic`` may be ``None``.
-        n_samples_per_prompt: completions per prompt, in consecutive rows.
-        no_eos_penalty: subtracted from the score of answers that never emitted EOS.
-        critic_retokenizer: a ``Retokenizer`` from the actor's tokenizer to the critic's, when they differ.
-        sample_seed: the sampling seed (``None`` = :func:`sampling_seed` of ``(seed, step, rank)``).
-
-    Returns:
-        An :class:`Experience` of ``P * n_samples_per_prompt`` rows without rewards/advantages.
-    """
+def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, spec: RolloutSpec, *,
+                    n_samples_per_prompt: int = 1, no_eos_penalty: float = 0.0,
+                    sample_seed: int | None = None) -> Experience:
+    """Sample and score one rollout (collective): ``n_samples_per_prompt`` completions of each prompt of ``batch``
+    (a :class:`PromptCollator` batch: left-padded ``input_ids`` / ``attention_mask`` ``[P, C]``, ``prompts`` texts,
+    optionally ``columns``, the rows' other dataset columns passed to reward functions by name) in consecutive rows,
+    one forward of each role of ``spec``, the score minus ``no_eos_penalty`` (0 = off) for answers without EOS.
+    ``sample_seed`` None = :func:`sampling_seed` of ``(spec.seed, step, rank)``. Returns an :class:`Experience` of
+    ``P * n_samples_per_prompt`` rows without rewards/advantages."""
     device = registry.device
     batch = expand_prompts(batch, n_samples_per_prompt)
     prompt_ids = batch["input_ids"].to(device)
@@ -210,29 +201,30 @@ def make_experience(
 
     # 1. sample (seeded per step and rank: resume and stage changes sample the same tokens)
     t0 = time.perf_counter()
-    torch.manual_seed(sampling_seed(seed, step, registry.rank) if sample_seed is None else sample_seed)
-    response = generate(registry, prompt_ids, prompt_mask, generation, eos_token_id, pad_token_id, role=actor)
+    torch.manual_seed(sampling_seed(spec.seed, step, registry.rank) if sample_seed is None else sample_seed)
+    eos, generation, critic = spec.eos_token_id, spec.generation, spec.critic
+    response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
     t_gen = time.perf_counter() - t0
 
     # 2. sequences; actions = the prefix up to and including the first EOS (a pad id sampled before it is
     #    an ordinary token, attended to here as it was while sampling)
     t1 = time.perf_counter()
     sequences = torch.cat([prompt_ids, response], dim=1)
-    action = ppo.action_mask(response, eos_token_id)
+    action = ppo.action_mask(response, eos)
     attention = torch.cat([prompt_mask, action.to(prompt_mask.dtype)], dim=1)
     action_f = action.float()
 
     # 3. one forward per role, every rank
-    logprobs = role_logprobs(registry, actor, sequences, attention, C, generation.temperature)
+    logprobs = role_logprobs(registry, spec.actor, sequences, attention, C, generation.temperature)
     ref_logprobs = None
-    if ref is not None:
-        ref_logprobs = role_logprobs(registry, ref, sequences, attention, C, generation.temperature) * action_f
+    if spec.ref is not None:
+        ref_logprobs = role_logprobs(registry, spec.ref, sequences, attention, C, generation.temperature) * action_f
     prompts = list(batch.get("prompts", []))
     messages = batch.get("prompt_messages")
     values, critic_rows = None, {}
-    if critic is not None and critic_retokenizer is not None and critic_retokenizer.needed:
+    if critic is not None and spec.critic_retokenizer is not None and spec.critic_retokenizer.needed:
         # the critic reads the same text in its own tokens; V(s_t) sits where the text before action t ends
-        enc = reencoded(critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
+        enc = reencoded(spec.critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
         with eval_mode(registry, critic) as engine:
             full = engine(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                           position_ids=position_ids_from_mask(enc["attention_mask"])).float()
@@ -243,12 +235,12 @@ def make_experience(
         values = role_values(registry, critic, sequences, attention, C) * action_f
 
     # 4. the reward: weighted sum of reward-model scores and reward-function values
-    texts = decode(response) if decode is not None else []
+    texts = spec.decode(response) if spec.decode is not None else []
     columns = {k: list(v) for k, v in (batch.get("columns") or {}).items()}
-    score, parts = compute_scores(registry, rewards, sequences, attention, prompts or None, texts or None,
+    score, parts = compute_scores(registry, spec.rewards, sequences, attention, prompts or None, texts or None,
                                   context_length=C, prompt_messages=messages, columns=columns)
     if no_eos_penalty:
-        score = ppo.apply_no_eos_penalty(score, response, eos_token_id, no_eos_penalty)
+        score = ppo.apply_no_eos_penalty(score, response, eos, no_eos_penalty)
     t_exp = time.perf_counter() - t1
     return Experience(
         sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
@@ -260,14 +252,11 @@ def make_experience(
 
 
 class StepStats:
-    """The scalar statistics of one step from every rank, reduced by ONE all-reduce.
-
-    Each entry puts local sums into one float64 vector, with a function of their global sums that gives
-    its value; :meth:`reduce` sums the vector over ranks at once (collective) and returns ``{key: value}``.
-    Every rank must add the same entries in the same order. Used by the trainers to reduce a rollout's
-    metrics, the update's statistics and the throughput together (each collective on gloo costs a
-    latency of about a millisecond, whatever its size).
-    """
+    """The scalar statistics of one step from every rank, reduced by ONE all-reduce: each entry puts local sums into
+    one float64 vector, with a function of their global sums that gives its value; :meth:`reduce` sums the vector
+    over ranks at once (collective) and returns ``{key: value}``. Every rank adds the same entries in the same order.
+    The trainers reduce a rollout's metrics, the update's statistics and the throughput together (each collective on
+    gloo costs about a millisecond, whatever its size)."""
 
     def __init__(self) -> None:
         self._sums: list[float] = []

@@ -9,6 +9,7 @@ import pytest
 import torch
 from multiengine.pipelines.rlhf import advantages as adv
 from multiengine.pipelines.rlhf import losses, ppo, rewards
+from multiengine.pipelines.rlhf.grpo import GRPOSettings
 from multiengine.pipelines.rlhf.preference import preference_response_mask
 
 
@@ -65,10 +66,17 @@ LOGP = torch.full((2, 3), -1.0)
 REF = torch.tensor([[-1.5, -1.0, -9.0], [-2.0, -9.0, -9.0]])  # k1 = logp - ref = (0.5, 0, .) and (1, ., .)
 
 
+def advantages(algorithm, score, ref, n, **settings):
+    """critic_free_advantages of LOGP / MASK, KL and reward clipping off unless given."""
+    settings = {"kl_coef": 0.0, "clip_reward": 0.0, **settings}
+    return adv.critic_free_advantages(score, LOGP, ref, MASK, GRPOSettings(algorithm=algorithm,
+                                                                           n_samples_per_prompt=n, **settings))
+
+
 def test_grpo_per_token_advantages_kl_as_loss_term():
     # one group of 2: scores (1, 0) -> mean 0.5, sample std sqrt(0.5) -> +/- 0.707107 on every action token;
     # with the KL as a loss term the rewards hold only the sequence advantage, on the last action
-    a, r = adv.critic_free_advantages("grpo", torch.tensor([1.0, 0.0]), LOGP, REF, MASK, 2, kl_coef=0.1,
+    a, r = advantages("grpo", torch.tensor([1.0, 0.0]), REF, 2, kl_coef=0.1,
                                       kl_in_reward=False)
     s = 0.5 / math.sqrt(0.5)
     close(a, [[s, s, 0.0], [-s, 0.0, 0.0]], atol=1e-5)
@@ -78,34 +86,34 @@ def test_grpo_per_token_advantages_kl_as_loss_term():
 def test_rloo_per_token_advantages_kl_in_reward():
     # RLOO n=2: sequence advantages (1 - 0, 0 - 1) = (1, -1) on the last action; -0.1 * k1 on every action:
     #   row 0 rewards (-0.05, 1 + 0, .) -> returns (0.95, 1); row 1 rewards (-0.1 - 1) -> (-1.1)
-    a, r = adv.critic_free_advantages("rloo", torch.tensor([1.0, 0.0]), LOGP, REF, MASK, 2, kl_coef=0.1,
+    a, r = advantages("rloo", torch.tensor([1.0, 0.0]), REF, 2, kl_coef=0.1,
                                       kl_in_reward=True)
     close(r, [[-0.05, 1.0, 0.0], [-1.1, 0.0, 0.0]], atol=1e-6)
     close(a, [[0.95, 1.0, 0.0], [-1.1, 0.0, 0.0]], atol=1e-6)
     # the same with a clamp of 0.2 on the k1 estimate: row 1's k1 of 1 becomes 0.2
-    a, _ = adv.critic_free_advantages("rloo", torch.tensor([1.0, 0.0]), LOGP, REF, MASK, 2, kl_coef=0.1,
+    a, _ = advantages("rloo", torch.tensor([1.0, 0.0]), REF, 2, kl_coef=0.1,
                                       kl_in_reward=True, kl_clamp=0.2)
     close(a[1, 0], -1.02, atol=1e-6)
 
 
 def test_dr_grpo_and_reward_clipping():
     # scores (2, 0) clipped to (1, 0) first: mean 0.5, Dr. GRPO subtracts it only
-    a, _ = adv.critic_free_advantages("dr_grpo", torch.tensor([2.0, 0.0]), LOGP, None, MASK, 2, clip_reward=1.0)
+    a, _ = advantages("dr_grpo", torch.tensor([2.0, 0.0]), None, 2, clip_reward=1.0)
     close(a, [[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0]])
 
 
 def test_reinforce_pp_global_whitening():
     # no baseline at the sequence level: returns (1, 1) and (0); whitened over the 3 action tokens:
     # mean 2/3, population var 2/9 -> (1 - 2/3) / 0.471405 = 0.707107, (0 - 2/3) / 0.471405 = -1.414214
-    a, _ = adv.critic_free_advantages("reinforce_pp", torch.tensor([1.0, 0.0]), LOGP, None, MASK, 1)
+    a, _ = advantages("reinforce_pp", torch.tensor([1.0, 0.0]), None, 1)
     close(a, [[0.707107, 0.707107, 0.0], [-1.414214, 0.0, 0.0]], atol=1e-5)
 
 
 def test_critic_free_checks():
     with pytest.raises(ValueError, match="algorithm"):
-        adv.critic_free_advantages("ppo", torch.zeros(2), LOGP, REF, MASK, 2)
+        advantages("ppo", torch.zeros(2), REF, 2)
     with pytest.raises(ValueError, match="ref"):
-        adv.critic_free_advantages("rloo", torch.zeros(2), LOGP, None, MASK, 2, kl_coef=0.1, kl_in_reward=True)
+        advantages("rloo", torch.zeros(2), None, 2, kl_coef=0.1, kl_in_reward=True)
 
 
 def test_k3_loss_term_values_and_gradient():
@@ -156,17 +164,21 @@ def test_aggregate_loss_split_over_ranks_adds_up(mode):
     close(halves[0] + halves[1], whole.item())
 
 
-def test_policy_gradient_loss_normalisations_at_ratio_one():
+def test_ppo_policy_loss_normalisations_at_ratio_one():
     logp = torch.zeros(2, 2, requires_grad=True)
     a = torch.tensor([[1.0, 3.0], [5.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
+
+    def loss(mode, horizon=None):
+        x = losses.PolicyLossInputs(logp, logp.detach(), a, mask, mode, horizon=horizon)
+        return losses.policy_loss("ppo", x, GRPOSettings())[0]
+
     # ratio 1: per-token loss -A: (-1, -3) and (-5)
-    close(losses.policy_gradient_loss(logp, logp.detach(), a, mask)[0].detach(), -3.0)  # -9 / 3
-    close(losses.policy_gradient_loss(logp, logp.detach(), a, mask, loss_agg="seq_mean_token_mean")[0].detach(),
-          -3.5)  # (-2 - 5) / 2
-    loss, _ = losses.policy_gradient_loss(logp, logp.detach(), a, mask, loss_agg="seq_mean_token_sum_norm", horizon=2)
-    close(loss.detach(), -2.25)  # (-4 - 5) / 2 / 2
-    loss.backward()
+    close(loss("token_mean").detach(), -3.0)  # -9 / 3
+    close(loss("seq_mean_token_mean").detach(), -3.5)  # (-2 - 5) / 2
+    dr = loss("seq_mean_token_sum_norm", horizon=2)
+    close(dr.detach(), -2.25)  # (-4 - 5) / 2 / 2
+    dr.backward()
     close(logp.grad, [[-0.25, -0.75], [-1.25, 0.0]])  # -A / (horizon * rows): the plain policy gradient
 
 

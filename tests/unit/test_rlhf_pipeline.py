@@ -101,6 +101,7 @@ def test_ppo_step_on_the_torch_backend(assets):
     from multiengine.engines import EngineRegistry, OptimSpec, Placement
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
     from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+    from multiengine.pipelines.rlhf.rollout import RolloutSpec
 
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
     registry = EngineRegistry(backend="torch")
@@ -109,10 +110,11 @@ def test_ppo_step_on_the_torch_backend(assets):
     build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
                      ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
-    settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, critic_warmup_steps=1)
-    trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=5), settings, tok.eos_token_id,
-                         tok.pad_token_id, judge=tiny.judge,
-                         decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    settings = PPOSettings(rollout_batch_size=4, epochs=1, critic_warmup_steps=1)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
+                       critic="critic")
+    trainer = PPOTrainer(registry, settings, spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     batch = PromptCollator(tok, 16)([rows[i] for i in range(4)])
     before = [p.detach().clone() for p in registry["actor"].module.parameters()]

@@ -13,7 +13,7 @@ from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.rewards import reward_function
-from multiengine.pipelines.rlhf.rollout import StepStats, rollout_metrics, step_timings
+from multiengine.pipelines.rlhf.rollout import RolloutSpec, StepStats, rollout_metrics, step_timings
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,12 @@ def _ppo(assets):
     build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
                      ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
                      actor_optim=opt, critic_optim=opt, micro_batch_size=2)
-    trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=5), PPOSettings(rollout_batch_size=4,
-                         mini_batch_size=2), tok.eos_token_id, tok.pad_token_id, judge=tiny.judge,
-                         decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
+                       critic="critic")
+    with pytest.raises(ValueError, match="ema_decay=0.9 and the registry's roles"):
+        PPOTrainer(registry, PPOSettings(rollout_batch_size=4), spec, 2, ema_decay=0.9)  # no ema role
+    trainer = PPOTrainer(registry, PPOSettings(rollout_batch_size=4, epochs=1), spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     return trainer, PromptCollator(tok, 16)([rows[i] for i in range(4)])
 
@@ -99,10 +102,10 @@ def test_grpo_step_reduces_all_its_metrics_at_once(assets):
     registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4), micro_batch_size=4))
     registry.add(ref_spec(model, Placement(0, "fp32")))
     registry.build()
-    trainer = GRPOTrainer(registry, GenerationSettings(max_new_tokens=5),
-                          GRPOSettings(n_samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4),
-                          tok.eos_token_id, tok.pad_token_id, [reward_function("builtin:judge")],
-                          lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       [reward_function("builtin:judge")], lambda ids: tok.batch_decode(ids, skip_special_tokens=True),
+                       judge=tiny.judge)
+    trainer = GRPOTrainer(registry, GRPOSettings(n_samples_per_prompt=4, rollout_batch_size=2), spec, 4)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     batch = PromptCollator(tok, 16)([rows[i] for i in range(2)])
     trainer.step(batch, 0)

@@ -28,6 +28,7 @@ from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.rewards import reward_function, reward_model
 from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
+from multiengine.pipelines.rlhf.rollout import RolloutSpec
 from transformers import AutoTokenizer
 
 ROOT = out_dir()
@@ -75,9 +76,9 @@ def build(actor_stage: int, ref_stage: int, lr: float = 1e-3, grad_accum: int = 
 
 
 def grpo(registry: EngineRegistry, algorithm: str, sources=(DENSE,), **kw) -> GRPOTrainer:
-    settings = GRPOSettings(algorithm=algorithm, n_samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4,
+    settings = GRPOSettings(algorithm=algorithm, n_samples_per_prompt=4, rollout_batch_size=2,
                             epochs=2 if algorithm == "grpo" else 1, **kw)
-    return GRPOTrainer(registry, GEN, settings, EOS, PAD, list(sources), decode, seed=0, judge=tiny.judge)
+    return GRPOTrainer(registry, settings, RolloutSpec(GEN, EOS, PAD, list(sources), decode, judge=tiny.judge), 4)
 
 
 def grpo_run(registry: EngineRegistry) -> dict:

@@ -14,6 +14,7 @@ argv: out_dir
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -36,6 +37,7 @@ from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator, load_rl
 from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+from multiengine.pipelines.rlhf.rollout import RolloutSpec
 from multiengine.recipes import rlhf_ppo
 from transformers import AutoTokenizer
 
@@ -78,9 +80,10 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
         ema=Placement(actor_stage, "fp32") if ema else None,
         actor_optim=opt, critic_optim=opt, micro_batch_size=2, actor_lora=lora_cfg, critic_lora=lora_cfg,
         actor_gradient_checkpointing=checkpointing, critic_gradient_checkpointing=checkpointing, seed=0)
-    settings = settings or PPOSettings(rollout_batch_size=4, mini_batch_size=2, ppo_epochs=2)
-    gen = GenerationSettings(max_new_tokens=6, mode=mode)
-    trainer = PPOTrainer(registry, gen, settings, EOS, PAD, seed=0, judge=tiny.judge, decode=decode)
+    settings = settings or PPOSettings(rollout_batch_size=4, epochs=2)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=6, mode=mode), EOS, PAD, decode=decode, judge=tiny.judge,
+                       critic="critic")
+    trainer = PPOTrainer(registry, settings, spec, 2, ema_decay=0.992 if ema else None)
     return registry, trainer
 
 
@@ -128,7 +131,7 @@ for mode in ("gather", "per_token", "gather"):
 step_times = {}
 prompts = stream(PROMPTS, COLLATE, 4, registry, seed=0)
 for mode in ("gather", "per_token"):
-    trainer.generation = GenerationSettings(max_new_tokens=6, mode=mode)
+    trainer.spec = dataclasses.replace(trainer.spec, generation=GenerationSettings(max_new_tokens=6, mode=mode))
     step_times[mode] = trainer.step(next(prompts), 10, None)["time/step_s"]
 result["generation"] = {"tokens": tokens, "s_per_token": timing, "ppo_step_s": step_times,
                         "partitioned": all(hasattr(p, "ds_tensor") for p in registry["actor"].module.parameters())}
@@ -150,8 +153,8 @@ result["export"] = {
 free(registry, trainer)
 
 # --- mixed placements: actor Z3, critic Z2, reward Z2 (-> 0), ref Z3 + param offload; EMA, ptx, warm-up -----
-settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, ptx_coef=0.5, critic_warmup_steps=1,
-                       dual_clip=3.0, adaptive_kl=True, kl_target=0.1, kl_horizon=100)
+settings = PPOSettings(rollout_batch_size=4, epochs=1, ptx_coef=0.5, critic_warmup_steps=1, dual_clip=3.0,
+                       adaptive_kl=True, kl_target=0.1, kl_horizon=100)
 registry, trainer = build(3, 2, ref=Placement(3, "fp32", offload_params=True), reward=Placement(2, "fp32"),
                           ema=True, settings=settings, checkpointing=True)
 sft_rows = load_rlhf_dataset(os.path.join(ASSETS, "data"), "sft")
