@@ -37,13 +37,11 @@ __all__ = [
     "SHAPES_BACKGROUNDS",
     "SHAPES_COLORS",
     "SHAPES_KINDS",
-    "ConditionedImageCaptionDataset",
     "ImageCaptionDataset",
     "ImageTransform",
     "IMAGE_FIELDS",
     "ShardedEpochSampler",
     "check_image_caption_data",
-    "unreadable_images",
     "collate",
     "describe_shapes_image",
     "image_caption_columns",
@@ -131,54 +129,59 @@ def _draw_shape(row: Mapping[str, Any], resolution: int) -> Image.Image:
     return image
 
 
-def _shapes_complete(out_dir: str, rows: list[dict[str, Any]], resolution: int) -> bool:
+def _shapes_complete(out_dir: str, entries: list[dict[str, Any]], resolution: int) -> bool:
     meta = os.path.join(out_dir, _METADATA)
     if not os.path.isfile(meta):
         return False
     with open(meta, encoding="utf-8") as f:
-        existing = [json.loads(line) for line in f if line.strip()]
-    expected = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    if existing != expected:
+        if [json.loads(line) for line in f if line.strip()] != entries:
+            return False
+    if not all(os.path.isfile(os.path.join(out_dir, e["file_name"])) for e in entries):
         return False
-    if not all(os.path.isfile(os.path.join(out_dir, r["file_name"])) for r in rows):
-        return False
-    with Image.open(os.path.join(out_dir, rows[0]["file_name"])) as im:
+    with Image.open(os.path.join(out_dir, entries[0]["file_name"])) as im:
         return im.size == (resolution, resolution)
 
 
-def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0) -> str:
-    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds.
+def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0, conditioning: str = "") -> str:
+    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds; returns ``out_dir``.
 
-    Each PNG (``{i:05d}.png``, ``resolution`` x ``resolution`` RGB) shows one shape (square,
-    circle, triangle) in one of :data:`SHAPES_COLORS` on one of :data:`SHAPES_BACKGROUNDS`;
-    ``metadata.jsonl`` has ``file_name``, ``text`` (e.g. "a red square on a white background")
-    and the attributes ``color``, ``shape``, ``background`` so generations can be checked with
-    :func:`describe_shapes_image`. Same ``(n, resolution, seed)`` -> byte-identical files; an
-    existing complete folder is left as is. Safe to call from several processes at once.
-
-    Returns:
-        ``out_dir``.
+    Each PNG (``{i:05d}.png``, ``resolution`` square RGB) shows one shape (square, circle, triangle) in one of
+    :data:`SHAPES_COLORS` on one of :data:`SHAPES_BACKGROUNDS`; ``metadata.jsonl`` has ``file_name``, ``text``
+    ("a red square on a white background") and the attributes (:func:`describe_shapes_image` reads them back).
+    ``conditioning`` (``edge`` | ``mask``): a ControlNet conditioning image per row too, drawn from the same
+    geometry (``conditioning/{i:05d}.png``, loaded by ``datasets`` as the column ``conditioning_image``). Same
+    arguments -> byte-identical files; a complete folder is left as is; safe to call from several processes.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if resolution < 8:
         raise ValueError(f"resolution must be >= 8, got {resolution}")
+    if conditioning and conditioning not in CONDITIONING_KINDS:
+        raise ValueError(f"kind={conditioning!r}; use one of {list(CONDITIONING_KINDS)}.")
     rows = _shapes_rows(n, resolution, seed)
-    if _shapes_complete(out_dir, rows, resolution):
+    entries = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    if conditioning:
+        entries = [{"file_name": e.pop("file_name"), "conditioning_image_file_name": f"conditioning/{r['file_name']}",
+                    "conditioning_kind": conditioning, **e} for r, e in zip(rows, entries)]
+    if _shapes_complete(out_dir, entries, resolution):
         logger.info("shapes dataset already complete at %s", out_dir)
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "conditioning") if conditioning else out_dir, exist_ok=True)
     # Write-then-rename per file, metadata last: concurrent ranks never see a torn file, and the
     # folder only counts as complete once metadata.jsonl is in place.
     tag = f".tmp{os.getpid()}"
-    for row in rows:
-        path = os.path.join(out_dir, row["file_name"])
-        _draw_shape(row, resolution).save(path + tag, format="PNG")
-        os.replace(path + tag, path)
+    for row, entry in zip(rows, entries):
+        images = [(entry["file_name"], _draw_shape(row, resolution))]
+        if conditioning:
+            images.append((entry["conditioning_image_file_name"],
+                           shapes_conditioning_image(row, resolution, conditioning)))
+        for name, image in images:
+            path = os.path.join(out_dir, name)
+            image.save(path + tag, format="PNG")
+            os.replace(path + tag, path)
     meta = os.path.join(out_dir, _METADATA)
     with open(meta + tag, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}) + "\n")
+        f.writelines(json.dumps(e) + "\n" for e in entries)
     os.replace(meta + tag, meta)
     logger.info("wrote %d shapes images to %s", n, out_dir)
     return out_dir
@@ -316,38 +319,24 @@ def _as_image_column(ds: Any, column: str, source: str, kind: str) -> Any:
     return ds
 
 
-def load_image_caption_data(
-    source: Any,
-    *,
-    columns: Mapping[str, str] | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    train_split: str = "train",
-    eval_source: Any = None,
-    eval_split: float | int | str = 0.0,
-    seed: int = 0,
-    size: int | None = None,
-    cache_dir: str | None = None,
-    extra_images: Mapping[str, str] | None = None,
-) -> TrainEval:
+def load_image_caption_data(source: Any, *, columns: Mapping[str, str] | None = None, train_split: str = "train",
+                            eval_source: Any = None, eval_split: float | int | str = 0.0, seed: int = 0,
+                            size: int | None = None, cache_dir: str | None = None,
+                            extra_images: Mapping[str, str] | None = None) -> TrainEval:
     """Training and held-out image-caption rows from one source or a weighted blend of several.
 
-    Every returned dataset has exactly the columns ``image`` and ``caption`` (whatever the sources call
-    them), plus one image column per field of ``extra_images`` (``{field: default column}``, e.g.
-    ``{"conditioning_image": "conditioning_image"}``; ``columns`` / a source's columns may rename it).
-    ``source`` / ``eval_source`` take a path, a hub name, or a list of ``{path, weight, columns, split}``;
-    ``eval_split`` is a held-out fraction/count of each source (taken before blending) or the name of a
-    split the sources have (``"test"``); see :func:`multiengine.pipelines.sources.split_train_eval`.
+    Every returned dataset has exactly the columns ``image`` and ``caption`` (``columns`` and a source's own
+    ``columns`` name them in the data; defaults ``image`` and ``text``), plus one image column per field of
+    ``extra_images`` (``{field: default column}``, e.g. a ControlNet's ``conditioning_image``). ``source`` /
+    ``eval_source``: a path, a hub name, or a list of ``{path, weight, columns, split}``; ``eval_split``: a held-out
+    fraction/count of each source or a split name (:func:`multiengine.pipelines.sources.split_train_eval`).
     """
     several = isinstance(source, (list, tuple)) and len(source) > 1
     base_key = "data.sources" if several else "data.source"
-
     extra = dict(extra_images or {})
 
     def load(src: DataSource, split: str | None, key: str = base_key) -> Any:
-        mapping = {**(columns or {}), **dict(src.columns)}
-        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
-        others = {field: mapping.get(field) or default for field, default in extra.items()}
+        image, caption, others = _columns(src, columns, extra)
         ds = load_image_caption_dataset(src.path, image, caption, split=split or src.split or train_split, key=key,
                                         split_required=split is not None, cache_dir=cache_dir,
                                         extra_image_columns=tuple(others.values()))
@@ -364,38 +353,37 @@ def load_image_caption_data(
     return result
 
 
-def check_image_caption_data(
-    source: Any,
-    *,
-    columns: Mapping[str, str] | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    split: str = "train",
-    key: str = "data.source",
-    cache_dir: str | None = None,
-    extra_image_columns: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Check image-caption sources before any rank starts: each exists, has the image and caption
-    columns (after mapping) and rows, and its first image decodes and its first caption is text.
-    ``extra_image_columns`` (``{field: default column}``, e.g. ControlNet's ``conditioning_image``) must
-    exist too and hold images.
+def _columns(src: DataSource, columns: Mapping[str, str] | None, extra: Mapping[str, str]
+             ) -> tuple[str, str, dict[str, str]]:
+    """The image, caption and extra image columns of a source: its own ``columns`` over the run's."""
+    mapping = {**(columns or {}), **dict(src.columns)}
+    image, caption = image_caption_columns(mapping, extra_fields=tuple(extra))
+    return image, caption, {field: mapping.get(field) or default for field, default in extra.items()}
+
+
+def check_image_caption_data(source: Any, *, columns: Mapping[str, str] | None = None, split: str = "train",
+                             key: str = "data.source", cache_dir: str | None = None,
+                             extra_image_columns: Mapping[str, str] | None = None,
+                             verify_images: bool = False) -> dict[str, Any]:
+    """Check image-caption sources before any rank starts: each exists, has the image and caption columns (and
+    ``extra_image_columns``, ``{field: default column}``) and rows, its first image decodes and its first caption
+    is text. ``verify_images``: also open and verify every image (header and checksums, no pixels decoded).
 
     Returns:
-        ``{"rows": total, "sources": [{"path", "rows", "image_column", "caption_column"}]}``.
+        ``{"rows": total, "sources": [{"path", "rows", "image_column", "caption_column"}], "unreadable":
+        ["<file or row> (<error>)", ...]}``.
     """
-    report = []
+    report, bad = [], []
     extra = dict(extra_image_columns or {})
     for src in as_sources(source, key):
-        mapping = {**(columns or {}), **dict(src.columns)}
-        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
-        others = [mapping.get(f) or c for f, c in extra.items()]
+        image, caption, others = _columns(src, columns, extra)
         ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
-                                        cache_dir=cache_dir, extra_image_columns=tuple(others))
+                                        cache_dir=cache_dir, extra_image_columns=tuple(others.values()))
         try:
             first = ds[0]
         except OSError as err:  # PIL cannot decode it
             raise DataSourceError(f"{key}={src.path!r}: the first row's image does not decode ({err})") from None
-        for column in (image, *others):
+        for column in (image, *others.values()):
             if not isinstance(first[column], Image.Image):
                 raise DataSourceError(f"{key}={src.path!r}: column {column!r} holds {type(first[column]).__name__}, "
                                       f"not images; name the image column with data.columns.image=<column>")
@@ -404,48 +392,32 @@ def check_image_caption_data(
             raise DataSourceError(f"{key}={src.path!r}: column {caption!r} holds {type(text).__name__}, not text; "
                                   f"name the caption column with data.columns.caption=<column>")
         report.append({"path": src.path, "rows": len(ds), "image_column": image, "caption_column": caption})
+        if verify_images:
+            bad += _unreadable(ds, src.path, (image, *others.values()))
     if not report:
         raise DataSourceError(f"{key} is empty: give an image folder, a data file, a save_to_disk folder or a hub name")
-    return {"rows": sum(r["rows"] for r in report), "sources": report}
+    return {"rows": sum(r["rows"] for r in report), "sources": report, "unreadable": bad}
 
 
-def unreadable_images(
-    source: Any,
-    *,
-    columns: Mapping[str, str] | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    split: str = "train",
-    key: str = "data.source",
-    cache_dir: str | None = None,
-    extra_image_columns: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Every image of the sources that PIL cannot open and verify (header and chunk checksums; no pixels are
-    decoded, so a pass over thousands of files takes seconds), as ``"<file or row> (<error>)"``."""
+def _unreadable(ds: Any, path: str, columns: Sequence[str]) -> list[str]:
+    """Every image of ``columns`` that PIL cannot open and verify, as ``"<file or row> (<error>)"``."""
     import io
 
     import datasets
 
-    bad: list[str] = []
-    extra = dict(extra_image_columns or {})
-    for src in as_sources(source, key):
-        mapping = {**(columns or {}), **dict(src.columns)}
-        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
-        others = [mapping.get(f) or c for f, c in extra.items()]
-        ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
-                                        cache_dir=cache_dir, extra_image_columns=tuple(others))
-        for column in (image, *others):
-            raw = ds.select_columns([column]).cast_column(column, datasets.Image(decode=False))
-            for i, cell in enumerate(raw[column]):
-                where = (cell or {}).get("path") or f"{src.path} row {i} ({column})"
-                try:
-                    if not cell or (cell.get("bytes") is None and not cell.get("path")):
-                        raise ValueError("no image")
-                    handle = io.BytesIO(cell["bytes"]) if cell.get("bytes") is not None else cell["path"]
-                    with Image.open(handle) as im:
-                        im.verify()
-                except Exception as err:  # any failure to open is what this pass reports
-                    bad.append(f"{where} ({type(err).__name__}: {err})")
+    bad = []
+    for column in columns:
+        raw = ds.select_columns([column]).cast_column(column, datasets.Image(decode=False))
+        for i, cell in enumerate(raw[column]):
+            where = (cell or {}).get("path") or f"{path} row {i} ({column})"
+            try:
+                if not cell or (cell.get("bytes") is None and not cell.get("path")):
+                    raise ValueError("no image")
+                handle = io.BytesIO(cell["bytes"]) if cell.get("bytes") is not None else cell["path"]
+                with Image.open(handle) as im:
+                    im.verify()
+            except Exception as err:  # any failure to open is what this pass reports
+                bad.append(f"{where} ({type(err).__name__}: {err})")
     return bad
 
 
@@ -558,31 +530,23 @@ class ImageTransform:
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
     """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str,
-    "original_size": (h, w), "crop_top_left": (top, left)}`` (the last two for SDXL micro-conditioning).
+    "original_size": (h, w), "crop_top_left": (top, left)}`` (the last two for SDXL micro-conditioning), and with
+    ``conditioning_column`` a ControlNet's ``conditioning_pixel_values [3, R, R]`` in [0, 1], resized, cropped and
+    flipped exactly like the image.
 
-    Augmentation for item ``i`` uses :func:`sample_generator` ``(seed, epoch, i)``, so it does not
-    depend on worker count or resumption. A caption column holding lists picks one caption with
-    the same generator. Call :meth:`set_epoch` before each epoch (with ``persistent_workers`` the
-    workers keep the epoch they started with).
+    Augmentation of item ``i`` uses :func:`sample_generator` ``(seed, epoch, i)``: independent of the worker count
+    and of resumption. A caption column holding lists picks one caption with the same generator. Call
+    :meth:`set_epoch` before each epoch.
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        transform: ImageTransform,
-        image_column: str = "image",
-        caption_column: str = "text",
-        seed: int = 0,
-    ):
-        for role, column in (("image_column", image_column), ("caption_column", caption_column)):
-            if column not in dataset.column_names:
-                raise ValueError(f"{role}={column!r} not found; available columns: {dataset.column_names}")
-        self.dataset = dataset
-        self.transform = transform
-        self.image_column = image_column
-        self.caption_column = caption_column
-        self.seed = seed
-        self.epoch = 0
+    def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
+                 caption_column: str = "text", seed: int = 0, conditioning_column: str | None = None):
+        for column in (image_column, caption_column, conditioning_column):
+            if column is not None and column not in dataset.column_names:
+                raise ValueError(f"column {column!r} not found; available columns: {dataset.column_names}")
+        self.dataset, self.transform, self.seed, self.epoch = dataset, transform, seed, 0
+        self.image_column, self.caption_column, self.conditioning_column = image_column, caption_column, \
+            conditioning_column
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -600,40 +564,13 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 raise ValueError(f"empty caption list at index {index}")
             caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
         if not isinstance(caption, str):
-            raise TypeError(
-                f"caption at index {index} is {type(caption).__name__}, expected str or list of str"
-            )
-        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
-                "crop_top_left": params["crop_top_left"]}
-
-
-class ConditionedImageCaptionDataset(ImageCaptionDataset):
-    """:class:`ImageCaptionDataset` plus ``conditioning_pixel_values [3, R, R]`` in ``[0, 1]``: the row's
-    conditioning image (column ``conditioning_column``) resized, cropped and flipped exactly like its image."""
-
-    def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
-                 caption_column: str = "text", conditioning_column: str = "conditioning_image", seed: int = 0):
-        super().__init__(dataset, transform, image_column, caption_column, seed)
-        if conditioning_column not in dataset.column_names:
-            raise ValueError(f"conditioning column {conditioning_column!r} not found; available columns: "
-                             f"{dataset.column_names}")
-        self.conditioning_column = conditioning_column
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        row = self.dataset[int(index)]
-        g = sample_generator(self.seed, self.epoch, int(index))
-        image = row[self.image_column]
-        pixels, params = self.transform.apply(image, generator=g)
-        caption = row[self.caption_column]
-        if isinstance(caption, (list, tuple)):
-            if not caption:
-                raise ValueError(f"empty caption list at index {index}")
-            caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
-        if not isinstance(caption, str):
             raise TypeError(f"caption at index {index} is {type(caption).__name__}, expected str or list of str")
-        cond = self.transform.replay(row[self.conditioning_column], params, params["original_size"])
-        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
-                "crop_top_left": params["crop_top_left"], "conditioning_pixel_values": cond}
+        out = {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
+               "crop_top_left": params["crop_top_left"]}
+        if self.conditioning_column:
+            out["conditioning_pixel_values"] = self.transform.replay(row[self.conditioning_column], params,
+                                                                     params["original_size"])
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -722,46 +659,6 @@ def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str
         inner = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
         mask = mask & ~inner
     return Image.fromarray(np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), mode="RGB")
-
-
-def make_shapes_controlnet_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0,
-                                   kind: str = "edge") -> str:
-    """The shapes dataset of :func:`make_shapes_dataset` (same rows, same pixels for the same arguments) with
-    a conditioning image per row: ``{i:05d}.png`` and ``conditioning/{i:05d}.png``; ``metadata.jsonl`` has
-    ``file_name``, ``conditioning_image_file_name`` (``datasets``' imagefolder loads it as an image column
-    ``conditioning_image``), ``text`` and the attributes. Idempotent and safe to call from several processes.
-
-    Returns:
-        ``out_dir``.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if resolution < 8:
-        raise ValueError(f"resolution must be >= 8, got {resolution}")
-    if kind not in CONDITIONING_KINDS:
-        raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
-    rows = _shapes_rows(n, resolution, seed)
-    meta = os.path.join(out_dir, _METADATA)
-    attributes = [{k: v for k, v in r.items() if not k.startswith("_") and k != "file_name"} for r in rows]
-    expected = [{"file_name": r["file_name"], "conditioning_image_file_name": f"conditioning/{r['file_name']}",
-                 "conditioning_kind": kind, **a} for r, a in zip(rows, attributes)]
-    if os.path.isfile(meta):
-        with open(meta, encoding="utf-8") as f:
-            if [json.loads(line) for line in f if line.strip()] == expected:
-                return out_dir
-    os.makedirs(os.path.join(out_dir, "conditioning"), exist_ok=True)
-    tag = f".tmp{os.getpid()}"
-    for row, entry in zip(rows, expected):
-        for name, image in ((entry["file_name"], _draw_shape(row, resolution)),
-                            (entry["conditioning_image_file_name"], shapes_conditioning_image(row, resolution, kind))):
-            path = os.path.join(out_dir, name)
-            image.save(path + tag, format="PNG")
-            os.replace(path + tag, path)
-    with open(meta + tag, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(e) + "\n" for e in expected)
-    os.replace(meta + tag, meta)  # metadata last: the folder counts as complete only then
-    logger.info("wrote %d shapes images with %s conditioning to %s", n, kind, out_dir)
-    return out_dir
 
 
 def conditioning_pixels(image: Image.Image, resolution: int, center_crop: bool = True) -> torch.Tensor:
