@@ -1,9 +1,7 @@
-"""Image-caption data for diffusion fine-tuning: a generated toy dataset, loading, transforms,
-tokenization, collation and a resumable distributed sampler.
-
-Image transforms use PIL + torch only (torchvision does not load beside the CPU torch build).
-Randomness is always drawn from explicit ``torch.Generator`` objects derived from a seed, so data
-order and augmentation are reproducible and a resumed run sees the same samples.
+"""Image-caption data of diffusion fine-tuning: the generated shapes dataset (and its ControlNet conditioning
+images), loading and checking sources, transforms, collation. Transforms use PIL + torch only (torchvision does not
+load beside the CPU torch build); randomness only from generators derived from a seed, so data order and
+augmentation are reproducible and a resumed run sees the same samples.
 """
 
 from __future__ import annotations
@@ -33,29 +31,11 @@ from PIL import Image, ImageDraw
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SHAPES_BACKGROUNDS",
-    "SHAPES_COLORS",
-    "SHAPES_KINDS",
-    "ImageCaptionDataset",
-    "ImageTransform",
-    "IMAGE_FIELDS",
-    "ShardedEpochSampler",
-    "check_image_caption_data",
-    "collate",
-    "describe_shapes_image",
-    "image_caption_columns",
-    "load_image_caption_data",
-    "load_image_caption_dataset",
-    "make_shapes_dataset",
-    "sample_generator",
-    "shapes_captions",
-    "tokenize_captions",
-]
-
-# ---------------------------------------------------------------------------------------------
-# Generated "shapes" dataset
-# ---------------------------------------------------------------------------------------------
+__all__ = ["CONDITIONING_KINDS", "IMAGE_FIELDS", "SHAPES_BACKGROUNDS", "SHAPES_COLORS", "SHAPES_KINDS",
+           "ImageCaptionDataset", "ImageTransform", "ShardedEpochSampler", "check_image_caption_data", "collate",
+           "conditioning_pixels", "describe_shapes_image", "image_caption_columns", "load_image_caption_data",
+           "load_image_caption_dataset", "make_shapes_dataset", "sample_generator", "shapes_captions",
+           "shapes_conditioning_image", "tokenize_captions"]
 
 # Saturated, mutually distant colours so the attribute can be read back from pixels.
 SHAPES_COLORS: dict[str, tuple[int, int, int]] = {
@@ -114,12 +94,14 @@ def _shapes_rows(n: int, resolution: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _draw_shape(row: Mapping[str, Any], resolution: int) -> Image.Image:
-    image = Image.new("RGB", (resolution, resolution), SHAPES_BACKGROUNDS[row["background"]])
+def _draw_shape(row: Mapping[str, Any], resolution: int, mask: bool = False) -> Image.Image:
+    """The row's image, or (``mask``) its shape white on black, one channel."""
+    image = Image.new("L", (resolution, resolution), 0) if mask else \
+        Image.new("RGB", (resolution, resolution), SHAPES_BACKGROUNDS[row["background"]])
     draw = ImageDraw.Draw(image)
     left, top, size = row["_box"]
     right, bottom = left + size - 1, top + size - 1
-    fill = SHAPES_COLORS[row["color"]]
+    fill = 255 if mask else SHAPES_COLORS[row["color"]]
     if row["shape"] == "square":
         draw.rectangle((left, top, right, bottom), fill=fill)
     elif row["shape"] == "circle":
@@ -194,13 +176,9 @@ def _nearest(rgb: np.ndarray, palette: Mapping[str, tuple[int, int, int]]) -> st
 
 
 def describe_shapes_image(image: Image.Image) -> dict[str, str]:
-    """Read ``color``, ``shape`` and ``background`` back from a shapes image (real or generated).
-
-    Background = palette colour nearest the mean of the four corners; colour = palette colour
-    nearest the median of pixels far from the background; shape from how much of its bounding
-    box the shape fills (square ~1, circle ~pi/4, triangle ~1/2). Meant for scoring generations
-    from a model trained on :func:`make_shapes_dataset`, so it is deliberately simple.
-    """
+    """``color``, ``shape`` and ``background`` read back from a shapes image (real or generated), deliberately
+    simply: the palette colours nearest the corners' mean (background) and the median of the other pixels
+    (colour), the shape from how much of its box it fills (square ~1, circle ~pi/4, triangle ~1/2)."""
     arr = np.asarray(image.convert("RGB"), dtype=np.float64)
     corners = np.stack([arr[0, 0], arr[0, -1], arr[-1, 0], arr[-1, -1]]).mean(axis=0)
     background = _nearest(corners, SHAPES_BACKGROUNDS)
@@ -216,9 +194,7 @@ def describe_shapes_image(image: Image.Image) -> dict[str, str]:
     return {"color": color, "shape": shape, "background": background}
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------------
+# --- loading -----------------------------------------------------------------------------------------------------
 
 IMAGE_FIELDS: tuple[str, ...] = ("image", "caption")
 
@@ -237,39 +213,17 @@ def image_caption_columns(columns: Mapping[str, str] | None = None, image_column
     return columns.get("image", image_column), columns.get("caption", caption_column)
 
 
-def load_image_caption_dataset(
-    source: str,
-    image_column: str = "image",
-    caption_column: str = "text",
-    split: str = "train",
-    columns: Mapping[str, str] | None = None,
-    key: str = "data.source",
-    split_required: bool = False,
-    extra_image_columns: Sequence[str] = (),
-    **load_kwargs: Any,
-):
-    """Load an image-caption ``datasets.Dataset`` (column names as in the source).
-
-    ``source`` may be:
-      * a ``save_to_disk`` folder (``Dataset`` or ``DatasetDict``; ``split`` picks the split);
-      * a local directory -> ``load_dataset("imagefolder", data_dir=source)`` (images +
-        ``metadata.jsonl``/``.csv``/``.parquet`` with ``file_name`` and caption columns);
-      * a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file -> the matching builder; a string
-        image column holds paths, resolved relative to the file's folder, and is cast to images;
-      * anything else -> a hub dataset name, ``load_dataset(source, split=split)`` (offline: the cache).
-
-    ``columns`` (``{"image": ..., "caption": ...}``) names the columns; ``image_column`` /
-    ``caption_column`` are the older spelling (see :func:`image_caption_columns`). Extra ``load_kwargs``
-    (``cache_dir``, ``name``...) go to ``datasets.load_dataset``. ``split_required``: ``split`` must exist
-    as a separate split (evaluation rows), see :func:`multiengine.pipelines.sources.load_source`.
-    ``extra_image_columns``: further columns that must exist and hold images (or paths), cast like the image
-    column (a ControlNet's conditioning images).
-
-    Raises:
-        ValueError: a missing source (``no such file or folder``), a column that is missing (lists the
-            available columns), or no rows.
-    """
-
+def load_image_caption_dataset(source: str, image_column: str = "image", caption_column: str = "text",
+                               split: str = "train", columns: Mapping[str, str] | None = None,
+                               key: str = "data.source", split_required: bool = False,
+                               extra_image_columns: Sequence[str] = (), **load_kwargs: Any):
+    """An image-caption ``datasets.Dataset`` (the source's column names) from a ``save_to_disk`` folder (``split``
+    of a DatasetDict), an imagefolder (images + metadata with ``file_name``), a ``.json``/``.jsonl``/``.parquet``/
+    ``.csv`` file (a string image column holds paths relative to the file's folder, cast to images) or a hub name
+    (offline: the cache). ``columns`` names the columns (over ``image_column``/``caption_column``, see
+    :func:`image_caption_columns`); ``load_kwargs`` (``cache_dir``, ...) go to ``datasets.load_dataset``;
+    ``split_required``: ``split`` must exist as its own split; ``extra_image_columns`` must exist and hold images
+    (a ControlNet's conditioning images). ValueError for a missing source, a missing column, or no rows."""
     image_column, caption_column = image_caption_columns(columns, image_column, caption_column)
     kind = source_kind(str(source), (split,), images=True, key=key)
     ds = load_source(str(source), names=(split,), split=split, images=True, key=key, split_required=split_required,
@@ -279,11 +233,8 @@ def load_image_caption_dataset(
     for role, column in (("image_column", image_column), ("caption_column", caption_column)):
         if column not in ds.column_names:
             field_name = "image" if role == "image_column" else "caption"
-            raise ValueError(
-                f"{role}={column!r} not found in dataset {source!r}; available columns: {ds.column_names} "
-                f"(name yours with data.columns.{field_name}=<column>)"
-            )
-
+            raise ValueError(f"{role}={column!r} not found in dataset {source!r}; available columns: "
+                             f"{ds.column_names} (name yours with data.columns.{field_name}=<column>)")
     for column in extra_image_columns:
         if column not in ds.column_names:
             raise ValueError(f"column {column!r} not found in dataset {source!r}; available columns: "
@@ -421,33 +372,19 @@ def _unreadable(ds: Any, path: str, columns: Sequence[str]) -> list[str]:
     return bad
 
 
-# ---------------------------------------------------------------------------------------------
-# Transforms
-# ---------------------------------------------------------------------------------------------
-
-
+# --- transforms -----------------------------------------------------------------------------------------------
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """A CPU generator determined only by ``(seed, epoch, index)``.
-
-    Hashing (rather than ``seed + index``) keeps streams for neighbouring samples/epochs
-    uncorrelated, and makes a sample's augmentation independent of which worker or rank loads it,
-    or whether the run was resumed.
-    """
+    """A CPU generator determined only by ``(seed, epoch, index)`` (hashed: neighbouring samples' streams are
+    uncorrelated, and a sample's augmentation does not depend on the worker, the rank or a resumption)."""
     digest = hashlib.sha256(f"{seed}:{epoch}:{index}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
 class ImageTransform:
-    """Resize shorter side (bilinear) -> center/random crop -> optional horizontal flip -> tensor.
-
-    Output: float32 tensor ``[3, R, R]`` in ``[-1, 1]`` (the scale VAEs expect). Equivalent to
-    torchvision's ``Resize(R) / CenterCrop(R) or RandomCrop(R) / RandomHorizontalFlip /
-    ToTensor / Normalize([0.5], [0.5])`` as used in diffusers' training scripts.
-
-    Randomness comes from ``generator`` when one is passed to ``__call__`` (use
-    :func:`sample_generator` for per-sample reproducibility), else from an internal generator
-    seeded with ``seed``.
-    """
+    """Resize the shorter side (bilinear) -> center or random crop -> optional horizontal flip -> float32 ``[3, R,
+    R]`` in ``[-1, 1]``: torchvision's Resize / CenterCrop or RandomCrop / RandomHorizontalFlip / ToTensor /
+    Normalize([0.5], [0.5]) of diffusers' scripts. Randomness from the ``generator`` given per call
+    (:func:`sample_generator`), else an internal one seeded ``seed``."""
 
     def __init__(self, resolution: int, center_crop: bool = True, random_flip: bool = False, seed: int = 0):
         if resolution < 1:
@@ -458,37 +395,24 @@ class ImageTransform:
         self._generator = torch.Generator().manual_seed(seed)
 
     def __repr__(self) -> str:
-        return (
-            f"ImageTransform(resolution={self.resolution}, center_crop={self.center_crop}, "
-            f"random_flip={self.random_flip})"
-        )
+        return (f"ImageTransform(resolution={self.resolution}, center_crop={self.center_crop}, "
+                f"random_flip={self.random_flip})")
 
-    def _resize(self, image: Image.Image) -> Image.Image:
-        w, h = image.size
+    def _resize(self, image: Image.Image, w: int, h: int) -> Image.Image:
+        """``image`` resized as an image of ``w`` x ``h`` is: the shorter side to R, the long side truncated (not
+        rounded), as torchvision's Resize(int)."""
         r = self.resolution
-        # Same rounding as torchvision's Resize(int): the long side is truncated, not rounded.
-        if w <= h:
-            size = (r, max(r, int(r * h / w)))
-        else:
-            size = (max(r, int(r * w / h)), r)
-        if size == (w, h):
-            return image
-        return image.resize(size, resample=Image.BILINEAR)
+        size = (r, max(r, int(r * h / w))) if w <= h else (max(r, int(r * w / h)), r)
+        return image if image.size == size else image.resize(size, resample=Image.BILINEAR)
 
-    def apply(
-        self, image: Image.Image, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Transform and also return the parameters used.
-
-        Returns:
-            ``(pixels [3, R, R], params)`` with ``params`` = ``original_size`` (h, w) before
-            resizing, ``crop_top_left`` (top, left) in the resized image, ``flipped`` (bool) --
-            what SDXL-style micro-conditioning needs.
-        """
+    def apply(self, image: Image.Image, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(pixels [3, R, R], params)``: ``original_size`` (h, w) before resizing, ``crop_top_left`` (top, left) in
+        the resized image and ``flipped``, what SDXL's micro-conditioning (and :meth:`replay`) needs."""
         g = generator if generator is not None else self._generator
         image = image.convert("RGB")
         original_size = (image.height, image.width)
-        image = self._resize(image)
+        image = self._resize(image, image.width, image.height)
         r = self.resolution
         w, h = image.size
         if self.center_crop:
@@ -514,12 +438,9 @@ class ImageTransform:
         :meth:`apply` drew for the first, whose original ``size`` was ``(h, w)``: resized to the first's
         resized size, so the crop lands on the same content. Float32 ``[3, R, R]`` in ``[0, 1]`` (diffusers'
         conditioning transform has no normalisation)."""
-        image = image.convert("RGB")
         h, w = size
         r = self.resolution
-        target = (r, max(r, int(r * h / w))) if w <= h else (max(r, int(r * w / h)), r)
-        if image.size != target:
-            image = image.resize(target, resample=Image.BILINEAR)
+        image = self._resize(image.convert("RGB"), w, h)
         top, left = params["crop_top_left"]
         image = image.crop((left, top, left + r, top + r))
         if params["flipped"]:
@@ -573,43 +494,23 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenization and collation
-# ---------------------------------------------------------------------------------------------
-
-
+# --- tokenization and collation -------------------------------------------------------------------------------
 def tokenize_captions(tokenizer: Any, captions: Sequence[str]) -> torch.Tensor:
-    """Tokenize to fixed length (CLIP text encoders are trained on padded 77-token inputs).
-
-    Returns:
-        ``LongTensor [B, tokenizer.model_max_length]`` (padded with the pad token, truncated).
-    """
+    """``LongTensor [B, tokenizer.model_max_length]``: padded and truncated (CLIP encoders train on 77 tokens)."""
     if isinstance(captions, str):
         raise TypeError("captions must be a sequence of strings, not a single string")
     for i, c in enumerate(captions):
         if not isinstance(c, str):
             raise TypeError(f"caption {i} is {type(c).__name__}, expected str")
-    out = tokenizer(
-        list(captions),
-        max_length=tokenizer.model_max_length,
-        padding="max_length",
-        truncation=True,
-        return_tensors="pt",
-    )
+    out = tokenizer(list(captions), max_length=tokenizer.model_max_length, padding="max_length", truncation=True,
+                    return_tensors="pt")
     return out.input_ids.long()
 
 
 def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dict[str, Any]:
-    """Batch ``{"pixel_values": [3, R, R], "caption": str[, "input_ids": [L]]}`` examples.
-
-    ``input_ids`` are stacked when every example has them, otherwise built with ``tokenizer``
-    (bind it with ``functools.partial(collate, tokenizer=tok)`` for a ``DataLoader``).
-
-    Returns:
-        ``{"pixel_values": float32 [B, 3, R, R] (contiguous), "input_ids": long [B, L],
-        "captions": list[str]}``, plus ``original_sizes``/``crop_top_lefts`` (long ``[B, 2]``) when
-        every example has ``original_size``/``crop_top_left``.
-    """
+    """A batch of ``{"pixel_values", "caption"[, "input_ids"]}`` examples: ``pixel_values`` float32 ``[B, 3, R, R]``,
+    ``input_ids`` long ``[B, L]`` (stacked, or made with ``tokenizer``), ``captions``, and ``original_sizes`` /
+    ``crop_top_lefts`` ``[B, 2]`` when every example has them."""
     if not examples:
         raise ValueError("cannot collate an empty batch")
     pixel_values = torch.stack([e["pixel_values"] for e in examples]).float().contiguous()
@@ -627,33 +528,18 @@ def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dic
     return {"pixel_values": pixel_values, "input_ids": input_ids, "captions": captions, **extra}
 
 
-# ---------------------------------------------------------------------------------------------
-# ControlNet conditioning for the shapes dataset
-# ---------------------------------------------------------------------------------------------
+# --- ControlNet conditioning of the shapes dataset ----------------------------------------------------------------
 
 CONDITIONING_KINDS: tuple[str, ...] = ("edge", "mask")
 
 
 def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str = "edge") -> Image.Image:
-    """The ControlNet conditioning image of one shapes row, drawn from the same geometry as its image.
-
-    ``mask``: the shape filled white on black; ``edge``: the mask's boundary (mask pixels with a 4-neighbour
-    outside it), one pixel thick, white on black - what an edge detector returns for the drawn shape. RGB,
-    ``resolution`` square. Pure: the same row gives the same pixels.
-    """
+    """The ControlNet conditioning image (RGB, ``resolution`` square) of a shapes row, from its image's geometry:
+    ``mask`` the shape white on black, ``edge`` its one-pixel boundary (mask pixels with a 4-neighbour outside it),
+    what an edge detector returns for the drawn shape."""
     if kind not in CONDITIONING_KINDS:
         raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
-    image = Image.new("L", (resolution, resolution), 0)
-    draw = ImageDraw.Draw(image)
-    left, top, size = row["_box"]
-    right, bottom = left + size - 1, top + size - 1
-    if row["shape"] == "square":
-        draw.rectangle((left, top, right, bottom), fill=255)
-    elif row["shape"] == "circle":
-        draw.ellipse((left, top, right, bottom), fill=255)
-    else:
-        draw.polygon(((left + right) / 2, top, left, bottom, right, bottom), fill=255)
-    mask = np.asarray(image) > 0
+    mask = np.asarray(_draw_shape(row, resolution, mask=True)) > 0
     if kind == "edge":
         padded = np.pad(mask, 1)
         inner = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
@@ -662,7 +548,6 @@ def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str
 
 
 def conditioning_pixels(image: Image.Image, resolution: int, center_crop: bool = True) -> torch.Tensor:
-    """A conditioning image as the ControlNet takes it: resized and cropped like the training image
-    (:class:`ImageTransform`, no flip) but in ``[0, 1]``, not ``[-1, 1]`` (diffusers' conditioning transform
-    has no normalisation). Returns float32 ``[3, R, R]``."""
+    """A conditioning image as the ControlNet takes it, float32 ``[3, R, R]``: resized and cropped like a training
+    image (no flip), in ``[0, 1]`` (diffusers' conditioning transform has no normalisation)."""
     return ImageTransform(resolution, center_crop=center_crop, random_flip=False)(image).add(1.0).div(2.0)

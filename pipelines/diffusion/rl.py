@@ -31,32 +31,11 @@ from multiengine.engines.settings import Choice, FieldError, Range, Settings, se
 
 from .math import PREDICTION_TYPES
 
-__all__ = [
-    "DDIMSampler",
-    "DiffusionDPOSettings",
-    "DiffusionGRPOSettings",
-    "DPOStats",
-    "DenoiseStep",
-    "Denoiser",
-    "FlowSDESampler",
-    "Trajectory",
-    "clipped_policy_loss",
-    "ddim_step_with_logprob",
-    "ddim_timesteps",
-    "diffusion_dpo_loss",
-    "diffusion_dpo_loss_from_losses",
-    "diffusion_grpo_loss",
-    "flow_inference_sigmas",
-    "gaussian_logprob",
-    "group_advantages",
-    "kl_to_reference",
-    "paired",
-    "rescore",
-    "sample_with_logprobs",
-    "sde_step_with_logprob",
-    "train_step_indices",
-]
-
+__all__ = ["DDIMSampler", "DPOStats", "DenoiseStep", "Denoiser", "DiffusionDPOSettings", "DiffusionGRPOSettings",
+           "FlowSDESampler", "Trajectory", "clipped_policy_loss", "ddim_step_with_logprob", "ddim_timesteps",
+           "diffusion_dpo_loss", "diffusion_dpo_loss_from_losses", "diffusion_grpo_loss", "flow_inference_sigmas",
+           "gaussian_logprob", "group_advantages", "kl_to_reference", "paired", "rescore", "sample_with_logprobs",
+           "sde_step_with_logprob", "train_step_indices"]
 
 
 @dataclass(frozen=True)
@@ -196,24 +175,13 @@ def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, tim
                            prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
                            noise: torch.Tensor | None = None) -> DenoiseStep:
     """One DDIM step ``x_t -> x_prev`` of ``sampler`` (its ``alphas_cumprod``, ``eta``, prediction type, final alpha
-    and x0 clamp) and the log-probability of ``x_prev`` (DDPO's ``ddim_step_with_logprob``; mean and noise of
-    diffusers' ``DDIMScheduler.step``).
-
-    ``x0`` and ``eps`` are read from the model output for the prediction type; ``mean = sqrt(a_prev) x0 +
-    sqrt(1 - a_prev - std^2) eps`` with ``std = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``; the step
-    draws ``x_prev = mean + std * noise`` unless ``prev_sample`` is given, which is then scored.
-
-    Args:
-        model_output, sample: ``[B, ...]``.
-        timestep, prev_timestep: ``[B]`` (or scalars) indices into ``alphas_cumprod``; ``prev_timestep`` is
-            ``timestep - T // N`` in DDIM and may be negative on the last step (``a_prev`` is then the sampler's
-            ``final_alpha_cumprod``, None = ``alphas_cumprod[0]`` as DDPO).
-        prev_sample: a stored ``x_prev`` to score instead of drawing one.
-        generator / noise: where the step's standard-normal draw comes from (one of them, or neither).
-
-    Returns:
-        :class:`DenoiseStep` (float32); ``log_prob`` None at ``eta == 0``.
-    """
+    and x0 clamp) and the log-probability of ``x_prev``: DDPO's ``ddim_step_with_logprob``, whose mean and noise are
+    diffusers' ``DDIMScheduler.step``: ``mean = sqrt(a_prev) x0 + sqrt(1 - a_prev - std^2) eps``, ``std = eta *
+    sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``. ``timestep``/``prev_timestep``: ``[B]`` (or scalars)
+    indices into ``alphas_cumprod``, the previous one ``timestep - T // N``, negative on the last step (``a_prev`` is
+    then the sampler's ``final_alpha_cumprod``, None = ``alphas_cumprod[0]`` as DDPO). The step draws ``x_prev = mean
+    + std * noise`` (from ``generator`` or ``noise``) or scores a given ``prev_sample``; float32, ``log_prob`` None
+    at ``eta == 0``."""
     _check_exclusive(prev_sample, generator, noise)
     x, out = sample.float(), model_output.float()
     if out.shape != x.shape:
@@ -277,24 +245,13 @@ def sde_step_with_logprob(
     noise: torch.Tensor | None = None,
 ) -> DenoiseStep:
     """One reverse-SDE step ``x_sigma -> x_sigma_prev`` of a rectified flow and its log-probability (Flow-GRPO's
-    ``sde_step_with_logprob``, ``sde_type="sde"``).
-
-    With ``sigma = sigmas[i]``, ``sigma_prev = sigmas[i + 1]``, ``dt = sigma_prev - sigma < 0`` and the predicted
-    velocity ``v``: ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (where ``sigma == 1`` the denominator uses
-    ``sigmas[1]`` instead, as the reference does, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) +
-    v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``. At
-    ``noise_level == 0`` this is the Euler ODE step ``x + v dt`` (``log_prob`` ``None``).
-
-    Args:
-        model_output, sample: ``[B, ...]`` (FLUX: packed tokens are fine, any ``[B, ...]``).
-        sigmas: ``[N + 1]`` descending sampling sigmas ending in 0 (:func:`flow_inference_sigmas`).
-        step_index: ``[B]`` (or a scalar) position ``i`` in ``sigmas``, ``0 <= i < N``.
-        noise_level: ``>= 0`` (Flow-GRPO's default 0.7).
-        prev_sample / generator / noise: as in :func:`ddim_step_with_logprob`.
-
-    Returns:
-        :class:`DenoiseStep` (float32).
-    """
+    ``sde_step_with_logprob``, ``sde_type="sde"``): with ``sigma = sigmas[i]``, ``dt = sigmas[i + 1] - sigma < 0`` and
+    the velocity ``v``, ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (``sigmas[1]`` in the denominator
+    where ``sigma == 1``, as the reference, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 +
+    std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``; at ``noise_level == 0``
+    the Euler step ``x + v dt`` (``log_prob`` None). ``sigmas``: ``[N + 1]`` descending, ending in 0
+    (:func:`flow_inference_sigmas`); ``step_index``: ``[B]`` (or a scalar) in ``[0, N)``; ``prev_sample`` /
+    ``generator`` / ``noise`` as in :func:`ddim_step_with_logprob`. Float32."""
     if not noise_level >= 0:
         raise ValueError(f"noise_level={noise_level} must be >= 0 (Flow-GRPO uses 0.7).")
     _check_exclusive(prev_sample, generator, noise)
