@@ -99,6 +99,12 @@ def unset(section: Any, names: tuple[str, ...], prefix: str, why: str) -> dict[s
                                        else fields[n].default)}
 
 
+def refuse(unused: Mapping[str, tuple[Any, str]], where: str = "") -> None:
+    """The first of ``unused`` ({key: (value, why)}, :func:`unset`) as the config error."""
+    for key, (value, why) in unused.items():
+        raise config_problem(key, value, f"{why}{where}", f"drop {key}")
+
+
 def first_last(step_metrics: list[dict[str, float]], key: str) -> dict[str, Any]:
     """first_<key> and final_<key>: the training metric of the first and the last step (None before any)."""
     values = [m[key] for m in step_metrics if key in m]
@@ -178,8 +184,7 @@ class DiffusionRecipe(Recipe):
             for key, value in changed(cls, cfg, name).items():
                 raise config_problem(f"roles.{name}.{key}", value, f"is set, but {why}{where}",
                                      fix.format(role=name, key=key))
-        for key, (value, why) in cls.unused(cfg, family).items():
-            raise config_problem(key, value, f"{why}{where}", f"drop {key}")
+        refuse(cls.unused(cfg, family), where)
 
     @classmethod
     def role_specs(cls, cfg: Any, family: str, model_path: str) -> list[Any]:
@@ -261,7 +266,7 @@ class ImageFinetune(DiffusionRecipe):
                                  f"rank on {world_size} ranks, fewer than roles.{trained}.micro_batch_size={micro}",
                                  f"set data.max_train_samples to {micro * world_size} or more (0 = all rows)")
         check_rows_per_rank(train, world_size, key=f"roles.{trained}.micro_batch_size",
-                            value=int(cfg.roles[trained].micro_batch_size), unit="images", heldout=held,
+                            value=micro, unit="images", heldout=held,
                             heldout_key=d.split_key())
 
     @classmethod

@@ -31,7 +31,7 @@ from multiengine.pipelines.diffusion.rl_runs import (
     preference_split,
 )
 from multiengine.pipelines.diffusion.training import step_generator
-from multiengine.recipes.diffusion_base import POLICY, DiffusionRL, first_last, rl_roles, step_record, unset
+from multiengine.recipes.diffusion_base import POLICY, DiffusionRL, first_last, refuse, rl_roles, step_record, unset
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import Key, config_problem
 from multiengine.recipes.language.lifecycle import RunConfig
@@ -67,9 +67,8 @@ class DiffusionDPO(DiffusionRL):
         split)."""
         cls.check_rl_model(cfg)
         if cfg.data.eval_source:
-            for key, (value, why) in unset(cfg.eval, ("size",), "eval", "applies to pairs held out of data.source, "
-                                           "and data.eval_source is given").items():
-                raise config_problem(key, value, why, f"drop {key}")
+            refuse(unset(cfg.eval, ("size",), "eval", "applies to pairs held out of data.source, and "
+                         "data.eval_source is given"))
         rows = cfg.data.rows()
         if (rows if cfg.data.eval_source else rows - cfg.eval.size) < 1:
             raise config_problem("eval.size", cfg.eval.size, f"holds out every one of the {rows} pairs",

@@ -38,7 +38,16 @@ from multiengine.pipelines.diffusion.rl_runs import (
     tiny_reward_model,
 )
 from multiengine.pipelines.diffusion.training import step_generator
-from multiengine.recipes.diffusion_base import FROZEN, POLICY, DiffusionRL, first_last, rl_roles, step_record, unset
+from multiengine.recipes.diffusion_base import (
+    FROZEN,
+    POLICY,
+    DiffusionRL,
+    first_last,
+    refuse,
+    rl_roles,
+    step_record,
+    unset,
+)
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import config_problem
 from multiengine.recipes.language.lifecycle import RunConfig
@@ -94,8 +103,7 @@ class DiffusionGRPO(DiffusionRL):
         if cfg.prompts.train_file and cfg.prompts.eval_file:
             unused.update(unset(cfg.eval, ("size",), "eval", "applies to the shapes captions, and both prompt "
                                                               "files are given"))
-        for key, (value, why) in unused.items():
-            raise config_problem(key, value, why, f"drop {key}")
+        refuse(unused)
         cfg.prompts.check_files(cfg.eval.size)
 
     @classmethod

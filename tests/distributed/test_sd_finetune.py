@@ -27,24 +27,19 @@ def keys_under(recipe: str, *prefixes: str) -> tuple[str, ...]:
     return tuple(k for k in leaves(recipe_schema(load_recipe(recipe))) if k.startswith(prefixes))
 
 
-# What a run's options leave unused, by reason: the roles a tiny SD builds none of, the flow-matching options of a
-# DDPM family, the LoRA options without LoRA (lora.r 0), the EMA role without an EMA
+# What a run's options leave unused, by reason: the roles a tiny SD builds none of (SDXL: has text_encoder_2), the
+# LoRA options without LoRA (lora.r 0), the EMA role without an EMA, the built-in data's size beside data.source and
+# the image check of generated data, validation.num_prompts beside validation.prompts
 NOT_SD = keys_under("sd_finetune", "roles.transformer.", "roles.text_encoder_3.")
-FLOW = keys_under("sd_finetune", *(f"diffusion.{k}" for k in ("weighting_scheme", "logit_", "mode_scale",
-                                                               "precondition_outputs", "guidance_scale")))
 NO_LORA = ("roles.unet.lora.alpha", "roles.unet.lora.dropout", "roles.unet.lora.target_modules")
-NO_EMA = ("roles.ema.dtype", "roles.ema.offload_params", "validation.use_ema")
-# run -> keys it leaves unused (besides those whose `when` does not hold)
+NO_EMA = ("roles.ema.dtype", "roles.ema.offload_params")
 UNREAD = {
-    "zero3": (*NOT_SD, "roles.text_encoder_2.", *FLOW, *NO_LORA,
-              "data.check_images",  # the built-in shapes data is generated, not checked
-              "validation.num_prompts"),  # validation.prompts are given
-    "resume": (*NOT_SD, "roles.text_encoder_2.", *FLOW, *NO_LORA, "validation.num_prompts",
-               "data.builtin_size"),  # the zero3 run's data folder
-    "seed": (*NOT_SD, "roles.text_encoder_2.", *FLOW, *NO_LORA, "validation.num_prompts", "data.builtin_size"),
-    "lora": (*NOT_SD, "roles.text_encoder_2.", *FLOW, *NO_EMA, "data.builtin_size"),
-    "sdxl": (*NOT_SD, *FLOW, *NO_LORA, *NO_EMA, "validation.num_prompts", "data.builtin_size"),
-    "sdxl_seed": (*NOT_SD, *FLOW, *NO_LORA, *NO_EMA, "data.builtin_size"),
+    "zero3": (*NOT_SD, "roles.text_encoder_2.", *NO_LORA, "data.check_images", "validation.num_prompts"),
+    "resume": (*NOT_SD, "roles.text_encoder_2.", *NO_LORA, "data.builtin_size", "validation.num_prompts"),
+    "seed": (*NOT_SD, "roles.text_encoder_2.", *NO_LORA, "data.builtin_size", "validation.num_prompts"),
+    "lora": (*NOT_SD, "roles.text_encoder_2.", *NO_EMA, "data.builtin_size"),
+    "sdxl": (*NOT_SD, *NO_LORA, *NO_EMA, "data.builtin_size", "validation.num_prompts"),
+    "sdxl_seed": (*NOT_SD, *NO_LORA, *NO_EMA, "data.builtin_size"),
 }
 
 

@@ -138,8 +138,10 @@ def run_recipe(name, *overrides):
 
     track_reads()  # which config keys the checks (rank 0, as the CLI) and the run read
     load = checked_config if os.environ.get("RANK", "0") == "0" else load_config
-    cfg = load("sd_finetune", "tiny_flux", [
+    # the tiny config on the tiny FLUX folder (tiny_flux.yaml names the tiny model's family, refused beside a folder)
+    cfg = load("sd_finetune", "tiny", [
         f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",
+        "diffusion.max_sequence_length=16",
         "data.builtin_size=20", "roles.transformer.micro_batch_size=2", "roles.transformer.grad_accum=1",
         "eval.heldout_size=4", "eval.timesteps=2", "validation.enabled=false", "validation.guidance_scale=null",
         "checkpoint.every=2", "export.roles=[]", *overrides])

@@ -26,7 +26,7 @@ from multiengine.recipes.language.config import checked_config, load_config
 
 ROOT = out_dir()
 COMMON = [
-    "max_steps=4", "data.builtin_size=40", "data.resolution=32",
+    "max_steps=4", "data.resolution=32",
     "roles.unet.micro_batch_size=2", "roles.unet.grad_accum=2", "roles.unet.gradient_checkpointing=true",
     "eval.heldout_size=4", "eval.timesteps=4", "checkpoint.every=2", "export.roles=[unet,ema]",
 ]
@@ -113,7 +113,7 @@ def lora_after(job, before):
 CHECKS_BEFORE = {"lora": lora_snapshot}
 CHECKS_AFTER = {"zero3": ema_full_copies_current, "lora": lora_after}
 
-results = {"zero3": run("zero3", *VALIDATION, "model.tiny_vae_steps=0")}
+results = {"zero3": run("zero3", *VALIDATION, "model.tiny_vae_steps=0", "data.builtin_size=40")}
 model = os.path.join(ROOT, "zero3", "tiny_sd")
 data = os.path.join(ROOT, "zero3", "data", "shapes")
 shared = [f"model.pretrained={model}", f"data.source={data}"]
