@@ -200,7 +200,7 @@ class DiffusionRecipe(Recipe):
         for spec in cls.role_specs(cfg, family, folder):
             role = cfg.roles[spec.name]
             out["roles"][spec.name] = {**spec.describe(), "model": role.model_path()}
-            if role._decl.follows:  # its own stage and dtype stay when the leader's change
+            if cfg.roles.declaration(spec.name).follows:  # its own stage and dtype stay when the leader's change
                 out["roles"][spec.name]["follows"] = {"stage": role.stage, "dtype": role.dtype}
         return out
 
