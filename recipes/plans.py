@@ -37,7 +37,6 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
     resolve_pipeline,
 )
 from multiengine.engines.role_schema import follow_chain, model_path
-from multiengine.pipelines.diffusion import planning as D
 from multiengine.pipelines.rlhf.tiny import tiny_model_info
 
 
@@ -66,103 +65,6 @@ def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
     return [declared_roles(cfg, ROLES, {"actor": info, "reward": info, "encoder": info.without("lm_head.")}, phases,
                            title="registry_demo", actor={"choices": P.trainable_choices(False)},
                            reward={"choices": P.frozen_choices(False)}, encoder={"choices": P.frozen_choices(False)})]
-
-
-SEED_BASELINE_NOTE = "seed_baseline: full copy"
-
-
-def _family_lora(section: Any, components: Mapping[str, P.ModelInfo]) -> tuple[int, tuple[str, ...]] | None:
-    """A diffusion role's LoRA, empty target_modules filled with diffusers' targets of the model's family as the
-    diffusion recipes fill them."""
-    from multiengine.pipelines.diffusion.families import family_roles
-
-    return _lora(section.lora, family_roles(D.pipeline_family(components)).lora_targets)
-
-
-def _encode_phases(cfg: Any, roles: Any, components: Mapping[str, P.ModelInfo], rows: int,
-                   tokens: Mapping[str, int]) -> dict[str, list[tuple[str, int]]]:
-    """Each text encoder's forward ("encode") over ``rows`` prompts of its ``tokens``."""
-    return {n: lm_role_phases(cfg, roles, n, components[n], forward=(rows, tokens[n]), logits=False, label="encode")
-            for n in D.encoder_names(components)}
-
-
-def _diffusion_plan(cfg: Any, assume: Mapping[str, str] | None, title: str, roles: Any,
-                    trained: str | None) -> list[RecipePlan]:
-    """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (its folder, else one initialised from
-    the unet), from the recipe's ``roles``: ``trained`` (the denoiser, or a ControlNet beside a frozen denoiser)
-    trainable; the denoiser (when it is not the trained role), vae and text encoders frozen, all of them whole at
-    stage 0 in seed_baseline mode; an EMA of the trained role where ``ema.enabled``."""
-    components, source = resolve_pipeline(
-        str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
-        tiny=lambda: D.tiny_pipeline(str(cfg.output_dir), int(cfg.seed), int(cfg.data.resolution),
-                                     str(cfg.model.tiny_family)))
-    denoiser = D.denoiser_name(components, title, source, controlnet=trained is not None)
-    trained = trained or denoiser
-    r, t = cfg.roles, cfg.roles[trained]
-    baseline = cfg.mode == "seed_baseline"
-    res, batch = int(cfg.data.resolution), int(t.micro_batch_size)
-    vae, net = components["vae"], components[denoiser]
-    scale = D.vae_scale(vae)
-    lora = _family_lora(t, components)
-    encoders = D.encoder_names(components)
-    infos = {denoiser: net, "vae": vae, **{n: components[n] for n in encoders}}
-    if trained != denoiser:
-        given = str(t.model)
-        infos[trained] = P.model_info(given, str(cfg.model.variant) or None) if os.path.isdir(given) \
-            else D.meta_controlnet(net, scale)
-    tokens, text = D.text_tokens(components, int(cfg.diffusion.get("max_sequence_length") or 0))
-    prompts = (len(cfg.validation.prompts) or int(cfg.validation.num_prompts)) if cfg.validation.enabled else 0
-
-    def denoiser_phases(dtype: str, trainable: bool, checkpointing: bool) -> list[tuple[str, int]]:
-        act = functools.partial(D.denoiser_activation_bytes, net, denoiser, res=res, scale=scale, dtype=dtype,
-                                text_tokens=text)
-        train = act(batch=batch, trainable=trainable, checkpointing=checkpointing)
-        val = act(batch=2 * prompts, trainable=False, checkpointing=False) if prompts else 0
-        return [("train step", train)] + ([("validation", val)] if val else [])
-
-    vae_act = functools.partial(D.vae_activation_bytes, vae, resolution=res, dtype=str(r.vae.dtype))
-    phases = {trained: denoiser_phases(str(t.dtype), True, bool(t.gradient_checkpointing)),
-              "vae": [("encode", vae_act(batch=batch))]
-              + ([("validation decode", vae_act(batch=prompts))] if prompts else []),
-              **_encode_phases(cfg, roles, components, batch, tokens)}
-    options = {"vae": gather_options(cfg, "vae", "encode", "validation decode"),
-               **{n: gather_options(cfg, n, "encode") for n in encoders}}
-    options[trained] = {"lora": lora}
-    if lora:
-        options[trained]["note"] = "LoRA: activations estimated as for a full fine-tune (an upper bound)"
-    if trained != denoiser:  # the frozen denoiser the trained role feeds (ControlNet); its backward runs too
-        phases[denoiser] = denoiser_phases(str(r[denoiser].dtype), True, False)
-        options[denoiser] = {"note": "frozen; activations kept for the trained role's backward"}
-    pinned = {n: P.Choice(0) for n in infos if n != trained} if baseline else {}
-    for n in pinned:
-        options.setdefault(n, {})["note"] = SEED_BASELINE_NOTE
-    notes = [f"model: {source}", f"{res}x{res} px (latents {res // scale}x{res // scale}), micro batch {batch}"
-             + (", gradient checkpointing" if t.gradient_checkpointing else "")]
-    plan = declared_roles(cfg, roles, infos, phases, title=title, notes=notes, pinned=pinned, followers=True, **options)
-    ema = cfg.get("ema") or {}
-    if ema.get("enabled"):  # the trained role's weights (and adapters), sharded like it
-        plan.roles.append(_role(
-            "ema", infos[trained], str(ema.dtype), trainable=False, lora=lora,
-            current=_current(0 if baseline else int(t.stage), False, ema.offload_params),
-            choices=(P.Choice(0),) if baseline else (), follows=None if baseline else trained,
-            note=SEED_BASELINE_NOTE if baseline else f"sharded like the {trained} (same stage)"))
-        if not baseline:
-            plan.keys["ema"] = RoleKeys(None, "ema.offload_params")
-    return [plan]
-
-
-def sd_finetune(cfg: Any, assume: Mapping[str, str] | None = None,
-                configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    from .sd_finetune import ROLES
-
-    return _diffusion_plan(cfg, assume, "sd_finetune", ROLES, None)
-
-
-def controlnet(cfg: Any, assume: Mapping[str, str] | None = None,
-               configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    from .controlnet import ROLES
-
-    return _diffusion_plan(cfg, assume, "controlnet", ROLES, "controlnet")
 
 
 def _lm_model(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,
@@ -418,65 +320,3 @@ def gan(cfg: Any, assume: Mapping[str, str] | None = None,
         infos = {r.name: module_info(r.name, MLP(**recipe._shape(cfg, r.name))) for r in recipe.ROLES}
     return [declared_roles(cfg, recipe.ROLES, infos, title="gan",
                            notes=["two MLPs of gan.width x gan.depth; activations are negligible"])]
-
-
-def _diffusion_rl(cfg: Any, recipe: Any, title: str, res: int, assume: Mapping[str, str] | None, rows: int,
-                  note: str, extra: Mapping[str, P.ModelInfo] | None = None, ref: bool = True,
-                  guidance_scale: float = 1.0, t5_tokens: int = 0) -> list[RecipePlan]:
-    """diffusion_grpo / diffusion_dpo: the roles the run builds (the frozen ref where ``ref``, the models of
-    ``extra``), from the recipe's declaration; ``rows`` per forward of the policy, ref and vae, doubled by CFG
-    where ``guidance_scale`` > 1 (FLUX takes it as an input instead); ``t5_tokens``: T5 tokens per prompt."""
-    components, source = resolve_pipeline(
-        str(cfg.model.pretrained), variant=str(cfg.model.variant) or None, assume=assume,
-        tiny=lambda: D.tiny_pipeline_info(int(cfg.seed), res, str(cfg.model.tiny_family)))
-    denoiser = D.denoiser_name(components, title, source)
-    net, vae = components[denoiser], components["vae"]
-    tokens, text = D.text_tokens(components, t5_tokens)
-    encoders = D.encoder_names(components)
-    if guidance_scale > 1 and D.pipeline_family(components) != "flux":
-        rows, note = 2 * rows, note + ", CFG doubles each denoiser batch"
-    infos = {"policy": net, **({"ref": net} if ref else {}), "vae": vae, **{n: components[n] for n in encoders},
-             **(extra or {})}
-    pol = cfg.roles.policy
-    dtype, ref_dtype = str(pol.dtype), str(follow_chain(cfg, recipe.ROLES, "ref", "dtype", ""))
-    act = functools.partial(D.denoiser_activation_bytes, net, denoiser, res=res, scale=D.vae_scale(vae), batch=rows,
-                            checkpointing=bool(pol.gradient_checkpointing), text_tokens=text)
-    vae_act = D.vae_activation_bytes(vae, batch=rows, resolution=res, dtype=str(cfg.roles.vae.dtype))
-    # the text encoders see at most one prompt per denoiser row (an upper bound: prompts repeat across a group)
-    phases = {"policy": [("rollout", act(dtype=dtype, trainable=False)),
-                         ("train step", act(dtype=dtype, trainable=True))],
-              "ref": [("forward", act(dtype=ref_dtype, trainable=False))],
-              "vae": [("decode / encode", vae_act)], **_encode_phases(cfg, recipe.ROLES, components, rows, tokens)}
-    options = {"policy": {"lora": _family_lora(pol, components)}, "vae": gather_options(cfg, "vae", "decode / encode"),
-               **({"ref": gather_options(cfg, "ref", "forward")} if ref else {}),
-               **{n: gather_options(cfg, n, "encode") for n in encoders}}
-    return [declared_roles(cfg, recipe.ROLES, infos, phases, title=title,
-                           notes=[f"model: {source}", f"{res}x{res} px, policy micro batch {int(pol.micro_batch_size)}",
-                                  note], **options)]
-
-
-def diffusion_grpo(cfg: Any, assume: Mapping[str, str] | None = None,
-                   configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    import torch
-    from multiengine.pipelines.diffusion.rewards import TinyShapesRewardModel
-    from multiengine.recipes import diffusion_grpo as recipe
-
-    d = cfg.diffusion
-    extra = {}
-    if recipe.REWARD_MODEL in list(cfg.reward.functions):
-        with torch.device("meta"):
-            extra["reward"] = module_info("reward", TinyShapesRewardModel())
-    return _diffusion_rl(cfg, recipe, "diffusion_grpo", int(d.resolution), assume,
-                         int(cfg.roles.policy.micro_batch_size),
-                         f"{int(d.num_inference_steps)} sampling steps, group {int(d.group_size)}", extra,
-                         ref=bool(float(d.kl_coef)), guidance_scale=float(d.guidance_scale))
-
-
-def diffusion_dpo(cfg: Any, assume: Mapping[str, str] | None = None,
-                  configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    from multiengine.recipes import diffusion_dpo as recipe
-
-    pairs = 2 * int(cfg.roles.policy.micro_batch_size)  # chosen and rejected images
-    return _diffusion_rl(cfg, recipe, "diffusion_dpo", int(cfg.data.resolution), assume, pairs,
-                         f"{pairs // 2} preference pairs per rank: {pairs} images per forward",
-                         t5_tokens=int(cfg.dpo.max_sequence_length))

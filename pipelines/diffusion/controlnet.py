@@ -10,16 +10,33 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from multiengine.engines.settings import Choice, Settings, setting
 
-__all__ = ["CONTROLNET_PIPELINES", "conditioning_embedding_channels", "controlnet_factory", "controlnet_from_unet",
-           "controlnet_role_specs", "load_full_copy"]
+from .models import ModelSettings
+
+__all__ = ["CONTROLNET_PIPELINES", "ControlNetModelSettings", "ControlNetSettings", "conditioning_embedding_channels",
+           "controlnet_factory", "controlnet_from_unet", "load_full_copy"]
 
 # The ControlNet pipeline of each base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
 CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
+
+
+@dataclass(frozen=True)
+class ControlNetModelSettings(ModelSettings):
+    """The base SD or SDXL pipeline folder (a ControlNet conditions a unet)."""
+
+    tiny_family: str = setting("sd", "tiny model only: sd | sdxl", Choice(*CONTROLNET_PIPELINES), when="pretrained=")
+
+
+@dataclass(frozen=True)
+class ControlNetSettings(Settings):
+    conditioning_scale: float = setting(1.0, "multiplies the controlnet's residuals (1 in diffusers' training)")
+
 
 # diffusers' default conditioning-embedding widths, for an 8x vae.
 _CHANNELS: tuple[int, ...] = (16, 32, 96, 256)
@@ -93,25 +110,3 @@ def controlnet_factory(model_path: str, seed: int = 0, variant: str | None = Non
             return controlnet_from_unet(unet, factor, seed)
 
     return build
-
-
-def controlnet_role_specs(model_path: str, placements: dict[str, Any], optim: Any, *, mode: str, frozen: Sequence[str],
-                          controlnet_path: str | None, micro_batch_size: int, grad_accum: int,
-                          gradient_checkpointing: bool, seed: int, variant: str | None = None) -> list[Any]:
-    """RoleSpecs of a ControlNet run: ``controlnet`` (trainable, :func:`controlnet_factory`) and the ``frozen``
-    components of ``model_path`` (the unet, vae and text encoders), each placed by ``placements[name]``; in
-    ``seed_baseline`` mode the frozen ones whole on every rank (stage 0), as in diffusers' train_controlnet.py,
-    where only the trained model goes through ZeRO."""
-    from multiengine.engines import Placement, frozen_role, trainable_role
-
-    from .models import SEED_BASELINE, load_component
-
-    specs = [trainable_role("controlnet", controlnet_factory(model_path, seed, variant, controlnet_path),
-                            placements["controlnet"], optim, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                            gradient_checkpointing=gradient_checkpointing, seed=seed)]
-    for name in frozen:
-        place = placements[name]
-        if mode == SEED_BASELINE:
-            place = Placement(stage=0, dtype=place.dtype)
-        specs.append(frozen_role(name, lambda n=name: load_component(model_path, n, variant), place))
-    return specs

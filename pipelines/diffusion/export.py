@@ -12,16 +12,19 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry, atomic_dir, save_role, write_role
 from multiengine.engines.export import cast_folder
+from multiengine.engines.settings import Choice, Each, Length, Settings, setting
 
 from .models import read_model_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_pipeline", "export_roles", "export_run", "save_lora"]
+__all__ = ["ExportSettings", "RoleExportSettings", "export_pipeline", "export_roles", "export_run", "save_lora"]
 
 
 def export_pipeline(
@@ -120,27 +123,29 @@ def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", compon
     return out_dir
 
 
-def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str], *,
-               dtype: str = "fp32", prediction_type: str | None = None, roles: Sequence[str] = (),
-               first: Sequence[str] = (), lora: tuple[str, str, str] | None = None, class_name: str | None = None,
-               cast_copied: bool = False, key: str = "export.roles", pipeline: str = "pipeline") -> dict[str, str]:
-    """A fine-tune's exports under ``out_dir``: a folder per role of ``first``, ``<pipeline>/`` (``components``:
-    {component: role}, the others copied from ``model_path``), ``lora/`` when ``lora`` = (role, component,
-    pipeline class), then a folder per role of ``roles`` (those in ``first`` skipped); a role of ``roles`` the
-    registry does not have is refused, naming ``key``."""
-    from multiengine.engines.settings import SettingsError
+@dataclass(frozen=True)
+class ExportSettings(Settings):
+    enabled: bool = setting(True, "export/<pipeline> (a diffusers pipeline folder) and export/lora for LoRA runs")
+    dtype: str = setting("fp32", "dtype of every exported component", Choice("fp32", "bf16", "fp16"), when="enabled")
 
-    written = export_roles(registry, out_dir, list(first), dtype=dtype)
-    written[pipeline] = export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
-                                          dtype=dtype, prediction_type=prediction_type, class_name=class_name,
-                                          cast_copied=cast_copied)
+
+@dataclass(frozen=True)
+class RoleExportSettings(ExportSettings):
+    roles: list[str] = setting([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)",
+                               Each(Length(1)), when="enabled")
+
+
+def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str],
+               settings: ExportSettings, *, lora: tuple[str, str, str] | None = None, pipeline: str = "pipeline",
+               **pipeline_options: Any) -> dict[str, str]:
+    """A fine-tune's exports under ``out_dir`` (``settings``: dtype, and per-role folders when it has ``roles``):
+    ``<pipeline>/`` (``components``: {component: role}, the others copied from ``model_path``; ``pipeline_options``:
+    :func:`export_pipeline`'s), ``lora/`` when ``lora`` = (role, component, pipeline class), then the roles'."""
+    written = {pipeline: export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
+                                         dtype=settings.dtype, **pipeline_options)}
     if lora:
         written["lora"] = save_lora(registry, os.path.join(out_dir, "lora"), role=lora[0], component=lora[1],
                                     pipeline_class=lora[2])
-    extra = [r for r in roles if r not in first]
-    missing = [r for r in extra if r not in registry]
-    if missing:
-        raise SettingsError(f"{key}={list(roles)}: {missing} not among this run's roles "
-                                f"{[r.name for r in registry.roles()]}")
-    written.update(export_roles(registry, out_dir, extra, dtype=dtype))
+    roles = getattr(settings, "roles", ())
+    written.update(export_roles(registry, out_dir, [r for r in roles if r not in written], dtype=settings.dtype))
     return written

@@ -27,33 +27,56 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines.settings import Choice, FieldError, Range, Settings, setting
 
 from ..rlhf.losses import PolicyLossInputs, register_policy_loss
 from .math import PREDICTION_TYPES
 
-__all__ = [
-    "DDIMSampler",
-    "DPOStats",
-    "DenoiseStep",
-    "Denoiser",
-    "FlowSDESampler",
-    "Trajectory",
-    "clipped_policy_loss",
-    "ddim_step_with_logprob",
-    "ddim_timesteps",
-    "diffusion_dpo_loss",
-    "diffusion_dpo_loss_from_losses",
-    "diffusion_grpo_loss",
-    "flow_inference_sigmas",
-    "gaussian_logprob",
-    "group_advantages",
-    "kl_to_reference",
-    "paired",
-    "rescore",
-    "sample_with_logprobs",
-    "sde_step_with_logprob",
-    "train_step_indices",
-]
+__all__ = ["DDIMSampler", "DPOStats", "DenoiseStep", "Denoiser", "DiffusionDPOSettings", "DiffusionGRPOSettings",
+           "FlowSDESampler", "Trajectory", "clipped_policy_loss", "ddim_step_with_logprob", "ddim_timesteps",
+           "diffusion_dpo_loss", "diffusion_dpo_loss_from_losses", "diffusion_grpo_loss", "flow_inference_sigmas",
+           "gaussian_logprob", "group_advantages", "kl_to_reference", "paired", "rescore", "sample_with_logprobs",
+           "sde_step_with_logprob", "train_step_indices"]
+
+
+@dataclass(frozen=True)
+class DiffusionGRPOSettings(Settings):
+    """Sampling and the policy objective of DDPO / Flow-GRPO."""
+
+    resolution: int = setting(16, "image side in pixels", Range(8))
+    num_inference_steps: int = setting(4, "sampler steps per image", Range(1))
+    eta: float = setting(1.0, "unet families: DDIM noise (> 0; DDPO uses 1.0)", Range(0, min_exclusive=True))
+    noise_level: float = setting(0.7, "flow families: SDE noise level (> 0; Flow-GRPO uses 0.7)",
+                                 Range(0, min_exclusive=True))
+    guidance_scale: float = setting(1.0, "CFG scale while sampling (1 = none); FLUX: its guidance input", Range(0))
+    group_size: int = setting(8, "images per prompt (advantages are relative to the group)", Range(2))
+    advantage_std: str = setting("global", "group | global (the batch's std, Flow-GRPO's base config) | none "
+                                           "(Dr. GRPO)", Choice("group", "global", "none"))
+    clip_range: float = setting(1e-4, "importance-ratio clip (DDPO, Flow-GRPO)", Range(0, min_exclusive=True))
+    adv_clip_max: float = setting(5.0, "advantages clamped to [-x, x]", Range(0, min_exclusive=True))
+    kl_coef: float = setting(0.01, "weight of the KL to roles.ref (0 = no ref role)", Range(0))
+    train_timestep_fraction: float = setting(0.5, "fraction of each trajectory's steps trained on",
+                                             Range(0, 1, min_exclusive=True))
+    train_noisiest: bool = setting(True, "true: the noisiest steps first; false: a random subset per image (DDPO)")
+
+    def check(self) -> None:
+        if self.trained_steps < 1:
+            raise FieldError("train_timestep_fraction", self.train_timestep_fraction, f"of {self.num_inference_steps} "
+                             "steps trains on no step", f"use at least {1 / self.num_inference_steps:.3g}")
+
+    @property
+    def trained_steps(self) -> int:
+        """Denoising steps each image trains on."""
+        return int(self.num_inference_steps * self.train_timestep_fraction)
+
+
+@dataclass(frozen=True)
+class DiffusionDPOSettings(Settings):
+    beta: float = setting(5000.0, "Diffusion-DPO's beta (diffusers' script: 2500 for SD 1.5, 5000 for SDXL)",
+                          Range(0, min_exclusive=True))
+    guidance_scale: float = setting(1.0, "FLUX only: its guidance input while training", Range(0))
+    max_sequence_length: int = setting(0, "SD3/FLUX: T5 tokens per prompt (0 = the family's)", Range(0))
+
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -148,76 +171,46 @@ def ddim_timesteps(num_inference_steps: int, num_train_timesteps: int = 1000, st
     return (torch.arange(num_inference_steps - 1, -1, -1, dtype=torch.long) * ratio) + steps_offset
 
 
-def ddim_step_with_logprob(
-    model_output: torch.Tensor,
-    sample: torch.Tensor,
-    timestep: int | torch.Tensor,
-    prev_timestep: int | torch.Tensor,
-    alphas_cumprod: torch.Tensor,
-    eta: float,
-    *,
-    prediction_type: str = "epsilon",
-    final_alpha_cumprod: float | None = None,
-    clip_sample_range: float | None = None,
-    prev_sample: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    noise: torch.Tensor | None = None,
-) -> DenoiseStep:
-    """One DDIM step ``x_t -> x_prev`` with ``eta``, and the log-probability of ``x_prev`` (DDPO's
-    ``ddim_step_with_logprob``; its mean and noise are diffusers' ``DDIMScheduler.step``).
-
-    ``x0`` and ``eps`` are read from the model output for ``prediction_type``; ``mean = sqrt(a_prev) x0 +
-    sqrt(1 - a_prev - std^2) eps`` with ``std = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``; the step
-    draws ``x_prev = mean + std * noise`` unless ``prev_sample`` is given, in which case that is scored.
-
-    Args:
-        model_output, sample: ``[B, ...]``.
-        timestep, prev_timestep: ``[B]`` (or scalars) indices into ``alphas_cumprod``; ``prev_timestep`` is
-            ``timestep - T // N`` in DDIM and may be negative on the last step.
-        alphas_cumprod: ``[T]``.
-        eta: ``>= 0``; 0 is deterministic DDIM (``log_prob`` is then ``None``).
-        final_alpha_cumprod: ``a_prev`` where ``prev_timestep < 0``. ``None`` (default) uses ``alphas_cumprod[0]``,
-            as DDPO does by clamping the index (and as diffusers does for SD's ``set_alpha_to_one=False``); ``1.0``
-            is diffusers' ``set_alpha_to_one=True``, whose last step has zero variance and so no density.
-        clip_sample_range: clamp the predicted ``x0`` to ``[-r, r]`` (the scheduler's ``clip_sample``); None: no clamp.
-        prev_sample: a stored ``x_prev`` to score instead of drawing one.
-        generator / noise: where the step's standard-normal draw comes from (one of them, or neither).
-
-    Returns:
-        :class:`DenoiseStep` (float32).
-    """
-    if prediction_type not in PREDICTION_TYPES:
-        raise ValueError(f"prediction_type={prediction_type!r}; use one of {list(PREDICTION_TYPES)}.")
-    if not eta >= 0:
-        raise ValueError(f"eta={eta} must be >= 0 (DDPO uses 1.0).")
+def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, timestep: int | torch.Tensor,
+                           prev_timestep: int | torch.Tensor, sampler: DDIMSampler, *,
+                           prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                           noise: torch.Tensor | None = None) -> DenoiseStep:
+    """One DDIM step ``x_t -> x_prev`` of ``sampler`` (its ``alphas_cumprod``, ``eta``, prediction type, final alpha
+    and x0 clamp) and the log-probability of ``x_prev``: DDPO's ``ddim_step_with_logprob``, whose mean and noise are
+    diffusers' ``DDIMScheduler.step``: ``mean = sqrt(a_prev) x0 + sqrt(1 - a_prev - std^2) eps``, ``std = eta *
+    sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``. ``timestep``/``prev_timestep``: ``[B]`` (or scalars)
+    indices into ``alphas_cumprod``, the previous one ``timestep - T // N``, negative on the last step (``a_prev`` is
+    then the sampler's ``final_alpha_cumprod``, None = ``alphas_cumprod[0]`` as DDPO). The step draws ``x_prev = mean
+    + std * noise`` (from ``generator`` or ``noise``) or scores a given ``prev_sample``; float32, ``log_prob`` None
+    at ``eta == 0``."""
     _check_exclusive(prev_sample, generator, noise)
     x, out = sample.float(), model_output.float()
     if out.shape != x.shape:
         raise ValueError(f"model_output shape {tuple(out.shape)} != sample shape {tuple(x.shape)}")
     b, dev = x.shape[0], x.device
-    ac = alphas_cumprod.to(device=dev, dtype=torch.float32)
+    ac = sampler.alphas_cumprod.to(device=dev, dtype=torch.float32)
     t = _rows(timestep, b, dev, "timestep").long()
     tp = _rows(prev_timestep, b, dev, "prev_timestep").long()
     a_t = ac[t]
     a_prev = ac[tp.clamp(0, ac.shape[0] - 1)]
-    if final_alpha_cumprod is not None:
-        a_prev = torch.where(tp >= 0, a_prev, torch.full_like(a_prev, float(final_alpha_cumprod)))
+    if sampler.final_alpha_cumprod is not None:
+        a_prev = torch.where(tp >= 0, a_prev, torch.full_like(a_prev, float(sampler.final_alpha_cumprod)))
     variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
-    std = eta * variance.sqrt()
+    std = sampler.eta * variance.sqrt()
     a_t_, a_prev_, std_ = _bcast(a_t, x), _bcast(a_prev, x), _bcast(std, x)
     beta_t = 1 - a_t_
-    if prediction_type == "epsilon":
+    if sampler.prediction_type == "epsilon":
         x0, eps = (x - beta_t.sqrt() * out) / a_t_.sqrt(), out
-    elif prediction_type == "sample":
+    elif sampler.prediction_type == "sample":
         x0 = out
         eps = (x - a_t_.sqrt() * x0) / beta_t.sqrt()
     else:
         x0 = a_t_.sqrt() * x - beta_t.sqrt() * out
         eps = a_t_.sqrt() * out + beta_t.sqrt() * x
-    if clip_sample_range is not None:
-        x0 = x0.clamp(-clip_sample_range, clip_sample_range)
+    if sampler.clip_sample_range is not None:
+        x0 = x0.clamp(-sampler.clip_sample_range, sampler.clip_sample_range)
     mean = a_prev_.sqrt() * x0 + (1 - a_prev_ - std_**2).sqrt() * eps
-    return _finish(mean, std, std, eta == 0, prev_sample, generator, noise)
+    return _finish(mean, std, std, sampler.eta == 0, prev_sample, generator, noise)
 
 
 # --- rectified flow (Flow-GRPO) ------------------------------------------------------------------------
@@ -253,24 +246,13 @@ def sde_step_with_logprob(
     noise: torch.Tensor | None = None,
 ) -> DenoiseStep:
     """One reverse-SDE step ``x_sigma -> x_sigma_prev`` of a rectified flow and its log-probability (Flow-GRPO's
-    ``sde_step_with_logprob``, ``sde_type="sde"``).
-
-    With ``sigma = sigmas[i]``, ``sigma_prev = sigmas[i + 1]``, ``dt = sigma_prev - sigma < 0`` and the predicted
-    velocity ``v``: ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (where ``sigma == 1`` the denominator uses
-    ``sigmas[1]`` instead, as the reference does, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) +
-    v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``. At
-    ``noise_level == 0`` this is the Euler ODE step ``x + v dt`` (``log_prob`` ``None``).
-
-    Args:
-        model_output, sample: ``[B, ...]`` (FLUX: packed tokens are fine, any ``[B, ...]``).
-        sigmas: ``[N + 1]`` descending sampling sigmas ending in 0 (:func:`flow_inference_sigmas`).
-        step_index: ``[B]`` (or a scalar) position ``i`` in ``sigmas``, ``0 <= i < N``.
-        noise_level: ``>= 0`` (Flow-GRPO's default 0.7).
-        prev_sample / generator / noise: as in :func:`ddim_step_with_logprob`.
-
-    Returns:
-        :class:`DenoiseStep` (float32).
-    """
+    ``sde_step_with_logprob``, ``sde_type="sde"``): with ``sigma = sigmas[i]``, ``dt = sigmas[i + 1] - sigma < 0`` and
+    the velocity ``v``, ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (``sigmas[1]`` in the denominator
+    where ``sigma == 1``, as the reference, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 +
+    std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``; at ``noise_level == 0``
+    the Euler step ``x + v dt`` (``log_prob`` None). ``sigmas``: ``[N + 1]`` descending, ending in 0
+    (:func:`flow_inference_sigmas`); ``step_index``: ``[B]`` (or a scalar) in ``[0, N)``; ``prev_sample`` /
+    ``generator`` / ``noise`` as in :func:`ddim_step_with_logprob`. Float32."""
     if not noise_level >= 0:
         raise ValueError(f"noise_level={noise_level} must be >= 0 (Flow-GRPO uses 0.7).")
     _check_exclusive(prev_sample, generator, noise)
@@ -296,8 +278,9 @@ def sde_step_with_logprob(
 # --- samplers and the loop ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DDIMSampler:
-    """DDIM with ``eta`` over ``timesteps`` (``[N]`` descending, e.g. :func:`ddim_timesteps` or a
-    ``DDIMScheduler``'s ``timesteps``); step ``i`` goes from ``timesteps[i]`` to ``timesteps[i] - T // N``."""
+    """DDIM with ``eta`` over ``timesteps`` (``[N]`` descending, e.g. :func:`ddim_timesteps`); step ``i`` goes from
+    ``timesteps[i]`` to ``timesteps[i] - T // N``. ``final_alpha_cumprod``: ``a_prev`` below timestep 0 (1.0 =
+    diffusers' ``set_alpha_to_one``); ``clip_sample_range``: clamp the predicted x0 (the scheduler's clip_sample)."""
 
     timesteps: torch.Tensor
     alphas_cumprod: torch.Tensor
@@ -305,6 +288,12 @@ class DDIMSampler:
     prediction_type: str = "epsilon"
     final_alpha_cumprod: float | None = None
     clip_sample_range: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"prediction_type={self.prediction_type!r}; use one of {list(PREDICTION_TYPES)}.")
+        if not self.eta >= 0:
+            raise ValueError(f"eta={self.eta} must be >= 0 (DDPO uses 1.0).")
 
     @property
     def num_steps(self) -> int:
@@ -316,10 +305,8 @@ class DDIMSampler:
 
     def step(self, model_output: torch.Tensor, sample: torch.Tensor, index: torch.Tensor, **kwargs) -> DenoiseStep:
         t = self.model_timesteps(index).long()
-        ratio = self.alphas_cumprod.shape[0] // self.num_steps
-        return ddim_step_with_logprob(
-            model_output, sample, t, t - ratio, self.alphas_cumprod, self.eta, prediction_type=self.prediction_type,
-            final_alpha_cumprod=self.final_alpha_cumprod, clip_sample_range=self.clip_sample_range, **kwargs)
+        return ddim_step_with_logprob(model_output, sample, t, t - self.alphas_cumprod.shape[0] // self.num_steps,
+                                      self, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,7 @@
-"""Build a tiny, randomly initialised Stable-Diffusion-style pipeline entirely offline.
-
-Tests and CPU smoke runs need a complete diffusers folder (``model_index.json``, ``unet/``,
-``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``) that ``from_pretrained`` loads like a
-hub checkpoint, without any download. The tokenizer is a real CLIP-format byte-level BPE
-(``vocab.json`` + ``merges.txt``) trained here on the shapes-dataset captions.
+"""Tiny, randomly initialised diffusers folders of every family (SD, SDXL, SD3, FLUX), built offline: what tests
+and CPU runs load like a hub checkpoint. The CLIP tokenizer is a real byte-level BPE (``vocab.json`` +
+``merges.txt``) trained here on the shapes captions, the T5 tokenizer a Unigram vocabulary of their words. And the
+pre-training of a tiny vae on the training images, so that generations decode to images instead of noise.
 """
 
 from __future__ import annotations
@@ -23,32 +21,15 @@ from .data import shapes_captions
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "TINY_SD_SUBFOLDERS",
-    "build_clip_tokenizer",
-    "build_tiny_clip_text_encoder",
-    "build_tiny_sd",
-    "pretrain_tiny_vae",
-    "vae_pretrain_images",
-    # other families
-    "T5_SPECIAL_TOKENS",
-    "build_t5_tokenizer",
-    "build_tiny",
-    "build_tiny_flux",
-    "build_tiny_sd3",
-    "build_tiny_sdxl",
-    "build_tiny_t5_encoder",
-    "build_tiny_vae",
-]
+__all__ = ["T5_SPECIAL_TOKENS", "build_clip_tokenizer", "build_t5_tokenizer", "build_tiny",
+           "build_tiny_clip_text_encoder", "build_tiny_flux", "build_tiny_sd", "build_tiny_sd3", "build_tiny_sdxl",
+           "build_tiny_t5_encoder", "build_tiny_vae", "pretrain_tiny_vae", "vae_pretrain_images"]
 
-TINY_SD_SUBFOLDERS: tuple[str, ...] = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
-# CLIP's pre-tokenizer regex (as in transformers' CLIPTokenizer): special tokens, contractions,
-# letter runs, single digits, punctuation runs.
-_CLIP_SPLIT = (
-    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
-)
+# CLIP's pre-tokenizer regex (as in transformers' CLIPTokenizer): special tokens, contractions, letter runs, digits,
+# punctuation runs.
+_CLIP_SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -65,25 +46,12 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for c in cs]
 
 
-def build_clip_tokenizer(
-    out_dir: str, texts: Iterable[str] | None = None, max_merges: int = 400, model_max_length: int = 77
-) -> str:
-    """Train a CLIP-format BPE on ``texts`` and save a loadable ``CLIPTokenizer`` in ``out_dir``.
-
-    The vocabulary is laid out like OpenAI CLIP's: the 256 byte symbols, the same 256 with the
-    ``</w>`` end-of-word suffix, one entry per learned merge, then ``<|startoftext|>`` and
-    ``<|endoftext|>`` last. Having every byte (with and without ``</w>``) means any caption, even
-    with words never seen in ``texts``, tokenizes to ids ``< vocab size`` instead of ``unk``.
-
-    Args:
-        out_dir: folder to write (``vocab.json``, ``merges.txt`` and transformers' tokenizer files).
-        texts: training text; defaults to every shapes-dataset caption.
-        max_merges: cap on learned merges (the vocabulary is ``512 + merges + 2``).
-        model_max_length: padded length used by pipelines (77 like CLIP).
-
-    Returns:
-        ``out_dir``.
-    """
+def build_clip_tokenizer(out_dir: str, texts: Iterable[str] | None = None, max_merges: int = 400,
+                         model_max_length: int = 77) -> str:
+    """A CLIP-format BPE trained on ``texts`` (default: every shapes caption), saved as a loadable ``CLIPTokenizer``
+    in ``out_dir``. Its vocabulary is laid out like OpenAI CLIP's: the 256 byte symbols, the same with ``</w>``,
+    one entry per learned merge (at most ``max_merges``), then ``<|startoftext|>`` and ``<|endoftext|>``: any
+    caption, even with words never seen, tokenizes to ids below the vocabulary size."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
@@ -91,23 +59,14 @@ def build_clip_tokenizer(
     alphabet = _bytes_to_unicode()
     # Same normalizer/pre-tokenizer/suffix as CLIPTokenizer so learned merges are ones it will apply.
     bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", continuing_subword_prefix=""))
-    bpe.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
-    )
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) * 2 + max_merges,
-        min_frequency=1,
-        initial_alphabet=alphabet,
-        end_of_word_suffix="</w>",
-        show_progress=False,
-        special_tokens=[],
-    )
+    bpe.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                           normalizers.Lowercase()])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed",
+                                                                      invert=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) * 2 + max_merges, min_frequency=1,
+                                  initial_alphabet=alphabet, end_of_word_suffix="</w>", show_progress=False,
+                                  special_tokens=[])
     bpe.train_from_iterator(texts, trainer=trainer)
     merges = json.loads(bpe.to_str())["model"]["merges"][:max_merges]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
@@ -134,34 +93,15 @@ def build_clip_tokenizer(
     return out_dir
 
 
-def build_tiny_clip_text_encoder(
-    out_dir: str | None,
-    hidden_size: int = 32,
-    seed: int = 0,
-    vocab_size: int | None = None,
-    with_projection: bool = False,
-    num_hidden_layers: int = 2,
-    max_position_embeddings: int = 77,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-):
-    """A randomly initialised 2-layer ``CLIPTextModel`` (or ``CLIPTextModelWithProjection``).
-
-    ``vocab_size`` and the special-token ids must match the tokenizer: CLIP pools the text
-    embedding at the first ``eos_token_id`` in ``input_ids``, so a wrong id silently pools the
-    wrong position. When ``out_dir`` has a tokenizer (``vocab.json``) and they are not given,
-    they are read from it; otherwise the layout of :func:`build_clip_tokenizer` is assumed.
-    ``with_projection=True`` gives the SDXL ``text_encoder_2`` class.
-
-    Args:
-        out_dir: where to ``save_pretrained`` (``None``: only build).
-        hidden_size: width (also the projection size); heads = ``hidden_size // 8`` at least 1.
-        seed: init seed (the global RNG is left untouched).
-
-    Returns:
-        the model (on CPU, float32, eval mode).
-    """
+def build_tiny_clip_text_encoder(out_dir: str | None, hidden_size: int = 32, seed: int = 0,
+                                 vocab_size: int | None = None, with_projection: bool = False,
+                                 num_hidden_layers: int = 2, max_position_embeddings: int = 77,
+                                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                                 pad_token_id: int | None = None):
+    """A random 2-layer ``CLIPTextModel`` (``with_projection``: ``CLIPTextModelWithProjection``, SDXL's
+    ``text_encoder_2``), float32, eval mode, saved in ``out_dir`` when given; the global RNG is left untouched.
+    ``vocab_size`` and the special-token ids must match the tokenizer (CLIP pools at the first ``eos_token_id``):
+    unless given, read from ``out_dir``'s ``vocab.json``, else the layout of :func:`build_clip_tokenizer`."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     ids: dict[str, int] = {}
@@ -178,19 +118,11 @@ def build_tiny_clip_text_encoder(
     eos = eos_token_id if eos_token_id is not None else ids.get("eos", vocab_size - 1)
     pad = pad_token_id if pad_token_id is not None else eos  # CLIPTokenizer pads with <|endoftext|>
 
-    config = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        projection_dim=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=max(1, hidden_size // 8),
-        max_position_embeddings=max_position_embeddings,
-        hidden_act="quick_gelu",
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
+    config = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                            projection_dim=hidden_size, num_hidden_layers=num_hidden_layers,
+                            num_attention_heads=max(1, hidden_size // 8),
+                            max_position_embeddings=max_position_embeddings,
+                            hidden_act="quick_gelu", bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -201,136 +133,41 @@ def build_tiny_clip_text_encoder(
     return model
 
 
-def _is_complete(out_dir: str) -> bool:
-    index = os.path.join(out_dir, "model_index.json")
-    if not os.path.isfile(index):
-        return False
-    for sub in TINY_SD_SUBFOLDERS:
-        folder = os.path.join(out_dir, sub)
-        if not os.path.isdir(folder) or not os.listdir(folder):
-            return False
-    return all(
-        any(name.endswith((".safetensors", ".bin")) for name in os.listdir(os.path.join(out_dir, sub)))
-        for sub in ("unet", "vae", "text_encoder")
-    )
-
-
 def build_tiny_sd(out_dir: str, seed: int = 0, resolution: int = 32, prediction_type: str = "epsilon") -> str:
-    """Write a tiny random Stable Diffusion folder that ``StableDiffusionPipeline.from_pretrained`` loads.
+    """A tiny SD folder that ``StableDiffusionPipeline.from_pretrained`` loads (under 2M parameters): a unet
+    (channels 32/64, cross-attention 32), the tiny vae (2x downsampling, 4 latent channels), a 2-layer CLIP text
+    encoder (hidden 32) with the shapes tokenizer, a DDPM scheduler with SD's scaled-linear betas; no safety
+    checker. Idempotent and atomic (built beside, renamed into place: concurrent ranks never see half of it)."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
-    Components: ``UNet2DConditionModel`` (channels 32/64, 1 layer per block, cross-attention dim
-    32), ``AutoencoderKL`` (channels 32/64 -> 2x downsampling, 4 latent channels), 2-layer
-    ``CLIPTextModel`` (hidden 32), a CLIP BPE tokenizer trained on the shapes captions, and a
-    ``DDPMScheduler`` with SD's scaled-linear betas. No safety checker. Under 2M parameters.
-
-    Idempotent: a complete existing folder is returned untouched. The folder is built in a
-    temporary sibling and renamed into place, so concurrent callers (several ranks) never see a
-    half-written pipeline.
-
-    Args:
-        out_dir: destination folder.
-        seed: initialisation seed (global RNG state is preserved).
-        resolution: pixel size the UNet's ``sample_size`` is set for (latents are ``resolution // 2``).
-        prediction_type: scheduler prediction type (``epsilon``, ``v_prediction``, ``sample``).
-
-    Returns:
-        ``out_dir``.
-    """
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTokenizer
-
-    if _is_complete(out_dir):
-        logger.info("tiny SD pipeline already complete at %s", out_dir)
+    if _folder_complete(out_dir):
         return out_dir
     if resolution % 2:
-        raise ValueError(
-            f"resolution must be even (2x VAE downsampling, 2x UNet downsampling), got {resolution}"
-        )
-
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny_sd_", dir=parent)
-    try:
-        tok_dir = os.path.join(tmp, "tokenizer")
-        build_clip_tokenizer(tok_dir)
-        tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
-        text_encoder = build_tiny_clip_text_encoder(
-            None,
-            hidden_size=32,
-            seed=seed,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=tokenizer.model_max_length,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        raise ValueError(f"resolution must be even (2x VAE downsampling, 2x UNet downsampling), got {resolution}")
+    with tempfile.TemporaryDirectory() as work:
+        tokenizer, (text_encoder,) = _clip_tokenizer_and_encoders(work, seed, (False,))
+        vae = build_tiny_vae(seed + 1, resolution)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + 1)
-            vae = AutoencoderKL(
-                in_channels=3,
-                out_channels=3,
-                down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-                block_out_channels=(32, 64),
-                layers_per_block=1,
-                latent_channels=4,
-                norm_num_groups=8,
-                sample_size=resolution,
-            )
             torch.manual_seed(seed + 2)
             unet = UNet2DConditionModel(
-                sample_size=resolution // 2,
-                in_channels=4,
-                out_channels=4,
-                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                block_out_channels=(32, 64),
-                layers_per_block=1,
-                cross_attention_dim=32,
-                attention_head_dim=8,
-                norm_num_groups=8,
-            )
-        # SD v1 schedule; clip_sample=False because latents are not bounded to [-1, 1]; steps_offset=1
-        # as in SD's own config (diffusers warns on 0).
-        scheduler = DDPMScheduler(
-            num_train_timesteps=1000,
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            clip_sample=False,
-            steps_offset=1,
-            prediction_type=prediction_type,
-        )
-        pipe = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            unet=unet,
-            scheduler=scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the folder private to this user
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            # out_dir exists: either another process finished first, or it is an empty/partial folder.
-            if _is_complete(out_dir):
-                logger.info("another process completed %s first", out_dir)
-                return out_dir
-            # model_index.json last: it is what marks the folder complete.
-            for name in sorted(os.listdir(tmp), key=lambda x: x == "model_index.json"):
-                dst = os.path.join(out_dir, name)
-                if os.path.isdir(dst):
-                    shutil.rmtree(dst)
-                os.replace(os.path.join(tmp, name), dst)
-        logger.info("built tiny SD pipeline at %s", out_dir)
-        return out_dir
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+                sample_size=resolution // 2, in_channels=4, out_channels=4,
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D",
+                                                                                          "CrossAttnUpBlock2D"),
+                block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32, attention_head_dim=8,
+                norm_num_groups=8)
+        # SD v1 schedule; clip_sample=False because latents are not bounded to [-1, 1]; steps_offset=1 as in SD's
+        # own config (diffusers warns on 0).
+        scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                  beta_schedule="scaled_linear", clip_sample=False, steps_offset=1,
+                                  prediction_type=prediction_type)
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+        # the BPE files as CLIP ships them (and slow tokenizers read) beside transformers' tokenizer.json
+        _save_pipeline_atomically(pipe, out_dir, {f"tokenizer/{f}": os.path.join(work, "clip_tokenizer", f)
+                                                  for f in ("vocab.json", "merges.txt")})
+    logger.info("built tiny SD pipeline at %s", out_dir)
+    return out_dir
 
 
 def _image_files(folder: str) -> list[str]:
@@ -338,11 +175,9 @@ def _image_files(folder: str) -> list[str]:
 
 
 def vae_pretrain_images(images: str | Sequence[Any], resolution: int) -> torch.Tensor:
-    """The images the tiny vae pre-train sees: ``[N, 3, resolution, resolution]`` float32 in ``[-1, 1]``,
-    each resized (shorter side) and center-cropped like the fine-tune's evaluation images.
-
-    ``images`` is a folder (its ``.png`` / ``.jpg`` / ``.jpeg`` / ``.webp`` files, sorted by name) or a sequence
-    of PIL images (a training set's image column)."""
+    """The images the tiny vae pre-train sees, ``[N, 3, resolution, resolution]`` float32 in ``[-1, 1]``, resized
+    and center-cropped like evaluation images: a folder's image files (sorted by name) or a sequence of PIL
+    images (a training set's image column)."""
     from PIL import Image
 
     from .data import ImageTransform
@@ -373,40 +208,21 @@ def _weights_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def pretrain_tiny_vae(
-    model_dir: str,
-    images: str | Sequence[Any],
-    steps: int = 300,
-    batch_size: int = 16,
-    lr: float = 2e-3,
-    seed: int = 0,
-    kl_weight: float = 1e-6,
-    progress: bool = True,
-    resolution: int = 32,
-    device: str | torch.device = "cpu",
-) -> dict[str, Any]:
-    """Train the random tiny VAE of ``model_dir`` as an autoencoder on ``images`` at ``resolution`` px, so that
-    generations of a fine-tuned tiny SD decode to recognisable images instead of noise.
+def pretrain_tiny_vae(model_dir: str, images: str | Sequence[Any], steps: int = 300, batch_size: int = 16,
+                      lr: float = 2e-3, seed: int = 0, kl_weight: float = 1e-6, progress: bool = True,
+                      resolution: int = 32, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Train the random tiny vae of ``model_dir`` as an autoencoder on ``images`` (:func:`vae_pretrain_images`) at
+    ``resolution`` px: loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW), then ``scaling_factor`` = ``1 /
+    std(latents)`` over the images (how SD's 0.18215 was chosen) and, for a vae with a ``shift_factor`` (SD3/FLUX),
+    that the latents' mean; saved in place (written beside, renamed) by rank 0, the caller waits for it.
 
-    Loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW, ``lr``), then ``scaling_factor`` is set to
-    ``1 / std(latents)`` over the images (how SD's 0.18215 was chosen), and for a vae with a ``shift_factor``
-    (SD3 / FLUX style) that to the latents' mean, and the vae is saved in place (written beside and renamed).
-
-    Collective when a process group exists: every rank must call it with the same arguments. Each step draws
-    one batch of ``batch_size`` images (and its latent noise) from a generator seeded ``seed``; rank ``r``
-    encodes and decodes rows ``r, r + W, ...`` of it and the gradients are summed over the ranks, so each
-    rank does 1/W of the work and all ranks take the same optimizer step (up to the order of the float
-    sums, the result does not depend on W). Rank 0 saves; the caller waits for it (a barrier) before
-    loading the vae. The global RNG is left untouched. A progress bar with the estimated time left is shown
-    on rank 0 (``progress``). Idempotent: a vae already trained with the same ``steps``, ``seed``,
-    ``resolution`` and number of images (``vae/pretrained.json``) is left as is.
-
-    ``images``: see :func:`vae_pretrain_images`.
-
-    Returns:
-        ``{"mse": last batch's reconstruction MSE, "scaling_factor", "shift_factor", "steps", "seed",
-        "resolution", "images", "world_size", "seconds" (the slowest rank's), "rank_digests": per-rank hash
-        of the trained weights}`` (the same on every rank).
+    Collective when a process group exists: each step draws one batch (and its latent noise) from a generator
+    seeded ``seed``, rank ``r`` encodes and decodes rows ``r, r + W, ...`` and the gradients are summed, so every
+    rank takes the same optimizer step (the result does not depend on W but for the order of float sums). The
+    global RNG is left untouched; ``progress``: a bar on rank 0. Idempotent: a vae already trained with the same
+    steps, seed, resolution and number of images (``vae/pretrained.json``) is kept. Returns ``{"mse" (the last
+    batch's), "scaling_factor", "shift_factor", "steps", "seed", "resolution", "images", "world_size", "seconds"
+    (the slowest rank's), "rank_digests" (a hash of each rank's weights)}``, the same on every rank.
     """
     import time
 
@@ -506,28 +322,15 @@ def pretrain_tiny_vae(
     return result
 
 
-# ---------------------------------------------------------------------------------------------
-# Tiny folders of the other families: SDXL, SD3 (CLIP-L + CLIP-G + T5, SD3Transformer2DModel) and
-# FLUX (CLIP-L + T5, FluxTransformer2DModel), and build_tiny(family, ...) for all four.
-# ---------------------------------------------------------------------------------------------
-
+# --- the other families: SDXL, SD3 (CLIP-L + CLIP-G + T5) and FLUX (CLIP-L + T5) ------------------------------
 T5_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5's vocabulary
 
 
 def build_t5_tokenizer(out_dir: str, texts: Iterable[str] | None = None, model_max_length: int = 512) -> str:
-    """A T5 tokenizer (``tokenizer.json``, loads with ``T5TokenizerFast.from_pretrained``) whose Unigram
-    vocabulary has every whitespace-separated word of ``texts`` (default: the shapes captions) as one
-    ``▁word`` piece, scored by its log frequency, plus ``▁`` and the printable ASCII characters as low-scored
-    fall-back pieces: caption words are single tokens, other text splits into characters (``<unk>`` only
-    for characters outside ASCII). Ids: ``<pad>`` 0, ``</s>`` 1 (appended to every sequence), ``<unk>`` 2;
-    no sentinel tokens.
-
-    The vocabulary is written out rather than trained: the tokenizers Unigram trainer keeps only
-    characters and short fragments on a corpus this small.
-
-    Returns:
-        ``out_dir``.
-    """
+    """A T5 tokenizer (``T5TokenizerFast``) whose Unigram vocabulary has every word of ``texts`` (default: the shapes
+    captions) as one ``▁word`` piece scored by its log frequency, plus ``▁`` and the printable ASCII characters as
+    low-scored fall-backs (``<unk>`` only outside ASCII). Ids: ``<pad>`` 0, ``</s>`` 1 (appended), ``<unk>`` 2.
+    Written out rather than trained: the Unigram trainer keeps only characters on a corpus this small."""
     import collections
     import math
     import string
@@ -603,14 +406,17 @@ def _folder_complete(out_dir: str) -> bool:
     return all(os.path.isdir(os.path.join(out_dir, c)) and os.listdir(os.path.join(out_dir, c)) for c in components)
 
 
-def _save_pipeline_atomically(pipe, out_dir: str) -> str:
-    """``pipe.save_pretrained`` into a temporary sibling, renamed into place: concurrent callers (several
-    ranks) never see a half-written folder, and a folder another caller completed first is kept."""
+def _save_pipeline_atomically(pipe, out_dir: str, extra: dict[str, str] | None = None) -> str:
+    """``pipe.save_pretrained`` (and the files ``extra``: {path in the folder: source}) into a temporary sibling,
+    renamed into place: concurrent callers (several ranks) never see a half-written folder, and a folder another
+    caller completed first is kept."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny_", dir=parent)
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
+        for name, source in (extra or {}).items():
+            shutil.copyfile(source, os.path.join(tmp, name))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the folder private to this user
         try:
             os.rename(tmp, out_dir)

@@ -11,17 +11,48 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.settings import Each, FieldError, Length, Range, Settings, setting
 from PIL import Image
 
 from .models import call_engine, read_model_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_pipeline", "generate", "image_grid"]
+__all__ = ["EMAValidation", "ValidationSettings", "build_pipeline", "generate", "image_grid"]
+
+
+_PROMPTS = 4
+
+
+@dataclass(frozen=True)
+class ValidationSettings(Settings):
+    """Images generated before, after and every N steps (the same on every rank)."""
+
+    enabled: bool = setting(True, "validation grids before and after training (and every `every` steps when > 0)")
+    every: int = setting(100, "also every N steps (0 = only before and after)", Range(0), when="enabled")
+    prompts: list[str] = setting([], "[] = validation.num_prompts shapes prompts (built-in data) or captions of your "
+                                     "held-out rows", Each(Length(1)), when="enabled")
+    num_prompts: int = setting(_PROMPTS, "how many prompts when validation.prompts is []", Range(1), when="enabled")
+    num_inference_steps: int = setting(20, "sampler steps", Range(1), when="enabled")
+    guidance_scale: float | None = setting(None, "null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)",
+                                           when="enabled", example=2.0)
+    seed: int = setting(0, "the sampler's seed (the same images on every rank)", Range(0), when="enabled")
+
+    def check(self) -> None:
+        if self.prompts and self.num_prompts != _PROMPTS:
+            raise FieldError("num_prompts", self.num_prompts, "applies only while validation.prompts is []",
+                             "drop validation.num_prompts")
+
+
+@dataclass(frozen=True)
+class EMAValidation(ValidationSettings):
+    use_ema: bool = setting(True, "generate with the EMA weights when EMA is on (as diffusers' examples)",
+                            when="enabled")
 
 # Pipeline components that fine-tuning never needs: passed as None so from_pretrained skips them.
 _OPTIONAL = ("safety_checker", "feature_extractor", "image_encoder")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FLUX_LORA_CHECK, launch
+from conftest import FLUX_LORA_CHECK, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -66,6 +66,25 @@ def fresh(runs):
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+# run -> (recipe, the text encoders its family lacks, LoRA on): what each run's options leave unused
+RUNS = {"grpo": ("diffusion_grpo", (2, 3), False), "grpo_resumed": ("diffusion_grpo", (2, 3), False),
+        "dpo": ("diffusion_dpo", (2, 3), True), "dpo_resumed": ("diffusion_dpo", (2, 3), True),
+        "grpo_sd3": ("diffusion_grpo", (), False), "grpo_flux_lora": ("diffusion_grpo", (3,), True),
+        "dpo_sd3": ("diffusion_dpo", (), False)}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_key_is_read_by_the_runs(runs, run):
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+
+    recipe, absent, lora = RUNS[run]
+    skip = tuple(f"roles.text_encoder_{i}." for i in absent)  # the family has no such text encoder
+    if not lora:  # lora.r 0: the adapters' other options have nothing to act on
+        skip += ("roles.policy.lora.alpha", "roles.policy.lora.dropout", "roles.policy.lora.target_modules")
+    unread = tuple(k for k in leaves(recipe_schema(load_recipe(recipe))) if k.startswith(skip)) if skip else ()
+    assert_keys_read(runs[1] / run, recipe, unread=unread)
 
 
 def _half_per_rank(summary: dict, *roles: str) -> None:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 from common import dump, finish, link_into
-from multiengine.engines.recipe_config import checked_config, load_recipe
+from multiengine.recipes.language.config import checked_config, load_recipe
 
 out = sys.argv[1]
 FAST = ["eval.every=0", "checkpoint.every=0"]
