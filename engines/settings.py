@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = ["Check", "Choice", "Each", "FieldError", "Length", "PathExists", "Range", "Satisfies", "Settings",
            "SettingsError", "config_problem", "field_checks", "field_help", "optional", "section", "setting",
-           "reads_of", "set_key", "track_reads", "when_holds", "when_problem"]
+           "reads_of", "set_key", "track_reads", "tracking_reads", "when_holds", "when_problem"]
 
 
 class SettingsError(ValueError):
@@ -299,6 +299,10 @@ def track_reads(on: bool = True) -> None:
     """Start (``on``) or stop recording which fields of keyed settings objects are read (see :func:`reads_of`)."""
     global _READS
     _READS = set() if on else None
+
+
+def tracking_reads() -> bool:
+    return _READS is not None
 
 
 def reads_of(root: Any) -> set[str]:

@@ -34,7 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from multiengine.engines.settings import reads_of, track_reads, tracking_reads
+
 from .config import (
+    KEY_READS_ENV,
     RECIPES_PACKAGE,
     RecipeConfigError,
     checked_config,
@@ -182,9 +185,20 @@ def _load_checked(args: argparse.Namespace, overrides: list[str], hook: bool, wo
     cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
     if hook:
         _output_dir_policy(args, cfg, clear=False)
+        if os.environ.get(KEY_READS_ENV) and not tracking_reads():  # tests: the keys validate reads count too
+            track_reads()
         validate_config(args.recipe, cfg, package=args.recipes_package, configs_dir=args.configs_dir,
                         world_size=world_size)
     return cfg
+
+
+def _write_validate_reads(cfg: Any) -> None:
+    """With MULTIENGINE_KEY_READS set: the keys this process's checks read, beside the ranks' (logs/)."""
+    if os.environ.get(KEY_READS_ENV) and tracking_reads():
+        folder = os.path.join(str(cfg.output_dir), "logs")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "key-reads-validate.json"), "w", encoding="utf-8") as f:
+            json.dump(sorted(reads_of(cfg)), f)
 
 
 def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
@@ -220,6 +234,7 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
         cmd = build_launch_command(args.recipe, config_file, overrides, nproc_per_node=args.nproc_per_node,
                                    nodes=nodes, package=package, folder=folder)
         _output_dir_policy(args, cfg, clear=True)  # overwrite=true: cleared before any rank writes into it
+        _write_validate_reads(cfg)
         return launch_job(cmd, _launch_env(args.nproc_per_node, package), str(cfg.output_dir), args.nproc_per_node)
     return _run_here(args, overrides)
 

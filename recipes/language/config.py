@@ -39,6 +39,7 @@ from multiengine.engines.settings import (
 )
 
 RECIPES_PACKAGE = "multiengine.recipes"
+KEY_READS_ENV = "MULTIENGINE_KEY_READS"  # set (tests): runs record which keys they read (logs/key-reads-*.json)
 REQUIRED_KEYS = ("output_dir", "seed", "max_steps")
 
 

@@ -66,13 +66,13 @@ from multiengine.engines.settings import (
     section,
     setting,
     track_reads,
+    tracking_reads,
 )
 from tqdm import tqdm
 
-from .config import RecipeConfigError, config_problem
+from .config import KEY_READS_ENV, RecipeConfigError, config_problem
 
 logger = logging.getLogger(__name__)
-KEY_READS_ENV = "MULTIENGINE_KEY_READS"
 LAUNCH_KEYS = ("overwrite",)  # keys the launching process uses before any rank starts (never read by a rank)
 
 __all__ = ["RUN_FILE", "RUN_OUTPUTS", "CheckpointSettings", "NonfiniteSettings", "Recipe", "RunConfig",
@@ -617,7 +617,7 @@ class Recipe:
     @classmethod
     def main(cls, cfg: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
-        if os.environ.get(KEY_READS_ENV):  # tests: which keys the run read (each rank writes logs/key-reads-*.json)
+        if os.environ.get(KEY_READS_ENV) and not tracking_reads():  # tests: which keys the run read
             track_reads()
         run = cls(cfg)
         run.setup()
