@@ -40,9 +40,10 @@ def _scheduler_names() -> list[str]:
 @dataclass(frozen=True)
 class LoraSettings(Settings):
     r: int = setting(0, "LoRA adapter rank (0 = full fine-tuning, no adapters)", Range(0))
-    alpha: float = setting(0.0, "LoRA scaling alpha (0 = r)", Range(0))
-    dropout: float = setting(0.0, "adapter dropout", Range(0, 1, max_exclusive=True))
-    target_modules: list[str] = setting(list(LORA_TARGETS), "module names that get adapters", Each(Length(1)))
+    alpha: float = setting(0.0, "LoRA scaling alpha (0 = r)", Range(0), when="r")
+    dropout: float = setting(0.0, "adapter dropout", Range(0, 1, max_exclusive=True), when="r")
+    target_modules: list[str] = setting(list(LORA_TARGETS), "module names that get adapters", Each(Length(1)),
+                                        when="r")
 
 
 @dataclass(frozen=True)
