@@ -34,7 +34,7 @@ _WHERE: dict[str, str] = {
     "set_trust_remote_code": "safe_io", "trust_remote_code": "safe_io",
     "ShardedBatches": "sampler", "ShardedEpochSampler": "sampler", "shard_batches": "sampler",
     "derive_seed": "seeding", "generator": "seeding", "seed_everything": "seeding",
-    "zero_init_paused": "zero_scope",
+    "zero_init_paused": "deepspeed_adapter",
 }
 
 
@@ -53,6 +53,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static checkers and IDEs see
     from .checkpoint import CheckpointError, UnsafeCheckpointError, latest_tag, list_checkpoints
     from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
+    from .deepspeed_adapter import zero_init_paused
     from .dist import DistEnv, all_reduce_sum, barrier, global_moments, mean_over_ranks, read_env, sum_over_ranks
     from .ema import ema_decay, ema_update
     from .export import atomic_dir, cast_folder, save_role, write_role
@@ -76,7 +77,6 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .safe_io import set_trust_remote_code, trust_remote_code
     from .sampler import ShardedBatches, ShardedEpochSampler, shard_batches
     from .seeding import derive_seed, generator, seed_everything
-    from .zero_scope import zero_init_paused
 
 __all__ = [
     "AUTO",

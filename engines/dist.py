@@ -271,13 +271,9 @@ def shutdown() -> None:
     exception"), then destroy it."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        ds_comm = sys.modules.get("deepspeed.comm.comm")
-        if ds_comm is not None and ds_comm.cdb is not None and ds_comm.cdb.is_initialized():
-            # DeepSpeed's own teardown also drops the groups it cached (data parallel, world): destroyed
-            # with torch's alone, a registry built next in this process gets DeepSpeed's stale groups
-            # ("Group ... is not registered").
-            ds_comm.destroy_process_group()
-        else:
+        from .deepspeed_adapter import destroy_groups
+
+        if not destroy_groups():
             dist.destroy_process_group()
 
 

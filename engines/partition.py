@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
+from .deepspeed_adapter import GATHERED_MARK, zero3_hooks_off, zero3_hooks_on, zero3_offload
+
 # Most elements one coalesced gather moves: its flat receive buffer is transient memory on top of the
 # whole parameters (DeepSpeed's default prefetch bucket: 100 MB in bf16). Larger tensors go alone.
 GATHER_BUCKET_NUMEL = int(5e7)
 
-# DeepSpeed's marker of parameters held by a GatheredParameters block: set here too, so that a nested
-# GatheredParameters over the same tensors fails loudly instead of re-partitioning them under us.
-_GATHER_DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -120,20 +119,20 @@ def whole_parameters(params: Iterable[torch.Tensor], modifier_rank: int | None =
     if not params:
         yield
         return
-    busy = [p.ds_id for p in params if getattr(p, _GATHER_DEPTH_ATTR, 0) > 0]
+    busy = [p.ds_id for p in params if getattr(p, GATHERED_MARK, 0) > 0]
     if busy:
         raise RuntimeError(f"parameters {busy[:8]} are already inside a GatheredParameters block; gather each "
                            "parameter once (registry.gathered is a no-op for a role already gathered).")
     fetched = fetch(params, bucket_numel)
-    for p in params:
-        setattr(p, _GATHER_DEPTH_ATTR, 1)
+    for p in params:  # a nested GatheredParameters over them fails loudly instead of re-partitioning them under us
+        setattr(p, GATHERED_MARK, 1)
     completed = False
     try:
         yield
         completed = True
     finally:
         for p in params:
-            delattr(p, _GATHER_DEPTH_ATTR)
+            delattr(p, GATHERED_MARK)
         if not completed or modifier_rank is None:
             # after an error: no collective (a peer may not be here), the changes are dropped
             release(p for p in fetched if not p.ds_persist)
@@ -160,15 +159,6 @@ def refresh_full_copies(module: torch.nn.Module) -> None:
         fetch(held)  # and rebuild them from the updated partitions (coalesced)
 
 
-def zero3_offload(engine: Any) -> Any | None:
-    """The ZeRO-3 parameter-offload object of an engine (owner of the fetch/release hooks), or None."""
-    optimizer = getattr(engine, "optimizer", None)
-    # A trainable role's ZeRO-3 optimizer owns one; a frozen role's engine holds the offload object
-    # itself in place of an optimizer.
-    offload = getattr(optimizer, "parameter_offload", optimizer)
-    return offload if hasattr(offload, "forward_hooks") else None
-
-
 @contextlib.contextmanager
 def hooks_detached(engine: Any) -> Iterator[None]:
     """ZeRO-3's per-module fetch/release hooks off for the block (all parameters must be whole, i.e.
@@ -184,24 +174,12 @@ def hooks_detached(engine: Any) -> Iterator[None]:
     if offload is None:
         yield
         return
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-
-    inflight = getattr(offload.module, "ds_inflight_param_registry", None)
-    if inflight:
-        for handle in list(inflight.values()):
-            handle.wait()
-        inflight.clear()
-    params = list(iter_params(offload.module, recurse=True))
-    for param in params:
-        param.ds_active_sub_modules.clear()
+    params = zero3_hooks_off(offload)
     release(p for p in params if not getattr(p, "ds_persist", False))
-    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []
     try:
         yield
     finally:
-        offload._register_deepspeed_module(offload.module)
+        zero3_hooks_on(offload)
 
 
 __all__ = ["GATHER_BUCKET_NUMEL", "fetch", "hooks_detached", "is_partitioned", "local_tensors", "refresh_full_copies",

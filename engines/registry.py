@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as _ckpt
+from . import deepspeed_adapter as ds
 from . import export as _export
 from . import memory as _memory
 from . import nonfinite as _nonfinite
@@ -194,39 +195,8 @@ class UnknownRoleError(KeyError):
         return str(self.args[0])
 
 
-# The oldest DeepSpeed whose engine has what the multi-role backward uses (the backward graph tracker and the
-# running-backward counter arrived in 0.19.6); pyproject.toml's floor is at least this.
-MIN_DEEPSPEED = "0.19.6"
-
-
-def _no_prologue() -> None:
-    """Stands in for a DeepSpeed engine's backward prologue while a loss only passes through its role."""
-
-
 class JointLossError(RuntimeError):
     """A loss that reaches several trainable roles was passed to one engine's backward."""
-
-
-@contextlib.contextmanager
-def _plain_linear() -> Iterator[None]:
-    """``torch.nn.functional.linear`` as torch ships it for the block. DeepSpeed replaces it process-wide
-    with its ZeRO-3 variant (``memory_efficient_linear``) once a stage-3 model is built; on weights that
-    are already whole that only adds overhead per call."""
-    try:
-        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as _Init
-    except ImportError:
-        yield
-        return
-    original = getattr(_Init, "linear_bk", None)
-    current = torch.nn.functional.linear
-    if original is None or current is original:
-        yield
-        return
-    torch.nn.functional.linear = original
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = current
 
 
 class EngineRegistry:
@@ -260,6 +230,7 @@ class EngineRegistry:
         self._specs: dict[str, RoleSpec] = {}
         self._roles: dict[str, Role] = {}
         self._states: dict[str, Any] = {}
+        self._restored_from: str | None = None  # the checkpoint load_checkpoint read (add_state is refused after)
         self._gather_depth: dict[str, int] = {}
         self._param_owner: dict[int, str] = {}
         self._nonfinite_guards: dict[str, Any] = {}
@@ -317,7 +288,12 @@ class EngineRegistry:
 
     def add_state(self, name: str, obj: Any) -> Any:
         """Checkpoint ``obj`` (anything with ``state_dict()``/``load_state_dict()``: a sampler, a KL
-        controller) with every ``save_checkpoint``, per rank, and restore it in ``load_checkpoint``."""
+        controller) with every ``save_checkpoint``, per rank, and restore it in ``load_checkpoint`` (so it is
+        registered before that: afterwards it is refused, as it would silently start fresh)."""
+        if self._restored_from is not None:
+            raise ConfigError(f"add_state('{name}', ...) after load_checkpoint({self._restored_from!r}): the "
+                              "checkpoint was read already, so it would start fresh instead of where the run was; "
+                              "register it before load_checkpoint (a recipe: in build(), which runs before resume)")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(f"add_state('{name}', ...): {type(obj).__name__} has no state_dict/load_state_dict.")
         if name in self._states:
@@ -441,6 +417,7 @@ class EngineRegistry:
             )
         except (ValueError, AssertionError, TypeError) as exc:
             raise ConfigError(f"role '{spec.name}': DeepSpeed rejected the config: {exc}") from exc
+        ds.check(engine if spec.trainable else None)  # the internals registry.backward and gathers use
         return engine
 
     def _torch_engine(self, spec: RoleSpec, model: torch.nn.Module, config: dict[str, Any]) -> TorchEngine:
@@ -506,7 +483,7 @@ class EngineRegistry:
         had_checkpointing = set_gradient_checkpointing(module, False)
         module.eval()
         try:
-            with self.gathered(name) if gather else contextlib.nullcontext(), _plain_linear():
+            with self.gathered(name) if gather else contextlib.nullcontext(), ds.plain_linear():
                 yield module
         finally:
             module.train(was_training)
@@ -610,7 +587,7 @@ class EngineRegistry:
         try:
             with self._bystanders_quiet(set(names)):
                 if self.backend == "deepspeed":
-                    self._deepspeed_backward(scaled, [r.engine for r in targets], retain_graph, inputs)
+                    ds.joint_backward(scaled, [r.engine for r in targets], retain_graph, inputs)
                 else:
                     scaled.backward(retain_graph=retain_graph, inputs=inputs)
         finally:
@@ -619,64 +596,17 @@ class EngineRegistry:
 
     @contextlib.contextmanager
     def _bystanders_quiet(self, learning: set[str]) -> Iterator[None]:
-        """For one backward pass: every trainable DeepSpeed role that does not learn from it ignores the
-        gradient passing through its outputs. Each engine's forward hooks its outputs so that a backward
-        reaching them starts that engine's backward bookkeeping; for a role the loss only flows through,
-        that would open a ZeRO backward nobody closes, and at stage 0 it refuses the pass outright
-        ("Direct calls to tensor.backward() are not supported")."""
-        quiet = [r.engine for r in self.trainable_roles()
-                 if r.name not in learning and r.backend == "deepspeed" and hasattr(r.engine, "_backward_prologue")]
-        for engine in quiet:
-            engine._backward_prologue = _no_prologue
-        try:
+        """For one backward pass: every trainable DeepSpeed role that does not learn from it ignores the gradient
+        passing through its outputs (deepspeed_adapter.prologue_skipped)."""
+        with ds.prologue_skipped([r.engine for r in self.trainable_roles()
+                                  if r.name not in learning and r.backend == "deepspeed"]):
             yield
-        finally:
-            for engine in quiet:
-                del engine._backward_prologue
-
-    def _loss_factor(self, role: Role) -> float:
-        """What ``engine.backward`` multiplies the loss by: 1 / accumulation steps (x the fp16 loss scale)."""
-        engine = role.engine
-        factor = 1.0 / engine.gradient_accumulation_steps()
-        optimizer = getattr(engine, "optimizer", None)
-        if role.backend == "deepspeed" and hasattr(optimizer, "scale_if_loss"):
-            probe = torch.ones((), requires_grad=True)
-            factor *= float(optimizer.scale_if_loss(probe).detach())
-        return factor
 
     @staticmethod
-    def _deepspeed_backward(loss: torch.Tensor, engines: list[Any], retain_graph: bool,
-                            inputs: list[torch.Tensor] | None = None) -> None:
-        """``engine.backward`` for several engines at once: each engine is marked as inside its own
-        backward (so its output hooks run its prologue but do not rescale, the loss being scaled
-        already), one ``loss.backward()``, then every engine's epilogue (gradient reduction)."""
-        try:
-            from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER as tracker
-        except ImportError:
-            import deepspeed
-
-            raise ConfigError(
-                f"registry.backward over DeepSpeed roles needs deepspeed >= {MIN_DEEPSPEED} (its engine's backward "
-                f"graph tracker); deepspeed {deepspeed.__version__} is installed: pip install "
-                f"'deepspeed>={MIN_DEEPSPEED}'.") from None
-
-        for engine in engines:
-            with engine._running_engine_backward_lock:
-                engine._running_engine_backward_count += 1
-                engine._running_engine_backward = True
-        state = tracker.new_state()
-        handle = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
-        try:
-            loss.backward(retain_graph=retain_graph, inputs=inputs)
-            for engine in engines:
-                engine._backward_epilogue()
-        finally:
-            handle.remove()
-            tracker.unregister(state)
-            for engine in engines:
-                with engine._running_engine_backward_lock:
-                    engine._running_engine_backward_count -= 1
-                    engine._running_engine_backward = engine._running_engine_backward_count > 0
+    def _loss_factor(role: Role) -> float:
+        """What ``engine.backward`` multiplies the loss by: 1 / accumulation steps (x the fp16 loss scale)."""
+        factor = 1.0 / role.engine.gradient_accumulation_steps()
+        return factor * ds.loss_scale(role.engine) if role.backend == "deepspeed" else factor
 
     def step(self, roles: Sequence[str] | None = None) -> None:
         """``engine.step()`` of each listed trainable role (all trainable roles by default): each steps its
@@ -711,6 +641,7 @@ class EngineRegistry:
                                         " add_state); it was written by a run that did not register them.")
         for name, obj in self._states.items():
             obj.load_state_dict(saved[name])
+        self._restored_from = load_dir
         return state
 
     def export(self, out_dir: str, roles: Iterable[str] | None = None, dtype: str | None = None) -> dict[str, str]:

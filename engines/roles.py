@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .config import DTYPES, ConfigError, eval_ds_config, train_ds_config
-from .zero_scope import zero_init_paused
+from .deepspeed_adapter import zero_init_paused
 
 logger = logging.getLogger(__name__)
 
