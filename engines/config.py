@@ -118,17 +118,20 @@ def train_ds_config(
     train_batch_size: int | str = AUTO,
     offload_optimizer: bool = False,
     offload_params: bool = False,
-    gradient_clipping: float | None = 1.0,
+    gradient_clipping: float = 1.0,
     steps_per_print: int = 10**9,
 ) -> dict[str, Any]:
     """DeepSpeed config for a trainable role (one with an optimizer).
 
     Batch keys left as "auto" are resolved per role at build time:
     train_batch_size = micro_batch_size * grad_accum * data_parallel_size.
-    ``gradient_clipping`` None or 0 turns clipping off; it is written as 0.0, because DeepSpeed fills an
-    absent key with its own default (1.0 since 0.19). Gradient averaging is written out too: no
-    pre-scaling, a predivide factor of 1 (gradients are the mean over ranks of each rank's mean).
+    ``gradient_clipping``: the clipping norm, 0.0 = off, written as given (an absent key would get DeepSpeed's
+    default, 1.0 since 0.19). Gradient averaging is written out too: no pre-scaling, a predivide factor of 1
+    (gradients are the mean over ranks of each rank's mean).
     """
+    if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
+            or not gradient_clipping >= 0:
+        raise ConfigError(f"gradient_clipping={gradient_clipping!r} must be a number >= 0 (0.0 = no clipping).")
     cfg: dict[str, Any] = {
         "train_batch_size": train_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -140,7 +143,7 @@ def train_ds_config(
         "zero_allow_untested_optimizer": True,
     }
     cfg.update(_dtype_section(dtype))
-    cfg["gradient_clipping"] = float(gradient_clipping or 0.0)
+    cfg["gradient_clipping"] = float(gradient_clipping)
     cfg["prescale_gradients"] = False
     cfg["gradient_predivide_factor"] = 1.0
     return cfg

@@ -83,7 +83,7 @@ class OptimSpec:
     ``name``: ``auto`` (DeepSpeed's Adam on a GPU or with an offloaded optimizer, torch's AdamW on a CPU-only
     machine), ``adamw`` (torch's), ``ds_adam`` (DeepSpeed's CPU Adam / FusedAdam) or ``sgd``.
     ``scheduler``: a ``transformers.get_scheduler`` name (``constant``, ``constant_with_warmup``,
-    ``linear``, ``cosine``, ...). ``max_grad_norm`` 0 or None turns clipping off.
+    ``linear``, ``cosine``, ...). ``max_grad_norm``: the gradient clipping norm, 0.0 = off.
     """
 
     name: str = "auto"
@@ -94,13 +94,16 @@ class OptimSpec:
     scheduler: str = "constant"
     warmup_steps: int = 0
     total_steps: int = 1000
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer name={self.name!r}; use one of {list(_OPTIMIZERS)}.")
         if not self.lr >= 0:
             raise ConfigError(f"lr={self.lr!r} must be >= 0.")
+        if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
+                or not self.max_grad_norm >= 0:
+            raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a number >= 0 (0.0 = no clipping).")
         if self.warmup_steps < 0 or self.total_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps} and total_steps={self.total_steps} must be >= 0.")
         from transformers import SchedulerType
@@ -113,10 +116,6 @@ class OptimSpec:
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(
                 f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of {names}.")
-
-    @property
-    def clip(self) -> float | None:
-        return float(self.max_grad_norm) if self.max_grad_norm else None
 
     def optimizer_factory(
             self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
@@ -289,7 +288,7 @@ def trainable_role(
                           " hooks for the backward pass.")
     config = train_ds_config(stage=placement.stage, dtype=placement.dtype, micro_batch_size=micro_batch_size,
                              grad_accum=grad_accum, offload_optimizer=placement.offload_optimizer,
-                             offload_params=placement.offload_params, gradient_clipping=optim.clip)
+                             offload_params=placement.offload_params, gradient_clipping=optim.max_grad_norm)
     return RoleSpec(name, _factory(model, lora, gradient_checkpointing, seed, torch_dtype(placement.dtype)), config,
                     optimizer=optim.optimizer_factory(placement.offload_optimizer),
                     lr_scheduler=optim.scheduler_factory(), hidden_size=hidden_size, placement=placement, lora=lora,
