@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, mean_over_ranks, save_role, trust_remote_code
 from multiengine.engines import planner as P
-from multiengine.engines.settings import Range, Satisfies, Settings, config_problem, section, setting
+from multiengine.engines.settings import Range, Satisfies, Settings, section, setting
 from multiengine.recipes.language import plans
+from multiengine.recipes.language.config import config_problem
 from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
