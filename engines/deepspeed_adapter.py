@@ -1,16 +1,8 @@
-"""Every DeepSpeed internal the runtime touches, in one place: the names below are private to DeepSpeed (no release
-promises them), so a DeepSpeed upgrade is checked here (:func:`missing`, run by tests/unit/test_deepspeed_adapter.py
-against the installed DeepSpeed) and fixed here.
-
-What the runtime needs that DeepSpeed's public API lacks:
-
-* one backward pass for several engines (:func:`joint_backward`) and engines a loss only passes through
-  (:func:`prologue_skipped`): the engine's backward bookkeeping (``_backward_prologue``/``_backward_epilogue``, the
-  running-backward counter and ``_ENGINE_BACKWARD_GRAPH_TRACKER``, which tells its output hooks the loss is scaled);
-* ZeRO-3 hooks off and on around a gathered forward (:func:`zero3_hooks_off`, :func:`zero3_hooks_on`) and torch's own
-  ``F.linear`` while weights are whole (:func:`plain_linear`);
-* zero.Init that partitions only while active and keeps class ``__init__`` decorators (:func:`zero_init_kept`);
-* DeepSpeed's cached process groups dropped with the default group (:func:`destroy_groups`).
+"""Every DeepSpeed internal the runtime touches, in one place. No release promises these names, so a DeepSpeed
+upgrade is checked here (:func:`missing`, run against the installed DeepSpeed by tests/unit/test_deepspeed_adapter.py
+and at every build) and fixed here. What DeepSpeed's public API lacks: one backward for several engines and engines
+a loss only passes through (the engine's backward bookkeeping), ZeRO-3 hooks off around a gathered forward, torch's
+own ``F.linear`` on whole weights, zero.Init that keeps class decorators, and DeepSpeed's cached groups torn down.
 """
 
 from __future__ import annotations
@@ -58,8 +50,8 @@ def _resolve(module: str, path: str) -> Any:
 
 
 def missing(engine: Any = None) -> list[str]:
-    """The DeepSpeed internals this module uses that the installed DeepSpeed lacks (and, given a built trainable
-    ``engine``, the instance attributes it lacks); empty when everything is there."""
+    """The internals used here that the installed DeepSpeed lacks (given a built trainable ``engine``, its
+    instance attributes too); empty when everything is there."""
     out = []
     for module, path in _REQUIRED:
         try:
@@ -88,9 +80,8 @@ def _no_prologue() -> None:
 
 @contextlib.contextmanager
 def prologue_skipped(engines: Sequence[Any]) -> Iterator[None]:
-    """For the block, these engines ignore a gradient passing through their outputs: their forward hooks start the
-    engine's backward bookkeeping, which for a role that does not learn from the loss would open a ZeRO backward
-    nobody closes (at stage 0 it refuses the pass: "Direct calls to tensor.backward() are not supported")."""
+    """These engines ignore a gradient passing through their outputs for the block: their output hooks would open a
+    ZeRO backward nobody closes (at stage 0, refuse it: "Direct calls to tensor.backward() are not supported")."""
     quiet = [e for e in engines if hasattr(e, "_backward_prologue")]
     for engine in quiet:
         engine._backward_prologue = _no_prologue
@@ -103,9 +94,8 @@ def prologue_skipped(engines: Sequence[Any]) -> Iterator[None]:
 
 def joint_backward(loss: torch.Tensor, engines: Sequence[Any], retain_graph: bool,
                    inputs: list[torch.Tensor] | None = None) -> None:
-    """``engine.backward`` for several engines at once: each engine is marked as inside its own backward (its output
-    hooks run its prologue but do not rescale: the loss is scaled already), one ``loss.backward()``, then every
-    engine's epilogue (gradient reduction)."""
+    """``engine.backward`` for several engines at once: each marked as inside its own backward (its output hooks do
+    not rescale the already scaled loss), one ``loss.backward()``, then every engine's epilogue (the reduction)."""
     from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER as tracker
 
     for engine in engines:
@@ -137,8 +127,8 @@ def loss_scale(engine: Any) -> float:
 
 # --- ZeRO-3 hooks, F.linear and zero.Init -----------------------------------------------------------------------
 def zero3_offload(engine: Any) -> Any | None:
-    """The ZeRO-3 parameter-offload object of an engine (owner of the fetch/release hooks), or None. A trainable
-    role's ZeRO-3 optimizer owns one; a frozen role's engine holds it in place of an optimizer."""
+    """The ZeRO-3 parameter-offload object (owner of the fetch/release hooks) of an engine: its optimizer's, or a
+    frozen engine's in place of an optimizer; None below stage 3."""
     optimizer = getattr(engine, "optimizer", None)
     offload = getattr(optimizer, "parameter_offload", optimizer)
     return offload if hasattr(offload, "forward_hooks") else None
@@ -170,8 +160,8 @@ def zero3_hooks_on(offload: Any) -> None:
 
 @contextlib.contextmanager
 def plain_linear() -> Iterator[None]:
-    """``torch.nn.functional.linear`` as torch ships it for the block. DeepSpeed replaces it process-wide with its
-    ZeRO-3 variant once a stage-3 model is built; on weights that are already whole that only adds overhead."""
+    """Torch's own ``F.linear`` for the block (DeepSpeed replaces it process-wide once a stage-3 model is built;
+    on whole weights that only adds overhead)."""
     patcher = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
     original = getattr(getattr(patcher, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
     current = torch.nn.functional.linear
@@ -201,9 +191,8 @@ def zero_init_paused() -> Iterator[None]:
 
 
 def _rewrapped_inits() -> dict[type, Any]:
-    """Classes whose ``__init__`` was wrapped again after zero.Init wrapped it (a class defined while the scope was
-    open, then decorated, as transformers' kernel decorator does to most attention classes); zero.Init keeps the
-    function it wraps as both ``__wrapped__`` and the class's ``_old_init``."""
+    """Classes whose ``__init__`` was decorated after zero.Init wrapped it (defined inside the scope: transformers'
+    kernel decorator on attention classes); zero.Init keeps the function it wraps as ``_old_init``."""
     from deepspeed.runtime.zero.partition_parameters import get_all_subclasses
 
     found = {}
@@ -216,12 +205,9 @@ def _rewrapped_inits() -> dict[type, Any]:
 
 @contextlib.contextmanager
 def zero_init_kept(init_ctx: Any) -> Iterator[Any]:
-    """``init_ctx`` (a zero.Init) that leaves every nn.Module class as it would be had it been defined outside it.
-
-    When zero.Init stops (at the end, or paused), it sets each class's ``__init__`` back to the one it saw when the
-    class was defined, dropping a decorator applied afterwards: later instances lack what it sets up
-    (``'LlamaAttention' object has no attribute '_kernel_funcs'``). Here each stop puts such ``__init__`` back; the
-    zero.Init wrapper left inside it partitions only while this zero.Init is active."""
+    """``init_ctx`` (a zero.Init) that leaves nn.Module classes as if defined outside it: its stop would restore the
+    ``__init__`` it first saw, dropping a later decorator (``'LlamaAttention' object has no attribute
+    '_kernel_funcs'``); here the decorated one is put back, and its zero.Init wrapper partitions only while active."""
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
 
     post_init = init_ctx._post_init_method
@@ -248,9 +234,8 @@ def zero_init_kept(init_ctx: Any) -> Iterator[Any]:
 
 
 def destroy_groups() -> bool:
-    """Destroy the default process group through DeepSpeed when it set it up, which also drops the groups it cached
-    (data parallel, world): destroyed with torch's alone, a registry built next in this process gets DeepSpeed's
-    stale groups ("Group ... is not registered"). False when DeepSpeed holds no group."""
+    """Destroy the default group through DeepSpeed, which also drops its cached groups (torch's alone leaves them
+    stale for a registry built next: "Group ... is not registered"). False when DeepSpeed holds no group."""
     comm = sys.modules.get("deepspeed.comm.comm")
     if comm is None or comm.cdb is None or not comm.cdb.is_initialized():
         return False

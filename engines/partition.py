@@ -1,11 +1,7 @@
-"""ZeRO-3 partition helpers: the storage a rank owns, and whole-parameter access to a built engine.
-
-Everything here is a no-op for modules that were never partitioned (stage 0/1/2, the torch backend).
-
-Gathers here are coalesced: the partitions of many parameters travel in one flat collective (one per
-bucket of ``GATHER_BUCKET_NUMEL`` elements and dtype), as ZeRO-3's own per-module fetch does.
-DeepSpeed's ``GatheredParameters`` launches one all-gather per tensor instead; on gloo each costs a
-latency of milliseconds, so a small model with a hundred tensors paid ~100 ms per gather.
+"""ZeRO-3 partition helpers: the storage a rank owns, and whole parameters of a built engine (a no-op for modules
+never partitioned). Gathers are coalesced, one flat collective per bucket of ``GATHER_BUCKET_NUMEL`` elements, as
+ZeRO-3's own fetch is: DeepSpeed's ``GatheredParameters`` launches one per tensor (on gloo ~1 ms each, ~100 ms for a
+small model of a hundred tensors).
 """
 
 from __future__ import annotations
@@ -105,16 +101,10 @@ def _broadcast(params: list[torch.Tensor], modifier_rank: int) -> None:
 @contextlib.contextmanager
 def whole_parameters(params: Iterable[torch.Tensor], modifier_rank: int | None = None,
                      bucket_numel: int = GATHER_BUCKET_NUMEL) -> Iterator[None]:
-    """The full values of these ZeRO-3 parameters for the block (``deepspeed.zero.GatheredParameters``
-    with coalesced collectives); all ranks must enter it with the same parameters.
-
-    Fetched with one all-gather per bucket; on exit they go back to 1/N, except ZeRO-3's persistent
-    ones (``ds_persist``, below the persistence threshold), which stay whole: ZeRO-3 keeps them whole
-    between forwards by design, and re-partitioning them only makes the next forward fetch them again.
-    Without ``modifier_rank`` the block is read-only: as with ``GatheredParameters``, changes made
-    inside it are not written back to the partitions. With ``modifier_rank`` set, that rank's values
-    are broadcast (one collective) and written into every rank's partitions on exit.
-    """
+    """``deepspeed.zero.GatheredParameters`` with coalesced collectives: the full values of these ZeRO-3 parameters
+    for the block (all ranks, the same parameters); back to 1/N on exit, except the persistent ones ZeRO-3 keeps
+    whole between forwards anyway. Read-only, unless ``modifier_rank``: that rank's values are broadcast (one
+    collective) and written into every rank's partitions on exit."""
     params = _zero_params(params)
     if not params:
         yield
@@ -145,11 +135,8 @@ def whole_parameters(params: Iterable[torch.Tensor], modifier_rank: int | None =
 
 
 def refresh_full_copies(module: torch.nn.Module) -> None:
-    """After writing ZeRO-3 partitions (ds_tensor) directly, re-gather the parameters that are
-    currently held whole. DeepSpeed keeps persistent parameters (small ones, below
-    stage3_param_persistence_threshold) gathered between forwards once its trace is complete;
-    their full copy would otherwise keep the old values for every later forward and gather.
-    Collective when any such parameter exists: all ranks must call it (they share the trace)."""
+    """After writing ZeRO-3 partitions (ds_tensor) directly, re-gather the parameters held whole (the persistent
+    ones), whose full copy would keep the old values. Collective when there are any: all ranks call it."""
     from_zero = [p for p in module.parameters() if is_partitioned(p)]
     if not from_zero:
         return
@@ -161,15 +148,9 @@ def refresh_full_copies(module: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def hooks_detached(engine: Any) -> Iterator[None]:
-    """ZeRO-3's per-module fetch/release hooks off for the block (all parameters must be whole, i.e.
-    inside a full gather), back on afterwards.
-
-    Before detaching, every prefetch still in flight from the last training step is waited for and
-    every fetched parameter released, persistent ones (kept whole by ZeRO-3 anyway) excepted: a
-    forward with a different module order (``generate``) would otherwise meet parameters that are "in
-    flight" or "active in submodules" when the gather ends. Re-registering the hooks makes DeepSpeed
-    record its fetch trace again on the next forward.
-    """
+    """ZeRO-3's fetch/release hooks off for the block (inside a full gather), back on after. Prefetches in flight
+    are waited for and fetched parameters released first: a forward in another module order (``generate``) would
+    otherwise meet parameters "in flight" or "active in submodules" when the gather ends."""
     offload = zero3_offload(engine)
     if offload is None:
         yield

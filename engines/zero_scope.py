@@ -1,9 +1,6 @@
-"""Per-role construction scope: zero.Init and transformers' HfDeepSpeedConfig live only while a
-stage-3 role's model() runs, with that role's own config, and are cleared right after.
-
-This is the fix for the diffusers example's failure under current releases, where a global
-HfDeepSpeedConfig outlives the UNet's build and the text encoder then loads partitioned but
-is never wrapped in an engine, and its first forward fails.
+"""Per-role construction scope: zero.Init and transformers' HfDeepSpeedConfig live only while a stage-3 role's
+model() runs, with that role's config (a global HfDeepSpeedConfig outliving the UNet's build is why diffusers'
+example fails: the text encoder loads partitioned, is never wrapped in an engine and fails at its first forward).
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def clear_hf_deepspeed_config() -> None:
 
 
 def copy_into_partitioned(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Copy a full module's tensors into a twin built under zero.Init, one module at a time,
-    so that only one layer is ever gathered."""
+    """Copy a full module's tensors into a twin built under zero.Init, one module (one gather) at a time."""
     import deepspeed
 
     src_modules = dict(source.named_modules())
@@ -69,11 +65,9 @@ def copy_into_partitioned(source: torch.nn.Module, target: torch.nn.Module) -> N
 
 @contextlib.contextmanager
 def _diffusers_zero3_loading() -> Iterator[None]:
-    """diffusers' ModelMixin.from_pretrained does not know zero.Init: it either builds on the meta
-    device (which zero.Init cannot partition) or loads a full state dict into empty shards. While a
-    stage-3 role builds, it loads the full weights on the host with zero.Init paused (as transformers
-    does: every rank reads the checkpoint), then copies them into a twin built under zero.Init, so
-    accelerator memory only ever holds shards."""
+    """diffusers' from_pretrained does not know zero.Init (it builds on the meta device, or loads a full state dict
+    into empty shards): while a stage-3 role builds, it loads full weights on the host with zero.Init paused, as
+    transformers does, then copies them into a twin built under zero.Init (the accelerator only holds shards)."""
     if "diffusers" not in sys.modules and importlib.util.find_spec("diffusers") is None:
         yield
         return
@@ -99,8 +93,8 @@ def _diffusers_zero3_loading() -> Iterator[None]:
 
 @contextlib.contextmanager
 def role_build_scope(ds_config: dict[str, Any], stage: int, use_deepspeed: bool) -> Iterator[None]:
-    """The context a role's model() runs in: for stage 3, zero.Init + HfDeepSpeedConfig + the
-    diffusers loader, all with this role's config; for any other stage, nothing global at all."""
+    """The context a role's model() runs in: at stage 3 zero.Init, HfDeepSpeedConfig and the diffusers loader with
+    this role's config; otherwise nothing global."""
     clear_hf_deepspeed_config()
     if not use_deepspeed or stage != 3:
         yield
