@@ -37,7 +37,8 @@ class FourRoles(Recipe):
     name = "four_roles"
     roles = (Role("actor", "policy", trainable=True,
                   defaults={"stage": 2, "dtype": "fp32", "model": "/m/actor", "lr": Key(1e-3, "the actor's rate")}),
-             Role("critic", "value", trainable=True, weights="reward", defaults={"stage": 2}),
+             Role("critic", "value", trainable=True, weights="reward",
+                  defaults={"stage": 2, "lora": {"target_modules": Key([], "[] = the family's targets")}}),
              Role("reward", "scorer", follows="critic", defaults={"model": "/m/reward"}),
              Role("ref", "frozen policy", follows="actor", weights="actor", tokenizer_of="actor"),
              Role("net", "a plain network", trainable=True, omit=("lora", "tokenizer"),
@@ -136,6 +137,11 @@ def test_a_trainable_role_config_is_the_registrys_role_spec(toy):
     r = load(toy, "roles.actor.lora={r: 4, target_modules: []}").roles
     assert r.actor.spec(torch.nn.Identity, lora_targets=("to_q", "to_v")).lora.target_modules == ("to_q", "to_v")
     assert r.critic.spec(torch.nn.Identity).lora is None and not r.critic.spec(torch.nn.Identity).gradient_checkpointing
+    # a declaration's own default of a key that applies only with lora.r (the critic's []) loads while r is 0
+    assert load(toy, "roles.critic.lora.r=2").roles.critic.spec(torch.nn.Identity, lora_targets=("fc",)).lora.rank == 2
+    assert load(toy, "roles.critic.lora.r=2").roles.critic.lora.target_modules == []
+    with pytest.raises(ConfigValueError, match=r"roles\.critic\.lora\.target_modules' .* applies only when"):
+        load(toy, "roles.critic.lora.target_modules=[fc]")
 
 
 def test_a_frozen_role_config_is_the_registrys_role_spec(toy):
