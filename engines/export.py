@@ -1,21 +1,10 @@
-"""Exports: a role's full weights in a folder that real clients load, written atomically.
+"""Exports: a role's full weights in a folder real clients load, written atomically.
 
-One routine serves every role and pipeline: gather the role on all ranks (never rank 0 alone: under
-ZeRO-3 that hangs), write on rank 0 into ``<out>.tmp``, fsync, and swap it into place, so a crash
-never leaves a half-written folder where a complete one is expected. Tensors written are full, never
-the empty shards of a partitioned model.
-
-The swap of a folder that already exists is one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux, so at
-every instant ``<out>`` is the complete old export or the complete new one. Where the file system lacks
-it (NFS, non-Linux), the old folder is renamed to ``<out>.old`` before the new one goes in; a crash
-between the two renames leaves ``<out>`` missing until :func:`recover_dir` (run by the next export of
-that folder) moves ``<out>.old`` back.
-
-* transformers / diffusers models: ``save_pretrained`` (config + safetensors), loadable with
-  ``AutoModelFor*.from_pretrained`` or the diffusers class;
-* LoRA roles: the adapters merged into the base weights (``W + B A * scale``, computed out of place so
-  the live engine is untouched), plus the peft adapter in ``<out>/adapter`` for a peft-wrapped model;
-* anything else: ``model.safetensors`` of the module's state dict.
+The role is gathered on all ranks (rank 0 alone would hang under ZeRO-3), written on rank 0 into ``<out>.tmp``,
+fsynced and swapped into place: ``renameat2(RENAME_EXCHANGE)`` on Linux (``<out>`` is always the complete old or
+new export); elsewhere the old folder goes to ``<out>.old`` first, moved back by :func:`recover_dir` after a crash.
+transformers/diffusers models are written with ``save_pretrained``, anything else as ``model.safetensors``; a LoRA
+role with its adapters merged (out of place: the live engine is untouched) and the peft adapter in ``<out>/adapter``.
 """
 
 from __future__ import annotations
@@ -35,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dist import barrier
-from .roles import torch_dtype
+from .roles import _is_diffusers_model, torch_dtype
+from .safe_io import fsync_path, fsync_tree
 
 if TYPE_CHECKING:
     from .registry import EngineRegistry
@@ -43,26 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["atomic_dir", "cast_folder", "merged_state_dict", "recover_dir", "save_role", "write_role"]
-
-
-def _fsync_tree(root: str) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -111,16 +81,16 @@ def recover_dir(out_dir: str) -> None:
         logger.warning("%s was missing after an interrupted export; restoring the previous export from %s",
                        out, aside)
         os.replace(aside, out)
-        _fsync_dir(os.path.dirname(out))
+        fsync_path(os.path.dirname(out))
 
 
 def _commit(tmp: str, out: str) -> None:
     """Replace ``out`` by the finished ``tmp`` so that no crash leaves ``out`` partial (and, where the file
     system can swap atomically, never missing either)."""
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     parent = os.path.dirname(out)
     if os.path.lexists(out) and _exchange(tmp, out):
-        _fsync_dir(parent)  # out is the new export now; tmp holds the old one
+        fsync_path(parent)  # out is the new export now; tmp holds the old one
         _remove(tmp)
         return
     aside = None
@@ -128,7 +98,7 @@ def _commit(tmp: str, out: str) -> None:
         aside = out + ".old"  # a fixed name, so recover_dir finds it after a crash right here
         os.replace(out, aside)
     os.replace(tmp, out)
-    _fsync_dir(parent)
+    fsync_path(parent)
     if aside is not None:
         _remove(aside)
 
@@ -230,10 +200,6 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-def _is_diffusers(module: torch.nn.Module) -> bool:
-    return any(c.__module__.startswith("diffusers.") and c.__name__ == "ModelMixin" for c in type(module).__mro__)
-
-
 def _save_kwargs(save: Any, pad_token_id: int | None) -> dict[str, Any]:
     """``pad_token_id`` for a ``save_pretrained`` that takes it (a reward model records its tokenizer's pad)."""
     if pad_token_id is not None and "pad_token_id" in inspect.signature(save).parameters:
@@ -250,7 +216,7 @@ def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: s
     save = getattr(target, "save_pretrained", None)
     if save is not None and "state_dict" in inspect.signature(save).parameters:
         save(out, state_dict=state, **_save_kwargs(save, pad_token_id))
-    elif _is_diffusers(target):
+    elif _is_diffusers_model(target):
         target.save_config(out)
         save_file({k: v.contiguous() for k, v in state.items()},
                   os.path.join(out, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})

@@ -1,15 +1,9 @@
-"""Checkpoint state that loads without running code.
+"""Checkpoint state that loads without running code (unpickling a file runs whatever its author put in it).
 
-Unpickling a file runs whatever its author put in it, so a checkpoint from someone else is a
-program. Our own state (client state, RNG states, the torch backend's engine state, EMA
-partitions) is written as a JSON tree plus a safetensors file of its tensors: neither format can
-carry code. DeepSpeed writes its per-role files with torch.save; those are read with
-`torch.load(weights_only=True)` and only the few DeepSpeed classes its ZeRO optimizers store
-allow-listed, for the duration of our own load call (see `deepspeed_loads_refusing_pickles`).
-
-The tree format stores dicts, lists, tuples, str, int, float (NaN/inf too), bool, None,
-torch tensors, numpy arrays and numpy scalars, bit for bit. Anything else is refused at save
-time with the path of the offending value.
+Our own state (client state, RNG, the torch backend's engine, EMA partitions) is a JSON tree plus a safetensors
+file of its tensors: dicts, lists, tuples, str, int, float (NaN/inf too), bool, None, tensors and numpy values, bit
+for bit; anything else is refused at save time, naming it. DeepSpeed's torch.save files are read with
+``weights_only=True`` and an allow-list of the classes its optimizers store (deepspeed_loads_refusing_pickles).
 """
 
 from __future__ import annotations
@@ -131,12 +125,21 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     raise CheckpointError(f"{where}: unknown encoded value kind {kind!r}")
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+    """A file's data (or a folder's entries) on disk."""
+    fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """Every file, then every folder bottom-up: data and names are on disk before a rename makes them visible."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 def save_tree(obj: Any, base: str, what: str = "state") -> None:
@@ -150,7 +153,7 @@ def save_tree(obj: Any, base: str, what: str = "state") -> None:
         json.dump({"format": TREE_FORMAT, "tree": tree}, f, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_file(base + ".safetensors")
+    fsync_path(base + ".safetensors")
 
 
 def load_tree(base: str) -> Any:
@@ -263,6 +266,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "deepspeed_loads_refusing_pickles",
     "deepspeed_safe_globals",
+    "fsync_path",
+    "fsync_tree",
     "load_tree",
     "safe_torch_load",
     "save_tree",

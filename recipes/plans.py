@@ -12,7 +12,6 @@ points at. ``assume`` (``--assume role=model``) says what a folder that does not
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,33 +37,6 @@ from multiengine.engines.recipe_plans import (  # noqa: F401 - recipe_plans: the
 )
 from multiengine.engines.role_schema import follow_chain, model_path
 from multiengine.pipelines.rlhf.tiny import tiny_model_info
-
-
-def registry_demo(cfg: Any, assume: Mapping[str, str] | None = None,
-                  configs_dir: str | Path = CONFIGS_DIR) -> list[RecipePlan]:
-    from .registry_demo import ROLES, tiny_opt_config
-
-    folder = os.path.join(str(cfg.output_dir), "tiny_lm")
-    if (assume and "actor" in assume) or os.path.isfile(os.path.join(folder, "config.json")):
-        info = resolve_model(folder, "actor", assume=assume, configs_dir=configs_dir)
-    else:  # the recipe's own tiny OPT, on the meta device
-        import torch
-        from transformers import OPTForCausalLM
-
-        m = cfg.model
-        config = tiny_opt_config(m.hidden_size, m.layers, m.vocab_size)
-        with torch.device("meta"):
-            tensors = module_info("", OPTForCausalLM(config)).tensors
-        info = P.ModelInfo(f"registry_demo's tiny OPT (hidden {m.hidden_size}, {m.layers} layers, vocab "
-                           f"{m.vocab_size})", tensors, config=config.to_dict(), class_name="OPTForCausalLM")
-    batch, seq = int(cfg.roles.actor.micro_batch_size), int(cfg.seq_len)
-    phases = {"actor": lm_role_phases(cfg, ROLES, "actor", info, train=(batch, seq)),
-              "reward": lm_role_phases(cfg, ROLES, "reward", info, forward=(batch, seq)),
-              "encoder": lm_role_phases(cfg, ROLES, "encoder", info, forward=(batch, seq), logits=False)}
-    # the demo's roles are planned without optimizer offload, and its frozen roles without parameter offload
-    return [declared_roles(cfg, ROLES, {"actor": info, "reward": info, "encoder": info.without("lm_head.")}, phases,
-                           title="registry_demo", actor={"choices": P.trainable_choices(False)},
-                           reward={"choices": P.frozen_choices(False)}, encoder={"choices": P.frozen_choices(False)})]
 
 
 def _lm_model(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None, configs_dir: str | Path,

@@ -322,7 +322,16 @@ def settings_node(cls: type, help: str = "", defaults: dict[str, Any] | None = N
                                 f.metadata.get("when", ""), f.metadata.get("example"))
     if defaults:
         raise RecipeDefinitionError(f"{cls.__name__} has no field(s) {sorted(defaults)} to set defaults of")
-    return Node(help, children, lambda kw: cls(**kw), dict(refused or {}))
+    # a `when` field left at a default declared here means "unset" to the class too (check_tree checked it)
+    unset = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(cls) if f.name in children and isinstance(children[f.name], Leaf)
+             and children[f.name].when}
+
+    def build(kw: dict[str, Any]) -> Any:
+        return cls(**{k: unset[k] if k in unset and v == children[k].default and
+                      not when_holds(children[k].when, kw.get) else v for k, v in kw.items()})
+
+    return Node(help, children, build, dict(refused or {}))
 
 
 def recipe_schema(recipe: Any) -> Node:

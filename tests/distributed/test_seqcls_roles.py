@@ -3,14 +3,21 @@ and its gathered export loading with AutoModelForSequenceClassification in a fre
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import launch
 
 pytestmark = pytest.mark.distributed
+
+
+def _migrated(recipe: str) -> bool:
+    """Whether ``recipe``'s module is on the recipe contract yet (it defines RECIPE; read, not imported)."""
+    return "\nRECIPE = " in Path(importlib.util.find_spec(f"multiengine.recipes.{recipe}").origin).read_text()
 
 
 def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
@@ -44,6 +51,7 @@ def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
     assert got["scores"] == pytest.approx(ranks[0]["expected"], abs=1e-5)
 
 
+@pytest.mark.skipif(not _migrated("rlhf_ppo"), reason="rlhf_ppo is not on the recipe contract yet")
 def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
     """rlhf_ppo with a word-level actor and a TRL-style sequence-classification reward model whose tokenizer is
     sub-word BPE: reward (ZeRO-3) and critic (ZeRO-3, from the same folder) read the actor's texts re-encoded."""

@@ -6,19 +6,28 @@ from __future__ import annotations
 import json
 
 import pytest
-from multiengine.engines import recipe_plans
-from multiengine.engines.recipe_config import list_recipes, load_config, load_recipe
+from migrated import migrated, recipe_param, recipe_params
+from multiengine.engines import planner as P
 from multiengine.pipelines.rlhf.tiny import tiny_model_info
-from multiengine.recipes import cli, plans
+from multiengine.recipes.language import cli, plans
+from multiengine.recipes.language.config import list_recipes, load_config, load_recipe
+from multiengine.recipes.language.lifecycle import Recipe
 
 PLANNED = list_recipes()
-GPU_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names if not n.startswith("tiny")]
-ALL_CONFIGS = [(r, n) for r, names in PLANNED.items() for n in names]
+GPU_CONFIGS = [recipe_param(r, n) for r, names in PLANNED.items() for n in names if not n.startswith("tiny")]
+ALL_CONFIGS = [recipe_param(r, n) for r, names in PLANNED.items() for n in names]
 
 
-def test_every_recipe_has_a_planner():
-    missing = sorted(r for r in list_recipes() if not hasattr(load_recipe(r), "plan"))
-    assert not missing, f"{missing} define no plan(cfg, assume, configs_dir): add one (recipes/plans.py)"
+def needs(*recipes: str):
+    """Skip while one of ``recipes`` is not on the recipe contract yet."""
+    waiting = [r for r in recipes if not migrated(r)]
+    return pytest.mark.skipif(bool(waiting), reason=f"{waiting} not on the recipe contract yet")
+
+
+@pytest.mark.parametrize("recipe", recipe_params())
+def test_every_recipe_has_a_planner(recipe):
+    cls = load_recipe(recipe)
+    assert cls.plan.__func__ is not Recipe.plan.__func__, f"{recipe} defines no plan(cfg, assume): add one to its class"
 
 
 def _plan(capsys, *args: str) -> tuple[int, list[dict], str]:
@@ -46,6 +55,7 @@ def test_shipped_gpu_configs_fit_as_written_on_8_x_80gb(capsys, recipe, name):
         assert step["current"]["fits"], (step["title"], step["current"])
 
 
+@needs("rlhf_ppo")
 def test_export_folders_of_other_configs_are_resolved(capsys):
     _, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt1.3b_opt350m", "--gpus", "8", "--gpu-mem", "80GiB")
     roles = result[0]["roles"]
@@ -68,6 +78,7 @@ def test_scalar_model_count_equals_the_loaded_model(tmp_path):
     assert plans._scalar(P.model_info(tmp_path / "lm")).params == sum(p.numel() for p in model.parameters())
 
 
+@needs("rlhf_ppo")
 def test_write_round_trips(capsys, tmp_path):
     dest = tmp_path / "ppo.yaml"
     code, result, _ = _plan(capsys, "rlhf_ppo", "--config", "opt1.3b_opt350m", "--gpus", "8", "--gpu-mem", "40GiB",
@@ -91,6 +102,7 @@ def test_write_round_trips(capsys, tmp_path):
     assert code == 0 and again[0]["current"]["fits"]
 
 
+@needs("rlhf_e2e", "rlhf_sft", "rlhf_reward", "rlhf_ppo")
 def test_write_for_e2e_appends_step_overrides(capsys, tmp_path):
     dest = tmp_path / "e2e.yaml"
     code, result, _ = _plan(capsys, "rlhf_e2e", "--config", "opt1.3b_opt350m", "--gpus", "1", "--gpu-mem", "24GiB",
@@ -102,6 +114,7 @@ def test_write_for_e2e_appends_step_overrides(capsys, tmp_path):
     assert any(o.startswith("roles.critic.stage=") for o in cfg.ppo.overrides)
 
 
+@needs("sd_finetune")
 def test_does_not_fit(capsys, tmp_path):
     dest = tmp_path / "never.yaml"
     code = cli.main(["plan", "sd_finetune", "--config", "sd15_full", "--gpus", "1", "--gpu-mem", "8GiB",
@@ -113,6 +126,7 @@ def test_does_not_fit(capsys, tmp_path):
     assert "not writing" in out.err and not dest.exists()
 
 
+@needs("rlhf_sft")
 @pytest.mark.parametrize("args,message", [
     (["--gpus", "8", "--gpu-mem", "80"], "give a number and a unit"),
     (["--gpus", "6", "--nodes", "4", "--gpu-mem", "80GiB"], "not a multiple of --nodes 4"),
@@ -126,6 +140,7 @@ def test_bad_input_is_a_usage_error(capsys, args, message):
     assert code == cli.EXIT_USAGE and message in err and "Traceback" not in err
 
 
+@needs("rlhf_sft")
 def test_offload_needs_host_memory_per_node(capsys):
     # 8 GPUs on 2 nodes: 4 ranks share each node's host memory
     args = ["rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
@@ -141,6 +156,7 @@ def test_offload_needs_host_memory_per_node(capsys):
     assert code == cli.EXIT_DOES_NOT_FIT and "host memory" in result[0]["message"]
 
 
+@needs("rlhf_sft")
 def test_a_whole_model_gather_is_named_with_its_fix(capsys):
     code = cli.main(["plan", "rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "--gpus", "8",
                      "--gpu-mem", "24GiB", "roles.actor.gradient_checkpointing=true"])
@@ -163,11 +179,12 @@ def test_a_saved_reward_model_keeps_its_own_head(tmp_path):
 
 
 def _roles(recipe: str, *overrides: str, config: str = "tiny") -> dict[str, object]:
-    items = plans.recipe_plans(recipe, load_config(recipe, config, list(overrides)))
+    items = plans.recipe_plans(load_recipe(recipe), load_config(recipe, config, list(overrides)))
     assert len(items) == 1
     return {r.name: r for r in items[0].roles}
 
 
+@needs("rlhf_grpo")
 def test_grpo_roles_follow_the_recipe():
     # tiny: a reward function only -> actor + ref (ref follows the actor's stage 3), no reward-model role
     roles = _roles("rlhf_grpo")
@@ -188,14 +205,15 @@ def test_grpo_roles_follow_the_recipe():
                    "{role: reward_b, model: facebook/opt-350m, weight: 0.5}, "
                    "{role: reward_c, model: facebook/opt-350m, weight: 0.1, stage: 3}]")
     assert [r for r in roles if r.startswith("reward")] == ["reward", "reward_b", "reward_c"]
-    assert roles["reward"].current == plans.P.Choice(0) and roles["reward"].follows is None
+    assert roles["reward"].current == P.Choice(0) and roles["reward"].follows is None
     assert roles["reward_b"].follows == "reward" and roles["reward_b"].follows_all
-    assert roles["reward_c"].choices == (plans.P.Choice(3),) and "reward.models[2]" in roles["reward_c"].note
-    item = plans.recipe_plans("rlhf_grpo", load_config("rlhf_grpo", "tiny", [
+    assert roles["reward_c"].choices == (P.Choice(3),) and "reward.models[2]" in roles["reward_c"].note
+    item = plans.recipe_plans(load_recipe("rlhf_grpo"), load_config("rlhf_grpo", "tiny", [
         "reward.models=[{role: reward, weight: 1.0}, {role: reward_b, model: facebook/opt-350m, weight: 0.5}]"]))[0]
     assert set(item.keys) == {"actor", "ref", "reward"}
 
 
+@needs("rlhf_ppo")
 def test_ppo_critic_and_rewards_from_the_reward_section():
     # reward functions only: the critic starts from the actor's folder with a fresh head, no reward role
     roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "roles.actor.model=", "roles.reward.model=")
@@ -207,31 +225,33 @@ def test_ppo_critic_and_rewards_from_the_reward_section():
                    "roles.reward.model=", "reward.models=[{role: reward_x, model: facebook/opt-350m, weight: 1.0}]")
     assert list(roles) == ["actor", "critic", "ref", "reward_x"]
     assert roles["critic"].params == roles["reward_x"].params == 331_196_416 + 1024
-    assert roles["reward_x"].current == plans.P.Choice(3)
+    assert roles["reward_x"].current == P.Choice(3)
 
 
+@needs("rlhf_dpo")
 def test_dpo_roles():
     roles = _roles("rlhf_dpo")
     assert list(roles) == ["actor", "ref"]
-    assert roles["actor"].current == roles["ref"].current == plans.P.Choice(3)
+    assert roles["actor"].current == roles["ref"].current == P.Choice(3)
     assert dict(roles["ref"].phases).keys() == {"reference forward"}
     pre = _roles("rlhf_dpo", "dpo.precompute_ref=true", "dpo.precompute_batch_size=256")["ref"]
     assert dict(pre.phases)["precompute"] > dict(roles["ref"].phases)["reference forward"]
-    assert _roles("rlhf_dpo", "roles.ref.stage=0")["ref"].current == plans.P.Choice(0)
+    assert _roles("rlhf_dpo", "roles.ref.stage=0")["ref"].current == P.Choice(0)
 
 
+@needs("rlhf_e2e", "rlhf_sft", "rlhf_reward", "rlhf_ppo", "rlhf_grpo", "rlhf_dpo")
 @pytest.mark.parametrize("algorithm,steps", [("ppo", ["rlhf_sft", "rlhf_reward", "rlhf_ppo"]),
                                              ("grpo", ["rlhf_sft", "rlhf_reward", "rlhf_grpo"]),
                                              ("dpo", ["rlhf_sft", "rlhf_dpo"])])
 def test_e2e_plans_the_algorithm_it_runs(algorithm, steps):
-    items = plans.recipe_plans("rlhf_e2e", load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]))
+    items = plans.recipe_plans(load_recipe("rlhf_e2e"), load_config("rlhf_e2e", "tiny", [f"algorithm={algorithm}"]))
     assert [i.title.split()[2] for i in items] == steps
     assert items[-1].overrides_key == f"{algorithm}.overrides"
 
 
 def test_planned_vs_measured_report(tmp_path):
     cfg = load_config("registry_demo", "tiny", [f"output_dir={tmp_path}"])
-    planned = recipe_plans.configured_states("registry_demo", cfg, 2)
+    planned = plans.configured_states(load_recipe("registry_demo"), cfg, 2)
 
     def row(role: str, extra: int = 0) -> dict:
         p = planned[role]
@@ -239,11 +259,11 @@ def test_planned_vs_measured_report(tmp_path):
                 "params_persistent": p["params_persistent"], "param_bytes": p["param_bytes"] + extra,
                 "grad_bytes": p["grad_bytes"], "optimizer_bytes": p["optimizer_bytes"]}
 
-    total = sum(planned["actor"][k] for k in recipe_plans.STATE_KEYS)
+    total = sum(planned["actor"][k] for k in plans.STATE_KEYS)
     off = int(0.2 * total)  # 20% more than planned on rank 1: out of tolerance
     per_rank = [{"roles": [row("actor"), row("reward"), row("encoder"), row("encoder") | {"role": "extra"}]},
                 {"roles": [row("actor", off), row("reward"), row("encoder")]}]
-    report = recipe_plans.planned_vs_measured("registry_demo", cfg, per_rank)
+    report = plans.planned_vs_measured(load_recipe("registry_demo"), cfg, per_rank)
     actor = report["roles"]["actor"]
     assert actor["stage"] == 3 and actor["planned"]["total"] == total
     assert actor["measured"]["total"] == total + off  # the rank holding the most
