@@ -42,8 +42,6 @@ from multiengine.recipes.language.roles import Role
 TRAINED: dict[str, Any] = {
     "dtype": "fp32", "lr": 1e-3, "weight_decay": 1e-2, "scheduler": "constant_with_warmup", "warmup_steps": 5,
     "micro_batch_size": Key(8, "images per rank per forward (global batch = micro x grad_accum x ranks)"),
-    "lora": {"target_modules": Key([], "[] = diffusers' targets of the family (unet: to_k/q/v/out.0; SD3/FLUX: "
-                                       "their attention projections)")},
 }
 # Frozen components: fp32 on CPU, gathered whole once per call (one collective; 1/N between calls).
 FROZEN: dict[str, Any] = {"dtype": "fp32", "gather_forward": True}
@@ -171,14 +169,8 @@ class DiffusionRecipe(Recipe):
 
     @classmethod
     def check_family(cls, cfg: Any, family: str, where: str = "") -> None:
-        """What ``family`` (and the config) has no use for is refused: the keys of a role it does not build, its
-        unused options (:meth:`unused`), a trainable role's LoRA options without LoRA (lora.r 0)."""
-        for name in cfg.roles.trainable():
-            if not cfg.roles[name].lora.r:
-                lora = {k: v for k, v in changed(cls, cfg, name).items() if k.startswith("lora.")}
-                for key, value in lora.items():
-                    raise config_problem(f"roles.{name}.{key}", value, "applies only with LoRA adapters "
-                                         f"(roles.{name}.lora.r > 0)", f"set roles.{name}.lora.r, or drop it")
+        """What ``family`` (and the config) has no use for is refused: the keys of a role it does not build and its
+        unused options (:meth:`unused`). (LoRA options without LoRA are refused by the roles' own `when`.)"""
         where = f" ({where})" if where else ""
         for name, (why, fix) in cls.absent(cfg, family).items():
             for key, value in changed(cls, cfg, name).items():
@@ -588,7 +580,6 @@ POLICY: dict[str, Any] = {
     "micro_batch_size": Key(16, "images per rank per rollout (prompts x diffusion.group_size)"),
     "grad_accum": Key(1, "rollouts per optimizer step (each trains on its sampled steps; the engine accumulates "
                          "grad_accum x the trained steps)"),
-    "lora": {"target_modules": Key([], "[] = diffusers' targets of the family")},
 }
 DENOISER_WHY = "the denoiser's tokenizers are model.pretrained's"
 

@@ -302,6 +302,7 @@ def settings_node(cls: type, help: str = "", defaults: dict[str, Any] | None = N
     """The schema of a settings dataclass: a Leaf per field, a Node per nested section; ``defaults`` (values or
     :class:`Key`) change defaults and help; ``omit`` leaves keys out (``refused`` says why, for the error)."""
     defaults, omit = dict(defaults or {}), set(omit)
+    defaults_given = {k: v for k, v in defaults.items() if not isinstance(v, dict)}
     hints = typing.get_type_hints(cls)
     children: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -322,16 +323,11 @@ def settings_node(cls: type, help: str = "", defaults: dict[str, Any] | None = N
                                 f.metadata.get("when", ""), f.metadata.get("example"))
     if defaults:
         raise RecipeDefinitionError(f"{cls.__name__} has no field(s) {sorted(defaults)} to set defaults of")
-    # a `when` field left at a default declared here means "unset" to the class too (check_tree checked it)
-    unset = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-             for f in dataclasses.fields(cls) if f.name in children and isinstance(children[f.name], Leaf)
-             and children[f.name].when}
-
-    def build(kw: dict[str, Any]) -> Any:
-        return cls(**{k: unset[k] if k in unset and v == children[k].default and
-                      not when_holds(children[k].when, kw.get) else v for k, v in kw.items()})
-
-    return Node(help, children, build, dict(refused or {}))
+    for name, given in (defaults_given or {}).items():
+        if isinstance(children.get(name), Leaf) and children[name].when:
+            raise RecipeDefinitionError(f"{cls.__name__}.{name} applies only with {children[name].when}: a recipe "
+                                        "cannot change its default (the class's default means 'unset')")
+    return Node(help, children, lambda kw: cls(**kw), dict(refused or {}))
 
 
 def recipe_schema(recipe: Any) -> Node:

@@ -181,9 +181,13 @@ def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def _lora(section: Any, default_targets: Sequence[str] = ()) -> tuple[int, tuple[str, ...]] | None:
+def _lora(section: Any, default_targets: Sequence[str] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``; empty target modules take
-    ``default_targets``, as role_schema.lora_spec does."""
+    ``default_targets`` (the decoders' q/k/v/out projections unless given), as TrainableRole.lora_spec does."""
+    if default_targets is None:
+        from .roles import LORA_TARGETS
+
+        default_targets = LORA_TARGETS
     return (int(section.r), tuple(section.target_modules) or tuple(default_targets)) if section.r else None
 
 

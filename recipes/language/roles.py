@@ -42,8 +42,9 @@ class LoraSettings(Settings):
     r: int = setting(0, "LoRA adapter rank (0 = full fine-tuning, no adapters)", Range(0))
     alpha: float = setting(0.0, "LoRA scaling alpha (0 = r)", Range(0), when="r")
     dropout: float = setting(0.0, "adapter dropout", Range(0, 1, max_exclusive=True), when="r")
-    target_modules: list[str] = setting(list(LORA_TARGETS), "module names that get adapters", Each(Length(1)),
-                                        when="r")
+    target_modules: list[str] = setting([], "module names that get adapters; [] = the model's usual targets "
+                                        "(decoders: q/k/v/out projections; unets, SD3, FLUX: diffusers' attention "
+                                        "projections)", Each(Length(1)), when="r")
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class TrainableRole(RoleConfig):
     def trainable(self) -> bool:
         return True
 
-    def lora_spec(self, default_targets: Sequence[str] = (), init: bool | str = True) -> Any:
+    def lora_spec(self, default_targets: Sequence[str] = tuple(LORA_TARGETS), init: bool | str = True) -> Any:
         """The engines' LoraSpec, or None for ``lora.r: 0`` (``alpha: 0`` = r); empty ``target_modules`` take
         ``default_targets`` (the diffusion family's)."""
         from multiengine.engines import LoraSpec

@@ -22,7 +22,7 @@ from multiengine.recipes.language.config import (
 )
 from multiengine.recipes.language.lifecycle import Recipe
 from multiengine.recipes.language.plans import module_info
-from multiengine.recipes.language.roles import LORA_TARGETS, FrozenRole, Role, TrainableRole
+from multiengine.recipes.language.roles import FrozenRole, Role, TrainableRole
 from toys import toy_package
 
 RUNS_OF_RUNS = {"rlhf_e2e"}  # its roles are its steps' (each step's recipe declares them)
@@ -37,8 +37,7 @@ class FourRoles(Recipe):
     name = "four_roles"
     roles = (Role("actor", "policy", trainable=True,
                   defaults={"stage": 2, "dtype": "fp32", "model": "/m/actor", "lr": Key(1e-3, "the actor's rate")}),
-             Role("critic", "value", trainable=True, weights="reward",
-                  defaults={"stage": 2, "lora": {"target_modules": Key([], "[] = the family's targets")}}),
+             Role("critic", "value", trainable=True, weights="reward", defaults={"stage": 2}),
              Role("reward", "scorer", follows="critic", defaults={"model": "/m/reward"}),
              Role("ref", "frozen policy", follows="actor", weights="actor", tokenizer_of="actor"),
              Role("net", "a plain network", trainable=True, omit=("lora", "tokenizer"),
@@ -66,7 +65,7 @@ def test_a_declaration_states_only_what_differs_from_the_shared_role_keys(toy):
     assert isinstance(r.actor, TrainableRole) and isinstance(r.ref, FrozenRole) and r.trainable() == [
         "actor", "critic", "net"]
     assert r.actor.lr == 1e-3 and r.actor.stage == 2 and r.actor.scheduler == "constant"  # the rest: shared defaults
-    assert r.actor.lora.r == 0 and r.actor.lora.target_modules == LORA_TARGETS
+    assert r.actor.lora.r == 0 and r.actor.lora.target_modules == []  # [] = the targets the build gives (LORA_TARGETS)
     assert (r.ref.stage, r.ref.dtype, r.reward.stage, r.reward.dtype) == (-1, "", -1, "")  # followers follow
     assert set(r.ref.to_dict()) == {f.name for f in dataclasses.fields(FrozenRole)}
     assert set(r.actor.to_dict()) == {f.name for f in dataclasses.fields(TrainableRole)}
@@ -137,11 +136,19 @@ def test_a_trainable_role_config_is_the_registrys_role_spec(toy):
     r = load(toy, "roles.actor.lora={r: 4, target_modules: []}").roles
     assert r.actor.spec(torch.nn.Identity, lora_targets=("to_q", "to_v")).lora.target_modules == ("to_q", "to_v")
     assert r.critic.spec(torch.nn.Identity).lora is None and not r.critic.spec(torch.nn.Identity).gradient_checkpointing
-    # a declaration's own default of a key that applies only with lora.r (the critic's []) loads while r is 0
+    # target_modules [] (its default) = the targets given at build time; set without lora.r it is refused
     assert load(toy, "roles.critic.lora.r=2").roles.critic.spec(torch.nn.Identity, lora_targets=("fc",)).lora.rank == 2
     assert load(toy, "roles.critic.lora.r=2").roles.critic.lora.target_modules == []
     with pytest.raises(ConfigValueError, match=r"roles\.critic\.lora\.target_modules' .* applies only when"):
         load(toy, "roles.critic.lora.target_modules=[fc]")
+
+
+def test_a_declaration_cannot_change_the_default_of_a_key_that_applies_only_with_another():
+    from multiengine.recipes.language.config import RecipeDefinitionError, settings_node
+    from multiengine.recipes.language.roles import TrainableRole
+
+    with pytest.raises(RecipeDefinitionError, match="target_modules applies only with r"):
+        settings_node(TrainableRole, "x", {"lora": {"target_modules": ["fc"]}})
 
 
 def test_a_frozen_role_config_is_the_registrys_role_spec(toy):
