@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multiengine.engines.settings import SettingsError
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
@@ -61,7 +63,7 @@ DEFAULT_EVAL_FRACTION = 0.05
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
 
 
-class DataSourceError(ValueError):
+class DataSourceError(SettingsError):
     """A data source that cannot be used as given; the message names the key, the value and the fix."""
 
 

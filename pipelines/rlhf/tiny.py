@@ -29,8 +29,11 @@ import random
 import re
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from multiengine.engines.settings import Range, Settings, setting
 
 if TYPE_CHECKING:
     from multiengine.engines.planner import ModelInfo
@@ -47,6 +50,7 @@ __all__ = [
     "PAD_TOKEN",
     "TOPICS",
     "UNK_TOKEN",
+    "TinySettings",
     "build_corpus",
     "TINY_FAMILIES",
     "build_tiny_causal_lm",
@@ -384,6 +388,14 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: i
     fast.save_pretrained(str(out))
     logger.info("trained BPE tokenizer (%d tokens) in %s", len(fast), out)
     return fast
+
+
+@dataclass(frozen=True)
+class TinySettings(Settings):
+    """The random tiny OPT built under output_dir/tiny for roles whose model is "" (mechanics only)."""
+
+    hidden: int = setting(64, "width of the random tiny model (roles whose model is \"\")", Range(8))
+    layers: int = setting(2, "layers of the random tiny model", Range(1))
 
 
 # The decoder families users bring, as tiny configs: each entry maps the sizes below to that family's own
