@@ -144,11 +144,11 @@ class Distill(common.RLHFRecipe):
         phases = {"teacher": plans.lm_role_phases(r.teacher, teacher_info, forward=(batch, seq),
                                                   generate=common.eval_generation(cfg)),
                   "student": [(label, n + (teacher_logits if label == "train step" else 0)) for label, n in student]}
+        gathered = ("generation", "forward") if r.teacher.gather_forward else ("generation",)
         return [plans.declared_roles(cfg, {"teacher": teacher_info, "student": student_info}, phases, title="distill",
                                      notes=[f"sequences of {seq} tokens, micro batch {batch}; the student's train "
                                             "step holds the teacher's logits too"],
-                                     teacher={"full_gather": ("generation", "forward") if r.teacher.gather_forward
-                                              else ("generation",), "gather_hint": "roles.teacher.gather_forward=false"},
+                                     teacher={**plans.gather_options(r.teacher), "full_gather": gathered},
                                      student={"full_gather": ("generation",)})]
 
     def build(self) -> None:
