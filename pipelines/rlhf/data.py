@@ -305,13 +305,13 @@ def _settings(data: Any) -> DataSettings:
 
 
 def load_rlhf_data(data: DataSettings | str, stage: str, *, seed: int = 0, eval_stage: str | None = None,
-                   source: Any = None, evaluate: bool = True) -> TrainEval:
+                   source: Any = None, evaluate: bool = True, size: int | None = None) -> TrainEval:
     """Training and evaluation rows of one ``stage`` (sft, reward, ppo) from a data section (or one path): its
     source or weighted blend of sources, column mapping, ``train_split``, evaluation rows from ``eval_source`` or
     ``eval_split`` (:func:`~multiengine.pipelines.sources.split_train_eval`) in the formats of ``eval_stage``
     (default ``stage``; ``eval`` for prompt-only rows); ``seed``: held-out selection and blend order. ``source``
-    replaces the training source (PPO's pretraining rows); ``evaluate=False``: training rows only. A blend keeps only
-    the stage's fields."""
+    replaces the training source (PPO's pretraining rows); ``evaluate=False``: training rows only. A blend has ``size``
+    rows (default: the sources' together) and keeps only the stage's fields."""
     if stage not in REQUIRED_COLUMNS:
         raise ValueError(f"unknown RLHF stage {stage!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
     data = _settings(data)
@@ -331,7 +331,7 @@ def load_rlhf_data(data: DataSettings | str, stage: str, *, seed: int = 0, eval_
 
     result = split_train_eval(load, sources, eval_source=as_sources(data.eval_source, "data.eval_source"),
                               load_eval=load_eval, eval_split=parse_eval_split(data.eval_split), seed=seed,
-                              source_key=key, evaluate=evaluate)
+                              size=size, source_key=key, evaluate=evaluate)
     logger.info("%s rows: %d for training (%s); evaluation: %s%s", stage, len(result.train),
                 " + ".join(f"{s.path} x{s.weight:g}" for s in sources), result.eval_origin,
                 f" ({len(result.eval)} rows)" if result.eval is not None else "")

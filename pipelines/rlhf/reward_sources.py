@@ -171,7 +171,7 @@ class RewardSettings(Settings):
     def entries(self, default_model: str = "") -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
         """The checked ``models`` and ``functions`` entries (:func:`reward_entries`); ``default_model``:
         ``roles.reward.model``."""
-        return reward_entries(list(self.models), list(self.functions), "reward", default_model)
+        return reward_entries(self.models, self.functions, "reward", default_model)
 
     def wants_reward_role(self) -> bool:
         """The ``reward`` role takes its folder from ``roles.reward.model``: no source is named (the default), or a
