@@ -166,6 +166,21 @@ def check_prompts_and_rewards(cfg: Any, models: list[Any], scoring: tuple[tuple[
     return actor_tok, report
 
 
+def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool,
+             decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``language.steps.run_step``, keeping this run's key reads: the step's ``Recipe.main`` starts tracking anew
+    (``track_reads()`` empties the record, recipes/language/lifecycle.py), which would drop the keys read so far."""
+    from multiengine.engines import settings
+    from multiengine.recipes.language import steps
+
+    reads = set(settings._READS or ())
+    try:
+        return steps.run_step(recipe, config, overrides, out_dir, rerun, decisions)
+    finally:
+        if settings._READS is not None:
+            settings._READS |= reads
+
+
 # --- the recipes' base: their checks and setup -----------------------------------------------------------------------
 class RLHFRecipe(Recipe):
     """A recipe of this family: its checks' errors are config errors, and its setup reads the shared sections."""
@@ -200,8 +215,6 @@ class RLHFRecipe(Recipe):
     def sft_model(self, run: StepRun, out_dir: str, assets: dict[str, str]) -> str:
         """The export of an rlhf_sft run (``run``: config and overrides) under ``out_dir`` on this recipe's data
         from the tiny model, reused while its config and inputs are unchanged (language.steps.run_step)."""
-        from multiengine.recipes.language.steps import run_step
-
         cfg = self.cfg
         overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *cfg.data.overrides(assets.get("data") or None),
                      f"roles.actor.model={assets['model']}", *run.overrides]

@@ -24,10 +24,11 @@ from typing import Any
 from multiengine.engines.settings import Choice, Range, Settings, section, setting
 from multiengine.pipelines.rlhf.data import DataSettings
 from multiengine.recipes import common
+from multiengine.recipes.common import run_step
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import RecipeConfigError, load_config, load_recipe
 from multiengine.recipes.language.lifecycle import RunConfig
-from multiengine.recipes.language.steps import FINGERPRINT_FILE, run_step
+from multiengine.recipes.language.steps import FINGERPRINT_FILE
 
 __all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "RECIPE", "steps"]
 
