@@ -11,9 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from multiengine.pipelines.distill import on_policy_batch
-
 from conftest import assert_keys_read
+from multiengine.pipelines.distill import on_policy_batch
 
 pytestmark = pytest.mark.distributed
 # no LoRA adapters (lora.r=0; LoraSettings' other keys have no `when` yet, recipes/language/roles.py)

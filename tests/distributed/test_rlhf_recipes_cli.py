@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import assert_keys_read
 
 pytestmark = pytest.mark.distributed
@@ -156,7 +155,7 @@ def test_dpo_cli_with_precomputed_ref_on_the_sft_actor_it_trains_first(tmp_path)
                 "eval/after/rejected_reward", "eval/before/judge", "eval/after/judge", "eval/after/kl"):
         assert m.get(key) is not None, key
     assert m["precompute_ref"] and m["precompute_s"] > 0 and m["loss_type"] == "sigmoid"
-    # before any step the policy is the ref (at another stage: equal up to float rounding): implicit rewards 0, loss ln 2
+    # before any step the policy is the ref (at another stage: equal up to rounding): implicit rewards 0, loss ln 2
     assert m["eval/before/loss"] == pytest.approx(0.693147, abs=1e-5)
     assert m["eval/before/margin"] == pytest.approx(0.0, abs=1e-6)
     assert m["eval/after/loss"] < m["eval/before/loss"] and m["eval/after/margin"] > 0

@@ -14,10 +14,9 @@ import json
 
 import pytest
 import torch
+from conftest import assert_keys_read
 
 pytestmark = pytest.mark.distributed
-
-from conftest import assert_keys_read
 
 TIMING = ("train/time/", "train/step_time_s")  # timings differ between runs; every other figure must not
 STEPS, STOP = 4, 2
