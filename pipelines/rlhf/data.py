@@ -153,11 +153,7 @@ class ResponseData(PromptData):
                                 Range(0))
 
 
-# --------------------------------------------------------------------------------------------------
-# formats
-# --------------------------------------------------------------------------------------------------
-
-
+# --- formats -------------------------------------------------------------------------------------------------------
 def is_conversation(value: Any) -> bool:
     """A list of ``{"role", "content"}`` messages (a conversational value)."""
     return (isinstance(value, (list, tuple)) and len(value) > 0
@@ -177,11 +173,8 @@ class DataFormat:
 
 
 def detect_format(columns: Sequence[str], example: Mapping[str, Any] | None = None) -> DataFormat | None:
-    """The format of rows with these columns (after the column mapping); ``None`` if none applies.
-
-    ``example`` (one row) decides standard vs conversational; without it, ``messages`` is the only
-    conversational sign.
-    """
+    """The format of rows with these columns (after the mapping), or None; ``example`` (one row) decides standard vs
+    conversational (without it, only ``messages`` is conversational)."""
     cols = set(columns)
     has_response = "response" in cols or "completion" in cols
     if {"prompt", "chosen", "rejected"} <= cols:
@@ -263,11 +256,7 @@ def _normalise(ds: Dataset, stage: str, source: str, key: str) -> Dataset:
     return ds
 
 
-# --------------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------------
-
-
+# --- loading -------------------------------------------------------------------------------------------------------
 def _load_one(source: DataSource, stage: str, split: str | None, default_split: str, key: str,
               columns: Mapping[str, str] | None, cache_dir: str | None) -> Dataset:
     wanted = split or source.split or default_split
@@ -338,11 +327,7 @@ def load_rlhf_data(data: DataSettings | str, stage: str, *, seed: int = 0, eval_
     return result
 
 
-# --------------------------------------------------------------------------------------------------
-# up-front checks (no model is built)
-# --------------------------------------------------------------------------------------------------
-
-
+# --- up-front checks (no model is built) ------------------------------------------------------------------------------
 def check_chat_template(tokenizer: Any, conversational: bool, key: str = "data.source",
                         tokenizer_key: str = "roles.actor.model") -> None:
     """Raise when conversational data meets a tokenizer without a chat template."""
@@ -480,11 +465,7 @@ def check_rlhf_data(data: DataSettings | str, stage: str, tokenizer: Any = None,
     return {"rows": sum(r["rows"] for r in report), "sources": report, "conversational": conversational}
 
 
-# --------------------------------------------------------------------------------------------------
-# collators
-# --------------------------------------------------------------------------------------------------
-
-
+# --- collators -----------------------------------------------------------------------------------------------------
 def _pad_token_id(tokenizer: Any) -> int:
     pad = tokenizer.pad_token_id
     if pad is None:
@@ -607,11 +588,9 @@ class _Encoder:
         return self._truncate_prompt(self._ids(full[:start])), self._end_response(self._ids(full[start:]), eos)
 
     def messages_ids(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int], list[int]]:
-        """A whole conversation for SFT: ``(prompt ids, prompt labels, response ids)``; the prompt is everything
-        before the last assistant turn, and earlier assistant turns in it are labelled (the rest is -100).
-
-        Each piece of the rendering (up to an assistant turn's generation prompt, the turn itself) is
-        tokenized on its own, so the labelled spans are exactly the assistant turns."""
+        """A whole conversation for SFT: ``(prompt ids, prompt labels, response ids)``, the prompt everything before
+        the last assistant turn with its earlier assistant turns labelled (the rest -100). Each piece of the rendering
+        is tokenized on its own, so the labelled spans are exactly the assistant turns."""
         messages = [dict(m) for m in messages]
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant:
@@ -674,15 +653,10 @@ def _pad(rows: Sequence[Sequence[int]], value: int, left: bool) -> torch.Tensor:
 
 
 class PromptCollator(_Encoder):
-    """Left-padded prompts for generation (step 3).
-
-    Returns ``input_ids`` ``[B, C]``, ``attention_mask`` ``[B, C]`` (left padded, so every prompt ends
-    at column ``C - 1`` and generation continues from there) and ``prompts`` (texts, for judges: a
-    conversation's last user message); conversational batches also carry ``prompt_messages`` (the
-    message lists, to re-render them for a role with another tokenizer), and rows with other columns
-    than ``prompt`` carry ``columns``: ``{name: [one value per row]}`` (e.g. an ``answer`` column), which
-    reward functions get as keyword arguments.
-    """
+    """Left-padded prompts for generation (step 3): ``input_ids`` and ``attention_mask`` ``[B, C]`` (every prompt ends
+    at column ``C - 1``), ``prompts`` (texts for judges: a conversation's last user message), for conversations
+    ``prompt_messages`` (to re-render them for a role with another tokenizer), and ``columns`` ``{name: [a value per
+    row]}`` of the rows' other columns (reward functions get them as keyword arguments)."""
 
     def __init__(self, tokenizer: Any, max_prompt_len: int) -> None:
         super().__init__(tokenizer, max_prompt_len)
@@ -702,16 +676,9 @@ class PromptCollator(_Encoder):
 
 
 class SFTCollator(_Encoder):
-    """One SFT row per sequence, right padded, for supervised fine-tuning (step 1).
-
-    Standard rows: ``prompt + response + EOS`` (``text`` rows: BOS/specials + text + EOS, all learned).
-    Conversational rows: the chat template's rendering; only assistant tokens are learned.
-    Returns ``input_ids``, ``attention_mask`` and ``labels``, each ``[B, L]``; ``labels`` is -100 on
-    prompt/user/system tokens and on padding.
-    """
-
-    def __init__(self, tokenizer: Any, max_prompt_len: int, max_response_len: int = 64) -> None:
-        super().__init__(tokenizer, max_prompt_len, max_response_len)
+    """SFT rows, right padded (step 1): ``prompt + response + EOS`` (``text`` rows: all learned; conversations: the
+    chat template's rendering, assistant tokens learned); ``input_ids``, ``attention_mask`` and ``labels`` ``[B, L]``,
+    ``labels`` -100 where nothing is learned."""
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs, labels = [], []
@@ -719,23 +686,14 @@ class SFTCollator(_Encoder):
             ids, lab = self.sft_ids(e)
             seqs.append(ids)
             labels.append(lab)
-        return {
-            "input_ids": _pad(seqs, self.pad_id, left=False),
-            "attention_mask": _pad([[1] * len(s) for s in seqs], 0, left=False),
-            "labels": _pad(labels, -100, left=False),
-        }
+        return {"input_ids": _pad(seqs, self.pad_id, left=False),
+                "attention_mask": _pad([[1] * len(s) for s in seqs], 0, left=False),
+                "labels": _pad(labels, -100, left=False)}
 
 
 class PairCollator(_Encoder):
-    """Chosen and rejected sequences in one right-padded batch for the reward model (step 2).
-
-    Returns ``input_ids`` and ``attention_mask`` ``[2B, L]``: rows ``0..B-1`` are
-    ``prompt + chosen + EOS``, rows ``B..2B-1`` the matching ``prompt + rejected + EOS`` (conversational
-    rows rendered by the chat template); split the model's scores with ``scores[:B], scores[B:]``.
-    """
-
-    def __init__(self, tokenizer: Any, max_prompt_len: int, max_response_len: int = 64) -> None:
-        super().__init__(tokenizer, max_prompt_len, max_response_len)
+    """Preference pairs in one right-padded batch (step 2): ``input_ids`` and ``attention_mask`` ``[2B, L]``, rows
+    ``0..B-1`` ``prompt + chosen + EOS``, rows ``B..2B-1`` ``prompt + rejected + EOS`` (scores split ``[:B], [B:]``)."""
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chosen, rejected = [], []

@@ -22,12 +22,9 @@ __all__ = ["RLHFRoles", "build_rlhf_roles", "causal_lm", "disable_dropout", "loa
 
 
 def _config_without_dropout(path: str) -> Any:
-    """The model config with every dropout probability (and layerdrop) set to 0.
-
-    PPO compares log-probs of the same tokens under actor, old actor and ref: dropout would make the
-    ratio != 1 at step 0 and the KL noisy. Done on the config because many models (OPT included)
-    apply dropout functionally from config floats, not through nn.Dropout modules.
-    """
+    """The model config with every dropout probability (and layerdrop) 0: PPO compares log-probs of the same tokens
+    under actor, old actor and ref (dropout would make the ratio != 1 at step 0), and many models (OPT) apply dropout
+    functionally from config floats, not through nn.Dropout modules."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
