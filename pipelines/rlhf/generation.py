@@ -39,6 +39,9 @@ class GenerationSettings(Settings):
     # greedy answers are the same settings with do_sample off (not a config key: a run samples, eval.greedy adds these)
     do_sample: bool = dataclasses.field(default=True, metadata={"hidden": True})
 
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if k != "do_sample"}  # the section's keys only
+
     def greedy(self) -> GenerationSettings:
         # dataclasses.replace: Settings.replace passes a changed field twice (engines/settings.py)
         return dataclasses.replace(self, do_sample=False)
