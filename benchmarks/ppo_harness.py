@@ -111,8 +111,8 @@ class Ours:
     """The library's PPO (or GRPO) step under one variant of the config settings."""
 
     def __init__(self, config: str, model_dir: str, variant: Variant, dtype: str = "bf16") -> None:
-        from multiengine.engines import EngineRegistry, OptimSpec, Placement
-        from multiengine.pipelines.rlhf.roles import actor_spec, critic_spec, ref_spec, reward_spec
+        from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
+        from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 
         from benchmarks.variants import building
 
@@ -126,10 +126,13 @@ class Ours:
         else:
             frozen = Placement(stage=c["stage"], dtype=dtype)
         optim = OptimSpec(lr=LR, betas=BETAS)
-        specs = [actor_spec(model_dir, train, optim, MICRO_BATCH), ref_spec(model_dir, frozen),
-                 reward_spec(model_dir, frozen)]
+        zero3 = c["stage"] == 3
+        specs = [trainable_role("actor", causal_lm(model_dir, dtype), train, optim, micro_batch_size=MICRO_BATCH),
+                 frozen_role("ref", causal_lm(model_dir, dtype), frozen),
+                 frozen_role("reward", scalar_model(model_dir, dtype, zero3), frozen)]
         if self.algorithm == "ppo":
-            specs.append(critic_spec(model_dir, train, optim, MICRO_BATCH))
+            specs.append(trainable_role("critic", scalar_model(model_dir, dtype, zero3), train, optim,
+                                        micro_batch_size=MICRO_BATCH))
         self.registry = EngineRegistry()
         for spec in specs:
             configure(variant, spec.ds_config, spec.trainable)

@@ -35,18 +35,9 @@ def _offline() -> bool:
 
 
 def check_model_folder(path: str, key: str = "model.pretrained", kind: str = "transformers") -> str:
-    """Check that ``path`` can be loaded as a model: an existing local folder with ``config.json``
-    (``kind="transformers"``) or ``model_index.json`` (``kind="diffusers"``), or a hub name.
-
-    A path that looks local (absolute, ``./``, ``~``, more than one ``/``) and does not exist is
-    "no such folder", never a hub lookup; a hub name is checked against the local cache when offline.
-
-    Returns:
-        ``"local"`` or ``"hub"``.
-
-    Raises:
-        ModelFolderError: naming ``key``, the path and what to do.
-    """
+    """``"local"`` for a folder with ``config.json`` (``kind="transformers"``) or ``model_index.json``
+    (``"diffusers"``), ``"hub"`` for a hub name (in the local cache when offline); a local-looking path that does not
+    exist is "no such folder", never a hub lookup. ModelFolderError naming ``key``, the path and the fix."""
     if kind not in ("transformers", "diffusers"):
         raise ValueError(f"kind={kind!r}; use 'transformers' or 'diffusers'")
     marker = "config.json" if kind == "transformers" else "model_index.json"
@@ -81,16 +72,11 @@ _PROBE = "list 3 fruits : apple pear plum. Hello, world! 12345 \u00e9t\u00e9"
 
 
 def load_tokenizer(path: str, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained(path)``, except where transformers replaces a local folder's own
-    tokenizer with its model family's class.
-
-    For some families (Qwen2, Phi-3 among them) transformers ignores a generic ``tokenizer_class`` in
-    ``tokenizer_config.json`` and builds the family's tokenizer from the vocabulary instead: a tokenizer the
-    user trained (word level, or other pre-tokenization) then encodes text differently from its own
-    ``tokenizer.json``, and training runs on wrong ids without any error. When the folder declares a generic
-    class and the family class encodes a probe differently from ``tokenizer.json``, the folder's tokenizer is
-    loaded as declared, with a warning.
-    """
+    """``AutoTokenizer.from_pretrained(path)``, except where transformers replaces a folder's own tokenizer with its
+    model family's class: for some families (Qwen2, Phi-3) it ignores a generic ``tokenizer_class`` and builds the
+    family's tokenizer from the vocabulary, which may encode text differently from the folder's ``tokenizer.json``
+    (a user's word-level tokenizer: training on wrong ids, silently). Then the folder's tokenizer is loaded as
+    declared, with a warning."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -129,20 +115,9 @@ def _vocab_size(config: Any) -> int | None:
 
 def check_vocab_fits(tokenizer: Any, model_path: str, *, key: str = "model.pretrained",
                      tokenizer_key: str | None = None, subfolder: str | None = None) -> tuple[int, int | None]:
-    """Check that every id of ``tokenizer`` has a row in the model's embedding (from its ``config.json``).
-
-    Args:
-        tokenizer: a tokenizer object, or a folder / hub name to load one from (``AutoTokenizer``).
-        model_path: the model folder (or hub name) whose config gives ``vocab_size``.
-        key, tokenizer_key: config keys named in the error.
-        subfolder: the model's subfolder (a diffusers text encoder).
-
-    Returns:
-        ``(tokenizer size, model vocab size or None when the config has none)``.
-
-    Raises:
-        ModelFolderError: the tokenizer has ids the model cannot embed.
-    """
+    """``(tokenizer size, the model's vocab_size or None)``: every id of ``tokenizer`` (an object, or a folder to load
+    one from) has a row in the embedding of the model at ``model_path`` (``subfolder``: a diffusers text encoder), else
+    ModelFolderError naming ``key`` and ``tokenizer_key``."""
     from transformers import AutoConfig
 
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -203,27 +178,16 @@ def check_diffusers_folder(path: str, key: str = "model.pretrained") -> list[str
     return encoders
 
 
-# --- batch arithmetic: the rows each rank gets against the batches it draws ----------------------------------
+# --- batch arithmetic: the rows each rank gets against the batches it draws ---------------------------------------
 def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, factor: int = 1, unit: str = "rows",
                         what: str = "", heldout: int = 0, heldout_key: str = "data.eval_split",
                         setting: str = "{key}={n}") -> None:
-    """Refuse a batch that the training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
-    (engines.ShardedEpochSampler: each rank gets ``rows // world_size`` rows per epoch, the tail dropped) and
-    draws batches of ``value x factor`` rows per rank; the run itself would fail only after building its models.
-
-    Args:
-        rows: the training rows, after the held-out split (and any row limit).
-        key / value: the config key of the batch size and its value; ``factor`` multiplies it (``grad_accum``
-            when one batch holds every micro batch of a step), ``what`` says so ("roles.actor.micro_batch_size x
-            roles.actor.grad_accum").
-        heldout: rows the evaluation split took out of the training data (0 when they come from elsewhere);
-            ``heldout_key`` is the key that sets that split.
-        setting: how the fix sets a smaller value (``{key}``, ``{n}``), e.g. for another recipe's overrides.
-
-    Raises:
-        ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
-        split).
-    """
+    """Refuse a batch the ``rows`` training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
+    (``rows // world_size`` per rank, the tail dropped) and draws ``value x factor`` per rank and step (``key``: the
+    batch key; ``factor``: ``grad_accum`` when one batch holds a step's micro batches, said by ``what``): the run
+    would fail only after building its models. ``heldout``: rows the evaluation split took out of them (set by
+    ``heldout_key``); ``setting``: how the fix sets a smaller value (``{key}``, ``{n}``). ConfigValueError naming the
+    key, the value and the fixes."""
     from multiengine.engines.settings import config_problem
 
     need = int(value) * int(factor)

@@ -1,26 +1,22 @@
 """Generation from a (possibly ZeRO-3 partitioned) actor, two ways.
 
-``mode="gather"`` (default): ``registry.generation(role)``: the actor's parameters are gathered once
-per batch and DeepSpeed's per-module fetch/release hooks are detached for the duration, so every token
-runs on full local weights with no communication (what TRL's ``unwrap_model_for_generation`` does;
-DeepSpeed's Hybrid Engine does the same on the few GPU model families it supports). Costs one full
-copy of the actor per rank while it runs.
-
-``mode="per_token"``: the ZeRO-3 path, ``generate(synced_gpus=True)``: every token of every layer is
-gathered and released again (the ~700 ms/token of DeepSpeedExamples#764 on big models), but no rank
-ever holds the whole actor (TRL #2557). ``synced_gpus`` keeps a rank that finished early running dummy
-forwards until all ranks are done, since each forward is a collective.
-
-Below stage 3 both modes are plain ``generate``.
+``mode="gather"`` (default): ``registry.generation(role)`` gathers the actor once per batch and detaches DeepSpeed's
+per-module hooks, so every token runs on full local weights without communication (TRL's
+``unwrap_model_for_generation``); it costs one full copy of the actor per rank while it runs.
+``mode="per_token"``: ZeRO-3's ``generate(synced_gpus=True)``: every layer is gathered and released per token (slow
+on big models, DeepSpeedExamples#764), but no rank ever holds the whole actor. Below stage 3 both are plain
+``generate``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.settings import Choice, Range, Settings, setting
 
 from .ppo import truncate_after_eos
 
@@ -28,27 +24,27 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GenerationSettings", "generate", "position_ids_from_mask"]
 
-GENERATION_MODES = ("gather", "per_token")
 
+@dataclass(frozen=True)
+class GenerationSettings(Settings):
+    """How answers are sampled (rollouts and evaluation); ``temperature`` also divides the logits of the PPO/GRPO
+    log-probs."""
 
-@dataclass
-class GenerationSettings:
-    """Sampling settings; ``temperature`` is also what the PPO log-probs divide logits by."""
+    max_new_tokens: int = setting(8, "tokens generated per answer", Range(1))
+    temperature: float = setting(1.0, "sampling temperature", Range(0, min_exclusive=True))
+    top_k: int = setting(0, "0 = off", Range(0))
+    top_p: float = setting(1.0, "nucleus sampling (1 = off)", Range(0, 1, min_exclusive=True))
+    mode: str = setting("gather", "gather (the actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)",
+                        Choice("gather", "per_token"))
+    # greedy answers are the same settings with do_sample off (not a config key: a run samples, eval.greedy adds these)
+    do_sample: bool = dataclasses.field(default=True, metadata={"hidden": True})
 
-    max_new_tokens: int = 16
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    mode: str = "gather"  # gather | per_token
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if k != "do_sample"}  # the section's keys only
 
-    def __post_init__(self) -> None:
-        if self.mode not in GENERATION_MODES:
-            raise ValueError(f"generation mode={self.mode!r}; use one of {list(GENERATION_MODES)}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+    def greedy(self) -> GenerationSettings:
+        # dataclasses.replace: Settings.replace passes a changed field twice (engines/settings.py)
+        return dataclasses.replace(self, do_sample=False)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,4 @@
-"""The reward sources a config names, checked and resolved from plain lists (the recipes read the ``reward``
-section and pass its ``models`` and ``functions`` here).
+"""The ``reward`` section of the RL recipes: the reward sources a config names, checked and resolved.
 
 ``models``: reward-model roles, each ``{role, model, weight}`` plus an optional ``tokenizer`` (a folder; "" = the
 model folder's own, re-encoded when it differs from the actor's) and optional placement keys (``stage, dtype,
@@ -19,12 +18,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from multiengine.engines import Placement
-from multiengine.engines.settings import SettingsError
+from multiengine.engines.settings import Settings, SettingsError, setting
 
 if TYPE_CHECKING:  # rewards.py pulls in the model code: imported where used, so importing this stays light
     from .rewards import RewardSource
 
-__all__ = ["RewardModelRole", "reward_entries", "reward_roles", "reward_tokenizer_checks", "with_retokenizers"]
+__all__ = ["RewardModelRole", "RewardSettings", "reward_entries", "reward_roles", "reward_tokenizer_checks",
+           "with_retokenizers"]
 
 _MODEL_KEYS = ("role", "model", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
 _FUNCTION_KEYS = ("fn", "weight")
@@ -157,6 +157,34 @@ def reward_roles(entries: list[dict[str, Any]], specs: list[tuple[str, float]], 
         unique = labels.count(label) == 1 and label not in taken
         sources.append(reward_function(spec, weight, name=label if unique else spec))
     return roles, sources
+
+
+@dataclass(frozen=True)
+class RewardSettings(Settings):
+    """The reward sources: reward-model roles and functions, summed with weights."""
+
+    models: list[Any] = setting([], "reward-model roles [{role, model, weight, tokenizer, stage, ...}]; [] and no "
+                                    "functions = the `reward` role (roles.reward), weight 1")
+    functions: list[Any] = setting([], "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}")
+    normalize: bool = setting(False, "running mean/std of the combined score over all ranks, before clipping")
+
+    def entries(self, default_model: str = "") -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
+        """The checked ``models`` and ``functions`` entries (:func:`reward_entries`); ``default_model``:
+        ``roles.reward.model``."""
+        return reward_entries(self.models, self.functions, "reward", default_model)
+
+    def wants_reward_role(self) -> bool:
+        """The ``reward`` role takes its folder from ``roles.reward.model``: no source is named (the default), or a
+        ``models`` entry names the role without a folder."""
+        entries, functions = self.entries()
+        return (not entries and not functions) or any(e["role"] == "reward" and not e["model"] for e in entries)
+
+    def sources(self, default_path: str | None, base: Placement, default_tokenizer: str = ""
+                ) -> tuple[list[RewardModelRole], list[RewardSource]]:
+        """The reward-model roles to build and every reward source (:func:`reward_roles`): ``default_path`` is
+        ``roles.reward.model`` (None = none may be used), ``base`` ``roles.reward``'s placement."""
+        entries, specs = self.entries(default_path or "")
+        return reward_roles(entries, specs, default_path, base, "reward", default_tokenizer)
 
 
 def reward_tokenizer_checks(roles: list[RewardModelRole]) -> list[tuple[str, str, str, str]]:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiengine.engines import EngineRegistry, OptimSpec, Placement
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
 from multiengine.engines.settings import FieldError, SettingsError
 from multiengine.pipelines.rlhf import multiturn, tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.rewards import reward_function
-from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+from multiengine.pipelines.rlhf.roles import causal_lm
 from multiengine.pipelines.rlhf.rollout import Experience, RolloutSpec, concat_experiences
 
 
@@ -86,8 +86,9 @@ def assets(tmp_path_factory):
 
 def _registry(model: str) -> EngineRegistry:
     registry = EngineRegistry(backend="torch")
-    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=8), micro_batch_size=4))
-    registry.add(ref_spec(model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=8),
+                                micro_batch_size=4))
+    registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     return registry.build()
 
 

@@ -207,7 +207,7 @@ def two_vocabularies(tmp_path_factory):
 
 
 def _validate(capsys, d, *args: str) -> tuple[int, str]:
-    from multiengine.recipes import cli
+    from multiengine.recipes.language import cli
 
     code = cli.main(["validate", "distill", "--config", "tiny", *args, f"output_dir={d / 'out'}"])
     return code, capsys.readouterr().err
@@ -234,4 +234,4 @@ def test_validate_refuses_two_vocabularies_before_any_rank(two_vocabularies, cap
     assert code == 2 and "distill.on_policy_fraction=0.5" in err and "text rows have none" in err, err
     assert _validate(capsys, d, f"data.source={d / 'text.jsonl'}")[0] == 0  # offline distillation of text: fine
     code, err = _validate(capsys, d, "distill.loss=jsd", "distill.beta=0")
-    assert code == 2 and "distill.beta=0.0 with distill.loss=jsd" in err and "forward_kl (beta 0)" in err, err
+    assert code == 2 and "'distill.beta'" in err and "forward_kl (beta 0)" in err, err

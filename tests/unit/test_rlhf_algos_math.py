@@ -291,12 +291,11 @@ def test_reward_function_specs(tmp_path):
             rewards.load_reward_function(spec)
     with pytest.raises(ValueError, match="exactly one"):
         rewards.RewardSource("x")
-    sources = rewards.reward_sources({"reward": 0.5}, {"builtin:judge": 2.0, f"{path}:length": 0.1})
+    sources = [rewards.reward_model("reward", 0.5), rewards.reward_function("builtin:judge", 2.0),
+               rewards.reward_function(f"{path}:length", 0.1)]
     assert [(s.name, s.weight, s.role) for s in sources] == [("reward", 0.5, "reward"), ("judge", 2.0, None),
                                                              ("length", 0.1, None)]
-    assert rewards.reward_sources(functions=["builtin:judge"])[0].weight == 1.0
-    with pytest.raises(ValueError, match="no reward source"):
-        rewards.reward_sources()
+    assert rewards.reward_function("builtin:judge").weight == 1.0
 
 
 def test_running_moments_merge_and_resume():

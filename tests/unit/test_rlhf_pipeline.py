@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 from multiengine.engines import LoraSpec, ShardedBatches, apply_lora, is_lora, shard_batches
-from multiengine.engines.recipe_config import list_recipes, load_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
 from multiengine.pipelines.rlhf.roles import load_causal_lm, load_scalar_model
 from multiengine.pipelines.rlhf.runs import builtin_judge
+from multiengine.recipes.language.config import list_recipes, load_config
 
 
 @pytest.fixture(scope="module")

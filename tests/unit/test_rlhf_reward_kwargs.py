@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
-from multiengine.engines import EngineRegistry, OptimSpec, Placement, ShardedBatches
-from multiengine.engines.recipe_config import RecipeConfigError, checked_config
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, ShardedBatches, frozen_role, trainable_role
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
-from multiengine.pipelines.rlhf.evaluation import evaluate_policy
+from multiengine.pipelines.rlhf.evaluation import PolicyAnswers
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import FlatGroupWatch, GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.rewards import (
@@ -26,8 +25,9 @@ from multiengine.pipelines.rlhf.rewards import (
     compute_scores,
     reward_function,
 )
-from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+from multiengine.pipelines.rlhf.roles import causal_lm
 from multiengine.pipelines.rlhf.rollout import RolloutSpec, StepStats, expand_prompts
+from multiengine.recipes.language.config import RecipeConfigError, checked_config
 
 PAD, EOS = 0, 2
 
@@ -205,8 +205,9 @@ def assets(tmp_path_factory):
 def _registry(assets) -> EngineRegistry:
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
-    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4), micro_batch_size=4))
-    registry.add(ref_spec(model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4),
+                                micro_batch_size=4))
+    registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     return registry.build()
 
 
@@ -234,13 +235,10 @@ def test_grpo_warns_when_every_group_is_flat_and_evaluation_reports_each_source(
     # held-out reward: the weighted sum and each source's mean, the column read per evaluation row
     rows = _rows(6)
     batches = [PromptCollator(tok, 16)(rows[:4]), PromptCollator(tok, 16)(rows[4:])]
-    out = evaluate_policy(registry, batches, GenerationSettings(max_new_tokens=4), tok.eos_token_id,
-                          tok.pad_token_id, decode, rewards=[constant, answer])
+    out = PolicyAnswers(registry, batches, tok, GenerationSettings(max_new_tokens=4))(rewards=[constant, answer])
     counts = [float(r["answer"]) for r in rows]
     assert out["reward/constant"] == 1.0 and out["reward/answer"] == pytest.approx(sum(counts) / 6)
     assert out["reward"] == pytest.approx(1.0 + 0.5 * sum(counts) / 6)
-    with pytest.raises(ValueError, match="not both"):
-        evaluate_policy(registry, batches, GenerationSettings(), 2, 0, decode, reward_role="x", rewards=[constant])
 
 
 def test_prompt_rows_from_a_file_carry_their_columns(tmp_path, tok):

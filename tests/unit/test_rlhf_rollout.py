@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from multiengine.engines import EngineRegistry, OptimSpec, Placement
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
 from multiengine.pipelines.rlhf import ppo, tiny
 from multiengine.pipelines.rlhf.data import PairCollator, PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
@@ -15,7 +15,7 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.preference import PreferenceCollator, preference_response_mask
 from multiengine.pipelines.rlhf.rewards import judge_reward, reward_function, reward_model
-from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
+from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 from multiengine.pipelines.rlhf.rollout import RolloutSpec, make_experience
 
 PAD, BOS, EOS = 0, 1, 2
@@ -49,8 +49,8 @@ def _ids_text(ids: torch.Tensor) -> list[str]:
 
 def test_pad_sampled_before_eos_is_an_action_and_rescoring_matches_an_unpadded_forward(small_vocab_model):
     registry = EngineRegistry(backend="torch")
-    registry.add(actor_spec(small_vocab_model, Placement(0, "fp32"), OptimSpec()))
-    registry.add(ref_spec(small_vocab_model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(small_vocab_model), Placement(0, "fp32"), OptimSpec()))
+    registry.add(frozen_role("ref", causal_lm(small_vocab_model), Placement(0, "fp32")))
     registry.build()
     # two prompts of different lengths, left padded with the pad id
     batch = {"input_ids": torch.tensor([[PAD, PAD, BOS, 3, 4], [BOS, 5, 6, 7, 3]]),
@@ -92,10 +92,11 @@ def test_pad_sampled_before_eos_is_an_action_and_rescoring_matches_an_unpadded_f
 def _grpo_registry(assets, with_reward_model: bool) -> EngineRegistry:
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
-    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4), micro_batch_size=4))
-    registry.add(ref_spec(model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4),
+                                micro_batch_size=4))
+    registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     if with_reward_model:
-        registry.add(reward_spec(model, Placement(0, "fp32")))
+        registry.add(frozen_role("reward", scalar_model(model), Placement(0, "fp32")))
     return registry.build()
 
 
@@ -182,9 +183,9 @@ def test_dpo_step_precomputed_ref_equals_on_the_fly(assets):
     def build():
         registry = EngineRegistry(backend="torch")
         model = str(assets["model"])
-        registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2), micro_batch_size=2,
-                                grad_accum=2))
-        registry.add(ref_spec(model, Placement(0, "fp32")))
+        registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2),
+                                    micro_batch_size=2, grad_accum=2))
+        registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
         return registry.build()
 
     on_the_fly = DPOTrainer(build(), DPOSettings(beta=0.1))

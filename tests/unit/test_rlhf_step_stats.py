@@ -93,14 +93,16 @@ def test_rollout_metrics_alone_or_with_the_step(assets):
 
 
 def test_grpo_step_reduces_all_its_metrics_at_once(assets):
+    from multiengine.engines import frozen_role, trainable_role
     from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
-    from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+    from multiengine.pipelines.rlhf.roles import causal_lm
 
     tok = assets["tok"]
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
-    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4), micro_batch_size=4))
-    registry.add(ref_spec(model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4),
+                                micro_batch_size=4))
+    registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     registry.build()
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
                        [reward_function("builtin:judge")], lambda ids: tok.batch_decode(ids, skip_special_tokens=True),
