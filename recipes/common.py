@@ -12,7 +12,7 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines import planner as P
-from multiengine.engines.settings import Settings, SettingsError, setting
+from multiengine.engines.settings import Settings, setting
 from multiengine.pipelines.checks import check_model, check_stage_batches, check_tokenizer
 from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 from multiengine.recipes.language import plans
@@ -184,15 +184,6 @@ def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun
 # --- the recipes' base: their checks and setup -----------------------------------------------------------------------
 class RLHFRecipe(Recipe):
     """A recipe of this family: its checks' errors are config errors, and its setup reads the shared sections."""
-
-    @classmethod
-    def check(cls, cfg: Any, world_size: int = 1) -> None:
-        try:
-            super().check(cfg, world_size)
-        except SettingsError as err:  # the pipelines' checks (data, model folders, rewards): name key and fix
-            if isinstance(err, RecipeConfigError):
-                raise
-            raise RecipeConfigError(str(err), key=err.key, value=err.value, fix=err.fix) from None
 
     def tiny_assets(self, *models: str) -> dict[str, str]:
         """The embedded default (built-in data, tokenizer, random tiny OPT of ``tiny.*``) under output_dir/tiny when

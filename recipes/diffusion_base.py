@@ -13,7 +13,6 @@ from typing import Any
 
 from multiengine.engines import barrier, mean_over_ranks
 from multiengine.engines import planner as P
-from multiengine.engines.settings import SettingsError
 from multiengine.pipelines.checks import check_rows_per_rank
 from multiengine.pipelines.diffusion import planning as D
 from multiengine.pipelines.diffusion import runs
@@ -121,17 +120,6 @@ class DiffusionRecipe(Recipe):
     roles are built (:meth:`role_specs`) and which options apply (:meth:`unused`); the rest is refused."""
 
     resolution_key = "data.resolution"
-
-    @classmethod
-    def check(cls, cfg: Any, world_size: int = 1) -> None:
-        # The pipelines' checks raise the engines' SettingsError (they cannot import the recipe language); raised
-        # as the language's RecipeConfigError, which tests/unit/test_recipe_keys.py expects of a refusal.
-        try:
-            super().check(cfg, world_size)
-        except SettingsError as e:
-            if isinstance(e, RecipeConfigError):
-                raise
-            raise RecipeConfigError(str(e), key=e.key, value=e.value, fix=e.fix) from None
 
     @classmethod
     def resolution(cls, cfg: Any) -> int:

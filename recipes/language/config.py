@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import yaml
 from multiengine.engines.settings import (
+    FieldError,
     SettingsError,
     field_checks,
     field_help,
@@ -51,8 +52,9 @@ def configs_dir(package: str = RECIPES_PACKAGE) -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "configs"
 
 
-class RecipeConfigError(SettingsError):
-    """A user error in choosing or configuring a recipe (the CLI prints it and exits 2)."""
+# A user error in choosing or configuring a recipe (the CLI prints it and exits 2): the engines' SettingsError, so the
+# pipelines' checks (which cannot import the language) raise the same error the language does.
+RecipeConfigError = SettingsError
 
 
 class ConfigKeyError(RecipeConfigError):
@@ -323,7 +325,7 @@ def settings_node(cls: type, help: str = "", defaults: dict[str, Any] | None = N
                                 f.metadata.get("when", ""), f.metadata.get("example"))
     if defaults:
         raise RecipeDefinitionError(f"{cls.__name__} has no field(s) {sorted(defaults)} to set defaults of")
-    for name, given in (defaults_given or {}).items():
+    for name in defaults_given:
         if isinstance(children.get(name), Leaf) and children[name].when:
             raise RecipeDefinitionError(f"{cls.__name__}.{name} applies only with {children[name].when}: a recipe "
                                         "cannot change its default (the class's default means 'unset')")
@@ -588,7 +590,7 @@ def _build(node: Node, tree: dict, prefix: str, recipe: str, where: dict[str, st
     try:
         return node.build(values)
     except SettingsError as e:
-        if isinstance(e, RecipeConfigError) or e.key is None:
+        if not isinstance(e, FieldError):  # a FieldError names a field of this section: name the whole key
             raise
         path = prefix + e.key
         problem = getattr(e, "problem", None) or str(e)

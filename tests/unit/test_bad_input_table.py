@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multiengine.engines.recipe_config import (
-    CONFIGS_DIR,
+from multiengine.recipes.language.config import (
+    configs_dir,
     ConfigValueError,
     DuplicateKeyError,
     RecipeConfigError,
-    _yaml_load,
+    yaml_load,
     check_output_dir_writable,
     load_config,
 )
@@ -36,11 +36,11 @@ def test_a_yaml_key_set_twice_names_the_key_and_both_lines(tmp_path):
 
 def test_duplicate_keys_are_found_in_lists_and_overrides_but_merge_keys_pass():
     with pytest.raises(DuplicateKeyError) as err:
-        _yaml_load("a:\n  - {x: 1}\n  - {x: 1,\n     x: 3}\n")
+        yaml_load("a:\n  - {x: 1}\n  - {x: 1,\n     x: 3}\n")
     assert (err.value.key, err.value.first_line, err.value.second_line) == ("a[1].x", 3, 4)
     # the same name in two sections, and a merge key overridden beside it, are not duplicates
-    assert _yaml_load("a: {x: 1}\nb: {x: 2}\n") == {"a": {"x": 1}, "b": {"x": 2}}
-    assert _yaml_load("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n")["other"] == {"x": 2}
+    assert yaml_load("a: {x: 1}\nb: {x: 2}\n") == {"a": {"x": 1}, "b": {"x": 2}}
+    assert yaml_load("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n")["other"] == {"x": 2}
     with pytest.raises(RecipeConfigError, match=r"malformed override 'validation=\{a: 1, a: 2\}': key 'validation.a' "
                                                 r"is set twice"):
         load_config("rlhf_sft", "tiny", ["validation={a: 1, a: 2}"])
@@ -661,12 +661,12 @@ def _paths(*roots: Path) -> set[Path]:
 
 
 def run_row(row: Row, d: Path, locked: Path) -> Result:
-    from multiengine.recipes.cli import main
+    from multiengine.recipes.language.cli import main
 
     def shown(text: str) -> str:
         return text.replace(str(locked), "{locked}").replace(str(d), "{d}")
 
-    if "{locked}" in row.command and not nobody_can_read(*CONFIGS_DIR.glob("*/tiny.yaml")):
+    if "{locked}" in row.command and not nobody_can_read(*configs_dir().glob("*/tiny.yaml")):
         return Result(None, [], "", [], "", skipped="acting as `nobody`, the CLI must read the shipped configs, and "
                       "this repository is under a folder only its owner may enter")
     before = _paths(d, locked.parent)
