@@ -173,7 +173,8 @@ class TrainableRole(RoleConfig):
         if not s.r:
             return None
         return LoraSpec(rank=s.r, alpha=s.alpha or None, dropout=s.dropout,
-                        target_modules=tuple(s.target_modules) or tuple(default_targets), init=init)
+                        target_modules=tuple(s.target_modules) or tuple(default_targets) or tuple(LORA_TARGETS),
+                        init=init)
 
     def optim(self, total_steps: int, eps: float = 1e-8) -> Any:
         """The engines' OptimSpec: this role's optimizer and schedule over ``total_steps`` optimizer steps."""

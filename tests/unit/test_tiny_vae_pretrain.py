@@ -99,5 +99,5 @@ def test_recipe_skips_the_pretrain_when_the_model_brings_a_vae(tiny_sd, tmp_path
     job = _job(tmp_path, f"model.pretrained={tiny_sd}")
     assert job._model_path() == tiny_sd and job.vae_pretrain is None
     # the tiny model's options are refused beside a model folder: they would be ignored
-    with pytest.raises(RecipeConfigError, match="model.tiny_vae_steps.*applies only with model.pretrained="):
+    with pytest.raises(RecipeConfigError, match="model.tiny_vae_steps.*applies only while model.pretrained is empty"):
         _job(tmp_path, f"model.pretrained={tiny_sd}", "model.tiny_vae_steps=7")
