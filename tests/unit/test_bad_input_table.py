@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 from multiengine.recipes.language.config import (
-    configs_dir,
     ConfigValueError,
     DuplicateKeyError,
     RecipeConfigError,
-    yaml_load,
     check_output_dir_writable,
+    configs_dir,
     load_config,
+    yaml_load,
 )
 
 
