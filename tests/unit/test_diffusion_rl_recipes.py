@@ -44,7 +44,7 @@ def _grpo(*overrides):
     (["diffusion.kl_coef=0", "roles.ref.dtype=bf16"], "roles.ref.dtype", "builds no ref role"),
     (["reward.functions=[color]", "reward.weights=[]", "roles.reward.stage=2"], "roles.reward.stage",
      "no reward role is built"),
-    (["roles.policy.lora.alpha=8"], "roles.policy.lora.alpha", "applies only with LoRA"),
+    (["roles.policy.lora.alpha=8"], "roles.policy.lora.alpha", "applies only when roles.policy.lora.r is set"),
     (["diffusion.noise_level=0.5"], "diffusion.noise_level", "samples with DDIM"),
 ])
 def test_grpo_refuses_bad_settings_naming_the_key(overrides, key, words):
