@@ -216,10 +216,10 @@ def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, tim
 # --- rectified flow (Flow-GRPO) ------------------------------------------------------------------------
 def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1000, shift: float = 1.0,
                           mu: float | None = None) -> torch.Tensor:
-    """The sampling sigmas of ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)``: ``n`` values from 1 down to the
-    table's smallest, shifted (``shift``, SD3: 3.0; or with ``mu``, FLUX's resolution-dependent exponential shift
-    ``e^mu / (e^mu + 1/s - 1)``), then a final 0. ``[n + 1]`` float32; the model's timesteps are
-    ``sigmas[:-1] * num_train_timesteps``."""
+    """The sampling sigmas of diffusers' pipelines, then a final 0: SD3's ``set_timesteps(n)`` (``n`` values from 1
+    down to the table's smallest, shifted by ``shift * s / (1 + (shift - 1) s)``) or, with ``mu``, FluxPipeline's
+    ``set_timesteps(sigmas=linspace(1, 1/n, n), mu=mu)`` (float32, FLUX's shift ``e^mu / (e^mu + 1/s - 1)``), as
+    Flow-GRPO samples each. ``[n + 1]`` float32; the model's timesteps are ``sigmas[:-1] * num_train_timesteps``."""
     import numpy as np
 
     from .flow import flow_match_schedule
@@ -227,10 +227,13 @@ def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1.")
     n_train = int(num_train_timesteps)
-    # The scheduler's smallest training sigma (float32), shifted unless the shift is dynamic.
-    sigma_min = flow_match_schedule(n_train, shift, use_dynamic_shifting=mu is not None)[1][-1].item()
-    s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
-    s = math.exp(mu) / (math.exp(mu) + (1 / s - 1)) if mu is not None else shift * s / (1 + (shift - 1) * s)
+    if mu is not None:
+        s = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).astype(np.float32)
+        s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    else:  # the scheduler's smallest training sigma (float32, shifted), the start shifted again as diffusers does
+        sigma_min = flow_match_schedule(n_train, shift)[1][-1].item()
+        s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
+        s = shift * s / (1 + (shift - 1) * s)
     return torch.cat([torch.from_numpy(np.asarray(s)).float(), torch.zeros(1)])
 
 
