@@ -424,13 +424,8 @@ def train_step_indices(batch_size: int, num_steps: int, fraction: float, generat
                        shuffle: bool = True) -> torch.Tensor:
     """Which denoising steps each row trains on: ``K = int(num_steps * fraction)`` of them (DDPO's and Flow-GRPO's
     ``timestep_fraction``); ``shuffle`` draws a random subset per row (DDPO), otherwise the first ``K`` (noisiest).
-    ``[batch_size, K]`` long."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"diffusion.train_timestep_fraction={fraction} must be in (0, 1].")
+    ``[batch_size, K]`` long (DiffusionGRPOSettings.check refuses a fraction that trains on no step)."""
     k = int(num_steps * fraction)
-    if k < 1:
-        raise ValueError(f"diffusion.train_timestep_fraction={fraction} of {num_steps} steps trains on no step; "
-                         f"use at least {1 / num_steps:.3g}.")
     if not shuffle:
         return torch.arange(k).expand(batch_size, k).clone()
     return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch_size)])
@@ -585,8 +580,6 @@ def diffusion_grpo_loss(
     Returns:
         ``(loss, stats)`` with ``policy_loss`` and ``kl`` added to the stats.
     """
-    if kl_coef < 0:
-        raise ValueError(f"diffusion.kl_coef={kl_coef} must be >= 0.")
     policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, keep)
     stats["policy_loss"] = policy.detach()
     if kl_coef == 0:

@@ -310,8 +310,6 @@ def test_train_step_indices():
     assert all(len(set(row.tolist())) == 5 and row.max() < 10 for row in idx)
     assert not torch.equal(idx[0], idx[1])  # each row its own subset
     assert torch.equal(train_step_indices(2, 10, 0.3, shuffle=False), torch.tensor([[0, 1, 2], [0, 1, 2]]))
-    with pytest.raises(ValueError, match="train_timestep_fraction"):
-        train_step_indices(2, 10, 0.05)
 
 
 # --- Diffusion-DPO --------------------------------------------------------------------------------
