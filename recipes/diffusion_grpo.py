@@ -34,6 +34,7 @@ from multiengine.pipelines.diffusion.rl_runs import (
     load_reward_model_role,
     reward_functions,
     reward_grid,
+    rollout_advantages,
     score_images,
     tiny_reward_model,
 )
@@ -169,6 +170,8 @@ class DiffusionGRPO(DiffusionRL):
         self.pm = self.policy_model(d.resolution, d.guidance_scale)
         self.sampler = self.pm.sampler(d.num_inference_steps, d.eta, d.noise_level)
         self.train_prompts, self.eval_prompts = cfg.prompts.split(cfg.eval.size, cfg.seed)
+        self.tracker = rl.PromptStatTracker(d.prompt_buffer, d.prompt_min_count, d.advantage_std) \
+            if d.prompt_buffer else None
         self.grids: list[str] = []
 
     def train_step(self) -> dict[str, float]:
@@ -184,8 +187,8 @@ class DiffusionGRPO(DiffusionRL):
             # 2. sample with the current policy, recording every step's log-probability; decode; score
             trajectory, cond, images = self.pm.rollout(prompts, self.sampler, g)
             rewards, means = score_images(self.rewards, prompts, images)
-            # 3. group-relative advantages (a group of equal rewards gets 0)
-            adv = rl.group_advantages(rewards, group, std=d.advantage_std).to(registry.device)
+            # 3. group-relative advantages, or DDPO's per-prompt buffers (equal rewards get 0)
+            adv = rollout_advantages(rewards, prompts, d, self.tracker).to(registry.device)
             steps = rl.train_step_indices(len(prompts), self.sampler.num_steps, d.train_timestep_fraction, g,
                                           shuffle=not d.train_noisiest).to(registry.device)
             rows = torch.arange(len(prompts), device=registry.device)
@@ -195,15 +198,19 @@ class DiffusionGRPO(DiffusionRL):
                 j = steps[:, k]
                 now = rl.rescore(self.pm.denoiser("policy", cond), self.sampler, trajectory, j)
                 ref = rl.rescore(self.pm.denoiser("ref", cond), self.sampler, trajectory, j) if uses_ref else None
-                loss, stats = rl.diffusion_grpo_loss(
-                    now.log_prob, trajectory.log_probs[rows, j], adv, d.clip_range, adv_clip_max=d.adv_clip_max,
-                    kl_coef=d.kl_coef, prev_sample_mean=now.prev_sample_mean,
-                    ref_prev_sample_mean=None if ref is None else ref.prev_sample_mean, std=now.noise_std)
+                loss, stats = rl.grpo_step_loss(now, ref, trajectory.log_probs[rows, j], adv, d)
                 policy.backward(loss)
                 policy.step()
                 records.append({"loss": loss.item(), **{k2: float(v) for k2, v in stats.items()}})
             records[-1].update({"reward": float(rewards.mean()), **{f"reward/{n}": v for n, v in means.items()}})
         return step_record(registry, records, "policy")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompt_buffers": self.tracker.state_dict()} if self.tracker else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tracker:
+            self.tracker.load_state_dict(state.get("prompt_buffers", {"buffers": {}}))  # none saved: none yet
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:

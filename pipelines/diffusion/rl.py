@@ -33,10 +33,11 @@ from ..rlhf.losses import PolicyLossInputs, register_policy_loss
 from .math import PREDICTION_TYPES
 
 __all__ = ["DDIMSampler", "DPOStats", "DenoiseStep", "Denoiser", "DiffusionDPOSettings", "DiffusionGRPOSettings",
-           "FlowSDESampler", "Trajectory", "clipped_policy_loss", "ddim_step_with_logprob", "ddim_timesteps",
-           "diffusion_dpo_loss", "diffusion_dpo_loss_from_losses", "diffusion_grpo_loss", "flow_inference_sigmas",
-           "gaussian_logprob", "group_advantages", "kl_to_reference", "paired", "rescore", "sample_with_logprobs",
-           "sde_step_with_logprob", "train_step_indices"]
+           "FlowSDESampler", "PromptStatTracker", "Trajectory", "clipped_policy_loss", "ddim_step_with_logprob",
+           "ddim_timesteps", "diffusion_dpo_loss", "diffusion_dpo_loss_from_losses", "diffusion_grpo_loss",
+           "flow_inference_sigmas", "flow_sampler", "gaussian_logprob", "group_advantages", "grpo_step_loss",
+           "kl_to_reference", "paired", "rescore", "sample_with_logprobs", "sde_step_with_logprob",
+           "train_step_indices"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,17 @@ class DiffusionGRPOSettings(Settings):
                                            "(Dr. GRPO)", Choice("group", "global", "none"))
     clip_range: float = setting(1e-4, "importance-ratio clip (DDPO, Flow-GRPO)", Range(0, min_exclusive=True))
     adv_clip_max: float = setting(5.0, "advantages clamped to [-x, x]", Range(0, min_exclusive=True))
-    kl_coef: float = setting(0.01, "weight of the KL to roles.ref (0 = no ref role)", Range(0))
+    kl_coef: float = setting(0.01, "weight of the KL to roles.ref, Flow-GRPO's beta: mean((mean - ref_mean)^2) / "
+                             "(2 std_dev_t^2) per trained step (flow: the exact KL times the step's -dt; DDIM: "
+                             "the exact KL); 0 = no ref role", Range(0))
+    drop_zero_advantages: bool = setting(False, "average the loss over the rows whose advantage is not 0, as "
+                                         "Flow-GRPO filters them (its loss is B/B_kept larger); off: DDPO's mean "
+                                         "over every row")
+    prompt_buffer: int = setting(0, "DDPO's per-prompt stat tracker: advantages against each prompt's last N "
+                                    "rewards across steps, gathered over the ranks (DDPO: 16, with advantage_std="
+                                    "group); 0 = the group's statistics", Range(0))
+    prompt_min_count: int = setting(16, "the tracker uses the rollout's statistics until a prompt has this many "
+                                        "rewards buffered (DDPO: 16)", Range(1), when="prompt_buffer")
     train_timestep_fraction: float = setting(0.5, "fraction of each trajectory's steps trained on",
                                              Range(0, 1, min_exclusive=True))
     train_noisiest: bool = setting(True, "true: the noisiest steps first; false: a random subset per image (DDPO)")
@@ -63,6 +74,9 @@ class DiffusionGRPOSettings(Settings):
         if self.trained_steps < 1:
             raise FieldError("train_timestep_fraction", self.train_timestep_fraction, f"of {self.num_inference_steps} "
                              "steps trains on no step", f"use at least {1 / self.num_inference_steps:.3g}")
+        if self.prompt_buffer and self.prompt_min_count > self.prompt_buffer:
+            raise FieldError("prompt_min_count", self.prompt_min_count, f"exceeds prompt_buffer={self.prompt_buffer}"
+                             " (a buffer never holds that many)", f"set it to at most {self.prompt_buffer}")
 
     @property
     def trained_steps(self) -> int:
@@ -216,10 +230,10 @@ def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, tim
 # --- rectified flow (Flow-GRPO) ------------------------------------------------------------------------
 def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1000, shift: float = 1.0,
                           mu: float | None = None) -> torch.Tensor:
-    """The sampling sigmas of ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)``: ``n`` values from 1 down to the
-    table's smallest, shifted (``shift``, SD3: 3.0; or with ``mu``, FLUX's resolution-dependent exponential shift
-    ``e^mu / (e^mu + 1/s - 1)``), then a final 0. ``[n + 1]`` float32; the model's timesteps are
-    ``sigmas[:-1] * num_train_timesteps``."""
+    """The sampling sigmas of diffusers' pipelines, then a final 0: SD3's ``set_timesteps(n)`` (``n`` values from 1
+    down to the table's smallest, shifted by ``shift * s / (1 + (shift - 1) s)``) or, with ``mu``, FluxPipeline's
+    ``set_timesteps(sigmas=linspace(1, 1/n, n), mu=mu)`` (float32, FLUX's shift ``e^mu / (e^mu + 1/s - 1)``), as
+    Flow-GRPO samples each. ``[n + 1]`` float32; the model's timesteps are ``sigmas[:-1] * num_train_timesteps``."""
     import numpy as np
 
     from .flow import flow_match_schedule
@@ -227,10 +241,13 @@ def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1.")
     n_train = int(num_train_timesteps)
-    # The scheduler's smallest training sigma (float32), shifted unless the shift is dynamic.
-    sigma_min = flow_match_schedule(n_train, shift, use_dynamic_shifting=mu is not None)[1][-1].item()
-    s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
-    s = math.exp(mu) / (math.exp(mu) + (1 / s - 1)) if mu is not None else shift * s / (1 + (shift - 1) * s)
+    if mu is not None:
+        s = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).astype(np.float32)
+        s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    else:  # the scheduler's smallest training sigma (float32, shifted), the start shifted again as diffusers does
+        sigma_min = flow_match_schedule(n_train, shift)[1][-1].item()
+        s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
+        s = shift * s / (1 + (shift - 1) * s)
     return torch.cat([torch.from_numpy(np.asarray(s)).float(), torch.zeros(1)])
 
 
@@ -329,6 +346,21 @@ class FlowSDESampler:
         return sde_step_with_logprob(model_output, sample, self.sigmas, index, self.noise_level, **kwargs)
 
 
+def flow_sampler(scheduler_config: dict[str, Any], num_steps: int, noise_level: float, resolution: int,
+                 vae_scale: int) -> FlowSDESampler:
+    """The SDE over a ``FlowMatchEulerDiscreteScheduler`` config's sigmas: its ``shift`` (SD3), or with
+    ``use_dynamic_shifting`` FLUX's shift for ``(resolution / vae_scale / 2)^2`` image tokens."""
+    from .flow import dynamic_shift_mu
+
+    c, mu = scheduler_config, None
+    n_train = int(c.get("num_train_timesteps", 1000))
+    if c.get("use_dynamic_shifting"):
+        mu = dynamic_shift_mu((resolution // vae_scale // 2) ** 2, c.get("base_image_seq_len", 256),
+                              c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    return FlowSDESampler(flow_inference_sigmas(num_steps, n_train, float(c.get("shift", 1.0)), mu=mu),
+                          noise_level=noise_level, num_train_timesteps=n_train)
+
+
 Sampler = DDIMSampler | FlowSDESampler
 
 
@@ -392,13 +424,8 @@ def train_step_indices(batch_size: int, num_steps: int, fraction: float, generat
                        shuffle: bool = True) -> torch.Tensor:
     """Which denoising steps each row trains on: ``K = int(num_steps * fraction)`` of them (DDPO's and Flow-GRPO's
     ``timestep_fraction``); ``shuffle`` draws a random subset per row (DDPO), otherwise the first ``K`` (noisiest).
-    ``[batch_size, K]`` long."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"diffusion.train_timestep_fraction={fraction} must be in (0, 1].")
+    ``[batch_size, K]`` long (DiffusionGRPOSettings.check refuses a fraction that trains on no step)."""
     k = int(num_steps * fraction)
-    if k < 1:
-        raise ValueError(f"diffusion.train_timestep_fraction={fraction} of {num_steps} steps trains on no step; "
-                         f"use at least {1 / num_steps:.3g}.")
     if not shuffle:
         return torch.arange(k).expand(batch_size, k).clone()
     return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch_size)])
@@ -443,15 +470,57 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "grou
     return adv.reshape(-1)
 
 
+def _mean(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x.mean()``, or with ``keep`` (``[B]`` bool) the mean over the kept rows (0 if none; the graph stays)."""
+    if keep is None:
+        return x.mean()
+    k = keep.reshape((-1,) + (1,) * (x.ndim - 1)).expand_as(x)
+    return torch.where(k, x, torch.zeros_like(x)).sum() / k.sum().clamp(min=1)
+
+
+class PromptStatTracker:
+    """DDPO's per-prompt stat tracker: each prompt's last ``buffer_size`` rewards across updates; a row's advantage
+    is ``(r - mean) / (std + 1e-6)`` over its prompt's buffer (this update's rewards included) once that holds
+    ``min_count``, over the whole update's rewards before. ``std``: ``"group"`` (that std; DDPO), ``"global"``
+    (the update's std), ``"none"`` (no division). A row whose statistics' rewards are all equal gets exactly 0.
+    The buffers are the state to checkpoint (:meth:`state_dict`)."""
+
+    def __init__(self, buffer_size: int, min_count: int, std: str = "group") -> None:
+        self.buffer_size, self.min_count, self.std = buffer_size, min_count, std
+        self.buffers: dict[str, list[float]] = {}
+
+    def update(self, prompts: list[str], rewards: torch.Tensor) -> torch.Tensor:
+        """Advantages ``[B]`` float32 of ``[B]`` rewards of ``prompts``, after adding them to the buffers."""
+        r = rewards.reshape(-1).double()
+        if len(prompts) != r.numel() or not bool(torch.isfinite(r).all()):
+            raise ValueError(f"{r.numel()} rewards for {len(prompts)} prompts, or not finite: {r.tolist()}")
+        adv = torch.zeros_like(r)
+        for p in dict.fromkeys(prompts):
+            rows = torch.tensor([i for i, q in enumerate(prompts) if q == p])
+            self.buffers[p] = (self.buffers.get(p, []) + r[rows].tolist())[-self.buffer_size:]
+            stats = torch.tensor(self.buffers[p], dtype=torch.float64) if len(self.buffers[p]) >= self.min_count else r
+            if stats.max() == stats.min():
+                continue
+            s = {"group": stats, "global": r}.get(self.std)
+            adv[rows] = (r[rows] - stats.mean()) / (1.0 if s is None else s.std(unbiased=False) + 1e-6)
+        return adv.float()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffers": {p: list(v) for p, v in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffers = {p: [float(x) for x in v] for p, v in state["buffers"].items()}
+
+
 def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        clip_range: float, adv_clip_max: float | None = None
+                        clip_range: float, adv_clip_max: float | None = None, keep: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): with ``ratio = exp(log_prob -
     old_log_prob)``, ``mean(max(-A ratio, -A clamp(ratio, 1 - clip_range, 1 + clip_range)))``.
 
     ``log_prob`` / ``old_log_prob`` ``[B]`` (one step) or ``[B, K]`` (K steps per row; the mean over both equals
     the references' per-step losses accumulated over the K steps); ``advantages`` ``[B]`` (one per image), clamped
-    to ``adv_clip_max`` when given.
+    to ``adv_clip_max`` when given; ``keep`` ``[B]`` bool: the mean (and stats) over those rows only.
 
     Returns:
         ``(loss, stats)``: scalar float32 loss; stats (detached) ``approx_kl`` = ``0.5 mean((log_prob -
@@ -469,10 +538,10 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
     adv = adv.reshape((-1,) + (1,) * (log_prob.ndim - 1))
     diff = log_prob.float() - old_log_prob.float()
     ratio = torch.exp(diff)
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)).mean()
-    stats = {"approx_kl": 0.5 * (diff.detach() ** 2).mean(),
-             "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
-             "ratio_mean": ratio.detach().mean()}
+    loss = _mean(torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)), keep)
+    stats = {"approx_kl": 0.5 * _mean(diff.detach() ** 2, keep),
+             "clipfrac": _mean(((ratio.detach() - 1.0).abs() > clip_range).float(), keep),
+             "ratio_mean": _mean(ratio.detach(), keep)}
     return loss, stats
 
 
@@ -489,7 +558,8 @@ def kl_to_reference(prev_sample_mean: torch.Tensor, ref_prev_sample_mean: torch.
                     std: torch.Tensor) -> torch.Tensor:
     """Per-row KL penalty of a step towards the reference denoiser: ``mean_dims((mean - ref_mean)^2) / (2 std^2)``,
     ``[B]``. With ``std`` = the step's ``noise_std`` this is the KL between the two steps' Gaussians (per element);
-    Flow-GRPO passes ``std_dev_t`` (without the ``sqrt(|dt|)`` factor), which scales it by ``|dt|``."""
+    with ``std_dev_t`` (Flow-GRPO's, what the recipe passes) it is that times ``-dt`` on a flow step, and the same
+    on a DDIM step (there ``std_dev_t == noise_std``)."""
     if prev_sample_mean.shape != ref_prev_sample_mean.shape:
         raise ValueError(f"mean shape {tuple(prev_sample_mean.shape)} != reference mean shape "
                          f"{tuple(ref_prev_sample_mean.shape)}")
@@ -501,25 +571,37 @@ def diffusion_grpo_loss(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float, *,
     adv_clip_max: float | None = None, kl_coef: float = 0.0, prev_sample_mean: torch.Tensor | None = None,
     ref_prev_sample_mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One step's Flow-GRPO objective: :func:`clipped_policy_loss` ``+ kl_coef * mean(`` :func:`kl_to_reference`
-    ``)`` (``log_prob`` etc. ``[B]``; the KL needs the policy's and reference's step means and ``std``).
+    ``)`` (``log_prob`` etc. ``[B]``; the KL needs the policy's and reference's step means and ``std``); ``keep``:
+    both means over those rows only.
 
     Returns:
         ``(loss, stats)`` with ``policy_loss`` and ``kl`` added to the stats.
     """
-    if kl_coef < 0:
-        raise ValueError(f"diffusion.kl_coef={kl_coef} must be >= 0.")
-    policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
+    policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, keep)
     stats["policy_loss"] = policy.detach()
     if kl_coef == 0:
         return policy, stats
     if prev_sample_mean is None or ref_prev_sample_mean is None or std is None:
         raise ValueError("diffusion.kl_coef > 0 needs prev_sample_mean, ref_prev_sample_mean and std "
                          "(a roles.ref denoiser re-scoring the same step).")
-    kl = kl_to_reference(prev_sample_mean, ref_prev_sample_mean, std).mean()
+    kl = _mean(kl_to_reference(prev_sample_mean, ref_prev_sample_mean, std), keep)
     stats["kl"] = kl.detach()
     return policy + kl_coef * kl, stats
+
+
+def grpo_step_loss(now: DenoiseStep, ref: DenoiseStep | None, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                   settings: DiffusionGRPOSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The diffusion_grpo recipe's loss on one trained step: :func:`diffusion_grpo_loss` of the policy's re-scored
+    step ``now`` and the reference's ``ref`` with Flow-GRPO's KL (``std = std_dev_t``), over the rows whose
+    advantage is not 0 with ``settings.drop_zero_advantages``."""
+    keep = advantages != 0 if settings.drop_zero_advantages else None
+    return diffusion_grpo_loss(now.log_prob, old_log_prob, advantages, settings.clip_range,
+                               adv_clip_max=settings.adv_clip_max, kl_coef=settings.kl_coef,
+                               prev_sample_mean=now.prev_sample_mean, std=now.std_dev_t, keep=keep,
+                               ref_prev_sample_mean=None if ref is None else ref.prev_sample_mean)
 
 
 # --- Diffusion-DPO ---------------------------------------------------------------------------------------

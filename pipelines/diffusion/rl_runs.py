@@ -24,7 +24,7 @@ from . import flow
 from .data import SHAPES_COLORS, _draw_shape, _shapes_rows, shapes_captions
 from .families import family_roles
 from .models import ModelSettings, call_engine, load_component
-from .rl import DDIMSampler, Denoiser, FlowSDESampler, ddim_timesteps, flow_inference_sigmas
+from .rl import DDIMSampler, Denoiser, FlowSDESampler, PromptStatTracker, ddim_timesteps, flow_sampler, group_advantages
 from .training import Conditioning, DiffusionObjective, DiffusionSettings, FlowMatchingObjective, prompt_input_ids
 
 logger = logging.getLogger(__name__)
@@ -269,6 +269,24 @@ def score_images(functions: Sequence[tuple[str, Callable[..., Any], float]], pro
     return total, means
 
 
+def rollout_advantages(rewards: torch.Tensor, prompts: Sequence[str], settings: Any,
+                       tracker: PromptStatTracker | None = None) -> torch.Tensor:
+    """A rollout's advantages (``settings``: DiffusionGRPOSettings): :func:`group_advantages` of this rank's groups,
+    or with ``tracker`` DDPO's per-prompt statistics over every rank's rows, gathered in rank order as DDPO
+    gathers them (every rank then holds the same buffers); this rank's rows."""
+    if tracker is None:
+        return group_advantages(rewards, settings.group_size, std=settings.advantage_std)
+    dist = torch.distributed
+    shards, rank = [(list(prompts), rewards.float().tolist())], 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rank, mine = dist.get_rank(), shards[0]
+        shards = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+    start = sum(len(s[0]) for s in shards[:rank])
+    adv = tracker.update([p for s in shards for p in s[0]], torch.tensor([r for s in shards for r in s[1]]))
+    return adv[start:start + len(prompts)]
+
+
 # --- the policy's conditioning and denoiser on the registry --------------------------------------------------
 class PolicyModel:
     """The denoiser roles (policy, ref), vae and text encoders of a registry as rl.py wants them: prompt
@@ -350,19 +368,12 @@ class PolicyModel:
     def sampler(self, num_steps: int, eta: float, noise_level: float) -> DDIMSampler | FlowSDESampler:
         """DDIM with ``eta`` (unet families, the scheduler's schedule and offset) or the flow SDE with
         ``noise_level`` over the scheduler's sigmas (SD3's shift, FLUX's resolution-dependent shift)."""
+        if self.flow:
+            return flow_sampler(self.scheduler_config, num_steps, noise_level, self.resolution, self.vae_scale)
         c = self.scheduler_config
-        n_train = int(c.get("num_train_timesteps", 1000))
-        if not self.flow:
-            return DDIMSampler(ddim_timesteps(num_steps, n_train, int(c.get("steps_offset", 0))),
-                               self.objective.alphas_cumprod, eta=eta, prediction_type=self.prediction_type)
-        mu = None
-        if c.get("use_dynamic_shifting"):
-            seq = (self.resolution // self.vae_scale // 2) ** 2
-            m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (c.get("max_image_seq_len", 4096)
-                                                                          - c.get("base_image_seq_len", 256))
-            mu = seq * m + c.get("base_shift", 0.5) - m * c.get("base_image_seq_len", 256)
-        return FlowSDESampler(flow_inference_sigmas(num_steps, n_train, float(c.get("shift", 1.0)), mu=mu),
-                              noise_level=noise_level, num_train_timesteps=n_train)
+        return DDIMSampler(ddim_timesteps(num_steps, int(c.get("num_train_timesteps", 1000)),
+                                          int(c.get("steps_offset", 0))),
+                           self.objective.alphas_cumprod, eta=eta, prediction_type=self.prediction_type)
 
     def latent_shape(self, batch: int) -> tuple[int, ...]:
         side = self.resolution // self.vae_scale

@@ -3,7 +3,8 @@ CLI runs them: checked_config + main): the held-out reward rises (GRPO), the hel
 above 0.5 (DPO, a LoRA policy), the frozen ref and reward roles hold half of their parameters per rank, and in a
 fresh process the exported policy loads and generates in diffusers and the DPO adapter loads with
 load_lora_weights, giving the merged export's images. Each recipe resumed from its run's step-6 checkpoint
-repeats that run's steps 7-12 exactly. The flow families (tiny SD3 and FLUX) run both recipes for 2 steps with
+repeats that run's steps 7-12 exactly (the GRPO run keeps DDPO's per-prompt reward buffers, which the checkpoint
+carries). The flow families (tiny SD3 and FLUX) run both recipes for 2 steps with
 every frozen role sharded, and the FLUX LoRA adapter loads with load_lora_weights."""
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from conftest import FLUX_LORA_CHECK, assert_keys_read, launch
 pytestmark = pytest.mark.distributed
 
 # GRPO: a shorter unet pretrain than the documented run's 400 steps (the vae's 100 are needed: with 40 the
-# sampled images carry no colour and the reward stays at 0). DPO: LoRA from the random unet, a brief vae pretrain.
-# Measured (2 ranks, seed 0): GRPO reward 0.044 -> 0.511 in 12 steps; DPO implicit accuracy 0 -> 0.81 in 12.
-GRPO = ["max_steps=12", "model.tiny_unet_steps=100", "checkpoint.every=6"]
+# sampled images carry no colour and the reward stays at 0), with DDPO's per-prompt reward buffers (16) so that the
+# resumed run needs their state. DPO: LoRA from the random unet, a brief vae pretrain.
+# Measured (2 ranks, seed 0): GRPO reward 0.116 -> 0.559 in 12 steps; DPO implicit accuracy 0 -> 0.78 in 12.
+GRPO = ["max_steps=12", "model.tiny_unet_steps=100", "checkpoint.every=6", "diffusion.prompt_buffer=16"]
 DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30", "roles.policy.lora.r=8",
        "roles.policy.lr=1e-3", "checkpoint.every=6"]
 # In a fresh process, diffusers alone: the GRPO export generates; the DPO adapter on its base pipeline gives the
