@@ -239,6 +239,25 @@ class RLHFRecipe(Recipe):
             else causal_lm(path, dtype)
         self.registry.add(role.spec(model, seed=seed, **spec))
 
+    def add_reward_roles(self, models: list[Any]) -> None:
+        """Add the reward-model roles ``models`` (``RewardSettings.sources``'), each at its own placement."""
+        from multiengine.engines import frozen_role
+        from multiengine.pipelines.rlhf.roles import scalar_model
+
+        for m in models:
+            p = m.placement
+            self.registry.add(frozen_role(m.role, scalar_model(m.path, p.dtype, p.stage == 3), p))
+
+    def rollout_spec(self, rewards: list[Any], **roles: Any) -> Any:
+        """The rollouts' RolloutSpec: sampled as the evaluation answers (``self.answers``), judged alike, decoded
+        with the actor's tokenizer; ``roles``: its role names (and the critic's retokenizer)."""
+        from multiengine.pipelines.rlhf.rollout import RolloutSpec
+
+        a, tok = self.answers, self.tokenizer
+        return RolloutSpec(a.sampled, tok.eos_token_id, tok.pad_token_id, rewards,
+                           lambda ids: tok.batch_decode(ids.cpu(), skip_special_tokens=True), a.judge,
+                           seed=self.cfg.seed, **roles)
+
     def load_data(self, stage: str, assets: dict[str, str], *, eval_stage: str | None = None, source: Any = None,
                   evaluate: bool = True) -> Any:
         """The training and evaluation rows of one stage from ``cfg.data`` (the built-in data of ``assets`` when it

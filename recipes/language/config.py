@@ -323,7 +323,7 @@ def settings_node(cls: type, help: str = "", defaults: dict[str, Any] | None = N
                                 f.metadata.get("when", ""), f.metadata.get("example"))
     if defaults:
         raise RecipeDefinitionError(f"{cls.__name__} has no field(s) {sorted(defaults)} to set defaults of")
-    for name, given in (defaults_given or {}).items():
+    for name in defaults_given or {}:
         if isinstance(children.get(name), Leaf) and children[name].when:
             raise RecipeDefinitionError(f"{cls.__name__}.{name} applies only with {children[name].when}: a recipe "
                                         "cannot change its default (the class's default means 'unset')")

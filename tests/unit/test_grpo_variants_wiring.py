@@ -15,6 +15,7 @@ from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.rewards import reward_function
 from multiengine.pipelines.rlhf.roles import causal_lm
 from multiengine.pipelines.rlhf.rollout import Experience, RolloutSpec, concat_experiences
+from multiengine.recipes.language.config import RecipeConfigError, checked_config
 
 
 @pytest.mark.parametrize("values, message", [
@@ -27,8 +28,8 @@ from multiengine.pipelines.rlhf.rollout import Experience, RolloutSpec, concat_e
     ({"dynamic_sampling": True, "max_resample_rounds": 0}, "max_resample_rounds=0 must be >= 1"),
     ({"overlong_penalty": 0.5}, "overlong_penalty=0.5 applies only when overlong_buffer is set"),
     ({"env": "builtin:chess"}, "env='builtin:chess' must be .*builtin:arithmetic or module:factory"),
-    ({"env": "builtin:arithmetic", "overlong_buffer": 2}, "overlong_buffer=2 applies only with env="),
-    ({"env": "builtin:arithmetic", "no_eos_penalty": 1.0}, "no_eos_penalty=1.0 applies only with env="),
+    ({"env": "builtin:arithmetic", "overlong_buffer": 2}, "overlong_buffer=2 applies only while env is empty"),
+    ({"env": "builtin:arithmetic", "no_eos_penalty": 1.0}, "no_eos_penalty=1.0 applies only while env is empty"),
     ({"env": "builtin:arithmetic", "max_turns": 0}, "max_turns=0 must be >= 1"),
     ({"max_total_tokens": 64}, "max_total_tokens=64 applies only when env is set"),
 ])
@@ -45,6 +46,29 @@ def test_env_settings_of_other_sections_are_refused():
     with pytest.raises(SettingsError, match="grpo.env' cannot be loaded.*cannot import"):
         multiturn.check_env_settings("no_such_module_here:make", False, "gather")
     multiturn.check_env_settings("builtin:arithmetic", False, "gather")
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("tiny", ["grpo.loss_agg=token_mean"], "'grpo.loss_agg' .* is now 'grpo.loss_aggregation'"),
+    ("tiny", ["grpo.overlong_buffer=9"], "'grpo.overlong_buffer' exceeds generation.max_new_tokens=8"),
+    ("tiny", ["grpo.env=builtin:arithmetic"], "'grpo.env' .* environment's reward alone.*reward.functions=\\[\\]"),
+    ("tiny_multiturn", ["generation.mode=per_token"], "'generation.mode' cannot run grpo.env.*gather"),
+    ("tiny_multiturn", ["grpo.overlong_buffer=2"], "'grpo.overlong_buffer' .* applies only while grpo.env is empty"),
+    ("tiny", ["grpo.rollout_batch_size=3"], "'grpo.rollout_batch_size' .* = 24 rows per rank is not a multiple of "
+                                            "roles.actor.micro_batch_size=32"),
+    ("tiny", ["roles.actor.micro_batch_size=16", "roles.actor.grad_accum=3"],
+     "'roles.actor.grad_accum' does not divide the 4 minibatches"),
+])
+def test_rules_across_sections_are_refused_by_the_recipe(config, overrides, message):
+    with pytest.raises(RecipeConfigError, match=message):
+        checked_config("rlhf_grpo", config, overrides)
+
+
+def test_the_recipe_hands_its_grpo_section_on_whole():
+    cfg = checked_config("rlhf_grpo", "tiny", ["grpo.loss_aggregation=token_mean", "grpo.clip_high=0.28",
+                                               "grpo.dynamic_sampling=true", "grpo.max_resample_rounds=2"])
+    assert isinstance(cfg.grpo, GRPOSettings) and (cfg.grpo.aggregation, cfg.grpo.objective) == ("token_mean", "dapo")
+    assert cfg.grpo.max_resample_rounds == 2
 
 
 def test_defaults_keep_the_plain_grpo_objective_and_the_variant_keys_change_it():
