@@ -68,7 +68,7 @@ class RLHFGRPO(common.RLHFRecipe):
                       "(actor_sft)", trainable=True,
              defaults={**common.RLHF_TRAINABLE, "dtype": "fp32", "lr": 1e-3, "micro_batch_size": 32}),
         Role("ref", "the frozen SFT policy (the actor's folder; none when grpo.kl_coef is 0)", follows="actor",
-             weights="actor"),
+             weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER),
         Role("reward", "the frozen `reward` role (when reward.models names it) and the placement of every reward "
                        "model (each reward.models entry may override)", follows="actor"),
     )
@@ -115,6 +115,7 @@ class RLHFGRPO(common.RLHFRecipe):
             raise config_problem("roles.actor.grad_accum", actor.grad_accum, f"does not divide the {minibatches} "
                                  "minibatches of a rollout (grpo.rollout_batch_size x grpo.n_samples_per_prompt / "
                                  "roles.actor.micro_batch_size)", "change one of them")
+        common.check_model("roles.ref.model", cfg.roles.ref.model)
         models, _ = cls.rewards_of(cfg, strict=False)
         _, report = common.check_prompts_and_rewards(cfg, models)
         common.check_sft_run(cfg, "actor_sft", "actor", world_size)
@@ -143,7 +144,7 @@ class RLHFGRPO(common.RLHFRecipe):
                 f"({cfg.data.max_prompt_len} + {g.max_new_tokens}) tokens per rank, generation mode {g.mode}; updates "
                 f"on {a.micro_batch_size} rows per forward/backward")
         return [common.policy_plan("rlhf_grpo", note, cfg, {"actor": info}, gr.kl_coef > 0, rows, rows_gen,
-                                   common.reward_plan(cfg, rows_gen, assume)[0])]
+                                   common.reward_plan(cfg, rows_gen, assume)[0], assume)]
 
     # --- setup -----------------------------------------------------------------------------------
     def build(self) -> None:
@@ -179,8 +180,8 @@ class RLHFGRPO(common.RLHFRecipe):
         self.add_role("actor", actor_path, total_steps=updates // r.actor.grad_accum)
         self.ref = "ref" if g.kl_coef > 0 else None
         if self.ref:
-            self.add_role("ref", actor_path)
-            self.paths["ref"] = actor_path
+            self.paths["ref"] = r.ref.model_path({"actor": actor_path})
+            self.add_role("ref", self.paths["ref"])
         self.paths.update({m.role: m.path for m in reward_roles})
         self.add_reward_roles(reward_roles)
         registry.build()

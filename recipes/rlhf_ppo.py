@@ -81,7 +81,8 @@ class RLHFPPO(common.RLHFRecipe):
              defaults=_TRAIN),
         Role("critic", "the value model (LM body + value head); model \"\" = the reward model's (DeepSpeed-Chat), the "
                        "actor's when rewards are functions only", trainable=True, weights="reward", defaults=_TRAIN),
-        Role("ref", "the frozen SFT policy (the actor's folder)", follows="actor", weights="actor"),
+        Role("ref", "the frozen SFT policy (the actor's folder)", follows="actor", weights="actor",
+             omit=("tokenizer",), why=common.REF_TOKENIZER),
         Role("reward", "the frozen reward model: step 2's export or a *ForSequenceClassification model; model \"\" = "
                        "the random tiny model with a fresh head", follows="critic"),
         Role("ema", "an exponential moving average of the actor (ema.enabled), built at the actor's stage",
@@ -132,6 +133,7 @@ class RLHFPPO(common.RLHFRecipe):
             raise config_problem("roles.ema.offload_params", True, f"needs ZeRO-3 (the EMA runs at roles.actor's stage "
                                  f"{r.actor.stage}): only ZeRO-3 partitions parameters",
                                  "set roles.actor.stage=3, or roles.ema.offload_params=false")
+        common.check_model("roles.ref.model", r.ref.model)
         models, _, critic_path, critic_tok = cls.reward_and_critic(cfg, r.actor.model, r.reward.model)
         actor_tok, report = common.check_prompts_and_rewards(
             cfg, models, (("critic", critic_path, critic_tok, "roles.critic.tokenizer"),))
@@ -171,7 +173,8 @@ class RLHFPPO(common.RLHFRecipe):
         plan = common.policy_plan("rlhf_ppo", f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, "
                                   f"mode {g.mode}; updates on {r.actor.micro_batch_size} rows (critic "
                                   f"{r.critic.micro_batch_size}) per forward/backward", cfg,
-                                  {"actor": actor_info, "critic": critic_info}, True, rollout, rollout, rewards)
+                                  {"actor": actor_info, "critic": critic_info}, True, rollout, rollout, rewards,
+                                  assume)
         if cfg.ema.enabled:  # the actor's weights (and adapters) at the actor's stage
             plan.roles.append(plans._role("ema", actor_info, r.ema.effective_dtype, trainable=False,
                                           lora=plans._lora(r.actor.lora),
@@ -196,7 +199,8 @@ class RLHFPPO(common.RLHFRecipe):
             cfg, actor_path, (r.reward.model or self.assets["model"]) if wants_rm else None)
         if not reward_roles:
             logger.info("rewards from functions only: the critic starts from %s with a fresh head", critic_path)
-        self.paths = {"actor": actor_path, **{m.role: m.path for m in reward_roles}, "critic": critic_path}
+        self.paths = {"actor": actor_path, "ref": r.ref.model_path({"actor": actor_path}),
+                      **{m.role: m.path for m in reward_roles}, "critic": critic_path}
         _, self.tokenizer = self.role_folder("actor", self.assets, actor_path)
 
         # 2. the prompts first: whether they are conversations decides how other tokenizers re-encode them
@@ -210,7 +214,7 @@ class RLHFPPO(common.RLHFRecipe):
         p = cfg.ppo
         self.add_role("actor", actor_path, total_steps=p.optimizer_steps(cfg.max_steps, r.actor.micro_batch_size,
                                                                           r.actor.grad_accum))
-        self.add_role("ref", actor_path)
+        self.add_role("ref", self.paths["ref"])
         self.add_role("critic", critic_path, scalar=True, total_steps=p.optimizer_steps(
             cfg.max_steps, r.critic.micro_batch_size, r.critic.grad_accum))
         main = [m for m in reward_roles if m.role == "reward"]

@@ -5,7 +5,7 @@ success rate of the calculator task rises."""
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 TIMING = ("train/time/", "train/gen/", "train/step_time_s")
@@ -16,7 +16,16 @@ MARGIN = 0.1
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch("grpo_variants", tmp_path_factory.mktemp("grpo_variants"), timeout=1200)[0]
+    out = tmp_path_factory.mktemp("grpo_variants")
+    return {**launch("grpo_variants", out, timeout=1200)[0], "out": out}
+
+
+def test_every_run_reads_its_keys(runs):
+    out = runs["out"]
+    assert_keys_read(out / "dapo", "rlhf_grpo")
+    for run in ("full", "resumed"):  # the actor is the DAPO run's
+        assert_keys_read(out / run, "rlhf_grpo", ("actor_sft.config", "actor_sft.overrides"))
+    assert_keys_read(out / "multiturn", "rlhf_grpo")
 
 
 def test_dapo_settings_learn_and_report_clip_sides_and_dropped_groups(runs):

@@ -1,5 +1,5 @@
 """Planned vs measured model states on 2 ranks: every recipe's summary.json carries, per role, the
-planner's per-rank bytes (recipes.plans.planned_vs_measured) beside the memory report's, and they agree
+planner's per-rank bytes (recipes.language.plans.planned_vs_measured) beside the memory report's, and they agree
 within 5% plus the persistent-parameter term for the SD, SDXL, SD3 and FLUX (flow matching), PPO, GRPO and
 distillation tiny configs at ZeRO stages 0, 2 and 3 (one optimizer step each, all in one launch)."""
 

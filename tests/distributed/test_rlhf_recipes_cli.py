@@ -124,6 +124,13 @@ def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
     assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()
 
 
+def test_grpo_runs_read_every_key(grpo):
+    assert_keys_read(grpo["out"], "rlhf_grpo")
+    # the resumed run is given the first run's SFT actor and the user's data: no tiny model is built or trained
+    assert_keys_read(grpo["resumed"], "rlhf_grpo", ("tiny.hidden", "tiny.layers", "actor_sft.config",
+                                                    "actor_sft.overrides"))
+
+
 def test_grpo_resume_continues_bit_for_bit(grpo):
     full = train_lines(grpo["out"] / "metrics.jsonl")
     resumed = train_lines(grpo["resumed"] / "metrics.jsonl")

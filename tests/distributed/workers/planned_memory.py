@@ -14,9 +14,10 @@ import os
 import sys
 
 from common import dump, finish
-from multiengine.engines.recipe_config import load_config, load_recipe
+from multiengine.recipes.language.config import load_config, load_recipe
 
-QUIET = ["max_steps=1", "checkpoint.every=0", "tensorboard=false", "plot=false", "export.enabled=false"]
+QUIET = ["max_steps=1", "checkpoint.every=0", "checkpoint.keep_last=2", "tensorboard=false", "plot=false",
+         "export.enabled=false"]
 # The smallest sd_finetune run that still takes one optimizer step (Adam state exists) and builds every role.
 SD_SMALL = ["data.resolution=32", "validation.enabled=false", "eval.heldout_size=2",
             "eval.timesteps=1", "ema.enabled=true"]
