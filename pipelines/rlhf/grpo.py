@@ -138,8 +138,8 @@ class GRPOSettings(Settings):
 
 
 class FlatGroupWatch:
-    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has zero
-    advantages, so it adds nothing to the gradient (only the KL term moves the policy).
+    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has advantages
+    of exactly 0 (grpo, dr_grpo, rloo), so it adds nothing to the gradient (only the KL term moves the policy).
 
     :meth:`update` takes a step's share of flat groups (``reward/flat_groups``) and returns a warning, with
     what to change, at the step where more than ``share`` of the groups have been flat for ``steps`` steps in

@@ -49,6 +49,33 @@ def test_rloo_leave_one_out_hand_values():
         adv.rloo_advantages(torch.tensor([1.0, 2.0]), 1)
 
 
+FLAT = (0.7, 0.1, 1e6, -3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_of_equal_rewards_gets_exactly_zero(dtype):
+    """Each flat group among groups with a spread: every group-relative estimator gives it exactly 0, whatever the
+    value and dtype (the mean of eight rounded copies of 0.7 is not 0.7, and dividing that noise by a std of
+    1e-8 + eps once gave each answer +0.06); the other groups keep their advantages."""
+    n = 8
+    spread = torch.arange(n, dtype=torch.float32) / n
+    for value in FLAT:
+        scores = torch.cat([spread, torch.full((n,), value), spread * 3 - 1]).to(dtype)
+        flat = slice(n, 2 * n)
+        for name, a in (("grpo", adv.grpo_advantages(scores, n)),
+                        ("grpo eps 0", adv.grpo_advantages(scores, n, eps=0.0)),
+                        ("dr_grpo", adv.grpo_advantages(scores, n, scale_by_std=False)),
+                        ("rloo", adv.rloo_advantages(scores, n))):
+            assert a.dtype == torch.float32 and torch.isfinite(a).all(), (name, value)
+            assert torch.equal(a[flat], torch.zeros(n)), (name, value, dtype, a[flat].tolist())
+            assert (a[:n] != 0).any() and (a[2 * n:] != 0).any(), (name, value)
+            g = scores.float().view(3, n)[0]  # a group with a spread: the formula, unchanged
+            want = {"rloo": g - (g.sum() - g) / (n - 1), "dr_grpo": g - g.mean()}.get(name, None)
+            if want is None:
+                want = (g - g.mean()) / (g.std() + (0.0 if name == "grpo eps 0" else 1e-6))
+            close(a[:n], want)
+
+
 def test_returns_to_go_with_padding():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 7.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
