@@ -174,8 +174,10 @@ def test_e2e_cli_on_the_embedded_default_shortened(tmp_path):
          "roles.actor.micro_batch_size=4,roles.critic.micro_batch_size=4,roles.actor.lora.r=8]"],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    # step 3 is PPO: neither GRPO's nor DPO's step; it is given steps 1 and 2's models
-    assert_keys_read(out, "rlhf_e2e", ("grpo.config", "grpo.overrides", "dpo.config", "dpo.overrides"))
+    # step 3 is PPO: neither GRPO's nor DPO's step, and step 2 starts from step 1's model (reward.init_from_sft);
+    # step 3 is given steps 1 and 2's models
+    assert_keys_read(out, "rlhf_e2e", ("grpo.config", "grpo.overrides", "dpo.config", "dpo.overrides",
+                                       "model.reward_pretrained"))
     assert_keys_read(out / "ppo", "rlhf_ppo", (*GIVEN_MODELS, *PPO_PLAIN))
     text = proc.stdout + proc.stderr
     assert "rlhf_e2e: rlhf_sft ran (no finished run to reuse); rlhf_reward ran" in text

@@ -82,6 +82,7 @@ def grpo(tmp_path_factory):
         "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
     resumed = root / "resumed"
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
+        "checkpoint.keep_last=2",
         f"roles.actor.model={out}/sft/export/actor", f"resume_from={out}/checkpoints/step_00000002", *common)
     return {"root": root, "out": out, "resumed": resumed}
 

@@ -87,6 +87,7 @@ result["critic_head_moved"] = (head_after - head_before).abs().max().item()
 result["steps"] = [{k: m[k] for k in ("reward/mean", "value_loss", "policy_loss") if k in m} for m in run.step_metrics]
 export = run.export()
 summary = run.summary(export)
+summary["plot"] = run.plot()
 if registry.is_main:
     write_summary(run.path("summary.json"), summary)
 run.close()
