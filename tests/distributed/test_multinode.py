@@ -132,7 +132,8 @@ def test_distill_on_two_nodes_equals_one_node(tmp_path):
     run = ["run", "distill", "--config", "tiny"]
     args = [f"roles.teacher.model={assets / 'model'}", f"roles.student.model={student}",
             f"data.source={assets / 'data'}", "max_steps=3", "roles.student.micro_batch_size=8", "data.heldout_size=16",
-            "eval.size=0", "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0"]
+            "eval.size=0", "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0",
+            "checkpoint.keep_last=2"]
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
     _run([*CLI, *run, "--nproc-per-node", "2", f"output_dir={one}", *args])
     _two_nodes(two, *args, run=run)
