@@ -13,6 +13,7 @@ times the rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,10 @@ OURS = {
     "zero3_frozen_gather": {"stage": 3, "gen": "gather", "frozen_gather": True},
     "grpo_zero2": {"stage": 2, "gen": "gather", "algorithm": "grpo"},
     "grpo_zero3_gather": {"stage": 3, "gen": "gather", "algorithm": "grpo"},
+    # the same GRPO steps with the experience phase's actor forward for the old log-probs, which one pass over the
+    # rollout does without (RolloutSpec.old_logprobs): the step before that change, side by side
+    "grpo_zero2_old_forward": {"stage": 2, "gen": "gather", "algorithm": "grpo", "old_forward": True},
+    "grpo_zero3_gather_old_forward": {"stage": 3, "gen": "gather", "algorithm": "grpo", "old_forward": True},
 }
 
 
@@ -118,7 +123,7 @@ class Ours:
 
         c = OURS[config]
         self.name, self.variant, self.stage, self.gen_mode = config, variant, c["stage"], c["gen"]
-        self.algorithm = c.get("algorithm", "ppo")
+        self.algorithm, self.old_forward = c.get("algorithm", "ppo"), c.get("old_forward", False)
         train = Placement(stage=c["stage"], dtype=dtype)
         if c["stage"] == 3:
             frozen = Placement(stage=3, dtype=dtype, offload_params=c.get("offload", False),
@@ -163,6 +168,8 @@ class Ours:
                 trainer = GRPOTrainer(
                     self.registry, GRPOSettings(n_samples_per_prompt=GRPO_SAMPLES, rollout_batch_size=batch),
                     RolloutSpec(gen, EOS, PAD, [reward_model("reward")]), batch * GRPO_SAMPLES)
+                if self.old_forward:
+                    trainer.spec = dataclasses.replace(trainer.spec, old_logprobs=True)
             else:
                 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 

@@ -19,10 +19,10 @@ from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import RecipeConfigError, load_config
 from multiengine.recipes.language.lifecycle import Recipe
 
-__all__ = ["JUDGE_HEADLINE", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "ExportSettings", "RLHFRecipe",
-           "StepRun", "check_data", "check_model", "check_prompts_and_rewards", "check_reward_columns", "check_role",
-           "check_sft_run", "check_stage_batches", "check_tokenizer", "eval_generation", "lm_info", "lora_renamed",
-           "old_keys", "policy_plan", "reward_plan"]
+__all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "ExportSettings",
+           "RLHFRecipe", "StepRun", "check_data", "check_model", "check_prompts_and_rewards", "check_reward_columns",
+           "check_role", "check_sft_run", "check_stage_batches", "check_tokenizer", "eval_generation", "lm_info",
+           "lora_renamed", "old_keys", "policy_plan", "reward_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 RLHF_TRAINABLE: dict[str, Any] = {"betas": [0.9, 0.95]}
 JUDGE_HEADLINE = ("judge", "judge score of sampled answers (built-in task)", True)
 REWARD_HEADLINE = ("reward", "held-out reward (weighted sum of the reward sources)", True)
+REF_TOKENIZER = "the ref scores the actor's tokens: its tokenizer is the actor's (roles.actor.tokenizer)"
 TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
 
 
@@ -230,6 +231,25 @@ class RLHFRecipe(Recipe):
             else causal_lm(path, dtype)
         self.registry.add(role.spec(model, seed=seed, **spec))
 
+    def add_reward_roles(self, models: list[Any]) -> None:
+        """Add the reward-model roles ``models`` (``RewardSettings.sources``'), each at its own placement."""
+        from multiengine.engines import frozen_role
+        from multiengine.pipelines.rlhf.roles import scalar_model
+
+        for m in models:
+            p = m.placement
+            self.registry.add(frozen_role(m.role, scalar_model(m.path, p.dtype, p.stage == 3), p))
+
+    def rollout_spec(self, rewards: list[Any], **roles: Any) -> Any:
+        """The rollouts' RolloutSpec: sampled as the evaluation answers (``self.answers``), judged alike, decoded
+        with the actor's tokenizer; ``roles``: its role names (and the critic's retokenizer)."""
+        from multiengine.pipelines.rlhf.rollout import RolloutSpec
+
+        a, tok = self.answers, self.tokenizer
+        return RolloutSpec(a.sampled, tok.eos_token_id, tok.pad_token_id, rewards,
+                           lambda ids: tok.batch_decode(ids.cpu(), skip_special_tokens=True), a.judge,
+                           seed=self.cfg.seed, **roles)
+
     def load_data(self, stage: str, assets: dict[str, str], *, eval_stage: str | None = None, source: Any = None,
                   evaluate: bool = True) -> Any:
         """The training and evaluation rows of one stage from ``cfg.data`` (the built-in data of ``assets`` when it
@@ -341,17 +361,19 @@ def reward_plan(cfg: Any, rows: int, assume: Mapping[str, str] | None) -> tuple[
 
 
 def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo], ref: bool, rows: int,
-                rollout: int, rewards: plans.RecipePlan) -> plans.RecipePlan:
+                rollout: int, rewards: plans.RecipePlan, assume: Mapping[str, str] | None = None) -> plans.RecipePlan:
     """rlhf_ppo, rlhf_grpo: the actor generating ``rollout`` rows and updating on its micro batch, the critic where
     ``infos`` has one, a frozen ref from the actor's folder where ``ref`` (experience forwards of ``rows`` rows by
     the actor and critic, of ``rollout`` rows by the ref), then the reward-model roles ``rewards``."""
     prompt, new = cfg.data.max_prompt_len, cfg.generation.max_new_tokens
     seq, r = prompt + new, cfg.roles
-    infos = {**infos, "ref": infos["actor"]} if ref else dict(infos)
+    if ref:  # the actor's folder unless roles.ref.model names another
+        infos = {**infos, "ref": lm_info(cfg, r.ref.model, "ref", assume) if r.ref.model else infos["actor"]}
     phases = {"actor": plans.lm_role_phases(r.actor, infos["actor"], generate=(rollout, prompt, new),
                                             forward=(rows, seq), train=(r.actor.micro_batch_size, seq),
                                             label="experience forward"),
-              "ref": plans.lm_role_phases(r.ref, infos["actor"], forward=(rollout, seq), label="experience forward")}
+              "ref": plans.lm_role_phases(r.ref, infos.get("ref", infos["actor"]), forward=(rollout, seq),
+                                          label="experience forward")}
     options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
                          "gather_hint": "generation.mode=per_token"},
                "ref": plans.gather_options(r.ref, "experience forward")}

@@ -60,8 +60,7 @@ class RLHFDPO(common.RLHFRecipe):
                                              "SFT actor under output_dir/sft (actor_sft)"),
                             "micro_batch_size": Key(32, "pairs per rank per forward/backward (2 rows each)")}),
              Role("ref", "the frozen SFT policy: the actor's folder loaded again (never a copy)", follows="actor",
-                  weights="actor", omit=("tokenizer",), why="the ref scores the actor's tokens: its tokenizer is the "
-                                                            "actor's (roles.actor.tokenizer)"))
+                  weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER))
     Config = DPOConfig
     renamed = common.old_keys("actor", "model.actor", **common.lora_renamed("actor"))
     headline = (("accuracy", "held-out preference accuracy", True), common.JUDGE_HEADLINE)

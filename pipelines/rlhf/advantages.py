@@ -40,29 +40,35 @@ def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size)
 
 
+def _flat_zero(adv: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[B]`` advantages ``adv`` (``[n_groups, n]``) with every group of equal rewards at exactly 0: the mean of
+    rounded copies of one value is not that value (0.7 x 8 in float32), and the group's std would scale that noise up
+    to a push of its own."""
+    return adv.masked_fill(g.amax(-1, keepdim=True) == g.amin(-1, keepdim=True), 0.0).reshape(-1)
+
+
 def grpo_advantages(scores: torch.Tensor, group_size: int, scale_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """``[B]`` float32 GRPO sequence advantages ``(r - mean_group) / (std_group + eps)`` (Shao et al. 2024) of ``[B]``
     rewards in consecutive groups: ``std`` is the sample standard deviation (Bessel, as TRL and OpenRLHF); a group of
-    one, or of equal rewards, gets 0. ``scale_by_std=False`` is Dr. GRPO (Liu et al. 2025): only the mean removed, so
-    groups with a small spread (too easy or too hard prompts) are not up-weighted."""
+    one, or of equal rewards, gets exactly 0 (any value, any dtype). ``scale_by_std=False`` is Dr. GRPO (Liu et al.
+    2025): only the mean removed, so groups with a small spread (too easy or too hard prompts) are not up-weighted."""
     g = _groups(scores, group_size)
     adv = g - g.mean(-1, keepdim=True)
-    if scale_by_std:
-        std = g.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
-        adv = adv / (std + eps)
-    return adv.reshape(-1)
+    if scale_by_std and group_size > 1:
+        adv = adv / (g.std(-1, keepdim=True) + eps)
+    return _flat_zero(adv, g)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO's leave-one-out advantage ``r_i - mean_{j != i} r_j`` (Ahmadian et al. 2024): each sample's
     baseline is the mean reward of the other ``n - 1`` completions of its prompt, so it is unbiased.
-    Equals ``n / (n - 1) * (r_i - mean)``. Needs ``group_size >= 2``. ``[B] -> [B]``."""
+    Equals ``n / (n - 1) * (r_i - mean)``; exactly 0 for a group of equal rewards. Needs ``group_size >= 2``.
+    ``[B] -> [B]``."""
     if group_size < 2:
         raise ValueError(f"rloo needs n_samples_per_prompt >= 2 (a leave-one-out baseline), got {group_size}.")
     g = _groups(scores, group_size)
-    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
-    return (g - baseline).reshape(-1)
+    return _flat_zero(g - (g.sum(-1, keepdim=True) - g) / (group_size - 1), g)
 
 
 def returns_to_go(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:

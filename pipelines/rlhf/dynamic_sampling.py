@@ -1,5 +1,6 @@
-"""DAPO's dynamic sampling (Yu et al. 2025): drop the prompt groups whose rewards are all equal (zero
-advantage, so no policy gradient) and sample again until the batch holds the wanted number of groups.
+"""DAPO's dynamic sampling (Yu et al. 2025): drop the prompt groups whose rewards are all equal (advantage exactly 0
+under grpo, dr_grpo and rloo, so no policy gradient; reinforce_pp has no group baseline) and sample again until the
+batch holds the wanted number of groups.
 
 * :func:`filter_groups`: the pure test, rewards ``[n_groups, G]`` -> which groups have a spread.
 * :class:`DynamicSampler`: keeps the groups that pass, round after round, until ``target_groups`` are

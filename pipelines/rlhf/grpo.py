@@ -34,7 +34,7 @@ from multiengine.engines.settings import Choice, FieldError, Range, Satisfies, S
 from .advantages import CRITIC_FREE, critic_free_advantages, overlong_penalty
 from .dynamic_sampling import DynamicSampler, collect_groups, group_row_indices, round_seed
 from .losses import IMPORTANCE_LEVELS, LOSS_AGG_MODES
-from .multiturn import BUILTIN_ENVS
+from .multiturn import BUILTIN_ENVS, MultiTurnRollouts
 from .ppo_trainer import DUAL_CLIP
 from .rewards import RewardSource, RunningMoments, check_sources
 from .rollout import (
@@ -73,7 +73,8 @@ class GRPOSettings(Settings):
                                          "roles.actor.micro_batch_size)", Range(1))
     epochs: int = setting(1, "passes over one rollout (1 = ratio 1, the plain policy gradient)", Range(1))
     clip_eps: float = setting(0.2, "policy ratio clip", Range(0, min_exclusive=True))
-    dual_clip: float = setting(0.0, "0 = off; > 1 caps the loss of negative-advantage tokens", DUAL_CLIP)
+    dual_clip: float = setting(0.0, "0 = off; > 1 caps the loss of negative-advantage tokens at -dual_clip x A (3.0 = "
+                                    "verl's vanilla loss, which always caps)", DUAL_CLIP)
     kl_coef: float = setting(0.04, "beta; 0 = no KL and no ref role", Range(0))
     kl_in_reward: bool | None = setting(None, "null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for "
                                               "rloo/reinforce_pp)", Choice(True, False), when="kl_coef")
@@ -138,8 +139,8 @@ class GRPOSettings(Settings):
 
 
 class FlatGroupWatch:
-    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has zero
-    advantages, so it adds nothing to the gradient (only the KL term moves the policy).
+    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has advantages
+    of exactly 0 (grpo, dr_grpo, rloo), so it adds nothing to the gradient (only the KL term moves the policy).
 
     :meth:`update` takes a step's share of flat groups (``reward/flat_groups``) and returns a warning, with
     what to change, at the step where more than ``share`` of the groups have been flat for ``steps`` steps in
@@ -213,7 +214,14 @@ class GRPOTrainer:
         if any(src.fn is not None for src in spec.rewards) and spec.decode is None:
             raise ValueError("reward functions score texts: pass decode= (response ids -> strings).")
         self.registry, self.settings, self.micro_batch_size = registry, s, micro_batch_size
-        self.spec = dataclasses.replace(spec, ref=spec.ref if s.kl_coef > 0 else None, critic=None)  # critic-free
+        # one pass over the rollout (one epoch, one optimizer step) with no KL in the reward: the update's own
+        # log-probs are the old ones, so the rollout runs no actor forward for them (TRL's way)
+        one_pass = s.epochs == 1 and rows == micro_batch_size * registry[spec.actor].gradient_accumulation_steps() \
+            and not (s.resolved_kl_in_reward and s.kl_coef > 0)
+        self.spec = dataclasses.replace(spec, ref=spec.ref if s.kl_coef > 0 else None, critic=None,  # critic-free
+                                        old_logprobs=not one_pass)
+        if isinstance(rollout, MultiTurnRollouts):
+            rollout.spec = dataclasses.replace(rollout.spec, old_logprobs=self.spec.old_logprobs)
         self.normalizer = RunningMoments() if normalize_rewards else None
         self.flat_watch = FlatGroupWatch(s.flat_warn_share, s.flat_warn_steps)
         self.more_prompts, self.rollout = more_prompts, rollout
@@ -291,7 +299,6 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         exp = self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
-        self.rollout_metrics(exp, stats)
         if self.sampler is not None:  # global: dropped / seen groups over all ranks
             d = self.dynamic
             stats.add("dynamic/dropped_rate", [d["dynamic/groups_dropped"], d["dynamic/groups_seen"]],
@@ -301,6 +308,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         self.train_on(exp, step, stats)
         t_train = time.perf_counter() - t1
+        self.rollout_metrics(exp, stats)  # after the update: with one pass, the actor's log-probs come from it
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
         metrics = {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings}
         if "reward/flat_groups" in metrics:  # the same global value on every rank: the streaks agree

@@ -630,7 +630,8 @@ class MultiTurnRollouts:
         action = layout["action_mask"].to(registry.device)
         C, action_f = layout["context_length"], action.float()
         temperature = spec.generation.temperature
-        logprobs = role_logprobs(registry, spec.actor, seq, attention, C, temperature) * action_f
+        logprobs = role_logprobs(registry, spec.actor, seq, attention, C, temperature) * action_f \
+            if spec.old_logprobs else None
         ref_logprobs = None
         if spec.ref is not None:
             ref_logprobs = role_logprobs(registry, spec.ref, seq, attention, C, temperature) * action_f

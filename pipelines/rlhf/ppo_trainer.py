@@ -36,7 +36,8 @@ class PPOSettings(Settings):
     epochs: int = setting(2, "passes over one rollout", Range(1))
     clip_eps: float = setting(0.2, "policy ratio clip", Range(0, min_exclusive=True))
     value_clip: float = setting(0.2, "0 = unclipped value loss", Range(0))
-    dual_clip: float = setting(0.0, "0 = off; > 1 (e.g. 3) caps the loss of negative-advantage tokens", DUAL_CLIP)
+    dual_clip: float = setting(0.0, "0 = off; > 1 caps the loss of negative-advantage tokens at -dual_clip x A (3.0 = "
+                                    "verl's vanilla loss, which always caps)", DUAL_CLIP)
     gamma: float = setting(1.0, "discount", Range(0, 1))
     lam: float = setting(0.95, "GAE lambda", Range(0, 1))
     kl_coef: float = setting(0.1, "beta of the k1 KL penalty in the reward", Range(0))

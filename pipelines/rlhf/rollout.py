@@ -51,7 +51,7 @@ class Experience:
     attention_mask: torch.Tensor  # [B, L]: prompt tokens and actions
     context_length: int  # C
     action_mask: torch.Tensor  # [B, T] bool prefix mask: up to and including the first EOS
-    logprobs: torch.Tensor  # [B, T] rollout (old) policy
+    logprobs: torch.Tensor | None  # [B, T] rollout (old) policy; None: the update's own, detached (one pass)
     score: torch.Tensor  # [B] weighted sum of the reward sources (after the no-EOS penalty)
     ref_logprobs: torch.Tensor | None = None  # [B, T]; None without a ref role
     values: torch.Tensor | None = None  # [B, T] critic at rollout time; None without a critic
@@ -122,7 +122,7 @@ def concat_experiences(parts: list[Experience], pad_token_id: int, group_size: i
             elif value.dim() == 2:  # [B, T]
                 value = _pad(value, 0, right)
             cols.setdefault(key, []).append(value)
-    take = {k: torch.cat(v) for k, v in cols.items()}
+    take = {**dict.fromkeys(_ROW_TENSORS), **{k: torch.cat(v) for k, v in cols.items()}}
     first = parts[0]
     timings: dict[str, float] = {}
     for p in parts:
@@ -168,7 +168,9 @@ class RolloutSpec:
     the tokenizer's EOS and pad ids, the reward sources (summed with their weights), ``decode`` (``response_ids
     [B, T] -> texts``, needed by reward functions and the judge), an optional ``judge(prompt, answer)`` logged as
     ``judge/mean``, the roles (``ref`` and ``critic`` may be None), the run's seed (sampling seeds derive from
-    ``(seed, step, rank)``) and a ``Retokenizer`` to the critic's tokenizer when it differs from the actor's."""
+    ``(seed, step, rank)``), a ``Retokenizer`` to the critic's tokenizer when it differs from the actor's, and
+    ``old_logprobs`` False: no actor forward for the rollout's log-probs (one pass over the rollout: the update takes
+    its own, detached, so the ratio is 1 by construction; GRPOTrainer decides)."""
 
     generation: GenerationSettings
     eos_token_id: int
@@ -181,6 +183,7 @@ class RolloutSpec:
     critic: str | None = None
     seed: int = 0
     critic_retokenizer: Any = None
+    old_logprobs: bool = True
 
 
 @torch.no_grad()
@@ -215,7 +218,9 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     action_f = action.float()
 
     # 3. one forward per role, every rank
-    logprobs = role_logprobs(registry, spec.actor, sequences, attention, C, generation.temperature)
+    logprobs = None
+    if spec.old_logprobs:
+        logprobs = role_logprobs(registry, spec.actor, sequences, attention, C, generation.temperature) * action_f
     ref_logprobs = None
     if spec.ref is not None:
         ref_logprobs = role_logprobs(registry, spec.ref, sequences, attention, C, generation.temperature) * action_f
@@ -244,7 +249,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     t_exp = time.perf_counter() - t1
     return Experience(
         sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
-        logprobs=logprobs * action_f, score=score, ref_logprobs=ref_logprobs, values=values,
+        logprobs=logprobs, score=score, ref_logprobs=ref_logprobs, values=values,
         reward_parts=parts, prompts=prompts, responses=texts, columns=columns, group_size=n_samples_per_prompt,
         **critic_rows,
         timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1])},
@@ -307,7 +312,7 @@ def rollout_metrics(exp: Experience, judge: Judge | None = None, stats: StepStat
     stats.mean("response_length", mask.sum(-1))
     for name, value in exp.reward_parts.items():  # unweighted; rows a function returned None for are left out
         stats.nanmean(f"reward/{name}", value)
-    if exp.ref_logprobs is not None:
+    if exp.ref_logprobs is not None and exp.logprobs is not None:
         stats.mean("kl", (ppo.kl_k1(exp.logprobs, exp.ref_logprobs) * mask).sum(-1))
     if exp.rewards is not None:
         stats.mean("reward/total_mean", (exp.rewards * mask).sum(-1))

@@ -108,6 +108,14 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
         if len(micro_of[role][0]) % g:
             raise ValueError(f"{len(micro_of[role][0])} {role} minibatches per epoch is not a multiple of its gradient "
                              f"accumulation steps ({g}).")
+    # one pass (no rollout forward of the actor): every minibatch goes into one optimizer step, so the old log-probs
+    # are this pass's, detached (ratio 1, as TRL takes them); they are kept in exp for the rollout's KL figure
+    one_pass = exp.logprobs is None
+    if one_pass and (s.epochs != 1 or len(micro_of["actor"][0]) != g_actor or not train_actor):
+        raise ValueError(f"the rollout has no old log-probs, which epochs={s.epochs} and {len(micro_of['actor'][0])} "
+                         f"actor minibatches in {g_actor}-step accumulation need: sample with old_logprobs=True.")
+    if one_pass:
+        exp.logprobs = torch.zeros(exp.action_mask.shape, device=exp.action_mask.device)
     groups = ([("actor", aggregation, g_actor)] if train_actor else []) + \
         ([("critic", "token_mean", g_critic)] if critic_engine is not None else [])
     denominators = _denominators(exp, micro_of, groups, world, registry.device)
@@ -120,6 +128,9 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                 den = denominators[("actor", epoch, i - i % g_actor)]
                 logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
                 logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
+                if one_pass:
+                    mb.logprobs = logp.detach() * mb.action_mask
+                    exp.logprobs[actor_micro[i]] = mb.logprobs
                 pg_loss, pg_stats = policy_loss(s.objective, PolicyLossInputs(
                     logp, mb.logprobs, mb.advantages, mb.action_mask, aggregation, den, horizon), s)
                 loss = pg_loss

@@ -144,10 +144,9 @@ def _current(stage: int, trainable: bool, offload_params: bool = False, offload_
 
 
 def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current: P.Choice,
-          lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0,
-          phases: Sequence[tuple[str, int]] = (), full_gather: Sequence[str] = (),
-          choices: Sequence[P.Choice] = (), follows: str | None = None, follows_all: bool = False,
-          note: str = "", gather_hint: str = "") -> P.RoleRequest:
+          lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0, **request: Any) -> P.RoleRequest:
+    """The planner's RoleRequest of a role on the model ``info`` (its LoRA adapters added); ``request``: the other
+    RoleRequest fields (phases, full_gather, choices, follows, follows_all, note, gather_hint)."""
     params = info.params
     numels = list(info.numels)
     trainable_params = params if trainable else 0
@@ -161,11 +160,10 @@ def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current:
         params += adapters
         numels += adapter_numels
         trainable_params = adapters + extra_trainable if trainable else 0
-    return P.RoleRequest(
-        name=name, params=params, dtype=dtype, trainable_params=trainable_params, numels=tuple(numels),
-        hidden_size=info.hidden_size, lora=lora is not None, phases=tuple(phases), full_gather=tuple(full_gather),
-        choices=tuple(choices), current=current, follows=follows, follows_all=follows_all, source=info.source,
-        note=note, gather_hint=gather_hint)
+    request.update({k: tuple(request.get(k, ())) for k in ("phases", "full_gather", "choices")})
+    return P.RoleRequest(name=name, params=params, dtype=dtype, trainable_params=trainable_params,
+                         numels=tuple(numels), hidden_size=info.hidden_size, lora=lora is not None, current=current,
+                         source=info.source, **request)
 
 
 def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:

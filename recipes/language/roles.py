@@ -185,8 +185,8 @@ class TrainableRole(RoleConfig):
                          max_grad_norm=self.max_grad_norm)
 
     def spec(self, model: Callable[[], Any], *, seed: int = 0, name: str | None = None, total_steps: int = 0,
-             rows: int = 1, accum: int = 1, lora_targets: Sequence[str] = (), lora_init: bool | str = True,
-             eps: float = 1e-8) -> Any:
+             rows: int = 1, accum: int = 1, lora_targets: Sequence[str] = tuple(LORA_TARGETS),
+             lora_init: bool | str = True, eps: float = 1e-8) -> Any:
         """The RoleSpec the registry builds: ``model()`` under this role's placement, its optimizer over
         ``total_steps``, ``rows`` x micro_batch_size rows per forward (a DPO pair is 2 rows), ``accum`` x grad_accum
         backward passes per step, LoRA (``lora_targets``/``lora_init``: the family's) and gradient checkpointing."""

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import assert_keys_read
 
 pytestmark = pytest.mark.distributed

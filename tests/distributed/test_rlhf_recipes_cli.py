@@ -82,6 +82,7 @@ def grpo(tmp_path_factory):
         "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
     resumed = root / "resumed"
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
+        "checkpoint.keep_last=2",
         f"roles.actor.model={out}/sft/export/actor", f"resume_from={out}/checkpoints/step_00000002", *common)
     return {"root": root, "out": out, "resumed": resumed}
 
@@ -122,6 +123,13 @@ def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
     assert (out / "sft" / "export" / "actor" / "config.json").is_file()  # the SFT actor was trained first
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()
+
+
+def test_grpo_runs_read_every_key(grpo):
+    assert_keys_read(grpo["out"], "rlhf_grpo")
+    # the resumed run is given the first run's SFT actor and the user's data: no tiny model is built or trained
+    assert_keys_read(grpo["resumed"], "rlhf_grpo", ("tiny.hidden", "tiny.layers", "actor_sft.config",
+                                                    "actor_sft.overrides"))
 
 
 def test_grpo_resume_continues_bit_for_bit(grpo):

@@ -3,21 +3,14 @@ and its gathered export loading with AutoModelForSequenceClassification in a fre
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import launch
+from conftest import GIVEN_MODELS, PPO_PLAIN, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
-
-
-def _migrated(recipe: str) -> bool:
-    """Whether ``recipe``'s module is on the recipe contract yet (it defines RECIPE; read, not imported)."""
-    return "\nRECIPE = " in Path(importlib.util.find_spec(f"multiengine.recipes.{recipe}").origin).read_text()
 
 
 def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
@@ -51,7 +44,6 @@ def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
     assert got["scores"] == pytest.approx(ranks[0]["expected"], abs=1e-5)
 
 
-@pytest.mark.skipif(not _migrated("rlhf_ppo"), reason="rlhf_ppo is not on the recipe contract yet")
 def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
     """rlhf_ppo with a word-level actor and a TRL-style sequence-classification reward model whose tokenizer is
     sub-word BPE: reward (ZeRO-3) and critic (ZeRO-3, from the same folder) read the actor's texts re-encoded."""
@@ -68,6 +60,7 @@ def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
         assert len(r["steps"]) == 2 and all(s["value_loss"] == s["value_loss"] for s in r["steps"])
         assert r["critic_head_moved"] > 0
     assert ranks[0]["scores"] != ranks[1]["scores"]  # each rank scored its own prompts
+    assert_keys_read(tmp_path / "run", "rlhf_ppo", (*GIVEN_MODELS, *PPO_PLAIN))
     code = (
         "import json\n"
         "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"

@@ -4,6 +4,8 @@ the defaults unchanged, and the trainer paths they switch on, in one process on 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
@@ -15,6 +17,7 @@ from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.rewards import reward_function
 from multiengine.pipelines.rlhf.roles import causal_lm
 from multiengine.pipelines.rlhf.rollout import Experience, RolloutSpec, concat_experiences
+from multiengine.recipes.language.config import RecipeConfigError, checked_config
 
 
 @pytest.mark.parametrize("values, message", [
@@ -27,8 +30,8 @@ from multiengine.pipelines.rlhf.rollout import Experience, RolloutSpec, concat_e
     ({"dynamic_sampling": True, "max_resample_rounds": 0}, "max_resample_rounds=0 must be >= 1"),
     ({"overlong_penalty": 0.5}, "overlong_penalty=0.5 applies only when overlong_buffer is set"),
     ({"env": "builtin:chess"}, "env='builtin:chess' must be .*builtin:arithmetic or module:factory"),
-    ({"env": "builtin:arithmetic", "overlong_buffer": 2}, "overlong_buffer=2 applies only with env="),
-    ({"env": "builtin:arithmetic", "no_eos_penalty": 1.0}, "no_eos_penalty=1.0 applies only with env="),
+    ({"env": "builtin:arithmetic", "overlong_buffer": 2}, "overlong_buffer=2 applies only while env is empty"),
+    ({"env": "builtin:arithmetic", "no_eos_penalty": 1.0}, "no_eos_penalty=1.0 applies only while env is empty"),
     ({"env": "builtin:arithmetic", "max_turns": 0}, "max_turns=0 must be >= 1"),
     ({"max_total_tokens": 64}, "max_total_tokens=64 applies only when env is set"),
 ])
@@ -45,6 +48,29 @@ def test_env_settings_of_other_sections_are_refused():
     with pytest.raises(SettingsError, match="grpo.env' cannot be loaded.*cannot import"):
         multiturn.check_env_settings("no_such_module_here:make", False, "gather")
     multiturn.check_env_settings("builtin:arithmetic", False, "gather")
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("tiny", ["grpo.loss_agg=token_mean"], "'grpo.loss_agg' .* is now 'grpo.loss_aggregation'"),
+    ("tiny", ["grpo.overlong_buffer=9"], "'grpo.overlong_buffer' exceeds generation.max_new_tokens=8"),
+    ("tiny", ["grpo.env=builtin:arithmetic"], "'grpo.env' .* environment's reward alone.*reward.functions=\\[\\]"),
+    ("tiny_multiturn", ["generation.mode=per_token"], "'generation.mode' cannot run grpo.env.*gather"),
+    ("tiny_multiturn", ["grpo.overlong_buffer=2"], "'grpo.overlong_buffer' .* applies only while grpo.env is empty"),
+    ("tiny", ["grpo.rollout_batch_size=3"], "'grpo.rollout_batch_size' .* = 24 rows per rank is not a multiple of "
+                                            "roles.actor.micro_batch_size=32"),
+    ("tiny", ["roles.actor.micro_batch_size=16", "roles.actor.grad_accum=3"],
+     "'roles.actor.grad_accum' does not divide the 4 minibatches"),
+])
+def test_rules_across_sections_are_refused_by_the_recipe(config, overrides, message):
+    with pytest.raises(RecipeConfigError, match=message):
+        checked_config("rlhf_grpo", config, overrides)
+
+
+def test_the_recipe_hands_its_grpo_section_on_whole():
+    cfg = checked_config("rlhf_grpo", "tiny", ["grpo.loss_aggregation=token_mean", "grpo.clip_high=0.28",
+                                               "grpo.dynamic_sampling=true", "grpo.max_resample_rounds=2"])
+    assert isinstance(cfg.grpo, GRPOSettings) and (cfg.grpo.aggregation, cfg.grpo.objective) == ("token_mean", "dapo")
+    assert cfg.grpo.max_resample_rounds == 2
 
 
 def test_defaults_keep_the_plain_grpo_objective_and_the_variant_keys_change_it():
@@ -84,10 +110,10 @@ def assets(tmp_path_factory):
     return {**paths, "tok": tiny.train_tokenizer(tiny.task_vocabulary(), paths["tokenizer"])}
 
 
-def _registry(model: str) -> EngineRegistry:
+def _registry(model: str, micro: int = 4, accum: int = 1) -> EngineRegistry:
     registry = EngineRegistry(backend="torch")
     registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=8),
-                                micro_batch_size=4))
+                                micro_batch_size=micro, grad_accum=accum))
     registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     return registry.build()
 
@@ -167,6 +193,73 @@ def test_multiturn_rollouts_on_the_registry_mask_environment_tokens(tmp_path):
     response = exp.sequences[:, exp.context_length:]
     assert not bool((exp.action_mask & (response == result_id)).any())
     assert exp.sequences.shape[0] == 4 and set(exp.extras) >= {"multiturn/success", "multiturn/turns"}
+    assert exp.logprobs is None  # one epoch, one optimizer step: the update's own log-probs are the old ones
+    episodes.spec = dataclasses.replace(episodes.spec, old_logprobs=True)  # as with more than one pass
+    exp = trainer.make_experience(batch, step=0)
     assert torch.equal(exp.logprobs * ~exp.action_mask, torch.zeros_like(exp.logprobs))
     metrics = trainer.step(batch, step=1)
     assert 1.0 <= metrics["multiturn/turns"] <= 3.0 and "policy_loss" in metrics
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("kw", [{}, {"algorithm": "dr_grpo"}, {"algorithm": "rloo", "kl_coef": 0.0},
+                                {"algorithm": "reinforce_pp", "kl_coef": 0.0}, {"importance_level": "sequence"},
+                                {"clip_high": 0.28, "loss_aggregation": "token_mean"}])
+def test_one_pass_takes_the_old_log_probs_from_the_update_and_gives_the_same_step(assets, monkeypatch, kw, accum):
+    """One epoch and one optimizer step over the rollout, no KL in the reward: the rollout runs no actor forward for
+    the old log-probs (ratio 1 by construction) and the step's losses and the actor's gradients are those of the step
+    with that forward (today's), on the same samples."""
+    from multiengine.pipelines.rlhf import rollout
+
+    tok, rows = assets["tok"], load_rlhf_dataset(assets["data"], "ppo")
+    batch = PromptCollator(tok, 16)([rows[i] for i in range(4)])
+    settings = GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=4, **kw)  # 8 rows
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       [reward_function(lambda prompts, completions: [len(c) / 9.0 for c in completions])],
+                       lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    forwards, runs = [], {}
+    counted = rollout.role_logprobs
+    monkeypatch.setattr(rollout, "role_logprobs", lambda reg, role, *a: forwards.append(role) or counted(reg, role, *a))
+    for today in (True, False):
+        registry = _registry(assets["model"], micro=8 // accum, accum=accum)
+        trainer = GRPOTrainer(registry, settings, spec, 8 // accum)
+        assert not trainer.spec.old_logprobs  # decided from the settings and the accumulation
+        if today:
+            trainer.spec = dataclasses.replace(trainer.spec, old_logprobs=True)
+        grads: dict[str, torch.Tensor] = {}
+        for name, p in registry.role("actor").module.named_parameters():
+            p.register_hook(lambda g, name=name, into=grads: into.__setitem__(name, into.get(name, 0) + g.detach()))
+        forwards.clear()
+        metrics = trainer.step(batch, step=0)
+        runs[today] = (metrics, grads, list(forwards))
+    (m0, g0, f0), (m1, g1, f1) = runs[True], runs[False]
+    assert f0.count("actor") == 1 and f1.count("actor") == 0 and f0.count("ref") == f1.count("ref")
+    assert m1["ratio_mean"] == 1.0 and m1["approx_kl"] == 0.0 and m1["clip_frac"] == 0.0
+    assert m0["reward/group_std"] > 0 and m0["reward/mean"] == m1["reward/mean"]  # the same samples
+    for key in ("policy_loss", "kl", "kl_loss", "entropy"):
+        if key in m0:
+            assert m1[key] == pytest.approx(m0[key], rel=1e-5, abs=1e-7), key
+    assert g0.keys() == g1.keys() and g0
+    for name in g0:
+        assert torch.allclose(g1[name], g0[name], rtol=1e-5, atol=1e-7), name
+    assert any(g.abs().max() > 0 for g in g0.values())
+
+
+@pytest.mark.parametrize("kw, rows_per_micro", [({"epochs": 2}, 8), ({}, 4), ({"algorithm": "rloo"}, 8)])
+def test_what_needs_the_old_log_probs_still_gets_the_rollouts_forward(assets, kw, rows_per_micro):
+    """Two epochs, two optimizer steps per rollout, or the KL in the reward (rloo's default) need the rollout's own
+    log-probs: the actor runs for them, as before."""
+    tok, rows = assets["tok"], load_rlhf_dataset(assets["data"], "ppo")
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       [reward_function(lambda prompts, completions: [len(c) / 9.0 for c in completions])],
+                       lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    registry = _registry(assets["model"], micro=rows_per_micro)
+    trainer = GRPOTrainer(registry, GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=4, **kw), spec,
+                          rows_per_micro)
+    assert trainer.spec.old_logprobs
+    exp = trainer.make_experience(PromptCollator(tok, 16)([rows[i] for i in range(4)]), step=0)
+    assert exp.logprobs is not None and torch.isfinite(exp.logprobs).all()
+    if "algorithm" not in kw:  # more than one pass: the update refuses to go without them
+        exp.logprobs = None
+        with pytest.raises(ValueError, match="no old log-probs"):
+            trainer.train_on(exp, 0)

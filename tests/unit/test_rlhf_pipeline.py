@@ -98,18 +98,19 @@ def test_roles_load_without_dropout_and_lora_trains_only_adapters(assets, tmp_pa
 
 def test_ppo_step_on_the_torch_backend(assets):
     """One process, no DeepSpeed: experience, rewards on the last action, critic warm-up, an actor update."""
-    from multiengine.engines import EngineRegistry, OptimSpec, Placement
+    from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-    from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
     from multiengine.pipelines.rlhf.rollout import RolloutSpec
 
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
     registry = EngineRegistry(backend="torch")
-    model = str(assets["model"])
-    opt = OptimSpec(lr=1e-2, total_steps=4)
-    build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
-                     ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
-                     actor_optim=opt, critic_optim=opt, micro_batch_size=2)
+    model, place, opt = str(assets["model"]), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
+    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("ref", causal_lm(model), place))
+    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("reward", scalar_model(model), place))
+    registry.build()
     settings = PPOSettings(rollout_batch_size=4, epochs=1, critic_warmup_steps=1)
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
                        decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,

@@ -245,7 +245,8 @@ def test_conversations_through_sft_and_grpo(assets, tmp_path):
         f"output_dir={tmp_path / 'grpo'}", f"roles.actor.model={out['export']['actor']['model']}",
         f"data.source={assets['chats']}", "data.eval_split=8", f"reward.functions=[{fn}:length]", "max_steps=2",
         "grpo.n_samples_per_prompt=2", "grpo.rollout_batch_size=2", "roles.actor.micro_batch_size=4", "eval.size=4",
-        "eval.batch_size=4", "eval.every=0", "roles.actor.dtype=fp32", "data.max_prompt_len=24", *QUIET])
+        "eval.batch_size=4", "eval.every=0", "roles.actor.dtype=fp32", "data.max_prompt_len=24",
+        "checkpoint.keep_last=2", *QUIET])
     validate_config("rlhf_grpo", grpo_cfg)
     run = rlhf_grpo.RLHFGRPO(grpo_cfg)
     run.setup()

@@ -92,12 +92,12 @@ def test_bad_reward_entries_name_the_key_and_the_fix(values, message):
 
 @pytest.mark.parametrize("recipe, overrides, message", [
     ("rlhf_grpo", ["grpo.algorithm=ppo"], "'grpo.algorithm' .* must be one of grpo, dr_grpo, rloo, reinforce_pp"),
-    ("rlhf_grpo", ["grpo.n_samples_per_prompt=1"], "n_samples_per_prompt=1 gives zero advantages"),
+    ("rlhf_grpo", ["grpo.n_samples_per_prompt=1"], "'grpo.n_samples_per_prompt' .* gives zero advantages"),
     ("rlhf_grpo", ["grpo.algorithm=reinforce_pp", "grpo.n_samples_per_prompt=1", "grpo.rollout_batch_size=6",
                    "roles.actor.micro_batch_size=4"], "multiple of roles.actor.micro_batch_size=4"),
     ("rlhf_grpo", ["grpo.mini_batch_size=4"], "'grpo.mini_batch_size' .* is now 'roles.actor.micro_batch_size'"),
-    ("rlhf_grpo", ["grpo.kl_in_reward=yes"], "grpo.kl_in_reward='yes'"),
-    ("rlhf_grpo", ["roles.actor.grad_accum=3"], r"roles.actor.grad_accum=3 does not divide the 2 minibatches"),
+    ("rlhf_grpo", ["grpo.kl_in_reward=yes"], "'grpo.kl_in_reward' .* expects bool"),
+    ("rlhf_grpo", ["roles.actor.grad_accum=3"], r"'roles.actor.grad_accum' does not divide the 2 minibatches"),
     ("rlhf_grpo", ["reward.functions=[]"], "no reward source"),
     ("rlhf_grpo", ["reward.functions=[builtin:judgee]"], "no built-in 'judgee'"),
     ("rlhf_grpo", ["generation.mode=hybrid"], "'generation.mode' .* must be one of gather, per_token, got 'hybrid'"),

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from multiengine.engines import EngineRegistry, OptimSpec, Placement, global_moments
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, global_moments, trainable_role
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings
@@ -43,14 +43,16 @@ def test_step_stats_values():
 
 def _ppo(assets):
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-    from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 
     tok = assets["tok"]
     registry = EngineRegistry(backend="torch")
-    model, opt = str(assets["model"]), OptimSpec(lr=1e-2, total_steps=4)
-    build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
-                     ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
-                     actor_optim=opt, critic_optim=opt, micro_batch_size=2)
+    model, place, opt = str(assets["model"]), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
+    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("ref", causal_lm(model), place))
+    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("reward", scalar_model(model), place))
+    registry.build()
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
                        decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
                        critic="critic")

@@ -243,6 +243,51 @@ def test_matches_verl_policy_loss_and_agg_loss(mode):
         close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
 
 
+def verl_compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                     clip_ratio=0.2, clip_ratio_c=3.0):
+    """verl core_algos.compute_policy_loss_vanilla with its defaults (clip_ratio 0.2 both sides, clip_ratio_c 3.0,
+    always on) and agg_loss: (pg_loss, pg_clipfrac, pg_clipfrac_lower)."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = (torch.gt(pg_losses2, pg_losses1).float() * response_mask).sum() / response_mask.sum()
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    lower = torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float()
+    pg_clipfrac_lower = (lower * response_mask).sum() / response_mask.sum()
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    return verl_agg_loss(pg_losses, response_mask, loss_agg_mode, scale=9), pg_clipfrac, pg_clipfrac_lower
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_ppo_entry_with_dual_clip_3_is_verls_vanilla_policy_loss(mode):
+    """verl's vanilla loss always caps negative-advantage tokens at clip_ratio_c = 3; GRPO's and PPO's default
+    (dual_clip 0) has no cap, and dual_clip=3.0 reproduces verl's: token-level advantages, same random inputs."""
+    from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings
+
+    reached = 0.0
+    for seed in range(4):
+        logp, old, _, mask = random_batch(seed, masked_row=False)
+        a = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed + 10))
+        ref, clipfrac, lower = verl_compute_policy_loss_vanilla(old, logp, a, mask, mode)
+        if mode == "seq-mean-token-sum-norm":  # verl sums over rows; Dr. GRPO (and TRL) take the mean of rows
+            ref = ref / mask.shape[0]
+        g_ref = torch.autograd.grad(ref, logp)[0]
+        inputs = losses.PolicyLossInputs(logp, old, a, mask, mode.replace("-", "_"), horizon=9)
+        for settings in (GRPOSettings(dual_clip=3.0), PPOSettings(dual_clip=3.0)):
+            ours, stats = losses.policy_loss("ppo", inputs, settings)
+            close(ours, ref)
+            close(torch.autograd.grad(ours, logp)[0], g_ref)
+            close(stats["clip_frac"], clipfrac)
+            close(stats["dual_clip_frac"], lower)
+        plain, _ = losses.policy_loss("ppo", inputs, GRPOSettings())  # the default: no cap
+        reached += float(lower)
+        assert float(lower) == 0 or abs(float(plain) - float(ref)) > 1e-4
+    assert reached > 0  # the inputs reach the cap
+
+
 def test_gspo_token_matches_verl_gspo_and_trl_sequence():
     for seed in range(4):
         for masked_row in (False, True):

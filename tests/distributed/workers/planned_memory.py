@@ -14,12 +14,13 @@ import os
 import sys
 
 from common import dump, finish
-from multiengine.engines.recipe_config import load_config, load_recipe
+from multiengine.recipes.language.config import load_config, load_recipe
 
-QUIET = ["max_steps=1", "checkpoint.every=0", "tensorboard=false", "plot=false", "export.enabled=false"]
+QUIET = ["max_steps=1", "checkpoint.every=0", "checkpoint.keep_last=2", "tensorboard=false", "plot=false",
+         "export.enabled=false"]
 # The smallest sd_finetune run that still takes one optimizer step (Adam state exists) and builds every role.
-SD_SMALL = ["data.resolution=32", "validation.enabled=false", "eval.heldout_size=2",
-            "eval.timesteps=1", "ema.enabled=true"]
+SD_SMALL = ["data.resolution=32", "validation.enabled=false", "validation.guidance_scale=null", "export.roles=[]",
+            "eval.heldout_size=2", "eval.timesteps=1", "ema.enabled=true"]
 FAMILY_ROLES = {"sdxl": ("unet", "vae", "text_encoder", "text_encoder_2"),
                 "sd3": ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
                 "flux": ("transformer", "vae", "text_encoder", "text_encoder_2")}

@@ -29,16 +29,18 @@ from multiengine.engines import (
     ShardedBatches,
     apply_lora,
     barrier,
+    frozen_role,
     save_role,
+    trainable_role,
 )
-from multiengine.engines.recipe_config import load_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 from multiengine.pipelines.rlhf.rollout import RolloutSpec
 from multiengine.recipes import rlhf_ppo
+from multiengine.recipes.language.config import load_config
 from transformers import AutoTokenizer
 
 ROOT = out_dir()
@@ -74,12 +76,16 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
     registry = EngineRegistry()
     opt = OptimSpec(lr=lr, betas=(0.9, 0.95), total_steps=10)
     lora_cfg = LORA if lora else None
-    build_rlhf_roles(
-        registry, MODEL, MODEL, MODEL, actor=Placement(actor_stage, "fp32"), critic=Placement(critic_stage, "fp32"),
-        ref=ref or Placement(actor_stage, "fp32"), reward=reward or Placement(critic_stage, "fp32"),
-        ema=Placement(actor_stage, "fp32") if ema else None,
-        actor_optim=opt, critic_optim=opt, micro_batch_size=2, actor_lora=lora_cfg, critic_lora=lora_cfg,
-        actor_gradient_checkpointing=checkpointing, critic_gradient_checkpointing=checkpointing, seed=0)
+    actor, critic = Placement(actor_stage, "fp32"), Placement(critic_stage, "fp32")
+    reward = reward or critic
+    trained = {"micro_batch_size": 2, "lora": lora_cfg, "gradient_checkpointing": checkpointing, "seed": 0}
+    registry.add(trainable_role("actor", causal_lm(MODEL), actor, opt, **trained))
+    registry.add(frozen_role("ref", causal_lm(MODEL), ref or actor))
+    registry.add(trainable_role("critic", scalar_model(MODEL, zero3=critic_stage == 3), critic, opt, **trained))
+    registry.add(frozen_role("reward", scalar_model(MODEL, zero3=reward.stage == 3), reward))
+    if ema:
+        registry.add(frozen_role("ema", causal_lm(MODEL), actor, stateful=True, lora=lora_cfg, seed=0))
+    registry.build()
     settings = settings or PPOSettings(rollout_batch_size=4, epochs=2)
     spec = RolloutSpec(GenerationSettings(max_new_tokens=6, mode=mode), EOS, PAD, decode=decode, judge=tiny.judge,
                        critic="critic")
@@ -229,17 +235,24 @@ COMMON = [
 
 
 def recipe_run(name: str, *overrides: str) -> dict:
-    cfg = load_config("rlhf_ppo", None, [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides])
-    job = rlhf_ppo.RLHFPPO(cfg)
-    job.setup()
-    start = job.step
-    job.train()
-    out = {"start": start, "steps": [{k: m[k] for k in (*KEYS, "kl_coef") if k in m} for m in job.step_metrics],
-           "prompts": job.prompts.state_dict(), "kl_coef": job.trainer.kl_ctl.value,
-           "lr": job.registry["actor"].get_lr()[0], "eval_after": job.history[-1]["judge"]}
-    job.close()
-    free(job)
-    return out
+    """A run of the recipe through its main (summary.json and the key reads written), probed at its end."""
+    probe: dict = {}
+
+    class Probed(rlhf_ppo.RLHFPPO):
+        def train(self) -> None:
+            probe["start"] = self.step
+            super().train()
+
+        def close(self) -> None:
+            probe.update(steps=[{k: m[k] for k in (*KEYS, "kl_coef") if k in m} for m in self.step_metrics],
+                         prompts=self.prompts.state_dict(), kl_coef=self.trainer.kl_ctl.value,
+                         lr=self.registry["actor"].get_lr()[0], eval_after=self.history[-1]["judge"],
+                         out_dir=self.output_dir)
+            super().close()
+
+    Probed.main(load_config("rlhf_ppo", None, [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides]))
+    free()
+    return probe
 
 
 full = recipe_run("full")
