@@ -208,6 +208,7 @@ class EngineRegistry:
         self._param_owner: dict[int, str] = {}
         self._nonfinite_guards: dict[str, Any] = {}
         self._nonfinite_queue: list[_nonfinite.NonFiniteUpdate] = []
+        self._rollouts: dict[str, Any] = {}
 
     # --- the map ------------------------------------------------------------------------------
     @property
@@ -438,6 +439,19 @@ class EngineRegistry:
             if had_checkpointing:
                 set_gradient_checkpointing(module, True)
 
+    def add_rollout(self, name: str, engine: Any) -> None:
+        """An inference engine that generates for role ``name`` (vllm_rollout.VLLMRollout): synced from the role by
+        :meth:`rollout`, shown in :meth:`memory_report`, closed with the registry."""
+        self._rollouts[name] = engine
+
+    def rollout(self, name: str) -> Any | None:
+        """Role ``name``'s rollout engine holding the role's current weights (synced when it stepped since the last
+        sync, or was loaded from a checkpoint; collective), or None."""
+        engine = self._rollouts.get(name)
+        if engine is not None and engine.version != int(self.role(name).engine.global_steps):
+            engine.sync(self.role(name).module, int(self.role(name).engine.global_steps))
+        return engine
+
     # --- a loss over several trainable roles -----------------------------------------------------------
     def _roles_reached(self, loss: torch.Tensor) -> set[str]:
         """Trainable roles whose parameters the autograd graph of ``loss`` reaches."""
@@ -558,7 +572,8 @@ class EngineRegistry:
     # --- reports, checkpoints, exports -------------------------------------------------------------------
     def memory_report(self) -> _memory.MemoryReport:
         """Per role: stage, trainable, parameters on this rank / total, bytes of params, grads, optimizer state."""
-        return _memory.MemoryReport([_memory.role_memory(r, self.world_size) for r in self.roles()])
+        return _memory.MemoryReport([*(_memory.role_memory(r, self.world_size) for r in self.roles()),
+                                     *(engine.memory(name) for name, engine in self._rollouts.items())])
 
     def save_checkpoint(self, save_dir: str, client_state: dict[str, Any] | None = None, tag: str | None = None,
                         keep_last: int | None = None) -> str:
@@ -579,6 +594,8 @@ class EngineRegistry:
                                         " add_state); it was written by a run that did not register them.")
         for name, obj in self._states.items():
             obj.load_state_dict(saved[name])
+        for engine in self._rollouts.values():
+            engine.version = None  # synced again before its next rollout
         self._restored_from = load_dir
         return state
 
@@ -593,6 +610,9 @@ class EngineRegistry:
 
     def close(self) -> None:
         """End of the run, on every rank: drop the engines and leave the process group cleanly."""
+        for engine in self._rollouts.values():
+            engine.close()
+        self._rollouts.clear()
         self._roles.clear()
         self._param_owner.clear()
         shutdown()

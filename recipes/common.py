@@ -311,7 +311,7 @@ def lm_info(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None,
 
     from multiengine.pipelines.rlhf.tiny import tiny_model_info
 
-    build = functools.partial(tiny_model_info, *(tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.seed)))
+    build = functools.partial(tiny_model_info, *(tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.seed, cfg.tiny.heads)))
     if not model and not (assume and role in assume):
         return build()
     return plans.resolve_model(str(model), role, assume=assume, tiny=build)

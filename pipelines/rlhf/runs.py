@@ -30,7 +30,8 @@ def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0,
         # held-out accuracy, which PPO then exploits; 512 evaluation prompts: a judge mean over 256 sampled
         # answers has a standard error of ~0.02
         size = size or tiny.TinySettings()
-        tiny.prepare_builtin(root, seed=seed, hidden=size.hidden, layers=size.layers, n_reward=30000, n_eval=512)
+        tiny.prepare_builtin(root, seed=seed, hidden=size.hidden, layers=size.layers, heads=size.heads, n_reward=30000,
+                            n_eval=512)
         with open(done, "w") as f:
             f.write("ok\n")
     barrier()

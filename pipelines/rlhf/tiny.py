@@ -330,6 +330,8 @@ class TinySettings(Settings):
 
     hidden: int = setting(64, "width of the random tiny model (roles whose model is \"\")", Range(8))
     layers: int = setting(2, "layers of the random tiny model", Range(1))
+    heads: int = setting(0, "attention heads (0 = hidden / 16: head size 16; vLLM on CPU needs head size >= 32)",
+                         Range(0))
 
 
 # The decoder families users bring, as tiny configs: each entry maps the sizes below to that family's own
@@ -339,13 +341,13 @@ TINY_FAMILIES: tuple[str, ...] = ("opt", "gpt2", "gpt_neox", "llama", "mistral",
 
 
 def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, *, pad_token_id: int = 0,
-                   bos_token_id: int = 1, eos_token_id: int = 2, max_positions: int = 128) -> Any:
+                   bos_token_id: int = 1, eos_token_id: int = 2, max_positions: int = 128, heads: int = 0) -> Any:
     """A transformers config of a tiny decoder of ``family`` (a :data:`TINY_FAMILIES` ``model_type``): ``hidden``
-    wide, ``layers`` deep, ``hidden // 16`` heads (half as many key/value heads where the family has grouped-query
+    wide, ``layers`` deep, ``heads`` heads (0 = ``hidden // 16``; half as many key/value heads where the family has grouped-query
     attention), no dropout; ValueError naming the known families for another one."""
     from transformers import AutoConfig
 
-    heads = max(1, hidden // 16)
+    heads = heads or max(1, hidden // 16)
     ids = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id,
            "eos_token_id": eos_token_id}
     rope = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
@@ -375,7 +377,7 @@ def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int =
 
 
 def build_tiny_causal_lm(out_dir: str | Path, tokenizer_dir: str | Path, hidden: int = 64, layers: int = 2,
-                         seed: int = 0, family: str = "opt") -> Path:
+                         seed: int = 0, family: str = "opt", heads: int = 0) -> Path:
     """A randomly initialised tiny causal LM of ``family`` (:func:`tiny_lm_config`; no dropout, so actor and ref
     agree token for token; 128 positions) saved with its tokenizer to ``out_dir`` (returned as a Path)."""
     import torch
@@ -385,7 +387,7 @@ def build_tiny_causal_lm(out_dir: str | Path, tokenizer_dir: str | Path, hidden:
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
     config = tiny_lm_config(family, len(tokenizer), hidden, layers, pad_token_id=tokenizer.pad_token_id,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, heads=heads)
     # Seed only a private generator state: the caller's global RNG stream is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -401,7 +403,7 @@ def build_tiny_causal_lm(out_dir: str | Path, tokenizer_dir: str | Path, hidden:
 
 
 @functools.cache
-def tiny_model_info(hidden: int, layers: int, seed: int = 0) -> ModelInfo:
+def tiny_model_info(hidden: int, layers: int, seed: int = 0, heads: int = 0) -> ModelInfo:
     """The memory planner's view of the random tiny OPT the RLHF recipes build (built in a temporary folder to
     read its headers: it is a few hundred KB)."""
     from multiengine.engines import planner as P
@@ -409,18 +411,20 @@ def tiny_model_info(hidden: int, layers: int, seed: int = 0) -> ModelInfo:
     with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
         tok = os.path.join(tmp, "tokenizer")
         train_tokenizer(task_vocabulary(), tok)
-        model = build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed)
+        model = build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed,
+                                     heads=heads)
         info = P.model_info(str(model))
     return P.ModelInfo(source=f"the recipes' tiny OPT (hidden {hidden}, {layers} layers)", tensors=info.tensors,
                        config=info.config, class_name=info.class_name)
 
 
-def prepare_builtin(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
+def prepare_builtin(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 0,
                     **sizes: int) -> dict[str, Path]:
     """The built-in task's data (``data``: a folder of ``{split}.jsonl``, and each split by name), ``tokenizer`` and
     random tiny ``model`` under ``out_dir``."""
     out = Path(out_dir)
     paths = write_builtin_dataset(out / "data", seed, **sizes)
     train_tokenizer(task_vocabulary(), out / "tokenizer")
-    model_dir = build_tiny_causal_lm(out / "model", out / "tokenizer", hidden=hidden, layers=layers, seed=seed)
+    model_dir = build_tiny_causal_lm(out / "model", out / "tokenizer", hidden=hidden, layers=layers, seed=seed,
+                                     heads=heads)
     return {"data": out / "data", **paths, "tokenizer": out / "tokenizer", "model": model_dir}
