@@ -210,8 +210,8 @@ class Satisfies(Check):
 def setting(default: Any, help: str, check: Check | list[Check] | None = None, *, when: str = "",
             example: Any = None) -> Any:
     """A settings field: its default (lists and dicts are copied per object), one line of help, its check(s) and
-    ``when``: the sibling field that must be set (``"name"``: truthy; ``"name=value"``) for this one to differ from
-    its default. ``example``: a valid value other than the default, where none can be derived from the type and check
+    ``when``: the sibling field that must be set (``"name"``: truthy; ``"name=value"``; a dotted name is a key from the
+    config's root, e.g. ``"generation.engine=vllm"``) for this one to differ from its default. ``example``: a valid value other than the default, where none can be derived from the type and check
     (the test that every key changes what a run builds sets it)."""
     checks = tuple(check) if isinstance(check, (list, tuple)) else (check,) if check is not None else ()
     meta = {"help": help, "checks": checks, "when": when, "example": example}
@@ -346,7 +346,8 @@ class Settings:
             if found is not None:
                 raise FieldError(f.name, value, *found)
             when = f.metadata.get("when")
-            if when and not when_holds(when, lambda name: getattr(self, name)) and value != _field_default(f):
+            if when and "." not in when.partition("=")[0] and not when_holds(when, lambda name: getattr(self, name)) \
+                    and value != _field_default(f):  # a dotted name is a key of the whole config: checked there
                 raise FieldError(f.name, value, when_problem(when), f"set {when}, or leave {f.name} at its default "
                                  f"{_field_default(f)!r}")
         self.check()

@@ -16,7 +16,7 @@ from multiengine.engines.settings import Settings, setting
 from multiengine.pipelines.checks import check_model, check_stage_batches, check_tokenizer
 from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 from multiengine.recipes.language import plans
-from multiengine.recipes.language.config import RecipeConfigError, load_config
+from multiengine.recipes.language.config import RecipeConfigError, config_problem, load_config
 from multiengine.recipes.language.lifecycle import Recipe
 
 __all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "ExportSettings",
@@ -182,6 +182,43 @@ def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun
             settings._READS |= reads
 
 
+ROLLOUT_ROLE_HELP = ("the vLLM engine generating the {of}'s rollouts on every rank (generation.engine=vllm), its weights "
+                     "synced from the {of} after each optimizer step; docs/vllm.md")
+ROLLOUT_SUMMARY = ("rollout/sync_s", "rollout/sync_bytes", "rollout/logprob_mismatch")
+
+
+def check_rollout(cfg: Any, seq_len: int, role: str = "actor") -> None:
+    """generation.engine=vllm: vLLM installed and able to run ``roles.<role>``'s model (head size on CPU, family),
+    ``roles.rollout`` within its means (max_model_len >= ``seq_len``: vLLM silently cuts longer answers; tensor
+    parallelism and sleep mode need GPUs)."""
+    import torch
+    from multiengine.engines.vllm_rollout import RolloutEngineError, check_supported
+
+    if cfg.generation.engine != "vllm":
+        return
+    r, model = cfg.roles.rollout, cfg.roles[role].model
+    if r.max_model_len and r.max_model_len < seq_len:
+        raise config_problem("roles.rollout.max_model_len", r.max_model_len, f"is shorter than a rollout ({seq_len} "
+                             "tokens: prompt + new tokens); vLLM would cut answers short", f"set it >= {seq_len}, or 0")
+    if model:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model).to_dict()
+    else:
+        from multiengine.pipelines.rlhf.tiny import tiny_lm_config
+
+        config = {**tiny_lm_config("opt", 512, cfg.tiny.hidden, cfg.tiny.layers, heads=cfg.tiny.heads).to_dict(),
+                  "architectures": ["OPTForCausalLM"]}
+    try:
+        check_supported(config, r.engine_settings(seq_len, cfg.seed), "cuda" if torch.cuda.is_available() else "cpu")
+    except RolloutEngineError as err:
+        key = {"package": "generation.engine", "head_size": f"roles.{role}.model" if model else "tiny.heads",
+               "architecture": f"roles.{role}.model"}.get(err.what, f"roles.rollout.{err.what}")
+        fix = f"tiny.heads={cfg.tiny.hidden // 32} (head size 32)" if key == "tiny.heads" else err.fix
+        raise config_problem(key, err.value if key != "generation.engine" else "vllm",
+                             f"cannot run with generation.engine=vllm: {err.problem}", fix) from None
+
+
 # --- the recipes' base: their checks and setup -----------------------------------------------------------------------
 class RLHFRecipe(Recipe):
     """A recipe of this family: its checks' errors are config errors, and its setup reads the shared sections."""
@@ -249,6 +286,22 @@ class RLHFRecipe(Recipe):
         return RolloutSpec(a.sampled, tok.eos_token_id, tok.pad_token_id, rewards,
                            lambda ids: tok.batch_decode(ids.cpu(), skip_special_tokens=True), a.judge,
                            seed=self.cfg.seed, **roles)
+
+    def add_rollout(self, path: str, seq_len: int, role: str = "actor") -> None:
+        """With generation.engine=vllm: roles.rollout's vLLM engine on every rank, started from ``path`` (``role``'s
+        initial folder) and synced from ``role`` before each rollout that follows an optimizer step."""
+        if self.cfg.generation.engine != "vllm":
+            return
+        from multiengine.engines.vllm_rollout import VLLMRollout
+
+        settings = self.cfg.roles.rollout.engine_settings(seq_len, self.cfg.seed)
+        self.registry.add_rollout(role, VLLMRollout(path, settings, self.registry.device.type))
+
+    def rollout_summary(self) -> dict[str, Any]:
+        """The means of the rollout engine's per-step figures (sync time and bytes, log-prob mismatch); {} with hf."""
+        if self.cfg.generation.engine != "vllm":
+            return {}
+        return {f"{key}_mean": self.mean_step_metric(key) for key in ROLLOUT_SUMMARY}
 
     def load_data(self, stage: str, assets: dict[str, str], *, eval_stage: str | None = None, source: Any = None,
                   evaluate: bool = True) -> Any:

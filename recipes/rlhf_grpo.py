@@ -71,6 +71,7 @@ class RLHFGRPO(common.RLHFRecipe):
              weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER),
         Role("reward", "the frozen `reward` role (when reward.models names it) and the placement of every reward "
                        "model (each reward.models entry may override)", follows="actor"),
+        Role("rollout", common.ROLLOUT_ROLE_HELP.format(of="actor"), follows="actor", rollout=True),
     )
     Config = GRPOConfig
     renamed = common.old_keys("actor", "model.actor", **{
@@ -116,10 +117,16 @@ class RLHFGRPO(common.RLHFRecipe):
                                  "minibatches of a rollout (grpo.rollout_batch_size x grpo.n_samples_per_prompt / "
                                  "roles.actor.micro_batch_size)", "change one of them")
         common.check_model("roles.ref.model", cfg.roles.ref.model)
+        common.check_rollout(cfg, cls.sequence_length(cfg))
         models, _ = cls.rewards_of(cfg, strict=False)
         _, report = common.check_prompts_and_rewards(cfg, models)
         common.check_sft_run(cfg, "actor_sft", "actor", world_size)
         cls.check_batches(cfg, report, world_size)
+
+    @staticmethod
+    def sequence_length(cfg: GRPOConfig) -> int:
+        """The longest sequence a rollout holds: prompt + answer, or a multi-turn episode."""
+        return cfg.grpo.max_total_tokens if cfg.grpo.env else cfg.data.max_prompt_len + cfg.generation.max_new_tokens
 
     @classmethod
     def check_batches(cls, cfg: GRPOConfig, report: dict[str, Any] | None, world_size: int,
@@ -185,6 +192,7 @@ class RLHFGRPO(common.RLHFRecipe):
         self.paths.update({m.role: m.path for m in reward_roles})
         self.add_reward_roles(reward_roles)
         registry.build()
+        self.add_rollout(actor_path, self.sequence_length(cfg))
         self.reward_role = reward_roles[0].role if reward_roles else None
 
         # sampled (and greedy) answers to the evaluation prompts, judged on the built-in task; rollouts sample alike
@@ -229,7 +237,8 @@ class RLHFGRPO(common.RLHFRecipe):
         return {"algorithm": g.algorithm, "loss_agg": g.aggregation, "kl_in_reward": g.resolved_kl_in_reward,
                 "final": self.step_metrics[-1] if self.step_metrics else {},
                 "generation_mode": self.cfg.generation.mode,
-                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.eval_figures(figures)}
+                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.rollout_summary(),
+                **self.eval_figures(figures)}
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths, "rewards": [{"name": r.name, "weight": r.weight,

@@ -22,7 +22,7 @@ from .ppo import truncate_after_eos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "generate", "position_ids_from_mask"]
+__all__ = ["GenerationSettings", "generate", "position_ids_from_mask", "vllm_generate"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,10 @@ class GenerationSettings(Settings):
     top_k: int = setting(0, "0 = off", Range(0))
     top_p: float = setting(1.0, "nucleus sampling (1 = off)", Range(0, 1, min_exclusive=True))
     mode: str = setting("gather", "gather (the actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)",
-                        Choice("gather", "per_token"))
+                        Choice("gather", "per_token"), when="engine=hf")
+    engine: str = setting("hf", "hf (transformers generate on the actor) | vllm (the rollout role's vLLM engine, its "
+                                "weights synced from the actor after each step: roles.rollout.*, docs/vllm.md)",
+                          Choice("hf", "vllm"))
     # greedy answers are the same settings with do_sample off (not a config key: a run samples, eval.greedy adds these)
     do_sample: bool = dataclasses.field(default=True, metadata={"hidden": True})
 
@@ -73,6 +76,8 @@ def generate(
         ``[B, T]`` response tokens (``T <= max_new_tokens``), padded with ``pad_token_id`` after the
         first EOS (rows that stopped early are not continued into the padding).
     """
+    if settings.engine == "vllm":
+        return vllm_generate(registry, input_ids, attention_mask, settings, eos_token_id, pad_token_id, role)[0]
     r = registry.role(role)
     synced = settings.mode == "per_token" and r.backend == "deepspeed" and r.stage == 3 and registry.world_size > 1
     kwargs = dict(
@@ -89,3 +94,32 @@ def generate(
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     response = out[:, input_ids.shape[1]:]
     return truncate_after_eos(response, eos_token_id, pad_token_id)
+
+
+def vllm_sampling(settings: GenerationSettings) -> dict[str, float]:
+    """The sampling of ``settings`` as vLLM takes it (temperature 0 = greedy; top_k 0 = off in both)."""
+    if not settings.do_sample:
+        return {"temperature": 0.0}
+    return {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
+
+
+@torch.no_grad()
+def vllm_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  settings: GenerationSettings, eos_token_id: int, pad_token_id: int,
+                  role: str = "actor") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`generate` on role ``role``'s rollout engine (synced from the role first when it stepped; collective),
+    and the log-prob ``[B, T]`` of each sampled token under the sampling distribution (0 after EOS). Request ``i``
+    is seeded from the torch RNG, so a seeded rollout samples the same tokens again."""
+    engine = registry.rollout(role)
+    if engine is None:
+        raise ValueError(f"generation.engine=vllm but role {role!r} has no rollout engine (registry.add_rollout).")
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+    tokens, logps = engine.generate(prompts, settings.max_new_tokens, vllm_sampling(settings), seeds, [eos_token_id])
+    T = max(1, *map(len, tokens))
+    response = torch.full((len(tokens), T), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(len(tokens), T)
+    for i, (ids, lps) in enumerate(zip(tokens, logps)):
+        response[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        logprobs[i, :len(lps)] = torch.tensor(lps)
+    return response.to(input_ids.device), logprobs.to(input_ids.device)

@@ -33,7 +33,7 @@ from multiengine.engines.settings import Choice, FieldError, Range, Satisfies, S
 
 from .advantages import CRITIC_FREE, critic_free_advantages, overlong_penalty
 from .dynamic_sampling import DynamicSampler, collect_groups, group_row_indices, round_seed
-from .losses import IMPORTANCE_LEVELS, LOSS_AGG_MODES
+from .losses import IMPORTANCE_LEVELS, LOSS_AGG_MODES, ROLLOUT_IS_HELP
 from .multiturn import BUILTIN_ENVS, MultiTurnRollouts
 from .ppo_trainer import DUAL_CLIP
 from .rewards import RewardSource, RunningMoments, check_sources
@@ -102,6 +102,7 @@ class GRPOSettings(Settings):
     clip_reward: float = setting(5.0, "0 = no clipping", Range(0))
     no_eos_penalty: float = setting(0.0, "> 0: subtracted from the score of answers without EOS (single answers)",
                                     Range(0), when="env=")
+    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0), when="generation.engine=vllm")
     shuffle_minibatches: bool = setting(True, "seeded minibatch order")
     flat_warn_share: float = setting(0.8, "warn when more than this share of groups has all-equal rewards (1 = "
                                           "never) ...", Range(0, 1))

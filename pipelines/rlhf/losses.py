@@ -93,10 +93,24 @@ class PolicyLossInputs:
     aggregation: str = "token_mean"
     denominator: torch.Tensor | float | None = None
     horizon: int | None = None
+    weights: torch.Tensor | None = None  # [B, T] per-token loss weights (truncated importance sampling); None = 1
 
     def reduce(self, per_token: torch.Tensor) -> torch.Tensor:
+        per_token = per_token if self.weights is None else per_token * self.weights
         return aggregate_loss(per_token, self.mask.to(torch.float32), self.aggregation, self.denominator,
                               self.horizon)
+
+
+ROLLOUT_IS_HELP = ("0 = off; > 0: truncated importance sampling of rollouts from vLLM (TRL's "
+                   "vllm_importance_sampling_correction, verl's TIS): each token's policy loss x min(pi_old / "
+                   "pi_vllm, cap), e.g. 2.0")
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token ``min(exp(old - rollout), cap)``, detached: the policy gradient of tokens sampled by an inference
+    engine whose probabilities differ slightly from the trainer's, corrected towards the trainer's old policy and
+    capped so a rare token cannot dominate (Yao et al. 2025)."""
+    return torch.exp(old_logprobs.float() - rollout_logprobs.float()).clamp(max=cap).detach()
 
 
 PolicyLoss = Callable[[PolicyLossInputs, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -570,6 +570,15 @@ def registry_rollouts(registry: Any, prompts: Sequence[str], make_env: Callable[
     rank whose episodes take more turns runs more local forwards without the others waiting on it. A ZeRO-3
     actor with ``mode="per_token"`` on several ranks is refused (each token would be a collective, and the
     ranks' turn counts differ)."""
+    caps = dict(seed=seed, max_turns=max_turns, max_total_tokens=max_total_tokens,
+                max_new_tokens=generation.max_new_tokens)
+    if generation.engine == "vllm":  # one request per turn, seeded from the episode's torch RNG
+        from .generation import vllm_sampling
+
+        engine, sampling = registry.rollout(actor), vllm_sampling(generation)
+        return multiturn_rollouts(prompts, make_env, lambda ids, n: engine.generate(
+            [ids], n, sampling, [int(torch.randint(0, 2**31 - 1, ()))], [renderer.eos_token_id])[0][0], renderer,
+            **caps)
     role = registry.role(actor)
     if generation.mode != "gather" and role.stage == 3 and registry.world_size > 1:
         raise ValueError("multi-turn rollouts need generation.mode=gather with a ZeRO-3 actor on several ranks: "
@@ -580,8 +589,7 @@ def registry_rollouts(registry: Any, prompts: Sequence[str], make_env: Callable[
         gen = _engine_generate(module, renderer.eos_token_id, renderer.tokenizer.pad_token_id, generation.temperature,
                                generation.top_k, generation.top_p, generation.do_sample)
         try:
-            return multiturn_rollouts(prompts, make_env, gen, renderer, seed=seed, max_turns=max_turns,
-                                      max_total_tokens=max_total_tokens, max_new_tokens=generation.max_new_tokens)
+            return multiturn_rollouts(prompts, make_env, gen, renderer, **caps)
         finally:
             module.train(was_training)
 

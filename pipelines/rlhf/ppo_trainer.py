@@ -15,6 +15,7 @@ from multiengine.engines import EngineRegistry, ema_update
 from multiengine.engines.settings import Range, Satisfies, Settings, setting
 
 from . import ppo
+from .losses import ROLLOUT_IS_HELP
 from .rewards import RewardSource, RunningMoments, check_sources, reward_model
 from .rollout import Experience, RolloutSpec, StepStats, make_experience, rollout_metrics, sampling_seed, step_timings
 from .update import train_on_experience
@@ -51,6 +52,7 @@ class PPOSettings(Settings):
     ptx_coef: float = setting(0.0, "> 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat",
                               Range(0))
     critic_warmup_steps: int = setting(0, "first N steps train only the critic", Range(0))
+    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0), when="generation.engine=vllm")
     shuffle_minibatches: bool = setting(True, "seeded minibatch order")
 
     # what the update reads beside the fields (update.train_on_experience): PPO's objective, its token mean, and

@@ -29,7 +29,7 @@ import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
-from .generation import GenerationSettings, generate, position_ids_from_mask
+from .generation import GenerationSettings, generate, position_ids_from_mask, vllm_generate
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
@@ -40,7 +40,8 @@ Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
 
 _ROW_TENSORS = ("sequences", "attention_mask", "action_mask", "logprobs", "score", "ref_logprobs", "values",
-                "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index")
+                "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index",
+                "rollout_logprobs")
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Experience:
     critic_sequences: torch.Tensor | None = None
     critic_attention_mask: torch.Tensor | None = None
     critic_index: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None  # [B, T] the rollout engine's (vLLM) of its sampled tokens; None: hf
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
@@ -206,7 +208,14 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     t0 = time.perf_counter()
     torch.manual_seed(sampling_seed(spec.seed, step, registry.rank) if sample_seed is None else sample_seed)
     eos, generation, critic = spec.eos_token_id, spec.generation, spec.critic
-    response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
+    rollout_logprobs, sync = None, {}
+    if generation.engine == "vllm":
+        response, rollout_logprobs = vllm_generate(registry, prompt_ids, prompt_mask, generation, eos,
+                                                   spec.pad_token_id, spec.actor)
+        stats = registry.rollout(spec.actor).take_sync_stats()
+        sync = {"sync_s": stats.seconds, "sync_bytes": float(stats.bytes)}
+    else:
+        response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
     t_gen = time.perf_counter() - t0
 
     # 2. sequences; actions = the prefix up to and including the first EOS (a pad id sampled before it is
@@ -251,8 +260,8 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
         sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
         logprobs=logprobs, score=score, ref_logprobs=ref_logprobs, values=values,
         reward_parts=parts, prompts=prompts, responses=texts, columns=columns, group_size=n_samples_per_prompt,
-        **critic_rows,
-        timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1])},
+        **critic_rows, rollout_logprobs=None if rollout_logprobs is None else rollout_logprobs * action_f,
+        timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1]), **sync},
     )
 
 
@@ -343,6 +352,7 @@ def step_timings(exp: Experience, t_train: float, t_step: float, stats: StepStat
         "time/train_s": t_train,
         "time/step_s": t_step,
         "gen/ms_per_token": 1000.0 * t_gen / max(exp.timings["generation_steps"], 1.0),
+        **{f"rollout/{k}": exp.timings[k] for k in ("sync_s", "sync_bytes") if k in exp.timings},
     }
     own = stats is None
     target = StepStats() if own else stats

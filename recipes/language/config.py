@@ -564,7 +564,7 @@ def check_tree(recipe: str, schema: Node, tree: dict, where: dict[str, str] | No
         source = where.get(path, "the default")
         found = value_problem(path, value, leaf.checks, leaf.annotation, leaf.default)
         if found is None and leaf.when:
-            parent = path.rsplit(".", 1)[0] + "." if "." in path else ""
+            parent = path.rsplit(".", 1)[0] + "." if "." in path and "." not in leaf.when.partition("=")[0] else ""
             if not when_holds(leaf.when, lambda name, p=parent: _lookup(tree, p + name)) and value != leaf.default:
                 found = (when_problem(parent + leaf.when), f"set {parent}{leaf.when}, or drop {path}")
         if found is not None:

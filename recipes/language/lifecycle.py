@@ -322,6 +322,9 @@ class Recipe:
         out = {k: v for k, v in cfg.to_dict().items() if k != "roles"}
         out["roles"] = {}
         for name, role in (cfg.roles.items() if cfg.roles is not None else ()):
+            if not hasattr(role, "spec"):  # a rollout engine: its settings
+                out["roles"][name] = role.to_dict()
+                continue
             spec = role.spec(lambda: None, total_steps=1, lora_targets=("*",)) if role.trainable else \
                 role.spec(lambda: None)
             out["roles"][name] = {**spec.describe(), "model": role.model_path(), "tokenizer": role.tokenizer_path()}

@@ -24,7 +24,8 @@ from multiengine.engines.settings import Choice, Each, Length, Range, Satisfies,
 
 from .config import Key, Node, config_problem, settings_node
 
-__all__ = ["LORA_TARGETS", "FrozenRole", "LoraSettings", "Role", "RoleConfig", "Roles", "TrainableRole", "roles_node"]
+__all__ = ["LORA_TARGETS", "FrozenRole", "LoraSettings", "Role", "RoleConfig", "Roles", "RolloutRole", "TrainableRole",
+           "roles_node"]
 
 # The attention projections of OPT (the embedded tiny model), Llama, Mistral, Qwen and most decoders.
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -198,6 +199,43 @@ class TrainableRole(RoleConfig):
                               gradient_checkpointing=self.gradient_checkpointing, seed=seed)
 
 
+_VLLM = "generation.engine=vllm"
+
+
+@dataclass(frozen=True)
+class RolloutRole(Settings):
+    """An inference engine (vLLM) generating the actor's rollouts on every rank, its weights synced from the actor
+    after each optimizer step (docs/vllm.md); its keys apply with generation.engine=vllm."""
+
+    dtype: str = setting("", "fp32 | bf16 | fp16; \"\" = the actor's dtype", Choice(*DTYPES, ""), when=_VLLM)
+    kv_cache_gb: float = setting(1.0, "KV cache per rank, GiB (GPU: 0 = what gpu_memory_utilization leaves)",
+                                 Range(0), when=_VLLM)
+    max_model_len: int = setting(0, "longest prompt + answer the engine holds; 0 = data.max_prompt_len + "
+                                    "generation.max_new_tokens (multi-turn: grpo.max_total_tokens)", Range(0),
+                                 when=_VLLM)
+    tensor_parallel_size: int = setting(1, "GPUs per engine (consecutive ranks; GPU only)", Range(1), when=_VLLM)
+    gpu_memory_utilization: float = setting(0.3, "GPU: share of the device for the engine's weights + KV cache",
+                                            Range(0, 1, min_exclusive=True), when=_VLLM)
+    sleep: bool = setting(False, "GPU: free the engine's memory between rollouts (vLLM sleep mode)", when=_VLLM)
+
+    def _bind(self, decl: Role, roles: Roles) -> None:
+        object.__setattr__(self, "_decl", decl)
+        object.__setattr__(self, "_roles", roles)
+
+    @property
+    def trainable(self) -> bool:
+        return False
+
+    def engine_settings(self, seq_len: int, seed: int) -> Any:
+        """The engines' VLLMSettings (``seq_len``: max_model_len when the key is 0)."""
+        from multiengine.engines.vllm_rollout import VLLMSettings
+
+        dtype = self.dtype or self._roles[self._decl.follows].effective_dtype
+        return VLLMSettings({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+                            self.max_model_len or seq_len, self.kv_cache_gb, self.gpu_memory_utilization,
+                            self.tensor_parallel_size, self.sleep, seed)
+
+
 @dataclass(frozen=True)
 class Role:
     """One role of a recipe, declared once.
@@ -217,6 +255,7 @@ class Role:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     omit: tuple[str, ...] = ()
     why: str = ""
+    rollout: bool = False  # an inference engine generating for the role it follows (RolloutRole's keys)
 
 
 _FROZEN_NOTE = ("roles.{name} is frozen: it has no {key} (only trainable roles have an optimizer, batches, LoRA and "
@@ -224,6 +263,8 @@ _FROZEN_NOTE = ("roles.{name} is frozen: it has no {key} (only trainable roles h
 
 
 def _role_node(role: Role) -> Node:
+    if role.rollout:
+        return settings_node(RolloutRole, role.help, dict(role.defaults))
     cls = TrainableRole if role.trainable else FrozenRole
     defaults = dict(role.defaults)
     if role.follows:
@@ -270,8 +311,9 @@ class Roles:
         self._configs = dict(configs)
         for name, config in self._configs.items():
             config._bind(self._decl[name], self)
-        for config in self._configs.values():
-            self._check(config)
+        for name, config in self._configs.items():
+            if not self._decl[name].rollout:
+                self._check(config)
 
     def _check(self, role: RoleConfig) -> None:
         key, decl = f"roles.{role.name}", role._decl

@@ -68,7 +68,7 @@ def assert_keys_read(out_dir: Path, recipe: str, unread: tuple[str, ...] = ()) -
 
     missing = []
     for key, leaf in leaves(recipe_schema(load_recipe(recipe))).items():
-        parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        parent = key.rsplit(".", 1)[0] + "." if "." in key and "." not in leaf.when.partition("=")[0] else ""
         if key in read or key in LAUNCH_KEYS or key in unread:
             continue
         if leaf.when and not when_holds(leaf.when, lambda name, p=parent: lookup(p + name)):
