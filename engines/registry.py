@@ -442,6 +442,7 @@ class EngineRegistry:
     def add_rollout(self, name: str, engine: Any) -> None:
         """An inference engine that generates for role ``name`` (vllm_rollout.VLLMRollout): synced from the role by
         :meth:`rollout`, shown in :meth:`memory_report`, closed with the registry."""
+        engine.version = None  # synced from this role before its first rollout
         self._rollouts[name] = engine
 
     def rollout(self, name: str) -> Any | None:
@@ -573,7 +574,7 @@ class EngineRegistry:
     def memory_report(self) -> _memory.MemoryReport:
         """Per role: stage, trainable, parameters on this rank / total, bytes of params, grads, optimizer state."""
         return _memory.MemoryReport([*(_memory.role_memory(r, self.world_size) for r in self.roles()),
-                                     *(engine.memory(name) for name, engine in self._rollouts.items())])
+                                     *(engine.memory(f"rollout ({name})") for name, engine in self._rollouts.items())])
 
     def save_checkpoint(self, save_dir: str, client_state: dict[str, Any] | None = None, tag: str | None = None,
                         keep_last: int | None = None) -> str:

@@ -187,8 +187,9 @@ ROLLOUT_ROLE_HELP = ("the vLLM engine generating the {of}'s rollouts on every ra
 ROLLOUT_SUMMARY = ("rollout/sync_s", "rollout/sync_bytes", "rollout/logprob_mismatch")
 
 
-def check_rollout(cfg: Any, seq_len: int, role: str = "actor") -> None:
-    """generation.engine=vllm: vLLM installed and able to run ``roles.<role>``'s model (head size on CPU, family),
+def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, int, int] | None = None) -> None:
+    """generation.engine=vllm: vLLM installed and able to run ``roles.<role>``'s model (``tiny``: the tiny OPT's
+    hidden, layers, heads when it is empty; default tiny.*) on this machine (head size on CPU, family),
     ``roles.rollout`` within its means (max_model_len >= ``seq_len``: vLLM silently cuts longer answers; tensor
     parallelism and sleep mode need GPUs)."""
     import torch
@@ -203,16 +204,20 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor") -> None:
     if model:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model).to_dict()
+        try:
+            config = AutoConfig.from_pretrained(model).to_dict()
+        except OSError:  # a folder an earlier step writes (rlhf_e2e): checked when that step has run
+            return
     else:
         from multiengine.pipelines.rlhf.tiny import tiny_lm_config
 
-        config = {**tiny_lm_config("opt", 512, cfg.tiny.hidden, cfg.tiny.layers, heads=cfg.tiny.heads).to_dict(),
+        hidden, layers, heads = tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.tiny.heads)
+        config = {**tiny_lm_config("opt", 512, hidden, layers, heads=heads).to_dict(),
                   "architectures": ["OPTForCausalLM"]}
     try:
         check_supported(config, r.engine_settings(seq_len, cfg.seed), "cuda" if torch.cuda.is_available() else "cpu")
     except RolloutEngineError as err:
-        key = {"package": "generation.engine", "head_size": f"roles.{role}.model" if model else "tiny.heads",
+        key = {"package": "generation.engine", "head_size": f"roles.{role}.model" if model or tiny else "tiny.heads",
                "architecture": f"roles.{role}.model"}.get(err.what, f"roles.rollout.{err.what}")
         fix = f"tiny.heads={cfg.tiny.hidden // 32} (head size 32)" if key == "tiny.heads" else err.fix
         raise config_problem(key, err.value if key != "generation.engine" else "vllm",
@@ -413,6 +418,22 @@ def reward_plan(cfg: Any, rows: int, assume: Mapping[str, str] | None) -> tuple[
     return out, infos
 
 
+def rollout_plan(cfg: Any, info: P.ModelInfo) -> list[P.RoleRequest]:
+    """With generation.engine=vllm: the rollout engine of every rank, whole weights (its share under tensor
+    parallelism) and its KV cache, resident for the whole run (sleep mode, GPU, frees them during updates)."""
+    if cfg.generation.engine != "vllm":
+        return []
+    r = cfg.roles.rollout
+    dtype = r.dtype or cfg.roles.actor.effective_dtype
+    element = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    kv = int(r.kv_cache_gb * 2**30)
+    stage0 = plans._current(0, False)
+    return [P.RoleRequest("rollout", info.params // r.tensor_parallel_size + kv // element, dtype, choices=(stage0,),
+                          current=stage0, source=info.source,
+                          note=f"vLLM: {info.params // r.tensor_parallel_size:,} parameters (tensor_parallel_size "
+                               f"{r.tensor_parallel_size}) + KV cache {r.kv_cache_gb:g} GiB")]
+
+
 def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo], ref: bool, rows: int,
                 rollout: int, rewards: plans.RecipePlan, assume: Mapping[str, str] | None = None) -> plans.RecipePlan:
     """rlhf_ppo, rlhf_grpo: the actor generating ``rollout`` rows and updating on its micro batch, the critic where
@@ -427,7 +448,8 @@ def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo
                                             label="experience forward"),
               "ref": plans.lm_role_phases(r.ref, infos.get("ref", infos["actor"]), forward=(rollout, seq),
                                           label="experience forward")}
-    options = {"actor": {"full_gather": ("generation",) if cfg.generation.mode == "gather" else (),
+    gathers = cfg.generation.mode == "gather" and cfg.generation.engine == "hf"  # vllm: the engine generates
+    options = {"actor": {"full_gather": ("generation",) if gathers else (),
                          "gather_hint": "generation.mode=per_token"},
                "ref": plans.gather_options(r.ref, "experience forward")}
     if "critic" in infos:
@@ -436,6 +458,6 @@ def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo
                                                 label="experience forward")
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
     plan = plans.declared_roles(cfg, infos, phases, title=title, notes=[note, *rewards.notes], **options)
-    plan.roles += rewards.roles
+    plan.roles += rewards.roles + rollout_plan(cfg, infos["actor"])
     plan.keys.update(rewards.keys)
     return plan

@@ -95,7 +95,9 @@ class Distill(common.RLHFRecipe):
                   **common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-3, "scheduler": "cosine",
                   "warmup_steps": 20, "micro_batch_size": 16,
                   "model": Key("", "a causal-LM folder or hub name; \"\" = a random tiny model with the teacher's "
-                                   "tokenizer (tiny.student_hidden wide, tiny.student_layers deep)")}))
+                                   "tokenizer (tiny.student_hidden wide, tiny.student_layers deep)")}),
+             Role("rollout", common.ROLLOUT_ROLE_HELP.format(of="student") + " (distill.on_policy_fraction > 0)",
+                  follows="student", rollout=True))
     Config = DistillConfig
     renamed = common.old_keys("student", "model.student", **{
         "model.teacher": "roles.teacher.model", "model.tokenizer": "roles.teacher.tokenizer",
@@ -124,6 +126,9 @@ class Distill(common.RLHFRecipe):
                                     "to the demonstrations' prompts, and text rows have none; use prompt + response or "
                                     "messages rows, or distill.on_policy_fraction=0")
         common.check_sft_run(cfg, "teacher_sft", "teacher", world_size, report)
+        t = cfg.tiny
+        common.check_rollout(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens, "student",
+                             (t.student_hidden, t.student_layers, 0))
         # one stream of micro batches per rank (grad_accum draws it again)
         common.check_stage_batches(report, world_size, key="roles.student.micro_batch_size",
                                    value=student.micro_batch_size)
@@ -165,6 +170,7 @@ class Distill(common.RLHFRecipe):
         self.add_role("teacher", self.teacher_path)
         self.add_role("student", self.student_path, total_steps=cfg.max_steps)
         registry.build()
+        self.add_rollout(self.student_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens, "student")
         # 3. data: demonstrations (prompt + response), evaluation rows never trained on (held-out loss, prompts)
         data = self.load_data("sft", assets)
         collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)

@@ -85,6 +85,7 @@ class RLHFPPO(common.RLHFRecipe):
              omit=("tokenizer",), why=common.REF_TOKENIZER),
         Role("reward", "the frozen reward model: step 2's export or a *ForSequenceClassification model; model \"\" = "
                        "the random tiny model with a fresh head", follows="critic"),
+        Role("rollout", common.ROLLOUT_ROLE_HELP.format(of="actor"), follows="actor", rollout=True),
         Role("ema", "an exponential moving average of the actor (ema.enabled), built at the actor's stage",
              follows="actor", omit=("model", "tokenizer", "stage", "gather_forward"),
              why="the EMA is a copy of the actor at its ZeRO stage: it has a dtype and offload_params only"),
@@ -134,6 +135,7 @@ class RLHFPPO(common.RLHFRecipe):
                                  f"{r.actor.stage}): only ZeRO-3 partitions parameters",
                                  "set roles.actor.stage=3, or roles.ema.offload_params=false")
         common.check_model("roles.ref.model", r.ref.model)
+        common.check_rollout(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
         models, _, critic_path, critic_tok = cls.reward_and_critic(cfg, r.actor.model, r.reward.model)
         actor_tok, report = common.check_prompts_and_rewards(
             cfg, models, (("critic", critic_path, critic_tok, "roles.critic.tokenizer"),))
@@ -223,6 +225,7 @@ class RLHFPPO(common.RLHFRecipe):
             self.add_role("ema", actor_path, stateful=True, lora=r.actor.lora_spec())
         self.add_reward_roles([m for m in reward_roles if m.role != "reward"])
         registry.build()
+        self.add_rollout(actor_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
 
         # 4. the trainer (its state goes into every checkpoint): it samples as the evaluation answers are sampled
         #    and logs the built-in task's judge next to the reward
@@ -280,7 +283,8 @@ class RLHFPPO(common.RLHFRecipe):
                    *(f"reward/{src.name}" for src in self.rewards))
         return {"final": self.step_metrics[-1] if self.step_metrics else {},
                 "generation_mode": self.cfg.generation.mode,
-                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.eval_figures(figures)}
+                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.rollout_summary(),
+                **self.eval_figures(figures)}
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths,

@@ -76,7 +76,7 @@ def generate(
         ``[B, T]`` response tokens (``T <= max_new_tokens``), padded with ``pad_token_id`` after the
         first EOS (rows that stopped early are not continued into the padding).
     """
-    if settings.engine == "vllm":
+    if settings.engine == "vllm" and registry.rollout(role) is not None:  # roles without one: transformers
         return vllm_generate(registry, input_ids, attention_mask, settings, eos_token_id, pad_token_id, role)[0]
     r = registry.role(role)
     synced = settings.mode == "per_token" and r.backend == "deepspeed" and r.stage == 3 and registry.world_size > 1

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 
 from . import ppo
 
-__all__ = ["DPO_LOSSES", "IMPORTANCE_LEVELS", "LOSS_AGG_MODES", "POLICY_LOSSES", "PolicyLossInputs",
+__all__ = ["DPO_LOSSES", "IMPORTANCE_LEVELS", "LOSS_AGG_MODES", "POLICY_LOSSES", "ROLLOUT_IS_HELP", "PolicyLossInputs",
            "aggregate_loss", "chosen_nll", "dpo_loss", "kl_estimate", "kl_loss", "log_importance_weights",
-           "loss_units", "policy_loss", "register_policy_loss", "sequence_log_ratio", "sequence_logprob"]
+           "logprob_mismatch", "loss_units", "policy_loss", "register_policy_loss", "sequence_log_ratio",
+           "sequence_logprob", "truncated_is_weights"]
 
 # token_mean: sum over every valid token / number of valid tokens (PPO, DAPO, REINFORCE++, RLOO);
 # seq_mean_token_mean: mean over tokens within a row, then over rows (the original GRPO);
@@ -104,6 +105,12 @@ class PolicyLossInputs:
 ROLLOUT_IS_HELP = ("0 = off; > 0: truncated importance sampling of rollouts from vLLM (TRL's "
                    "vllm_importance_sampling_correction, verl's TIS): each token's policy loss x min(pi_old / "
                    "pi_vllm, cap), e.g. 2.0")
+
+
+def logprob_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean ``|old - rollout|`` over the actions: how far the inference engine's log-probs of its sampled tokens are
+    from the trainer's."""
+    return ppo.masked_mean((old_logprobs.float() - rollout_logprobs.float()).abs(), mask)
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
 from .generation import position_ids_from_mask
-from .losses import PolicyLossInputs, kl_loss, loss_units, policy_loss, truncated_is_weights
+from .losses import PolicyLossInputs, kl_loss, logprob_mismatch, loss_units, policy_loss, truncated_is_weights
 from .rollout import Experience, RolloutSpec, StepStats
 from .scoring import policy_logits
 from .steps import causal_lm_loss
@@ -133,8 +133,7 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                     exp.logprobs[actor_micro[i]] = mb.logprobs
                 weights = None
                 if mb.rollout_logprobs is not None:  # sampled by vLLM: its log-probs against the trainer's old ones
-                    add("rollout/logprob_mismatch",
-                        ppo.masked_mean((mb.logprobs - mb.rollout_logprobs).abs(), mb.action_mask))
+                    add("rollout/logprob_mismatch", logprob_mismatch(mb.logprobs, mb.rollout_logprobs, mb.action_mask))
                     if s.rollout_is_cap:
                         weights = truncated_is_weights(mb.logprobs, mb.rollout_logprobs, s.rollout_is_cap)
                         add("rollout/is_weight_mean", ppo.masked_mean(weights, mb.action_mask))
