@@ -205,6 +205,7 @@ class VLLMRollout:
         self.version: int | None = None
         self.pending = SyncStats()  # syncs since the last take_sync_stats
         self._broken: str | None = None
+        self._asleep = False
         self._config = json.loads((self.folder / "config.json").read_text())
         check_supported(self._config, settings, device)
         dist = torch.distributed
@@ -260,7 +261,7 @@ class VLLMRollout:
     def sync(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
         """Load ``module``'s current weights (streamed: :func:`stream_weights`), then drop the prefix cache (its KV
         blocks came from the old weights). A failure midway leaves the engine broken: later calls raise."""
-        self._alive()
+        self._wake()
         self.check_module(module)
         count = nbytes = 0
 
@@ -292,7 +293,7 @@ class VLLMRollout:
         """One completion per prompt (token ids) and the log-prob of each sampled token under the sampling
         distribution. ``sampling``: temperature (0 = greedy), top_k (0 = off), top_p; request ``i`` seeded
         ``seeds[i]`` (GRPO's repeated prompts sample apart; independent of how vLLM batches)."""
-        self._alive()
+        self._wake()
         greedy = sampling.get("temperature", 1.0) == 0
         params = [self._sampling(**sampling, max_tokens=max_new_tokens, logprobs=0, seed=None if greedy else seed,
                                  stop_token_ids=list(stop_token_ids)) for seed in seeds]
@@ -306,13 +307,17 @@ class VLLMRollout:
         return tokens, logps
 
     def sleep(self) -> None:
-        """Give the weights and KV cache back to training between rollouts (GPU sleep mode; no-op otherwise)."""
-        if self.settings.sleep and self.device != "cpu":
+        """Give the weights and KV cache back to training until the next sync or generate (GPU sleep mode; a no-op
+        otherwise)."""
+        if self.settings.sleep and self.device != "cpu" and not self._asleep:
             self._llm.sleep(level=1)
+            self._asleep = True
 
-    def wake(self) -> None:
-        if self.settings.sleep and self.device != "cpu":
+    def _wake(self) -> None:
+        self._alive()
+        if self._asleep:
             self._llm.wake_up()
+            self._asleep = False
 
     def memory(self, name: str) -> dict[str, Any]:
         """This engine's row of the registry's memory report: whole weights (this rank's tensor-parallel share) and

@@ -363,7 +363,7 @@ class RLHFRecipe(Recipe):
 
 # --- the planner helpers of the recipes' plan -----------------------------------------------------------------------
 def lm_info(cfg: Any, model: str, role: str, assume: Mapping[str, str] | None,
-            tiny: tuple[int, int, int] | None = None) -> P.ModelInfo:
+            tiny: tuple[int, ...] | None = None) -> P.ModelInfo:
     """A causal LM's ModelInfo; ``model`` "" = the random tiny OPT ``(hidden, layers, seed)``, by default tiny.*'s."""
     import functools
 

@@ -48,6 +48,8 @@ from multiengine.recipes.language.roles import Role
 class DistillTiny(tiny.TinySettings):
     student_hidden: int = setting(32, "width of the random tiny student (roles.student.model=\"\")", Range(8))
     student_layers: int = setting(1, "layers of the random tiny student", Range(1))
+    student_heads: int = setting(0, "attention heads of the random tiny student (0 = width / 16; vLLM on CPU needs "
+                                    "head size >= 32)", Range(0))
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class Distill(common.RLHFRecipe):
         common.check_sft_run(cfg, "teacher_sft", "teacher", world_size, report)
         t = cfg.tiny
         common.check_rollout(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens, "student",
-                             (t.student_hidden, t.student_layers, 0))
+                             (t.student_hidden, t.student_layers, t.student_heads))
         # one stream of micro batches per rank (grad_accum draws it again)
         common.check_stage_batches(report, world_size, key="roles.student.micro_batch_size",
                                    value=student.micro_batch_size)
@@ -140,7 +142,7 @@ class Distill(common.RLHFRecipe):
         # "" = the tiny SFT model the recipe trains first (the RLHF recipes' tiny OPT) / a random tiny student
         teacher_info = common.lm_info(cfg, r.teacher.model, "teacher", assume)
         student_info = common.lm_info(cfg, r.student.model, "student", assume,
-                                      (t.student_hidden, t.student_layers, cfg.seed + 1))
+                                      (t.student_hidden, t.student_layers, cfg.seed + 1, t.student_heads))
         batch, seq = r.student.micro_batch_size, d.max_prompt_len + d.max_response_len
         vocab = P.transformer_dims(teacher_info.config).vocab
         teacher_logits = batch * seq * vocab * (P.DTYPE_BYTES[r.teacher.dtype] + 4)  # its logits and log-softmax
@@ -184,7 +186,7 @@ class Distill(common.RLHFRecipe):
         t, path = self.cfg.tiny, self.path("student_init")
         if self.registry.is_main and not os.path.isfile(os.path.join(path, "config.json")):
             tiny.build_tiny_causal_lm(path, tokenizer_dir, hidden=t.student_hidden, layers=t.student_layers,
-                                      seed=self.cfg.seed + 1)
+                                      seed=self.cfg.seed + 1, heads=t.student_heads)
         barrier()
         return path
 

@@ -160,7 +160,7 @@ class RLHFGRPO(common.RLHFRecipe):
         if g.env == "builtin:arithmetic" and (cfg.data.builtin or not r.actor.model):
             # the calculator task's embedded assets instead of the built-in task's
             assets = multiturn.prepare_arithmetic_assets(self.path("arith"), registry, cfg.seed, cfg.tiny.hidden,
-                                                         cfg.tiny.layers)
+                                                         cfg.tiny.layers, cfg.tiny.heads)
         else:
             assets = self.tiny_assets(r.actor.model)
         actor_path, self.tokenizer = self.sft_actor(assets)

@@ -520,7 +520,7 @@ def arithmetic_rows(n: int, seed: int, tool_fraction: float = 0.5, max_operand: 
 
 
 def prepare_arithmetic(root: str, seed: int = 0, hidden: int = 64, layers: int = 2, n_sft: int = 2000,
-                       n_prompts: int = 1000, n_eval: int = 256) -> dict[str, str]:
+                       n_prompts: int = 1000, n_eval: int = 256, heads: int = 0) -> dict[str, str]:
     """The arithmetic task under ``root``: ``data/{sft,ppo,eval}.jsonl`` (demonstrations, training prompts,
     held-out prompts), a word-level tokenizer (:func:`arithmetic_vocabulary`, no chat template: turns are plain
     text) and a random tiny OPT. Call on one rank; returns the paths."""
@@ -541,7 +541,7 @@ def prepare_arithmetic(root: str, seed: int = 0, hidden: int = 64, layers: int =
             f.writelines(json.dumps(r) + "\n" for r in rows)
     tokenizer, model = os.path.join(root, "tokenizer"), os.path.join(root, "model")
     tiny.train_tokenizer(arithmetic_vocabulary(), tokenizer, vocab_size=1024)
-    tiny.build_tiny_causal_lm(model, tokenizer, hidden=hidden, layers=layers, seed=seed)
+    tiny.build_tiny_causal_lm(model, tokenizer, hidden=hidden, layers=layers, seed=seed, heads=heads)
     return {"data": data, "tokenizer": tokenizer, "model": model}
 
 
@@ -672,8 +672,8 @@ def evaluate_multiturn(rollouts: MultiTurnRollouts, batches: Sequence[dict[str, 
             "tool_calls": float(totals[3]) / n}
 
 
-def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: int = 64,
-                              layers: int = 2) -> dict[str, str]:
+def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: int = 64, layers: int = 2,
+                              heads: int = 0) -> dict[str, str]:
     """:func:`prepare_arithmetic` under ``root`` on rank 0 on first use (the others wait at a barrier)."""
     import os
 
@@ -682,7 +682,7 @@ def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: i
     paths = {k: os.path.join(root, k) for k in ("data", "tokenizer", "model")}
     done = os.path.join(root, ".complete")
     if registry.is_main and not os.path.isfile(done):
-        prepare_arithmetic(root, seed=seed, hidden=hidden, layers=layers)
+        prepare_arithmetic(root, seed=seed, hidden=hidden, layers=layers, heads=heads)
         with open(done, "w") as f:
             f.write("ok\n")
     barrier()

@@ -212,7 +212,9 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     if generation.engine == "vllm":
         response, rollout_logprobs = vllm_generate(registry, prompt_ids, prompt_mask, generation, eos,
                                                    spec.pad_token_id, spec.actor)
-        stats = registry.rollout(spec.actor).take_sync_stats()
+        engine = registry.rollout(spec.actor)
+        engine.sleep()  # GPU sleep mode: its memory back to the update
+        stats = engine.take_sync_stats()
         sync = {"sync_s": stats.seconds, "sync_bytes": float(stats.bytes)}
     else:
         response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
