@@ -228,6 +228,15 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
 class RLHFRecipe(Recipe):
     """A recipe of this family: its checks' errors are config errors, and its setup reads the shared sections."""
 
+    @classmethod
+    def check(cls, cfg: Any, world_size: int = 1) -> None:
+        """generation.engine=vllm only where a rollout role generates (the others sample evaluation answers only)."""
+        engine = getattr(getattr(cfg, "generation", None), "engine", "hf")
+        if engine != "hf" and not any(r.rollout for r in cls.roles):
+            raise config_problem("generation.engine", engine, f"has no rollout engine in {cls.name} (vLLM generates "
+                                 "the rollouts of rlhf_grpo, rlhf_ppo and distill)", "generation.engine=hf")
+        super().check(cfg, world_size)
+
     def tiny_assets(self, *models: str) -> dict[str, str]:
         """The embedded default (built-in data, tokenizer, random tiny OPT of ``tiny.*``) under output_dir/tiny when
         the data or one of ``models`` (model folders) is left empty, else ``{}``."""
