@@ -116,7 +116,7 @@ def vllm_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_m
     prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
     tokens, logps = engine.generate(prompts, settings.max_new_tokens, vllm_sampling(settings), seeds, [eos_token_id])
-    T = max(1, *map(len, tokens))
+    T = max([1, *map(len, tokens)])
     response = torch.full((len(tokens), T), pad_token_id, dtype=torch.long)
     logprobs = torch.zeros(len(tokens), T)
     for i, (ids, lps) in enumerate(zip(tokens, logps)):

@@ -22,7 +22,7 @@ from multiengine.recipes.language.config import (
 )
 from multiengine.recipes.language.lifecycle import Recipe
 from multiengine.recipes.language.plans import module_info
-from multiengine.recipes.language.roles import FrozenRole, Role, TrainableRole
+from multiengine.recipes.language.roles import FrozenRole, Role, RolloutRole, TrainableRole
 from toys import toy_package
 
 RUNS_OF_RUNS = {"rlhf_e2e"}  # its roles are its steps' (each step's recipe declares them)
@@ -207,7 +207,7 @@ def test_every_recipe_declares_its_roles(recipe):
     assert list(cfg.roles or ()) == declared
     keys = recipe_schema(cls).children["roles"].children if cls.roles else {}
     for role in cls.roles:
-        kind = TrainableRole if role.trainable else FrozenRole
+        kind = RolloutRole if role.rollout else TrainableRole if role.trainable else FrozenRole
         fields = {f.name for f in dataclasses.fields(kind)} - {o for o in role.omit if "." not in o}
         assert set(keys[role.name].children) == fields, role.name
         for name in (role.follows, role.weights, role.tokenizer_of):
