@@ -22,7 +22,7 @@ from .ppo import truncate_after_eos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "generate", "position_ids_from_mask", "vllm_generate"]
+__all__ = ["GenerationSettings", "generate", "position_ids_from_mask", "rollout_done", "vllm_generate"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,15 @@ def generate(
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     response = out[:, input_ids.shape[1]:]
     return truncate_after_eos(response, eos_token_id, pad_token_id)
+
+
+def rollout_done(registry: EngineRegistry, role: str = "actor") -> dict[str, float]:
+    """After a rollout on role ``role``'s vLLM engine: the engine asleep (GPU sleep mode: its memory back to the
+    update) and the syncs since the last rollout, as timings (``sync_s``, ``sync_bytes``)."""
+    engine = registry.rollout(role)
+    engine.sleep()
+    stats = engine.take_sync_stats()
+    return {"sync_s": stats.seconds, "sync_bytes": float(stats.bytes)}
 
 
 def vllm_sampling(settings: GenerationSettings) -> dict[str, float]:

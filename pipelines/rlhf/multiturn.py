@@ -624,6 +624,7 @@ class MultiTurnRollouts:
     def __call__(self, batch: dict[str, Any], step: int, seed: int) -> Any:
         import time
 
+        from .generation import rollout_done
         from .rollout import Experience
         from .scoring import role_logprobs
 
@@ -632,6 +633,7 @@ class MultiTurnRollouts:
         t0 = time.perf_counter()
         rollouts = self.episodes(prompts, seed)
         t_gen = time.perf_counter() - t0
+        sync = rollout_done(registry, spec.actor) if spec.generation.engine == "vllm" else {}
         layout = to_experience_layout(rollouts, self.renderer.tokenizer.pad_token_id)
         seq = layout["sequences"].to(registry.device)
         attention = layout["attention_mask"].to(registry.device)
@@ -650,7 +652,7 @@ class MultiTurnRollouts:
             responses=[" | ".join(r.model_turns) for r in rollouts], group_size=self.n,
             extras=episode_figures(rollouts),
             timings={"generation_s": t_gen, "experience_s": time.perf_counter() - t0 - t_gen,
-                     "generation_steps": float(sum(int(r.action_mask.sum()) for r in rollouts))})
+                     "generation_steps": float(sum(int(r.action_mask.sum()) for r in rollouts)), **sync})
 
 
 def evaluate_multiturn(rollouts: MultiTurnRollouts, batches: Sequence[dict[str, Any]], seed: int) -> dict[str, float]:

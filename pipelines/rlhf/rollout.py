@@ -29,7 +29,7 @@ import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
-from .generation import GenerationSettings, generate, position_ids_from_mask, vllm_generate
+from .generation import GenerationSettings, generate, position_ids_from_mask, rollout_done, vllm_generate
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
@@ -212,10 +212,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     if generation.engine == "vllm":
         response, rollout_logprobs = vllm_generate(registry, prompt_ids, prompt_mask, generation, eos,
                                                    spec.pad_token_id, spec.actor)
-        engine = registry.rollout(spec.actor)
-        engine.sleep()  # GPU sleep mode: its memory back to the update
-        stats = engine.take_sync_stats()
-        sync = {"sync_s": stats.seconds, "sync_bytes": float(stats.bytes)}
+        sync = rollout_done(registry, spec.actor)
     else:
         response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
     t_gen = time.perf_counter() - t0
