@@ -211,8 +211,9 @@ def setting(default: Any, help: str, check: Check | list[Check] | None = None, *
             example: Any = None) -> Any:
     """A settings field: its default (lists and dicts are copied per object), one line of help, its check(s) and
     ``when``: the sibling field that must be set (``"name"``: truthy; ``"name=value"``; a dotted name is a key from the
-    config's root, e.g. ``"generation.engine=vllm"``) for this one to differ from its default. ``example``: a valid value other than the default, where none can be derived from the type and check
-    (the test that every key changes what a run builds sets it)."""
+    config's root, e.g. ``"generation.engine=vllm"``) for this one to differ from its default. ``example``: a valid
+    value other than the default, where none can be derived from the type and check (the test that every key changes
+    what a run builds sets it)."""
     checks = tuple(check) if isinstance(check, (list, tuple)) else (check,) if check is not None else ()
     meta = {"help": help, "checks": checks, "when": when, "example": example}
     if isinstance(default, (list, dict)):

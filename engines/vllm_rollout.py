@@ -37,6 +37,7 @@ INSTALL_HINT = ("on CPU: pip install -e \".[vllm]\" && pip install --no-deps vll
                 "vllm (docs/vllm.md)")
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"}
+_RESTART = "restart the run (resume_from=latest)"
 _QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 
 
@@ -217,8 +218,8 @@ class VLLMRollout:
             os.environ.setdefault(key, value)
         self._manifest = self._read_manifest()
         vllm = import_vllm()
-        kwargs: dict[str, Any] = dict(model=str(self.folder), dtype=settings.dtype, max_model_len=settings.max_model_len,
-                                      enforce_eager=device == "cpu", seed=settings.seed,
+        kwargs: dict[str, Any] = dict(model=str(self.folder), dtype=settings.dtype, seed=settings.seed,
+                                      max_model_len=settings.max_model_len, enforce_eager=device == "cpu",
                                       tensor_parallel_size=settings.tensor_parallel_size,
                                       logprobs_mode="processed_logprobs")
         if settings.kv_cache_gb:
@@ -279,7 +280,7 @@ class VLLMRollout:
             self._llm.reset_prefix_cache()
         except Exception as e:
             self._broken = f"a weight sync failed midway ({type(e).__name__}: {e})"
-            raise RolloutEngineError(f"rollout engine: {self._broken}", fix="restart the run (resume_from=latest)") from e
+            raise RolloutEngineError(f"rollout engine: {self._broken}", fix=_RESTART) from e
         stats = SyncStats(count, nbytes, time.perf_counter() - start)
         self.pending, self.version = self.pending + stats, version
         return stats
@@ -301,7 +302,7 @@ class VLLMRollout:
             outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         except Exception as e:
             self._broken = f"generate failed ({type(e).__name__}: {e})"
-            raise RolloutEngineError(f"rollout engine: {self._broken}", fix="restart the run (resume_from=latest)") from e
+            raise RolloutEngineError(f"rollout engine: {self._broken}", fix=_RESTART) from e
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         logps = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])] for o in outs]
         return tokens, logps
@@ -353,5 +354,4 @@ class VLLMRollout:
 
     def _alive(self) -> None:
         if self._broken is not None:
-            raise RolloutEngineError(f"rollout engine unusable: {self._broken}", fix="restart the run "
-                                     "(resume_from=latest)")
+            raise RolloutEngineError(f"rollout engine unusable: {self._broken}", fix=_RESTART)

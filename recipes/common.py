@@ -182,8 +182,8 @@ def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun
             settings._READS |= reads
 
 
-ROLLOUT_ROLE_HELP = ("the vLLM engine generating the {of}'s rollouts on every rank (generation.engine=vllm), its weights "
-                     "synced from the {of} after each optimizer step; docs/vllm.md")
+ROLLOUT_ROLE_HELP = ("the vLLM engine generating the {of}'s rollouts on every rank (generation.engine=vllm), its "
+                     "weights synced from the {of} after each optimizer step; docs/vllm.md")
 ROLLOUT_SUMMARY = ("rollout/sync_s", "rollout/sync_bytes", "rollout/logprob_mismatch")
 
 

@@ -343,8 +343,8 @@ TINY_FAMILIES: tuple[str, ...] = ("opt", "gpt2", "gpt_neox", "llama", "mistral",
 def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, *, pad_token_id: int = 0,
                    bos_token_id: int = 1, eos_token_id: int = 2, max_positions: int = 128, heads: int = 0) -> Any:
     """A transformers config of a tiny decoder of ``family`` (a :data:`TINY_FAMILIES` ``model_type``): ``hidden``
-    wide, ``layers`` deep, ``heads`` heads (0 = ``hidden // 16``; half as many key/value heads where the family has grouped-query
-    attention), no dropout; ValueError naming the known families for another one."""
+    wide, ``layers`` deep, ``heads`` heads (0 = ``hidden // 16``; half as many key/value heads where the family has
+    grouped-query attention), no dropout; ValueError naming the known families for another one."""
     from transformers import AutoConfig
 
     heads = heads or max(1, hidden // 16)
