@@ -115,6 +115,11 @@ def check_supported(config: dict[str, Any], settings: VLLMSettings, device: str 
                                  settings.tensor_parallel_size, "1 on CPU")
     if device == "cpu" and settings.sleep:
         raise RolloutEngineError("vLLM's sleep mode needs a GPU", "sleep", True, "false on CPU")
+    if device == "cpu" and settings.gpu_memory_utilization != VLLMSettings.gpu_memory_utilization:
+        raise RolloutEngineError("sizes a GPU's share", "gpu_memory_utilization", settings.gpu_memory_utilization,
+                                 "leave it at its default on CPU (the KV cache is kv_cache_gb)")
+    if device == "cpu" and not settings.kv_cache_gb:
+        raise RolloutEngineError("the KV cache needs a size on CPU", "kv_cache_gb", 0, "a size in GiB, e.g. 1")
     archs = set(config.get("architectures") or [])
     import_vllm()
     from vllm.model_executor.models.registry import ModelRegistry

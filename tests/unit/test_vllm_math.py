@@ -80,6 +80,14 @@ def test_the_mismatch_is_the_mean_absolute_gap_over_actions():
     assert float(logprob_mismatch(old, rollout, mask)) == pytest.approx((0.5 + 1.0 + 0.25) / 3)
 
 
+def test_the_rollout_roles_defaults_are_the_engines():
+    from multiengine.recipes.language.roles import RolloutRole
+
+    role, engine = RolloutRole(), VLLMSettings()
+    assert (role.kv_cache_gb, role.gpu_memory_utilization, role.sleep) == \
+        (engine.kv_cache_gb, engine.gpu_memory_utilization, engine.sleep)
+
+
 def test_what_vllm_cannot_run_on_cpu_is_refused_before_anything_starts():
     with pytest.raises(RolloutEngineError, match="head size 16") as err:
         check_supported({"hidden_size": 64, "num_attention_heads": 4}, VLLMSettings())
@@ -93,6 +101,8 @@ def test_what_vllm_cannot_run_on_cpu_is_refused_before_anything_starts():
     (["generation.engine=vllm", "tiny.heads=2", "roles.rollout.max_model_len=10"], "roles.rollout.max_model_len"),
     (["generation.engine=vllm", "tiny.heads=2", "roles.rollout.tensor_parallel_size=2"],
      "roles.rollout.tensor_parallel_size"),
+    (["generation.engine=vllm", "tiny.heads=2", "roles.rollout.gpu_memory_utilization=0.5"],
+     "roles.rollout.gpu_memory_utilization"),  # GPU only
     (["roles.rollout.kv_cache_gb=2"], "roles.rollout.kv_cache_gb"),  # generation.engine=hf: no rollout engine
     (["grpo.rollout_is_cap=2"], "grpo.rollout_is_cap"),
 ])
