@@ -145,7 +145,8 @@ def test_offload_needs_host_memory_per_node(capsys):
     # 8 GPUs on 2 nodes: 4 ranks share each node's host memory
     # no evaluation (its generation would gather the whole 13B actor); its other keys back to their defaults
     args = ["rlhf_sft", "--config", "opt1.3b", "--assume", "actor=facebook/opt-13b", "eval.size=0",
-            "eval.batch_size=32", "eval.judge=true", "roles.actor.gradient_checkpointing=true", "--gpus", "8", "--nodes", "2", "--gpu-mem", "24GiB"]
+            "eval.batch_size=32", "eval.judge=true", "roles.actor.gradient_checkpointing=true", "--gpus", "8",
+            "--nodes", "2", "--gpu-mem", "24GiB"]
     code, result, _ = _plan(capsys, *args, "--cpu-mem", "512GiB")
     assert code == 0
     step = result[0]
