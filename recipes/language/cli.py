@@ -240,7 +240,7 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
 
 
 def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
-    """This process runs the recipe: alone, or as one rank of a launched job (engines/launcher.run_rank)."""
+    """This process runs the recipe: alone, or as one rank of a launched job (language/launcher.run_rank)."""
     rank = int(os.environ.get("RANK", "0"))
 
     def load(checked: bool) -> Any:
