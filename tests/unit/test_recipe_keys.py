@@ -14,10 +14,10 @@ import json
 import typing
 
 import pytest
-from migrated import recipe_params
 from multiengine.engines.settings import Choice, Range, SettingsError
 from multiengine.recipes.language.config import (
     leaves,
+    list_recipes,
     load_config,
     load_recipe,
     recipe_schema,
@@ -88,7 +88,7 @@ def _override(key, value) -> str:
     return f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
 
 
-@pytest.mark.parametrize("recipe", recipe_params())
+@pytest.mark.parametrize("recipe", sorted(list_recipes()))
 def test_every_key_changes_what_is_built_or_is_refused(recipe, tmp_path):
     cls = load_recipe(recipe)
     base_overrides = [f"output_dir={tmp_path / 'out'}", *NEEDS.get(recipe, [])]
