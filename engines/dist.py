@@ -61,9 +61,8 @@ def default_backend() -> str:
 
 
 def export_local_size() -> None:
-    """Set ``LOCAL_SIZE`` (processes on this node) from torchrun's/accelerate's ``LOCAL_WORLD_SIZE`` or mpirun's
-    (1 alone): DeepSpeed's CPU accelerator counts devices from it, and without it runs ``numactl --hardware`` per
-    ``device_count()``, which ZeRO-3 asks once per gradient bucket (dozens of subprocesses per step)."""
+    """Set ``LOCAL_SIZE`` from ``LOCAL_WORLD_SIZE`` (mpirun's, or 1): without it DeepSpeed's CPU accelerator runs
+    ``numactl --hardware`` per ``device_count()``, dozens of subprocesses per ZeRO-3 step."""
     env = os.environ
     if "LOCAL_SIZE" in env:
         return
