@@ -78,9 +78,8 @@ class ControlNetTraining(ImageFinetune):
 
     @classmethod
     def validate(cls, cfg: ControlNetConfig, world_size: int = 1) -> None:
-        """Before any rank starts: the base model folder is SD or SDXL, the ControlNet folder (if any) holds one,
-        the data has images, captions and conditioning images, enough rows (a micro batch per rank on
-        ``world_size`` ranks), every image readable."""
+        """Before any rank starts: an SD/SDXL base folder, a ControlNet folder holding one, data with conditioning
+        images and a micro batch per rank, every image readable."""
         family = cls.family_of(cfg)
         if family and family not in CONTROLNET_PIPELINES:
             raise config_problem("model.pretrained", cfg.model.pretrained, f"is a {family} model; a ControlNet "
