@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import difflib
 import importlib
-import inspect
 import json
 import os
 import re
@@ -730,14 +729,6 @@ def format_key_help(recipe_name: str, recipe: Any) -> str:
         lines.append("  " + "  ".join(f"{r[c]:<{widths[c]}}" for c in ("key", "type", "default"))
                      + f"  {r['meaning']}".rstrip())
     return "\n".join(lines)
-
-
-def takes_world_size(hook: Any) -> bool:
-    try:
-        params = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "world_size" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
