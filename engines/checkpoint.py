@@ -1,8 +1,7 @@
 """Checkpoints of a registry: ``save_dir/latest`` names the newest complete ``step_<n>/`` folder (manifest.json,
 client_state/, rng/, each trainable role's DeepSpeed state, stateful frozen roles' partitions); saves in progress
 are ``.tmp-<tag>``. Frozen roles are rebuilt from their source. Nothing is unpickled without an allow-list
-(safe_io.py). See docs/reliability.md.
-"""
+(safe_io.py). See docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """DeepSpeed config factories (plain dicts) and per-role resolution of "auto" values at build time; why each
-performance default is what it is (benchmarks/config_ablation.py) is said where it is set.
-"""
+performance default is what it is (benchmarks/config_ablation.py) is said where it is set."""
 
 from __future__ import annotations
 

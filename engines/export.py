@@ -1,7 +1,6 @@
 """Exports: a role's full weights in a folder real clients load, written atomically (gathered on all ranks, written
 by rank 0 into ``<out>.tmp``, swapped into place; a LoRA role merged, its adapter in ``<out>/adapter``). See
-docs/reliability.md.
-"""
+docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Metrics (JSON lines, optional TensorBoard and wandb), logging setup and the run summary file. Imports neither
-torch nor numpy (duck typing: `.item()` / `.tolist()`), so the CLI imports it cheaply.
-"""
+torch nor numpy (duck typing: `.item()` / `.tolist()`), so the CLI imports it cheaply."""
 
 from __future__ import annotations
 

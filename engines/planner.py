@@ -1,7 +1,6 @@
 """Per-role memory planning before any rank starts: parameter counts from safetensors headers (no weights read),
 model states per rank for each placement as DeepSpeed allocates them, transient bytes (activation estimates, ZeRO
-buffers, fixed overheads) and :func:`plan`, the cheapest placement per role that fits a per-GPU budget.
-"""
+buffers, fixed overheads) and :func:`plan`, the cheapest placement per role that fits a per-GPU budget."""
 
 from __future__ import annotations
 
@@ -329,8 +328,7 @@ def state_bytes(
     holds b·Ψ parameters, b·T gradients, 12·T optimizer (8·T for fp32: no master); stage 1 12·T/N optimizer; stage 2
     also b·T/N gradients; stage 3 also b·(Ψ/N + P) parameters. ``offload_optimizer`` moves master, moments and fp32
     gradients to host (16·T/N, plus a b·T/N staging copy at stages 1-2); ``offload_params`` (stage 3) moves b·Ψ/N
-    there. ``numels`` (one per tensor) makes the ZeRO-3 partition exact (each tensor padded to ceil(n/N)).
-    """
+    there. ``numels`` (one per tensor) makes the ZeRO-3 partition exact (each tensor padded to ceil(n/N))."""
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype={dtype!r}; use one of {sorted(DTYPE_BYTES)}.")
     if stage not in (0, 1, 2, 3):
@@ -480,8 +478,7 @@ def transformer_activation_bytes(
     """Estimated activation peak of one forward (+ backward when ``trainable``) of a transformer stack: per layer
     a·b·s·_layer_elements (34·b·s·h for GELU at a = 2, Korthikanti et al. 2022 without dropout masks); with
     gradient checkpointing only each layer's input plus one recomputed layer; ``logits`` adds a·b·s·V + 4·b·s·V
-    for the fp32 log-softmax (+ 4·b·s·V for its gradient). A frozen forward keeps about one layer's working set.
-    """
+    for the fp32 log-softmax (+ 4·b·s·V for its gradient). A frozen forward keeps about one layer's working set."""
     a, tokens = DTYPE_BYTES[dtype], batch * seq
     layer = a * tokens * _layer_elements(dims, a)
     if not trainable:
@@ -530,8 +527,7 @@ def unet_activation_bytes(
 ) -> int:
     """Estimated activation peak of a diffusers ``UNet2DConditionModel`` step: per down/mid/up unit, in elements,
     a resnet 3·c_in + 3·c, a transformer block 30·c per token per layer + 3·c, a resampling conv its input.
-    Gradient checkpointing keeps the units' inputs plus the largest unit; a frozen forward its largest unit.
-    """
+    Gradient checkpointing keeps the units' inputs plus the largest unit; a frozen forward its largest unit."""
     a = DTYPE_BYTES[dtype]
     channels = [int(c) for c in config.get("block_out_channels", (320, 640, 1280, 1280))]
     levels = len(channels)
@@ -600,8 +596,7 @@ def conv_frozen_activation_bytes(*, batch: int, height: int, width: int, channel
 class RoleRequest:
     """One role as the planner sees it. ``phases``: (label, bytes) of placement-independent transient uses;
     ``full_gather``: phases during which a stage-3 role is gathered whole; ``follows``: the role whose stage this
-    one takes (``follows_all``: the whole placement); ``current``: the placement the config asks for.
-    """
+    one takes (``follows_all``: the whole placement); ``current``: the placement the config asks for."""
 
     name: str
     params: int
@@ -825,8 +820,7 @@ def _totals(options: Sequence[RoleOption], budget: Budget) -> tuple[int, int, in
 def plan(roles: Sequence[RoleRequest], budget: Budget) -> Plan:
     """The cheapest placement per role such that one rank's peak (Σ model states + the largest transient + fixed
     overheads, times 1 + margin) fits ``budget.gpu_bytes`` and offloads fit the host, over every combination.
-    "Cheapest": fewest offloaded-parameter bytes, then offloaded-optimizer bytes, communication, lowest stages.
-    """
+    "Cheapest": fewest offloaded-parameter bytes, then offloaded-optimizer bytes, communication, lowest stages."""
     if budget.world_size < 1:
         raise PlanError(f"world size {budget.world_size}: plan for at least one GPU.")
     names = [r.name for r in roles]

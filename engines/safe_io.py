@@ -1,6 +1,5 @@
 """Checkpoint state that loads without running code: our state as JSON + safetensors (anything else refused at
-save time), DeepSpeed's torch.save files read with ``weights_only=True`` and an allow-list of classes.
-"""
+save time), DeepSpeed's torch.save files read with ``weights_only=True`` and an allow-list of classes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Typed settings: frozen dataclasses whose fields carry a default, one line of help and a check (:func:`setting`,
 :func:`section`, :class:`Settings`); an object that exists is a valid one. ``when="env"``: a field that means
-something only while ``env`` is set refuses a non-default value otherwise. Standard library only.
-"""
+something only while ``env`` is set refuses a non-default value otherwise. Standard library only."""
 
 from __future__ import annotations
 

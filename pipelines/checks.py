@@ -1,6 +1,5 @@
 """Cheap checks, before any rank starts, of model folders, tokenizers and batch arithmetic (config.json /
-model_index.json and tokenizer files only); every error names the config key, the value and the fix.
-"""
+model_index.json and tokenizer files only); every error names the config key, the value and the fix."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Knowledge distillation between a teacher's and a student's next-token distributions: pure losses on logits
 (GKD's ``beta``: 0 forward KL, 1 reverse KL, between the generalised JSD; ``softmax(logits / tau)``, offline loss
-times ``tau^2``), the distill recipe's settings, and on-policy distillation's samples (GKD, Agarwal et al. 2024).
-"""
+times ``tau^2``), the distill recipe's settings, and on-policy distillation's samples (GKD, Agarwal et al. 2024)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A GAN's pieces as pure functions: the non-saturating losses (``d_loss = softplus(-D(real)) + softplus(D(fake))``,
-``g_loss = softplus(-D(G(z)))``), a ring of Gaussians to learn, tiny MLPs and sample-quality figures.
-"""
+``g_loss = softplus(-D(G(z)))``), a ring of Gaussians to learn, tiny MLPs and sample-quality figures."""
 
 from __future__ import annotations
 

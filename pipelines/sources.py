@@ -1,7 +1,6 @@
 """Where a pipeline's rows come from: data files, ``save_to_disk`` folders, folders of split files, imagefolders and
 hub names (the kind decided from the path, never from a file's contents; a missing local path is an error, never a
-hub lookup), column mapping, weighted blends and held-out evaluation splits.
-"""
+hub lookup), column mapping, weighted blends and held-out evaluation splits."""
 
 from __future__ import annotations
 
@@ -422,8 +421,7 @@ def split_train_eval(load: Callable[[DataSource, str | None], Dataset], sources:
                      eval_split: float | int | str | None = 0.0, seed: int = 0, size: int | None = None,
                      source_key: str = "data.source", evaluate: bool = True) -> TrainEval:
     """Training and evaluation rows, never silently the same: ``eval_source`` rows, else ``eval_split`` (a fraction
-    or count held out of each source before the blend, a split name, or ``"auto"``), blended into ``size`` rows.
-    """
+    or count held out of each source before the blend, a split name, or ``"auto"``), blended into ``size`` rows."""
     import datasets
 
     if not sources:

@@ -1,7 +1,6 @@
 """ControlNet training with every model sharded: a trainable ControlNetModel initialised from the unet, the frozen
 unet beside it at ZeRO-3 (where diffusers keeps a whole copy per GPU), frozen vae and text encoder(s); the loss is
-train_controlnet.py's. ``multiengine run controlnet --config tiny --nproc-per-node 2``; docs/diffusion.md.
-"""
+train_controlnet.py's. ``multiengine run controlnet --config tiny --nproc-per-node 2``; docs/diffusion.md."""
 
 from __future__ import annotations
 

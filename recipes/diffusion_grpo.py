@@ -1,7 +1,6 @@
 """Online RL of a text-to-image denoiser (DDPO / Flow-GRPO): groups of images per prompt sampled with recorded
 log-probabilities, scored, and a clipped importance-ratio step with group-relative advantages and an optional KL
-to a frozen reference. ``multiengine run diffusion_grpo --config tiny --nproc-per-node 2``; docs/diffusion-rl.md.
-"""
+to a frozen reference. ``multiengine run diffusion_grpo --config tiny --nproc-per-node 2``; docs/diffusion-rl.md."""
 
 from __future__ import annotations
 

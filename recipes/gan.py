@@ -2,8 +2,7 @@
 ``high_quality`` and ``mode_coverage``; the generator steps on ``registry.backward(g_loss, roles=["gen"],
 through=["disc"])``, its gradient passing through the discriminator, whose parameters get none.
 
-    multiengine run gan --config tiny --nproc-per-node 2
-"""
+    multiengine run gan --config tiny --nproc-per-node 2"""
 
 from __future__ import annotations
 

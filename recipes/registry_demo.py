@@ -1,8 +1,7 @@
 """Registry demo: an actor (trainable, ZeRO-3), a reward model (frozen, asked for ZeRO-2, built at stage 0) and an
 encoder (frozen, stage 0), each its own DeepSpeed engine on a tiny saved model, trained for a few steps.
 
-    multiengine run registry_demo --config tiny --nproc-per-node 2
-"""
+    multiengine run registry_demo --config tiny --nproc-per-node 2"""
 
 from __future__ import annotations
 

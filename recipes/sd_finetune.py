@@ -1,7 +1,6 @@
 """Text-to-image fine-tuning of every diffusers family with every model sharded: the denoiser trainable, vae and
 text encoders frozen, each its own DeepSpeed engine, optional EMA and LoRA; ``mode=seed_baseline`` is diffusers'
-layout for comparison. ``multiengine run sd_finetune --config tiny --nproc-per-node 2``; docs/diffusion.md.
-"""
+layout for comparison. ``multiengine run sd_finetune --config tiny --nproc-per-node 2``; docs/diffusion.md."""
 
 from __future__ import annotations
 

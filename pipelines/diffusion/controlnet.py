@@ -2,8 +2,7 @@
 
 The conditioning image enters through a small conv stack that must downsample it to the latent size: one
 stride-2 stage per vae downsampling (SD's vae: 8x, three stages, channels 16/32/96/256; the tiny vae:
-2x, one stage).
-"""
+2x, one stage)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Image-caption data of diffusion fine-tuning: the shapes dataset, loading and checking sources, transforms (PIL +
-torch only), collation; randomness only from seeded generators, so a resumed run sees the same samples.
-"""
+torch only), collation; randomness only from seeded generators, so a resumed run sees the same samples."""
 
 from __future__ import annotations
 
@@ -125,8 +124,7 @@ def _shapes_complete(out_dir: str, entries: list[dict[str, Any]], resolution: in
 def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0, conditioning: str = "") -> str:
     """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds (``metadata.jsonl``: ``file_name``,
     ``text`` and the attributes) and returns ``out_dir``; ``conditioning`` (``edge`` | ``mask``) adds a ControlNet
-    image per row. Byte-identical for the same arguments; a complete folder is left as is; process-safe.
-    """
+    image per row. Byte-identical for the same arguments; a complete folder is left as is; process-safe."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if resolution < 8:
@@ -260,8 +258,7 @@ def load_image_caption_data(source: Any, *, columns: Mapping[str, str] | None = 
                             size: int | None = None, cache_dir: str | None = None,
                             extra_images: Mapping[str, str] | None = None) -> TrainEval:
     """Training and held-out image-caption rows (columns ``image``, ``caption`` and one per ``extra_images`` field)
-    from one source or a weighted blend; ``eval_split`` as :func:`multiengine.pipelines.sources.split_train_eval`.
-    """
+    from one source or a weighted blend; ``eval_split`` as :func:`multiengine.pipelines.sources.split_train_eval`."""
     several = isinstance(source, (list, tuple)) and len(source) > 1
     base_key = "data.sources" if several else "data.source"
     extra = dict(extra_images or {})
@@ -297,8 +294,7 @@ def check_image_caption_data(source: Any, *, columns: Mapping[str, str] | None =
                              extra_image_columns: Mapping[str, str] | None = None,
                              verify_images: bool = False) -> dict[str, Any]:
     """Check image-caption sources before any rank starts (exist, columns, rows, first image and caption;
-    ``verify_images``: every image). Returns ``{"rows", "sources", "unreadable"}``.
-    """
+    ``verify_images``: every image). Returns ``{"rows", "sources", "unreadable"}``."""
     report, bad = [], []
     extra = dict(extra_image_columns or {})
     for src in as_sources(source, key):
@@ -423,8 +419,7 @@ class ImageTransform:
 class ImageCaptionDataset(torch.utils.data.Dataset):
     """Map-style dataset: ``pixel_values``, ``caption``, SDXL's ``original_size`` / ``crop_top_left`` and a
     ControlNet's ``conditioning_pixel_values``. Item ``i``'s augmentation uses :func:`sample_generator` ``(seed,
-    epoch, i)``, independent of workers and resumption; call :meth:`set_epoch` before each epoch.
-    """
+    epoch, i)``, independent of workers and resumption; call :meth:`set_epoch` before each epoch."""
 
     def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
                  caption_column: str = "text", seed: int = 0, conditioning_column: str | None = None):

@@ -1,6 +1,5 @@
 """Exports that load with no project code (a diffusers pipeline folder, per-role folders, LoRA weights), each
-written through the engines' atomic export.
-"""
+written through the engines' atomic export."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ flux     FluxPipeline                   transformer   text_encoder (CLIP-L), tex
 
 Each text encoder's tokenizer is the folder with ``text_encoder`` replaced by ``tokenizer``. ControlNet
 pipelines (``StableDiffusionControlNetPipeline`` ...) belong to their base family and add a ``controlnet``.
-Pure functions: json only, no model is loaded.
-"""
+Pure functions: json only, no model is loaded."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ PIPELINE_CLASSES: dict[str, str] = {
 @dataclass(frozen=True)
 class FamilyRoles:
     """A family's role names: ``pooled_from`` (encoders whose pooled output conditions the denoiser),
-    ``objective`` (``ddpm`` | ``flow``), ``pipeline`` (the diffusers class), ``lora_targets`` (diffusers' defaults).
-    """
+    ``objective`` (``ddpm`` | ``flow``), ``pipeline`` (the diffusers class), ``lora_targets`` (diffusers' defaults)."""
 
     family: str
     pipeline: str

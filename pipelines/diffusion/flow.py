@@ -1,7 +1,6 @@
 """Pure tensor functions of rectified-flow training (SD3, FLUX): ``x_sigma = (1 - sigma) x0 + sigma noise``, the
 velocity target ``noise - x0``, timesteps from the FlowMatchEuler table by a density, loss weightings, FLUX's
-packing. Randomness only through an explicit generator.
-"""
+packing. Randomness only through an explicit generator."""
 
 from __future__ import annotations
 

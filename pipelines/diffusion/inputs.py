@@ -1,7 +1,6 @@
 """What a diffusion fine-tune reads before it trains, checked before any rank starts: the pipeline folder (its
 family, the image side it allows) and the image-caption rows (the ``data`` section: sources, columns, held-out
-split, unreadable images, training rows per rank).
-"""
+split, unreadable images, training rows per rank)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Pure tensor functions of denoising-diffusion training, on the scheduler's ``alphas_cumprod`` ([T], the cumulative
 product of ``1 - beta_t``) rather than a scheduler object. Shapes: ``[B, ...]`` (any trailing dims, e.g. latents
-``[B, C, H, W]``); per-sample coefficients broadcast over them.
-"""
+``[B, C, H, W]``); per-sample coefficients broadcast over them."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ a component of a diffusers folder (its class from ``model_index.json``), calling
 its forward, and the EMA update of the trained denoiser.
 
 Two layouts (``mode``): ``zero3`` places every role as configured; ``seed_baseline`` is diffusers' scripts under
-DeepSpeed ZeRO-3: only the trained model goes through ZeRO, the frozen ones (and the EMA) are whole stage-0 copies.
-"""
+DeepSpeed ZeRO-3: only the trained model goes through ZeRO, the frozen ones (and the EMA) are whole stage-0 copies."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The memory planner's view of a diffusers pipeline: which family its components make, the tiny models and the
 ControlNet a recipe would build (read without keeping weights), and the activation peaks of its denoiser, vae
-and text encoders. Flat arguments; the recipes' planners read their configs and call these.
-"""
+and text encoders. Flat arguments; the recipes' planners read their configs and call these."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Rewards on decoded images for the tiny shapes task: a programmatic colour reward and a tiny CNN trained to
 imitate it. ``fn(prompts, images, **kwargs) -> list[float | None]`` with images as PIL, ``[N, 3, H, W]`` in
 ``[0, 1]`` or ``[N, H, W, 3]``; ``None`` where the prompt names no colour. The colour score is ``share * presence``
-of a soft assignment of pixels to the palette (docs/diffusion-rl.md).
-"""
+of a soft assignment of pixels to the palette (docs/diffusion-rl.md)."""
 
 from __future__ import annotations
 

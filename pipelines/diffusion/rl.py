@@ -3,8 +3,7 @@ DDPO, the reverse-time SDE of a rectified flow as Flow-GRPO), a sampling loop th
 advantages, the clipped ratio objective and the Diffusion-DPO loss. A step's log-probability is the Gaussian
 log-density averaged over the non-batch dims (as both references: ratios stay near 1). Flat tensors in, float32
 math (bf16 overflows in the mean), randomness only through an explicit generator or ``noise``. See
-docs/diffusion-rl.md.
-"""
+docs/diffusion-rl.md."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ arrive in float32 (the trajectory is kept in float32 so re-scoring is exact): a 
 class DenoiseStep(NamedTuple):
     """One denoising step: ``prev_sample``, ``log_prob`` ``[B]`` (None when deterministic), ``prev_sample_mean``
     (differentiable), ``std_dev_t`` (DDIM's ``eta * sigma_t``, Flow-GRPO's ``noise_level * sqrt(sigma / (1 -
-    sigma))``) and ``noise_std``, the std of the step's Gaussian (flow: ``std_dev_t * sqrt(sigma - sigma_prev)``).
-    """
+    sigma))``) and ``noise_std``, the std of the step's Gaussian (flow: ``std_dev_t * sqrt(sigma - sigma_prev)``)."""
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor | None
@@ -401,8 +399,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "grou
                      eps: float = 1e-4, clip: float | None = None) -> torch.Tensor:
     """Group-relative advantages of ``[B]`` rewards in consecutive groups of ``group_size``: ``(r - mean_group) /
     (s + eps)`` with ``s`` the group's std (``"group"``), the batch's (``"global"``) or 1 (``"none"``, Dr. GRPO);
-    ``unbiased=False`` as Flow-GRPO and DDPO. Equal rewards give exactly 0; ``clip`` clamps to ``[-clip, clip]``.
-    """
+    ``unbiased=False`` as Flow-GRPO and DDPO. Equal rewards give exactly 0; ``clip`` clamps to ``[-clip, clip]``."""
     if std not in ("group", "global", "none"):
         raise ValueError(f"std={std!r}; use 'group', 'global' or 'none'.")
     r = rewards.reshape(-1).float()
@@ -471,8 +468,7 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): ``mean(max(-A ratio, -A
     clamp(ratio, 1 - clip_range, 1 + clip_range)))`` over ``[B]`` or ``[B, K]`` log-probs and the rows in ``keep``.
-    Returns ``(loss, stats)`` with ``approx_kl``, ``clipfrac`` and ``ratio_mean``.
-    """
+    Returns ``(loss, stats)`` with ``approx_kl``, ``clipfrac`` and ``ratio_mean``."""
     if not clip_range > 0:
         raise ValueError(f"diffusion.clip_range={clip_range} must be > 0 (DDPO and Flow-GRPO default to 1e-4).")
     if log_prob.shape != old_log_prob.shape:
@@ -580,8 +576,7 @@ def diffusion_dpo_loss(model_pred: torch.Tensor, ref_pred: torch.Tensor, target:
                        beta: float) -> tuple[torch.Tensor, DPOStats]:
     """Diffusion-DPO on a ``[2B, ...]`` batch laid out as diffusers' ``train_diffusion_dpo.py`` (chosen first,
     pairs sharing noise and timestep); per-sample ``mean_dims((pred - target)^2)`` for any regression target
-    (epsilon, v, flow velocity), ``ref_pred`` constant. Returns ``(loss, DPOStats)``.
-    """
+    (epsilon, v, flow velocity), ``ref_pred`` constant. Returns ``(loss, DPOStats)``."""
     if not (model_pred.shape == ref_pred.shape == target.shape):
         raise ValueError(f"shapes differ: model_pred {tuple(model_pred.shape)}, ref_pred {tuple(ref_pred.shape)}, "
                          f"target {tuple(target.shape)}")

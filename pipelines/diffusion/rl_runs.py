@@ -1,6 +1,5 @@
 """Around rl.py's math: the diffusion RL recipes' settings, the policy model on registry engines, reward
-functions, preference pairs, the tiny pipeline and labelled grids.
-"""
+functions, preference pairs, the tiny pipeline and labelled grids."""
 
 from __future__ import annotations
 
@@ -286,8 +285,7 @@ def rollout_advantages(rewards: torch.Tensor, prompts: Sequence[str], settings: 
 class PolicyModel:
     """The registry's denoiser roles, vae and text encoders as rl.py wants them: conditioning, a :data:`Denoiser`
     per role (CFG when ``guidance_scale`` > 1; FLUX takes it as its guidance input), the sampler, vae decode to
-    ``[0, 1]`` and a denoising loss's input / target. ``t5_tokens``: 0 = the family's.
-    """
+    ``[0, 1]`` and a denoising loss's input / target. ``t5_tokens``: 0 = the family's."""
 
     def __init__(self, registry: EngineRegistry, model_path: str, family: str, *, resolution: int,
                  guidance_scale: float = 1.0, t5_tokens: int = 0, policy: str = "policy") -> None:
@@ -591,8 +589,7 @@ def pretrain_tiny_unet(model_dir: str, images: str, steps: int, *, resolution: i
                        lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
     """Train the tiny SD unet of ``model_dir`` on the shapes images for ``steps`` epsilon steps in this process and
     save it in place, so the RL tiny runs start from a denoiser that paints shapes. Deterministic in ``seed``,
-    idempotent (``unet/pretrained.json``); returns ``{"steps", "seed", "resolution", "loss", "seconds"}``.
-    """
+    idempotent (``unet/pretrained.json``); returns ``{"steps", "seed", "resolution", "loss", "seconds"}``."""
     import shutil
     import time
 

@@ -1,7 +1,6 @@
 """What a diffusion fine-tuning run needs around its objective: the T5 length and image side of a family, held-out
 splits, the tiny model, the training image stream (sharded, resumable) collated with every text encoder's ids,
-validation prompts and images, and per-role memory figures.
-"""
+validation prompts and images, and per-role memory figures."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Tiny, randomly initialised diffusers folders of every family (SD, SDXL, SD3, FLUX) built offline, with real
-tokenizers trained on the shapes captions, and the pre-training of a tiny vae so generations decode to images.
-"""
+tokenizers trained on the shapes captions, and the pre-training of a tiny vae so generations decode to images."""
 
 from __future__ import annotations
 
@@ -205,8 +204,7 @@ def pretrain_tiny_vae(model_dir: str, images: str | Sequence[Any], steps: int = 
     """Train the random tiny vae of ``model_dir`` as an autoencoder (MSE + ``kl_weight`` KL), then set
     ``scaling_factor = 1 / std(latents)`` (and ``shift_factor`` = their mean where the vae has one); saved in place
     by rank 0. Collective: every rank takes the same step on its rows of one seeded batch. Idempotent
-    (``vae/pretrained.json``); returns the same figures (mse, factors, seconds, rank digests...) on every rank.
-    """
+    (``vae/pretrained.json``); returns the same figures (mse, factors, seconds, rank digests...) on every rank."""
     import time
 
     import torch.distributed as dist

@@ -1,8 +1,7 @@
 """The training steps of diffusers' scripts on registry engines and their settings (the ``diffusion`` section):
 DDPM (train_text_to_image), ControlNet (train_controlnet) and flow matching (train_dreambooth_sd3 / _flux). All of
 a step's randomness comes from a CPU generator seeded from (seed, step, rank): the same loss at any ZeRO stage and
-after a resume.
-"""
+after a resume."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The pipeline holds the engines' own modules (no copy): under ZeRO-3 every layer gathers its weights
 collectively as it runs, so every rank runs the same pipeline call with the same prompts and seed
-(a forward on rank 0 alone would wait forever for the others). Rank 0 writes the grid.
-"""
+(a forward on rank 0 alone would wait forever for the others). Rank 0 writes the grid."""
 
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ def generate(
     ``guidance_scale=None`` keeps the pipeline's default; ``pipeline_kwargs`` go to the pipeline call
     (``max_sequence_length`` for SD3/FLUX, ``image`` for a ControlNet pipeline). The pipeline returns
     latents (FLUX: packed, unpacked here); they are decoded through the vae engine (see
-    :func:`call_engine`), so every vae call goes through its engine like in training.
-    """
+    :func:`call_engine`), so every vae call goes through its engine like in training."""
     vae = registry.role("vae")
     generator = torch.Generator().manual_seed(seed)  # CPU: the same draws on any device
     # The pipeline calls the text encoders' modules directly, and their embedding layers read weight
@@ -187,8 +185,7 @@ def image_grid(
 
     Each image is upscaled by a whole factor (nearest neighbour, so a tiny model's pixels stay sharp) until
     its shorter side is at least ``min_size`` pixels. With ``prompts`` and/or ``step`` a white strip under
-    each image carries its prompt and the training step (PIL's default font, wrapped to the image width).
-    """
+    each image carries its prompt and the training step (PIL's default font, wrapped to the image width)."""
     from PIL import ImageDraw, ImageFont
 
     if not images:

@@ -3,8 +3,7 @@
     multiengine run registry_demo --config tiny --nproc-per-node 2 max_steps=3
     multiengine plan rlhf_ppo --config opt1.3b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
 
-The config is validated here before any rank starts; failures are reported once (see launcher.py for exit codes).
-"""
+The config is validated here before any rank starts; failures are reported once (see launcher.py for exit codes)."""
 
 from __future__ import annotations
 

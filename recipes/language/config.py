@@ -1,8 +1,7 @@
 """Recipe configs: a recipe's typed ``Config`` filled from its defaults, a YAML file and ``key=value`` overrides,
 strictly: an unknown key names the closest valid one (or its new name from ``renamed``), a bad value names the key,
 the value, where it was set and the fix; ``${...}`` interpolations resolve first. Shipped configs:
-``<recipes package>/configs/<recipe>/<name>.yaml``.
-"""
+``<recipes package>/configs/<recipe>/<name>.yaml``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The process supervisor behind `multiengine run --nproc-per-node N`: torchrun as a quiet child, every rank in
 its own session, stop signals forwarded to all of them, and a failure reported once as one ``error:`` line from
 the ranks' records in ``<output_dir>/logs/`` (exit codes: 0, 1 failure, 2 user error, 3 non-finite stop, 128+N
-signal N). It writes to stderr directly: talking to the terminal is its job.
-"""
+signal N). It writes to stderr directly: talking to the terminal is its job."""
 
 from __future__ import annotations
 

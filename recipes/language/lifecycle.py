@@ -4,8 +4,7 @@ A :class:`Recipe` subclass declares ``name``, ``roles``, ``Config`` (a :class:`R
 ``validate`` and ``plan``, and fills in ``build``, ``train_step`` (metrics already means over ranks), ``evaluate``,
 ``export``, ``state_dict`` / ``load_state_dict``, ``summary_metrics`` and ``plot_panels``. The base does the rest:
 output folder, seeding, registry, metrics, the loop with evaluation and checkpoints, resume, summary.json, curves.png
-and the ``nonfinite`` policy (``stop``: exit 3; ``skip``: until ``max_skips``), decided on values summed over ranks.
-"""
+and the ``nonfinite`` policy (``stop``: exit 3; ``skip``: until ``max_skips``), decided on values summed over ranks."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ def _unsafe_to_clear(folder: str) -> bool:
 def check_output_dir(name: str, cfg: Any, resumable: bool = True) -> None:
     """The output_dir policy, before any rank starts: another recipe's run or a finished run of this one (without
     ``resume_from``) is refused unless ``overwrite=true``; a recipe without ``resume_from`` (rlhf_e2e) may rerun
-    into its own folder. ``name``: the run name summary.json and run.json record.
-    """
+    into its own folder. ``name``: the run name summary.json and run.json record."""
     output_dir = str(cfg.output_dir)
     overwrite, resume = cfg.overwrite, cfg.resume_from
     if overwrite and resume:

@@ -1,7 +1,6 @@
 """The glue between recipes and the memory planner: roles as planner requests, models resolved without weights
 (local safetensors headers, the hub cache, built-in architectures, or the shipped config exporting a folder;
-``--assume role=model``), and a planned placement written back into a config.
-"""
+``--assume role=model``), and a planned placement written back into a config."""
 
 from __future__ import annotations
 
@@ -300,8 +299,7 @@ def planned_vs_measured(recipe: Any, cfg: Any, per_rank: Sequence[Mapping[str, A
                         assume: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Per role: the planned per-rank model-state bytes at `cfg`'s placements (configured stage, no offload, as the
     memory report counts offloaded tensors too) beside the most any rank measured (`per_rank`), and the difference.
-    ``tolerance_bytes``, what the planner promises: 5% of the planned total plus the persistent parameters' bytes.
-    """
+    ``tolerance_bytes``, what the planner promises: 5% of the planned total plus the persistent parameters' bytes."""
     world = len(per_rank)
     measured: dict[str, list[Mapping[str, Any]]] = {}
     for rank in per_rank:

@@ -1,6 +1,5 @@
 """Running another recipe in-process as a step of this one, reused while its fingerprint (hash of its resolved
-config and identity of every local input outside its output_dir) is unchanged (rlhf_e2e, and SFT actors first).
-"""
+config and identity of every local input outside its output_dir) is unchanged (rlhf_e2e, and SFT actors first)."""
 
 from __future__ import annotations
 
