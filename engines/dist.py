@@ -41,7 +41,7 @@ def read_env() -> DistEnv:
     return DistEnv(rank=rank, local_rank=local, world_size=world)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -115,7 +115,7 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
             raise RuntimeError(
                 "WORLD_SIZE>1 but MASTER_PORT is not set: launch with deepspeed, torchrun or accelerate launch."
             )
-        os.environ["MASTER_PORT"] = str(_free_port())  # for libraries that read it; nothing listens on it
+        os.environ["MASTER_PORT"] = str(free_port())  # for libraries that read it; nothing listens on it
     backend = backend or default_backend()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)

@@ -76,9 +76,8 @@ def compute_snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.
 
 
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
-    """Min-SNR-gamma loss weights (Hang et al., 2023) as diffusers' ``train_text_to_image.py``: epsilon
-    ``min(snr, gamma) / snr`` (1 at ``snr == 0``, the limit, where the script gives NaN), v_prediction
-    ``min(snr, gamma) / (snr + 1)``, sample ``min(snr, gamma)``. ``[B]`` float32."""
+    """Min-SNR-gamma weights (Hang et al., 2023) as ``train_text_to_image.py``: epsilon ``min(snr, gamma) / snr`` (1
+    at ``snr == 0``), v ``min(snr, gamma) / (snr + 1)``, sample ``min(snr, gamma)``; ``[B]`` float32."""
     _check_prediction_type(prediction_type)
     if not gamma > 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")

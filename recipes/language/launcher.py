@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,12 +41,6 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RDZV_BACKENDS = ("static", "c10d")
 
 
@@ -75,8 +68,10 @@ def _rendezvous_args(nodes: Nodes) -> list[str]:
              else "the rendezvous endpoint: one node's host and a free port, the same on every node")
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise RecipeConfigError(f"--nnodes > 1 needs --master-addr and --master-port ({where})")
+    from multiengine.engines.dist import free_port
+
     addr = master_addr or "127.0.0.1"
-    port = str(master_port if master_port is not None else _free_port())
+    port = str(master_port if master_port is not None else free_port())
     if rdzv_backend == "c10d":
         if node_rank is not None and nnodes > 1:
             raise RecipeConfigError("--node-rank has no effect with --rdzv-backend c10d (nodes are numbered as they "

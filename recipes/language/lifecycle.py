@@ -147,9 +147,8 @@ def _unsafe_to_clear(folder: str) -> bool:
 
 
 def check_output_dir(name: str, cfg: Any, resumable: bool = True) -> None:
-    """The output_dir policy, before any rank starts: another recipe's run or a finished run of this one (without
-    ``resume_from``) is refused unless ``overwrite=true``; a recipe without ``resume_from`` (rlhf_e2e) may rerun
-    into its own folder. ``name``: the run name summary.json and run.json record."""
+    """The output_dir policy: another recipe's run, or a finished one of this recipe without ``resume_from``, is
+    refused unless ``overwrite=true`` (rlhf_e2e may rerun into its own folder)."""
     output_dir = str(cfg.output_dir)
     overwrite, resume = cfg.overwrite, cfg.resume_from
     if overwrite and resume:

@@ -232,9 +232,8 @@ def declared_roles(cfg: Any, infos: Mapping[str, P.ModelInfo],
                    phases: Mapping[str, Sequence[tuple[str, int]]] | None = None, *, title: str = "",
                    notes: Sequence[str] = (), pinned: Mapping[str, P.Choice] | None = None, followers: bool = False,
                    **options: Mapping[str, Any]) -> RecipePlan:
-    """The planner's roles from a config's declared roles that ``infos`` has a model for, with their ``phases`` and
-    ``options``. ``pinned``: roles built at one placement whatever their keys; ``followers`` (stage -1): planned at
-    their leader's placement. Neither has keys of its own for ``--write``."""
+    """The planner's roles from a config's declared roles that ``infos`` has a model for; ``pinned`` roles are built
+    at one placement, ``followers`` (stage -1) at their leader's; neither has keys for ``--write``."""
     phases, pinned = phases or {}, pinned or {}
     requests, keys = [], {}
     for name, role in cfg.roles.items():
