@@ -1,20 +1,7 @@
-"""Checkpoints of a registry. Layout of a checkpoint directory:
-
-    save_dir/
-      latest                  text: the folder of the newest complete checkpoint (replaced atomically)
-      step_00000010/
-        manifest.json         format, roles, stages, world size, step, versions
-        client_state/rank_0.json + .safetensors   the caller's client state, per rank
-        rng/rank_0.json + .safetensors            this rank's python/numpy/torch RNG states
-        actor/state/...       DeepSpeed's own checkpoint of each trainable role (torch backend: torch_engine.*)
-        ema/rank_0.json + .safetensors            a stateful frozen role (EMA): this rank's partitions
-      .tmp-step_00000020/     a save in progress: never pointed to by `latest`
-      .old-step_00000010/     only while re-saving the tag `latest` names: the previous copy `latest` names meanwhile
-
-Frozen roles are rebuilt from their source, not saved (a stateful one's partitions are: an inference-only DeepSpeed
-engine has no checkpoint engine). All ranks write; rank 0 fsyncs, then commits with renames. Nothing is unpickled
-without restriction: our state is JSON + safetensors, DeepSpeed's files are read with an allow-list (safe_io.py).
-"""
+"""Checkpoints of a registry: ``save_dir/latest`` names the newest complete ``step_<n>/`` folder (manifest.json,
+client_state/, rng/, each trainable role's DeepSpeed state, stateful frozen roles' partitions); saves in progress
+are ``.tmp-<tag>``. Frozen roles are rebuilt from their source. Nothing is unpickled without an allow-list
+(safe_io.py). See docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -103,9 +90,8 @@ def _point_latest(save_dir: str, name: str) -> None:
 
 
 def _commit(save_dir: str, tmp: str, tag: str) -> None:
-    """Rank 0: make the finished save visible (a crash before `latest` is replaced leaves only a .tmp- folder).
-    Re-saving the tag `latest` names: the old folder is first hard-linked to .old-<tag> and `latest` pointed there,
-    so `latest` always names a complete checkpoint."""
+    """Rank 0: make the finished save visible. Re-saving the tag `latest` names goes through a hard-linked
+    .old-<tag> copy, so `latest` always names a complete checkpoint."""
     final = os.path.join(save_dir, tag)
     fsync_tree(tmp)
     aside = None

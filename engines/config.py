@@ -1,7 +1,5 @@
-"""DeepSpeed config factories (plain dicts) and per-role resolution of "auto" values, at build time, once the
-role's model and the data-parallel size are known. Why the performance defaults are what they are (measured with
-benchmarks/config_ablation.py and profile_step.py) is said where each is set.
-"""
+"""DeepSpeed config factories (plain dicts) and per-role resolution of "auto" values at build time; why each
+performance default is what it is (benchmarks/config_ablation.py) is said where it is set."""
 
 from __future__ import annotations
 
@@ -100,9 +98,8 @@ def train_ds_config(stage: int = 2, dtype: str = "bf16", micro_batch_size: int |
                     grad_accum: int | str = AUTO, train_batch_size: int | str = AUTO, offload_optimizer: bool = False,
                     offload_params: bool = False, gradient_clipping: float = 1.0,
                     steps_per_print: int = 10**9) -> dict[str, Any]:
-    """DeepSpeed config for a trainable role; "auto" batch keys are resolved at build time (train_batch_size =
-    micro x accumulation x data-parallel size). ``gradient_clipping``: the norm, 0.0 = off, written as given (an
-    absent key gets DeepSpeed's default, 1.0 since 0.19); gradient averaging too (no pre-scaling, predivide 1)."""
+    """DeepSpeed config for a trainable role; "auto" batch keys resolved at build time. ``gradient_clipping``: the
+    norm, 0.0 = off, written as given (DeepSpeed's default is 1.0 since 0.19)."""
     if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
             or not gradient_clipping >= 0:
         raise ConfigError(f"gradient_clipping={gradient_clipping!r} must be a number >= 0 (0.0 = no clipping).")
@@ -312,15 +309,11 @@ def auto_overlap_comm(device_name: str | None = None) -> bool:
 
 def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None, num_params: int | None = None,
                          trainable_params: int | None = None, device_name: str | None = None) -> None:
-    """Fill "auto" ZeRO bucket sizes and ``overlap_comm`` in place for one role of width ``h``: reduce bucket =
-    DeepSpeed's 5e8 (h² if wider) capped at the trainable parameters, prefetch bucket = 5e7 (0.9 h² if wider) capped
-    at the parameters, persistence threshold = 10 h (transformers' rule); a missing bound is dropped.
-
-    Why: each bucket is one collective, and below DeepSpeed's billion-parameter defaults a step pays latency, not
-    size (h² gives a width-64 role a reduce-scatter per 4,096 gradients); the caps keep a small role from allocating
-    a 5e8-element bucket (ZeRO-3 allocates it whole). A persistence floor of 1e4 or 1e5 measured no faster (ZeRO-3
-    re-gathers each persistent tensor after every step) and leaves small roles unsharded (a 32-wide text encoder:
-    76% of it on each of 2 ranks at 1e4, 51% at 10 h)."""
+    """Fill "auto" ZeRO bucket sizes and ``overlap_comm`` in place for one role of width ``h``: reduce bucket 5e8 (h²
+    if wider) capped at the trainable parameters, prefetch 5e7 (0.9 h² if wider) capped at the parameters,
+    persistence threshold 10 h. Why: below DeepSpeed's billion-parameter defaults a step pays latency, not size; the
+    caps keep small roles from allocating whole 5e8 buckets; a 1e4/1e5 persistence floor was no faster and left
+    small roles unsharded (76% of a 32-wide text encoder per rank of 2 at 1e4, 51% at 10 h)."""
     zero = config.get("zero_optimization", {})
     for key, value in auto_bucket_sizes(hidden_size, num_params, trainable_params).items():
         if zero.get(key) == AUTO:

@@ -41,7 +41,7 @@ def read_env() -> DistEnv:
     return DistEnv(rank=rank, local_rank=local, world_size=world)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,9 +61,8 @@ def default_backend() -> str:
 
 
 def export_local_size() -> None:
-    """Set ``LOCAL_SIZE`` (processes on this node) from torchrun's/accelerate's ``LOCAL_WORLD_SIZE`` or mpirun's
-    (1 alone): DeepSpeed's CPU accelerator counts devices from it, and without it runs ``numactl --hardware`` per
-    ``device_count()``, which ZeRO-3 asks once per gradient bucket (dozens of subprocesses per step)."""
+    """Set ``LOCAL_SIZE`` from ``LOCAL_WORLD_SIZE`` (mpirun's, or 1): without it DeepSpeed's CPU accelerator runs
+    ``numactl --hardware`` per ``device_count()``, dozens of subprocesses per ZeRO-3 step."""
     env = os.environ
     if "LOCAL_SIZE" in env:
         return
@@ -116,7 +115,7 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
             raise RuntimeError(
                 "WORLD_SIZE>1 but MASTER_PORT is not set: launch with deepspeed, torchrun or accelerate launch."
             )
-        os.environ["MASTER_PORT"] = str(_free_port())  # for libraries that read it; nothing listens on it
+        os.environ["MASTER_PORT"] = str(free_port())  # for libraries that read it; nothing listens on it
     backend = backend or default_backend()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)

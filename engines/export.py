@@ -1,11 +1,6 @@
-"""Exports: a role's full weights in a folder real clients load, written atomically.
-
-The role is gathered on all ranks (rank 0 alone would hang under ZeRO-3), written on rank 0 into ``<out>.tmp``,
-fsynced and swapped into place: ``renameat2(RENAME_EXCHANGE)`` on Linux (``<out>`` is always the complete old or
-new export); elsewhere the old folder goes to ``<out>.old`` first, moved back by :func:`recover_dir` after a crash.
-transformers/diffusers models are written with ``save_pretrained``, anything else as ``model.safetensors``; a LoRA
-role with its adapters merged (out of place: the live engine is untouched) and the peft adapter in ``<out>/adapter``.
-"""
+"""Exports: a role's full weights in a folder real clients load, written atomically (gathered on all ranks, written
+by rank 0 into ``<out>.tmp``, swapped into place; a LoRA role merged, its adapter in ``<out>/adapter``). See
+docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -67,10 +62,8 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def recover_dir(out_dir: str) -> None:
-    """Undo what a crash inside an earlier commit of ``out_dir`` left: with ``out_dir`` missing, its
-    moved-aside copy ``<out>.old`` (complete: it was the previous export) goes back into place; with
-    ``out_dir`` present, a stale ``<out>.old`` is removed. ``<out>.tmp`` is never promoted (it may be
-    partial); :func:`atomic_dir` clears it."""
+    """Undo a crash inside an earlier commit: a missing ``out_dir`` gets its complete ``<out>.old`` back, else a
+    stale ``<out>.old`` is removed (``<out>.tmp`` may be partial and is never promoted)."""
     out = os.path.abspath(out_dir).rstrip(os.sep)
     aside = out + ".old"
     if not os.path.lexists(aside):
@@ -105,11 +98,8 @@ def _commit(tmp: str, out: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: str, main: bool = True) -> Iterator[str]:
-    """A temporary folder beside ``out_dir`` that becomes ``out_dir`` when the block ends without error.
-
-    All ranks enter it (it ends with a barrier); only ``main`` (rank 0) creates, writes and renames. On an
-    exception the temporary folder is removed and ``out_dir`` keeps whatever it held before.
-    """
+    """A temporary folder beside ``out_dir`` that becomes ``out_dir`` when the block ends without error. All ranks
+    enter it (it ends with a barrier); only ``main`` writes and renames; on an exception ``out_dir`` is unchanged."""
     out = os.path.abspath(out_dir).rstrip(os.sep)
     tmp = out + ".tmp"
     if main:
@@ -165,9 +155,8 @@ def _peft_prefixes(module: torch.nn.Module) -> list[str]:
 
 
 def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict on the CPU with every LoRA layer merged (``W + delta``) and the peft
-    names undone (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``, no ``lora_`` keys, no
-    ``base_model.model.`` prefix): the keys of the model without adapters. Parameters must be whole."""
+    """The module's CPU state dict with every LoRA layer merged (``W + delta``) under the keys of the model without
+    adapters (peft's ``base_layer``/``lora_``/``base_model.model.`` names undone). Parameters must be whole."""
     from peft.tuners.lora import LoraLayer
 
     state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
@@ -239,12 +228,8 @@ def _write_module(module: torch.nn.Module, out: str, pad_token_id: int | None = 
 
 def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str | torch.dtype | None = None,
                merge_lora: bool = True, pad_token_id: int | None = None) -> dict[str, str]:
-    """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0 (no atomic rename: use
-    :func:`save_role`, or :func:`atomic_dir` around several writes). All ranks must call it.
-    ``pad_token_id`` goes to a ``save_pretrained`` that records it (a reward model's).
-
-    Returns ``{"model": folder}`` and, for a peft-wrapped LoRA role, ``"adapter": folder/adapter``.
-    """
+    """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0, not atomically (see :func:`save_role`).
+    Returns ``{"model": folder}`` and, for a peft LoRA role, ``"adapter": folder/adapter``."""
     from .roles import is_lora
 
     module = registry.role(name).module
@@ -270,10 +255,8 @@ def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str |
 def save_role(registry: EngineRegistry, name: str, out_dir: str, *, dtype: str | torch.dtype | None = None,
               merge_lora: bool = True, tokenizer: Any = None,
               extra_files: Callable[[str], None] | None = None) -> dict[str, str]:
-    """Export role ``name`` to ``out_dir`` atomically: full (gathered) weights, LoRA merged with the adapter
-    in ``out_dir/adapter``, floating weights cast to ``dtype`` when given (else the role's own dtype),
-    the ``tokenizer`` beside them, and ``extra_files(folder)`` called on rank 0 for anything else a
-    client needs. All ranks must call it; returns the paths written (the final ones)."""
+    """Export role ``name`` to ``out_dir`` atomically: gathered weights (LoRA merged, adapter in ``adapter/``) cast
+    to ``dtype`` if given, the ``tokenizer`` and ``extra_files(folder)``. All ranks must call it; returns the paths."""
     with atomic_dir(out_dir, registry.is_main) as tmp:
         written = write_role(registry, name, tmp, dtype=dtype, merge_lora=merge_lora,
                              pad_token_id=getattr(tokenizer, "pad_token_id", None))

@@ -1,10 +1,5 @@
-"""Checkpoint state that loads without running code (unpickling a file runs whatever its author put in it).
-
-Our own state (client state, RNG, the torch backend's engine, EMA partitions) is a JSON tree plus a safetensors
-file of its tensors: dicts, lists, tuples, str, int, float (NaN/inf too), bool, None, tensors and numpy values, bit
-for bit; anything else is refused at save time, naming it. DeepSpeed's torch.save files are read with
-``weights_only=True`` and an allow-list of the classes its optimizers store (deepspeed_loads_refusing_pickles).
-"""
+"""Checkpoint state that loads without running code: our state as JSON + safetensors (anything else refused at
+save time), DeepSpeed's torch.save files read with ``weights_only=True`` and an allow-list of classes."""
 
 from __future__ import annotations
 
@@ -182,9 +177,8 @@ def load_tree(base: str) -> Any:
 
 # --- DeepSpeed's own files -----------------------------------------------------------------------
 def deepspeed_safe_globals() -> list[Any]:
-    """The classes DeepSpeed 0.19's engines and ZeRO optimizers pickle into their checkpoint files
-    besides tensors and plain containers (found by listing the globals of stage 0-3 fp32/bf16 files,
-    and the fp16 loss scaler). Each is a plain record; none runs code when rebuilt."""
+    """The plain-record classes DeepSpeed 0.19's engines and ZeRO optimizers pickle besides tensors and containers
+    (the globals of stage 0-3 fp32/bf16/fp16 files); none runs code when rebuilt."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -1,18 +1,6 @@
-"""Typed settings: frozen dataclasses whose fields carry a default, one line of help and a check.
-
-Every settings object of the project (a trainer's hyper-parameters, a recipe's config sections) is declared with
-:func:`setting` and :func:`section` on a :class:`Settings` dataclass, and checks its fields when it is made: an object
-that exists is a valid one, whether a YAML file (through the recipe language) or Python code built it::
-
-    @dataclass(frozen=True)
-    class MySettings(Settings):
-        epochs: int = setting(1, "passes over one rollout", Range(1))
-        env: str = setting("", "\"\" = single turn; a module:factory = multi-turn episodes")
-        max_turns: int = setting(3, "turns per episode at most", Range(1), when="env")
-
-``when="env"``: the field means something only while ``env`` is set; a value other than its default is refused
-otherwise, so no setting is accepted and then ignored. Imports nothing beyond the standard library.
-"""
+"""Typed settings: frozen dataclasses whose fields carry a default, one line of help and a check (:func:`setting`,
+:func:`section`, :class:`Settings`); an object that exists is a valid one. ``when="env"``: a field that means
+something only while ``env`` is set refuses a non-default value otherwise. Standard library only."""
 
 from __future__ import annotations
 
@@ -209,11 +197,10 @@ class Satisfies(Check):
 # --- declaring fields ----------------------------------------------------------------------------------------------
 def setting(default: Any, help: str, check: Check | list[Check] | None = None, *, when: str = "",
             example: Any = None) -> Any:
-    """A settings field: its default (lists and dicts are copied per object), one line of help, its check(s) and
-    ``when``: the sibling field that must be set (``"name"``: truthy; ``"name=value"``; a dotted name is a key from the
-    config's root, e.g. ``"generation.engine=vllm"``) for this one to differ from its default. ``example``: a valid
-    value other than the default, where none can be derived from the type and check (the test that every key changes
-    what a run builds sets it)."""
+    """A settings field: default (lists/dicts copied per object), one line of help, check(s), ``when`` (the sibling
+    that must be set, ``"name"`` or ``"name=value"``, for this one to differ from its default; a dotted name is a key
+    from the config's root, e.g. ``"generation.engine=vllm"``) and ``example`` (a valid non-default value where the
+    type and check give none)."""
     checks = tuple(check) if isinstance(check, (list, tuple)) else (check,) if check is not None else ()
     meta = {"help": help, "checks": checks, "when": when, "example": example}
     if isinstance(default, (list, dict)):

@@ -1,9 +1,5 @@
-"""Cheap checks of a user's model folders and tokenizers and of the batch arithmetic, meant to run before any
-rank starts (the data checks are ``rlhf.data.check_rlhf_data`` and ``diffusion.data.check_image_caption_data``).
-
-Nothing here builds a model: only ``config.json`` / ``model_index.json`` and tokenizer files are read.
-Every error names the config key, the value and the fix.
-"""
+"""Cheap checks, before any rank starts, of model folders, tokenizers and batch arithmetic (config.json /
+model_index.json and tokenizer files only); every error names the config key, the value and the fix."""
 
 from __future__ import annotations
 
@@ -35,9 +31,8 @@ def _offline() -> bool:
 
 
 def check_model_folder(path: str, key: str = "model.pretrained", kind: str = "transformers") -> str:
-    """``"local"`` for a folder with ``config.json`` (``kind="transformers"``) or ``model_index.json``
-    (``"diffusers"``), ``"hub"`` for a hub name (in the local cache when offline); a local-looking path that does not
-    exist is "no such folder", never a hub lookup. ModelFolderError naming ``key``, the path and the fix."""
+    """``"local"`` (a folder with ``config.json`` or, for ``kind="diffusers"``, ``model_index.json``) or ``"hub"``; a
+    local-looking missing path is an error, never a hub lookup. ModelFolderError names ``key``, the path, the fix."""
     if kind not in ("transformers", "diffusers"):
         raise ValueError(f"kind={kind!r}; use 'transformers' or 'diffusers'")
     marker = "config.json" if kind == "transformers" else "model_index.json"
@@ -72,11 +67,8 @@ _PROBE = "list 3 fruits : apple pear plum. Hello, world! 12345 \u00e9t\u00e9"
 
 
 def load_tokenizer(path: str, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained(path)``, except where transformers replaces a folder's own tokenizer with its
-    model family's class: for some families (Qwen2, Phi-3) it ignores a generic ``tokenizer_class`` and builds the
-    family's tokenizer from the vocabulary, which may encode text differently from the folder's ``tokenizer.json``
-    (a user's word-level tokenizer: training on wrong ids, silently). Then the folder's tokenizer is loaded as
-    declared, with a warning."""
+    """``AutoTokenizer.from_pretrained(path)``, except where transformers swaps in its family's tokenizer (Qwen2,
+    Phi-3 ignore a generic ``tokenizer_class``) and would encode differently: then the declared one, with a warning."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -115,9 +107,8 @@ def _vocab_size(config: Any) -> int | None:
 
 def check_vocab_fits(tokenizer: Any, model_path: str, *, key: str = "model.pretrained",
                      tokenizer_key: str | None = None, subfolder: str | None = None) -> tuple[int, int | None]:
-    """``(tokenizer size, the model's vocab_size or None)``: every id of ``tokenizer`` (an object, or a folder to load
-    one from) has a row in the embedding of the model at ``model_path`` (``subfolder``: a diffusers text encoder), else
-    ModelFolderError naming ``key`` and ``tokenizer_key``."""
+    """``(tokenizer size, the model's vocab_size or None)``: every tokenizer id has an embedding row in the model at
+    ``model_path``, else ModelFolderError naming ``key`` and ``tokenizer_key``."""
     from transformers import AutoConfig
 
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -182,12 +173,8 @@ def check_diffusers_folder(path: str, key: str = "model.pretrained") -> list[str
 def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, factor: int = 1, unit: str = "rows",
                         what: str = "", heldout: int = 0, heldout_key: str = "data.eval_split",
                         setting: str = "{key}={n}") -> None:
-    """Refuse a batch the ``rows`` training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
-    (``rows // world_size`` per rank, the tail dropped) and draws ``value x factor`` per rank and step (``key``: the
-    batch key; ``factor``: ``grad_accum`` when one batch holds a step's micro batches, said by ``what``): the run
-    would fail only after building its models. ``heldout``: rows the evaluation split took out of them (set by
-    ``heldout_key``); ``setting``: how the fix sets a smaller value (``{key}``, ``{n}``). ConfigValueError naming the
-    key, the value and the fixes."""
+    """Refuse a batch (``value x factor`` rows per rank and step) that ``rows // world_size`` training rows per rank
+    (less ``heldout``) cannot fill, before the run builds its models. ConfigValueError naming the key, value, fixes."""
     from multiengine.engines.settings import config_problem
 
     need = int(value) * int(factor)
@@ -215,9 +202,7 @@ def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, fac
 
 def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
                         unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
-    """The rows each rank gets against the batches it draws (``check_rows_per_rank``) for the training rows of a
-    data check's report (``train_rows``, ``eval_rows``, ``eval_origin``); built-in data (no report, thousands of rows
-    per stage) passes."""
+    """:func:`check_rows_per_rank` for the training rows of a data check's report; built-in data passes."""
     if report is None:
         return
     check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,

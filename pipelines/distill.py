@@ -1,13 +1,6 @@
 """Knowledge distillation between a teacher's and a student's next-token distributions: pure losses on logits
-``[B, T, V]`` and a mask ``[B, T]`` of the positions that count (each a mean over them), the settings of the distill
-recipe, and the forwards and samples of on-policy distillation (GKD, Agarwal et al. 2024).
-
-Divergences, by GKD's ``beta``: 0 forward KL ``KL(p_T || p_S)`` (Hinton et al. 2015: the student covers every mode),
-1 reverse KL ``KL(p_S || p_T)`` (mode seeking, MiniLLM), between: the generalised Jensen-Shannon
-``beta KL(p_T || m) + (1 - beta) KL(p_S || m)``, ``m = beta p_T + (1 - beta) p_S`` (0.5: the symmetric JSD, at most
-ln 2). Both distributions are ``softmax(logits / tau)``; the offline loss is multiplied by ``tau^2`` (Hinton et al.:
-a gradient scale independent of ``tau``), and on-policy batches use the same objective on the student's samples.
-"""
+(GKD's ``beta``: 0 forward KL, 1 reverse KL, between the generalised JSD; ``softmax(logits / tau)``, offline loss
+times ``tau^2``), the distill recipe's settings, and on-policy distillation's samples (GKD, Agarwal et al. 2024)."""
 
 from __future__ import annotations
 
@@ -110,9 +103,8 @@ def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
                       kind: str = "forward_kl", temperature: float = 1.0, alpha: float = 1.0,
                       beta: float = 0.5) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``alpha * divergence + (1 - alpha) * cross-entropy`` on the labelled next-token positions of logits
-    ``[B, L, V]`` of the same input ids (``labels`` -100 on prompt and padding); returns ``(loss, {"divergence",
-    "ce"})`` (the parts detached)."""
+    """``alpha * divergence + (1 - alpha) * cross-entropy`` on the labelled positions (``labels`` -100 elsewhere);
+    returns ``(loss, {"divergence", "ce"})``."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}.")
     mask = next_token_mask(labels)
@@ -134,9 +126,8 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
 
 def response_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
                           action_mask: torch.Tensor, beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
-    """:func:`generalized_jsd_loss` on a rollout's response tokens: logits ``[B, C + T, V]`` of prompt (``C``, the
-    padded prompt length) + response, the positions ``C - 1 .. L - 2`` predicting the response; ``action_mask
-    [B, T]`` the student's own tokens (EOS included)."""
+    """:func:`generalized_jsd_loss` on a rollout's response tokens (logits of prompt ``C`` + response, positions
+    ``C - 1 .. L - 2``; ``action_mask [B, T]``: the student's own tokens)."""
     if context_length < 1:
         raise ValueError(f"context_length must be >= 1 (the prompt predicts the first response token), got "
                          f"{context_length}.")
@@ -161,10 +152,8 @@ def sampled_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
 
 def check_vocab(student_vocab_size: int, teacher_vocab_size: int, student_tokenizer: Any = None,
                 teacher_tokenizer: Any = None) -> int:
-    """How many leading logits teacher and student share, or a ``ValueError`` saying why they cannot be compared
-    entry by entry. Equal logit sizes pass unless both tokenizers are given and differ; different sizes (a family's
-    embeddings padded to a multiple of 64 or 128) pass only with both tokenizers given, equal, and no larger than
-    either model's logits: the loss then uses the first ``len(tokenizer)`` logits of both."""
+    """How many leading logits teacher and student share, or a ``ValueError`` saying why they cannot be compared:
+    different logit sizes (padded embeddings) pass only with equal tokenizers no larger than either model's logits."""
     fix = ("use a teacher and a student of one model family (one tokenizer), or train the student on text the "
            "teacher generated (sequence-level distillation: rlhf_sft on the teacher's answers) instead of its logits")
     s, t = int(student_vocab_size), int(teacher_vocab_size)
@@ -188,9 +177,8 @@ def check_vocab(student_vocab_size: int, teacher_vocab_size: int, student_tokeni
 
 
 def on_policy_batch(seed: int, step: int, fraction: float) -> bool:
-    """Whether the batch of ``step`` uses responses the student samples itself (GKD's lambda, ``fraction``): a
-    uniform draw ``u < fraction`` from a generator seeded by ``(seed, step)`` alone, the same on every rank and
-    after a resume (0 = never, 1 = always)."""
+    """Whether step ``step`` uses the student's own samples (GKD's lambda): ``u < fraction`` from a generator
+    seeded by ``(seed, step)``, the same on every rank and after a resume."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"distill.on_policy_fraction={fraction!r}: the share of batches the student samples, in "
                          "[0, 1] (0 = offline distillation, 1 = always on-policy).")
@@ -219,9 +207,8 @@ def prompts_of_demonstrations(input_ids: torch.Tensor, attention_mask: torch.Ten
 @torch.no_grad()
 def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Any,
                     eos_token_id: int, pad_token_id: int, seed: int) -> dict[str, Any]:
-    """The student's own answers to left-padded prompts with ``settings`` (a ``GenerationSettings``; collective),
-    torch seeded with ``seed`` first (a resumed run samples the same tokens): ``sequences`` and ``attention_mask``
-    ``[B, C + T]``, ``action_mask`` ``[B, T]`` (up to the first EOS) and ``context_length`` ``C``."""
+    """The student's answers to left-padded prompts (collective; torch seeded with ``seed``): ``sequences``,
+    ``attention_mask``, ``action_mask`` (up to the first EOS) and ``context_length``."""
     from multiengine.pipelines.rlhf.generation import generate
     from multiengine.pipelines.rlhf.ppo import action_mask
 

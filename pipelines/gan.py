@@ -1,10 +1,5 @@
-"""A GAN's pieces as pure functions: the non-saturating losses, a toy target distribution (a ring of
-Gaussians) with a seeded sampler, tiny MLP generator and discriminator, and sample-quality figures.
-
-The losses follow Goodfellow et al. (2014) with the generator's non-saturating form:
-``d_loss = softplus(-D(real)) + softplus(D(fake))`` (binary cross-entropy on logits, mean over rows) and
-``g_loss = softplus(-D(G(z)))``.
-"""
+"""A GAN's pieces as pure functions: the non-saturating losses (``d_loss = softplus(-D(real)) + softplus(D(fake))``,
+``g_loss = softplus(-D(G(z)))``), a ring of Gaussians to learn, tiny MLPs and sample-quality figures."""
 
 from __future__ import annotations
 
@@ -59,9 +54,8 @@ class MLP(torch.nn.Module):
 
 
 def sample_quality(samples: torch.Tensor, modes: torch.Tensor, std: float) -> dict[str, float]:
-    """How well ``samples`` [n, 2] cover the ring: ``mode_coverage`` (share of modes that hold at least a
-    quarter of their fair share of samples within 3 std), ``high_quality`` (share of samples within 3 std of
-    some mode) and ``mode_distance`` (mean distance to the nearest mode)."""
+    """``mode_coverage`` (modes holding a quarter of their fair share within 3 std), ``high_quality`` (samples within
+    3 std of a mode) and ``mode_distance`` (mean distance to the nearest mode) of ``samples`` [n, 2]."""
     dist = torch.cdist(samples.double(), modes.double())
     nearest, which = dist.min(dim=1)
     close = nearest <= 3 * std

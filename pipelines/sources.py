@@ -1,22 +1,6 @@
-"""Where a pipeline's rows come from: local data files, ``save_to_disk`` folders, folders of split files,
-imagefolders and hub dataset names; column mapping, weighted blends of several sources and held-out
-evaluation splits. Shared by the RLHF and the diffusion data modules.
-
-A *source* is a path or a hub name. What it is is decided from the path, never guessed from the
-contents of a file:
-
-=============== ========================================================================================
-kind            what
-=============== ========================================================================================
-``file``        an existing ``.json``/``.jsonl``/``.csv``/``.parquet`` file (the matching ``datasets`` builder)
-``disk``        a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``
-``split_files`` a folder holding ``<name>.json[l]``/``.csv``/``.parquet`` for the wanted split name
-``imagefolder`` any other folder, when images are wanted (``load_dataset("imagefolder", data_dir=...)``)
-``hub``         a name that is not a local path (``org/name``): ``load_dataset(name)``, offline from the cache
-=============== ========================================================================================
-
-A local-looking path that does not exist is an error naming the config key, never a hub lookup.
-"""
+"""Where a pipeline's rows come from: data files, ``save_to_disk`` folders, folders of split files, imagefolders and
+hub names (the kind decided from the path, never from a file's contents; a missing local path is an error, never a
+hub lookup), column mapping, weighted blends and held-out evaluation splits."""
 
 from __future__ import annotations
 
@@ -123,9 +107,8 @@ def _split_file(folder: Path, names: Sequence[str]) -> Path | None:
 
 def source_kind(path: str, names: Sequence[str] = ("train",), images: bool = False,
                 key: str = "data.source") -> str:
-    """``file``, ``disk``, ``split_files``, ``imagefolder`` or ``hub`` (module docstring); ``names``: the file stems
-    a folder of split files may hold, in order of preference; ``images``: any other folder is an imagefolder.
-    DataSourceError for a missing local path, an unsupported file type or a folder with none of ``names``."""
+    """``file``, ``disk``, ``split_files``, ``imagefolder`` (with ``images``) or ``hub``; ``names``: split file stems
+    by preference. DataSourceError for a missing local path, an unsupported file or a folder with none of ``names``."""
     p = Path(os.path.expanduser(path))
     if p.is_file():
         if p.suffix.lower() not in DATA_FILE_BUILDERS:
@@ -154,10 +137,8 @@ def source_kind(path: str, names: Sequence[str] = ("train",), images: bool = Fal
 def load_source(path: str, *, names: Sequence[str] = ("train",), split: str = "train", images: bool = False,
                 key: str = "data.source", split_required: bool = False, cache_dir: str | None = None,
                 **load_kwargs: Any) -> Dataset:
-    """One source (:func:`source_kind`) as a ``datasets.Dataset``: ``names`` the file stems of a folder of split
-    files, ``split`` that of a hub dataset or ``DatasetDict`` (one with a single other split uses it, logged, unless
-    ``split_required``: rows that must not be the training rows, so a source without that split is an error);
-    ``key`` names the config key in errors; ``cache_dir``, ``load_kwargs``: for ``datasets.load_dataset``."""
+    """One source as a ``datasets.Dataset``: ``split`` of a hub dataset or ``DatasetDict`` (a single other split is
+    used, logged, unless ``split_required``); ``key`` names the config key in errors."""
     try:
         return _load_source(path, names, split, images, key, split_required, cache_dir, load_kwargs)
     except ValueError as err:
@@ -310,9 +291,8 @@ def _counts(weights: Sequence[float], total: int) -> list[int]:
 
 
 def blend(datasets_: Sequence[Dataset], weights: Sequence[float], seed: int = 0, size: int | None = None) -> Dataset:
-    """A deterministic weighted mixture of datasets with the same columns: ``size`` rows (default: all of theirs),
-    ``round(size * w_i / sum(w))`` from source ``i`` in whole seeded passes over its rows (no row repeats before
-    every row was used), shuffled with ``seed``. A single source with no ``size`` is returned unchanged."""
+    """A deterministic weighted mixture: ``round(size * w_i / sum(w))`` rows of source ``i`` in whole seeded passes,
+    shuffled with ``seed``; a single source with no ``size`` is returned unchanged."""
     import datasets
     import torch
 
@@ -374,9 +354,8 @@ def heldout_split(ds: Dataset, eval_split: float | int, seed: int = 0,
 
 
 def parse_eval_split(value: Any, key: str = "data.eval_split") -> str | float | int | None:
-    """A config's ``eval_split`` as the pipelines take it: ``"auto"``; ``None`` for none (``"none"``, ``""``, ``0``);
-    a fraction in (0, 1) or a row count >= 1 (numbers or their text); else a split name. DataSourceError for a
-    negative number or a number >= 1 that is not a whole count."""
+    """``eval_split`` as the pipelines take it: ``"auto"``; None (``"none"``, ``""``, ``0``); a fraction in (0, 1)
+    or a whole row count; else a split name. DataSourceError for a negative or fractional count."""
     if value is None or isinstance(value, bool):
         if value is True:
             raise DataSourceError(f"{key}=true: use auto, none, a fraction (0.05), a row count (200) or a split name")
@@ -397,9 +376,8 @@ def parse_eval_split(value: Any, key: str = "data.eval_split") -> str | float | 
 
 
 def named_eval_split(source: DataSource) -> str | None:
-    """The split ``source`` already keeps for evaluation, if it has one: an ``eval``/``test``/``validation``
-    file of a folder of split files, such a split of a ``DatasetDict`` folder or of a hub dataset (its split
-    names from the cache or the hub); ``None`` for a single file or a saved ``Dataset`` (nothing is loaded)."""
+    """The ``eval``/``test``/``validation`` split ``source`` already has (split files, ``DatasetDict`` or hub
+    dataset), else ``None``; nothing is loaded."""
     import json
 
     p = Path(os.path.expanduser(source.path))
@@ -442,17 +420,8 @@ def split_train_eval(load: Callable[[DataSource, str | None], Dataset], sources:
                      load_eval: Callable[[DataSource, str | None], Dataset] | None = None,
                      eval_split: float | int | str | None = 0.0, seed: int = 0, size: int | None = None,
                      source_key: str = "data.source", evaluate: bool = True) -> TrainEval:
-    """Training and evaluation rows, never silently the same rows.
-
-    ``load(source, name)``: a source's training rows (``name`` None) or its split ``name``, raising when it has no
-    such split (:func:`load_source` with ``split_required``); ``load_eval`` loads ``eval_source`` (default ``load``).
-    Evaluation rows come from ``eval_source`` (concatenated), else ``eval_split``: a fraction or row count held out
-    of *each* source before the blend (an oversampled source never leaks them into training), the name of a split
-    every source has, or ``"auto"`` (per source its evaluation split, :func:`named_eval_split`, else
-    :data:`DEFAULT_EVAL_FRACTION` of its rows held out, with a warning); none (with a warning) for 0 / None. The
-    sources are blended with their weights into ``size`` rows (:func:`blend`); ``evaluate=False``: training rows
-    only.
-    """
+    """Training and evaluation rows, never silently the same: ``eval_source`` rows, else ``eval_split`` (a fraction
+    or count held out of each source before the blend, a split name, or ``"auto"``), blended into ``size`` rows."""
     import datasets
 
     if not sources:

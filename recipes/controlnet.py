@@ -1,16 +1,6 @@
-"""ControlNet training with every model sharded: a trainable ControlNetModel initialised from the unet, the
-frozen unet beside it at ZeRO-3 (1/N per rank, where diffusers' train_controlnet.py keeps a whole copy on every
-GPU), the frozen vae and text encoder(s); each its own DeepSpeed engine.
-
-    multiengine run controlnet --config tiny --nproc-per-node 2                  # tiny SD, shapes + edge maps
-    multiengine run controlnet --config tiny --nproc-per-node 2 data.conditioning_kind=mask
-
-The conditioning images come from ``data.columns.conditioning_image`` (the built-in shapes data: an edge or mask
-image per picture). The loss is train_controlnet.py's step: the controlnet's residuals go into the frozen unet,
-whose noise prediction is compared with the noise; the gradient reaches the controlnet through the unet.
-``mode=seed_baseline`` builds the frozen roles whole on every rank. Writes what sd_finetune writes, with the
-conditioning image beside each validation image, export/controlnet and export/pipeline (docs/diffusion.md).
-"""
+"""ControlNet training with every model sharded: a trainable ControlNetModel initialised from the unet, the frozen
+unet beside it at ZeRO-3 (where diffusers keeps a whole copy per GPU), frozen vae and text encoder(s); the loss is
+train_controlnet.py's. ``multiengine run controlnet --config tiny --nproc-per-node 2``; docs/diffusion.md."""
 
 from __future__ import annotations
 
@@ -78,9 +68,8 @@ class ControlNetTraining(ImageFinetune):
 
     @classmethod
     def validate(cls, cfg: ControlNetConfig, world_size: int = 1) -> None:
-        """Before any rank starts: the base model folder is SD or SDXL, the ControlNet folder (if any) holds one,
-        the data has images, captions and conditioning images, enough rows (a micro batch per rank on
-        ``world_size`` ranks), every image readable."""
+        """Before any rank starts: an SD/SDXL base folder, a ControlNet folder holding one, data with conditioning
+        images and a micro batch per rank, every image readable."""
         family = cls.family_of(cfg)
         if family and family not in CONTROLNET_PIPELINES:
             raise config_problem("model.pretrained", cfg.model.pretrained, f"is a {family} model; a ControlNet "

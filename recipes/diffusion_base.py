@@ -1,7 +1,5 @@
-"""What the diffusion recipes share: their component roles (from the folders of model.pretrained), the checks of a
-model folder's family against the keys (a role it does not build, or an option it has no use for, is refused), the
-image-caption fine-tune of sd_finetune and controlnet (:class:`ImageFinetune`), the model and roles of the RL recipes
-(:class:`DiffusionRL`), and the planner's view of both."""
+"""What the diffusion recipes share: component roles, the checks of a folder's family against the keys, the
+image-caption fine-tune (:class:`ImageFinetune`), the RL recipes' model and roles (:class:`DiffusionRL`), plans."""
 
 from __future__ import annotations
 
@@ -201,9 +199,8 @@ def component_loader(cfg: Any, model_path: str) -> Any:
 
 # --- sd_finetune and controlnet -----------------------------------------------------------------------------------
 class ImageFinetune(DiffusionRecipe):
-    """A fine-tune on image-caption rows (sd_finetune; controlnet adds a conditioning image per row): the tiny
-    model or model.pretrained, the training stream and held-out batches, the held-out loss before and after,
-    validation grids before, after and every ``validation.every`` steps. ``trained_role``: "" = the denoiser."""
+    """A fine-tune on image-caption rows (sd_finetune, controlnet): data, held-out loss before and after, validation
+    grids. ``trained_role``: "" = the denoiser."""
 
     headline = (("loss", "held-out diffusion loss", False), ("loss_ema", "held-out diffusion loss of the EMA", False))
     plot_panels = [("diffusion loss", ["train/loss", "eval/loss", "eval/loss_ema"])]
@@ -221,9 +218,8 @@ class ImageFinetune(DiffusionRecipe):
 
     @classmethod
     def check_image_run(cls, cfg: Any, world_size: int, family: str) -> None:
-        """The keys of the model folder's ``family`` ("": a hub name's, known once downloaded), the seed_baseline
-        layout's, export.roles, the data (sources, columns, held-out split, images) and a micro batch of training
-        images per rank on ``world_size`` ranks."""
+        """The keys against the folder's ``family``, seed_baseline, export.roles, the data and a micro batch per
+        rank on ``world_size`` ranks."""
         if family:
             cls.check_family(cfg, family)
         trained = cls.trained_role or cls.denoiser_of(cfg, family)
@@ -487,9 +483,8 @@ class ImageFinetune(DiffusionRecipe):
 
     @classmethod
     def image_plan(cls, cfg: Any, assume: Any, trained: str | None) -> list[plans.RecipePlan]:
-        """sd_finetune (``trained`` None: the folder's denoiser) and controlnet (its folder, else one initialised
-        from the unet): the trained role, the frozen denoiser it feeds (controlnet), vae and text encoders, all of
-        them whole at stage 0 in seed_baseline mode; an EMA of the trained role where it is on."""
+        """The trained role, the frozen denoiser it feeds (controlnet), vae, text encoders (whole at stage 0 in
+        seed_baseline mode) and the trained role's EMA where on."""
         components_, source = plans.resolve_pipeline(
             cfg.model.pretrained, variant=cfg.model.variant or None, assume=assume,
             tiny=lambda: D.tiny_pipeline(cfg.output_dir, cfg.seed, cfg.data.resolution, cfg.model.tiny_family))
@@ -585,9 +580,8 @@ def rl_roles(policy: Mapping[str, Any], ref: str, *extra: Role, vae: str) -> tup
 
 
 class DiffusionRL(DiffusionRecipe):
-    """The model folder (the tiny one built, its vae and SD unet pretrained on the shapes images, when
-    model.pretrained is empty) and the roles every diffusion RL recipe has: policy, ref (when ``uses_ref``), vae
-    and the text encoders."""
+    """The model folder (the tiny one built and pretrained when model.pretrained is empty) and the roles every
+    diffusion RL recipe has: policy, ref (``uses_ref``), vae and text encoders."""
 
     @classmethod
     def uses_ref(cls, cfg: Any) -> bool:
@@ -673,9 +667,8 @@ class DiffusionRL(DiffusionRecipe):
 
     @classmethod
     def rl_plan(cls, cfg: Any, assume: Any, rows: int, note: str, **setup: Any) -> list[plans.RecipePlan]:
-        """The roles the run builds, for the planner: ``rows`` per forward of the policy, ref and vae, doubled by
-        CFG where ``setup["guidance_scale"]`` > 1 (FLUX takes it as an input instead); ``setup``: ``extra``
-        ({role: ModelInfo}), ``guidance_scale``, ``t5_tokens``."""
+        """The roles for the planner: ``rows`` per forward, doubled by CFG where ``setup["guidance_scale"]`` > 1
+        (not FLUX); ``setup``: ``extra``, ``guidance_scale``, ``t5_tokens``."""
         res = cls.resolution(cfg)
         components_, source = plans.resolve_pipeline(
             cfg.model.pretrained, variant=cfg.model.variant or None, assume=assume,

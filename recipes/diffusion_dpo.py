@@ -1,14 +1,5 @@
-"""Diffusion-DPO (Wallace et al., 2024) of a text-to-image denoiser on preference pairs (prompt, chosen image,
-rejected image), against a frozen reference copy of its starting weights.
-
-    multiengine run diffusion_dpo --config tiny --nproc-per-node 2
-    multiengine run diffusion_dpo --config sdxl --nproc-per-node 8
-    multiengine plan diffusion_dpo --config sdxl --gpus 8 --gpu-mem 80GiB
-
-Roles: ``policy`` (the SD/SDXL unet or the SD3/FLUX transformer; full or LoRA), ``ref`` (frozen, its starting
-weights), the ``vae`` and each text encoder (frozen). Data: ``data.source`` (``""`` = shapes pairs: chosen in the
-prompt's colour, rejected in another). Reports the implicit reward accuracy on held-out pairs; writes
-export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusion-rl.md has the details.
+"""Diffusion-DPO (Wallace et al., 2024) of a text-to-image denoiser on preference pairs against a frozen reference
+copy of its starting weights. ``multiengine run diffusion_dpo --config tiny --nproc-per-node 2``; docs/diffusion-rl.md.
 """
 
 from __future__ import annotations

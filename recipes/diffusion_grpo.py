@@ -1,17 +1,6 @@
-"""Online RL of a text-to-image denoiser (DDPO / Flow-GRPO): sample groups of images per prompt with a
-stochastic sampler that records each step's log-probability, score them, and step the policy on a clipped
-importance-ratio objective with group-relative advantages and an optional KL to a frozen reference.
-
-    multiengine run diffusion_grpo --config tiny --nproc-per-node 2
-    multiengine run diffusion_grpo --config sd3_medium --nproc-per-node 8
-    multiengine plan diffusion_grpo --config flux_lora --gpus 8 --gpu-mem 80GiB
-
-Roles: ``policy`` (the SD/SDXL unet or the SD3/FLUX transformer; full or LoRA), ``ref`` (a separate frozen copy
-of its starting weights, when ``diffusion.kl_coef > 0``), ``reward`` (when ``reward.functions`` lists
-``reward_model``), the ``vae`` and each text encoder (frozen). Unets sample with DDIM at ``diffusion.eta``
-(DDPO), flow families with Flow-GRPO's SDE at ``diffusion.noise_level``. Writes grids/ of held-out images and
-export/policy (a diffusers pipeline folder; export/lora for LoRA). docs/diffusion-rl.md has the details.
-"""
+"""Online RL of a text-to-image denoiser (DDPO / Flow-GRPO): groups of images per prompt sampled with recorded
+log-probabilities, scored, and a clipped importance-ratio step with group-relative advantages and an optional KL
+to a frozen reference. ``multiengine run diffusion_grpo --config tiny --nproc-per-node 2``; docs/diffusion-rl.md."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""A GAN: two trainable roles with their own ZeRO stages and optimizers, the generator's loss flowing through
-the discriminator without updating it.
+"""A GAN: two trainable roles with their own ZeRO stages and optimizers on a ring of Gaussians, judged by
+``high_quality`` and ``mode_coverage``; the generator steps on ``registry.backward(g_loss, roles=["gen"],
+through=["disc"])``, its gradient passing through the discriminator, whose parameters get none.
 
-    multiengine run gan --config tiny --nproc-per-node 2
-    multiengine run gan --config tiny --nproc-per-node 2 roles.disc.stage=2 roles.gen.lr=5e-4
-    multiengine plan gan --config tiny --gpus 8 --gpu-mem 80GiB
-
-The generator maps noise to points, the discriminator scores points; the target is a ring of Gaussians, so
-the figures say plainly whether it learns: the share of generated points near some mode of the ring
-(``high_quality``) and the share of modes it covers (``mode_coverage``), on a fixed evaluation noise. The
-discriminator steps on detached fakes (its own backward); the generator steps on
-``registry.backward(g_loss, roles=["gen"], through=["disc"])``: the gradient passes through the discriminator,
-whose parameters get none. Writes metrics.jsonl, summary.json, curves.png, checkpoints/ and export/gen
-(``model.safetensors`` + ``config.json``, loadable with :func:`load_mlp`).
-"""
+    multiengine run gan --config tiny --nproc-per-node 2"""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Registry demo: three roles at three ZeRO stages in one process group, trained for a few steps.
+"""Registry demo: an actor (trainable, ZeRO-3), a reward model (frozen, asked for ZeRO-2, built at stage 0) and an
+encoder (frozen, stage 0), each its own DeepSpeed engine on a tiny saved model, trained for a few steps.
 
-An actor (trainable, ZeRO-3), a reward model (frozen, asked for ZeRO-2, built at stage 0) and an
-encoder (frozen, stage 0), each its own DeepSpeed engine, each loaded with from_pretrained from a
-tiny model this recipe saves on first run. Prints the per-role memory table.
-
-    multiengine run registry_demo --config tiny --nproc-per-node 2
-    multiengine run registry_demo --config tiny --nproc-per-node 2 roles.actor.lora.r=8
-"""
+    multiengine run registry_demo --config tiny --nproc-per-node 2"""
 
 from __future__ import annotations
 

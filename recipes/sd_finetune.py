@@ -1,18 +1,6 @@
-"""Text-to-image fine-tuning of every diffusers family with every model sharded: the denoiser trainable
-(``roles.unet`` for SD 1.x/2.x and SDXL, ``roles.transformer`` for SD3 and FLUX), the vae and each text encoder
-frozen, each its own DeepSpeed engine (ZeRO-3 by default), optional EMA (``roles.ema``, sharded like the denoiser)
-and LoRA.
-
-    multiengine run sd_finetune --config tiny --nproc-per-node 2                 # tiny SD, CPU
-    multiengine run sd_finetune --config tiny_sdxl --nproc-per-node 2            # tiny SDXL / SD3 / FLUX
-    multiengine run sd_finetune --config tiny --nproc-per-node 2 mode=seed_baseline
-    multiengine run sd_finetune --config sdxl_full --nproc-per-node 8 data.source=/data/my_imagefolder
-
-SD and SDXL train with the DDPM objective, SD3 and FLUX with rectified flow matching (both under ``diffusion.*``);
-``mode=seed_baseline`` is diffusers' layout under ZeRO-3 (frozen roles and EMA whole on every rank), for comparison.
-Writes metrics.jsonl, summary.json, validation grids, checkpoints and export/ (pipeline/, per-role folders, lora/)
-under output_dir (docs/diffusion.md).
-"""
+"""Text-to-image fine-tuning of every diffusers family with every model sharded: the denoiser trainable, vae and
+text encoders frozen, each its own DeepSpeed engine, optional EMA and LoRA; ``mode=seed_baseline`` is diffusers'
+layout for comparison. ``multiengine run sd_finetune --config tiny --nproc-per-node 2``; docs/diffusion.md."""
 
 from __future__ import annotations
 

@@ -9,5 +9,4 @@ data.py, inputs.py  the shapes data, image-caption loading and checks; the data 
 runs.py           the training stream, the tiny model, validation images, memory figures
 validation.py, export.py, controlnet.py, tiny.py, planning.py  validation pipelines, exports, the ControlNet,
                   tiny models, the planner's view
-rl.py, rl_runs.py, rewards.py  diffusion RL (DDPO / Flow-GRPO, Diffusion-DPO): math, settings, policy model, rewards
-"""
+rl.py, rl_runs.py, rewards.py  diffusion RL (DDPO / Flow-GRPO, Diffusion-DPO): math, settings, policy model, rewards"""

@@ -2,8 +2,7 @@
 
 The conditioning image enters through a small conv stack that must downsample it to the latent size: one
 stride-2 stage per vae downsampling (SD's vae: 8x, three stages, channels 16/32/96/256; the tiny vae:
-2x, one stage).
-"""
+2x, one stage)."""
 
 from __future__ import annotations
 
@@ -53,9 +52,8 @@ def conditioning_embedding_channels(vae_scale_factor: int) -> tuple[int, ...]:
 
 def controlnet_from_unet(unet: torch.nn.Module, vae_scale_factor: int = 8, seed: int = 0,
                          conditioning_channels: int = 3) -> torch.nn.Module:
-    """``ControlNetModel.from_unet(unet)``: the unet's encoder weights copied, zero-initialised output
-    convolutions (the untrained ControlNet changes nothing), the conditioning embedding sized for the vae.
-    The random parts are seeded by ``seed`` (the same on every rank); the global RNG is left untouched."""
+    """``ControlNetModel.from_unet(unet)`` (encoder weights copied, zero-initialised outputs: it changes nothing
+    yet), its random parts seeded by ``seed`` on every rank; the global RNG is left untouched."""
     from diffusers import ControlNetModel
 
     with torch.random.fork_rng(devices=[]):
@@ -66,9 +64,8 @@ def controlnet_from_unet(unet: torch.nn.Module, vae_scale_factor: int = 8, seed:
 
 
 def load_full_copy(cls: Any, model_path: str, subfolder: str, variant: str | None = None) -> torch.nn.Module:
-    """``cls`` (a diffusers model class) with the safetensors weights of ``model_path/subfolder``, built as
-    ordinary full tensors even inside a stage-3 role's build: ``from_config`` plus the state dict (one file or
-    a sharded index), never ``from_pretrained``, which a stage-3 build turns into a partitioned load."""
+    """``cls`` with the safetensors weights of ``model_path/subfolder`` as full tensors even inside a stage-3 build
+    (``from_config`` + state dict; ``from_pretrained`` would load partitioned)."""
     from multiengine.engines import zero_init_paused
     from safetensors.torch import load_file
 
@@ -94,9 +91,8 @@ def load_full_copy(cls: Any, model_path: str, subfolder: str, variant: str | Non
 
 def controlnet_factory(model_path: str, seed: int = 0, variant: str | None = None,
                        controlnet_path: str | None = None) -> Callable[[], Any]:
-    """A role's model factory: a ControlNet initialised from the folder's unet (:func:`controlnet_from_unet`),
-    or the ControlNet saved at ``controlnet_path`` to fine-tune further. The unet is read whole on the host
-    (``from_unet`` copies its weights) and dropped; the ControlNet is partitioned when its engine is built."""
+    """A role's model factory: a ControlNet from the folder's unet (read whole on the host, then dropped) or the one
+    saved at ``controlnet_path``; partitioned when its engine is built."""
 
     def build() -> torch.nn.Module:
         from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel

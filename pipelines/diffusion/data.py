@@ -1,8 +1,5 @@
-"""Image-caption data of diffusion fine-tuning: the generated shapes dataset (and its ControlNet conditioning
-images), loading and checking sources, transforms, collation. Transforms use PIL + torch only (torchvision does not
-load beside the CPU torch build); randomness only from generators derived from a seed, so data order and
-augmentation are reproducible and a resumed run sees the same samples.
-"""
+"""Image-caption data of diffusion fine-tuning: the shapes dataset, loading and checking sources, transforms (PIL +
+torch only), collation; randomness only from seeded generators, so a resumed run sees the same samples."""
 
 from __future__ import annotations
 
@@ -125,15 +122,9 @@ def _shapes_complete(out_dir: str, entries: list[dict[str, Any]], resolution: in
 
 
 def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0, conditioning: str = "") -> str:
-    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds; returns ``out_dir``.
-
-    Each PNG (``{i:05d}.png``, ``resolution`` square RGB) shows one shape (square, circle, triangle) in one of
-    :data:`SHAPES_COLORS` on one of :data:`SHAPES_BACKGROUNDS`; ``metadata.jsonl`` has ``file_name``, ``text``
-    ("a red square on a white background") and the attributes (:func:`describe_shapes_image` reads them back).
-    ``conditioning`` (``edge`` | ``mask``): a ControlNet conditioning image per row too, drawn from the same
-    geometry (``conditioning/{i:05d}.png``, loaded by ``datasets`` as the column ``conditioning_image``). Same
-    arguments -> byte-identical files; a complete folder is left as is; safe to call from several processes.
-    """
+    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds (``metadata.jsonl``: ``file_name``,
+    ``text`` and the attributes) and returns ``out_dir``; ``conditioning`` (``edge`` | ``mask``) adds a ControlNet
+    image per row. Byte-identical for the same arguments; a complete folder is left as is; process-safe."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if resolution < 8:
@@ -176,9 +167,8 @@ def _nearest(rgb: np.ndarray, palette: Mapping[str, tuple[int, int, int]]) -> st
 
 
 def describe_shapes_image(image: Image.Image) -> dict[str, str]:
-    """``color``, ``shape`` and ``background`` read back from a shapes image (real or generated), deliberately
-    simply: the palette colours nearest the corners' mean (background) and the median of the other pixels
-    (colour), the shape from how much of its box it fills (square ~1, circle ~pi/4, triangle ~1/2)."""
+    """``color``, ``shape`` and ``background`` read back from a shapes image: palette colours nearest the corners
+    and the other pixels' median, the shape from how much of its box it fills."""
     arr = np.asarray(image.convert("RGB"), dtype=np.float64)
     corners = np.stack([arr[0, 0], arr[0, -1], arr[-1, 0], arr[-1, -1]]).mean(axis=0)
     background = _nearest(corners, SHAPES_BACKGROUNDS)
@@ -201,10 +191,8 @@ IMAGE_FIELDS: tuple[str, ...] = ("image", "caption")
 
 def image_caption_columns(columns: Mapping[str, str] | None = None, image_column: str = "image",
                           caption_column: str = "text", extra_fields: Sequence[str] = ()) -> tuple[str, str]:
-    """The dataset's image and caption column names: ``columns`` (``{"image": ..., "caption": ...}``, i.e.
-    ``data.columns.image`` / ``data.columns.caption``) wins over the older ``image_column`` /
-    ``caption_column`` (``data.image_column`` / ``data.caption_column``). ``extra_fields``: further fields
-    ``columns`` may name (``conditioning_image`` for ControlNet data)."""
+    """The image and caption column names: ``columns`` wins over the older ``image_column`` / ``caption_column``;
+    ``extra_fields``: further fields ``columns`` may name."""
     columns = dict(columns or {})
     unknown = [k for k in columns if k not in IMAGE_FIELDS and k not in extra_fields]
     if unknown:
@@ -217,13 +205,8 @@ def load_image_caption_dataset(source: str, image_column: str = "image", caption
                                split: str = "train", columns: Mapping[str, str] | None = None,
                                key: str = "data.source", split_required: bool = False,
                                extra_image_columns: Sequence[str] = (), **load_kwargs: Any):
-    """An image-caption ``datasets.Dataset`` (the source's column names) from a ``save_to_disk`` folder (``split``
-    of a DatasetDict), an imagefolder (images + metadata with ``file_name``), a ``.json``/``.jsonl``/``.parquet``/
-    ``.csv`` file (a string image column holds paths relative to the file's folder, cast to images) or a hub name
-    (offline: the cache). ``columns`` names the columns (over ``image_column``/``caption_column``, see
-    :func:`image_caption_columns`); ``load_kwargs`` (``cache_dir``, ...) go to ``datasets.load_dataset``;
-    ``split_required``: ``split`` must exist as its own split; ``extra_image_columns`` must exist and hold images
-    (a ControlNet's conditioning images). ValueError for a missing source, a missing column, or no rows."""
+    """An image-caption ``datasets.Dataset`` from a ``save_to_disk`` folder, an imagefolder, a data file (string
+    image paths relative to it) or a hub name (offline). ValueError for a missing source, column or rows."""
     image_column, caption_column = image_caption_columns(columns, image_column, caption_column)
     kind = source_kind(str(source), (split,), images=True, key=key)
     ds = load_source(str(source), names=(split,), split=split, images=True, key=key, split_required=split_required,
@@ -274,14 +257,8 @@ def load_image_caption_data(source: Any, *, columns: Mapping[str, str] | None = 
                             eval_source: Any = None, eval_split: float | int | str = 0.0, seed: int = 0,
                             size: int | None = None, cache_dir: str | None = None,
                             extra_images: Mapping[str, str] | None = None) -> TrainEval:
-    """Training and held-out image-caption rows from one source or a weighted blend of several.
-
-    Every returned dataset has exactly the columns ``image`` and ``caption`` (``columns`` and a source's own
-    ``columns`` name them in the data; defaults ``image`` and ``text``), plus one image column per field of
-    ``extra_images`` (``{field: default column}``, e.g. a ControlNet's ``conditioning_image``). ``source`` /
-    ``eval_source``: a path, a hub name, or a list of ``{path, weight, columns, split}``; ``eval_split``: a held-out
-    fraction/count of each source or a split name (:func:`multiengine.pipelines.sources.split_train_eval`).
-    """
+    """Training and held-out image-caption rows (columns ``image``, ``caption`` and one per ``extra_images`` field)
+    from one source or a weighted blend; ``eval_split`` as :func:`multiengine.pipelines.sources.split_train_eval`."""
     several = isinstance(source, (list, tuple)) and len(source) > 1
     base_key = "data.sources" if several else "data.source"
     extra = dict(extra_images or {})
@@ -316,14 +293,8 @@ def check_image_caption_data(source: Any, *, columns: Mapping[str, str] | None =
                              key: str = "data.source", cache_dir: str | None = None,
                              extra_image_columns: Mapping[str, str] | None = None,
                              verify_images: bool = False) -> dict[str, Any]:
-    """Check image-caption sources before any rank starts: each exists, has the image and caption columns (and
-    ``extra_image_columns``, ``{field: default column}``) and rows, its first image decodes and its first caption
-    is text. ``verify_images``: also open and verify every image (header and checksums, no pixels decoded).
-
-    Returns:
-        ``{"rows": total, "sources": [{"path", "rows", "image_column", "caption_column"}], "unreadable":
-        ["<file or row> (<error>)", ...]}``.
-    """
+    """Check image-caption sources before any rank starts (exist, columns, rows, first image and caption;
+    ``verify_images``: every image). Returns ``{"rows", "sources", "unreadable"}``."""
     report, bad = [], []
     extra = dict(extra_image_columns or {})
     for src in as_sources(source, key):
@@ -381,10 +352,8 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 class ImageTransform:
-    """Resize the shorter side (bilinear) -> center or random crop -> optional horizontal flip -> float32 ``[3, R,
-    R]`` in ``[-1, 1]``: torchvision's Resize / CenterCrop or RandomCrop / RandomHorizontalFlip / ToTensor /
-    Normalize([0.5], [0.5]) of diffusers' scripts. Randomness from the ``generator`` given per call
-    (:func:`sample_generator`), else an internal one seeded ``seed``."""
+    """diffusers' scripts' torchvision transform in PIL + torch: resize, center or random crop, optional flip,
+    ``[3, R, R]`` in ``[-1, 1]``; randomness from the per-call ``generator``, else one seeded ``seed``."""
 
     def __init__(self, resolution: int, center_crop: bool = True, random_flip: bool = False, seed: int = 0):
         if resolution < 1:
@@ -434,10 +403,8 @@ class ImageTransform:
         return self.apply(image, generator)[0]
 
     def replay(self, image: Image.Image, params: Mapping[str, Any], size: tuple[int, int]) -> torch.Tensor:
-        """A second image of the same row (a ControlNet's conditioning image) with the crop and flip that
-        :meth:`apply` drew for the first, whose original ``size`` was ``(h, w)``: resized to the first's
-        resized size, so the crop lands on the same content. Float32 ``[3, R, R]`` in ``[0, 1]`` (diffusers'
-        conditioning transform has no normalisation)."""
+        """A second image of the row (ControlNet conditioning, original ``size``) with the crop and flip
+        :meth:`apply` drew for the first; ``[3, R, R]`` in ``[0, 1]`` (no normalisation)."""
         h, w = size
         r = self.resolution
         image = self._resize(image.convert("RGB"), w, h)
@@ -450,15 +417,9 @@ class ImageTransform:
 
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
-    """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str,
-    "original_size": (h, w), "crop_top_left": (top, left)}`` (the last two for SDXL micro-conditioning), and with
-    ``conditioning_column`` a ControlNet's ``conditioning_pixel_values [3, R, R]`` in [0, 1], resized, cropped and
-    flipped exactly like the image.
-
-    Augmentation of item ``i`` uses :func:`sample_generator` ``(seed, epoch, i)``: independent of the worker count
-    and of resumption. A caption column holding lists picks one caption with the same generator. Call
-    :meth:`set_epoch` before each epoch.
-    """
+    """Map-style dataset: ``pixel_values``, ``caption``, SDXL's ``original_size`` / ``crop_top_left`` and a
+    ControlNet's ``conditioning_pixel_values``. Item ``i``'s augmentation uses :func:`sample_generator` ``(seed,
+    epoch, i)``, independent of workers and resumption; call :meth:`set_epoch` before each epoch."""
 
     def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
                  caption_column: str = "text", seed: int = 0, conditioning_column: str | None = None):
@@ -508,9 +469,8 @@ def tokenize_captions(tokenizer: Any, captions: Sequence[str]) -> torch.Tensor:
 
 
 def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dict[str, Any]:
-    """A batch of ``{"pixel_values", "caption"[, "input_ids"]}`` examples: ``pixel_values`` float32 ``[B, 3, R, R]``,
-    ``input_ids`` long ``[B, L]`` (stacked, or made with ``tokenizer``), ``captions``, and ``original_sizes`` /
-    ``crop_top_lefts`` ``[B, 2]`` when every example has them."""
+    """Batch examples: ``pixel_values`` ``[B, 3, R, R]``, ``input_ids`` ``[B, L]`` (stacked or tokenized),
+    ``captions``, and ``original_sizes`` / ``crop_top_lefts`` when every example has them."""
     if not examples:
         raise ValueError("cannot collate an empty batch")
     pixel_values = torch.stack([e["pixel_values"] for e in examples]).float().contiguous()
@@ -534,9 +494,8 @@ CONDITIONING_KINDS: tuple[str, ...] = ("edge", "mask")
 
 
 def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str = "edge") -> Image.Image:
-    """The ControlNet conditioning image (RGB, ``resolution`` square) of a shapes row, from its image's geometry:
-    ``mask`` the shape white on black, ``edge`` its one-pixel boundary (mask pixels with a 4-neighbour outside it),
-    what an edge detector returns for the drawn shape."""
+    """A shapes row's ControlNet conditioning image: ``mask`` the shape white on black, ``edge`` its one-pixel
+    boundary."""
     if kind not in CONDITIONING_KINDS:
         raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
     mask = np.asarray(_draw_shape(row, resolution, mask=True)) > 0

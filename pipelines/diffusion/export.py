@@ -1,8 +1,5 @@
-"""Exports that load with no project code: a diffusers pipeline folder, per-role folders, LoRA weights.
-
-Every folder is written through the engines' atomic export (gather on all ranks, write on rank 0 into
-a temporary folder, rename into place): a crash never leaves a half-written export that looks complete.
-"""
+"""Exports that load with no project code (a diffusers pipeline folder, per-role folders, LoRA weights), each
+written through the engines' atomic export."""
 
 from __future__ import annotations
 
@@ -37,14 +34,9 @@ def export_pipeline(
     class_name: str | None = None,
     cast_copied: bool = False,
 ) -> str:
-    """A complete diffusers folder: each ``component -> role`` of ``components`` gathered from its engine
-    (e.g. ``{"unet": "ema", "vae": "vae", "text_encoder": "text_encoder"}``); tokenizers, scheduler and
-    any other component copied from ``model_path`` with its ``model_index.json``. ``prediction_type``
-    (when training changed it) is written into the scheduler config. A component that the source folder
-    does not have (a ``controlnet``) is added to ``model_index.json``; ``class_name`` replaces its
-    ``_class_name`` (``StableDiffusionControlNetPipeline``). ``cast_copied``: the copied model components
-    are cast to ``dtype`` too (the frozen unet of a ControlNet export), so the folder loads in one dtype.
-    ``<PipelineClass>.from_pretrained(out_dir)`` loads it. All ranks must call it."""
+    """A complete diffusers folder: each ``component -> role`` gathered from its engine, the rest copied from
+    ``model_path``; ``prediction_type`` into the scheduler config, a new component (``controlnet``) added to
+    ``model_index.json`` with ``class_name``; ``cast_copied`` casts copied models to ``dtype``. All ranks call it."""
     index = read_model_index(model_path)
     with atomic_dir(out_dir, registry.is_main) as tmp:
         for component, role in components.items():
@@ -89,11 +81,8 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", component: str = "unet",
               pipeline_class: str = "StableDiffusionPipeline") -> str:
-    """The denoiser's LoRA adapter as ``out_dir/pytorch_lora_weights.safetensors``, in the layout
-    ``<pipeline_class>.load_lora_weights`` reads, as diffusers' LoRA scripts write it: a unet's adapter in
-    diffusers' names (``convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))`` saved as
-    ``unet_lora_layers``), a transformer's (SD3, FLUX) in peft's names as ``transformer_lora_layers``.
-    Only the adapter weights are gathered. All ranks must call it."""
+    """The denoiser's LoRA adapter as ``out_dir/pytorch_lora_weights.safetensors`` as diffusers' LoRA scripts
+    write it (unet: diffusers names, ``unet_lora_layers``; transformer: peft names). All ranks must call it."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -138,9 +127,8 @@ class RoleExportSettings(ExportSettings):
 def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str],
                settings: ExportSettings, *, lora: tuple[str, str, str] | None = None, pipeline: str = "pipeline",
                **pipeline_options: Any) -> dict[str, str]:
-    """A fine-tune's exports under ``out_dir`` (``settings``: dtype, and per-role folders when it has ``roles``):
-    ``<pipeline>/`` (``components``: {component: role}, the others copied from ``model_path``; ``pipeline_options``:
-    :func:`export_pipeline`'s), ``lora/`` when ``lora`` = (role, component, pipeline class), then the roles'."""
+    """A fine-tune's exports under ``out_dir``: ``<pipeline>/``, ``lora/`` when ``lora`` = (role, component,
+    pipeline class), then the per-role folders."""
     written = {pipeline: export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
                                          dtype=settings.dtype, **pipeline_options)}
     if lora:

@@ -1,12 +1,6 @@
-"""Pure tensor functions of rectified-flow (flow-matching) training: SD3- and FLUX-style transformers.
-
-The forward process is the line ``x_sigma = (1 - sigma) * x0 + sigma * noise`` and the transformer predicts the
-velocity ``noise - x0``. Timesteps come from a ``FlowMatchEulerDiscreteScheduler``'s table (``timesteps = 1000 *
-sigmas``, optionally shifted towards noise), the entry of a sample drawn from a density on ``[0, 1)`` (logit-normal,
-"mode" or uniform); the loss may be re-weighted per sample (``sigma_sqrt``, ``cosmap``). FLUX packs 2x2 latent patches
-into tokens with position ids and feeds a guidance scale to guidance-distilled transformers. Randomness only through
-an explicit ``torch.Generator``. Shapes: ``B`` batch, ``C`` latent channels, ``h``/``w`` latent height/width.
-"""
+"""Pure tensor functions of rectified-flow training (SD3, FLUX): ``x_sigma = (1 - sigma) x0 + sigma noise``, the
+velocity target ``noise - x0``, timesteps from the FlowMatchEuler table by a density, loss weightings, FLUX's
+packing. Randomness only through an explicit generator."""
 
 from __future__ import annotations
 
@@ -43,10 +37,8 @@ def flow_sigma_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
 
 def flow_match_schedule(num_train_timesteps: int = 1000, shift: float = 1.0, use_dynamic_shifting: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(timesteps [N], sigmas [N])`` float32, descending: the training table of
-    ``FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift, use_dynamic_shifting)`` right after construction
-    (what diffusers' scripts index). ``sigmas`` runs from 1 down to ``1 / N``, shifted unless the shift is dynamic
-    (FLUX: applied at inference only); ``timesteps = sigmas * N``."""
+    """``(timesteps [N], sigmas [N])`` descending: ``FlowMatchEulerDiscreteScheduler``'s training table, sigmas
+    from 1 to ``1 / N``, shifted unless the shift is dynamic (FLUX); ``timesteps = sigmas * N``."""
     if num_train_timesteps < 1:
         raise ValueError(f"num_train_timesteps={num_train_timesteps} must be >= 1.")
     if not shift > 0:
@@ -73,10 +65,8 @@ def dynamic_shift_mu(image_seq_len: int, base_seq_len: int = 256, max_seq_len: i
 # --- which timesteps ------------------------------------------------------------------------------
 def timestep_density(weighting_scheme: str, batch_size: int, logit_mean: float = 0.0, logit_std: float = 1.0,
                      mode_scale: float = 1.29, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``u [B]`` in ``[0, 1]``, where on the schedule each sample lands (0 = the noisiest entry): ``logit_normal``
-    ``sigmoid(N(logit_mean, logit_std))``; ``mode`` ``1 - u - mode_scale * (cos(pi u / 2)^2 - 1 + u)`` of a uniform
-    ``u``; any other scheme uniform. Draws what diffusers' ``compute_density_for_timestep_sampling`` draws from the
-    same CPU generator."""
+    """``u [B]`` in ``[0, 1]`` (0 = noisiest): ``logit_normal``, ``mode`` or uniform, what diffusers'
+    ``compute_density_for_timestep_sampling`` draws from the same CPU generator."""
     check_scheme(weighting_scheme)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1.")
@@ -153,9 +143,8 @@ def flow_loss_weighting(weighting_scheme: str, sigmas: torch.Tensor) -> torch.Te
 # --- conditioning -------------------------------------------------------------------------------
 def sd3_prompt_embeds(clip_hidden: Sequence[torch.Tensor], clip_pooled: Sequence[torch.Tensor],
                       t5_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``StableDiffusion3Pipeline.encode_prompt`` feeds the transformer: ``(prompt_embeds [B, 77 + L, D_t5],
-    pooled [B, sum P_i])``, the CLIP penultimate states concatenated on the features, zero-padded to the T5 width and
-    put before the T5 states; a ValueError where the CLIP widths exceed the T5 width (the pipeline would crop)."""
+    """``StableDiffusion3Pipeline.encode_prompt``'s ``(prompt_embeds, pooled)``: CLIP penultimate states zero-padded
+    to the T5 width before the T5 states; ValueError where the CLIP widths exceed it."""
     clip = torch.cat(list(clip_hidden), dim=-1)
     pad = t5_hidden.shape[-1] - clip.shape[-1]
     if pad < 0:

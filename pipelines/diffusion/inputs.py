@@ -1,7 +1,6 @@
 """What a diffusion fine-tune reads before it trains, checked before any rank starts: the pipeline folder (its
 family, the image side it allows) and the image-caption rows (the ``data`` section: sources, columns, held-out
-split, unreadable images, training rows per rank).
-"""
+split, unreadable images, training rows per rank)."""
 
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ class ImageColumns(Settings):
 
 @dataclass(frozen=True)
 class ImageData(Settings):
-    """A run's image-caption rows (docs/data.md): ``sources`` (a weighted list) or ``source`` (both empty: the
-    built-in shapes data of ``builtin_size`` images); the held-out rows from ``eval_source``, else ``eval_split``
-    (a fraction, a count, a split name), else ``eval.heldout_size`` rows of the training data."""
+    """A run's image-caption rows (docs/data.md): ``sources`` or ``source`` (both empty: the shapes data), held out
+    from ``eval_source``, else ``eval_split``, else ``eval.heldout_size`` training rows."""
 
     source: str = setting("", "imagefolder (metadata.jsonl), data file, save_to_disk folder or hub name; \"\" = "
                               "shapes")

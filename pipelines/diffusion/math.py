@@ -1,7 +1,6 @@
 """Pure tensor functions of denoising-diffusion training, on the scheduler's ``alphas_cumprod`` ([T], the cumulative
 product of ``1 - beta_t``) rather than a scheduler object. Shapes: ``[B, ...]`` (any trailing dims, e.g. latents
-``[B, C, H, W]``); per-sample coefficients broadcast over them.
-"""
+``[B, C, H, W]``); per-sample coefficients broadcast over them."""
 
 from __future__ import annotations
 
@@ -77,9 +76,8 @@ def compute_snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.
 
 
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
-    """Min-SNR-gamma loss weights (Hang et al., 2023) as diffusers' ``train_text_to_image.py``: epsilon
-    ``min(snr, gamma) / snr`` (1 at ``snr == 0``, the limit, where the script gives NaN), v_prediction
-    ``min(snr, gamma) / (snr + 1)``, sample ``min(snr, gamma)``. ``[B]`` float32."""
+    """Min-SNR-gamma weights (Hang et al., 2023) as ``train_text_to_image.py``: epsilon ``min(snr, gamma) / snr`` (1
+    at ``snr == 0``), v ``min(snr, gamma) / (snr + 1)``, sample ``min(snr, gamma)``; ``[B]`` float32."""
     _check_prediction_type(prediction_type)
     if not gamma > 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")

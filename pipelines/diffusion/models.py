@@ -3,8 +3,7 @@ a component of a diffusers folder (its class from ``model_index.json``), calling
 its forward, and the EMA update of the trained denoiser.
 
 Two layouts (``mode``): ``zero3`` places every role as configured; ``seed_baseline`` is diffusers' scripts under
-DeepSpeed ZeRO-3: only the trained model goes through ZeRO, the frozen ones (and the EMA) are whole stage-0 copies.
-"""
+DeepSpeed ZeRO-3: only the trained model goes through ZeRO, the frozen ones (and the EMA) are whole stage-0 copies."""
 
 from __future__ import annotations
 
@@ -119,9 +118,8 @@ def call_engine(engine: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
 @torch.no_grad()
 def update_ema(registry: EngineRegistry, step: int, settings: EMASettings, source: str, target: str = "ema") -> float:
-    """One EMA update after optimizer step ``step`` (1-based: EMAModel's ``optimization_step``) with diffusers'
-    EMAModel decay; returns it. Same stage for both roles: on local partitions; a whole EMA of a sharded source
-    (seed_baseline): the source gathered on every rank, as EMAModel under ZeRO-3. All ranks call it."""
+    """One EMA update after 1-based optimizer step ``step`` with diffusers' EMAModel decay (returned), on local
+    partitions, or with a sharded source gathered for a whole EMA (seed_baseline). All ranks call it."""
     s = settings
     decay = ema_decay(step, decay=s.decay, min_decay=s.min_decay, update_after_step=s.update_after_step,
                       use_ema_warmup=s.use_ema_warmup, inv_gamma=s.inv_gamma, power=s.power)

@@ -1,22 +1,9 @@
-"""Reinforcement learning of diffusion models: stochastic steps with log-probabilities, a sampling loop that
-records them, group-relative advantages, the clipped ratio objective and the Diffusion-DPO loss.
-
-A policy-gradient method needs the density of each denoising step. Two samplers have a Gaussian step:
-
-* DDIM with ``eta > 0`` (unet families: SD 1.x/2.x, SDXL), as DDPO (Black et al., 2023) uses it:
-  ``x_prev ~ N(mean, (eta * sigma_t)^2)`` with DDIM's mean and
-  ``sigma_t^2 = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)``;
-* the reverse-time SDE of a rectified flow (SD3, FLUX), as Flow-GRPO (Liu et al., 2025) uses it:
-  ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))``, ``x_prev ~ N(mean, std_dev_t^2 |dt|)`` with
-  ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``.
-
-The log-probability of a step is the Gaussian log-density of ``x_prev`` averaged over the non-batch dims (both
-references average rather than sum, which keeps importance ratios near 1 and the clip range meaningful).
-
-Every function takes flat tensors (``alphas_cumprod``, ``sigmas``, timesteps) rather than a scheduler object, and
-computes in float32 whatever the inputs' dtype (bf16 overflows in the mean). Randomness only through an explicit
-``torch.Generator`` (or explicit ``noise``). Shapes: ``B`` batch, latents ``[B, ...]``, ``N`` sampling steps.
-"""
+"""Reinforcement learning of diffusion models: stochastic steps with log-probabilities (DDIM with ``eta > 0`` as
+DDPO, the reverse-time SDE of a rectified flow as Flow-GRPO), a sampling loop that records them, group-relative
+advantages, the clipped ratio objective and the Diffusion-DPO loss. A step's log-probability is the Gaussian
+log-density averaged over the non-batch dims (as both references: ratios stay near 1). Flat tensors in, float32
+math (bf16 overflows in the mean), randomness only through an explicit generator or ``noise``. See
+docs/diffusion-rl.md."""
 
 from __future__ import annotations
 
@@ -101,14 +88,9 @@ arrive in float32 (the trajectory is kept in float32 so re-scoring is exact): a 
 
 
 class DenoiseStep(NamedTuple):
-    """One denoising step.
-
-    ``prev_sample`` ``[B, ...]`` float32 (the given one when re-scoring); ``log_prob`` ``[B]`` (``None`` for a
-    deterministic step, ``eta == 0`` / ``noise_level == 0``); ``prev_sample_mean`` ``[B, ...]`` (differentiable in
-    the model output); ``std_dev_t`` ``[B]``: DDIM's ``eta * sigma_t`` or Flow-GRPO's ``noise_level *
-    sqrt(sigma / (1 - sigma))``; ``noise_std`` ``[B]``: the standard deviation of the step's Gaussian (DDIM: equal to
-    ``std_dev_t``; flow: ``std_dev_t * sqrt(sigma - sigma_prev)``).
-    """
+    """One denoising step: ``prev_sample``, ``log_prob`` ``[B]`` (None when deterministic), ``prev_sample_mean``
+    (differentiable), ``std_dev_t`` (DDIM's ``eta * sigma_t``, Flow-GRPO's ``noise_level * sqrt(sigma / (1 -
+    sigma))``) and ``noise_std``, the std of the step's Gaussian (flow: ``std_dev_t * sqrt(sigma - sigma_prev)``)."""
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor | None
@@ -147,9 +129,8 @@ def _check_exclusive(prev_sample: torch.Tensor | None, generator: torch.Generato
 
 
 def gaussian_logprob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """``log N(x; mean, std^2)`` per element, averaged over every dim but the first: ``[B, ...] -> [B]``.
-
-    ``x`` is detached (the gradient reaches the policy through ``mean`` only); ``std`` ``[B]`` or broadcastable."""
+    """``log N(x; mean, std^2)`` averaged over every dim but the first, ``[B]``; ``x`` detached (the gradient
+    reaches the policy through ``mean`` only)."""
     std = _bcast(std, mean) if std.ndim == 1 else std
     lp = -((x.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     return lp.mean(dim=tuple(range(1, lp.ndim)))
@@ -189,14 +170,10 @@ def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, tim
                            prev_timestep: int | torch.Tensor, sampler: DDIMSampler, *,
                            prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
                            noise: torch.Tensor | None = None) -> DenoiseStep:
-    """One DDIM step ``x_t -> x_prev`` of ``sampler`` (its ``alphas_cumprod``, ``eta``, prediction type, final alpha
-    and x0 clamp) and the log-probability of ``x_prev``: DDPO's ``ddim_step_with_logprob``, whose mean and noise are
-    diffusers' ``DDIMScheduler.step``: ``mean = sqrt(a_prev) x0 + sqrt(1 - a_prev - std^2) eps``, ``std = eta *
-    sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``. ``timestep``/``prev_timestep``: ``[B]`` (or scalars)
-    indices into ``alphas_cumprod``, the previous one ``timestep - T // N``, negative on the last step (``a_prev`` is
-    then the sampler's ``final_alpha_cumprod``, None = ``alphas_cumprod[0]`` as DDPO). The step draws ``x_prev = mean
-    + std * noise`` (from ``generator`` or ``noise``) or scores a given ``prev_sample``; float32, ``log_prob`` None
-    at ``eta == 0``."""
+    """One DDIM step ``x_t -> x_prev`` and its log-probability, DDPO's ``ddim_step_with_logprob``: ``mean =
+    sqrt(a_prev) x0 + sqrt(1 - a_prev - std^2) eps``, ``std = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t /
+    a_prev))``; a negative ``prev_timestep`` uses the sampler's ``final_alpha_cumprod``. Draws ``x_prev`` (from
+    ``generator`` or ``noise``) or scores a given ``prev_sample``; ``log_prob`` None at ``eta == 0``."""
     _check_exclusive(prev_sample, generator, noise)
     x, out = sample.float(), model_output.float()
     if out.shape != x.shape:
@@ -230,10 +207,8 @@ def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, tim
 # --- rectified flow (Flow-GRPO) ------------------------------------------------------------------------
 def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1000, shift: float = 1.0,
                           mu: float | None = None) -> torch.Tensor:
-    """The sampling sigmas of diffusers' pipelines, then a final 0: SD3's ``set_timesteps(n)`` (``n`` values from 1
-    down to the table's smallest, shifted by ``shift * s / (1 + (shift - 1) s)``) or, with ``mu``, FluxPipeline's
-    ``set_timesteps(sigmas=linspace(1, 1/n, n), mu=mu)`` (float32, FLUX's shift ``e^mu / (e^mu + 1/s - 1)``), as
-    Flow-GRPO samples each. ``[n + 1]`` float32; the model's timesteps are ``sigmas[:-1] * num_train_timesteps``."""
+    """The sampling sigmas of diffusers' pipelines plus a final 0, ``[n + 1]`` float32: SD3's shifted
+    ``set_timesteps(n)`` or, with ``mu``, FluxPipeline's ``set_timesteps(sigmas=linspace(1, 1/n, n), mu=mu)``."""
     import numpy as np
 
     from .flow import flow_match_schedule
@@ -262,14 +237,10 @@ def sde_step_with_logprob(
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
 ) -> DenoiseStep:
-    """One reverse-SDE step ``x_sigma -> x_sigma_prev`` of a rectified flow and its log-probability (Flow-GRPO's
-    ``sde_step_with_logprob``, ``sde_type="sde"``): with ``sigma = sigmas[i]``, ``dt = sigmas[i + 1] - sigma < 0`` and
-    the velocity ``v``, ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (``sigmas[1]`` in the denominator
-    where ``sigma == 1``, as the reference, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 +
-    std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``; at ``noise_level == 0``
-    the Euler step ``x + v dt`` (``log_prob`` None). ``sigmas``: ``[N + 1]`` descending, ending in 0
-    (:func:`flow_inference_sigmas`); ``step_index``: ``[B]`` (or a scalar) in ``[0, N)``; ``prev_sample`` /
-    ``generator`` / ``noise`` as in :func:`ddim_step_with_logprob`. Float32."""
+    """One reverse-SDE step of a rectified flow and its log-probability (Flow-GRPO's ``sde_step_with_logprob``):
+    ``dt = sigmas[i + 1] - sigma``, ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (``sigmas[1]`` where
+    ``sigma == 1``), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``,
+    ``x_prev = mean + std_dev_t sqrt(-dt) noise``; the Euler step at ``noise_level == 0`` (``log_prob`` None)."""
     if not noise_level >= 0:
         raise ValueError(f"noise_level={noise_level} must be >= 0 (Flow-GRPO uses 0.7).")
     _check_exclusive(prev_sample, generator, noise)
@@ -295,9 +266,8 @@ def sde_step_with_logprob(
 # --- samplers and the loop ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DDIMSampler:
-    """DDIM with ``eta`` over ``timesteps`` (``[N]`` descending, e.g. :func:`ddim_timesteps`); step ``i`` goes from
-    ``timesteps[i]`` to ``timesteps[i] - T // N``. ``final_alpha_cumprod``: ``a_prev`` below timestep 0 (1.0 =
-    diffusers' ``set_alpha_to_one``); ``clip_sample_range``: clamp the predicted x0 (the scheduler's clip_sample)."""
+    """DDIM with ``eta`` over descending ``timesteps``, step ``i`` to ``timesteps[i] - T // N``;
+    ``final_alpha_cumprod``: ``a_prev`` below timestep 0; ``clip_sample_range``: clamp the predicted x0."""
 
     timesteps: torch.Tensor
     alphas_cumprod: torch.Tensor
@@ -382,12 +352,8 @@ class Trajectory:
 @torch.no_grad()
 def sample_with_logprobs(denoiser_fn: Denoiser, latents: torch.Tensor, sampler: Sampler,
                          generator: torch.Generator | None = None) -> Trajectory:
-    """Run ``sampler`` from ``latents`` (``x_T``, ``[B, ...]``) with ``denoiser_fn``, drawing each step's noise from
-    ``generator`` (same generator state -> same trajectory), without autograd.
-
-    Returns:
-        :class:`Trajectory` with every intermediate latent, each step's log-probability and timestep.
-    """
+    """Run ``sampler`` from ``latents`` with ``denoiser_fn`` without autograd, each step's noise from ``generator``
+    (same state -> same trajectory): a :class:`Trajectory` of latents, log-probabilities and timesteps."""
     x = latents.float()
     b = x.shape[0]
     stochastic = (sampler.eta if isinstance(sampler, DDIMSampler) else sampler.noise_level) > 0
@@ -406,10 +372,8 @@ def sample_with_logprobs(denoiser_fn: Denoiser, latents: torch.Tensor, sampler: 
 
 
 def rescore(denoiser_fn: Denoiser, sampler: Sampler, trajectory: Trajectory, step: int | torch.Tensor) -> DenoiseStep:
-    """The log-probability, under ``denoiser_fn`` (e.g. the updated policy, or the reference), of the stored
-    transition ``latents[:, j] -> latents[:, j + 1]`` with ``j = step`` (an int, or ``[B]`` per row as when each row
-    trains on its own subset of steps). With autograd: the policy's gradient flows through ``prev_sample_mean``
-    and ``log_prob``. Re-scoring with the sampling denoiser reproduces the sampled log-probabilities (ratio 1)."""
+    """The log-probability under ``denoiser_fn`` of the stored transition ``latents[:, j] -> latents[:, j + 1]``
+    (``j = step``, an int or ``[B]``), with autograd; the sampling denoiser reproduces the sampled values."""
     b = trajectory.latents.shape[0]
     j = _rows(step, b, trajectory.latents.device, "step").long()
     if bool((j < 0).any()) or bool((j >= sampler.num_steps).any()):
@@ -422,9 +386,8 @@ def rescore(denoiser_fn: Denoiser, sampler: Sampler, trajectory: Trajectory, ste
 
 def train_step_indices(batch_size: int, num_steps: int, fraction: float, generator: torch.Generator | None = None,
                        shuffle: bool = True) -> torch.Tensor:
-    """Which denoising steps each row trains on: ``K = int(num_steps * fraction)`` of them (DDPO's and Flow-GRPO's
-    ``timestep_fraction``); ``shuffle`` draws a random subset per row (DDPO), otherwise the first ``K`` (noisiest).
-    ``[batch_size, K]`` long (DiffusionGRPOSettings.check refuses a fraction that trains on no step)."""
+    """The ``K = int(num_steps * fraction)`` denoising steps each row trains on, ``[batch_size, K]``: a random
+    subset per row with ``shuffle`` (DDPO), else the first ``K``."""
     k = int(num_steps * fraction)
     if not shuffle:
         return torch.arange(k).expand(batch_size, k).clone()
@@ -434,18 +397,9 @@ def train_step_indices(batch_size: int, num_steps: int, fraction: float, generat
 # --- advantages and the policy loss -----------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "group", unbiased: bool = False,
                      eps: float = 1e-4, clip: float | None = None) -> torch.Tensor:
-    """Group-relative advantages of ``[B]`` rewards, ``B`` consecutive groups of ``group_size`` images of one
-    prompt: ``(r - mean_group) / (s + eps)``.
-
-    ``std``: ``"group"`` (``s`` = the group's std; GRPO), ``"global"`` (the whole batch's std, Flow-GRPO's
-    ``global_std``, on in its base config), ``"none"`` (only the mean removed, Dr. GRPO). ``unbiased=False`` is numpy's
-    population std as Flow-GRPO and DDPO use it (``eps`` 1e-4 as Flow-GRPO); ``unbiased=True, eps=1e-6`` is
-    :func:`multiengine.pipelines.rlhf.advantages.grpo_advantages`. A group whose rewards are all equal gets exactly
-    0 (never NaN, even with ``eps=0``). ``clip``: clamp to ``[-clip, clip]`` (Flow-GRPO's ``adv_clip_max``).
-
-    Returns:
-        ``[B]`` float32.
-    """
+    """Group-relative advantages of ``[B]`` rewards in consecutive groups of ``group_size``: ``(r - mean_group) /
+    (s + eps)`` with ``s`` the group's std (``"group"``), the batch's (``"global"``) or 1 (``"none"``, Dr. GRPO);
+    ``unbiased=False`` as Flow-GRPO and DDPO. Equal rewards give exactly 0; ``clip`` clamps to ``[-clip, clip]``."""
     if std not in ("group", "global", "none"):
         raise ValueError(f"std={std!r}; use 'group', 'global' or 'none'.")
     r = rewards.reshape(-1).float()
@@ -479,11 +433,8 @@ def _mean(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 class PromptStatTracker:
-    """DDPO's per-prompt stat tracker: each prompt's last ``buffer_size`` rewards across updates; a row's advantage
-    is ``(r - mean) / (std + 1e-6)`` over its prompt's buffer (this update's rewards included) once that holds
-    ``min_count``, over the whole update's rewards before. ``std``: ``"group"`` (that std; DDPO), ``"global"``
-    (the update's std), ``"none"`` (no division). A row whose statistics' rewards are all equal gets exactly 0.
-    The buffers are the state to checkpoint (:meth:`state_dict`)."""
+    """DDPO's per-prompt stat tracker: advantages ``(r - mean) / (std + 1e-6)`` over each prompt's last
+    ``buffer_size`` rewards once it holds ``min_count``, over the update's rewards before; the buffers are state."""
 
     def __init__(self, buffer_size: int, min_count: int, std: str = "group") -> None:
         self.buffer_size, self.min_count, self.std = buffer_size, min_count, std
@@ -515,17 +466,9 @@ class PromptStatTracker:
 def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                         clip_range: float, adv_clip_max: float | None = None, keep: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): with ``ratio = exp(log_prob -
-    old_log_prob)``, ``mean(max(-A ratio, -A clamp(ratio, 1 - clip_range, 1 + clip_range)))``.
-
-    ``log_prob`` / ``old_log_prob`` ``[B]`` (one step) or ``[B, K]`` (K steps per row; the mean over both equals
-    the references' per-step losses accumulated over the K steps); ``advantages`` ``[B]`` (one per image), clamped
-    to ``adv_clip_max`` when given; ``keep`` ``[B]`` bool: the mean (and stats) over those rows only.
-
-    Returns:
-        ``(loss, stats)``: scalar float32 loss; stats (detached) ``approx_kl`` = ``0.5 mean((log_prob -
-        old)^2)``, ``clipfrac`` = fraction with ``|ratio - 1| > clip_range``, ``ratio_mean``.
-    """
+    """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): ``mean(max(-A ratio, -A
+    clamp(ratio, 1 - clip_range, 1 + clip_range)))`` over ``[B]`` or ``[B, K]`` log-probs and the rows in ``keep``.
+    Returns ``(loss, stats)`` with ``approx_kl``, ``clipfrac`` and ``ratio_mean``."""
     if not clip_range > 0:
         raise ValueError(f"diffusion.clip_range={clip_range} must be > 0 (DDPO and Flow-GRPO default to 1e-4).")
     if log_prob.shape != old_log_prob.shape:
@@ -547,19 +490,16 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
 
 @register_policy_loss("diffusion_grpo")
 def _diffusion_grpo_policy_loss(x: PolicyLossInputs, settings: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`clipped_policy_loss` as the policy loss ``diffusion_grpo``: per-step log-probs ``[B]`` or ``[B, K]``,
-    one advantage per image, the mean over every entry (``x.mask`` and the aggregation do not apply);
-    ``settings.clip_range`` and ``settings.adv_clip_max`` (0 or None = no clamp)."""
+    """:func:`clipped_policy_loss` as the policy loss ``diffusion_grpo`` (``x.mask`` and the aggregation do not
+    apply; ``settings.adv_clip_max`` 0 = no clamp)."""
     return clipped_policy_loss(x.logprobs, x.old_logprobs, x.advantages, settings.clip_range,
                                settings.adv_clip_max or None)
 
 
 def kl_to_reference(prev_sample_mean: torch.Tensor, ref_prev_sample_mean: torch.Tensor,
                     std: torch.Tensor) -> torch.Tensor:
-    """Per-row KL penalty of a step towards the reference denoiser: ``mean_dims((mean - ref_mean)^2) / (2 std^2)``,
-    ``[B]``. With ``std`` = the step's ``noise_std`` this is the KL between the two steps' Gaussians (per element);
-    with ``std_dev_t`` (Flow-GRPO's, what the recipe passes) it is that times ``-dt`` on a flow step, and the same
-    on a DDIM step (there ``std_dev_t == noise_std``)."""
+    """Per-row KL penalty towards the reference step, ``mean_dims((mean - ref_mean)^2) / (2 std^2)`` ``[B]``: the
+    Gaussians' KL with ``std = noise_std``; Flow-GRPO's (``std_dev_t``) is that times ``-dt`` on a flow step."""
     if prev_sample_mean.shape != ref_prev_sample_mean.shape:
         raise ValueError(f"mean shape {tuple(prev_sample_mean.shape)} != reference mean shape "
                          f"{tuple(ref_prev_sample_mean.shape)}")
@@ -573,13 +513,8 @@ def diffusion_grpo_loss(
     ref_prev_sample_mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One step's Flow-GRPO objective: :func:`clipped_policy_loss` ``+ kl_coef * mean(`` :func:`kl_to_reference`
-    ``)`` (``log_prob`` etc. ``[B]``; the KL needs the policy's and reference's step means and ``std``); ``keep``:
-    both means over those rows only.
-
-    Returns:
-        ``(loss, stats)`` with ``policy_loss`` and ``kl`` added to the stats.
-    """
+    """One step's Flow-GRPO objective, :func:`clipped_policy_loss` ``+ kl_coef * mean(kl_to_reference)`` over the
+    rows in ``keep``; ``(loss, stats)`` with ``policy_loss`` and ``kl`` added."""
     policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, keep)
     stats["policy_loss"] = policy.detach()
     if kl_coef == 0:
@@ -594,9 +529,8 @@ def diffusion_grpo_loss(
 
 def grpo_step_loss(now: DenoiseStep, ref: DenoiseStep | None, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                    settings: DiffusionGRPOSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The diffusion_grpo recipe's loss on one trained step: :func:`diffusion_grpo_loss` of the policy's re-scored
-    step ``now`` and the reference's ``ref`` with Flow-GRPO's KL (``std = std_dev_t``), over the rows whose
-    advantage is not 0 with ``settings.drop_zero_advantages``."""
+    """The diffusion_grpo loss on one trained step (policy ``now`` vs reference ``ref``, ``std = std_dev_t``),
+    without zero-advantage rows when ``settings.drop_zero_advantages``."""
     keep = advantages != 0 if settings.drop_zero_advantages else None
     return diffusion_grpo_loss(now.log_prob, old_log_prob, advantages, settings.clip_range,
                                adv_clip_max=settings.adv_clip_max, kl_coef=settings.kl_coef,
@@ -606,9 +540,8 @@ def grpo_step_loss(now: DenoiseStep, ref: DenoiseStep | None, old_log_prob: torc
 
 # --- Diffusion-DPO ---------------------------------------------------------------------------------------
 class DPOStats(NamedTuple):
-    """Detached: ``implicit_acc`` (fraction of pairs the policy prefers correctly relative to the reference),
-    ``model_mse`` / ``ref_mse`` (the two models' mean denoising losses), ``margin`` ``[B]`` (the logit inside the
-    sigmoid; > 0 where the pair counts as correct)."""
+    """Detached: ``implicit_acc`` (pairs ranked correctly relative to the reference), ``model_mse`` / ``ref_mse``
+    and ``margin`` ``[B]`` (the logit inside the sigmoid)."""
 
     implicit_acc: torch.Tensor
     model_mse: torch.Tensor
@@ -620,8 +553,7 @@ def diffusion_dpo_loss_from_losses(model_losses_w: torch.Tensor, model_losses_l:
                                    ref_losses_w: torch.Tensor, ref_losses_l: torch.Tensor,
                                    beta: float) -> tuple[torch.Tensor, DPOStats]:
     """Diffusion-DPO (Wallace et al., 2024) from per-pair denoising losses ``[B]``:
-    ``-mean(logsigmoid(-beta / 2 * ((l_w - l_l) - (ref_w - ref_l))))``. The policy wins a pair when it lowers the
-    chosen image's loss relative to the rejected one more than the reference does."""
+    ``-mean(logsigmoid(-beta / 2 * ((l_w - l_l) - (ref_w - ref_l))))``."""
     if not beta > 0:
         raise ValueError(f"dpo.beta={beta} must be > 0 (diffusers' script uses 2500 for SD 1.5, 5000 for SDXL).")
     shapes = {tuple(t.shape) for t in (model_losses_w, model_losses_l, ref_losses_w, ref_losses_l)}
@@ -642,18 +574,9 @@ def diffusion_dpo_loss_from_losses(model_losses_w: torch.Tensor, model_losses_l:
 
 def diffusion_dpo_loss(model_pred: torch.Tensor, ref_pred: torch.Tensor, target: torch.Tensor,
                        beta: float) -> tuple[torch.Tensor, DPOStats]:
-    """Diffusion-DPO as diffusers' research ``train_diffusion_dpo.py`` lays out the batch: ``[2B, ...]`` with the
-    ``B`` chosen images first and their rejected partners second, sharing noise and timestep (:func:`paired`).
-
-    Per-sample losses are ``mean_dims((pred - target)^2)`` in float32. The loss is defined for any regression
-    target of the denoiser: ``epsilon`` (noise) and ``v_prediction`` (``math.training_target``) as in the paper and
-    the script, and a flow-matching transformer's velocity ``noise - x0`` (``flow.flow_target``; SD3/FLUX), where
-    the velocity error is the epsilon error up to a per-timestep weight, which the same form absorbs into ``beta``.
-    ``ref_pred`` is treated as a constant.
-
-    Returns:
-        ``(loss, stats)``: scalar float32 loss and :class:`DPOStats`.
-    """
+    """Diffusion-DPO on a ``[2B, ...]`` batch laid out as diffusers' ``train_diffusion_dpo.py`` (chosen first,
+    pairs sharing noise and timestep); per-sample ``mean_dims((pred - target)^2)`` for any regression target
+    (epsilon, v, flow velocity), ``ref_pred`` constant. Returns ``(loss, DPOStats)``."""
     if not (model_pred.shape == ref_pred.shape == target.shape):
         raise ValueError(f"shapes differ: model_pred {tuple(model_pred.shape)}, ref_pred {tuple(ref_pred.shape)}, "
                          f"target {tuple(target.shape)}")

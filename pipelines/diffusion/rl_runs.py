@@ -1,7 +1,5 @@
-"""What the diffusion RL recipes need around rl.py's math: their settings (rewards, prompts, preference pairs,
-evaluation), the policy's conditioning and denoiser closures on registry engines (SD/SDXL unets, SD3/FLUX
-transformers), reward functions, preference pairs (and the tiny shapes pairs), the tiny pipeline and labelled grids.
-"""
+"""Around rl.py's math: the diffusion RL recipes' settings, the policy model on registry engines, reward
+functions, preference pairs, the tiny pipeline and labelled grids."""
 
 from __future__ import annotations
 
@@ -37,8 +35,6 @@ __all__ = ["BUILTIN_REWARDS", "DPOEval", "GRPOEval", "PolicyModel", "PreferenceD
 
 REWARD_MODEL = "reward_model"
 BUILTIN_REWARDS = ("color", "shapes", REWARD_MODEL)
-
-
 
 
 _COLORS = ["red"]
@@ -243,9 +239,8 @@ def load_reward_function(spec: str) -> Callable[..., list[float | None]]:
 
 def reward_functions(names: Sequence[str], weights: Sequence[float], registry: EngineRegistry
                      ) -> list[tuple[str, Callable[..., Any], float]]:
-    """:func:`score_images`' ``(name, function, weight)`` of each reward: ``reward_model`` scores with the
-    registry's reward role (:func:`reward_model_scores`), the others load with :func:`load_reward_function`;
-    ``weights`` [] = 1 each."""
+    """:func:`score_images`' ``(name, function, weight)`` per reward (``reward_model``: the registry's reward
+    role); ``weights`` [] = 1 each."""
     weights = [float(w) for w in weights] or [1.0] * len(names)
     return [(n, functools.partial(reward_model_scores, registry) if n == REWARD_MODEL else load_reward_function(n), w)
             for n, w in zip(names, weights)]
@@ -271,9 +266,8 @@ def score_images(functions: Sequence[tuple[str, Callable[..., Any], float]], pro
 
 def rollout_advantages(rewards: torch.Tensor, prompts: Sequence[str], settings: Any,
                        tracker: PromptStatTracker | None = None) -> torch.Tensor:
-    """A rollout's advantages (``settings``: DiffusionGRPOSettings): :func:`group_advantages` of this rank's groups,
-    or with ``tracker`` DDPO's per-prompt statistics over every rank's rows, gathered in rank order as DDPO
-    gathers them (every rank then holds the same buffers); this rank's rows."""
+    """This rank's advantages: :func:`group_advantages`, or with ``tracker`` DDPO's per-prompt statistics over
+    every rank's rows gathered in rank order (every rank then holds the same buffers)."""
     if tracker is None:
         return group_advantages(rewards, settings.group_size, std=settings.advantage_std)
     dist = torch.distributed
@@ -289,14 +283,9 @@ def rollout_advantages(rewards: torch.Tensor, prompts: Sequence[str], settings: 
 
 # --- the policy's conditioning and denoiser on the registry --------------------------------------------------
 class PolicyModel:
-    """The denoiser roles (policy, ref), vae and text encoders of a registry as rl.py wants them: prompt
-    conditioning, a :data:`Denoiser` closure per role (classifier-free guidance inside), the stochastic sampler,
-    vae decode to ``[0, 1]`` images, and the noisy input / target / prediction of a denoising loss (Diffusion-DPO).
-
-    ``family``: sd | sdxl (DDIM with ``eta``, unet) or sd3 | flux (Flow-GRPO's SDE, transformer). FLUX takes
-    ``guidance_scale`` as its guidance input (no negative branch); the others run CFG when it is > 1. ``t5_tokens``:
-    T5 tokens per prompt (0 = the family's).
-    """
+    """The registry's denoiser roles, vae and text encoders as rl.py wants them: conditioning, a :data:`Denoiser`
+    per role (CFG when ``guidance_scale`` > 1; FLUX takes it as its guidance input), the sampler, vae decode to
+    ``[0, 1]`` and a denoising loss's input / target. ``t5_tokens``: 0 = the family's."""
 
     def __init__(self, registry: EngineRegistry, model_path: str, family: str, *, resolution: int,
                  guidance_scale: float = 1.0, t5_tokens: int = 0, policy: str = "policy") -> None:
@@ -441,9 +430,8 @@ class PolicyModel:
 
     def noisy_and_target(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The noisy input, the regression target and the model's timesteps at ``u`` ``[B]`` in ``[0, 1)``: DDPM
-        timestep ``floor(u T)`` with the epsilon / v target; flow: the table position ``floor(u T)``,
-        ``(1 - sigma) x0 + sigma noise`` and the velocity ``noise - x0``."""
+        """The noisy input, regression target and model timesteps at ``u`` ``[B]`` in ``[0, 1)`` (table position
+        ``floor(u T)``; DDPM epsilon / v target, or flow's ``(1 - sigma) x0 + sigma noise`` and ``noise - x0``)."""
         from .math import add_noise, training_target
 
         n = self.objective.num_train_timesteps
@@ -487,10 +475,8 @@ def tiny_reward_model(folder: str, *, resolution: int, steps: int, seed: int, is
 # --- preference pairs ----------------------------------------------------------------------------------------
 def make_shapes_preference_pairs(out_dir: str, n: int, resolution: int = 32, seed: int = 0,
                                  colors: Sequence[str] = ()) -> str:
-    """``n`` preference pairs on the shapes task under ``out_dir``: ``pairs.jsonl`` rows ``{"prompt", "chosen",
-    "rejected"}`` (file names beside it). The chosen image is the prompt's shape in the prompt's colour (one of
-    ``colors``; any of the six when empty); the rejected one is the same shape, place and background in another
-    colour. Idempotent for the same arguments; written then renamed."""
+    """``n`` shapes preference pairs under ``out_dir`` (``pairs.jsonl``): chosen in the prompt's colour (one of
+    ``colors``), rejected the same picture in another colour. Idempotent; written then renamed."""
     path = os.path.join(out_dir, "pairs.jsonl")
     wanted = {"n": n, "resolution": resolution, "seed": seed, "colors": list(colors)}
     marker = os.path.join(out_dir, "pairs.json")
@@ -525,9 +511,8 @@ def make_shapes_preference_pairs(out_dir: str, n: int, resolution: int = 32, see
 
 def load_preference_rows(source: str, columns: dict[str, str], split: str = "train",
                          cache_dir: str | None = None) -> Any:
-    """Preference rows from a data file (``.jsonl``/``.json``/``.csv``/``.parquet``), a ``save_to_disk`` folder or
-    a hub name, with the ``prompt``, ``chosen`` and ``rejected`` columns renamed from ``columns``. Image cells are
-    file paths (relative to the file's folder) or images (``datasets.Image``)."""
+    """Preference rows of a data file, ``save_to_disk`` folder or hub name with the ``prompt``/``chosen``/``rejected``
+    columns renamed from ``columns``; image cells are paths (relative to the file's folder) or images."""
     from multiengine.pipelines.sources import load_source
 
     ds = load_source(source, split=split, key="data.source", cache_dir=cache_dir)
@@ -602,14 +587,9 @@ def reward_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[
 # --- a briefly pre-trained tiny unet ---------------------------------------------------------------------------
 def pretrain_tiny_unet(model_dir: str, images: str, steps: int, *, resolution: int, batch_size: int = 16,
                        lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
-    """Train the tiny SD unet of ``model_dir`` on the shapes images of folder ``images`` (``metadata.jsonl``
-    captions) with the epsilon objective for ``steps`` steps, in this process, and save it in place: the RL
-    recipes' tiny runs start from a denoiser that paints backgrounds and shapes instead of noise. Deterministic
-    in ``seed``; the global RNG is left untouched; idempotent (``unet/pretrained.json`` records what was done).
-
-    Returns:
-        ``{"steps", "seed", "resolution", "loss" (mean of the last 50 steps), "seconds"}``.
-    """
+    """Train the tiny SD unet of ``model_dir`` on the shapes images for ``steps`` epsilon steps in this process and
+    save it in place, so the RL tiny runs start from a denoiser that paints shapes. Deterministic in ``seed``,
+    idempotent (``unet/pretrained.json``); returns ``{"steps", "seed", "resolution", "loss", "seconds"}``."""
     import shutil
     import time
 
@@ -675,9 +655,8 @@ def pretrain_tiny_unet(model_dir: str, images: str, steps: int, *, resolution: i
 
 
 def load_reward_model_role(path: str) -> torch.nn.Module:
-    """:func:`rewards.load_tiny_reward_model` as a role factory: inside a ZeRO-3 role's build scope the module is
-    created partitioned, so the saved weights are loaded into its gathered parameters (every rank reads the same
-    file; rank 0's copy is partitioned back)."""
+    """:func:`rewards.load_tiny_reward_model` as a role factory: under ZeRO-3 the weights load into the gathered
+    parameters (rank 0's copy is partitioned back)."""
     from safetensors.torch import load_file
 
     from .rewards import TinyShapesRewardModel

@@ -1,7 +1,6 @@
 """What a diffusion fine-tuning run needs around its objective: the T5 length and image side of a family, held-out
 splits, the tiny model, the training image stream (sharded, resumable) collated with every text encoder's ids,
-validation prompts and images, and per-role memory figures.
-"""
+validation prompts and images, and per-role memory figures."""
 
 from __future__ import annotations
 
@@ -99,9 +98,8 @@ def build_tiny_model(path: str, seed: int, resolution: int, family: str = "sd") 
 
 def prepare_tiny_model(path: str, family: str, images: Sequence[Any], *, seed: int, resolution: int, vae_steps: int,
                        is_main: bool, device: Any) -> dict[str, Any] | None:
-    """The tiny ``family`` model at ``path`` (rank 0 builds it while the others wait) and, for ``vae_steps`` > 0, its
-    random vae pretrained on ``images`` at ``resolution`` on every rank (each encodes and decodes its share of
-    every batch; rank 0 saves it). Collective; returns pretrain_tiny_vae's result, None without a pretrain."""
+    """The tiny ``family`` model at ``path`` (built by rank 0) and its vae pretrained on ``images`` by every rank when
+    ``vae_steps`` > 0. Collective; returns pretrain_tiny_vae's result or None."""
     if is_main:
         build_tiny_model(path, seed, resolution, family)
     barrier()
@@ -138,9 +136,8 @@ def collate_captions(examples: list[dict[str, Any]], tokenizers: list[Any], leng
 
 
 class TrainImages:
-    """This rank's endless stream of training micro batches (ShardedEpochSampler, the tail of each epoch
-    dropped, augmentation following the sampler's epoch) and its resumable position, plus the held-out
-    batches: the same number on every rank (lockstep forwards), deterministic transform."""
+    """This rank's endless, resumable stream of training micro batches (ShardedEpochSampler, tails dropped) and the
+    held-out batches, the same number on every rank."""
 
     def __init__(self, train_set: Any, heldout_set: Any | None, collate: Any, *, micro_batch_size: int,
                  world_size: int, rank: int, seed: int, num_workers: int = 0) -> None:

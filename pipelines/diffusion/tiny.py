@@ -1,8 +1,5 @@
-"""Tiny, randomly initialised diffusers folders of every family (SD, SDXL, SD3, FLUX), built offline: what tests
-and CPU runs load like a hub checkpoint. The CLIP tokenizer is a real byte-level BPE (``vocab.json`` +
-``merges.txt``) trained here on the shapes captions, the T5 tokenizer a Unigram vocabulary of their words. And the
-pre-training of a tiny vae on the training images, so that generations decode to images instead of noise.
-"""
+"""Tiny, randomly initialised diffusers folders of every family (SD, SDXL, SD3, FLUX) built offline, with real
+tokenizers trained on the shapes captions, and the pre-training of a tiny vae so generations decode to images."""
 
 from __future__ import annotations
 
@@ -48,10 +45,8 @@ def _bytes_to_unicode() -> list[str]:
 
 def build_clip_tokenizer(out_dir: str, texts: Iterable[str] | None = None, max_merges: int = 400,
                          model_max_length: int = 77) -> str:
-    """A CLIP-format BPE trained on ``texts`` (default: every shapes caption), saved as a loadable ``CLIPTokenizer``
-    in ``out_dir``. Its vocabulary is laid out like OpenAI CLIP's: the 256 byte symbols, the same with ``</w>``,
-    one entry per learned merge (at most ``max_merges``), then ``<|startoftext|>`` and ``<|endoftext|>``: any
-    caption, even with words never seen, tokenizes to ids below the vocabulary size."""
+    """A CLIP-format BPE trained on ``texts`` (default: the shapes captions) saved as a ``CLIPTokenizer``, its
+    vocabulary laid out like OpenAI CLIP's so any caption tokenizes below the vocabulary size."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
@@ -98,10 +93,8 @@ def build_tiny_clip_text_encoder(out_dir: str | None, hidden_size: int = 32, see
                                  num_hidden_layers: int = 2, max_position_embeddings: int = 77,
                                  bos_token_id: int | None = None, eos_token_id: int | None = None,
                                  pad_token_id: int | None = None):
-    """A random 2-layer ``CLIPTextModel`` (``with_projection``: ``CLIPTextModelWithProjection``, SDXL's
-    ``text_encoder_2``), float32, eval mode, saved in ``out_dir`` when given; the global RNG is left untouched.
-    ``vocab_size`` and the special-token ids must match the tokenizer (CLIP pools at the first ``eos_token_id``):
-    unless given, read from ``out_dir``'s ``vocab.json``, else the layout of :func:`build_clip_tokenizer`."""
+    """A random 2-layer ``CLIPTextModel`` (``with_projection``: SDXL's ``text_encoder_2`` class), float32, eval
+    mode, saved in ``out_dir`` if given; vocabulary and special ids from ``out_dir``'s tokenizer unless given."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     ids: dict[str, int] = {}
@@ -134,10 +127,8 @@ def build_tiny_clip_text_encoder(out_dir: str | None, hidden_size: int = 32, see
 
 
 def build_tiny_sd(out_dir: str, seed: int = 0, resolution: int = 32, prediction_type: str = "epsilon") -> str:
-    """A tiny SD folder that ``StableDiffusionPipeline.from_pretrained`` loads (under 2M parameters): a unet
-    (channels 32/64, cross-attention 32), the tiny vae (2x downsampling, 4 latent channels), a 2-layer CLIP text
-    encoder (hidden 32) with the shapes tokenizer, a DDPM scheduler with SD's scaled-linear betas; no safety
-    checker. Idempotent and atomic (built beside, renamed into place: concurrent ranks never see half of it)."""
+    """A tiny SD folder (under 2M parameters) that ``StableDiffusionPipeline.from_pretrained`` loads: unet 32/64,
+    the tiny vae, a 2-layer CLIP text encoder, DDPM with SD's betas. Idempotent and atomic."""
     from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     if _folder_complete(out_dir):
@@ -175,9 +166,8 @@ def _image_files(folder: str) -> list[str]:
 
 
 def vae_pretrain_images(images: str | Sequence[Any], resolution: int) -> torch.Tensor:
-    """The images the tiny vae pre-train sees, ``[N, 3, resolution, resolution]`` float32 in ``[-1, 1]``, resized
-    and center-cropped like evaluation images: a folder's image files (sorted by name) or a sequence of PIL
-    images (a training set's image column)."""
+    """The tiny vae pre-train's images ``[N, 3, res, res]`` in ``[-1, 1]`` (resized, center-cropped): a folder's
+    image files (sorted) or a sequence of PIL images."""
     from PIL import Image
 
     from .data import ImageTransform
@@ -211,19 +201,10 @@ def _weights_digest(module: torch.nn.Module) -> str:
 def pretrain_tiny_vae(model_dir: str, images: str | Sequence[Any], steps: int = 300, batch_size: int = 16,
                       lr: float = 2e-3, seed: int = 0, kl_weight: float = 1e-6, progress: bool = True,
                       resolution: int = 32, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Train the random tiny vae of ``model_dir`` as an autoencoder on ``images`` (:func:`vae_pretrain_images`) at
-    ``resolution`` px: loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW), then ``scaling_factor`` = ``1 /
-    std(latents)`` over the images (how SD's 0.18215 was chosen) and, for a vae with a ``shift_factor`` (SD3/FLUX),
-    that the latents' mean; saved in place (written beside, renamed) by rank 0, the caller waits for it.
-
-    Collective when a process group exists: each step draws one batch (and its latent noise) from a generator
-    seeded ``seed``, rank ``r`` encodes and decodes rows ``r, r + W, ...`` and the gradients are summed, so every
-    rank takes the same optimizer step (the result does not depend on W but for the order of float sums). The
-    global RNG is left untouched; ``progress``: a bar on rank 0. Idempotent: a vae already trained with the same
-    steps, seed, resolution and number of images (``vae/pretrained.json``) is kept. Returns ``{"mse" (the last
-    batch's), "scaling_factor", "shift_factor", "steps", "seed", "resolution", "images", "world_size", "seconds"
-    (the slowest rank's), "rank_digests" (a hash of each rank's weights)}``, the same on every rank.
-    """
+    """Train the random tiny vae of ``model_dir`` as an autoencoder (MSE + ``kl_weight`` KL), then set
+    ``scaling_factor = 1 / std(latents)`` (and ``shift_factor`` = their mean where the vae has one); saved in place
+    by rank 0. Collective: every rank takes the same step on its rows of one seeded batch. Idempotent
+    (``vae/pretrained.json``); returns the same figures (mse, factors, seconds, rank digests...) on every rank."""
     import time
 
     import torch.distributed as dist
@@ -327,10 +308,8 @@ T5_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 a
 
 
 def build_t5_tokenizer(out_dir: str, texts: Iterable[str] | None = None, model_max_length: int = 512) -> str:
-    """A T5 tokenizer (``T5TokenizerFast``) whose Unigram vocabulary has every word of ``texts`` (default: the shapes
-    captions) as one ``▁word`` piece scored by its log frequency, plus ``▁`` and the printable ASCII characters as
-    low-scored fall-backs (``<unk>`` only outside ASCII). Ids: ``<pad>`` 0, ``</s>`` 1 (appended), ``<unk>`` 2.
-    Written out rather than trained: the Unigram trainer keeps only characters on a corpus this small."""
+    """A ``T5TokenizerFast`` whose Unigram vocabulary has every word of ``texts`` as one piece plus ASCII fall-backs
+    (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2); written out: the trainer keeps only characters on so small a corpus."""
     import collections
     import math
     import string
@@ -356,9 +335,8 @@ def build_t5_tokenizer(out_dir: str, texts: Iterable[str] | None = None, model_m
 
 def build_tiny_t5_encoder(out_dir: str | None, vocab_size: int, d_model: int = 64, seed: int = 0,
                           num_layers: int = 2, num_heads: int = 4):
-    """A randomly initialised ``T5EncoderModel`` (``d_model`` wide, ``d_kv = d_model / num_heads``), the
-    class of SD3's ``text_encoder_3`` and FLUX's ``text_encoder_2``; ``vocab_size`` must match the
-    tokenizer. Saved with ``save_pretrained`` when ``out_dir`` is given; the global RNG is left untouched."""
+    """A random ``T5EncoderModel`` (SD3's ``text_encoder_3``, FLUX's ``text_encoder_2``), saved in ``out_dir`` if
+    given; ``vocab_size`` must match the tokenizer."""
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
@@ -377,10 +355,8 @@ def build_tiny_t5_encoder(out_dir: str | None, vocab_size: int, d_model: int = 6
 
 
 def build_tiny_vae(seed: int = 0, resolution: int = 32, latent_channels: int = 4, flow: bool = False):
-    """The tiny ``AutoencoderKL`` (channels 32/64 -> 2x downsampling). ``latent_channels=4`` with SD's
-    quant convs and scaling factor (the vae of :func:`build_tiny_sd`); ``flow=True`` is shaped like SD3's
-    and FLUX's vae: no quant convs and an explicit ``shift_factor`` (0 here, ``scaling_factor`` 1 until
-    :func:`pretrain_tiny_vae` measures it)."""
+    """The tiny ``AutoencoderKL`` (32/64 channels, 2x downsampling): SD's with ``latent_channels=4``; ``flow=True``
+    like SD3/FLUX's (no quant convs, ``shift_factor``; scale 1 until :func:`pretrain_tiny_vae` measures it)."""
     from diffusers import AutoencoderKL
 
     extra = {"use_quant_conv": False, "use_post_quant_conv": False, "shift_factor": 0.0,
@@ -407,8 +383,7 @@ def _folder_complete(out_dir: str) -> bool:
 
 
 def _save_pipeline_atomically(pipe, out_dir: str, extra: dict[str, str] | None = None) -> str:
-    """``pipe.save_pretrained`` (and the files ``extra``: {path in the folder: source}) into a temporary sibling,
-    renamed into place: concurrent callers (several ranks) never see a half-written folder, and a folder another
+    """``pipe.save_pretrained`` (plus ``extra`` files) into a temporary sibling renamed into place; a folder another
     caller completed first is kept."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -462,11 +437,8 @@ def _check_resolution(resolution: int, multiple: int, family: str) -> None:
 
 
 def build_tiny_sdxl(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
-    """A tiny SDXL folder that ``StableDiffusionXLPipeline.from_pretrained`` loads: the tiny vae (4 latent
-    channels), ``text_encoder`` (CLIP, hidden 32) and ``text_encoder_2`` (CLIP with projection, hidden 32)
-    sharing one CLIP tokenizer (saved as ``tokenizer`` and ``tokenizer_2``), a unet with cross-attention
-    width 32 + 32 and ``addition_embed_type="text_time"`` (six size/crop ids x 8 + the pooled 32), DDPM.
-    Idempotent and atomic like :func:`build_tiny_sd`."""
+    """A tiny SDXL folder: the tiny vae, two CLIP text encoders (hidden 32) sharing one tokenizer, a unet with
+    cross-attention 32 + 32 and ``text_time`` embeddings, DDPM. Idempotent and atomic."""
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTokenizer
 
@@ -501,15 +473,8 @@ def build_tiny_sdxl(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
 
 
 def build_tiny_sd3(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
-    """A tiny SD3 folder that ``StableDiffusion3Pipeline.from_pretrained`` loads.
-
-    ``text_encoder`` / ``text_encoder_2``: CLIP with projection (hidden 32 each; SD3's CLIP-L / CLIP-G),
-    sharing one CLIP tokenizer (``tokenizer``, ``tokenizer_2``); ``text_encoder_3``: T5 encoder (d_model 64)
-    with a Unigram T5 tokenizer (``tokenizer_3``); vae with 16 latent channels (2x downsampling);
-    ``SD3Transformer2DModel`` (patch 2, 2 layers, 4 heads x 8, ``joint_attention_dim`` 64 = the T5 width >=
-    the CLIP widths 32 + 32, ``pooled_projection_dim`` 64 = the two pooled projections); scheduler
-    ``FlowMatchEulerDiscreteScheduler(shift=3.0)`` like SD3's. Idempotent and atomic.
-    """
+    """A tiny SD3 folder: two CLIP encoders with projection (32 each) sharing one tokenizer, a T5 encoder (64), a
+    16-channel vae, ``SD3Transformer2DModel`` (2 layers, 4 heads x 8, joint width 64), FlowMatchEuler(shift=3)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     if _folder_complete(out_dir):
@@ -536,14 +501,8 @@ def build_tiny_sd3(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
 
 
 def build_tiny_flux(out_dir: str, seed: int = 0, resolution: int = 32, guidance_embeds: bool = True) -> str:
-    """A tiny FLUX folder that ``FluxPipeline.from_pretrained`` loads.
-
-    ``text_encoder``: CLIP without projection (hidden 32, its pooled output conditions the transformer) with a
-    CLIP tokenizer; ``text_encoder_2``: T5 encoder (d_model 64) with a T5 tokenizer (``tokenizer_2``); vae
-    with 16 latent channels; ``FluxTransformer2DModel`` (``in_channels`` 64 = 16 x the 2x2 packing, 1 double
-    + 1 single block, 2 heads x 16 with rotary axes 4 + 6 + 6, ``guidance_embeds`` as FLUX.1-dev);
-    scheduler as FLUX.1-dev's (``shift=3``, dynamic shifting 0.5 -> 1.15). Idempotent and atomic.
-    """
+    """A tiny FLUX folder: CLIP (32) and T5 (64) encoders, a 16-channel vae, ``FluxTransformer2DModel`` (1 double + 1
+    single block, 2 heads x 16, guidance embeds), FLUX.1-dev's scheduler. Idempotent and atomic."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     if _folder_complete(out_dir):

@@ -1,17 +1,7 @@
-"""The training steps of diffusers' scripts on registry engines, and their settings (the ``diffusion`` section).
-
-* :class:`DiffusionObjective` - ``train_text_to_image(_sdxl).py`` (unet, DDPM): images -> latents through the vae
-  engine, captions -> embeddings through the text-encoder engines, noise (offset / input perturbation), random
-  timesteps, the prediction type's target, MSE with optional min-SNR-gamma weights.
-* :class:`ControlNetObjective` - ``train_controlnet.py``: a trainable controlnet whose residuals go into a frozen
-  unet; the loss reaches the controlnet through it.
-* :class:`FlowMatchingObjective` - ``train_dreambooth_sd3.py`` / ``train_dreambooth_flux.py`` (transformer,
-  rectified flow): timesteps from a density over the FlowMatchEuler table, velocity target, SD3's weightings,
-  FLUX's packed latents and guidance input.
-
-All randomness of a step comes from an explicit CPU generator seeded from (seed, step, rank): the same batch and
-seed give the same loss at any ZeRO stage, and a resumed run draws what the uninterrupted one would have.
-"""
+"""The training steps of diffusers' scripts on registry engines and their settings (the ``diffusion`` section):
+DDPM (train_text_to_image), ControlNet (train_controlnet) and flow matching (train_dreambooth_sd3 / _flux). All of
+a step's randomness comes from a CPU generator seeded from (seed, step, rank): the same loss at any ZeRO stage and
+after a resume."""
 
 from __future__ import annotations
 
@@ -152,9 +142,8 @@ class _Objective:
 
 
 class DiffusionObjective(_Objective):
-    """Latents, conditioning and loss for a registry holding a unet (role ``role``), ``vae`` and the text encoders,
-    on the folder's DDPM ``scheduler``; ``settings``: the DDPM options (prediction type "" = the scheduler's);
-    ``resolution``: SDXL's target size."""
+    """Latents, conditioning and loss for a registry holding a unet (``role``), ``vae`` and text encoders, on the
+    folder's DDPM ``scheduler``; ``resolution``: SDXL's target size."""
 
     def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], scheduler: Any,
                  settings: DDPMSettings | None = None, resolution: int = 512, role: str = "unet") -> None:
@@ -174,9 +163,8 @@ class DiffusionObjective(_Objective):
 
     @torch.no_grad()
     def encode_prompts(self, input_ids: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids per text encoder -> ``(hidden [B, L, sum D], pooled [B, P] | None)``: one encoder (SD), its
-        last hidden state; several (SDXL), their penultimate states concatenated and the last one's pooled
-        projection, as ``StableDiffusionXLPipeline.encode_prompt``."""
+        """Token ids per text encoder -> ``(hidden, pooled | None)``: SD's last hidden state, or SDXL's penultimate
+        states concatenated and the last one's pooled projection."""
         if len(input_ids) != len(self.text_encoders):
             raise ValueError(f"{len(input_ids)} id tensors for {len(self.text_encoders)} text encoders")
         if len(self.text_encoders) == 1:
@@ -224,10 +212,8 @@ class DiffusionObjective(_Objective):
 
     def loss(self, batch: Mapping[str, Any], generator: torch.Generator, timesteps: torch.Tensor | None = None,
              role: str | None = None, weighted: bool = True) -> StepOutput:
-        """The training loss of one micro batch (``pixel_values``, ``input_ids`` per text encoder, SDXL's
-        ``original_sizes``/``crop_top_lefts``). ``generator`` draws, in order: posterior sample, noise, offset,
-        perturbation, timesteps (unless ``timesteps`` are given: held-out evaluation). ``role``: who predicts
-        (default the trained role; ``ema``); ``weighted``: min-SNR weights when ``snr_gamma > 0``."""
+        """The training loss of one micro batch; ``generator`` draws posterior sample, noise, offset, perturbation,
+        timesteps (unless given); ``role`` predicts; ``weighted``: min-SNR weights when ``snr_gamma > 0``."""
         bsz = batch["pixel_values"].shape[0]
         latents = self.latents(batch["pixel_values"], generator)
         hidden, pooled = self.encode_prompts(_input_ids(batch, len(self.text_encoders)))
@@ -271,9 +257,8 @@ class Conditioning:
 
 
 def differentiable_forward(registry: EngineRegistry, role: str, *args: Any, **kwargs: Any) -> Any:
-    """A frozen role's module called with autograd on, so a loss reaches trainable inputs through it (the frozen
-    unet between a ControlNet and the loss); its parameters get no gradients. A frozen engine's forward runs under
-    no_grad and would cut the graph. All ranks make the same calls."""
+    """A frozen role's module called with autograd on (a frozen engine's forward runs under no_grad and would cut
+    the graph between a ControlNet and the loss); its parameters get no gradients."""
     r = registry.role(role)
     if r.trainable:
         raise ValueError(f"role '{role}' is trainable: call its engine, which owns its backward.")
@@ -282,9 +267,8 @@ def differentiable_forward(registry: EngineRegistry, role: str, *args: Any, **kw
 
 
 class ControlNetObjective(DiffusionObjective):
-    """``train_controlnet.py``: the trainable ``controlnet`` sees the noisy latents, timestep, text embedding and
-    the batch's ``conditioning_pixel_values [B, 3, H, W]`` in [0, 1]; its residuals (times ``conditioning_scale``)
-    go into the frozen ``unet_role``, whose prediction gives :class:`DiffusionObjective`'s loss."""
+    """``train_controlnet.py``: the trainable ``controlnet``'s residuals (times ``conditioning_scale``) go into the
+    frozen ``unet_role``, whose prediction gives :class:`DiffusionObjective`'s loss."""
 
     def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], scheduler: Any,
                  settings: DDPMSettings | None = None, resolution: int = 512, conditioning_scale: float = 1.0,
@@ -319,10 +303,8 @@ class ControlNetObjective(DiffusionObjective):
 
 
 class FlowMatchingObjective(_Objective):
-    """The rectified-flow step of diffusers' SD3 / FLUX scripts on a registry holding the transformer (role
-    ``role``), ``vae`` and the family's text encoders. ``scheduler_config``: the folder's FlowMatchEuler config
-    (the table of timesteps and sigmas drawn from); ``settings``: the flow options ("" / null = the family's);
-    FLUX takes ``guidance_scale`` as its guidance input when its transformer has ``guidance_embeds``."""
+    """The rectified-flow step of diffusers' SD3 / FLUX scripts on a registry holding the transformer (``role``),
+    ``vae`` and text encoders; FLUX takes ``guidance_scale`` as its guidance input."""
 
     def __init__(self, registry: EngineRegistry, family: str, scheduler_config: Mapping[str, Any],
                  settings: DiffusionSettings | None = None, text_encoders: Sequence[str] | None = None,
@@ -384,9 +366,8 @@ class FlowMatchingObjective(_Objective):
 
     def loss(self, batch: Mapping[str, Any], generator: torch.Generator, indices: torch.Tensor | None = None,
              role: str | None = None, weighted: bool = True) -> StepOutput:
-        """The flow-matching loss of one micro batch. ``generator`` draws, in order: posterior sample, noise, the
-        density sample (unless ``indices``: fixed table positions for held-out evaluation), as diffusers' scripts.
-        ``weighted``: the scheme's loss weighting (``sigma_sqrt``/``cosmap``)."""
+        """The flow-matching loss of one micro batch; ``generator`` draws posterior sample, noise, density sample
+        (unless ``indices``); ``weighted``: the scheme's loss weighting."""
         latents = self.latents(batch["pixel_values"], generator)
         bsz = latents.shape[0]
         prompt_embeds, pooled = self.encode_prompts(_input_ids(batch, len(self.text_encoders)))
@@ -414,9 +395,8 @@ class FlowMatchingObjective(_Objective):
 @torch.no_grad()
 def heldout_loss(objective: Any, batches: Sequence[Mapping[str, Any]], points: Sequence[int], seed: int,
                  role: str | None = None) -> float:
-    """Mean unweighted loss of ``role`` (default the trained one) over this rank's held-out ``batches`` x every
-    position of ``points`` (timesteps, or flow table indices), noise fixed by ``seed``; averaged over the ranks.
-    Collective: every rank passes the same number of batches of the same sizes."""
+    """Mean unweighted loss of ``role`` over this rank's held-out ``batches`` x ``points``, noise fixed by ``seed``,
+    averaged over the ranks (collective)."""
     name = role or objective.trained_role
     module = objective.registry.role(name).module
     was_training = module.training
@@ -440,9 +420,8 @@ def heldout_loss(objective: Any, batches: Sequence[Mapping[str, Any]], points: S
 def family_objective(registry: EngineRegistry, model_path: str, family: str, text_encoders: Sequence[str],
                      settings: DDPMSettings, resolution: int, conditioning_scale: float | None = None
                      ) -> tuple[Any, str | None]:
-    """The family's objective on the folder's scheduler and its prediction type: FlowMatchingObjective (SD3, FLUX;
-    prediction type None), else the DDPM objective (prediction type "" = the scheduler's), a ControlNetObjective
-    when ``conditioning_scale`` is given."""
+    """The family's objective: FlowMatchingObjective (SD3, FLUX), else DDPM (a ControlNetObjective when
+    ``conditioning_scale`` is given)."""
     if family_roles(family).objective == "flow":
         from diffusers import FlowMatchEulerDiscreteScheduler
 

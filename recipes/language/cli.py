@@ -1,25 +1,9 @@
-"""The `multiengine` command: run a recipe (in this process or on N ranks), check, list and copy configs.
+"""The `multiengine` command: run a recipe (in this process or on N ranks), validate, plan, list and copy configs.
 
-    multiengine ls
-    multiengine cp registry_demo/tiny my.yaml
-    multiengine validate registry_demo --config tiny max_steps=3
-    multiengine run registry_demo --help                      # every key: type, default, meaning
-    multiengine run registry_demo --config tiny max_steps=3
-    multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
+    multiengine run registry_demo --config tiny --nproc-per-node 2 max_steps=3
     multiengine plan rlhf_ppo --config opt1.3b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
-    multiengine run rlhf_ppo --config my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 \
-        --master-addr node0 --master-port 29500          # the same on node1 with --node-rank 1
 
-The config is validated here before any rank starts, so a typo costs a second, not a launch.
-
-Failures are reported once: each failing rank writes its traceback to
-<output_dir>/logs/rank<N>-error.log and a one-line record; this process prints the root cause as
-one `error:` line (naming the rank when ranks disagree) plus the fix. Exit codes: 0 success,
-1 a failure, 2 a user error (bad config, key, value, checkpoint), 3 stopped by the non-finite policy
-(a NaN/inf loss or gradient norm; nothing exported, the last checkpoint kept), 128+N stopped by signal N.
-SIGTERM and SIGINT are forwarded to the launcher and to every rank (each rank runs in its own
-session, so the terminal's process group does not reach them); ranks that lose their launcher exit.
-"""
+The config is validated here before any rank starts; failures are reported once (see launcher.py for exit codes)."""
 
 from __future__ import annotations
 
@@ -240,7 +224,7 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
 
 
 def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
-    """This process runs the recipe: alone, or as one rank of a launched job (engines/launcher.run_rank)."""
+    """This process runs the recipe: alone, or as one rank of a launched job (language/launcher.run_rank)."""
     rank = int(os.environ.get("RANK", "0"))
 
     def load(checked: bool) -> Any:

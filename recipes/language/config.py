@@ -1,16 +1,7 @@
-"""Recipe configs: a recipe's typed config, filled from its defaults, a YAML file and ``key=value`` overrides, strictly.
-
-A recipe is a class (:class:`~.lifecycle.Recipe`) whose ``Config`` is a :class:`~multiengine.engines.settings.Settings`
-dataclass: every section a settings object (``section(GRPOSettings, "...")``), every leaf a ``setting(default, help,
-check)``; its ``roles`` declaration adds the ``roles`` section (:mod:`.roles`). :func:`load_config` reads the YAML and
-the overrides against that schema: a key it does not define is an error naming the closest valid key (or the new
-name of a key an earlier version used, from the recipe's ``renamed``), a value of the wrong type or one that breaks
-its field's check is an error naming the key, the value, where it was set and the fix. The result is the recipe's
-typed config object, built once and handed whole to build, validate and plan. ``null`` is accepted where a field's
-type admits None, and ``${...}`` interpolations are resolved before anything is checked.
-
-Its shipped configs are ``<recipes package>/configs/<recipe>/<name>.yaml``.
-"""
+"""Recipe configs: a recipe's typed ``Config`` filled from its defaults, a YAML file and ``key=value`` overrides,
+strictly: an unknown key names the closest valid one (or its new name from ``renamed``), a bad value names the key,
+the value, where it was set and the fix; ``${...}`` interpolations resolve first. Shipped configs:
+``<recipes package>/configs/<recipe>/<name>.yaml``."""
 
 from __future__ import annotations
 
@@ -18,7 +9,6 @@ import copy
 import dataclasses
 import difflib
 import importlib
-import inspect
 import json
 import os
 import re
@@ -655,9 +645,8 @@ def world_size_from_env() -> int:
 
 
 def check_output_dir_writable(output_dir: str, key: str = "output_dir") -> None:
-    """``output_dir`` is a folder this process can create files in, or can be created: checked before any rank starts,
-    by writing and removing one empty file in it (or its nearest existing parent), since permission bits alone miss
-    read-only file systems. Otherwise the run would fail at its first write, after building its models."""
+    """``output_dir`` can be written (one empty file created and removed in it or its nearest existing parent;
+    permission bits miss read-only file systems), before any rank starts rather than at the run's first write."""
     import tempfile
 
     path = Path(os.path.expanduser(output_dir))
@@ -685,9 +674,8 @@ def check_output_dir_writable(output_dir: str, key: str = "output_dir") -> None:
 
 def validate_config(recipe: str, cfg: Any, *, package: str = RECIPES_PACKAGE, configs_dir: str | Path | None = None,
                     world_size: int | None = None) -> None:
-    """The checks that need more than one value or a look outside the config, once, before any rank starts: output_dir
-    can be written, then the recipe's ``validate(cfg, world_size)`` (the lifecycle's common checks first).
-    ``world_size``: the ranks the run will have (default: ``WORLD_SIZE`` of a launched rank, else 1)."""
+    """The checks across values or outside the config, once before any rank starts: output_dir writable, then the
+    recipe's ``validate(cfg, world_size)`` (``world_size``: default ``WORLD_SIZE`` of a launched rank, else 1)."""
     cls = load_recipe(recipe, package, configs_dir)
     check_output_dir_writable(str(cfg.output_dir))
     cls.check(cfg, world_size_from_env() if world_size is None else int(world_size))
@@ -740,14 +728,6 @@ def format_key_help(recipe_name: str, recipe: Any) -> str:
         lines.append("  " + "  ".join(f"{r[c]:<{widths[c]}}" for c in ("key", "type", "default"))
                      + f"  {r['meaning']}".rstrip())
     return "\n".join(lines)
-
-
-def takes_world_size(hook: Any) -> bool:
-    try:
-        params = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "world_size" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -1,12 +1,7 @@
 """The process supervisor behind `multiengine run --nproc-per-node N`: torchrun as a quiet child, every rank in
-its own session, stop signals forwarded to all of them, and a failure reported once.
-
-Each failing rank writes its traceback to ``<output_dir>/logs/rank<N>-error.log`` and a one-line JSON record;
-the launching process reads the records after the job and prints the root cause as one ``error:`` line (naming
-the rank when ranks disagree) plus the fix. Exit codes: 0 success, 1 a failure, 2 a user error (bad config,
-key, value, checkpoint), 3 stopped by the non-finite policy, 128+N stopped by signal N. Writing to the terminal
-is this module's job, so it writes to stderr directly rather than through logging.
-"""
+its own session, stop signals forwarded to all of them, and a failure reported once as one ``error:`` line from
+the ranks' records in ``<output_dir>/logs/`` (exit codes: 0, 1 failure, 2 user error, 3 non-finite stop, 128+N
+signal N). It writes to stderr directly: talking to the terminal is its job."""
 
 from __future__ import annotations
 
@@ -15,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,12 +41,6 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RDZV_BACKENDS = ("static", "c10d")
 
 
@@ -80,8 +68,10 @@ def _rendezvous_args(nodes: Nodes) -> list[str]:
              else "the rendezvous endpoint: one node's host and a free port, the same on every node")
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise RecipeConfigError(f"--nnodes > 1 needs --master-addr and --master-port ({where})")
+    from multiengine.engines.dist import free_port
+
     addr = master_addr or "127.0.0.1"
-    port = str(master_port if master_port is not None else _free_port())
+    port = str(master_port if master_port is not None else free_port())
     if rdzv_backend == "c10d":
         if node_rank is not None and nnodes > 1:
             raise RecipeConfigError("--node-rank has no effect with --rdzv-backend c10d (nodes are numbered as they "
@@ -210,10 +200,8 @@ def _stopped_ranks(root: int) -> list[int]:
 
 
 def _launch(cmd: list[str], env: dict[str, str], error_dir: str | None = None) -> tuple[int, int | None]:
-    """Run the launcher; forward SIGTERM/SIGINT to it and to every rank, then wait for them.
-    Once a rank has recorded a failure (in ``error_dir``), a rank that is stopped gets SIGKILL after
-    FAILED_GRACE_S: torchrun's SIGTERM cannot reach it, and torchrun would wait 30 s before killing it.
-    Returns (exit code, the stop signal received or None)."""
+    """Run the launcher, forwarding SIGTERM/SIGINT to it and every rank; once a rank recorded a failure, a stopped
+    rank gets SIGKILL after FAILED_GRACE_S (torchrun cannot reach it). Returns (exit code, stop signal or None)."""
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_exit_with_parent if sys.platform.startswith("linux") else None)
     received: list[int] = []
@@ -437,9 +425,8 @@ def _is_config_error(exc: BaseException) -> bool:
 
 
 def _leave(code: int) -> None:
-    """End a rank now, skipping the interpreter's teardown: with every output written and the process
-    group destroyed, that teardown can only fail a finished job (with gloo and DeepSpeed loaded, about
-    one rank exit in 40 aborted in C++ with "terminate called without an active exception")."""
+    """End a rank now, skipping the interpreter's teardown, which can only fail a finished job (about one exit in 40
+    aborted in C++ with gloo and DeepSpeed loaded)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -459,10 +446,8 @@ def launch_job(cmd: list[str], env: dict[str, str], output_dir: str, nproc_per_n
 
 
 def run_rank(load: Callable[[bool], Any], run: Callable[[Any], str | None]) -> int:
-    """This process runs a recipe: alone, or as one rank of a launched job. ``load(checked)`` reads the config and
-    sets up logging (``checked``: also run the checks, which the launching CLI otherwise ran for every rank);
-    ``run(cfg)`` runs it and returns what rank 0 prints at the end. A failure is recorded once (for the launcher
-    when launched); a launched rank leaves without the interpreter's teardown."""
+    """Run a recipe alone or as one rank: ``load(checked)`` reads the config (``checked``: also run the checks),
+    ``run(cfg)`` returns what rank 0 prints. A failure is recorded once; a launched rank skips the teardown."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
     if launched:

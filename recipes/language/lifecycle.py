@@ -1,34 +1,10 @@
 """The one lifecycle every recipe shares: setup -> train -> export -> summary, with checkpoints and resume.
 
-A recipe is a subclass of :class:`Recipe`, one class in one module (whose ``RECIPE`` names it), declaring
-
-* ``name``, ``roles`` (its :class:`~.roles.Role` declaration) and ``Config`` (a :class:`RunConfig` dataclass: the
-  common keys and the recipe's sections), ``renamed`` (old key -> new key, refused naming the new one);
-* ``validate(cfg, world_size)`` - the checks across keys and outside the config (paths, data, vocabularies, batch
-  arithmetic on ``world_size`` ranks), before any rank starts; ``plan(cfg, assume)`` - what ``multiengine plan``
-  sizes;
-
-and filling in what is its own:
-
-* ``build()``       - add and build its roles on ``self.registry`` (already created) and load its data;
-* ``train_step()``  - one optimizer step (all of its micro-batches) returning metrics that are already
-                      means over ranks (``mean_over_ranks``);
-* ``evaluate(tag)`` - collective evaluation, called with ``"before"``, ``"after"`` and ``"step_<n>"``;
-* ``export()``      - write ``output_dir/export/<role>/`` (``multiengine.engines.save_role``);
-* ``state_dict()`` / ``load_state_dict()`` - what it needs beyond the registry to resume;
-* ``summary_metrics()`` and ``plot_panels`` - its headline figures and the panels of ``curves.png``.
-
-The base does the rest the same way for all: output folder, seeding, the registry (backend, seed, collective
-timeout), ``metrics.jsonl`` + TensorBoard (and wandb with ``report_to=wandb``), the tqdm loop with periodic
-evaluation and checkpoints, ``resume_from``, ``summary.json`` (with per-rank memory and every role's resolved config)
-and ``curves.png``.
-
-Every step is checked for non-finite values: the registry never applies an optimizer update whose loss or global
-gradient norm is NaN/inf, and the ``nonfinite`` policy decides what the run does about a step that had one: ``stop``
-ends it with NonFiniteError (exit 3, no export, the last checkpoint kept) and ``skip`` goes on until more than
-``max_skips`` steps were skipped. The decision is taken from values summed over ranks, so every rank stops at the
-same step.
-"""
+A :class:`Recipe` subclass declares ``name``, ``roles``, ``Config`` (a :class:`RunConfig`), ``renamed``,
+``validate`` and ``plan``, and fills in ``build``, ``train_step`` (metrics already means over ranks), ``evaluate``,
+``export``, ``state_dict`` / ``load_state_dict``, ``summary_metrics`` and ``plot_panels``. The base does the rest:
+output folder, seeding, registry, metrics, the loop with evaluation and checkpoints, resume, summary.json, curves.png
+and the ``nonfinite`` policy (``stop``: exit 3; ``skip``: until ``max_skips``), decided on values summed over ranks."""
 
 from __future__ import annotations
 
@@ -171,14 +147,8 @@ def _unsafe_to_clear(folder: str) -> bool:
 
 
 def check_output_dir(name: str, cfg: Any, resumable: bool = True) -> None:
-    """The output_dir policy, before any rank starts: a folder holding another recipe's run, or a finished run of
-    this recipe (without ``resume_from``), is refused unless ``overwrite=true``. A recipe without ``resume_from``
-    (rlhf_e2e) may rerun into its own folder: it reuses or reruns its steps itself. ``name``: the recipe's run
-    name (what its summary.json and run.json record).
-
-    Raises:
-        ConfigValueError: naming output_dir, overwrite=true (or a new folder) and resume_from=latest.
-    """
+    """The output_dir policy: another recipe's run, or a finished one of this recipe without ``resume_from``, is
+    refused unless ``overwrite=true`` (rlhf_e2e may rerun into its own folder)."""
     output_dir = str(cfg.output_dir)
     overwrite, resume = cfg.overwrite, cfg.resume_from
     if overwrite and resume:
@@ -217,9 +187,8 @@ def check_output_dir(name: str, cfg: Any, resumable: bool = True) -> None:
 
 
 def clear_output_dir(name: str, cfg: Any) -> list[str]:
-    """With ``overwrite=true``: remove the earlier run's files (``RUN_OUTPUTS``) from output_dir, on one process
-    before any rank writes there (check_output_dir first); a folder that holds no run is left alone. Returns
-    what was removed."""
+    """With ``overwrite=true``: remove the earlier run's ``RUN_OUTPUTS`` from output_dir, on one process before any
+    rank writes; returns what was removed."""
     if not cfg.overwrite:
         return []
     folder = os.path.expanduser(str(cfg.output_dir))
@@ -316,9 +285,8 @@ class Recipe:
 
     @classmethod
     def describe(cls, cfg: Any) -> dict[str, Any]:
-        """What a run of ``cfg`` builds, as plain data: each role's RoleSpec (DeepSpeed config, placement, optimizer,
-        LoRA, checkpointing) and model folders, and every other section as the recipe hands it on (tests compare
-        it across one-key changes: a key must change it, or be refused)."""
+        """What a run of ``cfg`` builds, as plain data: each role's RoleSpec and model folders and every other
+        section as handed on (a key must change it or be refused)."""
         out = {k: v for k, v in cfg.to_dict().items() if k != "roles"}
         out["roles"] = {}
         for name, role in (cfg.roles.items() if cfg.roles is not None else ()):
@@ -557,10 +525,8 @@ class Recipe:
         }
 
     def planned_memory(self, per_rank: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any] | None:
-        """`multiengine plan`'s per-rank model-state bytes per role at this config's placements beside the
-        measured ones (plans.planned_vs_measured), on the main rank. The models are the folders the
-        run used (``summary_extra()["paths"]``). A planner failure is logged and recorded, not raised: the
-        run itself has finished."""
+        """`multiengine plan`'s per-rank model-state bytes beside the measured ones for the folders the run used,
+        on the main rank; a planner failure is logged and recorded, not raised."""
         if not self.registry.is_main:
             return None
         from . import plans

@@ -1,11 +1,6 @@
-"""The glue between recipes and the memory planner (engines/planner.py): a recipe's roles as planner requests,
-models resolved without loading weights, and a planned placement written back into a config.
-
-Models are resolved (:func:`resolve_model`) from a local folder's safetensors headers, the local Hugging Face
-cache, the planner's built-in architectures, or the shipped config that exports the folder a config points at.
-``assume`` (``--assume role=model``) says what a folder that does not exist yet will hold. Each recipe's own part
-(its models and activation shapes) is its class's ``plan(cfg, assume)``.
-"""
+"""The glue between recipes and the memory planner: roles as planner requests, models resolved without weights
+(local safetensors headers, the hub cache, built-in architectures, or the shipped config exporting a folder;
+``--assume role=model``), and a planned placement written back into a config."""
 
 from __future__ import annotations
 
@@ -190,9 +185,8 @@ def _lora(section: Any, default_targets: Sequence[str] | None = None) -> tuple[i
 
 
 def _scalar(info: P.ModelInfo) -> P.ModelInfo:
-    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head
-    (the folder's own head when it has one: ``score.weight`` of a *ForSequenceClassification export, or
-    the ``weight`` of a ``value_head.safetensors`` beside a base model)."""
+    """A reward model / critic from `info`: the LM body without its head plus a value head (the folder's own
+    ``score.weight`` or ``value_head.safetensors`` when it has one)."""
     has_head = any(t.name in ("score.weight", "weight") or t.name.startswith("value_head") for t in info.tensors)
     body = info.without("lm_head.")
     if has_head:
@@ -223,9 +217,8 @@ def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | 
 
 def role_request(role: Any, info: P.ModelInfo, phases: Sequence[tuple[str, int]] = (), **options: Any
                  ) -> P.RoleRequest:
-    """The planner's request of a role config (``roles.<name>``) on the model ``info``: trainable or frozen, its
-    stage (followed as the role config resolves it), dtype, offload, LoRA; ``options`` are more of the request or a
-    different one (``full_gather``, ``gather_hint``, ``extra_trainable``, ``note``, ``current``, ``choices``, ...)."""
+    """The planner's request of a role config on the model ``info`` (trainable or frozen, stage, dtype, offload,
+    LoRA); ``options``: more request fields (``full_gather``, ``gather_hint``, ``note``, ``choices``...)."""
     request: dict[str, Any] = {
         "lora": _lora(role.lora) if role.trainable else None,
         "current": _current(role.effective_stage, role.trainable, role.offload_params,
@@ -239,12 +232,8 @@ def declared_roles(cfg: Any, infos: Mapping[str, P.ModelInfo],
                    phases: Mapping[str, Sequence[tuple[str, int]]] | None = None, *, title: str = "",
                    notes: Sequence[str] = (), pinned: Mapping[str, P.Choice] | None = None, followers: bool = False,
                    **options: Mapping[str, Any]) -> RecipePlan:
-    """The planner's roles straight from a config's declared roles (those ``infos`` has a model for), each its
-    :func:`role_request` with its ``phases`` and ``options`` (``<role>={...}``), placement keys roles.<name>.*.
-
-    ``pinned``: roles the recipe builds at that one placement whatever their keys say (diffusers' layout: whole
-    copies). ``followers``: a role whose stage is -1 is planned at its leader's whole placement, as the recipe
-    builds it from one set of keys. Neither has keys of its own for ``--write``."""
+    """The planner's roles from a config's declared roles that ``infos`` has a model for; ``pinned`` roles are built
+    at one placement, ``followers`` (stage -1) at their leader's; neither has keys for ``--write``."""
     phases, pinned = phases or {}, pinned or {}
     requests, keys = [], {}
     for name, role in cfg.roles.items():
@@ -307,17 +296,9 @@ def configured_states(recipe: Any, cfg: Any, world_size: int, assume: Mapping[st
 
 def planned_vs_measured(recipe: Any, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
                         assume: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Per role: the planner's per-rank model-state bytes at the placements `cfg` asks for beside the
-    measured ones (`per_rank`: ``gather_memory(registry)``, one entry per rank), and the difference.
-
-    Both sides count a role's states wherever they live (the memory report counts offloaded tensors
-    too), so the planned side is the configured stage without offload; ``planned_accelerator_bytes`` /
-    ``planned_host_bytes`` split it as `multiengine plan` does. The measured side is the rank holding the
-    most (ZeRO pads partitions evenly, so ranks differ by a few bytes at most). ``tolerance_bytes`` is
-    what the planner promises: 5% of the planned total plus the persistent parameters' bytes (the
-    parameters of at most ``stage3_param_persistence_threshold`` elements that every rank keeps whole
-    at ZeRO-3, where a threshold sized differently moves bytes between "partitioned" and "whole").
-    """
+    """Per role: the planned per-rank model-state bytes at `cfg`'s placements (configured stage, no offload, as the
+    memory report counts offloaded tensors too) beside the most any rank measured (`per_rank`), and the difference.
+    ``tolerance_bytes``, what the planner promises: 5% of the planned total plus the persistent parameters' bytes."""
     world = len(per_rank)
     measured: dict[str, list[Mapping[str, Any]]] = {}
     for rank in per_rank:

@@ -360,8 +360,18 @@ ROWS = [
         "roles.actor.micro_batch_size=[1,2]", "roles.actor.micro_batch_size"),
     cli("override-no-equals", "config", "an override without '='", "validate rlhf_reward --config tiny max_steps",
         "max_steps"),
-    cli("lora-empty-targets", "config", "LoRA on no modules", "validate rlhf_sft --config tiny roles.actor.lora.r=8 "
-        "roles.actor.lora.target_modules=[]", "roles.actor.lora.target_modules"),
+    cli("lora-alpha-without-r", "config", "a LoRA alpha without a LoRA rank", "validate rlhf_sft --config tiny "
+        "roles.actor.lora.alpha=32", "roles.actor.lora.alpha", "roles.actor.lora.r"),
+    cli("seed-too-large", "config", "a seed above 2^32-1", "validate rlhf_sft --config tiny seed=8589934592", "seed",
+        "8589934592"),
+    cli("keep-last-zero", "config", "keeping no checkpoint", "validate rlhf_sft --config tiny checkpoint.keep_last=0",
+        "checkpoint.keep_last", "0"),
+    cli("resume-empty-folder", "config", "resuming from a folder that holds no checkpoint",
+        "validate rlhf_sft --config tiny resume_from={d}/empty", "resume_from", "empty"),
+    cli("frozen-gradient-checkpointing", "config", "gradient checkpointing on a frozen role",
+        "validate rlhf_grpo --config tiny roles.ref.gradient_checkpointing=true", "roles.ref.gradient_checkpointing"),
+    cli("ema-offload-below-z3", "config", "parameter offload for an EMA at ZeRO-2", "validate sd_finetune --config "
+        "tiny roles.unet.stage=2 roles.ema.offload_params=true", "roles.ema.offload_params"),
     cli("resume-missing", "config", "resuming from a folder that does not exist", "validate rlhf_sft --config tiny "
         "resume_from={d}/no_ckpt", "resume_from", "no_ckpt"),
     cli("overwrite-and-resume", "config", "overwrite=true and resume_from=latest together",
@@ -564,6 +574,7 @@ def write_data(d: Path) -> None:
                                   "    return [float(c == a) for c, a in zip(completions, answer)]\n")
     (d / "afile").write_text("not a folder\n")
     (d / "dangling").symlink_to(d / "nowhere")
+    (d / "empty").mkdir()
     (d / "reward_run").mkdir()
     (d / "reward_run" / "run.json").write_text(json.dumps({"recipe": "rlhf_reward"}))
     (d / "reward_run" / "metrics.jsonl").write_text("")

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-from migrated import migrated
 from multiengine.recipes.language import cli
 from multiengine.recipes.language.lifecycle import folder_run
 
@@ -129,8 +128,6 @@ def test_what_a_folder_holds(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not (migrated("rlhf_grpo") and migrated("rlhf_e2e")), reason="rlhf_grpo and rlhf_e2e are not on "
-                    "the recipe contract yet")
 def test_sub_runs_and_rlhf_e2e_reruns_are_not_refused(tmp_path, capsys):
     # a recipe that trains its SFT actor under output_dir/sft first: that sub-run is not the folder's run
     grpo = tmp_path / "grpo"

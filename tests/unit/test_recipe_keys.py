@@ -14,10 +14,10 @@ import json
 import typing
 
 import pytest
-from migrated import recipe_params
 from multiengine.engines.settings import Choice, Range, SettingsError
 from multiengine.recipes.language.config import (
     leaves,
+    list_recipes,
     load_config,
     load_recipe,
     recipe_schema,
@@ -48,16 +48,16 @@ def example_value(leaf):
         cands = ([start + s for s in steps] if base is int else
                  [start * s for s in steps if start] + [start + s for s in steps] + steps)
         return next(v for v in cands if v != default and _valid(leaf, base(v)))
-    if base is str:
-        return "not-a-real-value"
+    if base is str:  # a local path: a bare name would be looked up on the hub (retries, no network here)
+        return "./not-a-real-value"
     origin = typing.get_origin(base) or base
     if origin in (list, tuple):
         item = (typing.get_args(base) or [None])[0]
         if item is float:
             return [v * 0.5 for v in default] if default else [0.5]
         if item is str:
-            return ["x"] if default != ["x"] else ["y"]
-        return [] if default else ["x"]
+            return ["./x"] if default != ["./x"] else ["./y"]
+        return [] if default else ["./x"]
     raise AssertionError(f"no example value for a key of type {ann}: give its setting an example=")
 
 
@@ -88,7 +88,7 @@ def _override(key, value) -> str:
     return f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
 
 
-@pytest.mark.parametrize("recipe", recipe_params())
+@pytest.mark.parametrize("recipe", sorted(list_recipes()))
 def test_every_key_changes_what_is_built_or_is_refused(recipe, tmp_path):
     cls = load_recipe(recipe)
     base_overrides = [f"output_dir={tmp_path / 'out'}", *NEEDS.get(recipe, [])]

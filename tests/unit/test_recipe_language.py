@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from migrated import recipe_param, recipe_params
 from multiengine.engines import planner as P
 from multiengine.recipes.language.config import (
     ConfigKeyError,
@@ -197,7 +196,7 @@ def _config(recipe: str) -> str:
     return "tiny" if "tiny" in configs else configs[0]
 
 
-@pytest.mark.parametrize("recipe", recipe_params())
+@pytest.mark.parametrize("recipe", sorted(list_recipes()))
 def test_every_recipe_declares_its_roles(recipe):
     cls = load_recipe(recipe)
     assert issubclass(cls, Recipe) and cls.name == recipe
@@ -214,7 +213,7 @@ def test_every_recipe_declares_its_roles(recipe):
             assert not name or name in declared  # a declaration names only roles of its recipe
 
 
-@pytest.mark.parametrize("recipe", recipe_params(sorted(set(list_recipes()) - RUNS_OF_RUNS)))
+@pytest.mark.parametrize("recipe", sorted(set(list_recipes()) - RUNS_OF_RUNS))
 def test_the_same_override_works_in_every_recipe_that_has_the_role(recipe):
     trainable = [r.name for r in load_recipe(recipe).roles if r.trainable]
     assert trainable, "every recipe trains something"
@@ -223,7 +222,7 @@ def test_the_same_override_works_in_every_recipe_that_has_the_role(recipe):
     assert all(cfg.roles[name].micro_batch_size == 2 for name in trainable)
 
 
-@pytest.mark.parametrize("recipe", recipe_params())
+@pytest.mark.parametrize("recipe", sorted(list_recipes()))
 def test_every_shipped_config_loads_and_every_key_has_help(recipe, tmp_path):
     assert [r["key"] for r in describe_keys(load_recipe(recipe)) if not r["meaning"]] == []
     for config in list_recipes()[recipe]:
@@ -239,7 +238,7 @@ OLD_DIALECT = ["controlnet", "distill", "registry_demo", "rlhf_dpo", "rlhf_grpo"
                "sd_finetune"]
 
 
-@pytest.mark.parametrize("recipe", recipe_params(OLD_DIALECT))
+@pytest.mark.parametrize("recipe", OLD_DIALECT)
 def test_an_old_key_is_refused_naming_the_new_one(recipe):
     renamed = load_recipe(recipe).renamed
     assert renamed, f"{recipe} names the new key of each key it used before"
@@ -250,20 +249,20 @@ def test_an_old_key_is_refused_naming_the_new_one(recipe):
 
 
 @pytest.mark.parametrize("recipe, old, new", [
-    recipe_param("rlhf_sft", "train.lr", "roles.actor.lr"),
-    recipe_param("rlhf_sft", "lora.enabled", "roles.actor.lora.r"),
-    recipe_param("rlhf_sft", "model.pretrained", "roles.actor.model"),
-    recipe_param("rlhf_sft", "model.tiny_hidden", "tiny.hidden"),
-    recipe_param("rlhf_reward", "model.pretrained", "roles.reward.model"),
-    recipe_param("rlhf_reward", "train.micro_batch_size", "roles.reward.micro_batch_size"),
-    recipe_param("rlhf_dpo", "model.actor", "roles.actor.model"),
-    recipe_param("rlhf_dpo", "lora.actor.enabled", "roles.actor.lora.r"),
-    recipe_param("rlhf_dpo", "lora.actor.rank", "roles.actor.lora.r"),
-    recipe_param("distill", "model.tokenizer", "roles.teacher.tokenizer"),
-    recipe_param("distill", "model.student_hidden", "tiny.student_hidden"),
-    recipe_param("distill", "train.lr", "roles.student.lr"),
-    recipe_param("registry_demo", "micro_batch_size", "roles.actor.micro_batch_size"),
-    recipe_param("registry_demo", "dtype", "roles.actor.dtype"),
+    ("rlhf_sft", "train.lr", "roles.actor.lr"),
+    ("rlhf_sft", "lora.enabled", "roles.actor.lora.r"),
+    ("rlhf_sft", "model.pretrained", "roles.actor.model"),
+    ("rlhf_sft", "model.tiny_hidden", "tiny.hidden"),
+    ("rlhf_reward", "model.pretrained", "roles.reward.model"),
+    ("rlhf_reward", "train.micro_batch_size", "roles.reward.micro_batch_size"),
+    ("rlhf_dpo", "model.actor", "roles.actor.model"),
+    ("rlhf_dpo", "lora.actor.enabled", "roles.actor.lora.r"),
+    ("rlhf_dpo", "lora.actor.rank", "roles.actor.lora.r"),
+    ("distill", "model.tokenizer", "roles.teacher.tokenizer"),
+    ("distill", "model.student_hidden", "tiny.student_hidden"),
+    ("distill", "train.lr", "roles.student.lr"),
+    ("registry_demo", "micro_batch_size", "roles.actor.micro_batch_size"),
+    ("registry_demo", "dtype", "roles.actor.dtype"),
 ])
 def test_old_dialect_examples(recipe, old, new):
     with pytest.raises(ConfigKeyError, match=f"'{old}' .* is now '{new}'"):
