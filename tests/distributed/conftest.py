@@ -38,7 +38,7 @@ def flux_lora_check(base_path, lora_path, merged_path, size):
 
 # Keys of the RLHF recipes that common options leave unused (assert_keys_read's ``unread``): the models are given, so
 # no tiny model is built; rlhf_ppo without an EMA (ema.enabled=false) and without pretraining rows (ppo.ptx_coef=0).
-GIVEN_MODELS = ("tiny.hidden", "tiny.layers")
+GIVEN_MODELS = ("tiny.hidden", "tiny.layers", "tiny.heads")
 PPO_PLAIN = ("roles.ema.dtype", "roles.ema.offload_params", "export.ema", "data.ptx_source", "data.max_ptx_len")
 
 # Every recipe run by these tests records which of its config's keys it read (logs/key-reads-rank<N>.json).

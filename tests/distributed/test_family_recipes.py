@@ -55,7 +55,8 @@ def test_every_run_reads_its_keys(runs, family):
     # pretraining rows
     sft = ("actor_sft.config", "actor_sft.overrides")
     unread = {"ppo": PPO_PLAIN, "grpo": sft, "dpo": sft,
-              "distill": ("teacher_sft.config", "teacher_sft.overrides", "tiny.student_hidden", "tiny.student_layers")}
+              "distill": ("teacher_sft.config", "teacher_sft.overrides", "tiny.student_hidden", "tiny.student_layers",
+                          "tiny.student_heads")}
     for recipe in ("sft", "reward", "ppo", "grpo", "dpo", "distill"):
         assert_keys_read(runs["out"] / family / recipe, "distill" if recipe == "distill" else f"rlhf_{recipe}",
                          unread.get(recipe, ()))

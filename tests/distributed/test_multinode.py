@@ -138,9 +138,11 @@ def test_distill_on_two_nodes_equals_one_node(tmp_path):
     _run([*CLI, *run, "--nproc-per-node", "2", f"output_dir={one}", *args])
     _two_nodes(two, *args, run=run)
     assert len(_losses(one)) == 3
-    # both models are given (no tiny model is built or trained first); no LoRA
-    unread = ("tiny.hidden", "tiny.layers", "tiny.student_hidden", "tiny.student_layers", "teacher_sft.config",
-              "teacher_sft.overrides")
+    # both models are given (no tiny model is built or trained first); no LoRA; offline with eval.size=0: nothing
+    # generates (generation.*)
+    unread = ("generation.max_new_tokens", "generation.temperature", "generation.top_k", "generation.top_p",
+              "generation.mode", "tiny.hidden", "tiny.layers", "tiny.heads", "tiny.student_hidden",
+              "tiny.student_layers", "tiny.student_heads", "teacher_sft.config", "teacher_sft.overrides")
     for out in (one, two):
         assert_keys_read(out, "distill", unread)
     assert _losses(two) == _losses(one)

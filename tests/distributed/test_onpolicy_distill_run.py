@@ -68,7 +68,7 @@ def test_on_policy_distill_with_a_zero3_teacher_and_a_zero2_student(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     # the teacher is given: no tiny teacher is trained (teacher_sft) and only the student is a tiny model
     assert_keys_read(again, "distill", (*NO_LORA, "teacher_sft.config", "teacher_sft.overrides", "tiny.hidden",
-                                        "tiny.layers"))
+                                        "tiny.layers", "tiny.heads"))
     resumed = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in resumed if "train/on_policy" in r]
 

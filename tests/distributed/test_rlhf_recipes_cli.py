@@ -128,7 +128,7 @@ def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
 def test_grpo_runs_read_every_key(grpo):
     assert_keys_read(grpo["out"], "rlhf_grpo")
     # the resumed run is given the first run's SFT actor and the user's data: no tiny model is built or trained
-    assert_keys_read(grpo["resumed"], "rlhf_grpo", ("tiny.hidden", "tiny.layers", "actor_sft.config",
+    assert_keys_read(grpo["resumed"], "rlhf_grpo", ("tiny.hidden", "tiny.layers", "tiny.heads", "actor_sft.config",
                                                     "actor_sft.overrides"))
 
 

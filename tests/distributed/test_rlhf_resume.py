@@ -23,7 +23,7 @@ STEPS, STOP = 4, 2
 
 # keys these runs leave unused: the model and the data are given (no tiny model is built), and no LoRA adapters
 # (lora.r=0; LoraSettings' other keys have no `when` yet, recipes/language/roles.py)
-UNREAD = ("tiny.hidden", "tiny.layers", "lora.alpha", "lora.dropout", "lora.target_modules")
+UNREAD = ("tiny.hidden", "tiny.layers", "tiny.heads", "lora.alpha", "lora.dropout", "lora.target_modules")
 # per recipe: its exported role and the overrides that keep it to a few seconds of training
 RECIPES = {
     "rlhf_sft": ("actor", ["roles.actor.micro_batch_size=4", "data.heldout_size=8", "eval.every=0", "eval.size=4",

@@ -52,7 +52,8 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
     }
     for family, folder in families.items():
         out[f"sd_finetune_{family}"] = ("sd_finetune", f"tiny_{family}", [
-            f"model.pretrained={folder}", f"data.source={shapes}", *SD_SMALL,
+            # the family comes from the folder (model.tiny_family back to its default)
+            f"model.pretrained={folder}", "model.tiny_family=sd", f"data.source={shapes}", *SD_SMALL,
             f"roles.{FAMILY_ROLES[family][0]}.micro_batch_size=2",
             *(f"roles.{role}.stage={s}" for role in FAMILY_ROLES[family])])
     return out
