@@ -29,12 +29,11 @@ CASES = [
 
 def states(recipe: str, config: str, overrides: list[str], mode: str, gpus: int) -> dict[str, float]:
     """Per-GPU model-state GiB per role at the config's placements (every role ZeRO-3 in zero3 mode)."""
-    from multiengine.engines.recipe_config import load_config
-    from multiengine.recipes import plans
+    from multiengine.recipes.language.config import load_config, load_recipe
 
     extra = ["ema.enabled=false", "roles.unet.offload_optimizer=false"] if recipe == "sd_finetune" else []
     cfg = load_config(recipe, config, [*overrides, *COMMON, *extra, f"mode={mode}"])
-    (item,) = plans.recipe_plans(recipe, cfg)
+    (item,) = load_recipe(recipe).plan(cfg)
     plan = P.plan(item.roles, P.Budget(world_size=gpus, gpu_bytes=80 * P.GIB, gpus_per_node=min(gpus, 8),
                                        host_bytes=P.TIB))
     return {r.request.name: r.current.states.accelerator / P.GIB for r in plan.roles}

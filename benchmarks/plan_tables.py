@@ -1,7 +1,7 @@
 """The planner's answers for real model sizes, as the tables of docs/planning.md.
 
 Every scenario is a shipped GPU config (or one with a stated override) through `multiengine plan`'s own
-per-recipe code (recipes/plans.py); then every shipped GPU config is planned as written. Computed, not run:
+per-recipe code (each recipe class's `plan`); then every shipped GPU config is planned as written. Computed, not run:
 no weights are loaded and no GPU is needed.
 
     python -m benchmarks.plan_tables              # markdown tables + benchmarks/results/plan_tables.json
@@ -21,10 +21,9 @@ LAYOUTS = ((8, 1), (64, 8))  # (GPUs, nodes)
 
 
 def _recipe(recipe: str, config: str, overrides: list[str] = (), assume: dict[str, str] | None = None):
-    from multiengine.engines.recipe_config import load_config
-    from multiengine.recipes import plans
+    from multiengine.recipes.language.config import load_config, load_recipe
 
-    items = plans.recipe_plans(recipe, load_config(recipe, config, list(overrides)), assume)
+    items = load_recipe(recipe).plan(load_config(recipe, config, list(overrides)), assume)
     return [(item.title, item.roles) for item in items]
 
 
@@ -56,7 +55,7 @@ SCENARIOS: dict[str, Any] = {
 
 def shipped_gpu_configs() -> list[tuple[str, str]]:
     """(recipe, config) of every shipped config except the tiny ones, for the recipes the planner knows."""
-    from multiengine.engines.recipe_config import list_recipes, load_recipe
+    from multiengine.recipes.language.config import list_recipes, load_recipe
 
     return [(r, n) for r, names in list_recipes().items() if hasattr(load_recipe(r), "plan")
             for n in names if not n.startswith("tiny")]

@@ -13,6 +13,7 @@ times the rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,10 @@ OURS = {
     "zero3_frozen_gather": {"stage": 3, "gen": "gather", "frozen_gather": True},
     "grpo_zero2": {"stage": 2, "gen": "gather", "algorithm": "grpo"},
     "grpo_zero3_gather": {"stage": 3, "gen": "gather", "algorithm": "grpo"},
+    # the same GRPO steps with the experience phase's actor forward for the old log-probs, which one pass over the
+    # rollout does without (RolloutSpec.old_logprobs): the step before that change, side by side
+    "grpo_zero2_old_forward": {"stage": 2, "gen": "gather", "algorithm": "grpo", "old_forward": True},
+    "grpo_zero3_gather_old_forward": {"stage": 3, "gen": "gather", "algorithm": "grpo", "old_forward": True},
 }
 
 
@@ -111,14 +116,14 @@ class Ours:
     """The library's PPO (or GRPO) step under one variant of the config settings."""
 
     def __init__(self, config: str, model_dir: str, variant: Variant, dtype: str = "bf16") -> None:
-        from multiengine.engines import EngineRegistry, OptimSpec, Placement
-        from multiengine.pipelines.rlhf.roles import actor_spec, critic_spec, ref_spec, reward_spec
+        from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
+        from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 
         from benchmarks.variants import building
 
         c = OURS[config]
         self.name, self.variant, self.stage, self.gen_mode = config, variant, c["stage"], c["gen"]
-        self.algorithm = c.get("algorithm", "ppo")
+        self.algorithm, self.old_forward = c.get("algorithm", "ppo"), c.get("old_forward", False)
         train = Placement(stage=c["stage"], dtype=dtype)
         if c["stage"] == 3:
             frozen = Placement(stage=3, dtype=dtype, offload_params=c.get("offload", False),
@@ -126,10 +131,13 @@ class Ours:
         else:
             frozen = Placement(stage=c["stage"], dtype=dtype)
         optim = OptimSpec(lr=LR, betas=BETAS)
-        specs = [actor_spec(model_dir, train, optim, MICRO_BATCH), ref_spec(model_dir, frozen),
-                 reward_spec(model_dir, frozen)]
+        zero3 = c["stage"] == 3
+        specs = [trainable_role("actor", causal_lm(model_dir, dtype), train, optim, micro_batch_size=MICRO_BATCH),
+                 frozen_role("ref", causal_lm(model_dir, dtype), frozen),
+                 frozen_role("reward", scalar_model(model_dir, dtype, zero3), frozen)]
         if self.algorithm == "ppo":
-            specs.append(critic_spec(model_dir, train, optim, MICRO_BATCH))
+            specs.append(trainable_role("critic", scalar_model(model_dir, dtype, zero3), train, optim,
+                                        micro_batch_size=MICRO_BATCH))
         self.registry = EngineRegistry()
         for spec in specs:
             configure(variant, spec.ds_config, spec.trainable)
@@ -143,6 +151,7 @@ class Ours:
     def trainer(self, shape: str) -> Any:
         """The trainer for a shape (1 epoch, 1 mini-batch of all rows; engines are shared)."""
         from multiengine.pipelines.rlhf.generation import GenerationSettings
+        from multiengine.pipelines.rlhf.rollout import RolloutSpec
 
         if shape not in self._trainers:
             import multiengine.pipelines.rlhf.rollout as rollout_module
@@ -155,17 +164,18 @@ class Ours:
                 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
                 from multiengine.pipelines.rlhf.rewards import reward_model
 
+                gen = GenerationSettings(max_new_tokens=answer_len, do_sample=True, mode=self.gen_mode)
                 trainer = GRPOTrainer(
-                    self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=True, mode=self.gen_mode),
-                    GRPOSettings(n_samples_per_prompt=GRPO_SAMPLES, rollout_batch_size=batch,
-                                 mini_batch_size=batch * GRPO_SAMPLES), EOS, PAD, [reward_model("reward")], seed=0)
+                    self.registry, GRPOSettings(n_samples_per_prompt=GRPO_SAMPLES, rollout_batch_size=batch),
+                    RolloutSpec(gen, EOS, PAD, [reward_model("reward")]), batch * GRPO_SAMPLES)
+                if self.old_forward:
+                    trainer.spec = dataclasses.replace(trainer.spec, old_logprobs=True)
             else:
                 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
 
-                trainer = PPOTrainer(
-                    self.registry, GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode),
-                    PPOSettings(rollout_batch_size=batch, mini_batch_size=batch), eos_token_id=EOS,
-                    pad_token_id=PAD, seed=0)
+                gen = GenerationSettings(max_new_tokens=answer_len, do_sample=False, mode=self.gen_mode)
+                trainer = PPOTrainer(self.registry, PPOSettings(rollout_batch_size=batch, epochs=1),
+                                     RolloutSpec(gen, EOS, PAD, critic="critic"), batch)
             trainer.make_experience = _clocked(trainer.make_experience, "experience")
             trainer.train_on = _clocked(trainer.train_on, "train")
             self._trainers[shape] = trainer
@@ -282,6 +292,8 @@ class Raw:
 
     def step(self, batch: dict[str, torch.Tensor], step: int, shape: str) -> dict[str, float]:
         from multiengine.pipelines.rlhf import ppo
+        from multiengine.pipelines.rlhf.losses import PolicyLossInputs, policy_loss
+        from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings
 
         from benchmarks.variants import running
 
@@ -320,7 +332,8 @@ class Raw:
                 self.critic.module.train()
                 count = ppo.global_token_count(action.float()) / dist.get_world_size()
                 logp = ppo.response_logprobs(self._logits(self.actor, seq, attn), seq, C)
-                pg_loss, _ = ppo.policy_loss(logp, logprobs, advantages, action, 0.2, None, count)
+                pg_loss, _ = policy_loss("ppo", PolicyLossInputs(logp, logprobs, advantages, action, denominator=count),
+                                         PPOSettings(clip_eps=0.2))
                 self.actor.backward(pg_loss)
                 self.actor.step()
                 count = ppo.global_token_count(action.float()) / dist.get_world_size()

@@ -252,22 +252,25 @@ def sd_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from diffusers import DDPMScheduler
     from multiengine.engines import EngineRegistry
-    from multiengine.engines.roles import OptimSpec
-    from multiengine.pipelines.diffusion.models import Placement, diffusion_role_specs
     from multiengine.pipelines.diffusion.training import DiffusionObjective
+    from multiengine.recipes.language.config import load_config, load_recipe
 
     from benchmarks.variants import VARIANTS, building, configure, optimizer_factory, running
 
-    gather = args.sd_layout == "zero3_gather"
-    frozen = Placement(stage=3, dtype="fp32", gather_forward=gather)
+    # sd_finetune's roles: unet, vae and text encoder at ZeRO-3 in fp32 (the frozen ones gathered once per forward
+    # in the zero3_gather layout), no EMA
+    gather = str(args.sd_layout == "zero3_gather").lower()
+    cfg = load_config("sd_finetune", None, [
+        "ema.enabled=false", f"model.pretrained={args.model_dir}", "roles.unet.micro_batch_size=8",
+        "roles.unet.lr=1e-4",
+        *(f"roles.{r}.{k}" for r in ("unet", "vae", "text_encoder") for k in ("stage=3", "dtype=fp32")),
+        *(f"roles.{r}.gather_forward={gather}" for r in ("vae", "text_encoder"))])
     results = {}
     setups = {}
     for name in args.variants:
         variant = VARIANTS[name]
         registry = EngineRegistry()
-        for spec in diffusion_role_specs(args.model_dir, mode="zero3", unet=Placement(stage=3, dtype="fp32"),
-                                         vae=frozen, text_encoder=frozen, micro_batch_size=8,
-                                         optim=OptimSpec(lr=1e-4)):
+        for spec in load_recipe("sd_finetune").role_specs(cfg, "sd", args.model_dir):
             configure(variant, spec.ds_config, spec.trainable)
             if spec.trainable:
                 spec.optimizer = optimizer_factory(variant, 1e-4, (0.9, 0.999))
@@ -275,8 +278,7 @@ def sd_worker(args: argparse.Namespace) -> dict[str, Any]:
         with building(variant):
             registry.build()
         scheduler = DDPMScheduler.from_pretrained(args.model_dir, subfolder="scheduler")
-        setups[name] = (variant, registry, DiffusionObjective(registry, ["text_encoder"], scheduler.alphas_cumprod,
-                                                              resolution=32))
+        setups[name] = (variant, registry, DiffusionObjective(registry, ["text_encoder"], scheduler, resolution=32))
     g = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
     te_config = setups[args.variants[0]][1].role("text_encoder").module.config
     batch = {"pixel_values": torch.rand(8, 3, 32, 32, generator=g) * 2 - 1,

@@ -13,7 +13,10 @@ Ours (registry + PPOTrainer, the config factories' defaults):
   zero3_offload        ZeRO-3, gather-once, ref and reward parameters offloaded to CPU
   zero3_frozen_gather  ZeRO-3, gather-once generation, ref and reward gathered whole per forward
   grpo_zero2, grpo_zero3_gather  GRPOTrainer (actor + ref + reward model, no critic; 4 sampled answers per
-                       prompt, so 4x the rows of PPO): compared with each other, there is no raw GRPO row
+                       prompt, so 4x the rows of PPO): compared with each other, there is no raw GRPO row; one
+                       epoch of one optimizer step, so the rollout runs no actor forward for the old log-probs
+  grpo_*_old_forward   the same GRPO steps with that forward (the step before it was dropped): the experience
+                       phase before and after, side by side
 Raw DeepSpeed (benchmarks/ppo_harness.py `Raw`: deepspeed.initialize per model, DeepSpeed's default ZeRO
 settings, DeepSpeed's CPU Adam, generate() on the module with synced_gpus under ZeRO-3, no registry):
   raw_zero2, raw_zero3
@@ -34,8 +37,11 @@ import tempfile
 from typing import Any
 
 CONFIGS = ["zero2", "zero3_gather", "zero3_per_token", "zero3_offload", "zero3_frozen_gather", "raw_zero2", "raw_zero3",
-           "grpo_zero2", "grpo_zero3_gather"]
-BASES = ("raw_zero2", "raw_zero3", "zero2", "zero3_gather", "grpo_zero2")  # the denominators of the ratio table
+           "grpo_zero2", "grpo_zero3_gather", "grpo_zero2_old_forward", "grpo_zero3_gather_old_forward"]
+# the denominators of the ratio table
+BASES = ("raw_zero2", "raw_zero3", "zero2", "zero3_gather", "grpo_zero2", "grpo_zero2_old_forward",
+         "grpo_zero3_gather_old_forward")
+ONE_PASS = (("grpo_zero2", "grpo_zero2_old_forward"), ("grpo_zero3_gather", "grpo_zero3_gather_old_forward"))
 
 
 def worker(configs: list[str], shapes: list[str], rounds: int, warmup: int, model_dir: str) -> None:
@@ -108,13 +114,20 @@ def main() -> None:
     for shape in shapes:
         p, ratios[shape] = paired[shape], {}
         for ours, base in (("zero2", "raw_zero2"), ("zero3_gather", "raw_zero3"), ("zero3_gather", "zero2"),
-                           ("zero3_per_token", "zero3_gather"), ("grpo_zero3_gather", "grpo_zero2")):
+                           ("zero3_per_token", "zero3_gather"), ("grpo_zero3_gather", "grpo_zero2"), *ONE_PASS):
             if base in p and ours in p[base]:
                 ratios[shape][f"{ours}/{base}"] = p[base][ours]
                 ratio_rows.append([shape, f"{ours} / {base}", *(p[base][ours][k] for k in PHASES),
                                    *(p[base][ours][k] for k in CPU_PHASES)])
     print("\nratios (< 1 = the first faster); wall time, then rank 0's CPU time (work done, waits excluded)")
     print(table(["shape", "ratio", *PHASES, *(f"cpu {k}" for k in PHASES)], ratio_rows))
+    one_pass = [[shape, new, 1000 * med[shape][old]["experience"], 1000 * med[shape][new]["experience"],
+                 paired[shape][old][new]["experience"], paired[shape][old][new]["total"]]
+                for shape in shapes for new, old in ONE_PASS if old in paired[shape] and new in paired[shape][old]]
+    if one_pass:
+        print("\nGRPO experience phase with the rollout's actor forward for the old log-probs (before) and without "
+              "it (after: one pass, the update's own)")
+        print(table(["shape", "config", "before ms", "after ms", "after / before", "step after / before"], one_pass))
     print("\ntargets:")
     for shape in shapes:
         r = ratios[shape]

@@ -33,8 +33,11 @@ MODES = {
     "zero3": ("zero3", False),
     "seed_baseline": ("seed_baseline", None),
 }
-QUIET = ["ema.enabled=false", "validation.enabled=false", "eval.heldout_size=0", "checkpoint.every=0",
-         "export.enabled=false", "tensorboard=false", "plot=false"]
+# no EMA, validation, evaluation, checkpoints or exports (the tiny configs' keys of those back to their defaults;
+# model.tiny_family, which applies only without model.pretrained, too)
+QUIET = ["ema.enabled=false", "validation.enabled=false", "validation.guidance_scale=null", "eval.heldout_size=0",
+         "checkpoint.every=0", "export.enabled=false", "export.roles=[]", "tensorboard=false", "plot=false",
+         "model.tiny_family=sd"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,7 +77,7 @@ def figures(summary: dict) -> dict:
 
 def worker(spec_path: str) -> None:
     """On every rank: run each (family, mode) of the spec through the recipe; rank 0 emits the figures."""
-    from multiengine.engines.recipe_config import load_config, load_recipe
+    from multiengine.recipes.language.config import load_config, load_recipe
 
     from benchmarks.common import emit
 

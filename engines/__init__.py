@@ -1,9 +1,7 @@
 """The engine registry: one DeepSpeed engine per model role, each with its own config.
 
-Imports only torch (and deepspeed, lazily where it is used); transformers, diffusers and peft
-are imported where they are needed. The names below load on first use, so that the modules that need
-no torch (the recipe language in ``recipe_config``, the process supervisor in ``launcher``) start fast:
-``multiengine ls`` and ``validate`` do not pay for importing torch.
+The names below load on first use (torch with them; transformers, diffusers and peft only where a function needs
+them), so what needs no torch starts fast: the typed settings (``settings``) and the recipe language built on them.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ _WHERE: dict[str, str] = {
     "set_trust_remote_code": "safe_io", "trust_remote_code": "safe_io",
     "ShardedBatches": "sampler", "ShardedEpochSampler": "sampler", "shard_batches": "sampler",
     "derive_seed": "seeding", "generator": "seeding", "seed_everything": "seeding",
-    "zero_init_paused": "zero_scope",
+    "zero_init_paused": "deepspeed_adapter",
 }
 
 
@@ -53,6 +51,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static checkers and IDEs see
     from .checkpoint import CheckpointError, UnsafeCheckpointError, latest_tag, list_checkpoints
     from .config import AUTO, ConfigError, eval_ds_config, load_ds_config, model_hidden_size, train_ds_config
+    from .deepspeed_adapter import zero_init_paused
     from .dist import DistEnv, all_reduce_sum, barrier, global_moments, mean_over_ranks, read_env, sum_over_ranks
     from .ema import ema_decay, ema_update
     from .export import atomic_dir, cast_folder, save_role, write_role
@@ -76,67 +75,16 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .safe_io import set_trust_remote_code, trust_remote_code
     from .sampler import ShardedBatches, ShardedEpochSampler, shard_batches
     from .seeding import derive_seed, generator, seed_everything
-    from .zero_scope import zero_init_paused
 
 __all__ = [
-    "AUTO",
-    "CheckpointError",
-    "ConfigError",
-    "DistEnv",
-    "EngineRegistry",
-    "JointLossError",
-    "LoraSpec",
-    "MemoryReport",
-    "MetricsLogger",
-    "NonFiniteError",
-    "NonFiniteUpdate",
-    "OptimSpec",
-    "Placement",
-    "Role",
-    "RoleSpec",
-    "ShardedBatches",
-    "ShardedEpochSampler",
-    "UnknownRoleError",
-    "UnsafeCheckpointError",
-    "all_reduce_sum",
-    "apply_lora",
-    "atomic_dir",
-    "barrier",
-    "build_optimizer",
-    "cast_folder",
-    "current_rss_bytes",
-    "derive_seed",
-    "ema_decay",
-    "ema_update",
-    "eval_ds_config",
-    "frozen_role",
-    "gather_memory",
-    "generator",
-    "global_moments",
-    "is_lora",
-    "latest_tag",
-    "list_checkpoints",
-    "load_ds_config",
-    "local_tensors",
-    "mean_over_ranks",
-    "model_hidden_size",
-    "peak_rss_bytes",
-    "plot_curves",
-    "read_env",
-    "read_jsonl",
-    "refresh_full_copies",
-    "save_role",
-    "seed_everything",
-    "set_gradient_checkpointing",
-    "set_trust_remote_code",
-    "setup_logging",
-    "shard_batches",
-    "sum_over_ranks",
-    "torch_dtype",
-    "train_ds_config",
-    "trainable_role",
-    "trust_remote_code",
-    "write_role",
-    "write_summary",
-    "zero_init_paused",
+    "AUTO", "CheckpointError", "ConfigError", "DistEnv", "EngineRegistry", "JointLossError", "LoraSpec",
+    "MemoryReport", "MetricsLogger", "NonFiniteError", "NonFiniteUpdate", "OptimSpec", "Placement", "Role",
+    "RoleSpec", "ShardedBatches", "ShardedEpochSampler", "UnknownRoleError", "UnsafeCheckpointError",
+    "all_reduce_sum", "apply_lora", "atomic_dir", "barrier", "build_optimizer", "cast_folder", "current_rss_bytes",
+    "derive_seed", "ema_decay", "ema_update", "eval_ds_config", "frozen_role", "gather_memory", "generator",
+    "global_moments", "is_lora", "latest_tag", "list_checkpoints", "load_ds_config", "local_tensors",
+    "mean_over_ranks", "model_hidden_size", "peak_rss_bytes", "plot_curves", "read_env", "read_jsonl",
+    "refresh_full_copies", "save_role", "seed_everything", "set_gradient_checkpointing", "set_trust_remote_code",
+    "setup_logging", "shard_batches", "sum_over_ranks", "torch_dtype", "train_ds_config", "trainable_role",
+    "trust_remote_code", "write_role", "write_summary", "zero_init_paused"
 ]

@@ -1,32 +1,11 @@
-"""Checkpoints and exports for a registry.
-
-Layout of a checkpoint directory:
-
-    save_dir/
-      latest                  text: the folder of the newest complete checkpoint (replaced atomically)
-      step_00000010/
-        manifest.json         format, roles, stages, world size, step, versions
-        client_state/rank_0.json + .safetensors   the caller's client state, per rank
-        rng/rank_0.json + .safetensors            this rank's python/numpy/torch RNG states
-        actor/state/...       DeepSpeed's own checkpoint of each trainable role (torch backend:
-                              torch_engine.json + .safetensors)
-        critic/state/...
-        ema/rank_0.json + .safetensors            a stateful frozen role (EMA): this rank's partitions
-      .tmp-step_00000020/     a save in progress: never pointed to by `latest`
-      .old-step_00000010/     only while re-saving the tag `latest` names: the previous copy, which
-                              `latest` points to until the new one is in place
-
-Frozen roles are not saved: they are rebuilt from their source, except stateful ones (an EMA),
-whose local partitions are saved per rank (an inference-only DeepSpeed engine has no checkpoint
-engine of its own). Every rank takes part
-(a ZeRO checkpoint is written by all ranks); rank 0 fsyncs the files, then commits with renames.
-
-Nothing here is unpickled without restriction: our own state is JSON + safetensors, and
-DeepSpeed's files are read with weights_only=True and a short allow-list (see safe_io.py).
-"""
+"""Checkpoints of a registry: ``save_dir/latest`` names the newest complete ``step_<n>/`` folder (manifest.json,
+client_state/, rng/, each trainable role's DeepSpeed state, stateful frozen roles' partitions); saves in progress
+are ``.tmp-<tag>``. Frozen roles are rebuilt from their source. Nothing is unpickled without an allow-list
+(safe_io.py). See docs/reliability.md."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,7 +19,7 @@ import torch
 
 from .dist import barrier
 from .partition import local_tensors, refresh_full_copies
-from .safe_io import CheckpointError, deepspeed_loads_refusing_pickles, load_tree, save_tree
+from .safe_io import CheckpointError, deepspeed_loads_refusing_pickles, fsync_path, fsync_tree, load_tree, save_tree
 from .safe_io import UnsafeCheckpointError as UnsafeCheckpointError  # re-exported
 
 if TYPE_CHECKING:
@@ -92,23 +71,6 @@ def _fsync_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: str) -> None:
-    """Every file, then every folder (bottom-up), so the data and the names are on disk before the
-    rename that makes them visible."""
-    for dirpath, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            _fsync_path(os.path.join(dirpath, name))
-        _fsync_path(dirpath)
-
-
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)  # no data copied: the old files just get a second name
@@ -124,29 +86,25 @@ def _remove_tree(path: str) -> None:
 def _point_latest(save_dir: str, name: str) -> None:
     _fsync_write(os.path.join(save_dir, "latest.tmp"), name)
     os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
-    _fsync_path(save_dir)
+    fsync_path(save_dir)
 
 
 def _commit(save_dir: str, tmp: str, tag: str) -> None:
-    """Rank 0 only: make the finished save visible. Until `latest` is replaced, readers see the
-    previous checkpoint; a crash anywhere before that leaves only a .tmp- folder behind.
-
-    Re-saving the tag that `latest` names: the old folder is first linked (hard links, no copy)
-    to .old-<tag> and `latest` pointed there, so at every moment `latest` names a complete
-    checkpoint; the old copy goes once the new one is in place."""
+    """Rank 0: make the finished save visible. Re-saving the tag `latest` names goes through a hard-linked
+    .old-<tag> copy, so `latest` always names a complete checkpoint."""
     final = os.path.join(save_dir, tag)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     aside = None
     if os.path.exists(final):
         if latest_tag(save_dir) == tag:
             aside = os.path.join(save_dir, _ASIDE_PREFIX + tag)
             _remove_tree(aside)  # a leftover of an earlier crash, not what `latest` names
             shutil.copytree(final, aside, copy_function=_link_or_copy)
-            _fsync_tree(aside)
+            fsync_tree(aside)
             _point_latest(save_dir, _ASIDE_PREFIX + tag)
         _remove_tree(final)
     os.replace(tmp, final)
-    _fsync_path(save_dir)
+    fsync_path(save_dir)
     _point_latest(save_dir, tag)
     for name in os.listdir(save_dir):  # this aside and any left by a crash in an earlier re-save
         if name.startswith(_ASIDE_PREFIX):
@@ -245,43 +203,33 @@ def load(registry: EngineRegistry, load_dir: str, tag: str | None = None) -> dic
         raise CheckpointError(f"{path!r} is not a complete checkpoint (no manifest.json).")
     manifest = read_manifest(path)
     if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path!r} has format {manifest.get('format')!r}; this multiengine reads format"
-            f" {FORMAT_VERSION}. Format 1 stored client state as a pickle, which can run code when loaded,"
-            " so it is no longer read: restart from the exported weights or resume from a checkpoint written"
-            " by this version."
-        )
+        raise CheckpointError(f"checkpoint {path!r} has format {manifest.get('format')!r}; this multiengine reads "
+                              f"format {FORMAT_VERSION}. Format 1 stored client state as a pickle, which can run code "
+                              "when loaded, so it is no longer read: restart from the exported weights or resume from "
+                              "a checkpoint written by this version.")
     ours = {r.name for r in registry.trainable_roles()}
     theirs = set(manifest["roles"])
     if ours != theirs:
-        raise CheckpointError(
-            f"checkpoint {path!r} holds trainable roles {sorted(theirs)}, but this registry trains {sorted(ours)};"
-            " build the same trainable roles to resume."
-        )
+        raise CheckpointError(f"checkpoint {path!r} holds trainable roles {sorted(theirs)}, but this registry trains "
+                              f"{sorted(ours)}; build the same trainable roles to resume.")
     if manifest["world_size"] != registry.world_size:
-        raise CheckpointError(
-            f"checkpoint {path!r} was written by {manifest['world_size']} ranks, this run has {registry.world_size};"
-            " ZeRO partitions are per rank: resume with the same number of ranks."
-        )
+        raise CheckpointError(f"checkpoint {path!r} was written by {manifest['world_size']} ranks, this run has "
+                              f"{registry.world_size}; ZeRO partitions are per rank: resume with the same number of "
+                              "ranks.")
     for role in registry.trainable_roles():
         if manifest["roles"][role.name]["stage"] != role.stage:
-            raise CheckpointError(
-                f"role '{role.name}' was saved at ZeRO stage {manifest['roles'][role.name]['stage']} and is built at"
-                f" stage {role.stage}; build it at the saved stage to resume."
-            )
-        if role.backend == "deepspeed":
-            with deepspeed_loads_refusing_pickles(role.engine):
-                loaded, _ = role.engine.load_checkpoint(os.path.join(path, role.name), tag="state")
-        else:
+            raise CheckpointError(f"role '{role.name}' was saved at ZeRO stage {manifest['roles'][role.name]['stage']}"
+                                  f" and is built at stage {role.stage}; build it at the saved stage to resume.")
+        safe = deepspeed_loads_refusing_pickles if role.backend == "deepspeed" else lambda _: contextlib.nullcontext()
+        with safe(role.engine):
             loaded, _ = role.engine.load_checkpoint(os.path.join(path, role.name), tag="state")
         if loaded is None:
             raise CheckpointError(f"role '{role.name}': DeepSpeed found no state under {path!r}.")
-    stateful = {r.name for r in registry.stateful_frozen_roles()}
-    if stateful != set(manifest.get("stateful_roles", [])):
-        raise CheckpointError(
-            f"checkpoint {path!r} holds stateful frozen roles {sorted(manifest.get('stateful_roles', []))}, but this"
-            f" registry has {sorted(stateful)}; build the same roles (e.g. the same EMA setting) to resume."
-        )
+    stateful, saved_stateful = {r.name for r in registry.stateful_frozen_roles()}, manifest.get("stateful_roles", [])
+    if stateful != set(saved_stateful):
+        raise CheckpointError(f"checkpoint {path!r} holds stateful frozen roles {sorted(saved_stateful)}, but this "
+                              f"registry has {sorted(stateful)}; build the same roles (e.g. the same EMA "
+                              "setting) to resume.")
     for role in registry.stateful_frozen_roles():
         saved = load_tree(os.path.join(path, role.name, f"rank_{registry.rank}"))
         targets = local_tensors(role.module)

@@ -1,20 +1,5 @@
-"""DeepSpeed config factories and per-role resolution of "auto" values.
-
-The factories return plain dicts so that tests (and users) can assert on them.
-Resolution happens per role, at build time, once the role's model and the
-data-parallel size are known; nothing is shared between roles.
-
-Performance defaults, and why (measured with benchmarks/config_ablation.py and profile_step.py):
-
-- ``memory_efficient_linear`` is false for every ZeRO-3 role. DeepSpeed's default (true) replaces
-  ``torch.nn.functional.linear`` for the whole process as soon as one ZeRO-3 model is built, so
-  every linear call of every role, gathered or not, goes through ZeRO-3's autograd wrapper.
-- "auto" bucket sizes follow :func:`resolve_bucket_sizes`: DeepSpeed's defaults capped at the
-  role's size rather than transformers' ``h^2``. Each bucket is one collective; for small and
-  mid-sized roles ``h^2`` means dozens of tiny collectives per step, each paying a full latency.
-- ``overlap_comm`` is on where the accelerator has streams to overlap on (GPUs), off on DeepSpeed's
-  CPU accelerator, where it measured no gain.
-"""
+"""DeepSpeed config factories (plain dicts) and per-role resolution of "auto" values at build time; why each
+performance default is what it is (benchmarks/config_ablation.py) is said where it is set."""
 
 from __future__ import annotations
 
@@ -25,6 +10,8 @@ import os
 from typing import Any
 
 import torch
+
+from .settings import SettingsError
 
 AUTO = "auto"
 
@@ -53,7 +40,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset(
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingsError):
     """A config value that DeepSpeed (or this project) would reject, with the key, the value and the fix."""
 
 
@@ -94,9 +81,8 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool, tra
                 "stage3_max_live_parameters": 3e7,
                 "stage3_max_reuse_distance": 1e7,
                 "stage3_gather_16bit_weights_on_model_save": True,
-                # true (DeepSpeed's default) replaces F.linear for the whole process once any ZeRO-3
-                # model is built, so every linear call of every role pays for ZeRO-3's wrapper, even
-                # on weights that are already whole (gather-once generation, stage-0 roles).
+                # true (DeepSpeed's default) replaces F.linear for the whole process once any ZeRO-3 model is
+                # built: every linear call of every role, whole weights too, pays for ZeRO-3's wrapper.
                 "memory_efficient_linear": False,
             }
         )
@@ -108,25 +94,15 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool, tra
     return zero
 
 
-def train_ds_config(
-    stage: int = 2,
-    dtype: str = "bf16",
-    micro_batch_size: int | str = AUTO,
-    grad_accum: int | str = AUTO,
-    train_batch_size: int | str = AUTO,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
-    gradient_clipping: float | None = 1.0,
-    steps_per_print: int = 10**9,
-) -> dict[str, Any]:
-    """DeepSpeed config for a trainable role (one with an optimizer).
-
-    Batch keys left as "auto" are resolved per role at build time:
-    train_batch_size = micro_batch_size * grad_accum * data_parallel_size.
-    ``gradient_clipping`` None or 0 turns clipping off; it is written as 0.0, because DeepSpeed fills an
-    absent key with its own default (1.0 since 0.19). Gradient averaging is written out too: no
-    pre-scaling, a predivide factor of 1 (gradients are the mean over ranks of each rank's mean).
-    """
+def train_ds_config(stage: int = 2, dtype: str = "bf16", micro_batch_size: int | str = AUTO,
+                    grad_accum: int | str = AUTO, train_batch_size: int | str = AUTO, offload_optimizer: bool = False,
+                    offload_params: bool = False, gradient_clipping: float = 1.0,
+                    steps_per_print: int = 10**9) -> dict[str, Any]:
+    """DeepSpeed config for a trainable role; "auto" batch keys resolved at build time. ``gradient_clipping``: the
+    norm, 0.0 = off, written as given (DeepSpeed's default is 1.0 since 0.19)."""
+    if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
+            or not gradient_clipping >= 0:
+        raise ConfigError(f"gradient_clipping={gradient_clipping!r} must be a number >= 0 (0.0 = no clipping).")
     cfg: dict[str, Any] = {
         "train_batch_size": train_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -138,15 +114,14 @@ def train_ds_config(
         "zero_allow_untested_optimizer": True,
     }
     cfg.update(_dtype_section(dtype))
-    cfg["gradient_clipping"] = float(gradient_clipping or 0.0)
+    cfg["gradient_clipping"] = float(gradient_clipping)
     cfg["prescale_gradients"] = False
     cfg["gradient_predivide_factor"] = 1.0
     return cfg
 
 
 def deepspeed_clipping_default() -> float:
-    """The clip norm DeepSpeed applies when a config has no ``gradient_clipping`` key (1.0 in 0.19,
-    0 in older releases); the torch backend applies the same, so one config trains alike on both."""
+    """The clip norm DeepSpeed applies to a config without ``gradient_clipping`` (the torch backend does too)."""
     try:
         from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
     except ImportError:
@@ -154,19 +129,10 @@ def deepspeed_clipping_default() -> float:
     return float(GRADIENT_CLIPPING_DEFAULT)
 
 
-def eval_ds_config(
-    stage: int = 0,
-    dtype: str = "bf16",
-    offload_params: bool = False,
-    micro_batch_size: int | str = AUTO,
-) -> dict[str, Any]:
-    """DeepSpeed config for a frozen role (no optimizer, forward only).
-
-    DeepSpeed refuses ZeRO-1/2 without an optimizer, and those stages split only optimizer
-    state and gradients, which a frozen role has none of: the registry builds such a role
-    at stage 0 and says so in its memory report. Batch keys are still present because
-    DeepSpeed insists on them.
-    """
+def eval_ds_config(stage: int = 0, dtype: str = "bf16", offload_params: bool = False,
+                   micro_batch_size: int | str = AUTO) -> dict[str, Any]:
+    """DeepSpeed config for a frozen role (forward only; the batch keys only because DeepSpeed insists). ZeRO-1/2
+    split only what a frozen role lacks (DeepSpeed refuses them without an optimizer): built at stage 0."""
     cfg: dict[str, Any] = {
         "train_batch_size": AUTO,
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -206,9 +172,8 @@ def validate_ds_config(role: str, config: dict[str, Any]) -> None:
     """Reject keys and values DeepSpeed would reject (or silently ignore), naming the role and key."""
     for key in config:
         if key not in KNOWN_TOP_LEVEL_KEYS:
-            raise ConfigError(
-                f"role '{role}': unknown DeepSpeed config key '{key}'.{_suggest(key, KNOWN_TOP_LEVEL_KEYS)}"
-            )
+            hint = _suggest(key, KNOWN_TOP_LEVEL_KEYS)
+            raise ConfigError(f"role '{role}': unknown DeepSpeed config key '{key}'.{hint}")
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"role '{role}': 'zero_optimization' must be a dict, got {zero!r}.")
@@ -218,9 +183,7 @@ def validate_ds_config(role: str, config: dict[str, Any]) -> None:
     aliases = {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
     for key in zero:
         if key not in fields and key not in aliases:
-            raise ConfigError(
-                f"role '{role}': unknown key 'zero_optimization.{key}'.{_suggest(key, fields | aliases)}"
-            )
+            raise ConfigError(f"role '{role}': unknown key 'zero_optimization.{key}'.{_suggest(key, fields | aliases)}")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"role '{role}': zero_optimization.stage={stage!r}; use 0, 1, 2 or 3.")
@@ -247,9 +210,8 @@ def check_offload_devices(role: str, zero: dict[str, Any]) -> None:
 
 
 def model_hidden_size(model: torch.nn.Module) -> int | None:
-    """The width used to size ZeRO-3 buckets: config.hidden_size (or d_model / hidden_sizes) when
-    the model has one, else the largest Linear/Conv width. A UNet has no hidden_size, which is why
-    accelerate's "auto" fails on it."""
+    """The width ZeRO-3 buckets are sized from: config.hidden_size (d_model, n_embd, hidden_sizes), else the widest
+    Linear/Conv (a UNet has no hidden_size: why accelerate's "auto" fails on it)."""
     cfg = getattr(model, "config", None)
     if cfg is not None:
         for attr in ("hidden_size", "d_model", "n_embd"):
@@ -279,11 +241,8 @@ def model_param_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 # DeepSpeed's own defaults (sized for models of a billion parameters and more).
-DS_DEFAULT_BUCKETS = {
-    "reduce_bucket_size": int(5e8),
-    "stage3_prefetch_bucket_size": int(5e7),
-    "stage3_param_persistence_threshold": int(1e5),
-}
+DS_DEFAULT_BUCKETS = {"reduce_bucket_size": int(5e8), "stage3_prefetch_bucket_size": int(5e7),
+                      "stage3_param_persistence_threshold": int(1e5)}
 
 
 def auto_bucket_sizes(hidden_size: int | None, num_params: int | None = None,
@@ -303,11 +262,8 @@ def auto_bucket_sizes(hidden_size: int | None, num_params: int | None = None,
 
 
 def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) -> None:
-    """Fill "auto" batch keys in place: train_batch_size = micro * accumulation * dp.
-
-    Any two of the three determine the third; a value that cannot be met is an error naming
-    the keys, never a silent correction.
-    """
+    """Fill "auto" batch keys in place: train_batch_size = micro * accumulation * dp. Any two determine the third;
+    a value that cannot be met is an error naming the keys, never a silent correction."""
     tbs = config.get("train_batch_size", AUTO)
     micro = config.get("train_micro_batch_size_per_gpu", AUTO)
     gas = config.get("gradient_accumulation_steps", AUTO)
@@ -322,34 +278,26 @@ def resolve_batch_keys(role: str, config: dict[str, Any], dp_world_size: int) ->
     elif micro == AUTO:
         gas = 1 if gas == AUTO else gas
         if tbs % (gas * dp_world_size):
-            raise ConfigError(
-                f"role '{role}': train_batch_size={tbs} is not divisible by gradient_accumulation_steps={gas}"
-                f" x data-parallel size {dp_world_size}; set train_batch_size to a multiple of"
-                f" {gas * dp_world_size} or give train_micro_batch_size_per_gpu."
-            )
+            raise ConfigError(f"role '{role}': train_batch_size={tbs} is not divisible by gradient_accumulation_steps="
+                              f"{gas} x data-parallel size {dp_world_size}; set train_batch_size to a multiple of "
+                              f"{gas * dp_world_size} or give train_micro_batch_size_per_gpu.")
         micro = tbs // (gas * dp_world_size)
     elif gas == AUTO:
         if tbs % (micro * dp_world_size):
-            raise ConfigError(
-                f"role '{role}': train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu={micro}"
-                f" x data-parallel size {dp_world_size}; set train_batch_size to a multiple of"
-                f" {micro * dp_world_size}."
-            )
+            raise ConfigError(f"role '{role}': train_batch_size={tbs} is not divisible by train_micro_batch_size_per_"
+                              f"gpu={micro} x data-parallel size {dp_world_size}; set train_batch_size to a multiple "
+                              f"of {micro * dp_world_size}.")
         gas = tbs // (micro * dp_world_size)
     elif tbs != micro * gas * dp_world_size:
-        raise ConfigError(
-            f"role '{role}': train_batch_size={tbs} != train_micro_batch_size_per_gpu={micro} x "
-            f"gradient_accumulation_steps={gas} x data-parallel size {dp_world_size} = {micro * gas * dp_world_size};"
-            " set train_batch_size to \"auto\" or fix one of the three."
-        )
-    config["train_batch_size"] = tbs
-    config["train_micro_batch_size_per_gpu"] = micro
-    config["gradient_accumulation_steps"] = gas
+        raise ConfigError(f"role '{role}': train_batch_size={tbs} != train_micro_batch_size_per_gpu={micro} x "
+                          f"gradient_accumulation_steps={gas} x data-parallel size {dp_world_size} = "
+                          f"{micro * gas * dp_world_size}; set train_batch_size to \"auto\" or fix one of the three.")
+    config.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
 
 
 def auto_overlap_comm(device_name: str | None = None) -> bool:
-    """What "auto" ``overlap_comm`` resolves to: true where DeepSpeed's accelerator has separate
-    streams for the reduction to overlap with the backward pass (GPUs), false on its CPU accelerator."""
+    """"auto" ``overlap_comm``: true where the accelerator has streams to overlap the reduction with the backward
+    pass on (GPUs), false on DeepSpeed's CPU accelerator (measured no gain there)."""
     if device_name is None:
         try:
             from deepspeed.accelerator import get_accelerator
@@ -361,28 +309,11 @@ def auto_overlap_comm(device_name: str | None = None) -> bool:
 
 def resolve_bucket_sizes(config: dict[str, Any], hidden_size: int | None, num_params: int | None = None,
                          trainable_params: int | None = None, device_name: str | None = None) -> None:
-    """Fill "auto" ZeRO bucket sizes (and ``overlap_comm``) in place for one role, from its width ``h``
-    and its size (parameters in the role, trainable ones).
-
-    - ``reduce_bucket_size`` = DeepSpeed's 5e8 (``h^2`` if wider), capped at the role's trainable
-      parameter count;
-    - ``stage3_prefetch_bucket_size`` = DeepSpeed's 5e7 (``0.9 h^2`` if wider), capped at the role's
-      parameter count;
-    - ``stage3_param_persistence_threshold`` = ``10 h`` (transformers' rule);
-    - ``overlap_comm`` = :func:`auto_overlap_comm` (``device_name``: the accelerator, detected if None).
-
-    Without a width or sizes the missing bounds are dropped (neither: DeepSpeed's defaults).
-
-    Why: every bucket is one collective, and below DeepSpeed's defaults (sized for models of a
-    billion parameters) a collective's latency, not its size, is what a step pays; transformers'
-    ``h^2`` suits h = 4096 but gives a role of width 64 a reduce-scatter per 4,096 gradients. The
-    cap at the role's size keeps a small role from allocating DeepSpeed's 5e8-element gradient
-    bucket, which ZeRO-3 allocates whole at start. The persistence threshold (parameters at most
-    this size stay whole on every rank) is left at ``10 h``: a floor of 1e4, or DeepSpeed's 1e5,
-    saves some fetches but ZeRO-3 re-gathers every persistent tensor with a collective of its own
-    after each optimizer step, so the step measured no faster, while small roles would no longer be
-    sharded (a 32-wide text encoder: 76% of it held on each of 2 ranks at 1e4, 51% at 10 h).
-    """
+    """Fill "auto" ZeRO bucket sizes and ``overlap_comm`` in place for one role of width ``h``: reduce bucket 5e8 (h²
+    if wider) capped at the trainable parameters, prefetch 5e7 (0.9 h² if wider) capped at the parameters,
+    persistence threshold 10 h. Why: below DeepSpeed's billion-parameter defaults a step pays latency, not size; the
+    caps keep small roles from allocating whole 5e8 buckets; a 1e4/1e5 persistence floor was no faster and left
+    small roles unsharded (76% of a 32-wide text encoder per rank of 2 at 1e4, 51% at 10 h)."""
     zero = config.get("zero_optimization", {})
     for key, value in auto_bucket_sizes(hidden_size, num_params, trainable_params).items():
         if zero.get(key) == AUTO:

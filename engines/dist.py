@@ -41,7 +41,7 @@ def read_env() -> DistEnv:
     return DistEnv(rank=rank, local_rank=local, world_size=world)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,14 +61,8 @@ def default_backend() -> str:
 
 
 def export_local_size() -> None:
-    """Set ``LOCAL_SIZE`` (processes on this node) when the launcher did not.
-
-    DeepSpeed's CPU accelerator takes its device count from ``LOCAL_SIZE``, which only DeepSpeed's
-    own launcher exports; without it every ``device_count()`` runs ``numactl --hardware`` in a
-    subprocess, and ZeRO-3 asks once per gradient bucket it reduces (dozens of launches per step).
-    torchrun and accelerate export the same number as ``LOCAL_WORLD_SIZE``, mpirun as
-    ``OMPI_COMM_WORLD_LOCAL_SIZE``; a plain single process is 1. Other accelerators ignore it.
-    """
+    """Set ``LOCAL_SIZE`` from ``LOCAL_WORLD_SIZE`` (mpirun's, or 1): without it DeepSpeed's CPU accelerator runs
+    ``numactl --hardware`` per ``device_count()``, dozens of subprocesses per ZeRO-3 step."""
     env = os.environ
     if "LOCAL_SIZE" in env:
         return
@@ -88,11 +82,8 @@ def _launched() -> bool:
 
 
 def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s: float | None = None) -> DistEnv:
-    """Initialise the default process group once (also for a single process, so ZeRO works the same).
-
-    timeout_s: how long any collective may wait for the other ranks before it fails on this rank
-    (gloo raises in the waiting call; NCCL's watchdog aborts the process). None keeps torch's and
-    DeepSpeed's defaults (30 and 10 minutes)."""
+    """Initialise the default process group once (also alone, so ZeRO works the same). ``timeout_s``: how long a
+    collective may wait for the other ranks (None: torch's and DeepSpeed's defaults, 30 and 10 minutes)."""
     global _timeout_s
     # DeepSpeed calls torch collectives that torch 2.13 marks deprecated, once per bucket: noise for users.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.? is deprecated", category=FutureWarning)
@@ -124,7 +115,7 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
             raise RuntimeError(
                 "WORLD_SIZE>1 but MASTER_PORT is not set: launch with deepspeed, torchrun or accelerate launch."
             )
-        os.environ["MASTER_PORT"] = str(_free_port())  # for libraries that read it; nothing listens on it
+        os.environ["MASTER_PORT"] = str(free_port())  # for libraries that read it; nothing listens on it
     backend = backend or default_backend()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
@@ -151,18 +142,14 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
 
 # --- DeepSpeed's shared-memory all-reduce buffers on CPU ------------------------------------------
 def _shm_buffer_path(rank: int) -> str:
-    """The file DeepSpeed's CPU comm op creates for ``rank`` (its name is built from the uid, MASTER_ADDR
-    and MASTER_PORT) when every rank is on one host."""
+    """The file DeepSpeed's CPU comm op creates for ``rank`` when every rank is on one host."""
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
 def release_shm_buffers(rank: int, world_size: int) -> None:
-    """Unlink this rank's shared-memory all-reduce buffer once every rank has mapped it.
-
-    DeepSpeed never removes these files (about 70 MB per rank and job): a test suite or a sweep of many
-    short jobs fills /dev/shm and then the page cache, and the machine slows to a crawl. The mappings
-    stay valid after the unlink and the memory goes when the last rank exits, killed or not."""
+    """Unlink this rank's shared-memory all-reduce buffer once every rank has mapped it: DeepSpeed never removes
+    them (~70 MB per rank and job), and many short jobs fill /dev/shm. The mappings stay valid."""
     if torch.cuda.is_available() or os.environ.get("LOCAL_SIZE") != str(world_size):
         return  # no shm buffers: GPU comm, or ranks on several hosts
     if world_size > 1:
@@ -179,9 +166,8 @@ _watching: int | None = None
 
 
 def watch_launcher(poll_s: float = 1.0) -> None:
-    """Exit this process when its parent (the launcher) dies: an orphaned rank would otherwise
-    keep training, holding memory and the checkpoint folder, after the job was stopped.
-    Idempotent. Set MULTIENGINE_WATCH_LAUNCHER=0 to turn it off."""
+    """Exit when the parent (the launcher) dies, so no orphaned rank keeps training after the job was stopped.
+    Idempotent; MULTIENGINE_WATCH_LAUNCHER=0 turns it off."""
     global _watching
     if os.environ.get("MULTIENGINE_WATCH_LAUNCHER", "1") == "0" or not hasattr(os, "getppid"):
         return
@@ -216,8 +202,8 @@ _TIMEOUT_MARKERS = ("Timed out waiting", "Watchdog caught collective operation t
 
 
 def collective_timeout_message(exc: BaseException) -> str | None:
-    """For an exception raised by a collective that timed out: one line naming the collective,
-    where it was called from and the timeout (the caller adds the rank). None for any other exception."""
+    """One line naming the collective that timed out, where it was called from and the timeout (None for any other
+    exception)."""
     text = f"{type(exc).__name__}: {exc}"
     timeout_types = tuple(t for t in (getattr(dist, "DistBackendError", None), getattr(dist, "DistError", None),
                                       RuntimeError) if t is not None)
@@ -266,18 +252,13 @@ def device_for(local_rank: int, use_deepspeed: bool) -> torch.device:
 
 
 def shutdown() -> None:
-    """Leave the process group cleanly: a barrier first, so no rank tears down gloo while a peer is
-    still inside a collective (that peer then aborts in C++: "terminate called without an active
-    exception"), then destroy it."""
+    """Leave the process group: a barrier first (a peer still inside a collective when gloo is torn down aborts
+    in C++: "terminate called without an active exception"), then destroy it."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        ds_comm = sys.modules.get("deepspeed.comm.comm")
-        if ds_comm is not None and ds_comm.cdb is not None and ds_comm.cdb.is_initialized():
-            # DeepSpeed's own teardown also drops the groups it cached (data parallel, world): destroyed
-            # with torch's alone, a registry built next in this process gets DeepSpeed's stale groups
-            # ("Group ... is not registered").
-            ds_comm.destroy_process_group()
-        else:
+        from .deepspeed_adapter import destroy_groups
+
+        if not destroy_groups():
             dist.destroy_process_group()
 
 

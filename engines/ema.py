@@ -1,8 +1,5 @@
-"""EMA of a trainable role kept as its own (frozen, stateful) role, sharded like its source.
-
-Under ZeRO-3 both roles partition identical shapes identically, so the update runs on each
-rank's local partitions: no gather, no full copy on any rank (diffusers' EMAModel keeps a full
-unsharded copy and gathers every parameter every step).
+"""EMA of a trainable role kept as its own (frozen, stateful) role sharded like its source: the update runs on each
+rank's partitions, with no gather and no full copy (diffusers' EMAModel gathers every parameter every step).
 """
 
 from __future__ import annotations
@@ -14,11 +11,8 @@ from .partition import local_tensors, refresh_full_copies
 
 @torch.no_grad()
 def ema_update(ema: torch.nn.Module, source: torch.nn.Module, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * source, on this rank's partitions.
-
-    Both modules must have the same parameter shapes and the same ZeRO stage/world size. All ranks
-    must call it under ZeRO-3 (persistent parameters held whole are re-gathered afterwards).
-    """
+    """ema <- decay * ema + (1 - decay) * source on this rank's partitions (same shapes, stage and world size); all
+    ranks call it under ZeRO-3 (the persistent parameters are re-gathered after)."""
     if not 0.0 <= decay <= 1.0:
         raise ValueError(f"ema decay={decay!r} must be in [0, 1].")
     targets, sources = local_tensors(ema), local_tensors(source)

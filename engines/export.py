@@ -1,22 +1,6 @@
-"""Exports: a role's full weights in a folder that real clients load, written atomically.
-
-One routine serves every role and pipeline: gather the role on all ranks (never rank 0 alone: under
-ZeRO-3 that hangs), write on rank 0 into ``<out>.tmp``, fsync, and swap it into place, so a crash
-never leaves a half-written folder where a complete one is expected. Tensors written are full, never
-the empty shards of a partitioned model.
-
-The swap of a folder that already exists is one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux, so at
-every instant ``<out>`` is the complete old export or the complete new one. Where the file system lacks
-it (NFS, non-Linux), the old folder is renamed to ``<out>.old`` before the new one goes in; a crash
-between the two renames leaves ``<out>`` missing until :func:`recover_dir` (run by the next export of
-that folder) moves ``<out>.old`` back.
-
-* transformers / diffusers models: ``save_pretrained`` (config + safetensors), loadable with
-  ``AutoModelFor*.from_pretrained`` or the diffusers class;
-* LoRA roles: the adapters merged into the base weights (``W + B A * scale``, computed out of place so
-  the live engine is untouched), plus the peft adapter in ``<out>/adapter`` for a peft-wrapped model;
-* anything else: ``model.safetensors`` of the module's state dict.
-"""
+"""Exports: a role's full weights in a folder real clients load, written atomically (gathered on all ranks, written
+by rank 0 into ``<out>.tmp``, swapped into place; a LoRA role merged, its adapter in ``<out>/adapter``). See
+docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -35,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dist import barrier
-from .roles import torch_dtype
+from .roles import _is_diffusers_model, torch_dtype
+from .safe_io import fsync_path, fsync_tree
 
 if TYPE_CHECKING:
     from .registry import EngineRegistry
@@ -43,26 +28,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["atomic_dir", "cast_folder", "merged_state_dict", "recover_dir", "save_role", "write_role"]
-
-
-def _fsync_tree(root: str) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -97,10 +62,8 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def recover_dir(out_dir: str) -> None:
-    """Undo what a crash inside an earlier commit of ``out_dir`` left: with ``out_dir`` missing, its
-    moved-aside copy ``<out>.old`` (complete: it was the previous export) goes back into place; with
-    ``out_dir`` present, a stale ``<out>.old`` is removed. ``<out>.tmp`` is never promoted (it may be
-    partial); :func:`atomic_dir` clears it."""
+    """Undo a crash inside an earlier commit: a missing ``out_dir`` gets its complete ``<out>.old`` back, else a
+    stale ``<out>.old`` is removed (``<out>.tmp`` may be partial and is never promoted)."""
     out = os.path.abspath(out_dir).rstrip(os.sep)
     aside = out + ".old"
     if not os.path.lexists(aside):
@@ -111,16 +74,16 @@ def recover_dir(out_dir: str) -> None:
         logger.warning("%s was missing after an interrupted export; restoring the previous export from %s",
                        out, aside)
         os.replace(aside, out)
-        _fsync_dir(os.path.dirname(out))
+        fsync_path(os.path.dirname(out))
 
 
 def _commit(tmp: str, out: str) -> None:
     """Replace ``out`` by the finished ``tmp`` so that no crash leaves ``out`` partial (and, where the file
     system can swap atomically, never missing either)."""
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     parent = os.path.dirname(out)
     if os.path.lexists(out) and _exchange(tmp, out):
-        _fsync_dir(parent)  # out is the new export now; tmp holds the old one
+        fsync_path(parent)  # out is the new export now; tmp holds the old one
         _remove(tmp)
         return
     aside = None
@@ -128,18 +91,15 @@ def _commit(tmp: str, out: str) -> None:
         aside = out + ".old"  # a fixed name, so recover_dir finds it after a crash right here
         os.replace(out, aside)
     os.replace(tmp, out)
-    _fsync_dir(parent)
+    fsync_path(parent)
     if aside is not None:
         _remove(aside)
 
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: str, main: bool = True) -> Iterator[str]:
-    """A temporary folder beside ``out_dir`` that becomes ``out_dir`` when the block ends without error.
-
-    All ranks enter it (it ends with a barrier); only ``main`` (rank 0) creates, writes and renames. On an
-    exception the temporary folder is removed and ``out_dir`` keeps whatever it held before.
-    """
+    """A temporary folder beside ``out_dir`` that becomes ``out_dir`` when the block ends without error. All ranks
+    enter it (it ends with a barrier); only ``main`` writes and renames; on an exception ``out_dir`` is unchanged."""
     out = os.path.abspath(out_dir).rstrip(os.sep)
     tmp = out + ".tmp"
     if main:
@@ -195,9 +155,8 @@ def _peft_prefixes(module: torch.nn.Module) -> list[str]:
 
 
 def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict on the CPU with every LoRA layer merged (``W + delta``) and the peft
-    names undone (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``, no ``lora_`` keys, no
-    ``base_model.model.`` prefix): the keys of the model without adapters. Parameters must be whole."""
+    """The module's CPU state dict with every LoRA layer merged (``W + delta``) under the keys of the model without
+    adapters (peft's ``base_layer``/``lora_``/``base_model.model.`` names undone). Parameters must be whole."""
     from peft.tuners.lora import LoraLayer
 
     state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
@@ -230,10 +189,6 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-def _is_diffusers(module: torch.nn.Module) -> bool:
-    return any(c.__module__.startswith("diffusers.") and c.__name__ == "ModelMixin" for c in type(module).__mro__)
-
-
 def _save_kwargs(save: Any, pad_token_id: int | None) -> dict[str, Any]:
     """``pad_token_id`` for a ``save_pretrained`` that takes it (a reward model records its tokenizer's pad)."""
     if pad_token_id is not None and "pad_token_id" in inspect.signature(save).parameters:
@@ -250,7 +205,7 @@ def _write_state(module: torch.nn.Module, state: dict[str, torch.Tensor], out: s
     save = getattr(target, "save_pretrained", None)
     if save is not None and "state_dict" in inspect.signature(save).parameters:
         save(out, state_dict=state, **_save_kwargs(save, pad_token_id))
-    elif _is_diffusers(target):
+    elif _is_diffusers_model(target):
         target.save_config(out)
         save_file({k: v.contiguous() for k, v in state.items()},
                   os.path.join(out, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
@@ -273,12 +228,8 @@ def _write_module(module: torch.nn.Module, out: str, pad_token_id: int | None = 
 
 def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str | torch.dtype | None = None,
                merge_lora: bool = True, pad_token_id: int | None = None) -> dict[str, str]:
-    """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0 (no atomic rename: use
-    :func:`save_role`, or :func:`atomic_dir` around several writes). All ranks must call it.
-    ``pad_token_id`` goes to a ``save_pretrained`` that records it (a reward model's).
-
-    Returns ``{"model": folder}`` and, for a peft-wrapped LoRA role, ``"adapter": folder/adapter``.
-    """
+    """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0, not atomically (see :func:`save_role`).
+    Returns ``{"model": folder}`` and, for a peft LoRA role, ``"adapter": folder/adapter``."""
     from .roles import is_lora
 
     module = registry.role(name).module
@@ -304,10 +255,8 @@ def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str |
 def save_role(registry: EngineRegistry, name: str, out_dir: str, *, dtype: str | torch.dtype | None = None,
               merge_lora: bool = True, tokenizer: Any = None,
               extra_files: Callable[[str], None] | None = None) -> dict[str, str]:
-    """Export role ``name`` to ``out_dir`` atomically: full (gathered) weights, LoRA merged with the adapter
-    in ``out_dir/adapter``, floating weights cast to ``dtype`` when given (else the role's own dtype),
-    the ``tokenizer`` beside them, and ``extra_files(folder)`` called on rank 0 for anything else a
-    client needs. All ranks must call it; returns the paths written (the final ones)."""
+    """Export role ``name`` to ``out_dir`` atomically: gathered weights (LoRA merged, adapter in ``adapter/``) cast
+    to ``dtype`` if given, the ``tokenizer`` and ``extra_files(folder)``. All ranks must call it; returns the paths."""
     with atomic_dir(out_dir, registry.is_main) as tmp:
         written = write_role(registry, name, tmp, dtype=dtype, merge_lora=merge_lora,
                              pad_token_id=getattr(tokenizer, "pad_token_id", None))

@@ -11,11 +11,8 @@ import torch
 
 
 def _param_counts(module: torch.nn.Module) -> tuple[int, int, int, int]:
-    """(total numel, partition numel held here, persistent numel held here, bytes held here).
-
-    A ZeRO-3 parameter holds its partition in ds_tensor; parameters below the persistence
-    threshold (ds_persist) are also kept whole on every rank.
-    """
+    """(total numel, partition numel held here, persistent numel held here, bytes held here); ZeRO-3: ds_tensor is
+    the partition, ds_persist parameters are whole on every rank."""
     total = partition = persistent = nbytes = 0
     for p in module.parameters():
         if hasattr(p, "ds_tensor"):

@@ -1,9 +1,5 @@
-"""Metrics (JSON lines, optional TensorBoard and wandb), logging setup and the run summary file.
-
-Imports neither torch nor numpy at import time: tensors and numpy values are recognised by duck typing
-(`.item()` / `.tolist()`), so this module stays cheap to import from the CLI (`log_image` imports numpy and
-PIL when called, wandb is imported only when asked for).
-"""
+"""Metrics (JSON lines, optional TensorBoard and wandb), logging setup and the run summary file. Imports neither
+torch nor numpy (duck typing: `.item()` / `.tolist()`), so the CLI imports it cheaply."""
 
 from __future__ import annotations
 
@@ -79,12 +75,8 @@ def to_plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends one JSON line per `log` call; mirrors scalars to TensorBoard when it is installed, and to
-    Weights & Biases when `wandb` (the keyword arguments of ``wandb.init``) is given.
-
-    Construct it on every rank with `enabled=(rank == 0)`: disabled loggers are no-ops and create
-    no files, so call sites need no rank checks.
-    """
+    """One JSON line per `log` call, mirrored to TensorBoard when installed and to wandb when `wandb` (``wandb.init``
+    kwargs) is given. Disabled (`enabled=(rank == 0)`) it is a no-op, so call sites need no rank checks."""
 
     def __init__(self, path_jsonl: str, enabled: bool, tensorboard_dir: str | None = None,
                  wandb: dict[str, Any] | None = None) -> None:

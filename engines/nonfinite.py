@@ -1,23 +1,14 @@
-"""The non-finite guard: no trainable role's optimizer ever applies an update whose loss or global gradient
-norm is NaN or infinite, and every rank skips the same updates.
+"""The non-finite guard: no trainable role ever applies an update whose loss or global gradient norm is NaN/inf,
+and every rank skips the same updates. The registry wraps each trainable engine's ``backward`` (each loss checked
+without a device sync) and ``step``; at each accumulation boundary:
 
-The registry installs it on every trainable role when the role is built: it wraps the engine's
-``backward`` (each loss is checked, without a device sync, against NaN/inf) and ``step``. At each
-accumulation boundary (the ``step()`` that runs the optimizer):
+* DeepSpeed's ZeRO, bf16 and fp16 optimizers skip a non-finite norm themselves ("overflow"); the guard reads that
+  verdict (with fp16's dynamic loss scale an overflow counts only when a loss of the window was not finite).
+* The others (stage 0 with a torch optimizer, the torch backend) would apply it: the guard computes the norm of the
+  whole, averaged gradients and all-reduces ``[loss not finite, norm not finite]`` so every rank decides alike; a bad
+  update runs the step with the optimizer's and scheduler's ``step`` as no-ops, as DeepSpeed's own skip does.
 
-* DeepSpeed's ZeRO (stages 1-3), bf16 and fp16 optimizers compute the global gradient norm themselves,
-  all-reduced, and skip an update whose norm is not finite ("overflow"). The guard reads that verdict
-  after the step. With fp16 and a dynamic loss scale an overflow is routine (the scale backs off), so
-  there it counts only when a loss of the window itself was not finite.
-* The other optimizers (DeepSpeed at stage 0 with a plain torch optimizer, the torch backend) would
-  apply it. Their gradients are whole and already averaged over ranks, so the guard computes the norm
-  and all-reduces ``[a loss was not finite, the norm is not finite]`` (one small collective per update)
-  so that every rank decides alike; a bad update then runs the engine's step with the optimizer's and
-  the scheduler's ``step`` replaced by no-ops: gradients are cleared, counters advance, weights,
-  optimizer state and learning rate stay as they were - what DeepSpeed's own skip does.
-
-Each skipped update is logged (rank 0) and queued; ``EngineRegistry.nonfinite_updates()`` hands the
-queue over (the lifecycle turns it into the ``nonfinite`` policy: stop, or skip up to K steps).
+Skipped updates are logged and queued for ``EngineRegistry.nonfinite_updates()`` (the lifecycle's policy).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""ZeRO-3 partition helpers: the storage a rank owns, and whole-parameter access to a built engine.
-
-Everything here is a no-op for modules that were never partitioned (stage 0/1/2, the torch backend).
-
-Gathers here are coalesced: the partitions of many parameters travel in one flat collective (one per
-bucket of ``GATHER_BUCKET_NUMEL`` elements and dtype), as ZeRO-3's own per-module fetch does.
-DeepSpeed's ``GatheredParameters`` launches one all-gather per tensor instead; on gloo each costs a
-latency of milliseconds, so a small model with a hundred tensors paid ~100 ms per gather.
+"""ZeRO-3 partition helpers: the storage a rank owns, and whole parameters of a built engine (a no-op for modules
+never partitioned). Gathers are coalesced, one flat collective per bucket of ``GATHER_BUCKET_NUMEL`` elements, as
+ZeRO-3's own fetch is: DeepSpeed's ``GatheredParameters`` launches one per tensor (on gloo ~1 ms each, ~100 ms for a
+small model of a hundred tensors).
 """
 
 from __future__ import annotations
@@ -16,13 +12,12 @@ from typing import Any
 
 import torch
 
+from .deepspeed_adapter import GATHERED_MARK, zero3_hooks_off, zero3_hooks_on, zero3_offload
+
 # Most elements one coalesced gather moves: its flat receive buffer is transient memory on top of the
 # whole parameters (DeepSpeed's default prefetch bucket: 100 MB in bf16). Larger tensors go alone.
 GATHER_BUCKET_NUMEL = int(5e7)
 
-# DeepSpeed's marker of parameters held by a GatheredParameters block: set here too, so that a nested
-# GatheredParameters over the same tensors fails loudly instead of re-partitioning them under us.
-_GATHER_DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -106,34 +101,28 @@ def _broadcast(params: list[torch.Tensor], modifier_rank: int) -> None:
 @contextlib.contextmanager
 def whole_parameters(params: Iterable[torch.Tensor], modifier_rank: int | None = None,
                      bucket_numel: int = GATHER_BUCKET_NUMEL) -> Iterator[None]:
-    """The full values of these ZeRO-3 parameters for the block (``deepspeed.zero.GatheredParameters``
-    with coalesced collectives); all ranks must enter it with the same parameters.
-
-    Fetched with one all-gather per bucket; on exit they go back to 1/N, except ZeRO-3's persistent
-    ones (``ds_persist``, below the persistence threshold), which stay whole: ZeRO-3 keeps them whole
-    between forwards by design, and re-partitioning them only makes the next forward fetch them again.
-    Without ``modifier_rank`` the block is read-only: as with ``GatheredParameters``, changes made
-    inside it are not written back to the partitions. With ``modifier_rank`` set, that rank's values
-    are broadcast (one collective) and written into every rank's partitions on exit.
-    """
+    """``deepspeed.zero.GatheredParameters`` with coalesced collectives: the full values of these ZeRO-3 parameters
+    for the block (all ranks, the same parameters); back to 1/N on exit, except the persistent ones ZeRO-3 keeps
+    whole between forwards anyway. Read-only, unless ``modifier_rank``: that rank's values are broadcast (one
+    collective) and written into every rank's partitions on exit."""
     params = _zero_params(params)
     if not params:
         yield
         return
-    busy = [p.ds_id for p in params if getattr(p, _GATHER_DEPTH_ATTR, 0) > 0]
+    busy = [p.ds_id for p in params if getattr(p, GATHERED_MARK, 0) > 0]
     if busy:
         raise RuntimeError(f"parameters {busy[:8]} are already inside a GatheredParameters block; gather each "
                            "parameter once (registry.gathered is a no-op for a role already gathered).")
     fetched = fetch(params, bucket_numel)
-    for p in params:
-        setattr(p, _GATHER_DEPTH_ATTR, 1)
+    for p in params:  # a nested GatheredParameters over them fails loudly instead of re-partitioning them under us
+        setattr(p, GATHERED_MARK, 1)
     completed = False
     try:
         yield
         completed = True
     finally:
         for p in params:
-            delattr(p, _GATHER_DEPTH_ATTR)
+            delattr(p, GATHERED_MARK)
         if not completed or modifier_rank is None:
             # after an error: no collective (a peer may not be here), the changes are dropped
             release(p for p in fetched if not p.ds_persist)
@@ -146,11 +135,8 @@ def whole_parameters(params: Iterable[torch.Tensor], modifier_rank: int | None =
 
 
 def refresh_full_copies(module: torch.nn.Module) -> None:
-    """After writing ZeRO-3 partitions (ds_tensor) directly, re-gather the parameters that are
-    currently held whole. DeepSpeed keeps persistent parameters (small ones, below
-    stage3_param_persistence_threshold) gathered between forwards once its trace is complete;
-    their full copy would otherwise keep the old values for every later forward and gather.
-    Collective when any such parameter exists: all ranks must call it (they share the trace)."""
+    """After writing ZeRO-3 partitions (ds_tensor) directly, re-gather the parameters held whole (the persistent
+    ones), whose full copy would keep the old values. Collective when there are any: all ranks call it."""
     from_zero = [p for p in module.parameters() if is_partitioned(p)]
     if not from_zero:
         return
@@ -160,48 +146,21 @@ def refresh_full_copies(module: torch.nn.Module) -> None:
         fetch(held)  # and rebuild them from the updated partitions (coalesced)
 
 
-def zero3_offload(engine: Any) -> Any | None:
-    """The ZeRO-3 parameter-offload object of an engine (owner of the fetch/release hooks), or None."""
-    optimizer = getattr(engine, "optimizer", None)
-    # A trainable role's ZeRO-3 optimizer owns one; a frozen role's engine holds the offload object
-    # itself in place of an optimizer.
-    offload = getattr(optimizer, "parameter_offload", optimizer)
-    return offload if hasattr(offload, "forward_hooks") else None
-
-
 @contextlib.contextmanager
 def hooks_detached(engine: Any) -> Iterator[None]:
-    """ZeRO-3's per-module fetch/release hooks off for the block (all parameters must be whole, i.e.
-    inside a full gather), back on afterwards.
-
-    Before detaching, every prefetch still in flight from the last training step is waited for and
-    every fetched parameter released, persistent ones (kept whole by ZeRO-3 anyway) excepted: a
-    forward with a different module order (``generate``) would otherwise meet parameters that are "in
-    flight" or "active in submodules" when the gather ends. Re-registering the hooks makes DeepSpeed
-    record its fetch trace again on the next forward.
-    """
+    """ZeRO-3's fetch/release hooks off for the block (inside a full gather), back on after. Prefetches in flight
+    are waited for and fetched parameters released first: a forward in another module order (``generate``) would
+    otherwise meet parameters "in flight" or "active in submodules" when the gather ends."""
     offload = zero3_offload(engine)
     if offload is None:
         yield
         return
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-
-    inflight = getattr(offload.module, "ds_inflight_param_registry", None)
-    if inflight:
-        for handle in list(inflight.values()):
-            handle.wait()
-        inflight.clear()
-    params = list(iter_params(offload.module, recurse=True))
-    for param in params:
-        param.ds_active_sub_modules.clear()
+    params = zero3_hooks_off(offload)
     release(p for p in params if not getattr(p, "ds_persist", False))
-    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []
     try:
         yield
     finally:
-        offload._register_deepspeed_module(offload.module)
+        zero3_hooks_on(offload)
 
 
 __all__ = ["GATHER_BUCKET_NUMEL", "fetch", "hooks_detached", "is_partitioned", "local_tensors", "refresh_full_copies",

@@ -1,19 +1,6 @@
-"""Per-role memory planning: how many bytes each rank needs for each role, before any rank starts.
-
-* **Parameter counts without weights.** :func:`model_info` reads a model folder's ``config.json`` and the
-  headers of its ``*.safetensors`` files (an 8-byte little-endian header length, then JSON with every
-  tensor's dtype and shape); :func:`pipeline_info` does it per component of a diffusers folder.
-* **Model states per rank** for each placement (:func:`state_bytes`), following what DeepSpeed allocates:
-  16-bit (or fp32) parameters, gradients in the parameter dtype, a separate fp32 master copy plus Adam's
-  two fp32 moments for the trainable parameters, each partitioned by the ZeRO stage that splits it;
-  frozen roles hold only their parameters; at ZeRO-3 the parameters at or below
-  ``stage3_param_persistence_threshold`` elements stay whole on every rank.
-* **Transient bytes**: activation estimates (closed-form formulas, marked as estimates), ZeRO working
-  buffers and whole-model gathers, and fixed per-process overheads.
-* **A placement chooser** (:func:`plan`): the cheapest placement per role that fits a per-GPU budget.
-
-Only the standard library and torch are imported here; every argument is a flat, typed value.
-"""
+"""Per-role memory planning before any rank starts: parameter counts from safetensors headers (no weights read),
+model states per rank for each placement as DeepSpeed allocates them, transient bytes (activation estimates, ZeRO
+buffers, fixed overheads) and :func:`plan`, the cheapest placement per role that fits a per-GPU budget."""
 
 from __future__ import annotations
 
@@ -30,12 +17,6 @@ from typing import Any
 KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-# safetensors dtype names -> bytes per element
-SAFETENSORS_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U64": 8,
-}
 
 # Stated fixed overheads per rank (typical values on recent NVIDIA GPUs with CUDA 12; see docs/planning.md).
 CUDA_CONTEXT_BYTES = 1 * GIB  # CUDA context, loaded kernels, cuBLAS/cuDNN workspaces of one process
@@ -59,9 +40,7 @@ class PlanError(ValueError):
     """Bad planner input (a model folder that cannot be read, an impossible budget...), with the fix."""
 
 
-# --------------------------------------------------------------------------------------------------
-# sizes
-# --------------------------------------------------------------------------------------------------
+# --- sizes ---
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB, "k": KIB, "m": MIB, "g": GIB, "t": TIB,
@@ -95,9 +74,7 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
-# --------------------------------------------------------------------------------------------------
-# model folders
-# --------------------------------------------------------------------------------------------------
+# --- model folders ---
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -111,11 +88,8 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What a model's files say about its parameters (no weights read).
-
-    ``tensors`` are the parameters, one entry per tensor; ``config`` is the model's ``config.json``;
-    ``class_name`` its class (``architectures[0]`` or diffusers' ``_class_name``).
-    """
+    """What a model's files say about its parameters (no weights read); ``class_name``: ``architectures[0]`` or
+    diffusers' ``_class_name``."""
 
     source: str
     tensors: tuple[TensorEntry, ...]
@@ -138,10 +112,6 @@ class ModelInfo:
             out[t.dtype] = out.get(t.dtype, 0) + t.numel
         return out
 
-    @property
-    def stored_bytes(self) -> int:
-        return sum(t.numel * SAFETENSORS_BYTES.get(t.dtype, 4) for t in self.tensors)
-
     def without(self, prefix: str) -> ModelInfo:
         """The same model without the tensors whose name starts with ``prefix`` (e.g. ``lm_head.``)."""
         return replace(self, tensors=tuple(t for t in self.tensors if not t.name.startswith(prefix)))
@@ -152,9 +122,8 @@ class ModelInfo:
 
     @property
     def hidden_size(self) -> int | None:
-        """The width the registry sizes ZeRO-3 buckets from (engines.config.model_hidden_size): the
-        config's hidden_size / d_model / n_embd, else the largest of hidden_sizes, else the widest
-        Linear/Conv weight (read from the tensor shapes)."""
+        """The width ZeRO-3 buckets are sized from: config hidden_size / d_model / n_embd, else the largest of
+        hidden_sizes, else the widest Linear/Conv weight."""
         for key in ("hidden_size", "d_model", "n_embd"):
             value = self.config.get(key)
             if isinstance(value, int) and value > 0:
@@ -263,9 +232,7 @@ def pipeline_info(folder: str | os.PathLike, variant: str | None = None) -> dict
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# ZeRO-3 persistence and LoRA
-# --------------------------------------------------------------------------------------------------
+# --- ZeRO-3 persistence and LoRA ---
 def persistence_threshold(hidden_size: int | None) -> int:
     """The registry's "auto" stage3_param_persistence_threshold: 10 x width, or DeepSpeed's 1e5."""
     return 10 * hidden_size if hidden_size else DEFAULT_PERSISTENCE_THRESHOLD
@@ -277,9 +244,8 @@ def persistent_params(numels: Iterable[int], threshold: int) -> int:
 
 
 def lora_tensors(tensors: Iterable[TensorEntry], rank: int, target_modules: Sequence[str]) -> list[int]:
-    """Element counts of the adapter tensors peft adds: lora_A (r x in) and lora_B (out x r) per targeted
-    Linear (r x in*k*k and out x r for a Conv). A module is targeted when its name equals a target or
-    ends with "." + target (peft's rule)."""
+    """Element counts of peft's adapters: lora_A (r x in*k*k) and lora_B (out x r) per targeted Linear/Conv (a
+    module named a target or ending with "." + target)."""
     out = []
     for t in tensors:
         if not t.name.endswith(".weight") or len(t.shape) < 2:
@@ -295,9 +261,7 @@ def lora_params(tensors: Iterable[TensorEntry], rank: int, target_modules: Seque
     return sum(lora_tensors(tensors, rank, target_modules))
 
 
-# --------------------------------------------------------------------------------------------------
-# model states per rank
-# --------------------------------------------------------------------------------------------------
+# --- model states per rank ---
 @dataclass(frozen=True, order=True)
 class Choice:
     """One placement of a role: ZeRO stage and what is offloaded to host memory."""
@@ -360,25 +324,11 @@ def state_bytes(
 ) -> StateBytes:
     """Per-rank bytes of one role's model states under DeepSpeed (Adam-type optimizer, two fp32 moments).
 
-    With b = bytes per element of ``dtype``, Ψ = ``params``, T = ``trainable_params`` (Ψ for a full
-    fine-tune, the adapters' count for LoRA, 0 for a frozen role), N = ``world_size`` and P =
-    ``persistent`` (elements kept whole at ZeRO-3):
-
-    ==========  =====================  =========  ====================================
-    stage       parameters             gradients  optimizer (fp32 master + Adam m, v)
-    ==========  =====================  =========  ====================================
-    0           b·Ψ                    b·T        12·T (8·T for an fp32 role: no master)
-    1           b·Ψ                    b·T        12·T/N
-    2           b·Ψ                    b·T/N      12·T/N
-    3           b·(Ψ/N + P)            b·T/N      12·T/N
-    ==========  =====================  =========  ====================================
-
-    ``offload_optimizer`` (stages 1-3) moves the fp32 master, moments and the fp32 gradient partition
-    to host memory (16·T/N there, plus a b·T/N staging copy at stages 1-2); the accelerator keeps the
-    stage-1 full gradients, nothing for stages 2-3. ``offload_params`` (stage 3) moves the b·Ψ/N
-    parameter partition to host memory; persistent parameters stay on the accelerator. ``numels``
-    (one per tensor) makes the ZeRO-3 partition exact: DeepSpeed pads each tensor to ceil(n/N).
-    """
+    With b = bytes per element, Ψ = params, T = trainable params, N = world size, P = persistent elements: stage 0
+    holds b·Ψ parameters, b·T gradients, 12·T optimizer (8·T for fp32: no master); stage 1 12·T/N optimizer; stage 2
+    also b·T/N gradients; stage 3 also b·(Ψ/N + P) parameters. ``offload_optimizer`` moves master, moments and fp32
+    gradients to host (16·T/N, plus a b·T/N staging copy at stages 1-2); ``offload_params`` (stage 3) moves b·Ψ/N
+    there. ``numels`` (one per tensor) makes the ZeRO-3 partition exact (each tensor padded to ceil(n/N))."""
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype={dtype!r}; use one of {sorted(DTYPE_BYTES)}.")
     if stage not in (0, 1, 2, 3):
@@ -422,11 +372,9 @@ def train_buffer_bytes(
     *, dtype: str, stage: int, world_size: int, trainable_params: int, offload_optimizer: bool = False,
     hidden_size: int | None = None,
 ) -> tuple[int, int]:
-    """(during backward, at the optimizer step): accelerator bytes a trainable role's step allocates on
-    top of its model states and releases after. During backward: the gradient reduce bucket at stages
-    1-3 (b·h² elements, the registry's "auto" reduce_bucket_size). At the step: the fp32 gradients
-    the optimizer steps on, 4·T at stage 0 with 16-bit weights, 4·T/N at stages 1-3 (at most one
-    sub-group of 1e9 elements at stage 3), none when the optimizer is offloaded."""
+    """(during backward, at the optimizer step) bytes of a trainable role's step beyond its states: the reduce
+    bucket at stages 1-3 (b·h²); the fp32 gradients, 4·T at stage 0 with 16-bit weights, 4·T/N at stages 1-3 (at
+    most one 1e9-element sub-group at stage 3), none when the optimizer is offloaded."""
     b, t = DTYPE_BYTES[dtype], trainable_params
     if not t:
         return 0, 0
@@ -447,9 +395,8 @@ def gather_buffer_bytes(params: int, *, dtype: str, hidden_size: int | None = No
 
 def comm_bytes(params: int, *, dtype: str, stage: int, trainable_params: int = 0,
                offload_optimizer: bool = False, offload_params: bool = False) -> int:
-    """Relative traffic per step, used only to rank placements: gradient all-reduce (or reduce-scatter +
-    all-gather) 2·b·T; ZeRO-3 adds parameter all-gathers, 2·b·Ψ for a trainable role (forward and
-    backward), b·Ψ for a frozen one; offloads add the host-device copies."""
+    """Relative traffic per step, only to rank placements: gradients 2·b·T; ZeRO-3 gathers 2·b·Ψ (trainable) or
+    b·Ψ (frozen); offloads add host-device copies."""
     b, t = DTYPE_BYTES[dtype], trainable_params
     total = 2 * b * t
     if stage == 3:
@@ -461,9 +408,7 @@ def comm_bytes(params: int, *, dtype: str, stage: int, trainable_params: int = 0
     return total
 
 
-# --------------------------------------------------------------------------------------------------
-# activation estimates (closed forms; estimates, not measurements)
-# --------------------------------------------------------------------------------------------------
+# --- activation estimates (closed forms; estimates, not measurements) ---
 @dataclass(frozen=True)
 class TransformerDims:
     """The sizes of a transformer stack that the activation formulas need."""
@@ -519,11 +464,8 @@ def transformer_dims(config: Mapping[str, Any]) -> TransformerDims:
 
 
 def _layer_elements(d: TransformerDims, activation_bytes: int = 2) -> int:
-    """Elements one transformer layer saves for backward, per token (fused attention, no dropout):
-    inputs of the two norms, QKV, output projection and first MLP matrix (5·h), Q and the attention
-    output (2·h), K and V (2·h_kv), and the MLP's wide tensors (i for ReLU, whose output is also the
-    second matrix's input; 2·i for GELU; 4·i gated). RMSNorm in fp32 adds 2·h (16-bit units) for the
-    fp32 copies of the two norms' inputs; rotary embeddings add h + h_kv (q and k before rotation)."""
+    """Elements one layer saves for backward per token (fused attention, no dropout): 7·h + 2·h_kv + the MLP's
+    wide tensors (i ReLU, 2·i GELU, 4·i gated), + 2·h for fp32 RMSNorm copies, + h + h_kv with rotary."""
     wide = {"relu": 1, "gelu": 2, "gated": 4}[d.mlp] * d.intermediate
     extra = (2 * d.hidden if d.rms_norm and activation_bytes < 4 else 0) + (d.hidden + d.kv if d.rotary else 0)
     return 7 * d.hidden + 2 * d.kv + wide + extra + d.extra_per_layer
@@ -533,18 +475,10 @@ def transformer_activation_bytes(
     dims: TransformerDims, *, batch: int, seq: int, dtype: str, trainable: bool,
     gradient_checkpointing: bool = False, logits: bool = False,
 ) -> int:
-    """Estimated activation peak of one forward (+ backward when ``trainable``) of a transformer stack.
-
-    Per layer, a trainable forward saves a·b·s·(7·h + 2·h_kv + 2·i) bytes for a GELU MLP (see
-    _layer_elements for ReLU, gated MLPs, RMSNorm and rotary embeddings), with a = bytes per
-    activation: for h_kv = h and i = 4·h this is 34·b·s·h at a = 2, Korthikanti et al. (2022,
-    "Reducing Activation Recomputation in Large Transformer Models") without their dropout masks and
-    with a fused attention kernel (no s² attention scores). With gradient
-    checkpointing only each layer's input (a·b·s·h) is kept, plus one layer recomputed in backward.
-    ``logits``: a·b·s·V for the logits, plus 4·b·s·V for the fp32 log-softmax (and 4·b·s·V more for
-    its gradient when trainable). A frozen forward keeps nothing: its peak is about one layer's
-    working set (the per-layer term) plus the logits.
-    """
+    """Estimated activation peak of one forward (+ backward when ``trainable``) of a transformer stack: per layer
+    a·b·s·_layer_elements (34·b·s·h for GELU at a = 2, Korthikanti et al. 2022 without dropout masks); with
+    gradient checkpointing only each layer's input plus one recomputed layer; ``logits`` adds a·b·s·V + 4·b·s·V
+    for the fp32 log-softmax (+ 4·b·s·V for its gradient). A frozen forward keeps about one layer's working set."""
     a, tokens = DTYPE_BYTES[dtype], batch * seq
     layer = a * tokens * _layer_elements(dims, a)
     if not trainable:
@@ -560,10 +494,8 @@ def transformer_activation_bytes(
 
 
 def dit_dims(config: Mapping[str, Any]) -> TransformerDims:
-    """TransformerDims of a diffusion transformer config (SD3's MMDiT, FLUX): width = heads x head_dim,
-    every joint and single-stream block counted as one layer with a 4·h GELU MLP, plus 4·h per token
-    for the adaLN modulations and gated residuals (21·h in all), plus 7·h for FLUX's rotary embeddings
-    and q/k norms, which it computes in fp32 (calibrated against benchmarks/activation_probe.py)."""
+    """TransformerDims of a diffusion transformer (SD3 MMDiT, FLUX): each block one layer with a 4·h GELU MLP,
+    + 4·h per token for adaLN (21·h in all), + 7·h for FLUX's fp32 rotary and q/k norms (see activation_probe.py)."""
     hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
     layers = int(config.get("num_layers", 0)) + int(config.get("num_single_layers", 0))
     extra = 4 * hidden + (7 * hidden if "axes_dims_rope" in config else 0)
@@ -593,16 +525,9 @@ def unet_activation_bytes(
     config: Mapping[str, Any], *, batch: int, latent_height: int, latent_width: int, dtype: str,
     trainable: bool = True, gradient_checkpointing: bool = False, text_tokens: int = 77,
 ) -> int:
-    """Estimated activation peak of a diffusers ``UNet2DConditionModel`` training step, from its config.
-
-    Walks the down, mid and up blocks at each resolution (n = latent pixels at that level, c = its
-    channels) and adds what each unit saves for backward, in elements: a resnet 3·c_in + 3·c (norm,
-    SiLU and conv inputs of its two halves), a transformer block (self-attention, cross-attention
-    and GEGLU feed-forward with a fused attention kernel) 30·c per token per layer plus 3·c for its
-    norm and projections, a down/up-sampling conv its input. With gradient checkpointing (diffusers
-    checkpoints each resnet and transformer) only the units' inputs are kept, plus the largest unit.
-    A frozen forward's peak is taken as its largest unit.
-    """
+    """Estimated activation peak of a diffusers ``UNet2DConditionModel`` step: per down/mid/up unit, in elements,
+    a resnet 3·c_in + 3·c, a transformer block 30·c per token per layer + 3·c, a resampling conv its input.
+    Gradient checkpointing keeps the units' inputs plus the largest unit; a frozen forward its largest unit."""
     a = DTYPE_BYTES[dtype]
     channels = [int(c) for c in config.get("block_out_channels", (320, 640, 1280, 1280))]
     levels = len(channels)
@@ -666,24 +591,12 @@ def conv_frozen_activation_bytes(*, batch: int, height: int, width: int, channel
     return 4 * DTYPE_BYTES[dtype] * batch * height * width * channels
 
 
-# --------------------------------------------------------------------------------------------------
-# roles and the placement chooser
-# --------------------------------------------------------------------------------------------------
+# --- roles and the placement chooser ---
 @dataclass(frozen=True)
 class RoleRequest:
-    """One role as the planner sees it.
-
-    params / numels / hidden_size: the model (numels per tensor, for ZeRO-3 padding and persistence).
-    trainable_params: 0 for a frozen role; the adapters' count for LoRA.
-    phases: (label, bytes) of the role's transient uses that do not depend on its placement
-        (activations of a training step, a forward over a batch, generation's KV cache...).
-    full_gather: phases during which a stage-3 role is gathered whole on every rank (a frozen role
-        with gather_forward, the actor's gather-once generation): b·Ψ more while they run.
-    choices: allowed placements, cheapest first; current: the placement the config asks for.
-    follows: the name of the role whose stage this one takes (an EMA follows its source); with
-        follows_all the whole placement is copied (e.g. text_encoder_2 shares text_encoder's keys).
-    gather_hint: the config setting that gathers layer by layer instead (quoted when it does not fit).
-    """
+    """One role as the planner sees it. ``phases``: (label, bytes) of placement-independent transient uses;
+    ``full_gather``: phases during which a stage-3 role is gathered whole; ``follows``: the role whose stage this
+    one takes (``follows_all``: the whole placement); ``current``: the placement the config asks for."""
 
     name: str
     params: int
@@ -742,13 +655,8 @@ def _normalise(req: RoleRequest, choice: Choice) -> Choice:
 
 
 def cost_role(req: RoleRequest, choice: Choice, world_size: int) -> RoleOption:
-    """Bytes and relative traffic of ``req`` at ``choice``.
-
-    The role's transient peak is its largest phase: the phase's own bytes, plus at stage 3 the
-    gathered parameters (the whole model for phases in ``full_gather``, else the layer-by-layer
-    working set), plus for training phases the reduce bucket; or the fp32 gradients of the optimizer
-    step (activations are freed by then), whichever is larger.
-    """
+    """Bytes and relative traffic of ``req`` at ``choice``. Transient peak: the largest phase (plus at stage 3 the
+    gathered parameters, plus the reduce bucket when training) or the optimizer step's fp32 gradients."""
     choice = _normalise(req, choice)
     n = world_size
     states = state_bytes(req.params, dtype=req.dtype, stage=choice.stage, world_size=n,
@@ -910,14 +818,9 @@ def _totals(options: Sequence[RoleOption], budget: Budget) -> tuple[int, int, in
 
 
 def plan(roles: Sequence[RoleRequest], budget: Budget) -> Plan:
-    """The cheapest placement per role such that one rank's accelerator peak fits ``budget.gpu_bytes``
-    (and offloaded states fit the host), searched over every combination of the roles' choices.
-
-    Peak per rank = Σ model states of every role + the largest transient of any one role (roles run one
-    after another: generation, scoring forwards, each role's training step) + fixed overheads, times
-    (1 + fragmentation margin). "Cheapest" is, in order: the fewest bytes with offloaded parameters,
-    then with an offloaded optimizer, then the least communication, then the lowest stages.
-    """
+    """The cheapest placement per role such that one rank's peak (Σ model states + the largest transient + fixed
+    overheads, times 1 + margin) fits ``budget.gpu_bytes`` and offloads fit the host, over every combination.
+    "Cheapest": fewest offloaded-parameter bytes, then offloaded-optimizer bytes, communication, lowest stages."""
     if budget.world_size < 1:
         raise PlanError(f"world size {budget.world_size}: plan for at least one GPU.")
     names = [r.name for r in roles]
@@ -1031,9 +934,7 @@ def _message(p: Plan, host_limit: float | None) -> str:
     return " ".join(lines)
 
 
-# --------------------------------------------------------------------------------------------------
-# tables
-# --------------------------------------------------------------------------------------------------
+# --- tables ---
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     cells = [list(header)] + [list(r) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]

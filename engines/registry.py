@@ -1,23 +1,23 @@
-"""EngineRegistry: a map from role name to its engine and what built it.
-
-Every role, frozen ones included, goes through its own `deepspeed.initialize` with its own
-config. Nothing global survives from one role's build to the next (see zero_scope.py).
+"""EngineRegistry: a map from role name to its engine and what built it. Every role, frozen ones included, goes
+through its own `deepspeed.initialize` with its own config; nothing global survives one role's build (zero_scope.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import checkpoint as _ckpt
+from . import deepspeed_adapter as ds
 from . import export as _export
 from . import memory as _memory
 from . import nonfinite as _nonfinite
@@ -56,23 +56,12 @@ _STATES_KEY = "_registry_states"
 
 @dataclass
 class RoleSpec:
-    """What a role is built from.
-
-    model:        called inside this role's build scope (zero.Init for stage 3), returns the module.
-    ds_config:    a dict (e.g. from train_ds_config / eval_ds_config) or a DeepSpeed JSON path.
-    optimizer:    factory taking the trainable parameters; required for trainable roles only.
-    lr_scheduler: optional factory taking the optimizer.
-    trainable:    defaults to "has an optimizer"; a trainable role without one, or a frozen role
-                  with one, is an error.
-    hidden_size:  width for "auto" ZeRO bucket sizes when the model exposes none.
-    stateful:     a frozen role whose weights change during training (an EMA copy): saved in
-                  checkpoints as this rank's partitions instead of being rebuilt from source.
-    gather_forward: a frozen ZeRO-3 role gathers all its parameters once per forward call (one
-                  collective) instead of layer by layer; it still holds 1/N between calls. Worth it
-                  for small frozen models called once per step (a VAE, a text encoder).
-    placement, lora: descriptive, set by the role builders (engines.roles): what the role was asked
-                  to be, for reports and exports (a LoRA role's export merges its adapters).
-    """
+    """What a role is built from: ``model()`` (run in the role's build scope: zero.Init at stage 3), its DeepSpeed
+    config (a dict or a JSON path), an optimizer factory (trainable roles only; ``trainable`` defaults to having one)
+    and a scheduler factory. ``hidden_size``: the width for "auto" buckets when the model has none. ``stateful``: a
+    frozen role whose weights change (an EMA), checkpointed as its partitions. ``gather_forward``: a frozen ZeRO-3
+    role gathered whole once per forward (one collective; 1/N between calls). ``placement``, ``lora``, ``optim``,
+    ``gradient_checkpointing``: what the role builders (engines.roles) were asked for, for reports and exports."""
 
     name: str
     model: ModelFactory
@@ -85,6 +74,18 @@ class RoleSpec:
     gather_forward: bool = False
     placement: Any = None
     lora: Any = None
+    optim: Any = None
+    gradient_checkpointing: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
+        def plain(x: Any) -> Any:
+            return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x
+
+        return {"name": self.name, "ds_config": self.ds_config, "trainable": self.trainable,
+                "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
+                "lora": plain(self.lora), "optim": plain(self.optim),
+                "gradient_checkpointing": self.gradient_checkpointing}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -96,15 +97,12 @@ class RoleSpec:
         if self.trainable is None:
             self.trainable = has_optimizer
         if self.trainable and not has_optimizer:
-            raise ConfigError(
-                f"role '{self.name}': trainable=True but no optimizer; pass optimizer=lambda params: ..."
-                " or trainable=False for a frozen role."
-            )
+            raise ConfigError(f"role '{self.name}': trainable=True but no optimizer; pass optimizer=lambda params: ..."
+                              " or trainable=False for a frozen role.")
         if not self.trainable and has_optimizer:
-            raise ConfigError(
-                f"role '{self.name}': trainable=False but an optimizer was given; frozen roles get no"
-                " optimizer: drop optimizer= (and the config's 'optimizer' section) or set trainable=True."
-            )
+            raise ConfigError(f"role '{self.name}': trainable=False but an optimizer was given; frozen roles get no "
+                              "optimizer: drop optimizer= (and the config's 'optimizer' section) or set "
+                              "trainable=True.")
         if self.lr_scheduler is not None and not self.trainable:
             raise ConfigError(f"role '{self.name}': lr_scheduler given for a frozen role; drop it.")
         if self.gather_forward and self.trainable:
@@ -122,7 +120,6 @@ class Role:
     requested_stage: int
     note: str = ""
     backend: str = "deepspeed"
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -143,9 +140,8 @@ class Role:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the module's weights are held in. DeepSpeed holds bf16/fp16 weights (the fp32
-        master copy lives in the optimizer); the torch backend keeps a trainable role's weights in
-        fp32 and autocasts its forward."""
+        """The dtype the weights are held in: the config's under DeepSpeed (the fp32 master copy lives in its
+        optimizer); fp32 for a trainable role on the torch backend, which autocasts its forward."""
         if self.backend == "torch" and self.trainable:
             return torch.float32
         return self.compute_dtype
@@ -156,9 +152,8 @@ class Role:
 
 
 def _gathered_forward(forward: Callable[..., Any], params: list[torch.nn.Parameter]) -> Callable[..., Any]:
-    """Run forward with all parameters gathered by one coalesced collective; the ZeRO-3 hooks then find
-    every parameter present and fetch nothing. Released (back to 1/N) when the call returns, persistent
-    parameters (whole between forwards anyway) excepted."""
+    """Forward with all parameters gathered by one coalesced collective (the ZeRO-3 hooks find them present and
+    fetch nothing), released to 1/N when it returns."""
     import functools
 
     @functools.wraps(forward)
@@ -180,53 +175,15 @@ class UnknownRoleError(KeyError):
         return str(self.args[0])
 
 
-# The oldest DeepSpeed whose engine has what the multi-role backward uses (the backward graph tracker and the
-# running-backward counter arrived in 0.19.6); pyproject.toml's floor is at least this.
-MIN_DEEPSPEED = "0.19.6"
-
-
-def _no_prologue() -> None:
-    """Stands in for a DeepSpeed engine's backward prologue while a loss only passes through its role."""
-
-
 class JointLossError(RuntimeError):
     """A loss that reaches several trainable roles was passed to one engine's backward."""
 
 
-@contextlib.contextmanager
-def _plain_linear() -> Iterator[None]:
-    """``torch.nn.functional.linear`` as torch ships it for the block. DeepSpeed replaces it process-wide
-    with its ZeRO-3 variant (``memory_efficient_linear``) once a stage-3 model is built; on weights that
-    are already whole that only adds overhead per call."""
-    try:
-        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as _Init
-    except ImportError:
-        yield
-        return
-    original = getattr(_Init, "linear_bk", None)
-    current = torch.nn.functional.linear
-    if original is None or current is original:
-        yield
-        return
-    torch.nn.functional.linear = original
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = current
-
-
 class EngineRegistry:
-    """Named engines, one per model role, each with its own config.
-
-    backend:      "deepspeed", "torch", or "auto" (DeepSpeed when it imports, else plain PyTorch).
-    dist_backend: the process-group backend ("gloo", "nccl"); default: nccl on CUDA, gloo otherwise.
-    seed:         when given, ``seed_everything(seed, rank)`` (Python, NumPy, torch get ``seed + rank``)
-                  and the base of ``generator()``; every role's model factory runs under a seed that is
-                  the same on every rank either way (``role_seed``), so random initialisations agree.
-    timeout_s:    collective timeout of the process group (and DeepSpeed's), in seconds.
-
-    The default process group is created here (once per process; an existing one is reused).
-    """
+    """Named engines, one per model role, each with its own config. ``backend``: deepspeed, torch or auto (DeepSpeed
+    when it imports); ``dist_backend``: gloo/nccl (default by device); ``seed``: ``seed_everything(seed, rank)`` and
+    the base of ``generator()`` (model factories run under a seed the same on every rank either way);
+    ``timeout_s``: the collective timeout. Creates the default process group (or reuses an existing one)."""
 
     def __init__(self, backend: str = "auto", dist_backend: str | None = None, seed: int | None = None,
                  timeout_s: float | None = None) -> None:
@@ -246,10 +203,12 @@ class EngineRegistry:
         self._specs: dict[str, RoleSpec] = {}
         self._roles: dict[str, Role] = {}
         self._states: dict[str, Any] = {}
+        self._restored_from: str | None = None  # the checkpoint load_checkpoint read (add_state is refused after)
         self._gather_depth: dict[str, int] = {}
         self._param_owner: dict[int, str] = {}
         self._nonfinite_guards: dict[str, Any] = {}
         self._nonfinite_queue: list[_nonfinite.NonFiniteUpdate] = []
+        self._rollouts: dict[str, Any] = {}
 
     # --- the map ------------------------------------------------------------------------------
     @property
@@ -302,8 +261,12 @@ class EngineRegistry:
         return _generator("registry", self.seed or 0, salt, step, self.rank if rank is None else rank)
 
     def add_state(self, name: str, obj: Any) -> Any:
-        """Checkpoint ``obj`` (anything with ``state_dict()``/``load_state_dict()``: a sampler, a KL
-        controller) with every ``save_checkpoint``, per rank, and restore it in ``load_checkpoint``."""
+        """Checkpoint ``obj`` (with ``state_dict()``/``load_state_dict()``: a sampler, a KL controller) per rank
+        with every ``save_checkpoint``; ``load_checkpoint`` restores it, so afterwards it is refused."""
+        if self._restored_from is not None:
+            raise ConfigError(f"add_state('{name}', ...) after load_checkpoint({self._restored_from!r}): the "
+                              "checkpoint was read already, so it would start fresh instead of where the run was; "
+                              "register it before load_checkpoint (a recipe: in build(), which runs before resume)")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(f"add_state('{name}', ...): {type(obj).__name__} has no state_dict/load_state_dict.")
         if name in self._states:
@@ -329,13 +292,10 @@ class EngineRegistry:
             name = str(config_dtype(config)).replace("torch.", "")
             notes.append(f"torch backend: fp32 weights, forward autocast to {name}")
         if config.get("fp16", {}).get("enabled") and self.device.type == "cpu":
-            raise ConfigError(
-                f"role '{spec.name}': fp16.enabled=true, but DeepSpeed's CPU accelerator has no fp16;"
-                " use dtype='bf16' or 'fp32'."
-            )
+            raise ConfigError(f"role '{spec.name}': fp16.enabled=true, but DeepSpeed's CPU accelerator has no fp16;"
+                              " use dtype='bf16' or 'fp32'.")
         if spec.trainable and "gradient_clipping" not in config:
-            # a user's own config without the key: state what DeepSpeed will do, so the torch backend
-            # (and summary.json) agree with it
+            # a user's own config without the key: what DeepSpeed will do, stated for the torch backend and summary
             config["gradient_clipping"] = deepspeed_clipping_default()
         resolve_batch_keys(spec.name, config, self.world_size)
         return config, requested, "; ".join(notes)
@@ -355,8 +315,8 @@ class EngineRegistry:
         return self
 
     def nonfinite_updates(self) -> list[_nonfinite.NonFiniteUpdate]:
-        """The optimizer updates skipped since the last call because a loss or the global gradient norm was
-        NaN/inf (engines/nonfinite.py: no role ever applies one). The same list on every rank."""
+        """The updates skipped since the last call for a NaN/inf loss or gradient norm (nonfinite.py); the same on
+        every rank."""
         out, self._nonfinite_queue[:] = list(self._nonfinite_queue), []
         return out
 
@@ -368,8 +328,7 @@ class EngineRegistry:
         init_config = copy.deepcopy(config)
         resolve_bucket_sizes(init_config, None)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        # The same seed on every rank: random weights (a fresh head, a model built from a config) agree
-        # across ranks without a broadcast, and the caller's RNG stream is left where it was.
+        # The same seed on every rank: random weights agree without a broadcast; the caller's RNG is left alone.
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(role_seed(self.seed or 0, spec.name))
             try:
@@ -378,8 +337,8 @@ class EngineRegistry:
             except ConfigError:
                 raise
             except Exception as exc:
-                raise RuntimeError(
-                    f"role '{spec.name}': its model factory failed: {type(exc).__name__}: {exc}") from exc
+                what = f"{type(exc).__name__}: {exc}"
+                raise RuntimeError(f"role '{spec.name}': its model factory failed: {what}") from exc
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"role '{spec.name}': model() returned {type(model).__name__}, not a torch.nn.Module.")
         total, trainable = model_param_counts(model)
@@ -397,10 +356,7 @@ class EngineRegistry:
             model.requires_grad_(False)
             model.eval()
 
-        if use_ds:
-            engine = self._deepspeed_engine(spec, model, config)
-        else:
-            engine = self._torch_engine(spec, model, config)
+        engine = (self._deepspeed_engine if use_ds else self._torch_engine)(spec, model, config)
         if not spec.trainable:
             # Frozen roles never build an autograd graph, whoever calls them.
             engine.forward = torch.no_grad()(engine.forward)
@@ -418,15 +374,12 @@ class EngineRegistry:
 
         params = [p for p in model.parameters() if p.requires_grad] if spec.trainable else None
         try:
-            engine, *_ = deepspeed.initialize(
-                model=model,
-                model_parameters=params,
-                optimizer=spec.optimizer if spec.trainable else None,
-                lr_scheduler=spec.lr_scheduler,
-                config=config,
-            )
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config,
+                                              optimizer=spec.optimizer if spec.trainable else None,
+                                              lr_scheduler=spec.lr_scheduler)
         except (ValueError, AssertionError, TypeError) as exc:
             raise ConfigError(f"role '{spec.name}': DeepSpeed rejected the config: {exc}") from exc
+        ds.check(engine if spec.trainable else None)  # the internals registry.backward and gathers use
         return engine
 
     def _torch_engine(self, spec: RoleSpec, model: torch.nn.Module, config: dict[str, Any]) -> TorchEngine:
@@ -443,17 +396,10 @@ class EngineRegistry:
     # --- whole weights: gathers and generation ---------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, *names: str, modifier_rank: int | None = None) -> Iterator[None]:
-        """Full parameters of these roles (all roles when none are named) for the duration of the block,
-        gathered once, not per layer. All ranks must enter it; safe at any point of training.
-
-        Inside the block a ZeRO-3 role's fetch/release hooks are detached (its forward runs on the whole
-        weights, no communication) after every prefetch still in flight is drained. The parameters of
-        all the roles travel in one coalesced all-gather (per bucket of ``partition.GATHER_BUCKET_NUMEL``
-        elements), and on exit go back to 1/N, except ZeRO-3's persistent ones, which it keeps whole
-        between forwards anyway. Do not train inside it. Without ``modifier_rank`` the block is
-        read-only; with it, changes made on that rank are broadcast and re-partitioned on exit.
-        Roles below stage 3 already hold full parameters; nesting a role's gather is a no-op.
-        """
+        """Full parameters of these roles (all when none are named) for the block, gathered once in one coalesced
+        all-gather, with each ZeRO-3 role's hooks detached (its forward runs on whole weights, no communication);
+        back to 1/N on exit. All ranks enter it; do not train inside it. Read-only, unless ``modifier_rank``: that
+        rank's changes are broadcast and re-partitioned on exit. Below stage 3, or nested, it is a no-op."""
         roles = [self.role(n) for n in names] if names else self.roles()
         with contextlib.ExitStack() as stack:
             params: list[torch.nn.Parameter] = []
@@ -476,28 +422,36 @@ class EngineRegistry:
 
     @contextlib.contextmanager
     def generation(self, name: str, gather: bool = True) -> Iterator[torch.nn.Module]:
-        """The role's module, ready for ``generate`` (or any other inference), for the block.
-
-        A ZeRO-3 role is gathered once with its hooks detached (see ``gathered``): every token runs on
-        whole local weights, with no communication; it costs one full copy of the role per rank while
-        the block runs. ``gather=False`` keeps ZeRO-3's layer-by-layer fetching instead (no rank ever
-        holds the whole model; pass ``synced_gpus=True`` to ``generate`` when several ranks run it).
-        Eval mode, gradient checkpointing off (it forces ``use_cache=False``) and torch's own
-        ``F.linear``; all restored on exit. Below stage 3 and on the torch backend there is nothing to
-        gather. All ranks must enter it.
-        """
+        """The role's module ready for ``generate`` for the block: a ZeRO-3 role gathered once (``gathered``: every
+        token on whole local weights, one full copy per rank meanwhile), or with ``gather=False`` fetched layer by
+        layer (pass ``synced_gpus=True`` to ``generate`` on several ranks). Eval mode, gradient checkpointing off (it
+        forces ``use_cache=False``) and torch's own ``F.linear``, all restored on exit. All ranks enter it."""
         role = self.role(name)
         module = role.module
         was_training = module.training
         had_checkpointing = set_gradient_checkpointing(module, False)
         module.eval()
         try:
-            with self.gathered(name) if gather else contextlib.nullcontext(), _plain_linear():
+            with self.gathered(name) if gather else contextlib.nullcontext(), ds.plain_linear():
                 yield module
         finally:
             module.train(was_training)
             if had_checkpointing:
                 set_gradient_checkpointing(module, True)
+
+    def add_rollout(self, name: str, engine: Any) -> None:
+        """An inference engine that generates for role ``name`` (vllm_rollout.VLLMRollout): synced from the role by
+        :meth:`rollout`, shown in :meth:`memory_report`, closed with the registry."""
+        engine.version = None  # synced from this role before its first rollout
+        self._rollouts[name] = engine
+
+    def rollout(self, name: str) -> Any | None:
+        """Role ``name``'s rollout engine holding the role's current weights (synced when it stepped since the last
+        sync, or was loaded from a checkpoint; collective), or None."""
+        engine = self._rollouts.get(name)
+        if engine is not None and engine.version != int(self.role(name).engine.global_steps):
+            engine.sync(self.role(name).module, int(self.role(name).engine.global_steps))
+        return engine
 
     # --- a loss over several trainable roles -----------------------------------------------------------
     def _roles_reached(self, loss: torch.Tensor) -> set[str]:
@@ -517,9 +471,8 @@ class EngineRegistry:
         return found
 
     def _guard_backward(self, role: Role) -> None:
-        """Make ``registry[name].backward(loss)`` refuse a loss that also reaches other trainable roles:
-        that one backward already gives them gradients, and a second engine's backward on the same loss
-        would run the graph again (ZeRO then fails on re-partitioned parameters)."""
+        """``registry[name].backward(loss)`` refuses a loss that also reaches other trainable roles: it would give
+        them gradients, and their own backward would run the graph again (ZeRO fails on re-partitioned parameters)."""
         engine = role.engine
         original = engine.backward
 
@@ -541,19 +494,11 @@ class EngineRegistry:
 
     def backward(self, loss: torch.Tensor, roles: Sequence[str] | None = None, retain_graph: bool = False,
                  through: Sequence[str] = ()) -> None:
-        """One backward pass of ``loss`` for several trainable roles (any mix of ZeRO stages, both
-        backends): each role's gradients as its own ``engine.backward`` would give them, i.e. divided by
-        its own accumulation steps (and its fp16 loss scale), reduced the way its stage reduces them.
-
-        Needed whenever one loss depends on more than one trainable role (a dual encoder's contrastive
-        loss, joint fine-tuning). Follow with ``registry.step(roles)``. All ranks must call it. ``roles``
-        defaults to every trainable role the loss reaches, except those named in ``through``.
-
-        ``through``: trainable roles the loss flows through without learning from it, e.g. the
-        discriminator in a GAN's generator step, or a trainable teacher or reward model a student's loss
-        passes through. Gradients flow through them to the listed roles; their own parameters get none
-        (their ``.grad`` and optimizer state are left as they were), at any ZeRO stage.
-        """
+        """One backward pass of a loss that depends on several trainable roles (any mix of stages, both backends):
+        each role's gradients as its own ``engine.backward`` would give them (divided by its accumulation steps and
+        fp16 loss scale, reduced as its stage reduces them); then ``registry.step(roles)``. All ranks call it.
+        ``roles``: default every trainable role the loss reaches. ``through``: trainable roles it only flows
+        through (a GAN's discriminator in the generator step): their parameters get no gradient, at any stage."""
         through = list(through)
         for name in through:
             if not self.role(name).trainable:
@@ -596,7 +541,7 @@ class EngineRegistry:
         try:
             with self._bystanders_quiet(set(names)):
                 if self.backend == "deepspeed":
-                    self._deepspeed_backward(scaled, [r.engine for r in targets], retain_graph, inputs)
+                    ds.joint_backward(scaled, [r.engine for r in targets], retain_graph, inputs)
                 else:
                     scaled.backward(retain_graph=retain_graph, inputs=inputs)
         finally:
@@ -605,68 +550,20 @@ class EngineRegistry:
 
     @contextlib.contextmanager
     def _bystanders_quiet(self, learning: set[str]) -> Iterator[None]:
-        """For one backward pass: every trainable DeepSpeed role that does not learn from it ignores the
-        gradient passing through its outputs. Each engine's forward hooks its outputs so that a backward
-        reaching them starts that engine's backward bookkeeping; for a role the loss only flows through,
-        that would open a ZeRO backward nobody closes, and at stage 0 it refuses the pass outright
-        ("Direct calls to tensor.backward() are not supported")."""
-        quiet = [r.engine for r in self.trainable_roles()
-                 if r.name not in learning and r.backend == "deepspeed" and hasattr(r.engine, "_backward_prologue")]
-        for engine in quiet:
-            engine._backward_prologue = _no_prologue
-        try:
+        """For one backward pass: every trainable DeepSpeed role that does not learn from it ignores the gradient
+        passing through its outputs (deepspeed_adapter.prologue_skipped)."""
+        with ds.prologue_skipped([r.engine for r in self.trainable_roles()
+                                  if r.name not in learning and r.backend == "deepspeed"]):
             yield
-        finally:
-            for engine in quiet:
-                del engine._backward_prologue
-
-    def _loss_factor(self, role: Role) -> float:
-        """What ``engine.backward`` multiplies the loss by: 1 / accumulation steps (x the fp16 loss scale)."""
-        engine = role.engine
-        factor = 1.0 / engine.gradient_accumulation_steps()
-        optimizer = getattr(engine, "optimizer", None)
-        if role.backend == "deepspeed" and hasattr(optimizer, "scale_if_loss"):
-            probe = torch.ones((), requires_grad=True)
-            factor *= float(optimizer.scale_if_loss(probe).detach())
-        return factor
 
     @staticmethod
-    def _deepspeed_backward(loss: torch.Tensor, engines: list[Any], retain_graph: bool,
-                            inputs: list[torch.Tensor] | None = None) -> None:
-        """``engine.backward`` for several engines at once: each engine is marked as inside its own
-        backward (so its output hooks run its prologue but do not rescale, the loss being scaled
-        already), one ``loss.backward()``, then every engine's epilogue (gradient reduction)."""
-        try:
-            from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER as tracker
-        except ImportError:
-            import deepspeed
-
-            raise ConfigError(
-                f"registry.backward over DeepSpeed roles needs deepspeed >= {MIN_DEEPSPEED} (its engine's backward "
-                f"graph tracker); deepspeed {deepspeed.__version__} is installed: pip install "
-                f"'deepspeed>={MIN_DEEPSPEED}'.") from None
-
-        for engine in engines:
-            with engine._running_engine_backward_lock:
-                engine._running_engine_backward_count += 1
-                engine._running_engine_backward = True
-        state = tracker.new_state()
-        handle = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
-        try:
-            loss.backward(retain_graph=retain_graph, inputs=inputs)
-            for engine in engines:
-                engine._backward_epilogue()
-        finally:
-            handle.remove()
-            tracker.unregister(state)
-            for engine in engines:
-                with engine._running_engine_backward_lock:
-                    engine._running_engine_backward_count -= 1
-                    engine._running_engine_backward = engine._running_engine_backward_count > 0
+    def _loss_factor(role: Role) -> float:
+        """What ``engine.backward`` multiplies the loss by: 1 / accumulation steps (x the fp16 loss scale)."""
+        factor = 1.0 / role.engine.gradient_accumulation_steps()
+        return factor * ds.loss_scale(role.engine) if role.backend == "deepspeed" else factor
 
     def step(self, roles: Sequence[str] | None = None) -> None:
-        """``engine.step()`` of each listed trainable role (all trainable roles by default): each steps its
-        optimizer, clips and schedules at its own accumulation boundary."""
+        """``engine.step()`` of each listed trainable role (default all): each at its own accumulation boundary."""
         for name in roles if roles is not None else [r.name for r in self.trainable_roles()]:
             role = self.role(name)
             if not role.trainable:
@@ -676,12 +573,13 @@ class EngineRegistry:
     # --- reports, checkpoints, exports -------------------------------------------------------------------
     def memory_report(self) -> _memory.MemoryReport:
         """Per role: stage, trainable, parameters on this rank / total, bytes of params, grads, optimizer state."""
-        return _memory.MemoryReport([_memory.role_memory(r, self.world_size) for r in self.roles()])
+        return _memory.MemoryReport([*(_memory.role_memory(r, self.world_size) for r in self.roles()),
+                                     *(engine.memory(f"rollout ({name})") for name, engine in self._rollouts.items())])
 
     def save_checkpoint(self, save_dir: str, client_state: dict[str, Any] | None = None, tag: str | None = None,
                         keep_last: int | None = None) -> str:
-        """Atomically write every trainable role's engine state, a manifest, client state (+RNG) and the
-        state of every object registered with ``add_state``. All ranks must call it. Returns the folder."""
+        """Atomically write every trainable role's state, a manifest, client state, RNG and the ``add_state``
+        objects; all ranks call it. Returns the folder."""
         state = dict(client_state or {})
         if self._states:
             state[_STATES_KEY] = {name: obj.state_dict() for name, obj in self._states.items()}
@@ -697,12 +595,14 @@ class EngineRegistry:
                                         " add_state); it was written by a run that did not register them.")
         for name, obj in self._states.items():
             obj.load_state_dict(saved[name])
+        for engine in self._rollouts.values():
+            engine.version = None  # synced again before its next rollout
+        self._restored_from = load_dir
         return state
 
     def export(self, out_dir: str, roles: Iterable[str] | None = None, dtype: str | None = None) -> dict[str, str]:
-        """Full weights of each role in ``out_dir/<role>/`` (``save_pretrained`` for transformers/diffusers
-        models, ``model.safetensors`` otherwise; LoRA merged, adapter beside it), each folder written
-        atomically; ``dtype`` casts floating weights (default: the role's own dtype). All ranks call it."""
+        """Full weights of each role in ``out_dir/<role>/`` (export.save_role: atomic, LoRA merged, ``dtype`` casts
+        floating weights); all ranks call it."""
         import os
 
         names = list(roles) if roles is not None else self.names()
@@ -711,6 +611,9 @@ class EngineRegistry:
 
     def close(self) -> None:
         """End of the run, on every rank: drop the engines and leave the process group cleanly."""
+        for engine in self._rollouts.values():
+            engine.close()
+        self._rollouts.clear()
         self._roles.clear()
         self._param_owner.clear()
         shutdown()

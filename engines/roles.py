@@ -1,15 +1,9 @@
-"""Role builders: the one vocabulary for where a role lives, how it trains and whether it has LoRA.
+"""Role builders: where a role lives (:class:`Placement`), how it trains (:class:`OptimSpec`) and its LoRA
+(:class:`LoraSpec`), turned by :func:`trainable_role` / :func:`frozen_role` into plain RoleSpecs::
 
-Both pipelines and user code describe roles with these three specs and two builders::
-
-    actor = trainable_role("actor", lambda: AutoModelForCausalLM.from_pretrained(path),
-                           Placement(stage=3, dtype="bf16"), OptimSpec(lr=1e-5),
-                           micro_batch_size=4, grad_accum=2, lora=LoraSpec(rank=8, target_modules=("q_proj", "v_proj")))
-    ref = frozen_role("ref", lambda: AutoModelForCausalLM.from_pretrained(path),
-                      Placement(stage=3, offload_params=True))
-
-They return plain :class:`RoleSpec` objects (config dicts from ``train_ds_config``/``eval_ds_config``),
-so anything a builder does can also be written by hand.
+    actor = trainable_role("actor", lambda: AutoModelForCausalLM.from_pretrained(path), Placement(stage=3),
+                           OptimSpec(lr=1e-5), micro_batch_size=4, lora=LoraSpec(rank=8))
+    ref = frozen_role("ref", lambda: AutoModelForCausalLM.from_pretrained(path), Placement(offload_params=True))
 """
 
 from __future__ import annotations
@@ -22,21 +16,12 @@ from typing import Any
 import torch
 
 from .config import DTYPES, ConfigError, eval_ds_config, train_ds_config
-from .zero_scope import zero_init_paused
+from .deepspeed_adapter import zero_init_paused
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "LoraSpec",
-    "OptimSpec",
-    "Placement",
-    "apply_lora",
-    "frozen_role",
-    "is_lora",
-    "set_gradient_checkpointing",
-    "torch_dtype",
-    "trainable_role",
-]
+__all__ = ["LoraSpec", "OptimSpec", "Placement", "apply_lora", "frozen_role", "is_lora", "set_gradient_checkpointing",
+           "torch_dtype", "trainable_role"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,13 +35,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a role lives: ZeRO stage, dtype and offload.
-
-    ``offload_optimizer`` applies to trainable roles (the optimizer then steps on the host with
-    DeepSpeed's CPU Adam); ``gather_forward`` to frozen ZeRO-3 roles: all their parameters are
-    gathered by one collective per forward call instead of layer by layer (1/N between calls), worth it
-    for small frozen models called once per step (a VAE, a text encoder, a reward model).
-    """
+    """Where a role lives: ZeRO stage, dtype and offload (``offload_optimizer``: trainable roles, stepped on the host
+    by DeepSpeed's CPU Adam). ``gather_forward``: a frozen ZeRO-3 role gathered by one collective per forward instead
+    of layer by layer (1/N between calls): worth it for small models called once per step (a VAE, a reward model)."""
 
     stage: int = 3
     dtype: str = "bf16"
@@ -78,13 +59,9 @@ _OPTIMIZERS = ("auto", "adamw", "ds_adam", "sgd")
 
 @dataclass(frozen=True)
 class OptimSpec:
-    """An optimizer and its learning-rate schedule, counted in optimizer steps.
-
-    ``name``: ``auto`` (DeepSpeed's Adam on a GPU or with an offloaded optimizer, torch's AdamW on a CPU-only
-    machine), ``adamw`` (torch's), ``ds_adam`` (DeepSpeed's CPU Adam / FusedAdam) or ``sgd``.
-    ``scheduler``: a ``transformers.get_scheduler`` name (``constant``, ``constant_with_warmup``,
-    ``linear``, ``cosine``, ...). ``max_grad_norm`` 0 or None turns clipping off.
-    """
+    """An optimizer and its learning-rate schedule in optimizer steps. ``name``: auto (optim.resolve_optimizer), adamw,
+    ds_adam (DeepSpeed's CPU Adam / FusedAdam) or sgd; ``scheduler``: a ``transformers.get_scheduler`` name;
+    ``max_grad_norm``: the gradient clipping norm, 0.0 = off."""
 
     name: str = "auto"
     lr: float = 1e-5
@@ -94,13 +71,16 @@ class OptimSpec:
     scheduler: str = "constant"
     warmup_steps: int = 0
     total_steps: int = 1000
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer name={self.name!r}; use one of {list(_OPTIMIZERS)}.")
         if not self.lr >= 0:
             raise ConfigError(f"lr={self.lr!r} must be >= 0.")
+        if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
+                or not self.max_grad_norm >= 0:
+            raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a number >= 0 (0.0 = no clipping).")
         if self.warmup_steps < 0 or self.total_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps} and total_steps={self.total_steps} must be >= 0.")
         from transformers import SchedulerType
@@ -111,15 +91,10 @@ class OptimSpec:
 
             close = difflib.get_close_matches(self.scheduler, names, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of {names}.")
+            raise ConfigError(f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of "
+                              f"{names}.")
 
-    @property
-    def clip(self) -> float | None:
-        return float(self.max_grad_norm) if self.max_grad_norm else None
-
-    def optimizer_factory(
-            self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def optimizer_factory(self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], Any]:
         from .optim import build_optimizer, resolve_optimizer
 
         name = resolve_optimizer(self.name, offload)
@@ -146,12 +121,9 @@ class OptimSpec:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """LoRA adapters through peft: only the adapters train (plus what a composite model keeps trainable).
-
-    ``alpha`` None means alpha = rank; ``init`` is peft's ``init_lora_weights`` (``True``: kaiming A and
-    zero B; ``"gaussian"``: what diffusers' LoRA scripts use). ``task_type`` None picks it from the model
-    class (``CAUSAL_LM`` for ``*ForCausalLM``, ``SEQ_CLS`` for ``*ForSequenceClassification``).
-    """
+    """LoRA adapters through peft: only they train (plus what a composite model keeps trainable). ``alpha`` None =
+    rank; ``init``: peft's ``init_lora_weights`` (True: kaiming A, zero B; "gaussian": diffusers' scripts');
+    ``task_type`` None: from the model class (CAUSAL_LM for *ForCausalLM, SEQ_CLS for *ForSequenceClassification)."""
 
     rank: int = 8
     alpha: float | None = None
@@ -193,14 +165,10 @@ def _task_type(model: torch.nn.Module) -> str | None:
 
 def apply_lora(model: torch.nn.Module, lora: LoraSpec, seed: int = 0,
                dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Freeze ``model`` and add LoRA adapters; returns the model to train (peft may wrap it).
-
-    The adapters are created with ZeRO-3 paused (peft's init cannot run on empty shards) from a private
-    RNG seeded with ``seed``, so every rank builds the same values; the engine partitions them after.
-    A model with its own ``apply_lora(lora, seed)`` method (a composite such as a body + value head)
-    decides itself what trains. diffusers models get ``add_adapter`` (what ``load_lora_weights`` reads
-    back); transformers models ``peft.get_peft_model``.
-    """
+    """Freeze ``model`` and add LoRA adapters; returns the model to train (peft may wrap it). Created with ZeRO-3
+    paused (peft cannot init empty shards) from an RNG seeded with ``seed``, the same on every rank. A model with its
+    own ``apply_lora(lora, seed)`` (a body + value head) decides what trains; diffusers models get ``add_adapter``
+    (what ``load_lora_weights`` reads back), transformers models ``peft.get_peft_model``."""
     if hasattr(model, "apply_lora"):
         out = model.apply_lora(lora, seed)
     else:
@@ -264,54 +232,35 @@ def _factory(model: Callable[[], torch.nn.Module], lora: LoraSpec | None, gradie
     return build
 
 
-def trainable_role(
-    name: str,
-    model: Callable[[], torch.nn.Module],
-    placement: Placement | None = None,
-    optim: OptimSpec | None = None,
-    *,
-    micro_batch_size: int = 1,
-    grad_accum: int = 1,
-    lora: LoraSpec | None = None,
-    gradient_checkpointing: bool = False,
-    seed: int = 0,
-    hidden_size: int | None = None,
-) -> Any:
-    """A trainable role: its own optimizer and schedule (``optim``, default ``OptimSpec()``), ZeRO placement
-    (default ``Placement()``), accumulation and clipping; optional LoRA (only adapters train) and gradient
-    checkpointing, applied after ``model()``."""
+def trainable_role(name: str, model: Callable[[], torch.nn.Module], placement: Placement | None = None,
+                   optim: OptimSpec | None = None, *, micro_batch_size: int = 1, grad_accum: int = 1,
+                   lora: LoraSpec | None = None, gradient_checkpointing: bool = False, seed: int = 0,
+                   hidden_size: int | None = None) -> Any:
+    """A trainable role: its optimizer and schedule, placement, accumulation and clipping; LoRA (only adapters
+    train) and gradient checkpointing applied after ``model()``."""
     from .registry import RoleSpec
 
     placement, optim = placement or Placement(), optim or OptimSpec()
-
     if placement.gather_forward:
         raise ConfigError(f"role '{name}': gather_forward is for frozen roles; a trainable one needs its ZeRO-3"
                           " hooks for the backward pass.")
     config = train_ds_config(stage=placement.stage, dtype=placement.dtype, micro_batch_size=micro_batch_size,
                              grad_accum=grad_accum, offload_optimizer=placement.offload_optimizer,
-                             offload_params=placement.offload_params, gradient_clipping=optim.clip)
+                             offload_params=placement.offload_params, gradient_clipping=optim.max_grad_norm)
     return RoleSpec(name, _factory(model, lora, gradient_checkpointing, seed, torch_dtype(placement.dtype)), config,
                     optimizer=optim.optimizer_factory(placement.offload_optimizer),
-                    lr_scheduler=optim.scheduler_factory(), hidden_size=hidden_size, placement=placement, lora=lora)
+                    lr_scheduler=optim.scheduler_factory(), hidden_size=hidden_size, placement=placement, lora=lora,
+                    optim=optim, gradient_checkpointing=gradient_checkpointing)
 
 
-def frozen_role(
-    name: str,
-    model: Callable[[], torch.nn.Module],
-    placement: Placement | None = None,
-    *,
-    stateful: bool = False,
-    lora: LoraSpec | None = None,
-    seed: int = 0,
-    hidden_size: int | None = None,
-) -> Any:
-    """A frozen role: no optimizer, no gradients, eval mode. ``stateful`` for one whose weights change
-    anyway (an EMA copy; saved in checkpoints); ``lora`` builds the same adapter layout as a LoRA
-    trainable role (an EMA of a LoRA model). ``placement`` defaults to ``Placement()``."""
+def frozen_role(name: str, model: Callable[[], torch.nn.Module], placement: Placement | None = None, *,
+                stateful: bool = False, lora: LoraSpec | None = None, seed: int = 0,
+                hidden_size: int | None = None) -> Any:
+    """A frozen role: no optimizer, no gradients, eval mode. ``stateful``: its weights change anyway (an EMA; saved
+    in checkpoints); ``lora``: the adapter layout of a LoRA trainable role (an EMA of one)."""
     from .registry import RoleSpec
 
     placement = placement or Placement()
-
     if placement.offload_optimizer:
         raise ConfigError(f"role '{name}': offload_optimizer=True, but a frozen role has no optimizer; drop it.")
     config = eval_ds_config(stage=placement.stage, dtype=placement.dtype, offload_params=placement.offload_params)

@@ -1,16 +1,5 @@
-"""Checkpoint state that loads without running code.
-
-Unpickling a file runs whatever its author put in it, so a checkpoint from someone else is a
-program. Our own state (client state, RNG states, the torch backend's engine state, EMA
-partitions) is written as a JSON tree plus a safetensors file of its tensors: neither format can
-carry code. DeepSpeed writes its per-role files with torch.save; those are read with
-`torch.load(weights_only=True)` and only the few DeepSpeed classes its ZeRO optimizers store
-allow-listed, for the duration of our own load call (see `deepspeed_loads_refusing_pickles`).
-
-The tree format stores dicts, lists, tuples, str, int, float (NaN/inf too), bool, None,
-torch tensors, numpy arrays and numpy scalars, bit for bit. Anything else is refused at save
-time with the path of the offending value.
-"""
+"""Checkpoint state that loads without running code: our state as JSON + safetensors (anything else refused at
+save time), DeepSpeed's torch.save files read with ``weights_only=True`` and an allow-list of classes."""
 
 from __future__ import annotations
 
@@ -131,12 +120,21 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     raise CheckpointError(f"{where}: unknown encoded value kind {kind!r}")
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+    """A file's data (or a folder's entries) on disk."""
+    fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """Every file, then every folder bottom-up: data and names are on disk before a rename makes them visible."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 def save_tree(obj: Any, base: str, what: str = "state") -> None:
@@ -150,7 +148,7 @@ def save_tree(obj: Any, base: str, what: str = "state") -> None:
         json.dump({"format": TREE_FORMAT, "tree": tree}, f, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_file(base + ".safetensors")
+    fsync_path(base + ".safetensors")
 
 
 def load_tree(base: str) -> Any:
@@ -179,9 +177,8 @@ def load_tree(base: str) -> Any:
 
 # --- DeepSpeed's own files -----------------------------------------------------------------------
 def deepspeed_safe_globals() -> list[Any]:
-    """The classes DeepSpeed 0.19's engines and ZeRO optimizers pickle into their checkpoint files
-    besides tensors and plain containers (found by listing the globals of stage 0-3 fp32/bf16 files,
-    and the fp16 loss scaler). Each is a plain record; none runs code when rebuilt."""
+    """The plain-record classes DeepSpeed 0.19's engines and ZeRO optimizers pickle besides tensors and containers
+    (the globals of stage 0-3 fp32/bf16/fp16 files); none runs code when rebuilt."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -263,6 +260,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "deepspeed_loads_refusing_pickles",
     "deepspeed_safe_globals",
+    "fsync_path",
+    "fsync_tree",
     "load_tree",
     "safe_torch_load",
     "save_tree",

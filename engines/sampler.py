@@ -15,21 +15,11 @@ __all__ = ["ShardedBatches", "ShardedEpochSampler", "shard_batches"]
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler[int]):
-    """Deterministic, resumable, distributed sampler.
-
-    Epoch ``e``'s order is ``randperm(n)`` from a generator seeded with ``seed + e`` (or
-    ``range(n)`` without shuffle), truncated to a multiple of ``world_size`` (so every rank does
-    the same number of steps and no collective hangs), and rank ``r`` takes ``order[r::world_size]``.
-
-    ``position`` counts indices this rank has already yielded in the current epoch; iteration
-    starts there, so ``load_state_dict(state_dict())`` resumes at the same sample. When a
-    DataLoader prefetches (``num_workers > 0``) the sampler runs ahead of training: pass the
-    number of samples actually trained on as ``state_dict(consumed=...)``.
-
-    A new iteration after a fully consumed epoch moves to the next epoch by itself, so forgetting
-    :meth:`set_epoch` does not replay the same order; the move happens lazily (at the next
-    ``__iter__``) so a checkpoint taken while the last prefetched batches train is still correct.
-    """
+    """Deterministic, resumable, distributed sampler. Epoch ``e``'s order is ``randperm(n)`` seeded with ``seed + e``
+    (``range(n)`` without shuffle), cut to a multiple of ``world_size`` (every rank the same steps: no collective
+    hangs); rank ``r`` takes ``order[r::world_size]``. ``position`` counts what this rank yielded this epoch and
+    iteration starts there (a prefetching DataLoader runs ahead: pass ``state_dict(consumed=...)``). A new iteration
+    after a consumed epoch moves to the next one by itself, lazily, so a checkpoint taken meanwhile stays right."""
 
     def __init__(self, n: int, world_size: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
         if world_size < 1 or not 0 <= rank < world_size:
@@ -76,33 +66,20 @@ class ShardedEpochSampler(torch.utils.data.Sampler[int]):
             yield index
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int | bool]:
-        """``{"epoch", "position", "n", "world_size", "rank", "seed", "shuffle"}``.
-
-        Args:
-            consumed: samples of the current epoch this rank has actually trained on; overrides the
-                yielded count (needed when a DataLoader prefetches ahead).
-        """
+        """The epoch, position and setup; ``consumed``: samples of this epoch actually trained on (a prefetching
+        DataLoader's sampler runs ahead)."""
         position = self.position if consumed is None else int(consumed)
         if not 0 <= position <= len(self):
             raise ValueError(f"consumed={consumed} outside [0, {len(self)}]")
-        return {
-            "epoch": self.epoch,
-            "position": position,
-            "n": self.n,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-        }
+        return {"epoch": self.epoch, "position": position, "n": self.n, "world_size": self.world_size,
+                "rank": self.rank, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``epoch``/``position``; raises ``ValueError`` if the data/sharding setup differs."""
         for key in ("n", "world_size", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
-                    "resuming would visit different samples"
-                )
+                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                                 "resuming would visit different samples")
         position = int(state["position"])
         if not 0 <= position <= len(self):
             raise ValueError(f"position {position} outside [0, {len(self)}]")
@@ -111,16 +88,8 @@ class ShardedEpochSampler(torch.utils.data.Sampler[int]):
 
 
 class ShardedBatches:
-    """Endless, resumable batches of this rank's shard: a :class:`ShardedEpochSampler` (equal shards,
-    so every rank makes the same number of steps) feeding ``collate``. Its state is the sampler's.
-
-    Args:
-        rows: anything indexable with a length (a ``datasets.Dataset``, a list of dicts).
-        collate: ``list of rows -> batch``.
-        batch_size: rows per batch on this rank.
-        world_size / rank: the data-parallel layout (``registry.world_size`` / ``registry.rank``).
-        seed / shuffle: as for :class:`ShardedEpochSampler`.
-    """
+    """Endless, resumable batches of ``batch_size`` rows of this rank's shard of ``rows`` (anything indexable with a
+    length) through ``collate`` (rows -> batch): a :class:`ShardedEpochSampler`, whose state is its state."""
 
     def __init__(self, rows: Sequence[Any], collate: Callable[[list[Any]], Any], batch_size: int,
                  world_size: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True) -> None:

@@ -21,28 +21,17 @@ _STATE_FILE = "torch_engine"  # + .json / .safetensors
 class TorchEngine(torch.nn.Module):
     """The subset of DeepSpeedEngine's API that multiengine pipelines use."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        config: dict[str, Any],
-        device: torch.device,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any = None,
-        world_size: int = 1,
-    ) -> None:
+    def __init__(self, module: torch.nn.Module, config: dict[str, Any], device: torch.device,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None, world_size: int = 1) -> None:
         super().__init__()
-        self.module = module.to(device)
-        self.config = config
-        self.device = device
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        self.module, self.config, self.device = module.to(device), config, device
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self._gas = int(config["gradient_accumulation_steps"])
         from .config import config_dtype
 
         dtype = config_dtype(config)
         self.autocast_dtype = dtype if optimizer is not None and dtype != torch.float32 else None
-        self._scaler = (torch.amp.GradScaler(device.type)
-                        if optimizer is not None and dtype == torch.float16 else None)
+        self._scaler = torch.amp.GradScaler(device.type) if optimizer is not None and dtype == torch.float16 else None
         self._clip = float(config.get("gradient_clipping", 0.0) or 0.0)
         self.micro_steps = 0
         self.global_steps = 0

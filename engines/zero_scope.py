@@ -1,9 +1,6 @@
-"""Per-role construction scope: zero.Init and transformers' HfDeepSpeedConfig live only while a
-stage-3 role's model() runs, with that role's own config, and are cleared right after.
-
-This is the fix for the diffusers example's failure under current releases, where a global
-HfDeepSpeedConfig outlives the UNet's build and the text encoder then loads partitioned but
-is never wrapped in an engine, and its first forward fails.
+"""Per-role construction scope: zero.Init and transformers' HfDeepSpeedConfig live only while a stage-3 role's
+model() runs, with that role's config (a global HfDeepSpeedConfig outliving the UNet's build is why diffusers'
+example fails: the text encoder loads partitioned, is never wrapped in an engine and fails at its first forward).
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from .deepspeed_adapter import zero_init_kept, zero_init_paused
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,7 @@ def clear_hf_deepspeed_config() -> None:
 
 
 def copy_into_partitioned(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Copy a full module's tensors into a twin built under zero.Init, one module at a time,
-    so that only one layer is ever gathered."""
+    """Copy a full module's tensors into a twin built under zero.Init, one module (one gather) at a time."""
     import deepspeed
 
     src_modules = dict(source.named_modules())
@@ -67,25 +65,19 @@ def copy_into_partitioned(source: torch.nn.Module, target: torch.nn.Module) -> N
 
 @contextlib.contextmanager
 def _diffusers_zero3_loading() -> Iterator[None]:
-    """diffusers' ModelMixin.from_pretrained does not know zero.Init: it either builds on the meta
-    device (which zero.Init cannot partition) or loads a full state dict into empty shards. While a
-    stage-3 role builds, it loads the full weights on the host with zero.Init paused (as transformers
-    does: every rank reads the checkpoint), then copies them into a twin built under zero.Init, so
-    accelerator memory only ever holds shards."""
+    """diffusers' from_pretrained does not know zero.Init (it builds on the meta device, or loads a full state dict
+    into empty shards): while a stage-3 role builds, it loads full weights on the host with zero.Init paused, as
+    transformers does, then copies them into a twin built under zero.Init (the accelerator only holds shards)."""
     if "diffusers" not in sys.modules and importlib.util.find_spec("diffusers") is None:
         yield
         return
-    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
     from diffusers.models.modeling_utils import ModelMixin
 
     original = ModelMixin.__dict__["from_pretrained"]
 
     def from_pretrained(cls, *args: Any, **kwargs: Any):
-        shutdown_init_context()
-        try:
+        with zero_init_paused():
             full = original.__func__(cls, *args, **kwargs)
-        finally:
-            restore_init_context()
         twin = cls.from_config(full.config)  # built under the role's zero.Init: partitioned
         copy_into_partitioned(full, twin)
         twin.train(full.training)
@@ -100,29 +92,9 @@ def _diffusers_zero3_loading() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def zero_init_paused() -> Iterator[None]:
-    """Inside a stage-3 role's model(): create parameters as ordinary full tensors for a while.
-
-    For code that cannot run on empty ZeRO-3 shards, e.g. peft's kaiming init of lora_A; every
-    rank must build the same values (seed them), and deepspeed.initialize partitions them after.
-    A no-op outside zero.Init or without DeepSpeed.
-    """
-    try:
-        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
-    except ImportError:
-        yield
-        return
-    shutdown_init_context()
-    try:
-        yield
-    finally:
-        restore_init_context()
-
-
-@contextlib.contextmanager
 def role_build_scope(ds_config: dict[str, Any], stage: int, use_deepspeed: bool) -> Iterator[None]:
-    """The context a role's model() runs in: for stage 3, zero.Init + HfDeepSpeedConfig + the
-    diffusers loader, all with this role's config; for any other stage, nothing global at all."""
+    """The context a role's model() runs in: at stage 3 zero.Init, HfDeepSpeedConfig and the diffusers loader with
+    this role's config; otherwise nothing global."""
     clear_hf_deepspeed_config()
     if not use_deepspeed or stage != 3:
         yield
@@ -134,62 +106,6 @@ def role_build_scope(ds_config: dict[str, Any], stage: int, use_deepspeed: bool)
         # zero.Init patches tensor constructors fails inside torch._dynamo.
         stack.enter_context(_hf_config_scope(ds_config))
         stack.enter_context(_diffusers_zero3_loading())
-        stack.enter_context(_classes_kept(deepspeed.zero.Init(config_dict_or_path=ds_config)))
+        stack.enter_context(zero_init_kept(deepspeed.zero.Init(config_dict_or_path=ds_config)))
         yield
     clear_hf_deepspeed_config()
-
-
-def _module_classes() -> list[type]:
-    from deepspeed.runtime.zero.partition_parameters import get_all_subclasses
-
-    return list(get_all_subclasses(torch.nn.Module))
-
-
-def _rewrapped_inits() -> dict[type, Any]:
-    """Classes whose ``__init__`` was wrapped again after zero.Init wrapped it: a class defined while the
-    scope was open (its module imported by the role's factory) and then decorated, as transformers'
-    kernel decorator does to the attention classes of most model families. zero.Init's own wrapper keeps
-    the function it wraps as both ``__wrapped__`` and the class's ``_old_init``."""
-    found = {}
-    for cls in _module_classes():
-        init, old = cls.__dict__.get("__init__"), cls.__dict__.get("_old_init")
-        if init is not None and old is not None and getattr(init, "__wrapped__", None) is not old:
-            found[cls] = init
-    return found
-
-
-@contextlib.contextmanager
-def _classes_kept(init_ctx: Any) -> Iterator[Any]:
-    """zero.Init that leaves every nn.Module class as it would be had it been defined outside the scope.
-
-    When zero.Init stops (at the end of the scope, or paused by zero_init_paused), it sets each class's
-    ``__init__`` back to the one it saw when the class was defined. For a class defined inside the scope
-    and decorated afterwards, that drops the decorator: every instance built later, by this role after a
-    pause or by any later role, lacks what the decorator sets up (``'LlamaAttention' object has no
-    attribute '_kernel_funcs'``). Here each stop puts such decorated ``__init__`` back; the zero.Init
-    wrapper left inside it only partitions while this scope's zero.Init is active, so later builds at
-    another stage, or under another role's zero.Init, get plain tensors or their own partitioning.
-    """
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
-
-    post_init = init_ctx._post_init_method
-
-    def post_init_while_active(module: torch.nn.Module) -> None:
-        if init_ctx.patched:
-            post_init(module)
-
-    init_ctx._post_init_method = post_init_while_active
-    unpatch = Patcher.__dict__["unpatch_init_and_builtins"]
-
-    def unpatch_keeping_decorators(self: Any) -> None:
-        rewrapped = _rewrapped_inits()
-        unpatch(self)
-        for cls, init in rewrapped.items():
-            cls.__init__ = init
-
-    Patcher.unpatch_init_and_builtins = unpatch_keeping_decorators
-    try:
-        with init_ctx:
-            yield init_ctx
-    finally:
-        Patcher.unpatch_init_and_builtins = unpatch

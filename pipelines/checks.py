@@ -1,9 +1,5 @@
-"""Cheap checks of a user's model folders and tokenizers and of the batch arithmetic, meant to run before any
-rank starts (the data checks are ``rlhf.data.check_rlhf_data`` and ``diffusion.data.check_image_caption_data``).
-
-Nothing here builds a model: only ``config.json`` / ``model_index.json`` and tokenizer files are read.
-Every error names the config key, the value and the fix.
-"""
+"""Cheap checks, before any rank starts, of model folders, tokenizers and batch arithmetic (config.json /
+model_index.json and tokenizer files only); every error names the config key, the value and the fix."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from multiengine.engines.recipe_config import RecipeConfigError
+from multiengine.engines.settings import SettingsError
 
 from .sources import is_hub_name
 
@@ -24,7 +20,7 @@ __all__ = ["ModelFolderError", "check_diffusers_folder", "check_model", "check_m
            "tokenizer_size"]
 
 
-class ModelFolderError(RecipeConfigError):
+class ModelFolderError(SettingsError):
     """A model folder / tokenizer that cannot be used as given (key, value and fix in the message): a config
     error, reported without a traceback."""
 
@@ -35,18 +31,8 @@ def _offline() -> bool:
 
 
 def check_model_folder(path: str, key: str = "model.pretrained", kind: str = "transformers") -> str:
-    """Check that ``path`` can be loaded as a model: an existing local folder with ``config.json``
-    (``kind="transformers"``) or ``model_index.json`` (``kind="diffusers"``), or a hub name.
-
-    A path that looks local (absolute, ``./``, ``~``, more than one ``/``) and does not exist is
-    "no such folder", never a hub lookup; a hub name is checked against the local cache when offline.
-
-    Returns:
-        ``"local"`` or ``"hub"``.
-
-    Raises:
-        ModelFolderError: naming ``key``, the path and what to do.
-    """
+    """``"local"`` (a folder with ``config.json`` or, for ``kind="diffusers"``, ``model_index.json``) or ``"hub"``; a
+    local-looking missing path is an error, never a hub lookup. ModelFolderError names ``key``, the path, the fix."""
     if kind not in ("transformers", "diffusers"):
         raise ValueError(f"kind={kind!r}; use 'transformers' or 'diffusers'")
     marker = "config.json" if kind == "transformers" else "model_index.json"
@@ -81,16 +67,8 @@ _PROBE = "list 3 fruits : apple pear plum. Hello, world! 12345 \u00e9t\u00e9"
 
 
 def load_tokenizer(path: str, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained(path)``, except where transformers replaces a local folder's own
-    tokenizer with its model family's class.
-
-    For some families (Qwen2, Phi-3 among them) transformers ignores a generic ``tokenizer_class`` in
-    ``tokenizer_config.json`` and builds the family's tokenizer from the vocabulary instead: a tokenizer the
-    user trained (word level, or other pre-tokenization) then encodes text differently from its own
-    ``tokenizer.json``, and training runs on wrong ids without any error. When the folder declares a generic
-    class and the family class encodes a probe differently from ``tokenizer.json``, the folder's tokenizer is
-    loaded as declared, with a warning.
-    """
+    """``AutoTokenizer.from_pretrained(path)``, except where transformers swaps in its family's tokenizer (Qwen2,
+    Phi-3 ignore a generic ``tokenizer_class``) and would encode differently: then the declared one, with a warning."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -129,20 +107,8 @@ def _vocab_size(config: Any) -> int | None:
 
 def check_vocab_fits(tokenizer: Any, model_path: str, *, key: str = "model.pretrained",
                      tokenizer_key: str | None = None, subfolder: str | None = None) -> tuple[int, int | None]:
-    """Check that every id of ``tokenizer`` has a row in the model's embedding (from its ``config.json``).
-
-    Args:
-        tokenizer: a tokenizer object, or a folder / hub name to load one from (``AutoTokenizer``).
-        model_path: the model folder (or hub name) whose config gives ``vocab_size``.
-        key, tokenizer_key: config keys named in the error.
-        subfolder: the model's subfolder (a diffusers text encoder).
-
-    Returns:
-        ``(tokenizer size, model vocab size or None when the config has none)``.
-
-    Raises:
-        ModelFolderError: the tokenizer has ids the model cannot embed.
-    """
+    """``(tokenizer size, the model's vocab_size or None)``: every tokenizer id has an embedding row in the model at
+    ``model_path``, else ModelFolderError naming ``key`` and ``tokenizer_key``."""
     from transformers import AutoConfig
 
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -178,7 +144,7 @@ def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallb
     try:
         tok = role_tokenizer(given, model_path, fallback, what=model_key)
     except (OSError, ValueError) as err:
-        raise RecipeConfigError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
+        raise SettingsError(f"{key if given else model_key}={given or model_path!r}: cannot load a "
                                 f"tokenizer ({err}); set {key} to a tokenizer folder") from None
     check_vocab_fits(tok, str(model_path), key=model_key, tokenizer_key=key if given else model_key)
     return tok
@@ -203,28 +169,13 @@ def check_diffusers_folder(path: str, key: str = "model.pretrained") -> list[str
     return encoders
 
 
-# --- batch arithmetic: the rows each rank gets against the batches it draws ----------------------------------
+# --- batch arithmetic: the rows each rank gets against the batches it draws ---------------------------------------
 def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, factor: int = 1, unit: str = "rows",
                         what: str = "", heldout: int = 0, heldout_key: str = "data.eval_split",
                         setting: str = "{key}={n}") -> None:
-    """Refuse a batch that the training rows cannot fill on ``world_size`` ranks, as the run's sampler deals them
-    (engines.ShardedEpochSampler: each rank gets ``rows // world_size`` rows per epoch, the tail dropped) and
-    draws batches of ``value x factor`` rows per rank; the run itself would fail only after building its models.
-
-    Args:
-        rows: the training rows, after the held-out split (and any row limit).
-        key / value: the config key of the batch size and its value; ``factor`` multiplies it (``grad_accum``
-            when one batch holds every micro batch of a step), ``what`` says so ("roles.actor.micro_batch_size x
-            roles.actor.grad_accum").
-        heldout: rows the evaluation split took out of the training data (0 when they come from elsewhere);
-            ``heldout_key`` is the key that sets that split.
-        setting: how the fix sets a smaller value (``{key}``, ``{n}``), e.g. for another recipe's overrides.
-
-    Raises:
-        ConfigValueError: naming the key, the value and the fix (a smaller batch, fewer ranks, a smaller held-out
-        split).
-    """
-    from multiengine.engines.recipe_config import config_problem
+    """Refuse a batch (``value x factor`` rows per rank and step) that ``rows // world_size`` training rows per rank
+    (less ``heldout``) cannot fill, before the run builds its models. ConfigValueError naming the key, value, fixes."""
+    from multiengine.engines.settings import config_problem
 
     need = int(value) * int(factor)
     per_rank = rows // world_size
@@ -251,9 +202,7 @@ def check_rows_per_rank(rows: int, world_size: int, *, key: str, value: int, fac
 
 def check_stage_batches(report: dict[str, Any] | None, world_size: int, *, key: str, value: int, factor: int = 1,
                         unit: str = "rows", what: str = "", setting: str = "{key}={n}") -> None:
-    """The rows each rank gets against the batches it draws (``check_rows_per_rank``) for the training rows of a
-    data check's report (``train_rows``, ``eval_rows``, ``eval_origin``); built-in data (no report, thousands of rows
-    per stage) passes."""
+    """:func:`check_rows_per_rank` for the training rows of a data check's report; built-in data passes."""
     if report is None:
         return
     check_rows_per_rank(int(report["train_rows"]), world_size, key=key, value=value, factor=factor, unit=unit,

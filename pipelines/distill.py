@@ -1,34 +1,53 @@
-"""Knowledge-distillation losses between a teacher's and a student's next-token distributions.
-
-Pure functions on logits ``[B, T, V]`` and a mask ``[B, T]`` of the positions to learn from; every
-loss is a mean over those positions.
-
-* forward KL ``KL(p_T || p_S)`` (Hinton et al. 2015: the student covers every mode of the teacher);
-* reverse KL ``KL(p_S || p_T)`` (mode seeking, as in MiniLLM);
-* generalised Jensen-Shannon ``beta KL(p_T || m) + (1 - beta) KL(p_S || m)``, ``m = beta p_T + (1 - beta) p_S``
-  (as in GKD; ``beta = 0.5`` is the symmetric JSD, bounded by ln 2).
-
-With a temperature ``tau`` both distributions are ``softmax(logits / tau)`` and the loss is multiplied
-by ``tau^2``, which keeps its gradient scale independent of ``tau`` (Hinton et al.).
-
-On-policy distillation (GKD, Agarwal et al. 2024; end of the module): :func:`generalized_jsd` with GKD's
-``beta`` (0 forward KL, 1 reverse KL, no ``tau^2``), :func:`response_distill_loss` on the tokens a student
-sampled, :func:`check_vocab` before comparing two models' logits, and :func:`on_policy_batch`, GKD's lambda.
-"""
+"""Knowledge distillation between a teacher's and a student's next-token distributions: pure losses on logits
+(GKD's ``beta``: 0 forward KL, 1 reverse KL, between the generalised JSD; ``softmax(logits / tau)``, offline loss
+times ``tau^2``), the distill recipe's settings, and on-policy distillation's samples (GKD, Agarwal et al. 2024)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines.settings import Choice, Range, Satisfies, Settings, setting
 
-__all__ = ["DIVERGENCES", "check_vocab", "distillation_loss", "divergence", "generalized_jsd", "generalized_jsd_loss",
-           "gkd_beta", "heldout_cross_entropy", "next_token_mask", "on_policy_batch", "prompts_of_demonstrations",
-           "response_distill_loss", "role_logits", "sampled_distill_loss", "student_samples"]
+__all__ = ["DIVERGENCES", "DistillSettings", "check_vocab", "distillation_loss", "divergence", "generalized_jsd",
+           "generalized_jsd_loss", "gkd_beta", "heldout_cross_entropy", "next_token_mask", "on_policy_batch",
+           "prompts_of_demonstrations", "response_distill_loss", "role_logits", "sampled_distill_loss",
+           "student_samples"]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass(frozen=True)
+class DistillSettings(Settings):
+    """The distillation loss: the same per-token divergence on demonstrations and on the student's samples."""
+
+    loss: str = setting("forward_kl", "forward_kl | reverse_kl | jsd", Choice(*DIVERGENCES))
+    temperature: float = setting(1.0, "softens both distributions; the loss is multiplied by its square",
+                                 Range(0, min_exclusive=True))
+    alpha: float = setting(1.0, "weight of the distillation term; 1 - alpha goes to the hard-label cross-entropy",
+                           Range(0, 1))
+    beta: float = setting(0.5, "the JSD's teacher weight (GKD's beta; forward_kl is beta 0, reverse_kl 1)",
+                          Satisfies(lambda b: isinstance(b, (int, float)) and 0 < b < 1,
+                                    "in (0, 1) (its ends are distill.loss=forward_kl (beta 0) and reverse_kl "
+                                    "(beta 1))"), when="loss=jsd")
+    on_policy_fraction: float = setting(0.0, "GKD's lambda: the share of steps whose responses the student samples "
+                                             "itself (generation.*) for the teacher to score; 0 = offline, 1 = always",
+                                        Range(0, 1))
+
+    def offline_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:func:`distillation_loss` of these settings on a demonstration batch."""
+        return distillation_loss(student_logits, teacher_logits, labels, self.loss, self.temperature, self.alpha,
+                                 self.beta)
+
+    def sampled_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
+                     action_mask: torch.Tensor) -> torch.Tensor:
+        """:func:`sampled_distill_loss` of these settings on the student's own answers."""
+        return sampled_distill_loss(student_logits, teacher_logits, context_length, action_mask, self.loss,
+                                    self.temperature, self.beta)
 
 
 def _masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -36,36 +55,42 @@ def _masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-               kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5) -> torch.Tensor:
-    """Mean over ``mask`` of the per-position divergence between teacher and student, times ``tau^2``.
-
-    Args:
-        student_logits, teacher_logits: ``[B, T, V]`` (same vocabulary).
-        mask: ``[B, T]`` bool/0-1, the positions that count.
-        kind: ``forward_kl`` | ``reverse_kl`` | ``jsd``.
-        temperature: ``tau > 0``.
-        beta: the JSD's teacher weight, in (0, 1).
-    """
+def gkd_beta(kind: str, beta: float = 0.5) -> float:
+    """GKD's ``beta`` of a divergence name: ``forward_kl`` 0, ``reverse_kl`` 1, ``jsd`` ``beta`` (in (0, 1))."""
     if kind not in DIVERGENCES:
         raise ValueError(f"divergence kind={kind!r}; use one of {list(DIVERGENCES)}.")
+    if kind == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"distill.beta={beta!r}: the JSD's teacher weight must be in (0, 1).")
+    return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(kind, float(beta))
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per-position divergence of GKD's ``beta`` (module docstring), ``[..., V] -> [...]`` float32, without the
+    ``tau^2`` factor. The mixture tends to ``p_S`` as ``beta -> 0``, so the endpoints are computed as the KLs."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"distill.beta={beta!r}: in [0, 1] (0 forward KL, 1 reverse KL, between: JSD).")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
+        raise ValueError(f"distill.temperature={temperature!r}: must be > 0.")
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ: the two models need the same vocabulary.")
+                         f"{tuple(teacher_logits.shape)} differ: the two models need the same vocabulary "
+                         "(check_vocab(), then slice both to its size).")
     log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    if kind == "forward_kl":
-        per_token = (log_t.exp() * (log_t - log_s)).sum(-1)
-    elif kind == "reverse_kl":
-        per_token = (log_s.exp() * (log_s - log_t)).sum(-1)
-    else:
-        if not 0.0 < beta < 1.0:
-            raise ValueError(f"jsd beta must be in (0, 1), got {beta}.")
-        log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1.0 - beta)]), dim=0)
-        per_token = (beta * (log_t.exp() * (log_t - log_m)).sum(-1)
-                     + (1.0 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1))
+    if beta == 0.0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    if beta == 1.0:
+        return (log_s.exp() * (log_s - log_t)).sum(-1)
+    log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1.0 - beta)]), dim=0)
+    return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1.0 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
+
+
+def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+               kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5) -> torch.Tensor:
+    """Mean over ``mask`` of the per-position divergence ``kind`` (``forward_kl`` | ``reverse_kl`` | ``jsd`` with
+    teacher weight ``beta``) between same-vocabulary logits, times ``temperature^2``."""
+    per_token = generalized_jsd(student_logits, teacher_logits, gkd_beta(kind, beta), temperature)
     return _masked_mean(per_token, mask) * temperature**2
 
 
@@ -78,16 +103,8 @@ def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
                       kind: str = "forward_kl", temperature: float = 1.0, alpha: float = 1.0,
                       beta: float = 0.5) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``alpha * divergence + (1 - alpha) * cross-entropy`` on the labelled next-token positions.
-
-    Args:
-        student_logits, teacher_logits: ``[B, L, V]`` logits of the same input ids.
-        labels: ``[B, L]`` the input ids with -100 where no loss is wanted (prompt, padding).
-        alpha: weight of the distillation term; ``1 - alpha`` goes to the hard-label loss.
-
-    Returns:
-        ``(loss, {"divergence", "ce"})`` (the parts detached).
-    """
+    """``alpha * divergence + (1 - alpha) * cross-entropy`` on the labelled positions (``labels`` -100 elsewhere);
+    returns ``(loss, {"divergence", "ce"})``."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}.")
     mask = next_token_mask(labels)
@@ -100,60 +117,17 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return loss, {"divergence": div.detach(), "ce": ce.detach()}
 
 
-# --------------------------------------------------------------------------------------------------------------
-# On-policy distillation (GKD, Agarwal et al. 2024): the student samples the responses, the teacher scores every
-# token of them, and the loss is a per-token divergence on the student's response tokens.
-# --------------------------------------------------------------------------------------------------------------
-
-
-def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
-                    temperature: float = 1.0) -> torch.Tensor:
-    """Per-position generalised JSD of GKD, ``[..., V] -> [...]`` float32, with beta as TRL's GKD defines it:
-
-    * ``beta = 0``: forward KL ``KL(p_T || p_S)``;
-    * ``beta = 1``: reverse KL ``KL(p_S || p_T)``;
-    * else ``beta KL(p_T || m) + (1 - beta) KL(p_S || m)`` with ``m = beta p_T + (1 - beta) p_S``.
-
-    Both distributions are ``softmax(logits / temperature)``. Unlike :func:`divergence` there is no
-    ``temperature^2`` factor (GKD has none), and the mixture tends to ``p_S`` as ``beta -> 0``, so the
-    endpoints are defined separately (the mixture form is not continuous there).
-    """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"distill.beta={beta!r}: in [0, 1] (0 forward KL, 1 reverse KL, between: JSD).")
-    if temperature <= 0:
-        raise ValueError(f"distill.temperature={temperature!r}: must be > 0.")
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ: check_vocab() first, and slice both to its size.")
-    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    if beta == 0.0:
-        return (log_t.exp() * (log_t - log_s)).sum(-1)
-    if beta == 1.0:
-        return (log_s.exp() * (log_s - log_t)).sum(-1)
-    log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1.0 - beta)]), dim=0)
-    return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1.0 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
-
-
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
                          beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
     """Mean of :func:`generalized_jsd` over the positions where ``mask [B, T]`` is set (GKD's ``batchmean`` over
     the labelled tokens); 0 when none is (not NaN). The teacher's logits are detached."""
-    per_token = generalized_jsd(student_logits, teacher_logits.detach(), beta, temperature)
-    return _masked_mean(per_token, mask)
+    return _masked_mean(generalized_jsd(student_logits, teacher_logits.detach(), beta, temperature), mask)
 
 
 def response_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
                           action_mask: torch.Tensor, beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
-    """:func:`generalized_jsd_loss` on a rollout's response tokens.
-
-    Args:
-        student_logits, teacher_logits: ``[B, L, V]`` for ``sequences = prompt (C) + response (T)``, ``L = C + T``
-            (the layout of ``rlhf.rollout.Experience``); the logits at ``C - 1 .. L - 2`` predict the response.
-        context_length: ``C``, the padded prompt length (``>= 1``).
-        action_mask: ``[B, T]`` the student's own response tokens (EOS included, padding and any environment
-            tokens 0).
-    """
+    """:func:`generalized_jsd_loss` on a rollout's response tokens (logits of prompt ``C`` + response, positions
+    ``C - 1 .. L - 2``; ``action_mask [B, T]``: the student's own tokens)."""
     if context_length < 1:
         raise ValueError(f"context_length must be >= 1 (the prompt predicts the first response token), got "
                          f"{context_length}.")
@@ -166,37 +140,25 @@ def response_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Te
     return generalized_jsd_loss(s, t, action_mask, beta, temperature)
 
 
-def _vocab_of(tokenizer: Any) -> dict[str, int]:
-    return dict(tokenizer.get_vocab())
+def sampled_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
+                         action_mask: torch.Tensor, kind: str = "forward_kl", temperature: float = 1.0,
+                         beta: float = 0.5) -> torch.Tensor:
+    """The offline objective (:func:`divergence`, ``tau^2`` included) on a rollout's response tokens, so on-policy
+    and offline batches of one run differ only in where the responses come from (GKD's ``lambda``)."""
+    loss = response_distill_loss(student_logits, teacher_logits, context_length, action_mask,
+                                 gkd_beta(kind, beta), temperature)
+    return loss * temperature**2
 
 
 def check_vocab(student_vocab_size: int, teacher_vocab_size: int, student_tokenizer: Any = None,
                 teacher_tokenizer: Any = None) -> int:
-    """The number of logits teacher and student share, or a ``ValueError`` that says why they cannot be compared.
-
-    A per-token divergence compares the two next-token distributions entry by entry, so entry ``i`` must be the
-    same token in both models.
-
-    * Equal logit sizes: accepted, unless both tokenizers are given and map tokens to ids differently.
-    * Different logit sizes: accepted only when both tokenizers are given, map every token to the same id, and
-      both models have at least ``len(tokenizer)`` logits. This is the common case of a family whose
-      embedding matrices are padded to a multiple of 64 or 128 (sizes differ between model sizes, the
-      tokenizer is one); the loss then uses the first ``len(tokenizer)`` logits of both, i.e. both
-      distributions renormalised over the real tokens.
-
-    Args:
-        student_vocab_size / teacher_vocab_size: the models' logit sizes (``config.vocab_size``).
-        student_tokenizer / teacher_tokenizer: optional, anything with ``get_vocab()`` and ``len()``.
-
-    Returns:
-        How many leading logits to compare (slice both ``[..., :n]``).
-    """
+    """How many leading logits teacher and student share, or a ``ValueError`` saying why they cannot be compared:
+    different logit sizes (padded embeddings) pass only with equal tokenizers no larger than either model's logits."""
     fix = ("use a teacher and a student of one model family (one tokenizer), or train the student on text the "
            "teacher generated (sequence-level distillation: rlhf_sft on the teacher's answers) instead of its logits")
     s, t = int(student_vocab_size), int(teacher_vocab_size)
-    both = student_tokenizer is not None and teacher_tokenizer is not None
-    if both:
-        sv, tv = _vocab_of(student_tokenizer), _vocab_of(teacher_tokenizer)
+    if student_tokenizer is not None and teacher_tokenizer is not None:
+        sv, tv = dict(student_tokenizer.get_vocab()), dict(teacher_tokenizer.get_vocab())
         if sv != tv:
             differ = sorted(set(sv.items()) ^ set(tv.items()), key=str)[:3]
             raise ValueError(f"teacher and student tokenizers differ (student {len(sv)} tokens, teacher {len(tv)}; "
@@ -215,13 +177,8 @@ def check_vocab(student_vocab_size: int, teacher_vocab_size: int, student_tokeni
 
 
 def on_policy_batch(seed: int, step: int, fraction: float) -> bool:
-    """Whether the batch of ``step`` uses responses the student samples itself (GKD's lambda, ``fraction``).
-
-    Decided by a uniform draw ``u`` in ``[0, 1)`` from a generator seeded by ``(seed, step)`` only: the same on
-    every rank (generation is collective) and after a resume, independent of anything else drawn. ``u <
-    fraction``, so ``0`` is never and ``1`` always; over many steps the share of on-policy batches tends to
-    ``fraction``.
-    """
+    """Whether step ``step`` uses the student's own samples (GKD's lambda): ``u < fraction`` from a generator
+    seeded by ``(seed, step)``, the same on every rank and after a resume."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"distill.on_policy_fraction={fraction!r}: the share of batches the student samples, in "
                          "[0, 1] (0 = offline distillation, 1 = always on-policy).")
@@ -230,34 +187,10 @@ def on_policy_batch(seed: int, step: int, fraction: float) -> bool:
     return u < fraction
 
 
-def gkd_beta(kind: str, beta: float = 0.5) -> float:
-    """GKD's ``beta`` of a divergence name: ``forward_kl`` 0, ``reverse_kl`` 1, ``jsd`` ``beta``."""
-    if kind not in DIVERGENCES:
-        raise ValueError(f"divergence kind={kind!r}; use one of {list(DIVERGENCES)}.")
-    return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(kind, float(beta))
-
-
-def sampled_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, context_length: int,
-                         action_mask: torch.Tensor, kind: str = "forward_kl", temperature: float = 1.0,
-                         beta: float = 0.5) -> torch.Tensor:
-    """The offline :func:`divergence` (``kind``, ``beta``, times ``temperature^2``) on the response tokens of a
-    rollout (:func:`response_distill_loss`'s layout), so on-policy and offline batches of one run optimise the
-    same per-token objective and differ only in where the responses come from (GKD's ``lambda``)."""
-    loss = response_distill_loss(student_logits, teacher_logits, context_length, action_mask,
-                                 gkd_beta(kind, beta), temperature)
-    return loss * temperature**2
-
-
 def prompts_of_demonstrations(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                               pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts of right-padded demonstrations, left padded for generation.
-
-    A row's prompt is its tokens before the first labelled one (``labels != -100``: the response, or a
-    conversation's first assistant turn), at least one token; a row with no label keeps all its real tokens.
-
-    Returns:
-        ``(prompt_ids, prompt_mask)``, each ``[B, C]``, ``C`` the longest prompt.
-    """
+    """``(prompt_ids, prompt_mask)`` ``[B, C]`` of right-padded demonstrations, left padded for generation: a row's
+    tokens before its first labelled one (at least one; all its real tokens when none is labelled)."""
     labelled = labels != -100
     real = attention_mask.long().sum(1)
     first = torch.where(labelled.any(1), labelled.long().argmax(1), real)
@@ -274,12 +207,8 @@ def prompts_of_demonstrations(input_ids: torch.Tensor, attention_mask: torch.Ten
 @torch.no_grad()
 def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Any,
                     eos_token_id: int, pad_token_id: int, seed: int) -> dict[str, Any]:
-    """The student's own responses to left-padded prompts (collective: every rank calls it, same count).
-
-    ``settings`` is an ``rlhf.generation.GenerationSettings``; ``seed`` seeds torch's generator first, so a
-    resumed run samples the same tokens. Returns ``sequences`` and ``attention_mask`` ``[B, C + T]``,
-    ``action_mask`` ``[B, T]`` (the response up to and including its first EOS) and ``context_length`` ``C``.
-    """
+    """The student's answers to left-padded prompts (collective; torch seeded with ``seed``): ``sequences``,
+    ``attention_mask``, ``action_mask`` (up to the first EOS) and ``context_length``."""
     from multiengine.pipelines.rlhf.generation import generate
     from multiengine.pipelines.rlhf.ppo import action_mask
 
@@ -306,22 +235,20 @@ def heldout_cross_entropy(registry: Any, role: str, batches: list[dict[str, torc
     """``role``'s next-token cross-entropy on the labelled tokens of ``batches`` (labels -100 elsewhere), a mean
     over every such token of every rank (collective); ``None`` without batches."""
     from multiengine.engines import mean_over_ranks
+    from multiengine.pipelines.rlhf.scoring import eval_mode
 
     if not batches:
         return None
-    module = registry.role(role).module
-    was_training = module.training
-    module.eval()
     total = count = 0.0
-    for batch in batches:
-        batch = {k: v.to(registry.device) for k, v in batch.items()}
-        logits = role_logits(registry, role, batch, vocab)[:, :-1].float()
-        target = batch["labels"][:, 1:]
-        mask = target != -100
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.clamp(min=0).reshape(-1),
-                             reduction="none").view(target.shape)
-        total += float((ce * mask).sum())
-        count += float(mask.sum())
-    module.train(was_training)
+    with eval_mode(registry, role):
+        for batch in batches:
+            batch = {k: v.to(registry.device) for k, v in batch.items()}
+            logits = role_logits(registry, role, batch, vocab)[:, :-1].float()
+            target = batch["labels"][:, 1:]
+            mask = target != -100
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.clamp(min=0).reshape(-1),
+                                 reduction="none").view(target.shape)
+            total += float((ce * mask).sum())
+            count += float(mask.sum())
     sums = mean_over_ranks({"total": total, "count": count})
     return sums["total"] / max(sums["count"], 1.0)

@@ -1,17 +1,14 @@
-"""A GAN's pieces as pure functions: the non-saturating losses, a toy target distribution (a ring of
-Gaussians) with a seeded sampler, tiny MLP generator and discriminator, and sample-quality figures.
-
-The losses follow Goodfellow et al. (2014) with the generator's non-saturating form:
-``d_loss = softplus(-D(real)) + softplus(D(fake))`` (binary cross-entropy on logits, mean over rows) and
-``g_loss = softplus(-D(G(z)))``.
-"""
+"""A GAN's pieces as pure functions: the non-saturating losses (``d_loss = softplus(-D(real)) + softplus(D(fake))``,
+``g_loss = softplus(-D(G(z)))``), a ring of Gaussians to learn, tiny MLPs and sample-quality figures."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines.settings import Range, Settings, setting
 
 
 def discriminator_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
@@ -57,9 +54,8 @@ class MLP(torch.nn.Module):
 
 
 def sample_quality(samples: torch.Tensor, modes: torch.Tensor, std: float) -> dict[str, float]:
-    """How well ``samples`` [n, 2] cover the ring: ``mode_coverage`` (share of modes that hold at least a
-    quarter of their fair share of samples within 3 std), ``high_quality`` (share of samples within 3 std of
-    some mode) and ``mode_distance`` (mean distance to the nearest mode)."""
+    """``mode_coverage`` (modes holding a quarter of their fair share within 3 std), ``high_quality`` (samples within
+    3 std of a mode) and ``mode_distance`` (mean distance to the nearest mode) of ``samples`` [n, 2]."""
     dist = torch.cdist(samples.double(), modes.double())
     nearest, which = dist.min(dim=1)
     close = nearest <= 3 * std
@@ -67,3 +63,22 @@ def sample_quality(samples: torch.Tensor, modes: torch.Tensor, std: float) -> di
     fair = len(samples) / len(modes)
     return {"mode_coverage": float((counts >= 0.25 * fair).double().mean()),
             "high_quality": float(close.double().mean()), "mode_distance": float(nearest.mean())}
+
+
+@dataclass(frozen=True)
+class GANSettings(Settings):
+    """The two networks and the target distribution."""
+
+    noise_dim: int = setting(8, "generator input size", Range(1))
+    width: int = setting(64, "hidden width of both MLPs", Range(1))
+    depth: int = setting(2, "hidden layers of both MLPs", Range(1))
+    d_steps: int = setting(1, "discriminator steps per generator step", Range(1))
+    modes: int = setting(8, "Gaussians on the target ring", Range(1))
+    radius: float = setting(2.0, "radius of the ring", Range(0, min_exclusive=True))
+    std: float = setting(0.2, "standard deviation of each Gaussian (\"near a mode\" = within 3 std)",
+                         Range(0, min_exclusive=True))
+
+    def shape(self, role: str) -> dict[str, int]:
+        """The MLP of the generator (``gen``: noise -> a point) or the discriminator (``disc``: a point -> a logit)."""
+        inputs, outputs = (self.noise_dim, 2) if role == "gen" else (2, 1)
+        return {"inputs": inputs, "width": self.width, "outputs": outputs, "depth": self.depth}

@@ -1,22 +1,6 @@
-"""Where a pipeline's rows come from: local data files, ``save_to_disk`` folders, folders of split files,
-imagefolders and hub dataset names; column mapping, weighted blends of several sources and held-out
-evaluation splits. Shared by the RLHF and the diffusion data modules.
-
-A *source* is a path or a hub name. What it is is decided from the path, never guessed from the
-contents of a file:
-
-=============== ========================================================================================
-kind            what
-=============== ========================================================================================
-``file``        an existing ``.json``/``.jsonl``/``.csv``/``.parquet`` file (the matching ``datasets`` builder)
-``disk``        a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``
-``split_files`` a folder holding ``<name>.json[l]``/``.csv``/``.parquet`` for the wanted split name
-``imagefolder`` any other folder, when images are wanted (``load_dataset("imagefolder", data_dir=...)``)
-``hub``         a name that is not a local path (``org/name``): ``load_dataset(name)``, offline from the cache
-=============== ========================================================================================
-
-A local-looking path that does not exist is an error naming the config key, never a hub lookup.
-"""
+"""Where a pipeline's rows come from: data files, ``save_to_disk`` folders, folders of split files, imagefolders and
+hub names (the kind decided from the path, never from a file's contents; a missing local path is an error, never a
+hub lookup), column mapping, weighted blends and held-out evaluation splits."""
 
 from __future__ import annotations
 
@@ -29,29 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multiengine.engines.settings import SettingsError
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DATA_FILE_BUILDERS",
-    "DEFAULT_EVAL_FRACTION",
-    "EVAL_SPLIT_NAMES",
-    "DataSource",
-    "DataSourceError",
-    "TrainEval",
-    "as_sources",
-    "blend",
-    "heldout_split",
-    "is_hub_name",
-    "load_source",
-    "map_columns",
-    "named_eval_split",
-    "parse_eval_split",
-    "source_kind",
-    "split_train_eval",
-]
+__all__ = ["DATA_FILE_BUILDERS", "DEFAULT_EVAL_FRACTION", "EVAL_SPLIT_NAMES", "DataSource", "DataSourceError",
+           "TrainEval", "as_sources", "blend", "heldout_split", "is_hub_name", "load_source", "map_columns",
+           "named_eval_split", "parse_eval_split", "source_kind", "split_train_eval"]
 
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # ``eval_split="auto"``: the split a source already keeps apart for evaluation (a folder's ``eval.jsonl``,
@@ -61,21 +32,14 @@ DEFAULT_EVAL_FRACTION = 0.05
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
 
 
-class DataSourceError(ValueError):
+class DataSourceError(SettingsError):
     """A data source that cannot be used as given; the message names the key, the value and the fix."""
 
 
 @dataclass(frozen=True)
 class DataSource:
-    """One source of rows.
-
-    Args:
-        path: file, folder or hub dataset name.
-        weight: relative share of this source in a blend (any positive number; normalised).
-        columns: ``{field: column name in this source}``, e.g. ``{"prompt": "question"}``.
-        split: the split to read from a hub dataset, a ``DatasetDict`` folder or a folder of split
-            files; ``None`` = the caller's default (usually ``train``).
-    """
+    """One source of rows: a file, folder or hub name, its relative ``weight`` in a blend, its own ``{field:
+    column}`` mapping and the split to read (``None``: the caller's, usually ``train``)."""
 
     path: str
     weight: float = 1.0
@@ -84,11 +48,8 @@ class DataSource:
 
 
 def as_sources(spec: Any, key: str = "data.sources") -> list[DataSource]:
-    """Normalise ``spec`` to a list of :class:`DataSource`.
-
-    Accepts a path/name (``str``/``Path``), a ``DataSource``, a mapping ``{path, weight, columns, split}``
-    (the YAML form), or a list of those.
-    """
+    """``spec`` as a list of :class:`DataSource`: a path or name, a ``DataSource``, a ``{path, weight, columns,
+    split}`` mapping (the YAML form), or a list of those."""
     if spec is None or spec == "":
         return []
     if isinstance(spec, (str, os.PathLike, DataSource)) or isinstance(spec, Mapping):
@@ -117,9 +78,7 @@ def as_sources(spec: Any, key: str = "data.sources") -> list[DataSource]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# what a source is
-# --------------------------------------------------------------------------------------------------
+# --- what a source is ----------------------------------------------------------------------------------------------
 
 
 def is_hub_name(path: str) -> bool:
@@ -148,17 +107,8 @@ def _split_file(folder: Path, names: Sequence[str]) -> Path | None:
 
 def source_kind(path: str, names: Sequence[str] = ("train",), images: bool = False,
                 key: str = "data.source") -> str:
-    """``file``, ``disk``, ``split_files``, ``imagefolder`` or ``hub`` (see the module docstring).
-
-    Args:
-        names: file stems a folder of split files may hold for the wanted rows, in order of preference
-            (e.g. ``("sft", "train")``).
-        images: a folder that is neither ``save_to_disk`` output nor split files is an imagefolder.
-
-    Raises:
-        DataSourceError: a local path that does not exist, an unsupported file type, or a folder with
-            none of ``names``.
-    """
+    """``file``, ``disk``, ``split_files``, ``imagefolder`` (with ``images``) or ``hub``; ``names``: split file stems
+    by preference. DataSourceError for a missing local path, an unsupported file or a folder with none of ``names``."""
     p = Path(os.path.expanduser(path))
     if p.is_file():
         if p.suffix.lower() not in DATA_FILE_BUILDERS:
@@ -183,36 +133,12 @@ def source_kind(path: str, names: Sequence[str] = ("train",), images: bool = Fal
                           f"{os.getcwd()})")
 
 
-# --------------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------------
-
-
-def load_source(
-    path: str,
-    *,
-    names: Sequence[str] = ("train",),
-    split: str = "train",
-    images: bool = False,
-    key: str = "data.source",
-    split_required: bool = False,
-    cache_dir: str | None = None,
-    **load_kwargs: Any,
-) -> Dataset:
-    """Load one source as a ``datasets.Dataset``.
-
-    Args:
-        path: the source (see :func:`source_kind`).
-        names: file stems to look for in a folder of split files (first match wins).
-        split: the split of a hub dataset or of a ``DatasetDict`` folder. A ``DatasetDict`` without it
-            but with exactly one split uses that one (logged), unless ``split_required``.
-        images: folders that are not datasets are imagefolders.
-        key: the config key ``path`` came from, for error messages.
-        split_required: ``split`` names rows that must be distinct from the training rows (an
-            evaluation split): a source without such a split (one file, one saved ``Dataset``) is an
-            error instead of all its rows.
-        cache_dir, load_kwargs: passed to ``datasets.load_dataset``.
-    """
+# --- loading -------------------------------------------------------------------------------------------------------
+def load_source(path: str, *, names: Sequence[str] = ("train",), split: str = "train", images: bool = False,
+                key: str = "data.source", split_required: bool = False, cache_dir: str | None = None,
+                **load_kwargs: Any) -> Dataset:
+    """One source as a ``datasets.Dataset``: ``split`` of a hub dataset or ``DatasetDict`` (a single other split is
+    used, logged, unless ``split_required``); ``key`` names the config key in errors."""
     try:
         return _load_source(path, names, split, images, key, split_required, cache_dir, load_kwargs)
     except ValueError as err:
@@ -321,14 +247,8 @@ def _check_image_folder(folder: str, path: str, key: str) -> None:
 
 def map_columns(ds: Dataset, columns: Mapping[str, str] | None, fields: Sequence[str], source: str,
                 key: str = "data.columns") -> Dataset:
-    """Rename the user's columns to the pipeline's field names: ``columns = {field: column}``.
-
-    A column already named like a mapped field, but not the one mapped to it, is dropped (the mapping
-    says which column holds that field).
-
-    Raises:
-        DataSourceError: an unknown field or a column the dataset does not have.
-    """
+    """The user's columns renamed to the pipeline's fields (``columns = {field: column}``); a column already named
+    like a mapped field, but not the one mapped to it, is dropped. DataSourceError for an unknown field or column."""
     if not columns:
         return ds
     unknown = [f for f in columns if f not in fields]
@@ -348,9 +268,7 @@ def map_columns(ds: Dataset, columns: Mapping[str, str] | None, fields: Sequence
     return ds.rename_columns(renames) if renames else ds
 
 
-# --------------------------------------------------------------------------------------------------
-# blends and held-out splits
-# --------------------------------------------------------------------------------------------------
+# --- blends and held-out splits ------------------------------------------------------------------------------------
 
 
 def _generator(seed: int, *salt: int):
@@ -373,13 +291,8 @@ def _counts(weights: Sequence[float], total: int) -> list[int]:
 
 
 def blend(datasets_: Sequence[Dataset], weights: Sequence[float], seed: int = 0, size: int | None = None) -> Dataset:
-    """A deterministic weighted mixture of datasets with the same columns.
-
-    The mixture has ``size`` rows (default: the sum of the sources' sizes); source ``i`` contributes
-    ``round(size * w_i / sum(w))`` of them: whole seeded passes over its rows and then part of one more,
-    so no row repeats before every row of that source was used. The result is shuffled with ``seed``.
-    A single source with no ``size`` is returned unchanged.
-    """
+    """A deterministic weighted mixture: ``round(size * w_i / sum(w))`` rows of source ``i`` in whole seeded passes,
+    shuffled with ``seed``; a single source with no ``size`` is returned unchanged."""
     import datasets
     import torch
 
@@ -418,12 +331,8 @@ def blend(datasets_: Sequence[Dataset], weights: Sequence[float], seed: int = 0,
 
 def heldout_split(ds: Dataset, eval_split: float | int, seed: int = 0,
                   key: str = "data.eval_split") -> tuple[Dataset, Dataset]:
-    """``(train, heldout)``: a seeded random ``eval_split`` fraction (``0 < f < 1``) or count (``>= 1``)
-    of the rows held out; both keep the original row order.
-
-    Raises:
-        DataSourceError: a fraction outside (0, 1), or a split that leaves no training rows.
-    """
+    """``(train, heldout)``: a seeded random ``eval_split`` fraction (``0 < f < 1``) or count (``>= 1``) of the rows
+    held out, both in the original order; DataSourceError for another value or one that leaves no training rows."""
     import torch
 
     n_rows = len(ds)
@@ -445,13 +354,8 @@ def heldout_split(ds: Dataset, eval_split: float | int, seed: int = 0,
 
 
 def parse_eval_split(value: Any, key: str = "data.eval_split") -> str | float | int | None:
-    """A config's ``eval_split`` as the pipelines take it: ``"auto"``; ``None`` for none (``"none"``, ``""``,
-    ``0``); a fraction in (0, 1) or a row count >= 1 (numbers, or their text: ``"0.05"``, ``"200"``); else the
-    name of a split (``"test"``).
-
-    Raises:
-        DataSourceError: a negative number, or a number >= 1 that is not a whole count.
-    """
+    """``eval_split`` as the pipelines take it: ``"auto"``; None (``"none"``, ``""``, ``0``); a fraction in (0, 1)
+    or a whole row count; else a split name. DataSourceError for a negative or fractional count."""
     if value is None or isinstance(value, bool):
         if value is True:
             raise DataSourceError(f"{key}=true: use auto, none, a fraction (0.05), a row count (200) or a split name")
@@ -472,9 +376,8 @@ def parse_eval_split(value: Any, key: str = "data.eval_split") -> str | float | 
 
 
 def named_eval_split(source: DataSource) -> str | None:
-    """The split ``source`` already keeps for evaluation, if it has one: an ``eval``/``test``/``validation``
-    file of a folder of split files, such a split of a ``DatasetDict`` folder or of a hub dataset (its split
-    names from the cache or the hub); ``None`` for a single file or a saved ``Dataset`` (nothing is loaded)."""
+    """The ``eval``/``test``/``validation`` split ``source`` already has (split files, ``DatasetDict`` or hub
+    dataset), else ``None``; nothing is loaded."""
     import json
 
     p = Path(os.path.expanduser(source.path))
@@ -512,38 +415,13 @@ class TrainEval:
     eval_origin: str
 
 
-def split_train_eval(
-    load: Callable[[DataSource, str | None], Dataset],
-    sources: Sequence[DataSource],
-    *,
-    eval_source: Sequence[DataSource] = (),
-    load_eval: Callable[[DataSource, str | None], Dataset] | None = None,
-    eval_split: float | int | str | None = 0.0,
-    seed: int = 0,
-    size: int | None = None,
-    source_key: str = "data.source",
-    evaluate: bool = True,
-) -> TrainEval:
-    """Training and evaluation rows, never silently the same rows.
-
-    Args:
-        load: ``load(source, split_name)`` returns a source's rows; ``split_name=None`` means its training
-            rows, a string a named split (a hub/``DatasetDict`` split, or a file ``<name>.jsonl`` of a
-            folder of split files), which must raise rather than return the training rows when the
-            source has no such split (:func:`load_source` with ``split_required=True``).
-        sources: the training sources (blended with their weights when there are several).
-        eval_source: explicit evaluation sources (concatenated); wins over ``eval_split``.
-        load_eval: the loader for ``eval_source`` (default ``load``), e.g. one with other formats.
-        eval_split: a fraction (``0.05``) or row count held out of *each* training source before the
-            blend (so an oversampled source never leaks its held-out rows into training); the name of a
-            split every source has (``"test"``, or ``"eval"`` for a folder with ``eval.jsonl``);
-            ``"auto"``: per source, the evaluation split it has (:func:`named_eval_split`), else
-            :data:`DEFAULT_EVAL_FRACTION` of its rows held out (logged as a warning); ``0``/``""``/``None``
-            = no evaluation rows (logged as a warning).
-        seed: for held-out selection and the blend.
-        size: rows of the blended training set (default: the sum of the sources' rows).
-        evaluate: ``False``: training rows only (no evaluation rows wanted, nothing logged).
-    """
+def split_train_eval(load: Callable[[DataSource, str | None], Dataset], sources: Sequence[DataSource], *,
+                     eval_source: Sequence[DataSource] = (),
+                     load_eval: Callable[[DataSource, str | None], Dataset] | None = None,
+                     eval_split: float | int | str | None = 0.0, seed: int = 0, size: int | None = None,
+                     source_key: str = "data.source", evaluate: bool = True) -> TrainEval:
+    """Training and evaluation rows, never silently the same: ``eval_source`` rows, else ``eval_split`` (a fraction
+    or count held out of each source before the blend, a split name, or ``"auto"``), blended into ``size`` rows."""
     import datasets
 
     if not sources:

@@ -1,117 +1,129 @@
-"""Registry demo: three roles at three ZeRO stages in one process group, trained for a few steps.
+"""Registry demo: an actor (trainable, ZeRO-3), a reward model (frozen, asked for ZeRO-2, built at stage 0) and an
+encoder (frozen, stage 0), each its own DeepSpeed engine on a tiny saved model, trained for a few steps.
 
-An actor (trainable, ZeRO-3), a reward model (frozen, asked for ZeRO-2, built at stage 0) and an
-encoder (frozen, stage 0), each its own DeepSpeed engine, each loaded with from_pretrained from a
-tiny model this recipe saves on first run. Prints the per-role memory table.
-
-    multiengine run registry_demo --config tiny --nproc-per-node 2
-"""
+    multiengine run registry_demo --config tiny --nproc-per-node 2"""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from multiengine.engines import (
-    barrier,
-    frozen_role,
-    mean_over_ranks,
-    save_role,
-    trainable_role,
-    trust_remote_code,
-)
-from multiengine.engines.recipe_config import Key, Range, Satisfies, config_problem, split_keys
-from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
-from multiengine.engines.role_schema import Role, optim_spec, placement, role_keys
-from multiengine.recipes import plans
+from multiengine.engines import barrier, mean_over_ranks, save_role, trust_remote_code
+from multiengine.engines import planner as P
+from multiengine.engines.settings import Range, Satisfies, Settings, section, setting
+from multiengine.recipes.language import plans
+from multiengine.recipes.language.config import config_problem
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
+from multiengine.recipes.language.roles import Role
 
-_TINY = "model \"\" = the tiny OPT saved under output_dir/tiny_lm on first run (the only model: not settable)"
-ROLES = (
-    Role("actor", f"trainable, ZeRO-3; {_TINY}", trainable=True,
-         keys={"dtype": "fp32", "lr": 1e-3, "micro_batch_size": 4}),
-    Role("reward", f"frozen, asks for ZeRO-2 (built at stage 0: nothing to shard); {_TINY}", follows="actor",
-         keys={"stage": 2}),
-    Role("encoder", f"frozen, stage 0 (the OPT without its head); {_TINY}", follows="actor", keys={"stage": 0}),
-)
 _MAX_POSITIONS = 128  # of the tiny OPT
-KEYS: dict[str, Any] = {
-    **COMMON_KEYS,
-    "output_dir": Key("outputs/registry_demo", "everything the run writes goes under this folder"),
-    "max_steps": Key(10, "optimizer steps of the actor"),
-    "seq_len": Key(32, "tokens per synthetic sequence", Range(2, _MAX_POSITIONS)),
-    "roles": role_keys(ROLES),
-    "model": Key({
-        "hidden_size": Key(64, "a multiple of its 4 attention heads",
-                           [Range(4), Satisfies(lambda h: h % 4 == 0, "a multiple of 4 (the attention heads)")]),
-        "layers": Key(2, "decoder layers"),
-        "vocab_size": Key(512, "vocabulary size", Range(8)),
-    }, "the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)"),
-}
-DEFAULTS, HELP = split_keys(KEYS)
-CHECKS = {f"roles.*.{k}": Satisfies(lambda v: not v, "\"\": every role loads the tiny OPT under output_dir")
-          for k in ("model", "tokenizer")}
-RENAMED = {"lr": "roles.actor.lr", "max_grad_norm": "roles.actor.max_grad_norm",
-           "micro_batch_size": "roles.actor.micro_batch_size", "grad_accum": "roles.actor.grad_accum",
-           "dtype": "roles.actor.dtype (the frozen roles follow it)"}
+_OWN_MODEL = ("model", "tokenizer")
+_WHY = "every role loads the tiny OPT this recipe saves under output_dir/tiny_lm (its shape: model.*)"
 
 
-def validate(cfg: Any) -> None:
-    """The tiny model saved by an earlier run in this output_dir must be the one the config asks for: it is
-    reused as it is, so a changed model.* would otherwise be ignored without a word."""
-    path = os.path.join(str(cfg.output_dir), "tiny_lm", "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    for key, field in (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"), ("vocab_size", "vocab_size")):
-        if saved.get(field) != cfg.model[key]:
-            raise config_problem(f"model.{key}", cfg.model[key], f"differs from the tiny model an earlier run saved in "
-                                 f"{os.path.dirname(path)} ({field}={saved.get(field)})",
-                                 f"use a new output_dir, delete {os.path.dirname(path)}, or set "
-                                 f"model.{key}={saved.get(field)}")
+@dataclass(frozen=True)
+class TinyOPT(Settings):
+    hidden_size: int = setting(64, "a multiple of its 4 attention heads",
+                               [Range(4), Satisfies(lambda h: h % 4 == 0, "a multiple of 4 (the attention heads)")])
+    layers: int = setting(2, "decoder layers", Range(1))
+    vocab_size: int = setting(512, "vocabulary size", Range(8))
 
 
-def tiny_opt_config(hidden: int, layers: int, vocab: int) -> Any:
+@dataclass(frozen=True)
+class RegistryDemoConfig(RunConfig):
+    output_dir: str = setting("outputs/registry_demo", "everything the run writes goes under this folder")
+    max_steps: int = setting(10, "optimizer steps of the actor", Range(1))
+    seq_len: int = setting(32, "tokens per synthetic sequence", Range(2, _MAX_POSITIONS))
+    model: TinyOPT = section(TinyOPT, "the tiny OPT saved under output_dir/tiny_lm on first run (every role loads it)")
+
+
+def tiny_opt_config(m: TinyOPT) -> Any:
     """The demo's tiny OPT (model.*), which every role loads (the planner builds it on the meta device)."""
     from transformers import OPTConfig
 
-    return OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
-                     num_attention_heads=4, max_position_embeddings=_MAX_POSITIONS, word_embed_proj_dim=hidden,
-                     dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def _save_tiny_lm(path: str, hidden: int, layers: int, vocab: int, seed: int) -> None:
-    from transformers import OPTForCausalLM
-
-    torch.manual_seed(seed)
-    OPTForCausalLM(tiny_opt_config(hidden, layers, vocab)).save_pretrained(path)
+    return OPTConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.layers,
+                     ffn_dim=4 * m.hidden_size, num_attention_heads=4, max_position_embeddings=_MAX_POSITIONS,
+                     word_embed_proj_dim=m.hidden_size, dropout=0.0, attention_dropout=0.0, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0)
 
 
 class RegistryDemo(Recipe):
     name = "registry_demo"
+    roles = (Role("actor", "trainable, ZeRO-3", trainable=True, omit=_OWN_MODEL, why=_WHY,
+                  defaults={"dtype": "fp32", "lr": 1e-3, "micro_batch_size": 4}),
+             Role("reward", "frozen, asks for ZeRO-2 (built at stage 0: nothing to shard)", follows="actor",
+                  omit=_OWN_MODEL, why=_WHY, defaults={"stage": 2}),
+             Role("encoder", "frozen, stage 0 (the OPT without its head)", follows="actor", omit=_OWN_MODEL,
+                  why=_WHY, defaults={"stage": 0}))
+    Config = RegistryDemoConfig
+    renamed = {"lr": "roles.actor.lr", "max_grad_norm": "roles.actor.max_grad_norm",
+               "micro_batch_size": "roles.actor.micro_batch_size", "grad_accum": "roles.actor.grad_accum",
+               "dtype": "roles.actor.dtype (the frozen roles follow it)"}
     plot_panels = [("actor loss", ["train/loss"])]
+
+    @classmethod
+    def validate(cls, cfg: RegistryDemoConfig, world_size: int = 1) -> None:
+        """A tiny model an earlier run saved in this output_dir is reused as it is: it must be the one model.* asks
+        for, or a changed model.* would be ignored without a word."""
+        path = os.path.join(str(cfg.output_dir), "tiny_lm", "config.json")
+        if not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        for key, field in (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"),
+                           ("vocab_size", "vocab_size")):
+            value = getattr(cfg.model, key)
+            if saved.get(field) != value:
+                raise config_problem(f"model.{key}", value, f"differs from the tiny model an earlier run saved in "
+                                     f"{os.path.dirname(path)} ({field}={saved.get(field)})",
+                                     f"use a new output_dir, delete {os.path.dirname(path)}, or set "
+                                     f"model.{key}={saved.get(field)}")
+
+    @classmethod
+    def plan(cls, cfg: RegistryDemoConfig, assume: Any = None) -> list[plans.RecipePlan]:
+        folder = os.path.join(str(cfg.output_dir), "tiny_lm")
+        if (assume and "actor" in assume) or os.path.isfile(os.path.join(folder, "config.json")):
+            info = plans.resolve_model(folder, "actor", assume=assume)
+        else:  # the recipe's own tiny OPT, on the meta device
+            from transformers import OPTForCausalLM
+
+            m, config = cfg.model, tiny_opt_config(cfg.model)
+            with torch.device("meta"):
+                tensors = plans.module_info("", OPTForCausalLM(config)).tensors
+            info = P.ModelInfo(f"registry_demo's tiny OPT (hidden {m.hidden_size}, {m.layers} layers, vocab "
+                               f"{m.vocab_size})", tensors, config=config.to_dict(), class_name="OPTForCausalLM")
+        roles, rows = cfg.roles, (cfg.roles.actor.micro_batch_size, cfg.seq_len)
+        phases = {"actor": plans.lm_role_phases(roles.actor, info, train=rows),
+                  "reward": plans.lm_role_phases(roles.reward, info, forward=rows),
+                  "encoder": plans.lm_role_phases(roles.encoder, info, forward=rows, logits=False)}
+        # the demo's roles are planned without optimizer offload, and its frozen roles without parameter offload
+        return [plans.declared_roles(cfg, {"actor": info, "reward": info, "encoder": info.without("lm_head.")},
+                                     phases, title="registry_demo", actor={"choices": P.trainable_choices(False)},
+                                     reward={"choices": P.frozen_choices(False)},
+                                     encoder={"choices": P.frozen_choices(False)})]
 
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         model_dir = self.path("tiny_lm")
         if registry.is_main and not os.path.isfile(os.path.join(model_dir, "config.json")):
-            _save_tiny_lm(model_dir, cfg.model.hidden_size, cfg.model.layers, cfg.model.vocab_size, cfg.seed)
+            from transformers import OPTForCausalLM
+
+            torch.manual_seed(cfg.seed)
+            OPTForCausalLM(tiny_opt_config(cfg.model)).save_pretrained(model_dir)
         barrier()
         from transformers import AutoModel, AutoModelForCausalLM
 
-        remote = {"trust_remote_code": trust_remote_code()}
-        actor = cfg.roles.actor
-        registry.add(trainable_role(
-            "actor", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote), placement(cfg, ROLES, "actor"),
-            optim_spec(cfg, "actor", cfg.max_steps), micro_batch_size=actor.micro_batch_size,
-            grad_accum=actor.grad_accum, gradient_checkpointing=actor.gradient_checkpointing))
-        registry.add(frozen_role("reward", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **remote),
-                                 placement(cfg, ROLES, "reward")))
-        registry.add(frozen_role("encoder", lambda: AutoModel.from_pretrained(model_dir, **remote),
-                                 placement(cfg, ROLES, "encoder")))
+        def load(cls: Any) -> Any:
+            return lambda: cls.from_pretrained(model_dir, trust_remote_code=trust_remote_code())
+
+        roles = cfg.roles
+        registry.add(roles.actor.spec(load(AutoModelForCausalLM), seed=cfg.seed, total_steps=cfg.max_steps))
+        registry.add(roles.reward.spec(load(AutoModelForCausalLM), seed=cfg.seed))
+        registry.add(roles.encoder.spec(load(AutoModel), seed=cfg.seed))
         registry.build()
         self.micro = 0
 
@@ -157,5 +169,4 @@ class RegistryDemo(Recipe):
                 "memory_table": str(self.registry.memory_report())}
 
 
-main = RegistryDemo.main
-plan = plans.registry_demo  # what `multiengine plan` sees of this recipe
+RECIPE = RegistryDemo

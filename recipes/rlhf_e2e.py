@@ -4,69 +4,73 @@
     multiengine run rlhf_e2e --config opt1.3b_opt350m --nproc-per-node 8
 
 Each step runs its own recipe (rlhf_sft, rlhf_reward, then ``algorithm``'s: see ``FINAL_STEP``) with the shipped
-config named here plus overrides, under output_dir/<step>, on the shared lifecycle. Every ``data.*`` key and the
-common keys reach every step; this run fills in the model paths: step 1's actor is step 3's actor and ref, step 2's
-reward model is step 3's reward model (and PPO's critic); with ``reward.init_from_sft`` step 2 starts from step 1's
-model, as in InstructGPT. DPO trains on the preference pairs directly, so step 2 is skipped. A finished step is
-reused only while its resolved config and inputs are unchanged (engines/recipe_steps.py; ``rerun=true`` reruns
+config named here plus overrides, under output_dir/<step>, on the shared lifecycle. The ``data.*`` keys and the common
+keys of ``PASSED_TO_STEPS`` reach every step; this run fills in the model paths: step 1's actor is step 3's actor and
+ref, step 2's reward model is step 3's reward model (and PPO's critic); with ``reward.init_from_sft`` step 2 starts
+from step 1's model, as in InstructGPT. DPO trains on the preference pairs directly, so step 2 is skipped. A finished
+step is reused only while its resolved config and inputs are unchanged (language/steps.py; ``rerun=true`` reruns
 all); the log and summary.json say which steps were reused and why. Step 3's curves are copied to
 output_dir/curves.png.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from multiengine.engines.recipe_config import Choice, Key, Range, split_keys
-from multiengine.engines.recipe_lifecycle import COMMON_KEYS, Recipe
-from multiengine.engines.recipe_steps import FINGERPRINT_FILE, run_step
-from multiengine.recipes import common, plans
+from multiengine.engines.settings import Choice, Range, Settings, section, setting
+from multiengine.pipelines.rlhf.data import DataSettings
+from multiengine.recipes import common
+from multiengine.recipes.common import run_step
+from multiengine.recipes.language import plans
+from multiengine.recipes.language.config import RecipeConfigError, load_config, load_recipe
+from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.steps import FINGERPRINT_FILE
 
-__all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "main", "steps", "validate"]
+__all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "RECIPE", "steps"]
 
 logger = logging.getLogger(__name__)
 
-# The common keys, except those a run of runs does not own: each step checkpoints and resumes as its own config
-# says (a step's resume_from goes in its overrides), and a finished step is reused by its fingerprint.
+# The common keys every step gets (a step checkpoints and resumes as its own config says, and a finished step is
+# reused by its fingerprint: this run has no checkpoint or resume_from of its own).
 PASSED_TO_STEPS = ("seed", "backend", "dist_timeout_s", "trust_remote_code", "tensorboard", "plot", "report_to",
                    "nonfinite")
-_STEP = functools.partial(common.run_keys, config="its shipped config", overrides="key=value overrides for it")
-KEYS: dict[str, Any] = {
-    **{k: v for k, v in COMMON_KEYS.items() if k not in ("checkpoint", "resume_from")},
-    "output_dir": Key("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here"),
-    "max_steps": Key(0, "steps of step 3; 0 = its config's", Range(0)),
-    "data": Key(dict(common.DATA_KEYS), "the data of every step (each step reads its stage's rows: sft, reward, ppo; "
-                                        "docs/data.md)"),
-    "model": Key({
-        "pretrained": Key("", "step 1's base (a causal-LM folder or hub name); \"\" = the random tiny OPT"),
-        "reward_pretrained": Key("", "step 2's base with reward.init_from_sft=false; \"\" = model.pretrained"),
-    }, "the base models"),
-    "sft": _STEP("step 1 (rlhf_sft)"),
-    "reward": Key({**_STEP("").default, "init_from_sft": Key(True, "start the reward model from step 1's model "
-                                                                   "(InstructGPT) instead of a base")},
-                  "step 2 (rlhf_reward)"),
-    "algorithm": Key("ppo", "step 3: ppo | grpo | dpo", Choice("ppo", "grpo", "dpo")),
-    "ppo": _STEP("step 3 with algorithm=ppo (rlhf_ppo)"),
-    "grpo": _STEP("step 3 with algorithm=grpo (rlhf_grpo)"),
-    "dpo": _STEP("step 3 with algorithm=dpo (rlhf_dpo)"),
-    "rerun": Key(False, "rerun every step, even those whose config and inputs did not change"),
-    "overwrite": Key(False, "true: clear another recipe's run from output_dir first (this recipe's own steps are "
-                            "reused or rerun anyway)"),
-}
 
-DEFAULTS, HELP = split_keys(KEYS)
-for _key in PASSED_TO_STEPS:
-    HELP[_key] += " (passed to every step)"
-# Its roles are its steps' (rlhf_sft, rlhf_reward and the final recipe each declare theirs).
-ROLES: tuple = ()
 
-# step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it
-# step 1's actor (the ref is loaded from the same folder) and step 2's reward model
+@dataclass(frozen=True)
+class BaseModels(Settings):
+    pretrained: str = setting("", "step 1's base (a causal-LM folder or hub name); \"\" = the random tiny OPT")
+    reward_pretrained: str = setting("", "step 2's base with reward.init_from_sft=false; \"\" = model.pretrained")
+
+
+@dataclass(frozen=True)
+class RewardStep(common.StepRun):
+    init_from_sft: bool = setting(True, "start the reward model from step 1's model (InstructGPT) instead of a base")
+
+
+@dataclass(frozen=True)
+class E2EConfig(RunConfig):
+    output_dir: str = setting("outputs/rlhf_e2e", "each step runs under output_dir/<step>; the summary and curves here")
+    max_steps: int = setting(0, "steps of step 3; 0 = its config's", Range(0))
+    overwrite: bool = setting(False, "true: clear another recipe's run from output_dir first (this recipe's own steps "
+                                     "are reused or rerun anyway)")
+    data: DataSettings = section(DataSettings, "the data of every step (each step reads its stage's rows: sft, "
+                                               "reward, ppo; docs/data.md)")
+    model: BaseModels = section(BaseModels, "the base models")
+    sft: common.StepRun = section(common.StepRun, "step 1 (rlhf_sft)")
+    reward: RewardStep = section(RewardStep, "step 2 (rlhf_reward)")
+    algorithm: str = setting("ppo", "step 3: ppo | grpo | dpo", Choice("ppo", "grpo", "dpo"))
+    ppo: common.StepRun = section(common.StepRun, "step 3 with algorithm=ppo (rlhf_ppo)")
+    grpo: common.StepRun = section(common.StepRun, "step 3 with algorithm=grpo (rlhf_grpo)")
+    dpo: common.StepRun = section(common.StepRun, "step 3 with algorithm=dpo (rlhf_dpo)")
+    rerun: bool = setting(False, "rerun every step, even those whose config and inputs did not change")
+
+
+# step 3 per algorithm: its recipe, whether it needs step 2's reward model, and the overrides that feed it step 1's
+# actor (the ref is loaded from the same folder) and step 2's reward model
 FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
     "ppo": ("rlhf_ppo", True, lambda actor, rm: [f"roles.actor.model={actor}", f"roles.reward.model={rm}"]),
     "grpo": ("rlhf_grpo", True, lambda actor, rm: [f"roles.actor.model={actor}", f"roles.reward.model={rm}",
@@ -78,7 +82,7 @@ FINAL_STEP: dict[str, tuple[str, bool, Any]] = {
 BASE_MODEL = {"rlhf_sft": "roles.actor.model", "rlhf_reward": "roles.reward.model"}
 
 
-def steps(cfg: Any) -> list[tuple[str, str, str]]:
+def steps(cfg: E2EConfig) -> list[tuple[str, str, str]]:
     """``(section, recipe, data stage)`` of each step the config runs: SFT, the reward model unless step 3 is DPO
     (which trains on the pairs directly), then step 3."""
     recipe, needs_rm, _ = FINAL_STEP[cfg.algorithm]
@@ -86,61 +90,80 @@ def steps(cfg: Any) -> list[tuple[str, str, str]]:
             (cfg.algorithm, recipe, "reward" if cfg.algorithm == "dpo" else "ppo")]
 
 
-def validate(cfg: Any, world_size: int = 1) -> None:
-    """Before any rank starts: the base model folders and their tokenizers against their vocabularies, the data
-    of every stage the steps read (SFT rows, preference pairs, prompts and evaluation prompts), and each step's
-    batches against its rows on ``world_size`` ranks. The rest of the steps' own configs is checked when they
-    load."""
-    from multiengine.engines.recipe_config import RecipeConfigError, load_config, load_recipe
-
-    common.check_model("model.pretrained", cfg.model.pretrained)
-    common.check_model("model.reward_pretrained", cfg.model.reward_pretrained)
-    tok = common.check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
-    if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
-        common.check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained", cfg.model.reward_pretrained)
-    shared = [f"seed={cfg.seed}", *common.data_overrides(cfg.data)]
-    for section, recipe, stage in steps(cfg):
-        report = common.check_data(cfg, stage, tok, eval_stage="eval" if stage == "ppo" else None)
-        if report is None:  # built-in data: nothing to check
-            continue
-        # the step's batches against its rows, with its config as run_step loads it (the model folders it gets
-        # from the steps before do not exist yet and are not needed here)
-        step = cfg[section]
-        step_cfg = load_config(recipe, step.config or None, [*shared, *[str(o) for o in step.overrides]])
-        try:
-            load_recipe(recipe).check_batches(step_cfg, report, world_size,
-                                              setting=f"{section}.overrides=[{{key}}={{n}}]")
-        except RecipeConfigError as exc:
-            raise RecipeConfigError(f"step {section} ({recipe} --config {step.config}): {exc}") from None
-
-
-def _passed_overrides(cfg: Any) -> list[str]:
+def _passed_overrides(cfg: E2EConfig) -> list[str]:
     """The common keys every step gets, as overrides."""
     out = []
     for key in PASSED_TO_STEPS:
-        value = cfg[key]
-        if isinstance(value, Mapping):
-            out += [f"{key}.{k}={v}" for k, v in value.items()]
+        value = getattr(cfg, key)
+        if isinstance(value, Settings):
+            out += [f"{key}.{k}={v}" for k, v in value.to_dict().items()]
         else:
             out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
     return out
 
 
-class RLHFE2E(Recipe):
-    """A run of runs on the shared lifecycle: setup (the process group, output folder policy, metrics), train
-    (the three steps, each its own recipe with its own registry on these ranks), export (the last step's
-    models), summary and curves."""
+class RLHFE2E(common.RLHFRecipe):
+    """A run of runs on the shared lifecycle: setup (the process group, output folder policy, metrics), train (the
+    steps, each its own recipe with its own registry on these ranks), export (the last step's models), summary and
+    curves. Its roles are its steps'."""
 
     name = "rlhf_e2e"
+    Config = E2EConfig
+    omit = ("checkpoint", "resume_from")
+
+    @classmethod
+    def validate(cls, cfg: E2EConfig, world_size: int = 1) -> None:
+        """Before any rank starts: the base model folders and their tokenizers against their vocabularies, the data
+        of every stage the steps read, and each step's batches against its rows on ``world_size`` ranks (the rest of
+        a step's own config is checked when it runs)."""
+        common.check_model("model.pretrained", cfg.model.pretrained)
+        common.check_model("model.reward_pretrained", cfg.model.reward_pretrained)
+        tok = common.check_tokenizer("model.pretrained", "", "model.pretrained", cfg.model.pretrained)
+        if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
+            common.check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained",
+                                   cfg.model.reward_pretrained)
+        shared = [f"seed={cfg.seed}", *cfg.data.overrides()]
+        for name, recipe, stage in steps(cfg):
+            report = common.check_data(cfg, stage, tok, eval_stage="eval" if stage == "ppo" else None)
+            if report is None:  # built-in data: nothing to check
+                continue
+            # the step's batches against its rows, with its config as run_step loads it (the model folders it gets
+            # from the steps before do not exist yet and are not needed here)
+            step = getattr(cfg, name)
+            step_cfg = load_config(recipe, step.config or None, [*shared, *step.overrides])
+            try:
+                load_recipe(recipe).check_batches(step_cfg, report, world_size,
+                                                  setting=f"{name}.overrides=[{{key}}={{n}}]")
+            except RecipeConfigError as exc:
+                raise RecipeConfigError(f"step {name} ({recipe} --config {step.config}): {exc}") from None
+
+    @classmethod
+    def plan(cls, cfg: E2EConfig, assume: Any = None) -> list[plans.RecipePlan]:
+        """The steps rlhf_e2e runs one after another, each planned on its own."""
+        shared = [f"seed={cfg.seed}", f"backend={cfg.backend}"]
+        base = cfg.model.pretrained
+        # the reward model starts from the SFT export (same architecture as the base) or its own base
+        rm_base = base if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
+        models = {"sft": [f"{BASE_MODEL['rlhf_sft']}={base}"] if base else [],
+                  "reward": [f"{BASE_MODEL['rlhf_reward']}={rm_base}"] if rm_base else [],
+                  cfg.algorithm: FINAL_STEP[cfg.algorithm][2](base, rm_base)}
+        out = []
+        for name, recipe, _ in steps(cfg):
+            step = getattr(cfg, name)
+            sub = load_config(recipe, step.config or None, [*shared, *models[name], *step.overrides])
+            for item in load_recipe(recipe).plan(sub, assume):
+                item.title = f"rlhf_e2e step {recipe} (config {step.config or 'defaults'})"
+                item.overrides_key = f"{name}.overrides"
+                out.append(item)
+        return out
 
     def build(self) -> None:
         from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
 
         cfg = self.cfg
         # the embedded assets (built-in data, tokenizer, random tiny OPT), built once by rank 0
-        self.builtin = common.uses_builtin_data(cfg.data)
         self.assets: dict[str, str] = {}
-        if self.builtin or not cfg.model.pretrained:
+        if cfg.data.builtin or not cfg.model.pretrained:
             self.assets = prepare_tiny_assets(self.path("tiny"), self.registry, cfg.seed)
         self.decisions: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
         self.results: dict[str, dict[str, Any]] = {}
@@ -149,8 +172,7 @@ class RLHFE2E(Recipe):
         cfg, out = self.cfg, self.output_dir
         base = cfg.model.pretrained or self.assets["model"]
         # every step gets the common keys and reads the same data (its own stage's rows of it)
-        data = common.data_overrides(cfg.data, self.assets["data"] if self.builtin else None)
-        shared = [*_passed_overrides(cfg), *data]
+        shared = [*_passed_overrides(cfg), *cfg.data.overrides(self.assets["data"] if cfg.data.builtin else None)]
         # 1. SFT: base model -> export/actor
         sft = run_step("rlhf_sft", cfg.sft.config, [*shared, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
                        os.path.join(out, "sft"), cfg.rerun, self.decisions)
@@ -166,7 +188,7 @@ class RLHFE2E(Recipe):
                               os.path.join(out, "reward"), cfg.rerun, self.decisions)
             reward_path = reward["export"]["reward"]["model"]
         # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
-        final = cfg[cfg.algorithm]
+        final = getattr(cfg, cfg.algorithm)
         overrides = [*shared, *feed(actor, reward_path), *final.overrides]
         if cfg.max_steps:
             overrides.append(f"max_steps={cfg.max_steps}")
@@ -184,11 +206,9 @@ class RLHFE2E(Recipe):
         return {k: v for k, v in {"actor": last.get("actor"), "reward": reward.get("reward")}.items() if v}
 
     def summary(self, export: dict[str, Any]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
-
         return {"recipe": self.name, "world_size": self.registry.world_size, "metrics": self.figures,
                 "figures": self.figures, "algorithm": self.cfg.algorithm, "step_runs": self.decisions,
-                "steps": self.results, "export": export, "config": OmegaConf.to_container(self.cfg, resolve=True)}
+                "steps": self.results, "export": export, "config": self.cfg.to_dict()}
 
     def plot(self) -> str | None:
         """Step 3's curves, copied to output_dir/curves.png."""
@@ -221,23 +241,17 @@ class RLHFE2E(Recipe):
 def _figures(a: str, m_sft: dict[str, Any], m_rm: dict[str, Any], m_last: dict[str, Any]) -> dict[str, Any]:
     """The run's figures; those of step 3 are named after its algorithm (ppo/judge_after, grpo/judge_after, ...)."""
     return {
-        "sft/judge": m_sft.get("eval/after/judge"),
-        "sft/heldout_loss": m_sft.get("eval/after/heldout_loss"),
+        "sft/judge": m_sft.get("eval/after/judge"), "sft/heldout_loss": m_sft.get("eval/after/heldout_loss"),
         "reward/heldout_accuracy": m_rm.get("heldout_accuracy"),
         "reward/heldout_accuracy_before": m_rm.get("heldout_accuracy_before"),
-        f"{a}/judge_before": m_last.get("eval/before/judge"),
-        f"{a}/judge_after": m_last.get("eval/after/judge"),
-        f"{a}/reward_before": m_last.get("eval/before/reward"),
-        f"{a}/reward_after": m_last.get("eval/after/reward"),
-        f"{a}/kl_after": m_last.get("eval/after/kl"),
-        f"{a}/step_s_mean": m_last.get("time/step_s_mean"),
+        f"{a}/judge_before": m_last.get("eval/before/judge"), f"{a}/judge_after": m_last.get("eval/after/judge"),
+        f"{a}/reward_before": m_last.get("eval/before/reward"), f"{a}/reward_after": m_last.get("eval/after/reward"),
+        f"{a}/kl_after": m_last.get("eval/after/kl"), f"{a}/step_s_mean": m_last.get("time/step_s_mean"),
         f"{a}/generation_s_mean": m_last.get("time/generation_s_mean"),
         f"{a}/experience_s_mean": m_last.get("time/experience_s_mean"),
         f"{a}/train_s_mean": m_last.get("time/train_s_mean"),
-        "sft/step_s_mean": m_sft.get("step_time_s_mean"),
-        "reward/step_s_mean": m_rm.get("step_time_s_mean"),
+        "sft/step_s_mean": m_sft.get("step_time_s_mean"), "reward/step_s_mean": m_rm.get("step_time_s_mean"),
     }
 
 
-main = RLHFE2E.main
-plan = plans.rlhf_e2e  # what `multiengine plan` sees of this recipe
+RECIPE = RLHFE2E

@@ -2,24 +2,40 @@
 
 The conditioning image enters through a small conv stack that must downsample it to the latent size: one
 stride-2 stage per vae downsampling (SD's vae: 8x, three stages, channels 16/32/96/256; the tiny vae:
-2x, one stage).
-"""
+2x, one stage)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from multiengine.engines.settings import Choice, Settings, setting
 
-__all__ = ["CONTROLNET_PIPELINES", "conditioning_embedding_channels", "controlnet_factory", "controlnet_from_unet",
-           "controlnet_role_specs", "load_full_copy"]
+from .models import ModelSettings
+
+__all__ = ["CONTROLNET_PIPELINES", "ControlNetModelSettings", "ControlNetSettings", "conditioning_embedding_channels",
+           "controlnet_factory", "controlnet_from_unet", "load_full_copy"]
 
 # The ControlNet pipeline of each base family (diffusers' ControlNetModel conditions a unet: SD 1.x/2.x and SDXL).
 CONTROLNET_PIPELINES = {"sd": "StableDiffusionControlNetPipeline", "sdxl": "StableDiffusionXLControlNetPipeline"}
+
+
+@dataclass(frozen=True)
+class ControlNetModelSettings(ModelSettings):
+    """The base SD or SDXL pipeline folder (a ControlNet conditions a unet)."""
+
+    tiny_family: str = setting("sd", "tiny model only: sd | sdxl", Choice(*CONTROLNET_PIPELINES), when="pretrained=")
+
+
+@dataclass(frozen=True)
+class ControlNetSettings(Settings):
+    conditioning_scale: float = setting(1.0, "multiplies the controlnet's residuals (1 in diffusers' training)")
+
 
 # diffusers' default conditioning-embedding widths, for an 8x vae.
 _CHANNELS: tuple[int, ...] = (16, 32, 96, 256)
@@ -36,9 +52,8 @@ def conditioning_embedding_channels(vae_scale_factor: int) -> tuple[int, ...]:
 
 def controlnet_from_unet(unet: torch.nn.Module, vae_scale_factor: int = 8, seed: int = 0,
                          conditioning_channels: int = 3) -> torch.nn.Module:
-    """``ControlNetModel.from_unet(unet)``: the unet's encoder weights copied, zero-initialised output
-    convolutions (the untrained ControlNet changes nothing), the conditioning embedding sized for the vae.
-    The random parts are seeded by ``seed`` (the same on every rank); the global RNG is left untouched."""
+    """``ControlNetModel.from_unet(unet)`` (encoder weights copied, zero-initialised outputs: it changes nothing
+    yet), its random parts seeded by ``seed`` on every rank; the global RNG is left untouched."""
     from diffusers import ControlNetModel
 
     with torch.random.fork_rng(devices=[]):
@@ -49,9 +64,8 @@ def controlnet_from_unet(unet: torch.nn.Module, vae_scale_factor: int = 8, seed:
 
 
 def load_full_copy(cls: Any, model_path: str, subfolder: str, variant: str | None = None) -> torch.nn.Module:
-    """``cls`` (a diffusers model class) with the safetensors weights of ``model_path/subfolder``, built as
-    ordinary full tensors even inside a stage-3 role's build: ``from_config`` plus the state dict (one file or
-    a sharded index), never ``from_pretrained``, which a stage-3 build turns into a partitioned load."""
+    """``cls`` with the safetensors weights of ``model_path/subfolder`` as full tensors even inside a stage-3 build
+    (``from_config`` + state dict; ``from_pretrained`` would load partitioned)."""
     from multiengine.engines import zero_init_paused
     from safetensors.torch import load_file
 
@@ -77,9 +91,8 @@ def load_full_copy(cls: Any, model_path: str, subfolder: str, variant: str | Non
 
 def controlnet_factory(model_path: str, seed: int = 0, variant: str | None = None,
                        controlnet_path: str | None = None) -> Callable[[], Any]:
-    """A role's model factory: a ControlNet initialised from the folder's unet (:func:`controlnet_from_unet`),
-    or the ControlNet saved at ``controlnet_path`` to fine-tune further. The unet is read whole on the host
-    (``from_unet`` copies its weights) and dropped; the ControlNet is partitioned when its engine is built."""
+    """A role's model factory: a ControlNet from the folder's unet (read whole on the host, then dropped) or the one
+    saved at ``controlnet_path``; partitioned when its engine is built."""
 
     def build() -> torch.nn.Module:
         from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel
@@ -93,25 +106,3 @@ def controlnet_factory(model_path: str, seed: int = 0, variant: str | None = Non
             return controlnet_from_unet(unet, factor, seed)
 
     return build
-
-
-def controlnet_role_specs(model_path: str, placements: dict[str, Any], optim: Any, *, mode: str, frozen: Sequence[str],
-                          controlnet_path: str | None, micro_batch_size: int, grad_accum: int,
-                          gradient_checkpointing: bool, seed: int, variant: str | None = None) -> list[Any]:
-    """RoleSpecs of a ControlNet run: ``controlnet`` (trainable, :func:`controlnet_factory`) and the ``frozen``
-    components of ``model_path`` (the unet, vae and text encoders), each placed by ``placements[name]``; in
-    ``seed_baseline`` mode the frozen ones whole on every rank (stage 0), as in diffusers' train_controlnet.py,
-    where only the trained model goes through ZeRO."""
-    from multiengine.engines import Placement, frozen_role, trainable_role
-
-    from .models import SEED_BASELINE, load_component
-
-    specs = [trainable_role("controlnet", controlnet_factory(model_path, seed, variant, controlnet_path),
-                            placements["controlnet"], optim, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                            gradient_checkpointing=gradient_checkpointing, seed=seed)]
-    for name in frozen:
-        place = placements[name]
-        if mode == SEED_BASELINE:
-            place = Placement(stage=0, dtype=place.dtype)
-        specs.append(frozen_role(name, lambda n=name: load_component(model_path, n, variant), place))
-    return specs

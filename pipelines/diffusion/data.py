@@ -1,10 +1,5 @@
-"""Image-caption data for diffusion fine-tuning: a generated toy dataset, loading, transforms,
-tokenization, collation and a resumable distributed sampler.
-
-Image transforms use PIL + torch only (torchvision does not load beside the CPU torch build).
-Randomness is always drawn from explicit ``torch.Generator`` objects derived from a seed, so data
-order and augmentation are reproducible and a resumed run sees the same samples.
-"""
+"""Image-caption data of diffusion fine-tuning: the shapes dataset, loading and checking sources, transforms (PIL +
+torch only), collation; randomness only from seeded generators, so a resumed run sees the same samples."""
 
 from __future__ import annotations
 
@@ -33,31 +28,11 @@ from PIL import Image, ImageDraw
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SHAPES_BACKGROUNDS",
-    "SHAPES_COLORS",
-    "SHAPES_KINDS",
-    "ConditionedImageCaptionDataset",
-    "ImageCaptionDataset",
-    "ImageTransform",
-    "IMAGE_FIELDS",
-    "ShardedEpochSampler",
-    "check_image_caption_data",
-    "unreadable_images",
-    "collate",
-    "describe_shapes_image",
-    "image_caption_columns",
-    "load_image_caption_data",
-    "load_image_caption_dataset",
-    "make_shapes_dataset",
-    "sample_generator",
-    "shapes_captions",
-    "tokenize_captions",
-]
-
-# ---------------------------------------------------------------------------------------------
-# Generated "shapes" dataset
-# ---------------------------------------------------------------------------------------------
+__all__ = ["CONDITIONING_KINDS", "IMAGE_FIELDS", "SHAPES_BACKGROUNDS", "SHAPES_COLORS", "SHAPES_KINDS",
+           "ImageCaptionDataset", "ImageTransform", "ShardedEpochSampler", "check_image_caption_data", "collate",
+           "conditioning_pixels", "describe_shapes_image", "image_caption_columns", "load_image_caption_data",
+           "load_image_caption_dataset", "make_shapes_dataset", "sample_generator", "shapes_captions",
+           "shapes_conditioning_image", "tokenize_captions"]
 
 # Saturated, mutually distant colours so the attribute can be read back from pixels.
 SHAPES_COLORS: dict[str, tuple[int, int, int]] = {
@@ -116,12 +91,14 @@ def _shapes_rows(n: int, resolution: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _draw_shape(row: Mapping[str, Any], resolution: int) -> Image.Image:
-    image = Image.new("RGB", (resolution, resolution), SHAPES_BACKGROUNDS[row["background"]])
+def _draw_shape(row: Mapping[str, Any], resolution: int, mask: bool = False) -> Image.Image:
+    """The row's image, or (``mask``) its shape white on black, one channel."""
+    image = Image.new("L", (resolution, resolution), 0) if mask else \
+        Image.new("RGB", (resolution, resolution), SHAPES_BACKGROUNDS[row["background"]])
     draw = ImageDraw.Draw(image)
     left, top, size = row["_box"]
     right, bottom = left + size - 1, top + size - 1
-    fill = SHAPES_COLORS[row["color"]]
+    fill = 255 if mask else SHAPES_COLORS[row["color"]]
     if row["shape"] == "square":
         draw.rectangle((left, top, right, bottom), fill=fill)
     elif row["shape"] == "circle":
@@ -131,54 +108,53 @@ def _draw_shape(row: Mapping[str, Any], resolution: int) -> Image.Image:
     return image
 
 
-def _shapes_complete(out_dir: str, rows: list[dict[str, Any]], resolution: int) -> bool:
+def _shapes_complete(out_dir: str, entries: list[dict[str, Any]], resolution: int) -> bool:
     meta = os.path.join(out_dir, _METADATA)
     if not os.path.isfile(meta):
         return False
     with open(meta, encoding="utf-8") as f:
-        existing = [json.loads(line) for line in f if line.strip()]
-    expected = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    if existing != expected:
+        if [json.loads(line) for line in f if line.strip()] != entries:
+            return False
+    if not all(os.path.isfile(os.path.join(out_dir, e["file_name"])) for e in entries):
         return False
-    if not all(os.path.isfile(os.path.join(out_dir, r["file_name"])) for r in rows):
-        return False
-    with Image.open(os.path.join(out_dir, rows[0]["file_name"])) as im:
+    with Image.open(os.path.join(out_dir, entries[0]["file_name"])) as im:
         return im.size == (resolution, resolution)
 
 
-def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0) -> str:
-    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds.
-
-    Each PNG (``{i:05d}.png``, ``resolution`` x ``resolution`` RGB) shows one shape (square,
-    circle, triangle) in one of :data:`SHAPES_COLORS` on one of :data:`SHAPES_BACKGROUNDS`;
-    ``metadata.jsonl`` has ``file_name``, ``text`` (e.g. "a red square on a white background")
-    and the attributes ``color``, ``shape``, ``background`` so generations can be checked with
-    :func:`describe_shapes_image`. Same ``(n, resolution, seed)`` -> byte-identical files; an
-    existing complete folder is left as is. Safe to call from several processes at once.
-
-    Returns:
-        ``out_dir``.
-    """
+def make_shapes_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0, conditioning: str = "") -> str:
+    """Write an ``imagefolder`` of ``n`` solid shapes on plain backgrounds (``metadata.jsonl``: ``file_name``,
+    ``text`` and the attributes) and returns ``out_dir``; ``conditioning`` (``edge`` | ``mask``) adds a ControlNet
+    image per row. Byte-identical for the same arguments; a complete folder is left as is; process-safe."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if resolution < 8:
         raise ValueError(f"resolution must be >= 8, got {resolution}")
+    if conditioning and conditioning not in CONDITIONING_KINDS:
+        raise ValueError(f"kind={conditioning!r}; use one of {list(CONDITIONING_KINDS)}.")
     rows = _shapes_rows(n, resolution, seed)
-    if _shapes_complete(out_dir, rows, resolution):
+    entries = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    if conditioning:
+        entries = [{"file_name": e.pop("file_name"), "conditioning_image_file_name": f"conditioning/{r['file_name']}",
+                    "conditioning_kind": conditioning, **e} for r, e in zip(rows, entries)]
+    if _shapes_complete(out_dir, entries, resolution):
         logger.info("shapes dataset already complete at %s", out_dir)
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "conditioning") if conditioning else out_dir, exist_ok=True)
     # Write-then-rename per file, metadata last: concurrent ranks never see a torn file, and the
     # folder only counts as complete once metadata.jsonl is in place.
     tag = f".tmp{os.getpid()}"
-    for row in rows:
-        path = os.path.join(out_dir, row["file_name"])
-        _draw_shape(row, resolution).save(path + tag, format="PNG")
-        os.replace(path + tag, path)
+    for row, entry in zip(rows, entries):
+        images = [(entry["file_name"], _draw_shape(row, resolution))]
+        if conditioning:
+            images.append((entry["conditioning_image_file_name"],
+                           shapes_conditioning_image(row, resolution, conditioning)))
+        for name, image in images:
+            path = os.path.join(out_dir, name)
+            image.save(path + tag, format="PNG")
+            os.replace(path + tag, path)
     meta = os.path.join(out_dir, _METADATA)
     with open(meta + tag, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}) + "\n")
+        f.writelines(json.dumps(e) + "\n" for e in entries)
     os.replace(meta + tag, meta)
     logger.info("wrote %d shapes images to %s", n, out_dir)
     return out_dir
@@ -191,13 +167,8 @@ def _nearest(rgb: np.ndarray, palette: Mapping[str, tuple[int, int, int]]) -> st
 
 
 def describe_shapes_image(image: Image.Image) -> dict[str, str]:
-    """Read ``color``, ``shape`` and ``background`` back from a shapes image (real or generated).
-
-    Background = palette colour nearest the mean of the four corners; colour = palette colour
-    nearest the median of pixels far from the background; shape from how much of its bounding
-    box the shape fills (square ~1, circle ~pi/4, triangle ~1/2). Meant for scoring generations
-    from a model trained on :func:`make_shapes_dataset`, so it is deliberately simple.
-    """
+    """``color``, ``shape`` and ``background`` read back from a shapes image: palette colours nearest the corners
+    and the other pixels' median, the shape from how much of its box it fills."""
     arr = np.asarray(image.convert("RGB"), dtype=np.float64)
     corners = np.stack([arr[0, 0], arr[0, -1], arr[-1, 0], arr[-1, -1]]).mean(axis=0)
     background = _nearest(corners, SHAPES_BACKGROUNDS)
@@ -213,19 +184,15 @@ def describe_shapes_image(image: Image.Image) -> dict[str, str]:
     return {"color": color, "shape": shape, "background": background}
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------------
+# --- loading -----------------------------------------------------------------------------------------------------
 
 IMAGE_FIELDS: tuple[str, ...] = ("image", "caption")
 
 
 def image_caption_columns(columns: Mapping[str, str] | None = None, image_column: str = "image",
                           caption_column: str = "text", extra_fields: Sequence[str] = ()) -> tuple[str, str]:
-    """The dataset's image and caption column names: ``columns`` (``{"image": ..., "caption": ...}``, i.e.
-    ``data.columns.image`` / ``data.columns.caption``) wins over the older ``image_column`` /
-    ``caption_column`` (``data.image_column`` / ``data.caption_column``). ``extra_fields``: further fields
-    ``columns`` may name (``conditioning_image`` for ControlNet data)."""
+    """The image and caption column names: ``columns`` wins over the older ``image_column`` / ``caption_column``;
+    ``extra_fields``: further fields ``columns`` may name."""
     columns = dict(columns or {})
     unknown = [k for k in columns if k not in IMAGE_FIELDS and k not in extra_fields]
     if unknown:
@@ -234,39 +201,12 @@ def image_caption_columns(columns: Mapping[str, str] | None = None, image_column
     return columns.get("image", image_column), columns.get("caption", caption_column)
 
 
-def load_image_caption_dataset(
-    source: str,
-    image_column: str = "image",
-    caption_column: str = "text",
-    split: str = "train",
-    columns: Mapping[str, str] | None = None,
-    key: str = "data.source",
-    split_required: bool = False,
-    extra_image_columns: Sequence[str] = (),
-    **load_kwargs: Any,
-):
-    """Load an image-caption ``datasets.Dataset`` (column names as in the source).
-
-    ``source`` may be:
-      * a ``save_to_disk`` folder (``Dataset`` or ``DatasetDict``; ``split`` picks the split);
-      * a local directory -> ``load_dataset("imagefolder", data_dir=source)`` (images +
-        ``metadata.jsonl``/``.csv``/``.parquet`` with ``file_name`` and caption columns);
-      * a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file -> the matching builder; a string
-        image column holds paths, resolved relative to the file's folder, and is cast to images;
-      * anything else -> a hub dataset name, ``load_dataset(source, split=split)`` (offline: the cache).
-
-    ``columns`` (``{"image": ..., "caption": ...}``) names the columns; ``image_column`` /
-    ``caption_column`` are the older spelling (see :func:`image_caption_columns`). Extra ``load_kwargs``
-    (``cache_dir``, ``name``...) go to ``datasets.load_dataset``. ``split_required``: ``split`` must exist
-    as a separate split (evaluation rows), see :func:`multiengine.pipelines.sources.load_source`.
-    ``extra_image_columns``: further columns that must exist and hold images (or paths), cast like the image
-    column (a ControlNet's conditioning images).
-
-    Raises:
-        ValueError: a missing source (``no such file or folder``), a column that is missing (lists the
-            available columns), or no rows.
-    """
-
+def load_image_caption_dataset(source: str, image_column: str = "image", caption_column: str = "text",
+                               split: str = "train", columns: Mapping[str, str] | None = None,
+                               key: str = "data.source", split_required: bool = False,
+                               extra_image_columns: Sequence[str] = (), **load_kwargs: Any):
+    """An image-caption ``datasets.Dataset`` from a ``save_to_disk`` folder, an imagefolder, a data file (string
+    image paths relative to it) or a hub name (offline). ValueError for a missing source, column or rows."""
     image_column, caption_column = image_caption_columns(columns, image_column, caption_column)
     kind = source_kind(str(source), (split,), images=True, key=key)
     ds = load_source(str(source), names=(split,), split=split, images=True, key=key, split_required=split_required,
@@ -276,11 +216,8 @@ def load_image_caption_dataset(
     for role, column in (("image_column", image_column), ("caption_column", caption_column)):
         if column not in ds.column_names:
             field_name = "image" if role == "image_column" else "caption"
-            raise ValueError(
-                f"{role}={column!r} not found in dataset {source!r}; available columns: {ds.column_names} "
-                f"(name yours with data.columns.{field_name}=<column>)"
-            )
-
+            raise ValueError(f"{role}={column!r} not found in dataset {source!r}; available columns: "
+                             f"{ds.column_names} (name yours with data.columns.{field_name}=<column>)")
     for column in extra_image_columns:
         if column not in ds.column_names:
             raise ValueError(f"column {column!r} not found in dataset {source!r}; available columns: "
@@ -316,38 +253,18 @@ def _as_image_column(ds: Any, column: str, source: str, kind: str) -> Any:
     return ds
 
 
-def load_image_caption_data(
-    source: Any,
-    *,
-    columns: Mapping[str, str] | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    train_split: str = "train",
-    eval_source: Any = None,
-    eval_split: float | int | str = 0.0,
-    seed: int = 0,
-    size: int | None = None,
-    cache_dir: str | None = None,
-    extra_images: Mapping[str, str] | None = None,
-) -> TrainEval:
-    """Training and held-out image-caption rows from one source or a weighted blend of several.
-
-    Every returned dataset has exactly the columns ``image`` and ``caption`` (whatever the sources call
-    them), plus one image column per field of ``extra_images`` (``{field: default column}``, e.g.
-    ``{"conditioning_image": "conditioning_image"}``; ``columns`` / a source's columns may rename it).
-    ``source`` / ``eval_source`` take a path, a hub name, or a list of ``{path, weight, columns, split}``;
-    ``eval_split`` is a held-out fraction/count of each source (taken before blending) or the name of a
-    split the sources have (``"test"``); see :func:`multiengine.pipelines.sources.split_train_eval`.
-    """
+def load_image_caption_data(source: Any, *, columns: Mapping[str, str] | None = None, train_split: str = "train",
+                            eval_source: Any = None, eval_split: float | int | str = 0.0, seed: int = 0,
+                            size: int | None = None, cache_dir: str | None = None,
+                            extra_images: Mapping[str, str] | None = None) -> TrainEval:
+    """Training and held-out image-caption rows (columns ``image``, ``caption`` and one per ``extra_images`` field)
+    from one source or a weighted blend; ``eval_split`` as :func:`multiengine.pipelines.sources.split_train_eval`."""
     several = isinstance(source, (list, tuple)) and len(source) > 1
     base_key = "data.sources" if several else "data.source"
-
     extra = dict(extra_images or {})
 
     def load(src: DataSource, split: str | None, key: str = base_key) -> Any:
-        mapping = {**(columns or {}), **dict(src.columns)}
-        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
-        others = {field: mapping.get(field) or default for field, default in extra.items()}
+        image, caption, others = _columns(src, columns, extra)
         ds = load_image_caption_dataset(src.path, image, caption, split=split or src.split or train_split, key=key,
                                         split_required=split is not None, cache_dir=cache_dir,
                                         extra_image_columns=tuple(others.values()))
@@ -364,38 +281,31 @@ def load_image_caption_data(
     return result
 
 
-def check_image_caption_data(
-    source: Any,
-    *,
-    columns: Mapping[str, str] | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    split: str = "train",
-    key: str = "data.source",
-    cache_dir: str | None = None,
-    extra_image_columns: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Check image-caption sources before any rank starts: each exists, has the image and caption
-    columns (after mapping) and rows, and its first image decodes and its first caption is text.
-    ``extra_image_columns`` (``{field: default column}``, e.g. ControlNet's ``conditioning_image``) must
-    exist too and hold images.
+def _columns(src: DataSource, columns: Mapping[str, str] | None, extra: Mapping[str, str]
+             ) -> tuple[str, str, dict[str, str]]:
+    """The image, caption and extra image columns of a source: its own ``columns`` over the run's."""
+    mapping = {**(columns or {}), **dict(src.columns)}
+    image, caption = image_caption_columns(mapping, extra_fields=tuple(extra))
+    return image, caption, {field: mapping.get(field) or default for field, default in extra.items()}
 
-    Returns:
-        ``{"rows": total, "sources": [{"path", "rows", "image_column", "caption_column"}]}``.
-    """
-    report = []
+
+def check_image_caption_data(source: Any, *, columns: Mapping[str, str] | None = None, split: str = "train",
+                             key: str = "data.source", cache_dir: str | None = None,
+                             extra_image_columns: Mapping[str, str] | None = None,
+                             verify_images: bool = False) -> dict[str, Any]:
+    """Check image-caption sources before any rank starts (exist, columns, rows, first image and caption;
+    ``verify_images``: every image). Returns ``{"rows", "sources", "unreadable"}``."""
+    report, bad = [], []
     extra = dict(extra_image_columns or {})
     for src in as_sources(source, key):
-        mapping = {**(columns or {}), **dict(src.columns)}
-        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
-        others = [mapping.get(f) or c for f, c in extra.items()]
+        image, caption, others = _columns(src, columns, extra)
         ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
-                                        cache_dir=cache_dir, extra_image_columns=tuple(others))
+                                        cache_dir=cache_dir, extra_image_columns=tuple(others.values()))
         try:
             first = ds[0]
         except OSError as err:  # PIL cannot decode it
             raise DataSourceError(f"{key}={src.path!r}: the first row's image does not decode ({err})") from None
-        for column in (image, *others):
+        for column in (image, *others.values()):
             if not isinstance(first[column], Image.Image):
                 raise DataSourceError(f"{key}={src.path!r}: column {column!r} holds {type(first[column]).__name__}, "
                                       f"not images; name the image column with data.columns.image=<column>")
@@ -404,78 +314,46 @@ def check_image_caption_data(
             raise DataSourceError(f"{key}={src.path!r}: column {caption!r} holds {type(text).__name__}, not text; "
                                   f"name the caption column with data.columns.caption=<column>")
         report.append({"path": src.path, "rows": len(ds), "image_column": image, "caption_column": caption})
+        if verify_images:
+            bad += _unreadable(ds, src.path, (image, *others.values()))
     if not report:
         raise DataSourceError(f"{key} is empty: give an image folder, a data file, a save_to_disk folder or a hub name")
-    return {"rows": sum(r["rows"] for r in report), "sources": report}
+    return {"rows": sum(r["rows"] for r in report), "sources": report, "unreadable": bad}
 
 
-def unreadable_images(
-    source: Any,
-    *,
-    columns: Mapping[str, str] | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    split: str = "train",
-    key: str = "data.source",
-    cache_dir: str | None = None,
-    extra_image_columns: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Every image of the sources that PIL cannot open and verify (header and chunk checksums; no pixels are
-    decoded, so a pass over thousands of files takes seconds), as ``"<file or row> (<error>)"``."""
+def _unreadable(ds: Any, path: str, columns: Sequence[str]) -> list[str]:
+    """Every image of ``columns`` that PIL cannot open and verify, as ``"<file or row> (<error>)"``."""
     import io
 
     import datasets
 
-    bad: list[str] = []
-    extra = dict(extra_image_columns or {})
-    for src in as_sources(source, key):
-        mapping = {**(columns or {}), **dict(src.columns)}
-        image, caption = image_caption_columns(mapping, image_column, caption_column, tuple(extra))
-        others = [mapping.get(f) or c for f, c in extra.items()]
-        ds = load_image_caption_dataset(src.path, image, caption, split=src.split or split, key=key,
-                                        cache_dir=cache_dir, extra_image_columns=tuple(others))
-        for column in (image, *others):
-            raw = ds.select_columns([column]).cast_column(column, datasets.Image(decode=False))
-            for i, cell in enumerate(raw[column]):
-                where = (cell or {}).get("path") or f"{src.path} row {i} ({column})"
-                try:
-                    if not cell or (cell.get("bytes") is None and not cell.get("path")):
-                        raise ValueError("no image")
-                    handle = io.BytesIO(cell["bytes"]) if cell.get("bytes") is not None else cell["path"]
-                    with Image.open(handle) as im:
-                        im.verify()
-                except Exception as err:  # any failure to open is what this pass reports
-                    bad.append(f"{where} ({type(err).__name__}: {err})")
+    bad = []
+    for column in columns:
+        raw = ds.select_columns([column]).cast_column(column, datasets.Image(decode=False))
+        for i, cell in enumerate(raw[column]):
+            where = (cell or {}).get("path") or f"{path} row {i} ({column})"
+            try:
+                if not cell or (cell.get("bytes") is None and not cell.get("path")):
+                    raise ValueError("no image")
+                handle = io.BytesIO(cell["bytes"]) if cell.get("bytes") is not None else cell["path"]
+                with Image.open(handle) as im:
+                    im.verify()
+            except Exception as err:  # any failure to open is what this pass reports
+                bad.append(f"{where} ({type(err).__name__}: {err})")
     return bad
 
 
-# ---------------------------------------------------------------------------------------------
-# Transforms
-# ---------------------------------------------------------------------------------------------
-
-
+# --- transforms -----------------------------------------------------------------------------------------------
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """A CPU generator determined only by ``(seed, epoch, index)``.
-
-    Hashing (rather than ``seed + index``) keeps streams for neighbouring samples/epochs
-    uncorrelated, and makes a sample's augmentation independent of which worker or rank loads it,
-    or whether the run was resumed.
-    """
+    """A CPU generator determined only by ``(seed, epoch, index)`` (hashed: neighbouring samples' streams are
+    uncorrelated, and a sample's augmentation does not depend on the worker, the rank or a resumption)."""
     digest = hashlib.sha256(f"{seed}:{epoch}:{index}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
 class ImageTransform:
-    """Resize shorter side (bilinear) -> center/random crop -> optional horizontal flip -> tensor.
-
-    Output: float32 tensor ``[3, R, R]`` in ``[-1, 1]`` (the scale VAEs expect). Equivalent to
-    torchvision's ``Resize(R) / CenterCrop(R) or RandomCrop(R) / RandomHorizontalFlip /
-    ToTensor / Normalize([0.5], [0.5])`` as used in diffusers' training scripts.
-
-    Randomness comes from ``generator`` when one is passed to ``__call__`` (use
-    :func:`sample_generator` for per-sample reproducibility), else from an internal generator
-    seeded with ``seed``.
-    """
+    """diffusers' scripts' torchvision transform in PIL + torch: resize, center or random crop, optional flip,
+    ``[3, R, R]`` in ``[-1, 1]``; randomness from the per-call ``generator``, else one seeded ``seed``."""
 
     def __init__(self, resolution: int, center_crop: bool = True, random_flip: bool = False, seed: int = 0):
         if resolution < 1:
@@ -486,37 +364,24 @@ class ImageTransform:
         self._generator = torch.Generator().manual_seed(seed)
 
     def __repr__(self) -> str:
-        return (
-            f"ImageTransform(resolution={self.resolution}, center_crop={self.center_crop}, "
-            f"random_flip={self.random_flip})"
-        )
+        return (f"ImageTransform(resolution={self.resolution}, center_crop={self.center_crop}, "
+                f"random_flip={self.random_flip})")
 
-    def _resize(self, image: Image.Image) -> Image.Image:
-        w, h = image.size
+    def _resize(self, image: Image.Image, w: int, h: int) -> Image.Image:
+        """``image`` resized as an image of ``w`` x ``h`` is: the shorter side to R, the long side truncated (not
+        rounded), as torchvision's Resize(int)."""
         r = self.resolution
-        # Same rounding as torchvision's Resize(int): the long side is truncated, not rounded.
-        if w <= h:
-            size = (r, max(r, int(r * h / w)))
-        else:
-            size = (max(r, int(r * w / h)), r)
-        if size == (w, h):
-            return image
-        return image.resize(size, resample=Image.BILINEAR)
+        size = (r, max(r, int(r * h / w))) if w <= h else (max(r, int(r * w / h)), r)
+        return image if image.size == size else image.resize(size, resample=Image.BILINEAR)
 
-    def apply(
-        self, image: Image.Image, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Transform and also return the parameters used.
-
-        Returns:
-            ``(pixels [3, R, R], params)`` with ``params`` = ``original_size`` (h, w) before
-            resizing, ``crop_top_left`` (top, left) in the resized image, ``flipped`` (bool) --
-            what SDXL-style micro-conditioning needs.
-        """
+    def apply(self, image: Image.Image, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(pixels [3, R, R], params)``: ``original_size`` (h, w) before resizing, ``crop_top_left`` (top, left) in
+        the resized image and ``flipped``, what SDXL's micro-conditioning (and :meth:`replay`) needs."""
         g = generator if generator is not None else self._generator
         image = image.convert("RGB")
         original_size = (image.height, image.width)
-        image = self._resize(image)
+        image = self._resize(image, image.width, image.height)
         r = self.resolution
         w, h = image.size
         if self.center_crop:
@@ -538,16 +403,11 @@ class ImageTransform:
         return self.apply(image, generator)[0]
 
     def replay(self, image: Image.Image, params: Mapping[str, Any], size: tuple[int, int]) -> torch.Tensor:
-        """A second image of the same row (a ControlNet's conditioning image) with the crop and flip that
-        :meth:`apply` drew for the first, whose original ``size`` was ``(h, w)``: resized to the first's
-        resized size, so the crop lands on the same content. Float32 ``[3, R, R]`` in ``[0, 1]`` (diffusers'
-        conditioning transform has no normalisation)."""
-        image = image.convert("RGB")
+        """A second image of the row (ControlNet conditioning, original ``size``) with the crop and flip
+        :meth:`apply` drew for the first; ``[3, R, R]`` in ``[0, 1]`` (no normalisation)."""
         h, w = size
         r = self.resolution
-        target = (r, max(r, int(r * h / w))) if w <= h else (max(r, int(r * w / h)), r)
-        if image.size != target:
-            image = image.resize(target, resample=Image.BILINEAR)
+        image = self._resize(image.convert("RGB"), w, h)
         top, left = params["crop_top_left"]
         image = image.crop((left, top, left + r, top + r))
         if params["flipped"]:
@@ -557,32 +417,18 @@ class ImageTransform:
 
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
-    """Map-style dataset over a ``datasets.Dataset``: ``{"pixel_values": [3, R, R], "caption": str,
-    "original_size": (h, w), "crop_top_left": (top, left)}`` (the last two for SDXL micro-conditioning).
+    """Map-style dataset: ``pixel_values``, ``caption``, SDXL's ``original_size`` / ``crop_top_left`` and a
+    ControlNet's ``conditioning_pixel_values``. Item ``i``'s augmentation uses :func:`sample_generator` ``(seed,
+    epoch, i)``, independent of workers and resumption; call :meth:`set_epoch` before each epoch."""
 
-    Augmentation for item ``i`` uses :func:`sample_generator` ``(seed, epoch, i)``, so it does not
-    depend on worker count or resumption. A caption column holding lists picks one caption with
-    the same generator. Call :meth:`set_epoch` before each epoch (with ``persistent_workers`` the
-    workers keep the epoch they started with).
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        transform: ImageTransform,
-        image_column: str = "image",
-        caption_column: str = "text",
-        seed: int = 0,
-    ):
-        for role, column in (("image_column", image_column), ("caption_column", caption_column)):
-            if column not in dataset.column_names:
-                raise ValueError(f"{role}={column!r} not found; available columns: {dataset.column_names}")
-        self.dataset = dataset
-        self.transform = transform
-        self.image_column = image_column
-        self.caption_column = caption_column
-        self.seed = seed
-        self.epoch = 0
+    def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
+                 caption_column: str = "text", seed: int = 0, conditioning_column: str | None = None):
+        for column in (image_column, caption_column, conditioning_column):
+            if column is not None and column not in dataset.column_names:
+                raise ValueError(f"column {column!r} not found; available columns: {dataset.column_names}")
+        self.dataset, self.transform, self.seed, self.epoch = dataset, transform, seed, 0
+        self.image_column, self.caption_column, self.conditioning_column = image_column, caption_column, \
+            conditioning_column
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -600,79 +446,31 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 raise ValueError(f"empty caption list at index {index}")
             caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
         if not isinstance(caption, str):
-            raise TypeError(
-                f"caption at index {index} is {type(caption).__name__}, expected str or list of str"
-            )
-        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
-                "crop_top_left": params["crop_top_left"]}
-
-
-class ConditionedImageCaptionDataset(ImageCaptionDataset):
-    """:class:`ImageCaptionDataset` plus ``conditioning_pixel_values [3, R, R]`` in ``[0, 1]``: the row's
-    conditioning image (column ``conditioning_column``) resized, cropped and flipped exactly like its image."""
-
-    def __init__(self, dataset: Any, transform: ImageTransform, image_column: str = "image",
-                 caption_column: str = "text", conditioning_column: str = "conditioning_image", seed: int = 0):
-        super().__init__(dataset, transform, image_column, caption_column, seed)
-        if conditioning_column not in dataset.column_names:
-            raise ValueError(f"conditioning column {conditioning_column!r} not found; available columns: "
-                             f"{dataset.column_names}")
-        self.conditioning_column = conditioning_column
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        row = self.dataset[int(index)]
-        g = sample_generator(self.seed, self.epoch, int(index))
-        image = row[self.image_column]
-        pixels, params = self.transform.apply(image, generator=g)
-        caption = row[self.caption_column]
-        if isinstance(caption, (list, tuple)):
-            if not caption:
-                raise ValueError(f"empty caption list at index {index}")
-            caption = caption[int(torch.randint(0, len(caption), (1,), generator=g))]
-        if not isinstance(caption, str):
             raise TypeError(f"caption at index {index} is {type(caption).__name__}, expected str or list of str")
-        cond = self.transform.replay(row[self.conditioning_column], params, params["original_size"])
-        return {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
-                "crop_top_left": params["crop_top_left"], "conditioning_pixel_values": cond}
+        out = {"pixel_values": pixels, "caption": caption, "original_size": params["original_size"],
+               "crop_top_left": params["crop_top_left"]}
+        if self.conditioning_column:
+            out["conditioning_pixel_values"] = self.transform.replay(row[self.conditioning_column], params,
+                                                                     params["original_size"])
+        return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenization and collation
-# ---------------------------------------------------------------------------------------------
-
-
+# --- tokenization and collation -------------------------------------------------------------------------------
 def tokenize_captions(tokenizer: Any, captions: Sequence[str]) -> torch.Tensor:
-    """Tokenize to fixed length (CLIP text encoders are trained on padded 77-token inputs).
-
-    Returns:
-        ``LongTensor [B, tokenizer.model_max_length]`` (padded with the pad token, truncated).
-    """
+    """``LongTensor [B, tokenizer.model_max_length]``: padded and truncated (CLIP encoders train on 77 tokens)."""
     if isinstance(captions, str):
         raise TypeError("captions must be a sequence of strings, not a single string")
     for i, c in enumerate(captions):
         if not isinstance(c, str):
             raise TypeError(f"caption {i} is {type(c).__name__}, expected str")
-    out = tokenizer(
-        list(captions),
-        max_length=tokenizer.model_max_length,
-        padding="max_length",
-        truncation=True,
-        return_tensors="pt",
-    )
+    out = tokenizer(list(captions), max_length=tokenizer.model_max_length, padding="max_length", truncation=True,
+                    return_tensors="pt")
     return out.input_ids.long()
 
 
 def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dict[str, Any]:
-    """Batch ``{"pixel_values": [3, R, R], "caption": str[, "input_ids": [L]]}`` examples.
-
-    ``input_ids`` are stacked when every example has them, otherwise built with ``tokenizer``
-    (bind it with ``functools.partial(collate, tokenizer=tok)`` for a ``DataLoader``).
-
-    Returns:
-        ``{"pixel_values": float32 [B, 3, R, R] (contiguous), "input_ids": long [B, L],
-        "captions": list[str]}``, plus ``original_sizes``/``crop_top_lefts`` (long ``[B, 2]``) when
-        every example has ``original_size``/``crop_top_left``.
-    """
+    """Batch examples: ``pixel_values`` ``[B, 3, R, R]``, ``input_ids`` ``[B, L]`` (stacked or tokenized),
+    ``captions``, and ``original_sizes`` / ``crop_top_lefts`` when every example has them."""
     if not examples:
         raise ValueError("cannot collate an empty batch")
     pixel_values = torch.stack([e["pixel_values"] for e in examples]).float().contiguous()
@@ -690,33 +488,17 @@ def collate(examples: Sequence[Mapping[str, Any]], tokenizer: Any = None) -> dic
     return {"pixel_values": pixel_values, "input_ids": input_ids, "captions": captions, **extra}
 
 
-# ---------------------------------------------------------------------------------------------
-# ControlNet conditioning for the shapes dataset
-# ---------------------------------------------------------------------------------------------
+# --- ControlNet conditioning of the shapes dataset ----------------------------------------------------------------
 
 CONDITIONING_KINDS: tuple[str, ...] = ("edge", "mask")
 
 
 def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str = "edge") -> Image.Image:
-    """The ControlNet conditioning image of one shapes row, drawn from the same geometry as its image.
-
-    ``mask``: the shape filled white on black; ``edge``: the mask's boundary (mask pixels with a 4-neighbour
-    outside it), one pixel thick, white on black - what an edge detector returns for the drawn shape. RGB,
-    ``resolution`` square. Pure: the same row gives the same pixels.
-    """
+    """A shapes row's ControlNet conditioning image: ``mask`` the shape white on black, ``edge`` its one-pixel
+    boundary."""
     if kind not in CONDITIONING_KINDS:
         raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
-    image = Image.new("L", (resolution, resolution), 0)
-    draw = ImageDraw.Draw(image)
-    left, top, size = row["_box"]
-    right, bottom = left + size - 1, top + size - 1
-    if row["shape"] == "square":
-        draw.rectangle((left, top, right, bottom), fill=255)
-    elif row["shape"] == "circle":
-        draw.ellipse((left, top, right, bottom), fill=255)
-    else:
-        draw.polygon(((left + right) / 2, top, left, bottom, right, bottom), fill=255)
-    mask = np.asarray(image) > 0
+    mask = np.asarray(_draw_shape(row, resolution, mask=True)) > 0
     if kind == "edge":
         padded = np.pad(mask, 1)
         inner = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
@@ -724,48 +506,7 @@ def shapes_conditioning_image(row: Mapping[str, Any], resolution: int, kind: str
     return Image.fromarray(np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), mode="RGB")
 
 
-def make_shapes_controlnet_dataset(out_dir: str, n: int, resolution: int = 32, seed: int = 0,
-                                   kind: str = "edge") -> str:
-    """The shapes dataset of :func:`make_shapes_dataset` (same rows, same pixels for the same arguments) with
-    a conditioning image per row: ``{i:05d}.png`` and ``conditioning/{i:05d}.png``; ``metadata.jsonl`` has
-    ``file_name``, ``conditioning_image_file_name`` (``datasets``' imagefolder loads it as an image column
-    ``conditioning_image``), ``text`` and the attributes. Idempotent and safe to call from several processes.
-
-    Returns:
-        ``out_dir``.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if resolution < 8:
-        raise ValueError(f"resolution must be >= 8, got {resolution}")
-    if kind not in CONDITIONING_KINDS:
-        raise ValueError(f"kind={kind!r}; use one of {list(CONDITIONING_KINDS)}.")
-    rows = _shapes_rows(n, resolution, seed)
-    meta = os.path.join(out_dir, _METADATA)
-    attributes = [{k: v for k, v in r.items() if not k.startswith("_") and k != "file_name"} for r in rows]
-    expected = [{"file_name": r["file_name"], "conditioning_image_file_name": f"conditioning/{r['file_name']}",
-                 "conditioning_kind": kind, **a} for r, a in zip(rows, attributes)]
-    if os.path.isfile(meta):
-        with open(meta, encoding="utf-8") as f:
-            if [json.loads(line) for line in f if line.strip()] == expected:
-                return out_dir
-    os.makedirs(os.path.join(out_dir, "conditioning"), exist_ok=True)
-    tag = f".tmp{os.getpid()}"
-    for row, entry in zip(rows, expected):
-        for name, image in ((entry["file_name"], _draw_shape(row, resolution)),
-                            (entry["conditioning_image_file_name"], shapes_conditioning_image(row, resolution, kind))):
-            path = os.path.join(out_dir, name)
-            image.save(path + tag, format="PNG")
-            os.replace(path + tag, path)
-    with open(meta + tag, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(e) + "\n" for e in expected)
-    os.replace(meta + tag, meta)  # metadata last: the folder counts as complete only then
-    logger.info("wrote %d shapes images with %s conditioning to %s", n, kind, out_dir)
-    return out_dir
-
-
 def conditioning_pixels(image: Image.Image, resolution: int, center_crop: bool = True) -> torch.Tensor:
-    """A conditioning image as the ControlNet takes it: resized and cropped like the training image
-    (:class:`ImageTransform`, no flip) but in ``[0, 1]``, not ``[-1, 1]`` (diffusers' conditioning transform
-    has no normalisation). Returns float32 ``[3, R, R]``."""
+    """A conditioning image as the ControlNet takes it, float32 ``[3, R, R]``: resized and cropped like a training
+    image (no flip), in ``[0, 1]`` (diffusers' conditioning transform has no normalisation)."""
     return ImageTransform(resolution, center_crop=center_crop, random_flip=False)(image).add(1.0).div(2.0)

@@ -1,8 +1,5 @@
-"""Exports that load with no project code: a diffusers pipeline folder, per-role folders, LoRA weights.
-
-Every folder is written through the engines' atomic export (gather on all ranks, write on rank 0 into
-a temporary folder, rename into place): a crash never leaves a half-written export that looks complete.
-"""
+"""Exports that load with no project code (a diffusers pipeline folder, per-role folders, LoRA weights), each
+written through the engines' atomic export."""
 
 from __future__ import annotations
 
@@ -12,16 +9,19 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry, atomic_dir, save_role, write_role
 from multiengine.engines.export import cast_folder
+from multiengine.engines.settings import Choice, Each, Length, Settings, setting
 
 from .models import read_model_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_pipeline", "export_roles", "export_run", "save_lora"]
+__all__ = ["ExportSettings", "RoleExportSettings", "export_pipeline", "export_roles", "export_run", "save_lora"]
 
 
 def export_pipeline(
@@ -34,14 +34,9 @@ def export_pipeline(
     class_name: str | None = None,
     cast_copied: bool = False,
 ) -> str:
-    """A complete diffusers folder: each ``component -> role`` of ``components`` gathered from its engine
-    (e.g. ``{"unet": "ema", "vae": "vae", "text_encoder": "text_encoder"}``); tokenizers, scheduler and
-    any other component copied from ``model_path`` with its ``model_index.json``. ``prediction_type``
-    (when training changed it) is written into the scheduler config. A component that the source folder
-    does not have (a ``controlnet``) is added to ``model_index.json``; ``class_name`` replaces its
-    ``_class_name`` (``StableDiffusionControlNetPipeline``). ``cast_copied``: the copied model components
-    are cast to ``dtype`` too (the frozen unet of a ControlNet export), so the folder loads in one dtype.
-    ``<PipelineClass>.from_pretrained(out_dir)`` loads it. All ranks must call it."""
+    """A complete diffusers folder: each ``component -> role`` gathered from its engine, the rest copied from
+    ``model_path``; ``prediction_type`` into the scheduler config, a new component (``controlnet``) added to
+    ``model_index.json`` with ``class_name``; ``cast_copied`` casts copied models to ``dtype``. All ranks call it."""
     index = read_model_index(model_path)
     with atomic_dir(out_dir, registry.is_main) as tmp:
         for component, role in components.items():
@@ -86,11 +81,8 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", component: str = "unet",
               pipeline_class: str = "StableDiffusionPipeline") -> str:
-    """The denoiser's LoRA adapter as ``out_dir/pytorch_lora_weights.safetensors``, in the layout
-    ``<pipeline_class>.load_lora_weights`` reads, as diffusers' LoRA scripts write it: a unet's adapter in
-    diffusers' names (``convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))`` saved as
-    ``unet_lora_layers``), a transformer's (SD3, FLUX) in peft's names as ``transformer_lora_layers``.
-    Only the adapter weights are gathered. All ranks must call it."""
+    """The denoiser's LoRA adapter as ``out_dir/pytorch_lora_weights.safetensors`` as diffusers' LoRA scripts
+    write it (unet: diffusers names, ``unet_lora_layers``; transformer: peft names). All ranks must call it."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -120,27 +112,28 @@ def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", compon
     return out_dir
 
 
-def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str], *,
-               dtype: str = "fp32", prediction_type: str | None = None, roles: Sequence[str] = (),
-               first: Sequence[str] = (), lora: tuple[str, str, str] | None = None, class_name: str | None = None,
-               cast_copied: bool = False, key: str = "export.roles", pipeline: str = "pipeline") -> dict[str, str]:
-    """A fine-tune's exports under ``out_dir``: a folder per role of ``first``, ``<pipeline>/`` (``components``:
-    {component: role}, the others copied from ``model_path``), ``lora/`` when ``lora`` = (role, component,
-    pipeline class), then a folder per role of ``roles`` (those in ``first`` skipped); a role of ``roles`` the
-    registry does not have is refused, naming ``key``."""
-    from multiengine.engines.recipe_config import RecipeConfigError
+@dataclass(frozen=True)
+class ExportSettings(Settings):
+    enabled: bool = setting(True, "export/<pipeline> (a diffusers pipeline folder) and export/lora for LoRA runs")
+    dtype: str = setting("fp32", "dtype of every exported component", Choice("fp32", "bf16", "fp16"), when="enabled")
 
-    written = export_roles(registry, out_dir, list(first), dtype=dtype)
-    written[pipeline] = export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
-                                          dtype=dtype, prediction_type=prediction_type, class_name=class_name,
-                                          cast_copied=cast_copied)
+
+@dataclass(frozen=True)
+class RoleExportSettings(ExportSettings):
+    roles: list[str] = setting([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)",
+                               Each(Length(1)), when="enabled")
+
+
+def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str],
+               settings: ExportSettings, *, lora: tuple[str, str, str] | None = None, pipeline: str = "pipeline",
+               **pipeline_options: Any) -> dict[str, str]:
+    """A fine-tune's exports under ``out_dir``: ``<pipeline>/``, ``lora/`` when ``lora`` = (role, component,
+    pipeline class), then the per-role folders."""
+    written = {pipeline: export_pipeline(registry, model_path, os.path.join(out_dir, pipeline), components,
+                                         dtype=settings.dtype, **pipeline_options)}
     if lora:
         written["lora"] = save_lora(registry, os.path.join(out_dir, "lora"), role=lora[0], component=lora[1],
                                     pipeline_class=lora[2])
-    extra = [r for r in roles if r not in first]
-    missing = [r for r in extra if r not in registry]
-    if missing:
-        raise RecipeConfigError(f"{key}={list(roles)}: {missing} not among this run's roles "
-                                f"{[r.name for r in registry.roles()]}")
-    written.update(export_roles(registry, out_dir, extra, dtype=dtype))
+    roles = getattr(settings, "roles", ())
+    written.update(export_roles(registry, out_dir, [r for r in roles if r not in written], dtype=settings.dtype))
     return written

@@ -12,8 +12,7 @@ flux     FluxPipeline                   transformer   text_encoder (CLIP-L), tex
 
 Each text encoder's tokenizer is the folder with ``text_encoder`` replaced by ``tokenizer``. ControlNet
 pipelines (``StableDiffusionControlNetPipeline`` ...) belong to their base family and add a ``controlnet``.
-Pure functions: json only, no model is loaded.
-"""
+Pure functions: json only, no model is loaded."""
 
 from __future__ import annotations
 
@@ -47,13 +46,8 @@ PIPELINE_CLASSES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class FamilyRoles:
-    """The role names of a family (the same names as the folder's components).
-
-    ``pooled_from``: the text encoder(s) whose pooled output conditions the denoiser, in the order the
-    pipeline concatenates them; ``objective``: ``ddpm`` (noise/v prediction, unet) or ``flow`` (rectified
-    flow, transformer); ``pipeline``: the diffusers class that loads and generates from the folder;
-    ``lora_targets``: the denoiser modules diffusers' LoRA scripts adapt by default (peft ``target_modules``).
-    """
+    """A family's role names: ``pooled_from`` (encoders whose pooled output conditions the denoiser),
+    ``objective`` (``ddpm`` | ``flow``), ``pipeline`` (the diffusers class), ``lora_targets`` (diffusers' defaults)."""
 
     family: str
     pipeline: str
@@ -115,11 +109,7 @@ def _read_index(path: str) -> dict[str, Any]:
 
 
 def model_family(path: str) -> str:
-    """``"sd" | "sdxl" | "sd3" | "flux"`` of a diffusers folder, from ``_class_name`` in its model_index.json.
-
-    A folder that lacks a component its class needs (a text encoder saved as null, say) is an error naming
-    the missing ones: training needs each of them as a role.
-    """
+    """``"sd" | "sdxl" | "sd3" | "flux"`` from a folder's model_index.json; an error names missing components."""
     index = _read_index(path)
     family = family_of_pipeline(str(index.get("_class_name", "")))
     roles = family_roles(family)

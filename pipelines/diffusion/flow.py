@@ -1,16 +1,6 @@
-"""Pure tensor functions for rectified-flow (flow-matching) training: SD3- and FLUX-style transformers.
-
-The forward process is a straight line between data and noise, ``x_sigma = (1 - sigma) * x0 + sigma * noise``,
-and the transformer predicts the velocity ``noise - x0``. Timesteps come from the table of a
-``FlowMatchEulerDiscreteScheduler`` (``timesteps = 1000 * sigmas``, optionally shifted towards noise);
-which entry a sample gets is drawn from a density on ``[0, 1)`` (logit-normal, "mode" or uniform), and
-the loss can be re-weighted per sample (``sigma_sqrt``, ``cosmap``). FLUX additionally packs 2x2 latent
-patches into tokens, gives every token a position id, and feeds a guidance scale to guidance-distilled
-transformers.
-
-Every function is stateless; randomness only through an explicit ``torch.Generator``. Shapes: ``B``
-batch, ``C`` latent channels, ``h``/``w`` latent height/width (pixels / vae factor).
-"""
+"""Pure tensor functions of rectified-flow training (SD3, FLUX): ``x_sigma = (1 - sigma) x0 + sigma noise``, the
+velocity target ``noise - x0``, timesteps from the FlowMatchEuler table by a density, loss weightings, FLUX's
+packing. Randomness only through an explicit generator."""
 
 from __future__ import annotations
 
@@ -26,28 +16,10 @@ DENSITY_SCHEMES: tuple[str, ...] = ("logit_normal", "mode", "uniform")
 WEIGHTING_SCHEMES: tuple[str, ...] = ("sigma_sqrt", "cosmap", "none")
 SCHEMES: tuple[str, ...] = ("logit_normal", "mode", "sigma_sqrt", "cosmap", "none", "uniform")
 
-__all__ = [
-    "DENSITY_SCHEMES",
-    "SCHEMES",
-    "WEIGHTING_SCHEMES",
-    "check_scheme",
-    "flow_loss_weighting",
-    "flow_match_schedule",
-    "flow_noisy_input",
-    "flow_sigma_shift",
-    "flow_target",
-    "flux_guidance",
-    "flux_image_ids",
-    "flux_text_ids",
-    "dynamic_shift_mu",
-    "pack_latents",
-    "precondition_outputs",
-    "sample_flow_timesteps",
-    "schedule_lookup",
-    "sd3_prompt_embeds",
-    "timestep_density",
-    "unpack_latents",
-]
+__all__ = ["DENSITY_SCHEMES", "SCHEMES", "WEIGHTING_SCHEMES", "check_scheme", "dynamic_shift_mu",
+           "flow_loss_weighting", "flow_match_schedule", "flow_noisy_input", "flow_sigma_shift", "flow_target",
+           "flux_guidance", "flux_image_ids", "flux_text_ids", "pack_latents", "precondition_outputs",
+           "sample_flow_timesteps", "schedule_lookup", "sd3_prompt_embeds", "timestep_density", "unpack_latents"]
 
 
 def check_scheme(weighting_scheme: str) -> str:
@@ -63,19 +35,10 @@ def flow_sigma_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def flow_match_schedule(
-    num_train_timesteps: int = 1000, shift: float = 1.0, use_dynamic_shifting: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training table of ``FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift, use_dynamic_shifting)``
-    (its ``timesteps`` and ``sigmas`` right after construction, which is what diffusers' scripts index).
-
-    ``sigmas`` runs from 1 (pure noise) down to ``1 / N``, shifted when ``use_dynamic_shifting`` is off (SD3:
-    ``shift=3``); with dynamic shifting (FLUX) the shift depends on the image size and is applied only at
-    inference, so training uses the unshifted line. ``timesteps = sigmas * N``.
-
-    Returns:
-        ``(timesteps [N], sigmas [N])`` float32, descending.
-    """
+def flow_match_schedule(num_train_timesteps: int = 1000, shift: float = 1.0, use_dynamic_shifting: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(timesteps [N], sigmas [N])`` descending: ``FlowMatchEulerDiscreteScheduler``'s training table, sigmas
+    from 1 to ``1 / N``, shifted unless the shift is dynamic (FLUX); ``timesteps = sigmas * N``."""
     if num_train_timesteps < 1:
         raise ValueError(f"num_train_timesteps={num_train_timesteps} must be >= 1.")
     if not shift > 0:
@@ -91,34 +54,19 @@ def flow_match_schedule(
     return sigmas * n, sigmas
 
 
-def dynamic_shift_mu(
-    image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
-    max_shift: float = 1.15,
-) -> float:
-    """FLUX's resolution-dependent shift exponent: linear in the number of image tokens, from
-    ``base_shift`` at ``base_seq_len`` to ``max_shift`` at ``max_seq_len`` (the sampler then uses
-    ``exp(mu)`` as the shift)."""
+def dynamic_shift_mu(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
+                     max_shift: float = 1.15) -> float:
+    """FLUX's resolution-dependent shift exponent: linear in the image tokens, ``base_shift`` at ``base_seq_len`` to
+    ``max_shift`` at ``max_seq_len`` (the sampler uses ``exp(mu)``)."""
     m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     return image_seq_len * m + base_shift - m * base_seq_len
 
 
 # --- which timesteps ------------------------------------------------------------------------------
-def timestep_density(
-    weighting_scheme: str,
-    batch_size: int,
-    logit_mean: float = 0.0,
-    logit_std: float = 1.0,
-    mode_scale: float = 1.29,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """``u [B]`` in ``[0, 1]``: where on the schedule each sample lands (0 = the first, noisiest entry).
-
-    ``logit_normal``: ``sigmoid(N(logit_mean, logit_std))`` (SD3's default, favours the middle);
-    ``mode``: ``1 - u - mode_scale * (cos(pi u / 2)^2 - 1 + u)`` of a uniform ``u`` (heavier in the middle for
-    ``mode_scale > 0``); anything else (``uniform``, and the weighting-only schemes ``sigma_sqrt``,
-    ``cosmap``, ``none``): uniform. Draws exactly what diffusers' ``compute_density_for_timestep_sampling``
-    draws from the same CPU generator.
-    """
+def timestep_density(weighting_scheme: str, batch_size: int, logit_mean: float = 0.0, logit_std: float = 1.0,
+                     mode_scale: float = 1.29, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``u [B]`` in ``[0, 1]`` (0 = noisiest): ``logit_normal``, ``mode`` or uniform, what diffusers'
+    ``compute_density_for_timestep_sampling`` draws from the same CPU generator."""
     check_scheme(weighting_scheme)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1.")
@@ -133,30 +81,18 @@ def timestep_density(
     return u
 
 
-def sample_flow_timesteps(
-    u: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Schedule entries for densities ``u [B]``: index ``floor(u * N)``, as diffusers' scripts compute it.
-
-    The index is clamped to ``N - 1``: the ``mode`` density maps ``u = 0`` to exactly 1, where the scripts
-    would index one past the table (probability ~2^-24 per draw). Otherwise identical.
-
-    Returns:
-        ``(indices [B] long, timesteps [B], sigmas [B])``.
-    """
+def sample_flow_timesteps(u: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indices [B] long, timesteps [B], sigmas [B])`` of the table entries ``floor(u * N)``, as diffusers' scripts
+    compute them, clamped to ``N - 1`` (the ``mode`` density maps ``u = 0`` to 1, one past the table)."""
     n = timesteps.shape[0]
     indices = (u * n).long().clamp(0, n - 1)
     return indices, timesteps[indices], sigmas[indices]
 
 
-def schedule_lookup(
-    values: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor
-) -> torch.Tensor:
-    """``sigmas`` at the table positions whose timestep equals each of ``values [B]`` (diffusers' ``get_sigmas``).
-
-    Raises:
-        ValueError: for a timestep that is not in the table.
-    """
+def schedule_lookup(values: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """``sigmas`` at the entries whose timestep equals each of ``values [B]`` (diffusers' ``get_sigmas``); a
+    timestep that is not in the table is a ValueError."""
     hits = values.reshape(-1, 1).to(timesteps.dtype) == timesteps.reshape(1, -1)
     if not bool(hits.any(dim=1).all()):
         missing = values.reshape(-1)[~hits.any(dim=1)].tolist()
@@ -187,17 +123,14 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def precondition_outputs(pred: torch.Tensor, noisy: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """EDM-style preconditioning of diffusers' SD3 scripts (``--precondition_outputs``): the velocity
-    prediction turned into an ``x0`` estimate, ``noisy - sigma * pred``; its target is then ``x0``
-    (the same minimiser as the velocity loss, weighted by ``sigma^2``)."""
+    """SD3 scripts' EDM preconditioning (``--precondition_outputs``): the velocity prediction as an x0 estimate,
+    ``noisy - sigma * pred``, whose target is then x0 (the velocity loss's minimiser, weighted by ``sigma^2``)."""
     return pred * (-_per_sample(sigmas, pred)) + noisy
 
 
 def flow_loss_weighting(weighting_scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """Per-sample loss weights (diffusers' ``compute_loss_weighting_for_sd3``), float32, shaped like ``sigmas``.
-
-    ``sigma_sqrt``: ``sigma^-2``; ``cosmap``: ``2 / (pi (1 - 2 sigma + 2 sigma^2))``; any other scheme: 1.
-    """
+    """Per-sample loss weights (diffusers' ``compute_loss_weighting_for_sd3``), float32: ``sigma_sqrt``
+    ``sigma^-2``, ``cosmap`` ``2 / (pi (1 - 2 sigma + 2 sigma^2))``, any other scheme 1."""
     check_scheme(weighting_scheme)
     sigmas = sigmas.float()
     if weighting_scheme == "sigma_sqrt":
@@ -208,21 +141,10 @@ def flow_loss_weighting(weighting_scheme: str, sigmas: torch.Tensor) -> torch.Te
 
 
 # --- conditioning -------------------------------------------------------------------------------
-def sd3_prompt_embeds(
-    clip_hidden: Sequence[torch.Tensor], clip_pooled: Sequence[torch.Tensor], t5_hidden: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``StableDiffusion3Pipeline.encode_prompt`` feeds the transformer.
-
-    The CLIP penultimate hidden states ``[B, 77, D_i]`` are concatenated on the feature axis, zero-padded to
-    the T5 width and put in front of the T5 hidden states ``[B, L, D_t5]`` on the sequence axis; the pooled
-    CLIP projections are concatenated.
-
-    Returns:
-        ``(prompt_embeds [B, 77 + L, D_t5], pooled [B, sum P_i])``.
-
-    Raises:
-        ValueError: when the CLIP widths add up to more than the T5 width (the pipeline would silently crop).
-    """
+def sd3_prompt_embeds(clip_hidden: Sequence[torch.Tensor], clip_pooled: Sequence[torch.Tensor],
+                      t5_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``StableDiffusion3Pipeline.encode_prompt``'s ``(prompt_embeds, pooled)``: CLIP penultimate states zero-padded
+    to the T5 width before the T5 states; ValueError where the CLIP widths exceed it."""
     clip = torch.cat(list(clip_hidden), dim=-1)
     pad = t5_hidden.shape[-1] - clip.shape[-1]
     if pad < 0:
@@ -251,8 +173,7 @@ def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tenso
 
 
 def flux_image_ids(height: int, width: int) -> torch.Tensor:
-    """Position ids of the packed tokens of ``height`` x ``width`` latents: ``[(h/2)(w/2), 3]`` with
-    ``(0, row, column)`` per token, in packing order (the rotary embedding reads them)."""
+    """Position ids ``[(h/2)(w/2), 3]`` of the packed tokens, ``(0, row, column)`` in packing order."""
     rows, cols = height // 2, width // 2
     ids = torch.zeros(rows, cols, 3)
     ids[..., 1] = torch.arange(rows)[:, None]

@@ -1,13 +1,6 @@
-"""Pure tensor functions for denoising-diffusion training.
-
-Everything here is stateless: callers pass the scheduler's ``alphas_cumprod`` ([T] tensor, the
-cumulative product of ``1 - beta_t``) rather than a scheduler object, so the functions can be
-tested against hand-derived numbers and reused by any training loop.
-
-Shape conventions: ``B`` batch, ``C`` channels, ``H``/``W`` spatial; any trailing dims after the
-batch dim are allowed (e.g. video latents ``[B, C, F, H, W]``), per-sample coefficients
-broadcast over them.
-"""
+"""Pure tensor functions of denoising-diffusion training, on the scheduler's ``alphas_cumprod`` ([T], the cumulative
+product of ``1 - beta_t``) rather than a scheduler object. Shapes: ``[B, ...]`` (any trailing dims, e.g. latents
+``[B, C, H, W]``); per-sample coefficients broadcast over them."""
 
 from __future__ import annotations
 
@@ -16,39 +9,23 @@ import torch.nn.functional as F
 
 PREDICTION_TYPES: tuple[str, ...] = ("epsilon", "v_prediction", "sample")
 
-__all__ = [
-    "PREDICTION_TYPES",
-    "add_noise",
-    "compute_snr",
-    "diffusion_loss",
-    "min_snr_weights",
-    "offset_noise",
-    "perturb_noise",
-    "training_target",
-    "velocity",
-]
+__all__ = ["PREDICTION_TYPES", "add_noise", "compute_snr", "diffusion_loss", "min_snr_weights", "offset_noise",
+           "perturb_noise", "training_target", "velocity"]
 
 
 def _check_prediction_type(prediction_type: str) -> None:
     if prediction_type not in PREDICTION_TYPES:
-        raise ValueError(
-            f"Unknown prediction_type {prediction_type!r}; expected one of "
-            + ", ".join(repr(p) for p in PREDICTION_TYPES)
-        )
+        raise ValueError(f"Unknown prediction_type {prediction_type!r}; expected one of "
+                         + ", ".join(repr(p) for p in PREDICTION_TYPES))
 
 
-def _coefficients(
-    x: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample ``sqrt(a_t)`` and ``sqrt(1 - a_t)``, shaped ``[B, 1, ..., 1]`` to broadcast over ``x``.
-
-    Square roots are taken in float32 (or float64 if given) and only then cast to ``x.dtype``:
-    taking them in fp16/bf16 like some reference code does loses precision near ``a_t -> 1``.
-    """
+def _coefficients(x: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``sqrt(a_t)`` and ``sqrt(1 - a_t)`` shaped ``[B, 1, ..., 1]``; the roots are taken in float32 (or
+    float64) before the cast to ``x.dtype``: in fp16/bf16 they lose precision near ``a_t -> 1``."""
     if timesteps.ndim != 1 or timesteps.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"timesteps must have shape [B] with B={x.shape[0]} (batch of x), got {tuple(timesteps.shape)}"
-        )
+        raise ValueError(f"timesteps must have shape [B] with B={x.shape[0]} (batch of x), got "
+                         f"{tuple(timesteps.shape)}")
     ac = alphas_cumprod.to(device=x.device)
     if not ac.is_floating_point() or ac.dtype in (torch.float16, torch.bfloat16):
         ac = ac.float()
@@ -59,61 +36,27 @@ def _coefficients(
     return sqrt_a, sqrt_one_minus_a
 
 
-def add_noise(
-    x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
-) -> torch.Tensor:
-    """Forward diffusion ``x_t = sqrt(a_t) * x0 + sqrt(1 - a_t) * noise``.
-
-    Args:
-        x0: clean samples/latents, ``[B, C, H, W]`` (any ``[B, ...]``).
-        noise: same shape as ``x0``.
-        timesteps: integer timesteps, ``[B]``, indexing ``alphas_cumprod``.
-        alphas_cumprod: ``[T]`` cumulative product of ``1 - beta``.
-
-    Returns:
-        ``x_t`` with the shape and dtype of ``x0``.
-    """
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
+              ) -> torch.Tensor:
+    """Forward diffusion ``x_t = sqrt(a_t) * x0 + sqrt(1 - a_t) * noise`` (``timesteps`` ``[B]``), shaped like x0."""
     if noise.shape != x0.shape:
         raise ValueError(f"noise shape {tuple(noise.shape)} != x0 shape {tuple(x0.shape)}")
     sqrt_a, sqrt_one_minus_a = _coefficients(x0, timesteps, alphas_cumprod)
     return sqrt_a * x0 + sqrt_one_minus_a * noise
 
 
-def velocity(
-    x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
-) -> torch.Tensor:
-    """v-prediction target ``v = sqrt(a_t) * noise - sqrt(1 - a_t) * x0`` (Salimans & Ho, 2022).
-
-    Args:
-        x0: ``[B, C, H, W]`` (any ``[B, ...]``).
-        noise: same shape as ``x0``.
-        timesteps: ``[B]`` integer timesteps.
-        alphas_cumprod: ``[T]``.
-
-    Returns:
-        ``v`` with the shape and dtype of ``x0``.
-    """
+def velocity(x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
+             ) -> torch.Tensor:
+    """v-prediction target ``v = sqrt(a_t) * noise - sqrt(1 - a_t) * x0`` (Salimans & Ho, 2022)."""
     if noise.shape != x0.shape:
         raise ValueError(f"noise shape {tuple(noise.shape)} != x0 shape {tuple(x0.shape)}")
     sqrt_a, sqrt_one_minus_a = _coefficients(x0, timesteps, alphas_cumprod)
     return sqrt_a * noise - sqrt_one_minus_a * x0
 
 
-def training_target(
-    prediction_type: str,
-    x0: torch.Tensor,
-    noise: torch.Tensor,
-    timesteps: torch.Tensor,
-    alphas_cumprod: torch.Tensor,
-) -> torch.Tensor:
-    """What the denoiser must predict for ``prediction_type``.
-
-    ``"epsilon"`` -> ``noise``; ``"v_prediction"`` -> :func:`velocity`; ``"sample"`` -> ``x0``.
-    All tensors ``[B, C, H, W]`` except ``timesteps`` ``[B]`` and ``alphas_cumprod`` ``[T]``.
-
-    Raises:
-        ValueError: for an unknown ``prediction_type`` (the message lists the valid ones).
-    """
+def training_target(prediction_type: str, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+                    alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """What the denoiser predicts: ``epsilon`` -> noise, ``v_prediction`` -> :func:`velocity`, ``sample`` -> x0."""
     _check_prediction_type(prediction_type)
     if prediction_type == "epsilon":
         return noise
@@ -123,15 +66,7 @@ def training_target(
 
 
 def compute_snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
-    """Signal-to-noise ratio ``(alpha_t / sigma_t)^2`` with ``alpha_t = sqrt(a_t)``, ``sigma_t = sqrt(1 - a_t)``.
-
-    Args:
-        timesteps: ``[B]`` integer timesteps.
-        alphas_cumprod: ``[T]``.
-
-    Returns:
-        ``[B]`` float32 SNR on ``timesteps.device`` (``inf`` where ``a_t == 1``, ``0`` where ``a_t == 0``).
-    """
+    """``[B]`` float32 signal-to-noise ratio ``a_t / (1 - a_t)`` (``inf`` where ``a_t == 1``, 0 where ``a_t == 0``)."""
     ac = alphas_cumprod.to(device=timesteps.device)
     ac = ac.double() if ac.dtype == torch.float64 else ac.float()
     a = ac[timesteps.long()]
@@ -141,22 +76,8 @@ def compute_snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.
 
 
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
-    """Min-SNR-gamma loss weights (Hang et al., 2023), as in diffusers' ``train_text_to_image.py``.
-
-    ``epsilon``: ``min(snr, gamma) / snr``; ``v_prediction``: ``min(snr, gamma) / (snr + 1)``;
-    ``sample``: ``min(snr, gamma)``.
-
-    For ``epsilon`` at ``snr == 0`` (zero-terminal-SNR schedules) the ratio is 0/0; we return its
-    limit, 1, instead of the NaN the reference script would produce.
-
-    Args:
-        snr: ``[B]`` from :func:`compute_snr`.
-        gamma: clamp value (``> 0``), typically 5.
-        prediction_type: one of :data:`PREDICTION_TYPES`.
-
-    Returns:
-        ``[B]`` float32 weights.
-    """
+    """Min-SNR-gamma weights (Hang et al., 2023) as ``train_text_to_image.py``: epsilon ``min(snr, gamma) / snr`` (1
+    at ``snr == 0``), v ``min(snr, gamma) / (snr + 1)``, sample ``min(snr, gamma)``; ``[B]`` float32."""
     _check_prediction_type(prediction_type)
     if not gamma > 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
@@ -170,22 +91,9 @@ def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> to
     return clamped
 
 
-def offset_noise(
-    noise: torch.Tensor, offset: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Offset noise: ``noise + offset * randn(B, C, 1, 1)``.
-
-    A per-sample, per-channel constant shift lets the model learn to change an image's mean
-    brightness, which plain i.i.d. noise almost never exposes it to.
-
-    Args:
-        noise: ``[B, C, H, W]`` (any ``[B, C, ...]``).
-        offset: scale of the shift (e.g. 0.05-0.1); 0 returns ``noise`` unchanged.
-        generator: optional generator on ``noise.device`` for reproducibility.
-
-    Returns:
-        tensor shaped like ``noise``.
-    """
+def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Offset noise ``noise + offset * randn(B, C, 1, 1)``: a per-channel shift lets the model learn to change an
+    image's mean brightness; 0 returns ``noise`` unchanged."""
     if offset == 0:
         return noise
     if noise.ndim < 2:
@@ -195,45 +103,18 @@ def offset_noise(
     return noise + offset * shift
 
 
-def perturb_noise(
-    noise: torch.Tensor, gamma: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Input perturbation (Ning et al., 2023): ``noise + gamma * randn_like(noise)``.
-
-    Use the result only to build the noisy input ``x_t``; the training target stays computed from
-    the unperturbed ``noise`` (that mismatch is the point: it simulates inference-time exposure bias).
-
-    Args:
-        noise: ``[B, C, H, W]`` (any shape).
-        gamma: perturbation scale (e.g. 0.1); 0 returns ``noise`` unchanged.
-        generator: optional generator on ``noise.device``.
-
-    Returns:
-        tensor shaped like ``noise``.
-    """
+def perturb_noise(noise: torch.Tensor, gamma: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Input perturbation (Ning et al., 2023) ``noise + gamma * randn_like(noise)``, for the noisy input only (the
+    target keeps the unperturbed noise: the mismatch simulates exposure bias); 0 returns ``noise`` unchanged."""
     if gamma == 0:
         return noise
     extra = torch.randn(noise.shape, generator=generator, device=noise.device, dtype=noise.dtype)
     return noise + gamma * extra
 
 
-def diffusion_loss(
-    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean-squared error between prediction and target, computed in float32.
-
-    Without ``weights`` this is the plain mean over all elements. With ``weights`` ``[B]`` it is
-    ``mean_b(weights[b] * mean((pred[b] - target[b])^2))`` -- the per-sample weighting diffusers'
-    scripts use for min-SNR.
-
-    Args:
-        pred: ``[B, C, H, W]`` (any ``[B, ...]``).
-        target: same shape as ``pred``.
-        weights: optional ``[B]`` per-sample weights.
-
-    Returns:
-        scalar float32 loss.
-    """
+def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 MSE: the mean over all elements, or with ``weights`` ``[B]`` ``mean_b(weights[b] * mean((pred[b] -
+    target[b])^2))`` (diffusers' min-SNR weighting)."""
     if pred.shape != target.shape:
         raise ValueError(f"pred shape {tuple(pred.shape)} != target shape {tuple(target.shape)}")
     # float32 because fp16/bf16 squared errors over a whole latent lose most of their precision.

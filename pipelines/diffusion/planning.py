@@ -1,7 +1,6 @@
 """The memory planner's view of a diffusers pipeline: which family its components make, the tiny models and the
 ControlNet a recipe would build (read without keeping weights), and the activation peaks of its denoiser, vae
-and text encoders. Flat arguments; the recipes' planners read their configs and call these.
-"""
+and text encoders. Flat arguments; the recipes' planners read their configs and call these."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from multiengine.engines import planner as P
-from multiengine.engines.recipe_config import RecipeConfigError
+from multiengine.engines.settings import SettingsError
 
 __all__ = ["denoiser_activation_bytes", "denoiser_name", "encoder_names", "is_t5", "meta_controlnet", "pipeline_family",
            "text_tokens", "tiny_pipeline", "tiny_pipeline_info", "vae_activation_bytes", "vae_scale"]
@@ -25,7 +24,7 @@ def denoiser_name(components: Mapping[str, P.ModelInfo], title: str, source: str
     name = "unet" if "unet" in components or controlnet else "transformer"
     if name not in components or "vae" not in components:
         what = "a ControlNet for a unet" if controlnet else "a unet or a transformer beside a vae"
-        raise RecipeConfigError(f"{title} trains {what}; {source} has components {sorted(components)}.")
+        raise SettingsError(f"{title} trains {what}; {source} has components {sorted(components)}.")
     return name
 
 
@@ -64,9 +63,8 @@ def is_t5(info: P.ModelInfo) -> bool:
 
 
 def text_tokens(components: Mapping[str, P.ModelInfo], max_sequence_length: int = 0) -> tuple[dict[str, int], int]:
-    """Tokens per caption of each text encoder as the recipes pad them (a CLIP its ``max_position_embeddings``, T5
-    ``max_sequence_length``, 0 = the family's), and the text tokens the denoiser attends to: SD/SDXL the longest
-    CLIP's; SD3 joins them with T5's; FLUX's transformer sees T5's only."""
+    """Tokens per caption of each text encoder as the recipes pad them, and the text tokens the denoiser attends to
+    (SD/SDXL: the longest CLIP's; SD3: with T5's; FLUX: T5's only)."""
     from .runs import t5_length
 
     family = pipeline_family(components)

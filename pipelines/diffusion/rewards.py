@@ -1,20 +1,7 @@
-"""Rewards on decoded images for the tiny shapes task: a programmatic reward (does the image show the colour, and
-the shape, the prompt names?) and a tiny CNN reward model trained to imitate it.
-
-Reward functions follow the convention of the rlhf reward functions, with images instead of completions::
-
-    def my_reward(prompts, images, **kwargs) -> list[float | None]: ...
-
-``images`` is a list of PIL images, a float tensor ``[N, 3, H, W]`` in ``[0, 1]`` (a pipeline's ``output_type="pt"``;
-a vae decode gives ``[-1, 1]``: pass ``(x / 2 + 0.5).clamp(0, 1)``) or a numpy array ``[N, H, W, 3]`` (float in
-``[0, 1]`` or uint8). One value per row in ``[0, 1]``; ``None`` where the prompt names no shapes colour.
-
-The colour score of an image for a palette colour ``c``: every pixel is softly assigned to the nearest of the 6 shape
-colours and 3 backgrounds (softmax of ``-|p - ref|^2 / (2 tau^2)``); ``share`` = the pixels' mass on ``c`` over their
-mass on all shape colours (is ``c`` the dominant non-background colour?), ``presence`` = ``min(1, mass_c /
-min_fraction)`` (is there enough of it?); the score is ``share * presence``. Continuous in the pixels, 1 for a
-clean shapes image of that colour, about 0 for another colour or a blank background.
-"""
+"""Rewards on decoded images for the tiny shapes task: a programmatic colour reward and a tiny CNN trained to
+imitate it. ``fn(prompts, images, **kwargs) -> list[float | None]`` with images as PIL, ``[N, 3, H, W]`` in
+``[0, 1]`` or ``[N, H, W, 3]``; ``None`` where the prompt names no colour. The colour score is ``share * presence``
+of a soft assignment of pixels to the palette (docs/diffusion-rl.md)."""
 
 from __future__ import annotations
 
@@ -65,11 +52,8 @@ def parse_shapes_prompt(prompt: str) -> dict[str, str | None]:
 
 
 def as_image_array(images: Any) -> torch.Tensor:
-    """``images`` (see the module docstring) as a float32 tensor ``[N, H, W, 3]`` in ``[0, 1]``.
-
-    Raises:
-        ValueError: for float pixels outside ``[0, 1]`` (a vae decode in ``[-1, 1]`` not rescaled) or a bad shape.
-    """
+    """``images`` as float32 ``[N, H, W, 3]`` in ``[0, 1]``; ValueError for pixels outside ``[0, 1]`` or a bad
+    shape."""
     if isinstance(images, torch.Tensor):
         x = images.detach().float().cpu()
         if x.ndim != 4 or x.shape[1] != 3:
@@ -89,10 +73,8 @@ def as_image_array(images: Any) -> torch.Tensor:
 
 
 def color_scores(images: Any, temperature: float = 0.1, min_fraction: float = 0.05) -> torch.Tensor:
-    """``[N, 6]`` score of each image for each of :data:`COLOR_NAMES` (``share * presence``, module docstring), in
-    ``[0, 1]``. ``temperature`` is the soft assignment's ``tau`` in RGB units of ``[0, 1]`` (the closest palette
-    colours, orange and yellow, are 0.31 apart); ``min_fraction`` the fraction of the image a colour must cover to
-    count as fully present (the dataset's shapes cover 8-49 %)."""
+    """``[N, 6]`` ``share * presence`` scores per :data:`COLOR_NAMES`: ``temperature`` the soft assignment's tau
+    (orange and yellow are 0.31 apart), ``min_fraction`` the cover counted as fully present (shapes cover 8-49 %)."""
     if not temperature > 0 or not 0 < min_fraction <= 1:
         raise ValueError(f"temperature={temperature} must be > 0 and min_fraction={min_fraction} in (0, 1]")
     x = as_image_array(images)
@@ -155,9 +137,8 @@ def shapes_reward(prompts: Sequence[str], images: Any, shape_weight: float = 0.5
 
 # --- the tiny reward model -------------------------------------------------------------------------------
 class TinyShapesRewardModel(nn.Module):
-    """A small CNN that scores an image for each shapes colour: ``forward(pixel_values [N, 3, H, W] in [0, 1],
-    color_ids [N]) -> [N]`` in ``(0, 1)``, the score for the colour each prompt names (:func:`train_tiny_reward_model`
-    fits it to :func:`color_scores`)."""
+    """A small CNN: ``forward(pixel_values [N, 3, H, W] in [0, 1], color_ids [N]) -> [N]`` in ``(0, 1)``, the
+    score for each prompt's colour."""
 
     def __init__(self, channels: int = 16, num_colors: int = len(COLOR_NAMES)) -> None:
         super().__init__()
@@ -179,9 +160,8 @@ class TinyShapesRewardModel(nn.Module):
 
 
 def reward_training_images(n: int, resolution: int = 32, seed: int = 0) -> torch.Tensor:
-    """``n`` shapes images ``[n, 3, res, res]`` in ``[0, 1]``, most of them perturbed so that their colour scores
-    spread over ``[0, 1]`` (as a policy's samples do): blended with another shapes image, Gaussian noise, and some
-    pure noise. Deterministic in ``seed``."""
+    """``n`` shapes images in ``[0, 1]``, most perturbed (blends, noise) so their colour scores spread over
+    ``[0, 1]``; deterministic in ``seed``."""
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     rows = _shapes_rows(2 * n, resolution, seed)
@@ -201,9 +181,8 @@ def reward_training_images(n: int, resolution: int = 32, seed: int = 0) -> torch
 
 def train_tiny_reward_model(n_images: int = 512, resolution: int = 32, steps: int = 300, batch_size: int = 64,
                             lr: float = 1e-2, seed: int = 0, channels: int = 16) -> TinyShapesRewardModel:
-    """Fit a :class:`TinyShapesRewardModel` to the programmatic :func:`color_scores` of
-    :func:`reward_training_images` (binary cross-entropy on all colours at once; a few seconds on a CPU).
-    Deterministic in ``seed``; the global RNG is left untouched. Returns the model in eval mode."""
+    """Fit a :class:`TinyShapesRewardModel` to :func:`color_scores` (BCE on all colours); deterministic in ``seed``,
+    returned in eval mode."""
     images = reward_training_images(n_images, resolution, seed)
     targets = color_scores(images.permute(0, 2, 3, 1).numpy())
     with torch.random.fork_rng(devices=[]):

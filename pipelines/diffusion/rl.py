@@ -1,58 +1,83 @@
-"""Reinforcement learning of diffusion models: stochastic steps with log-probabilities, a sampling loop that
-records them, group-relative advantages, the clipped ratio objective and the Diffusion-DPO loss.
-
-A policy-gradient method needs the density of each denoising step. Two samplers have a Gaussian step:
-
-* DDIM with ``eta > 0`` (unet families: SD 1.x/2.x, SDXL), as DDPO (Black et al., 2023) uses it:
-  ``x_prev ~ N(mean, (eta * sigma_t)^2)`` with DDIM's mean and
-  ``sigma_t^2 = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)``;
-* the reverse-time SDE of a rectified flow (SD3, FLUX), as Flow-GRPO (Liu et al., 2025) uses it:
-  ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))``, ``x_prev ~ N(mean, std_dev_t^2 |dt|)`` with
-  ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``.
-
-The log-probability of a step is the Gaussian log-density of ``x_prev`` averaged over the non-batch dims (both
-references average rather than sum, which keeps importance ratios near 1 and the clip range meaningful).
-
-Every function takes flat tensors (``alphas_cumprod``, ``sigmas``, timesteps) rather than a scheduler object, and
-computes in float32 whatever the inputs' dtype (bf16 overflows in the mean). Randomness only through an explicit
-``torch.Generator`` (or explicit ``noise``). Shapes: ``B`` batch, latents ``[B, ...]``, ``N`` sampling steps.
-"""
+"""Reinforcement learning of diffusion models: stochastic steps with log-probabilities (DDIM with ``eta > 0`` as
+DDPO, the reverse-time SDE of a rectified flow as Flow-GRPO), a sampling loop that records them, group-relative
+advantages, the clipped ratio objective and the Diffusion-DPO loss. A step's log-probability is the Gaussian
+log-density averaged over the non-batch dims (as both references: ratios stay near 1). Flat tensors in, float32
+math (bf16 overflows in the mean), randomness only through an explicit generator or ``noise``. See
+docs/diffusion-rl.md."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines.settings import Choice, FieldError, Range, Settings, setting
 
+from ..rlhf.losses import PolicyLossInputs, register_policy_loss
 from .math import PREDICTION_TYPES
 
-__all__ = [
-    "DDIMSampler",
-    "DPOStats",
-    "DenoiseStep",
-    "Denoiser",
-    "FlowSDESampler",
-    "Trajectory",
-    "clipped_policy_loss",
-    "ddim_step_with_logprob",
-    "ddim_timesteps",
-    "diffusion_dpo_loss",
-    "diffusion_dpo_loss_from_losses",
-    "diffusion_grpo_loss",
-    "flow_inference_sigmas",
-    "gaussian_logprob",
-    "group_advantages",
-    "kl_to_reference",
-    "paired",
-    "rescore",
-    "sample_with_logprobs",
-    "sde_step_with_logprob",
-    "train_step_indices",
-]
+__all__ = ["DDIMSampler", "DPOStats", "DenoiseStep", "Denoiser", "DiffusionDPOSettings", "DiffusionGRPOSettings",
+           "FlowSDESampler", "PromptStatTracker", "Trajectory", "clipped_policy_loss", "ddim_step_with_logprob",
+           "ddim_timesteps", "diffusion_dpo_loss", "diffusion_dpo_loss_from_losses", "diffusion_grpo_loss",
+           "flow_inference_sigmas", "flow_sampler", "gaussian_logprob", "group_advantages", "grpo_step_loss",
+           "kl_to_reference", "paired", "rescore", "sample_with_logprobs", "sde_step_with_logprob",
+           "train_step_indices"]
+
+
+@dataclass(frozen=True)
+class DiffusionGRPOSettings(Settings):
+    """Sampling and the policy objective of DDPO / Flow-GRPO."""
+
+    resolution: int = setting(16, "image side in pixels", Range(8))
+    num_inference_steps: int = setting(4, "sampler steps per image", Range(1))
+    eta: float = setting(1.0, "unet families: DDIM noise (> 0; DDPO uses 1.0)", Range(0, min_exclusive=True))
+    noise_level: float = setting(0.7, "flow families: SDE noise level (> 0; Flow-GRPO uses 0.7)",
+                                 Range(0, min_exclusive=True))
+    guidance_scale: float = setting(1.0, "CFG scale while sampling (1 = none); FLUX: its guidance input", Range(0))
+    group_size: int = setting(8, "images per prompt (advantages are relative to the group)", Range(2))
+    advantage_std: str = setting("global", "group | global (the batch's std, Flow-GRPO's base config) | none "
+                                           "(Dr. GRPO)", Choice("group", "global", "none"))
+    clip_range: float = setting(1e-4, "importance-ratio clip (DDPO, Flow-GRPO)", Range(0, min_exclusive=True))
+    adv_clip_max: float = setting(5.0, "advantages clamped to [-x, x]", Range(0, min_exclusive=True))
+    kl_coef: float = setting(0.01, "weight of the KL to roles.ref, Flow-GRPO's beta: mean((mean - ref_mean)^2) / "
+                             "(2 std_dev_t^2) per trained step (flow: the exact KL times the step's -dt; DDIM: "
+                             "the exact KL); 0 = no ref role", Range(0))
+    drop_zero_advantages: bool = setting(False, "average the loss over the rows whose advantage is not 0, as "
+                                         "Flow-GRPO filters them (its loss is B/B_kept larger); off: DDPO's mean "
+                                         "over every row")
+    prompt_buffer: int = setting(0, "DDPO's per-prompt stat tracker: advantages against each prompt's last N "
+                                    "rewards across steps, gathered over the ranks (DDPO: 16, with advantage_std="
+                                    "group); 0 = the group's statistics", Range(0))
+    prompt_min_count: int = setting(16, "the tracker uses the rollout's statistics until a prompt has this many "
+                                        "rewards buffered (DDPO: 16)", Range(1), when="prompt_buffer")
+    train_timestep_fraction: float = setting(0.5, "fraction of each trajectory's steps trained on",
+                                             Range(0, 1, min_exclusive=True))
+    train_noisiest: bool = setting(True, "true: the noisiest steps first; false: a random subset per image (DDPO)")
+
+    def check(self) -> None:
+        if self.trained_steps < 1:
+            raise FieldError("train_timestep_fraction", self.train_timestep_fraction, f"of {self.num_inference_steps} "
+                             "steps trains on no step", f"use at least {1 / self.num_inference_steps:.3g}")
+        if self.prompt_buffer and self.prompt_min_count > self.prompt_buffer:
+            raise FieldError("prompt_min_count", self.prompt_min_count, f"exceeds prompt_buffer={self.prompt_buffer}"
+                             " (a buffer never holds that many)", f"set it to at most {self.prompt_buffer}")
+
+    @property
+    def trained_steps(self) -> int:
+        """Denoising steps each image trains on."""
+        return int(self.num_inference_steps * self.train_timestep_fraction)
+
+
+@dataclass(frozen=True)
+class DiffusionDPOSettings(Settings):
+    beta: float = setting(5000.0, "Diffusion-DPO's beta (diffusers' script: 2500 for SD 1.5, 5000 for SDXL)",
+                          Range(0, min_exclusive=True))
+    guidance_scale: float = setting(1.0, "FLUX only: its guidance input while training", Range(0))
+    max_sequence_length: int = setting(0, "SD3/FLUX: T5 tokens per prompt (0 = the family's)", Range(0))
+
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -63,14 +88,9 @@ arrive in float32 (the trajectory is kept in float32 so re-scoring is exact): a 
 
 
 class DenoiseStep(NamedTuple):
-    """One denoising step.
-
-    ``prev_sample`` ``[B, ...]`` float32 (the given one when re-scoring); ``log_prob`` ``[B]`` (``None`` for a
-    deterministic step, ``eta == 0`` / ``noise_level == 0``); ``prev_sample_mean`` ``[B, ...]`` (differentiable in
-    the model output); ``std_dev_t`` ``[B]``: DDIM's ``eta * sigma_t`` or Flow-GRPO's ``noise_level *
-    sqrt(sigma / (1 - sigma))``; ``noise_std`` ``[B]``: the standard deviation of the step's Gaussian (DDIM: equal to
-    ``std_dev_t``; flow: ``std_dev_t * sqrt(sigma - sigma_prev)``).
-    """
+    """One denoising step: ``prev_sample``, ``log_prob`` ``[B]`` (None when deterministic), ``prev_sample_mean``
+    (differentiable), ``std_dev_t`` (DDIM's ``eta * sigma_t``, Flow-GRPO's ``noise_level * sqrt(sigma / (1 -
+    sigma))``) and ``noise_std``, the std of the step's Gaussian (flow: ``std_dev_t * sqrt(sigma - sigma_prev)``)."""
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor | None
@@ -109,9 +129,8 @@ def _check_exclusive(prev_sample: torch.Tensor | None, generator: torch.Generato
 
 
 def gaussian_logprob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """``log N(x; mean, std^2)`` per element, averaged over every dim but the first: ``[B, ...] -> [B]``.
-
-    ``x`` is detached (the gradient reaches the policy through ``mean`` only); ``std`` ``[B]`` or broadcastable."""
+    """``log N(x; mean, std^2)`` averaged over every dim but the first, ``[B]``; ``x`` detached (the gradient
+    reaches the policy through ``mean`` only)."""
     std = _bcast(std, mean) if std.ndim == 1 else std
     lp = -((x.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     return lp.mean(dim=tuple(range(1, lp.ndim)))
@@ -147,85 +166,49 @@ def ddim_timesteps(num_inference_steps: int, num_train_timesteps: int = 1000, st
     return (torch.arange(num_inference_steps - 1, -1, -1, dtype=torch.long) * ratio) + steps_offset
 
 
-def ddim_step_with_logprob(
-    model_output: torch.Tensor,
-    sample: torch.Tensor,
-    timestep: int | torch.Tensor,
-    prev_timestep: int | torch.Tensor,
-    alphas_cumprod: torch.Tensor,
-    eta: float,
-    *,
-    prediction_type: str = "epsilon",
-    final_alpha_cumprod: float | None = None,
-    clip_sample_range: float | None = None,
-    prev_sample: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    noise: torch.Tensor | None = None,
-) -> DenoiseStep:
-    """One DDIM step ``x_t -> x_prev`` with ``eta``, and the log-probability of ``x_prev`` (DDPO's
-    ``ddim_step_with_logprob``; its mean and noise are diffusers' ``DDIMScheduler.step``).
-
-    ``x0`` and ``eps`` are read from the model output for ``prediction_type``; ``mean = sqrt(a_prev) x0 +
-    sqrt(1 - a_prev - std^2) eps`` with ``std = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))``; the step
-    draws ``x_prev = mean + std * noise`` unless ``prev_sample`` is given, in which case that is scored.
-
-    Args:
-        model_output, sample: ``[B, ...]``.
-        timestep, prev_timestep: ``[B]`` (or scalars) indices into ``alphas_cumprod``; ``prev_timestep`` is
-            ``timestep - T // N`` in DDIM and may be negative on the last step.
-        alphas_cumprod: ``[T]``.
-        eta: ``>= 0``; 0 is deterministic DDIM (``log_prob`` is then ``None``).
-        final_alpha_cumprod: ``a_prev`` where ``prev_timestep < 0``. ``None`` (default) uses ``alphas_cumprod[0]``,
-            as DDPO does by clamping the index (and as diffusers does for SD's ``set_alpha_to_one=False``); ``1.0``
-            is diffusers' ``set_alpha_to_one=True``, whose last step has zero variance and so no density.
-        clip_sample_range: clamp the predicted ``x0`` to ``[-r, r]`` (the scheduler's ``clip_sample``); None: no clamp.
-        prev_sample: a stored ``x_prev`` to score instead of drawing one.
-        generator / noise: where the step's standard-normal draw comes from (one of them, or neither).
-
-    Returns:
-        :class:`DenoiseStep` (float32).
-    """
-    if prediction_type not in PREDICTION_TYPES:
-        raise ValueError(f"prediction_type={prediction_type!r}; use one of {list(PREDICTION_TYPES)}.")
-    if not eta >= 0:
-        raise ValueError(f"eta={eta} must be >= 0 (DDPO uses 1.0).")
+def ddim_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, timestep: int | torch.Tensor,
+                           prev_timestep: int | torch.Tensor, sampler: DDIMSampler, *,
+                           prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                           noise: torch.Tensor | None = None) -> DenoiseStep:
+    """One DDIM step ``x_t -> x_prev`` and its log-probability, DDPO's ``ddim_step_with_logprob``: ``mean =
+    sqrt(a_prev) x0 + sqrt(1 - a_prev - std^2) eps``, ``std = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t /
+    a_prev))``; a negative ``prev_timestep`` uses the sampler's ``final_alpha_cumprod``. Draws ``x_prev`` (from
+    ``generator`` or ``noise``) or scores a given ``prev_sample``; ``log_prob`` None at ``eta == 0``."""
     _check_exclusive(prev_sample, generator, noise)
     x, out = sample.float(), model_output.float()
     if out.shape != x.shape:
         raise ValueError(f"model_output shape {tuple(out.shape)} != sample shape {tuple(x.shape)}")
     b, dev = x.shape[0], x.device
-    ac = alphas_cumprod.to(device=dev, dtype=torch.float32)
+    ac = sampler.alphas_cumprod.to(device=dev, dtype=torch.float32)
     t = _rows(timestep, b, dev, "timestep").long()
     tp = _rows(prev_timestep, b, dev, "prev_timestep").long()
     a_t = ac[t]
     a_prev = ac[tp.clamp(0, ac.shape[0] - 1)]
-    if final_alpha_cumprod is not None:
-        a_prev = torch.where(tp >= 0, a_prev, torch.full_like(a_prev, float(final_alpha_cumprod)))
+    if sampler.final_alpha_cumprod is not None:
+        a_prev = torch.where(tp >= 0, a_prev, torch.full_like(a_prev, float(sampler.final_alpha_cumprod)))
     variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
-    std = eta * variance.sqrt()
+    std = sampler.eta * variance.sqrt()
     a_t_, a_prev_, std_ = _bcast(a_t, x), _bcast(a_prev, x), _bcast(std, x)
     beta_t = 1 - a_t_
-    if prediction_type == "epsilon":
+    if sampler.prediction_type == "epsilon":
         x0, eps = (x - beta_t.sqrt() * out) / a_t_.sqrt(), out
-    elif prediction_type == "sample":
+    elif sampler.prediction_type == "sample":
         x0 = out
         eps = (x - a_t_.sqrt() * x0) / beta_t.sqrt()
     else:
         x0 = a_t_.sqrt() * x - beta_t.sqrt() * out
         eps = a_t_.sqrt() * out + beta_t.sqrt() * x
-    if clip_sample_range is not None:
-        x0 = x0.clamp(-clip_sample_range, clip_sample_range)
+    if sampler.clip_sample_range is not None:
+        x0 = x0.clamp(-sampler.clip_sample_range, sampler.clip_sample_range)
     mean = a_prev_.sqrt() * x0 + (1 - a_prev_ - std_**2).sqrt() * eps
-    return _finish(mean, std, std, eta == 0, prev_sample, generator, noise)
+    return _finish(mean, std, std, sampler.eta == 0, prev_sample, generator, noise)
 
 
 # --- rectified flow (Flow-GRPO) ------------------------------------------------------------------------
 def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1000, shift: float = 1.0,
                           mu: float | None = None) -> torch.Tensor:
-    """The sampling sigmas of ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)``: ``n`` values from 1 down to the
-    table's smallest, shifted (``shift``, SD3: 3.0; or with ``mu``, FLUX's resolution-dependent exponential shift
-    ``e^mu / (e^mu + 1/s - 1)``), then a final 0. ``[n + 1]`` float32; the model's timesteps are
-    ``sigmas[:-1] * num_train_timesteps``."""
+    """The sampling sigmas of diffusers' pipelines plus a final 0, ``[n + 1]`` float32: SD3's shifted
+    ``set_timesteps(n)`` or, with ``mu``, FluxPipeline's ``set_timesteps(sigmas=linspace(1, 1/n, n), mu=mu)``."""
     import numpy as np
 
     from .flow import flow_match_schedule
@@ -233,10 +216,13 @@ def flow_inference_sigmas(num_inference_steps: int, num_train_timesteps: int = 1
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1.")
     n_train = int(num_train_timesteps)
-    # The scheduler's smallest training sigma (float32), shifted unless the shift is dynamic.
-    sigma_min = flow_match_schedule(n_train, shift, use_dynamic_shifting=mu is not None)[1][-1].item()
-    s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
-    s = math.exp(mu) / (math.exp(mu) + (1 / s - 1)) if mu is not None else shift * s / (1 + (shift - 1) * s)
+    if mu is not None:
+        s = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).astype(np.float32)
+        s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    else:  # the scheduler's smallest training sigma (float32, shifted), the start shifted again as diffusers does
+        sigma_min = flow_match_schedule(n_train, shift)[1][-1].item()
+        s = np.linspace(1.0 * n_train, sigma_min * n_train, num_inference_steps) / n_train
+        s = shift * s / (1 + (shift - 1) * s)
     return torch.cat([torch.from_numpy(np.asarray(s)).float(), torch.zeros(1)])
 
 
@@ -251,25 +237,10 @@ def sde_step_with_logprob(
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
 ) -> DenoiseStep:
-    """One reverse-SDE step ``x_sigma -> x_sigma_prev`` of a rectified flow and its log-probability (Flow-GRPO's
-    ``sde_step_with_logprob``, ``sde_type="sde"``).
-
-    With ``sigma = sigmas[i]``, ``sigma_prev = sigmas[i + 1]``, ``dt = sigma_prev - sigma < 0`` and the predicted
-    velocity ``v``: ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (where ``sigma == 1`` the denominator uses
-    ``sigmas[1]`` instead, as the reference does, to stay finite), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) +
-    v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``, ``x_prev = mean + std_dev_t sqrt(-dt) noise``. At
-    ``noise_level == 0`` this is the Euler ODE step ``x + v dt`` (``log_prob`` ``None``).
-
-    Args:
-        model_output, sample: ``[B, ...]`` (FLUX: packed tokens are fine, any ``[B, ...]``).
-        sigmas: ``[N + 1]`` descending sampling sigmas ending in 0 (:func:`flow_inference_sigmas`).
-        step_index: ``[B]`` (or a scalar) position ``i`` in ``sigmas``, ``0 <= i < N``.
-        noise_level: ``>= 0`` (Flow-GRPO's default 0.7).
-        prev_sample / generator / noise: as in :func:`ddim_step_with_logprob`.
-
-    Returns:
-        :class:`DenoiseStep` (float32).
-    """
+    """One reverse-SDE step of a rectified flow and its log-probability (Flow-GRPO's ``sde_step_with_logprob``):
+    ``dt = sigmas[i + 1] - sigma``, ``std_dev_t = noise_level * sqrt(sigma / (1 - sigma))`` (``sigmas[1]`` where
+    ``sigma == 1``), ``mean = x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt``,
+    ``x_prev = mean + std_dev_t sqrt(-dt) noise``; the Euler step at ``noise_level == 0`` (``log_prob`` None)."""
     if not noise_level >= 0:
         raise ValueError(f"noise_level={noise_level} must be >= 0 (Flow-GRPO uses 0.7).")
     _check_exclusive(prev_sample, generator, noise)
@@ -295,8 +266,8 @@ def sde_step_with_logprob(
 # --- samplers and the loop ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DDIMSampler:
-    """DDIM with ``eta`` over ``timesteps`` (``[N]`` descending, e.g. :func:`ddim_timesteps` or a
-    ``DDIMScheduler``'s ``timesteps``); step ``i`` goes from ``timesteps[i]`` to ``timesteps[i] - T // N``."""
+    """DDIM with ``eta`` over descending ``timesteps``, step ``i`` to ``timesteps[i] - T // N``;
+    ``final_alpha_cumprod``: ``a_prev`` below timestep 0; ``clip_sample_range``: clamp the predicted x0."""
 
     timesteps: torch.Tensor
     alphas_cumprod: torch.Tensor
@@ -304,6 +275,12 @@ class DDIMSampler:
     prediction_type: str = "epsilon"
     final_alpha_cumprod: float | None = None
     clip_sample_range: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"prediction_type={self.prediction_type!r}; use one of {list(PREDICTION_TYPES)}.")
+        if not self.eta >= 0:
+            raise ValueError(f"eta={self.eta} must be >= 0 (DDPO uses 1.0).")
 
     @property
     def num_steps(self) -> int:
@@ -315,10 +292,8 @@ class DDIMSampler:
 
     def step(self, model_output: torch.Tensor, sample: torch.Tensor, index: torch.Tensor, **kwargs) -> DenoiseStep:
         t = self.model_timesteps(index).long()
-        ratio = self.alphas_cumprod.shape[0] // self.num_steps
-        return ddim_step_with_logprob(
-            model_output, sample, t, t - ratio, self.alphas_cumprod, self.eta, prediction_type=self.prediction_type,
-            final_alpha_cumprod=self.final_alpha_cumprod, clip_sample_range=self.clip_sample_range, **kwargs)
+        return ddim_step_with_logprob(model_output, sample, t, t - self.alphas_cumprod.shape[0] // self.num_steps,
+                                      self, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -339,6 +314,21 @@ class FlowSDESampler:
 
     def step(self, model_output: torch.Tensor, sample: torch.Tensor, index: torch.Tensor, **kwargs) -> DenoiseStep:
         return sde_step_with_logprob(model_output, sample, self.sigmas, index, self.noise_level, **kwargs)
+
+
+def flow_sampler(scheduler_config: dict[str, Any], num_steps: int, noise_level: float, resolution: int,
+                 vae_scale: int) -> FlowSDESampler:
+    """The SDE over a ``FlowMatchEulerDiscreteScheduler`` config's sigmas: its ``shift`` (SD3), or with
+    ``use_dynamic_shifting`` FLUX's shift for ``(resolution / vae_scale / 2)^2`` image tokens."""
+    from .flow import dynamic_shift_mu
+
+    c, mu = scheduler_config, None
+    n_train = int(c.get("num_train_timesteps", 1000))
+    if c.get("use_dynamic_shifting"):
+        mu = dynamic_shift_mu((resolution // vae_scale // 2) ** 2, c.get("base_image_seq_len", 256),
+                              c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    return FlowSDESampler(flow_inference_sigmas(num_steps, n_train, float(c.get("shift", 1.0)), mu=mu),
+                          noise_level=noise_level, num_train_timesteps=n_train)
 
 
 Sampler = DDIMSampler | FlowSDESampler
@@ -362,12 +352,8 @@ class Trajectory:
 @torch.no_grad()
 def sample_with_logprobs(denoiser_fn: Denoiser, latents: torch.Tensor, sampler: Sampler,
                          generator: torch.Generator | None = None) -> Trajectory:
-    """Run ``sampler`` from ``latents`` (``x_T``, ``[B, ...]``) with ``denoiser_fn``, drawing each step's noise from
-    ``generator`` (same generator state -> same trajectory), without autograd.
-
-    Returns:
-        :class:`Trajectory` with every intermediate latent, each step's log-probability and timestep.
-    """
+    """Run ``sampler`` from ``latents`` with ``denoiser_fn`` without autograd, each step's noise from ``generator``
+    (same state -> same trajectory): a :class:`Trajectory` of latents, log-probabilities and timesteps."""
     x = latents.float()
     b = x.shape[0]
     stochastic = (sampler.eta if isinstance(sampler, DDIMSampler) else sampler.noise_level) > 0
@@ -386,10 +372,8 @@ def sample_with_logprobs(denoiser_fn: Denoiser, latents: torch.Tensor, sampler: 
 
 
 def rescore(denoiser_fn: Denoiser, sampler: Sampler, trajectory: Trajectory, step: int | torch.Tensor) -> DenoiseStep:
-    """The log-probability, under ``denoiser_fn`` (e.g. the updated policy, or the reference), of the stored
-    transition ``latents[:, j] -> latents[:, j + 1]`` with ``j = step`` (an int, or ``[B]`` per row as when each row
-    trains on its own subset of steps). With autograd: the policy's gradient flows through ``prev_sample_mean``
-    and ``log_prob``. Re-scoring with the sampling denoiser reproduces the sampled log-probabilities (ratio 1)."""
+    """The log-probability under ``denoiser_fn`` of the stored transition ``latents[:, j] -> latents[:, j + 1]``
+    (``j = step``, an int or ``[B]``), with autograd; the sampling denoiser reproduces the sampled values."""
     b = trajectory.latents.shape[0]
     j = _rows(step, b, trajectory.latents.device, "step").long()
     if bool((j < 0).any()) or bool((j >= sampler.num_steps).any()):
@@ -402,15 +386,9 @@ def rescore(denoiser_fn: Denoiser, sampler: Sampler, trajectory: Trajectory, ste
 
 def train_step_indices(batch_size: int, num_steps: int, fraction: float, generator: torch.Generator | None = None,
                        shuffle: bool = True) -> torch.Tensor:
-    """Which denoising steps each row trains on: ``K = int(num_steps * fraction)`` of them (DDPO's and Flow-GRPO's
-    ``timestep_fraction``); ``shuffle`` draws a random subset per row (DDPO), otherwise the first ``K`` (noisiest).
-    ``[batch_size, K]`` long."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"diffusion.train_timestep_fraction={fraction} must be in (0, 1].")
+    """The ``K = int(num_steps * fraction)`` denoising steps each row trains on, ``[batch_size, K]``: a random
+    subset per row with ``shuffle`` (DDPO), else the first ``K``."""
     k = int(num_steps * fraction)
-    if k < 1:
-        raise ValueError(f"diffusion.train_timestep_fraction={fraction} of {num_steps} steps trains on no step; "
-                         f"use at least {1 / num_steps:.3g}.")
     if not shuffle:
         return torch.arange(k).expand(batch_size, k).clone()
     return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch_size)])
@@ -419,18 +397,9 @@ def train_step_indices(batch_size: int, num_steps: int, fraction: float, generat
 # --- advantages and the policy loss -----------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "group", unbiased: bool = False,
                      eps: float = 1e-4, clip: float | None = None) -> torch.Tensor:
-    """Group-relative advantages of ``[B]`` rewards, ``B`` consecutive groups of ``group_size`` images of one
-    prompt: ``(r - mean_group) / (s + eps)``.
-
-    ``std``: ``"group"`` (``s`` = the group's std; GRPO), ``"global"`` (the whole batch's std, Flow-GRPO's
-    ``global_std``, on in its base config), ``"none"`` (only the mean removed, Dr. GRPO). ``unbiased=False`` is numpy's
-    population std as Flow-GRPO and DDPO use it (``eps`` 1e-4 as Flow-GRPO); ``unbiased=True, eps=1e-6`` is
-    :func:`multiengine.pipelines.rlhf.advantages.grpo_advantages`. A group whose rewards are all equal gets exactly
-    0 (never NaN, even with ``eps=0``). ``clip``: clamp to ``[-clip, clip]`` (Flow-GRPO's ``adv_clip_max``).
-
-    Returns:
-        ``[B]`` float32.
-    """
+    """Group-relative advantages of ``[B]`` rewards in consecutive groups of ``group_size``: ``(r - mean_group) /
+    (s + eps)`` with ``s`` the group's std (``"group"``), the batch's (``"global"``) or 1 (``"none"``, Dr. GRPO);
+    ``unbiased=False`` as Flow-GRPO and DDPO. Equal rewards give exactly 0; ``clip`` clamps to ``[-clip, clip]``."""
     if std not in ("group", "global", "none"):
         raise ValueError(f"std={std!r}; use 'group', 'global' or 'none'.")
     r = rewards.reshape(-1).float()
@@ -455,20 +424,51 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std: str = "grou
     return adv.reshape(-1)
 
 
+def _mean(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x.mean()``, or with ``keep`` (``[B]`` bool) the mean over the kept rows (0 if none; the graph stays)."""
+    if keep is None:
+        return x.mean()
+    k = keep.reshape((-1,) + (1,) * (x.ndim - 1)).expand_as(x)
+    return torch.where(k, x, torch.zeros_like(x)).sum() / k.sum().clamp(min=1)
+
+
+class PromptStatTracker:
+    """DDPO's per-prompt stat tracker: advantages ``(r - mean) / (std + 1e-6)`` over each prompt's last
+    ``buffer_size`` rewards once it holds ``min_count``, over the update's rewards before; the buffers are state."""
+
+    def __init__(self, buffer_size: int, min_count: int, std: str = "group") -> None:
+        self.buffer_size, self.min_count, self.std = buffer_size, min_count, std
+        self.buffers: dict[str, list[float]] = {}
+
+    def update(self, prompts: list[str], rewards: torch.Tensor) -> torch.Tensor:
+        """Advantages ``[B]`` float32 of ``[B]`` rewards of ``prompts``, after adding them to the buffers."""
+        r = rewards.reshape(-1).double()
+        if len(prompts) != r.numel() or not bool(torch.isfinite(r).all()):
+            raise ValueError(f"{r.numel()} rewards for {len(prompts)} prompts, or not finite: {r.tolist()}")
+        adv = torch.zeros_like(r)
+        for p in dict.fromkeys(prompts):
+            rows = torch.tensor([i for i, q in enumerate(prompts) if q == p])
+            self.buffers[p] = (self.buffers.get(p, []) + r[rows].tolist())[-self.buffer_size:]
+            stats = torch.tensor(self.buffers[p], dtype=torch.float64) if len(self.buffers[p]) >= self.min_count else r
+            if stats.max() == stats.min():
+                continue
+            s = {"group": stats, "global": r}.get(self.std)
+            adv[rows] = (r[rows] - stats.mean()) / (1.0 if s is None else s.std(unbiased=False) + 1e-6)
+        return adv.float()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffers": {p: list(v) for p, v in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffers = {p: [float(x) for x in v] for p, v in state["buffers"].items()}
+
+
 def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        clip_range: float, adv_clip_max: float | None = None
+                        clip_range: float, adv_clip_max: float | None = None, keep: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): with ``ratio = exp(log_prob -
-    old_log_prob)``, ``mean(max(-A ratio, -A clamp(ratio, 1 - clip_range, 1 + clip_range)))``.
-
-    ``log_prob`` / ``old_log_prob`` ``[B]`` (one step) or ``[B, K]`` (K steps per row; the mean over both equals
-    the references' per-step losses accumulated over the K steps); ``advantages`` ``[B]`` (one per image), clamped
-    to ``adv_clip_max`` when given.
-
-    Returns:
-        ``(loss, stats)``: scalar float32 loss; stats (detached) ``approx_kl`` = ``0.5 mean((log_prob -
-        old)^2)``, ``clipfrac`` = fraction with ``|ratio - 1| > clip_range``, ``ratio_mean``.
-    """
+    """PPO's clipped importance-ratio loss on denoising steps (DDPO, Flow-GRPO): ``mean(max(-A ratio, -A
+    clamp(ratio, 1 - clip_range, 1 + clip_range)))`` over ``[B]`` or ``[B, K]`` log-probs and the rows in ``keep``.
+    Returns ``(loss, stats)`` with ``approx_kl``, ``clipfrac`` and ``ratio_mean``."""
     if not clip_range > 0:
         raise ValueError(f"diffusion.clip_range={clip_range} must be > 0 (DDPO and Flow-GRPO default to 1e-4).")
     if log_prob.shape != old_log_prob.shape:
@@ -481,18 +481,25 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
     adv = adv.reshape((-1,) + (1,) * (log_prob.ndim - 1))
     diff = log_prob.float() - old_log_prob.float()
     ratio = torch.exp(diff)
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)).mean()
-    stats = {"approx_kl": 0.5 * (diff.detach() ** 2).mean(),
-             "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
-             "ratio_mean": ratio.detach().mean()}
+    loss = _mean(torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)), keep)
+    stats = {"approx_kl": 0.5 * _mean(diff.detach() ** 2, keep),
+             "clipfrac": _mean(((ratio.detach() - 1.0).abs() > clip_range).float(), keep),
+             "ratio_mean": _mean(ratio.detach(), keep)}
     return loss, stats
+
+
+@register_policy_loss("diffusion_grpo")
+def _diffusion_grpo_policy_loss(x: PolicyLossInputs, settings: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`clipped_policy_loss` as the policy loss ``diffusion_grpo`` (``x.mask`` and the aggregation do not
+    apply; ``settings.adv_clip_max`` 0 = no clamp)."""
+    return clipped_policy_loss(x.logprobs, x.old_logprobs, x.advantages, settings.clip_range,
+                               settings.adv_clip_max or None)
 
 
 def kl_to_reference(prev_sample_mean: torch.Tensor, ref_prev_sample_mean: torch.Tensor,
                     std: torch.Tensor) -> torch.Tensor:
-    """Per-row KL penalty of a step towards the reference denoiser: ``mean_dims((mean - ref_mean)^2) / (2 std^2)``,
-    ``[B]``. With ``std`` = the step's ``noise_std`` this is the KL between the two steps' Gaussians (per element);
-    Flow-GRPO passes ``std_dev_t`` (without the ``sqrt(|dt|)`` factor), which scales it by ``|dt|``."""
+    """Per-row KL penalty towards the reference step, ``mean_dims((mean - ref_mean)^2) / (2 std^2)`` ``[B]``: the
+    Gaussians' KL with ``std = noise_std``; Flow-GRPO's (``std_dev_t``) is that times ``-dt`` on a flow step."""
     if prev_sample_mean.shape != ref_prev_sample_mean.shape:
         raise ValueError(f"mean shape {tuple(prev_sample_mean.shape)} != reference mean shape "
                          f"{tuple(ref_prev_sample_mean.shape)}")
@@ -504,32 +511,37 @@ def diffusion_grpo_loss(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float, *,
     adv_clip_max: float | None = None, kl_coef: float = 0.0, prev_sample_mean: torch.Tensor | None = None,
     ref_prev_sample_mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One step's Flow-GRPO objective: :func:`clipped_policy_loss` ``+ kl_coef * mean(`` :func:`kl_to_reference`
-    ``)`` (``log_prob`` etc. ``[B]``; the KL needs the policy's and reference's step means and ``std``).
-
-    Returns:
-        ``(loss, stats)`` with ``policy_loss`` and ``kl`` added to the stats.
-    """
-    if kl_coef < 0:
-        raise ValueError(f"diffusion.kl_coef={kl_coef} must be >= 0.")
-    policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
+    """One step's Flow-GRPO objective, :func:`clipped_policy_loss` ``+ kl_coef * mean(kl_to_reference)`` over the
+    rows in ``keep``; ``(loss, stats)`` with ``policy_loss`` and ``kl`` added."""
+    policy, stats = clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, keep)
     stats["policy_loss"] = policy.detach()
     if kl_coef == 0:
         return policy, stats
     if prev_sample_mean is None or ref_prev_sample_mean is None or std is None:
         raise ValueError("diffusion.kl_coef > 0 needs prev_sample_mean, ref_prev_sample_mean and std "
                          "(a roles.ref denoiser re-scoring the same step).")
-    kl = kl_to_reference(prev_sample_mean, ref_prev_sample_mean, std).mean()
+    kl = _mean(kl_to_reference(prev_sample_mean, ref_prev_sample_mean, std), keep)
     stats["kl"] = kl.detach()
     return policy + kl_coef * kl, stats
 
 
+def grpo_step_loss(now: DenoiseStep, ref: DenoiseStep | None, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                   settings: DiffusionGRPOSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The diffusion_grpo loss on one trained step (policy ``now`` vs reference ``ref``, ``std = std_dev_t``),
+    without zero-advantage rows when ``settings.drop_zero_advantages``."""
+    keep = advantages != 0 if settings.drop_zero_advantages else None
+    return diffusion_grpo_loss(now.log_prob, old_log_prob, advantages, settings.clip_range,
+                               adv_clip_max=settings.adv_clip_max, kl_coef=settings.kl_coef,
+                               prev_sample_mean=now.prev_sample_mean, std=now.std_dev_t, keep=keep,
+                               ref_prev_sample_mean=None if ref is None else ref.prev_sample_mean)
+
+
 # --- Diffusion-DPO ---------------------------------------------------------------------------------------
 class DPOStats(NamedTuple):
-    """Detached: ``implicit_acc`` (fraction of pairs the policy prefers correctly relative to the reference),
-    ``model_mse`` / ``ref_mse`` (the two models' mean denoising losses), ``margin`` ``[B]`` (the logit inside the
-    sigmoid; > 0 where the pair counts as correct)."""
+    """Detached: ``implicit_acc`` (pairs ranked correctly relative to the reference), ``model_mse`` / ``ref_mse``
+    and ``margin`` ``[B]`` (the logit inside the sigmoid)."""
 
     implicit_acc: torch.Tensor
     model_mse: torch.Tensor
@@ -541,8 +553,7 @@ def diffusion_dpo_loss_from_losses(model_losses_w: torch.Tensor, model_losses_l:
                                    ref_losses_w: torch.Tensor, ref_losses_l: torch.Tensor,
                                    beta: float) -> tuple[torch.Tensor, DPOStats]:
     """Diffusion-DPO (Wallace et al., 2024) from per-pair denoising losses ``[B]``:
-    ``-mean(logsigmoid(-beta / 2 * ((l_w - l_l) - (ref_w - ref_l))))``. The policy wins a pair when it lowers the
-    chosen image's loss relative to the rejected one more than the reference does."""
+    ``-mean(logsigmoid(-beta / 2 * ((l_w - l_l) - (ref_w - ref_l))))``."""
     if not beta > 0:
         raise ValueError(f"dpo.beta={beta} must be > 0 (diffusers' script uses 2500 for SD 1.5, 5000 for SDXL).")
     shapes = {tuple(t.shape) for t in (model_losses_w, model_losses_l, ref_losses_w, ref_losses_l)}
@@ -563,18 +574,9 @@ def diffusion_dpo_loss_from_losses(model_losses_w: torch.Tensor, model_losses_l:
 
 def diffusion_dpo_loss(model_pred: torch.Tensor, ref_pred: torch.Tensor, target: torch.Tensor,
                        beta: float) -> tuple[torch.Tensor, DPOStats]:
-    """Diffusion-DPO as diffusers' research ``train_diffusion_dpo.py`` lays out the batch: ``[2B, ...]`` with the
-    ``B`` chosen images first and their rejected partners second, sharing noise and timestep (:func:`paired`).
-
-    Per-sample losses are ``mean_dims((pred - target)^2)`` in float32. The loss is defined for any regression
-    target of the denoiser: ``epsilon`` (noise) and ``v_prediction`` (``math.training_target``) as in the paper and
-    the script, and a flow-matching transformer's velocity ``noise - x0`` (``flow.flow_target``; SD3/FLUX), where
-    the velocity error is the epsilon error up to a per-timestep weight, which the same form absorbs into ``beta``.
-    ``ref_pred`` is treated as a constant.
-
-    Returns:
-        ``(loss, stats)``: scalar float32 loss and :class:`DPOStats`.
-    """
+    """Diffusion-DPO on a ``[2B, ...]`` batch laid out as diffusers' ``train_diffusion_dpo.py`` (chosen first,
+    pairs sharing noise and timestep); per-sample ``mean_dims((pred - target)^2)`` for any regression target
+    (epsilon, v, flow velocity), ``ref_pred`` constant. Returns ``(loss, DPOStats)``."""
     if not (model_pred.shape == ref_pred.shape == target.shape):
         raise ValueError(f"shapes differ: model_pred {tuple(model_pred.shape)}, ref_pred {tuple(ref_pred.shape)}, "
                          f"target {tuple(target.shape)}")

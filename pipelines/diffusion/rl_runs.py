@@ -1,7 +1,5 @@
-"""What the diffusion RL recipes need around rl.py's math: the policy's conditioning and denoiser closures on
-registry engines (SD/SDXL unets, SD3/FLUX transformers), prompts, reward functions, preference pairs (and the
-tiny shapes pairs), and labelled grids. Flat typed arguments only: the recipes read their configs and call these.
-"""
+"""Around rl.py's math: the diffusion RL recipes' settings, the policy model on registry engines, reward
+functions, preference pairs, the tiny pipeline and labelled grids."""
 
 from __future__ import annotations
 
@@ -18,25 +16,177 @@ from typing import Any
 import numpy as np
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.settings import Each, FieldError, Length, Range, Settings, config_problem, section, setting
 
 from . import flow
 from .data import SHAPES_COLORS, _draw_shape, _shapes_rows, shapes_captions
 from .families import family_roles
-from .models import call_engine
-from .rl import DDIMSampler, Denoiser, FlowSDESampler, ddim_timesteps, flow_inference_sigmas
-from .training import DiffusionObjective, FlowMatchingObjective, prompt_input_ids
+from .models import ModelSettings, call_engine, load_component
+from .rl import DDIMSampler, Denoiser, FlowSDESampler, PromptStatTracker, ddim_timesteps, flow_sampler, group_advantages
+from .training import Conditioning, DiffusionObjective, DiffusionSettings, FlowMatchingObjective, prompt_input_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_REWARDS", "Conditioning", "PolicyModel", "denoiser_from_folder", "prepare_tiny_pipeline",
-           "rl_role_specs", "load_preference_rows", "load_reward_function", "load_reward_model_role",
-           "reward_functions", "reward_model_scores", "tiny_reward_model",
-           "make_shapes_preference_pairs", "preference_pixels", "preference_source", "preference_split",
-           "pretrain_tiny_unet", "read_prompts", "reward_grid",
-           "score_images", "shapes_prompt_split"]
+__all__ = ["BUILTIN_REWARDS", "DPOEval", "GRPOEval", "PolicyModel", "PreferenceData", "PromptSettings",
+           "RLModelSettings", "RewardSettings", "denoiser_factory", "load_preference_rows", "load_reward_function",
+           "load_reward_model_role", "make_shapes_preference_pairs", "prepare_tiny_pipeline", "preference_pixels",
+           "preference_source", "preference_split", "pretrain_tiny_unet", "read_prompts", "reward_functions",
+           "reward_grid", "reward_model_scores", "score_images", "shapes_prompt_split", "tiny_reward_model"]
 
 REWARD_MODEL = "reward_model"
 BUILTIN_REWARDS = ("color", "shapes", REWARD_MODEL)
+
+
+_COLORS = ["red"]
+
+
+@dataclass(frozen=True)
+class RLModelSettings(ModelSettings):
+    """The diffusers pipeline whose denoiser is trained; the tiny one pretrained on the shapes images first."""
+
+    tiny_vae_steps: int = setting(100, "tiny model only: pretrain its random vae on the shapes images first (0 = no)",
+                                  Range(0), when="pretrained=")
+    tiny_unet_steps: int = setting(400, "tiny SD only: pretrain its random unet on the shapes images first (0 = no)",
+                                   Range(0), when="pretrained=")
+
+    def check(self) -> None:
+        if self.tiny_unet_steps and not self.pretrained and self.tiny_family != "sd":
+            raise FieldError("tiny_unet_steps", self.tiny_unet_steps, "pretrains the tiny SD unet only (model."
+                             f"tiny_family={self.tiny_family})", "set model.tiny_unet_steps=0")
+
+
+@dataclass(frozen=True)
+class RewardSettings(Settings):
+    """What the sampled images are scored with: weighted reward functions."""
+
+    functions: list[str] = setting(["color", REWARD_MODEL], f"rewards summed: builtins {', '.join(BUILTIN_REWARDS)}, "
+                                   "or module:function fn(prompts, images [N,3,H,W] in [0,1]) -> list",
+                                   Each(Length(1)))
+    weights: list[float] = setting([0.8, 0.2], "one weight per function ([] = 1 each)")
+    model_steps: int = setting(300, "tiny reward model (roles.reward.model \"\"): its training steps", Range(1))
+
+    def check(self) -> None:
+        if not self.functions:
+            raise FieldError("functions", [], "is empty: nothing scores the images",
+                             "list a builtin (color, shapes, reward_model) or module:function")
+        if self.weights and len(self.weights) != len(self.functions):
+            raise FieldError("weights", list(self.weights), f"has {len(self.weights)} weights for "
+                             f"{len(self.functions)} functions", "give one weight per reward function, or []")
+
+    def check_functions(self, eval_reward: str) -> None:
+        """Every function (and the evaluation reward) loads; ``reward_model`` needs the reward role."""
+        for name in [*self.functions, *([eval_reward] if eval_reward else [])]:
+            if name == REWARD_MODEL:
+                continue
+            try:
+                load_reward_function(name)
+            except (ValueError, ImportError) as exc:
+                key = "reward.functions" if name in self.functions else "eval.reward"
+                raise config_problem(key, name, f"cannot be loaded: {exc}", "use a builtin (color, shapes, "
+                                     "reward_model) or an importable module:function") from None
+        if eval_reward == REWARD_MODEL and REWARD_MODEL not in self.functions:
+            raise config_problem("eval.reward", REWARD_MODEL, "needs the reward role, built only when "
+                                 "reward.functions lists reward_model", "add reward_model to reward.functions, or "
+                                 "set eval.reward=color")
+
+
+@dataclass(frozen=True)
+class PromptSettings(Settings):
+    """Prompts sampled for rollouts and held out for evaluation."""
+
+    train_file: str = setting("", "training prompts: .txt (one per line) or .json/.jsonl (prompt field); \"\" = the "
+                                  "shapes captions not held out")
+    eval_file: str = setting("", "held-out prompts (same forms); \"\" = eval.size shapes captions")
+    shapes_colors: list[str] = setting(_COLORS, "the shapes captions used (train and held out) name these colours; "
+                                                "[] = all six", example=["blue"])
+
+    def check(self) -> None:
+        if self.train_file and self.eval_file and self.shapes_colors != _COLORS:
+            raise FieldError("shapes_colors", self.shapes_colors, "applies only to the shapes captions (a prompts "
+                             "file is empty)", "drop prompts.shapes_colors")
+
+    def split(self, eval_size: int, seed: int) -> tuple[list[str], list[str]]:
+        """(training prompts, held-out prompts): the files, else the shapes captions of ``shapes_colors``."""
+        train, held = shapes_prompt_split(eval_size, seed, list(self.shapes_colors))
+        return (read_prompts(self.train_file) if self.train_file else train,
+                read_prompts(self.eval_file) if self.eval_file else held)
+
+    def check_files(self, eval_size: int) -> None:
+        """Each prompt file given holds prompts; without both, the shapes captions split into training prompts and
+        ``eval_size`` held-out ones."""
+        for key, path in (("prompts.train_file", self.train_file), ("prompts.eval_file", self.eval_file)):
+            try:
+                if path and not read_prompts(os.path.expanduser(path)):
+                    raise ValueError("it holds no prompt")
+            except (OSError, ValueError) as exc:
+                raise config_problem(key, path, f"cannot be read as prompts: {exc}", "give a .txt file (one prompt a "
+                                     "line) or .json/.jsonl rows with a prompt field") from None
+        if not (self.train_file and self.eval_file):
+            try:
+                shapes_prompt_split(eval_size, 0, list(self.shapes_colors))
+            except ValueError as exc:
+                raise config_problem("eval.size", eval_size, f"cannot split the shapes captions: {exc}",
+                                     "set eval.size below the number of captions, or prompts.shapes_colors") from None
+
+
+@dataclass(frozen=True)
+class GRPOEval(Settings):
+    """Mean reward of held-out prompts at fixed noise."""
+
+    every: int = setting(0, "also evaluate every N steps (0 = only before and after)", Range(0))
+    size: int = setting(3, "held-out shapes captions when prompts.eval_file is \"\"", Range(1))
+    images_per_prompt: int = setting(8, "images per held-out prompt (fixed noise)", Range(1))
+    reward: str = setting("color", "the evaluation reward (a builtin or module:function); \"\" = the training rewards")
+    seed: int = setting(1234, "the held-out noise's seed", Range(0))
+    grid: bool = setting(True, "grids/ of the held-out images labelled with prompt and reward (before, after)")
+
+
+@dataclass(frozen=True)
+class PreferenceColumns(Settings):
+    prompt: str = setting("prompt", "your prompt column", Length(1))
+    chosen: str = setting("chosen", "your chosen image column", Length(1))
+    rejected: str = setting("rejected", "your rejected image column", Length(1))
+
+
+@dataclass(frozen=True)
+class PreferenceData(Settings):
+    """Preference pairs (prompt, chosen, rejected)."""
+
+    source: str = setting("", "preference pairs: a data file, save_to_disk folder or hub name; \"\" = shapes pairs")
+    columns: PreferenceColumns = section(PreferenceColumns, "your column names per field")
+    split: str = setting("train", "the split of a hub dataset or DatasetDict folder")
+    eval_source: str = setting("", "held-out pairs (same forms); \"\" = the last eval.size rows of data.source")
+    resolution: int = setting(16, "image side in pixels (resized, center-cropped)", Range(8))
+    builtin_size: int = setting(256, "pairs generated for the shapes task", Range(2), when="source=")
+    shapes_colors: list[str] = setting(_COLORS, "shapes pairs: the chosen image (and the prompt) has one of these "
+                                                "colours; [] = all six", when="source=", example=["blue"])
+    cache_dir: str = setting("", "datasets cache folder (\"\" = the default)")
+
+    def options(self) -> dict[str, Any]:
+        """How the rows are read (:func:`preference_source`'s options)."""
+        c = self.columns
+        return {"columns": {"prompt": c.prompt, "chosen": c.chosen, "rejected": c.rejected}, "split": self.split,
+                "cache_dir": self.cache_dir or None}
+
+    def rows(self) -> int:
+        """How many pairs the training source has (before the held-out split); before any rank starts."""
+        if not self.source:
+            return self.builtin_size
+        try:
+            return len(preference_source(self.source, **self.options())[0])
+        except (ValueError, FileNotFoundError) as exc:
+            raise config_problem("data.source", self.source, f"cannot be used as preference pairs: {exc}",
+                                 "give a file or dataset with prompt/chosen/rejected columns (data.columns)") from None
+
+
+@dataclass(frozen=True)
+class DPOEval(Settings):
+    """Implicit reward accuracy on held-out pairs (fixed noise and timesteps)."""
+
+    every: int = setting(0, "also evaluate every N steps (0 = only before and after)", Range(0))
+    size: int = setting(32, "held-out pairs taken from data.source when data.eval_source is \"\"", Range(1))
+    timesteps: int = setting(4, "evenly spaced timesteps per held-out pair", Range(1))
+    seed: int = setting(1234, "the held-out noise's seed", Range(0))
 
 
 # --- prompts ----------------------------------------------------------------------------------------------
@@ -89,9 +239,8 @@ def load_reward_function(spec: str) -> Callable[..., list[float | None]]:
 
 def reward_functions(names: Sequence[str], weights: Sequence[float], registry: EngineRegistry
                      ) -> list[tuple[str, Callable[..., Any], float]]:
-    """:func:`score_images`' ``(name, function, weight)`` of each reward: ``reward_model`` scores with the
-    registry's reward role (:func:`reward_model_scores`), the others load with :func:`load_reward_function`;
-    ``weights`` [] = 1 each."""
+    """:func:`score_images`' ``(name, function, weight)`` per reward (``reward_model``: the registry's reward
+    role); ``weights`` [] = 1 each."""
     weights = [float(w) for w in weights] or [1.0] * len(names)
     return [(n, functools.partial(reward_model_scores, registry) if n == REWARD_MODEL else load_reward_function(n), w)
             for n, w in zip(names, weights)]
@@ -115,60 +264,37 @@ def score_images(functions: Sequence[tuple[str, Callable[..., Any], float]], pro
     return total, means
 
 
+def rollout_advantages(rewards: torch.Tensor, prompts: Sequence[str], settings: Any,
+                       tracker: PromptStatTracker | None = None) -> torch.Tensor:
+    """This rank's advantages: :func:`group_advantages`, or with ``tracker`` DDPO's per-prompt statistics over
+    every rank's rows gathered in rank order (every rank then holds the same buffers)."""
+    if tracker is None:
+        return group_advantages(rewards, settings.group_size, std=settings.advantage_std)
+    dist = torch.distributed
+    shards, rank = [(list(prompts), rewards.float().tolist())], 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rank, mine = dist.get_rank(), shards[0]
+        shards = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+    start = sum(len(s[0]) for s in shards[:rank])
+    adv = tracker.update([p for s in shards for p in s[0]], torch.tensor([r for s in shards for r in s[1]]))
+    return adv[start:start + len(prompts)]
+
+
 # --- the policy's conditioning and denoiser on the registry --------------------------------------------------
-@dataclass
-class Conditioning:
-    """Prompt embeddings ``hidden [B, L, D]``, ``pooled [B, P]`` (or None), SDXL's ``time_ids [B, 6]`` (or None)."""
-
-    hidden: torch.Tensor
-    pooled: torch.Tensor | None
-    time_ids: torch.Tensor | None = None
-
-    def cat(self, other: Conditioning) -> Conditioning:
-        def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-            return None if a is None else torch.cat([a, b])
-        return Conditioning(torch.cat([self.hidden, other.hidden]), join(self.pooled, other.pooled),
-                            join(self.time_ids, other.time_ids))
-
-    def repeat(self, n: int) -> Conditioning:
-        def rep(a: torch.Tensor | None) -> torch.Tensor | None:
-            return None if a is None else a.expand(n, *a.shape[1:])
-        return Conditioning(rep(self.hidden), rep(self.pooled), rep(self.time_ids))
-
-
-class _UnetConditioning(DiffusionObjective):
-    """DiffusionObjective's prompt encoding and unet call for a denoiser role of any name."""
-
-    def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], alphas_cumprod: torch.Tensor,
-                 prediction_type: str, resolution: int, role: str) -> None:
-        # DiffusionObjective.__init__ reads the unet's config under the role name "unet": set what it sets.
-        self.registry, self.text_encoders, self.device = registry, list(text_encoders), registry.device
-        self.alphas_cumprod = alphas_cumprod.float()
-        self.num_train_timesteps = int(alphas_cumprod.shape[0])
-        self.prediction_type, self.resolution = prediction_type, resolution
-        self.snr_gamma = self.noise_offset = self.input_perturbation = 0.0
-        vae_config = registry.role("vae").module.config
-        self.scaling_factor = float(vae_config.scaling_factor)
-        self.shift_factor = float(getattr(vae_config, "shift_factor", None) or 0.0)
-        config = registry.role(role).module.config
-        self.text_time = getattr(config, "addition_embed_type", None) == "text_time"
-        self.trained_role = role
-
-
 class PolicyModel:
-    """The denoiser roles (policy, ref), vae and text encoders of a registry as rl.py wants them: prompt
-    conditioning, a :data:`Denoiser` closure per role (classifier-free guidance inside), the stochastic sampler,
-    vae decode to ``[0, 1]`` images, and the noisy input / target / prediction of a denoising loss (Diffusion-DPO).
+    """The registry's denoiser roles, vae and text encoders as rl.py wants them: conditioning, a :data:`Denoiser`
+    per role (CFG when ``guidance_scale`` > 1; FLUX takes it as its guidance input), the sampler, vae decode to
+    ``[0, 1]`` and a denoising loss's input / target. ``t5_tokens``: 0 = the family's."""
 
-    ``family``: sd | sdxl (DDIM with ``eta``, unet) or sd3 | flux (Flow-GRPO's SDE, transformer). FLUX takes
-    ``guidance_scale`` as its guidance input (no negative branch); the others run CFG when it is > 1.
-    """
+    def __init__(self, registry: EngineRegistry, model_path: str, family: str, *, resolution: int,
+                 guidance_scale: float = 1.0, t5_tokens: int = 0, policy: str = "policy") -> None:
+        from .runs import t5_length, text_tokenizers, token_lengths
 
-    def __init__(self, registry: EngineRegistry, model_path: str, family: str, text_encoders: Sequence[str], *,
-                 resolution: int, tokenizers: Sequence[Any], token_lengths: Sequence[int | None],
-                 policy: str = "policy", guidance_scale: float = 1.0) -> None:
         self.registry, self.family, self.resolution = registry, family, int(resolution)
-        self.text_encoders, self.tokenizers, self.lengths = list(text_encoders), list(tokenizers), list(token_lengths)
+        self.text_encoders = list(family_roles(family).text_encoders)
+        self.tokenizers = text_tokenizers(model_path, self.text_encoders)
+        self.lengths = token_lengths(model_path, self.text_encoders, t5_length(family, t5_tokens))
         self.flow = family_roles(family).objective == "flow"
         self.guidance_scale = float(guidance_scale)
         self.policy = policy
@@ -177,9 +303,8 @@ class PolicyModel:
 
             config = FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler")
             self.scheduler_config = dict(config)
-            objective_cls = type("_FlowConditioning", (FlowMatchingObjective,), {"trained_role": policy})
-            self.objective = objective_cls(registry, family, config, guidance_scale=self.guidance_scale,
-                                           text_encoders=self.text_encoders)
+            self.objective = FlowMatchingObjective(registry, family, config, DiffusionSettings(
+                guidance_scale=self.guidance_scale), self.text_encoders, role=policy)
             self.cfg = family != "flux" and self.guidance_scale > 1
         else:
             from diffusers import DDPMScheduler
@@ -187,8 +312,8 @@ class PolicyModel:
             scheduler = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler")
             self.scheduler_config = dict(scheduler.config)
             self.prediction_type = str(scheduler.config.prediction_type)
-            self.objective = _UnetConditioning(registry, self.text_encoders, scheduler.alphas_cumprod,
-                                               self.prediction_type, self.resolution, policy)
+            self.objective = DiffusionObjective(registry, self.text_encoders, scheduler, None, self.resolution,
+                                                role=policy)
             self.cfg = self.guidance_scale > 1
         self.vae = registry.role("vae")
         self.vae_scale = 2 ** (len(self.vae.module.config.block_out_channels) - 1)
@@ -216,8 +341,7 @@ class PolicyModel:
         r = self.registry.role(role)
         if self.flow:
             return self.objective.transformer_forward(r.engine, latents, timesteps, cond.hidden, cond.pooled, r.dtype)
-        return self.objective.unet_forward(r.engine, latents, timesteps, cond.hidden, cond.pooled, cond.time_ids,
-                                           r.dtype)
+        return self.objective.unet_forward(r.engine, latents, timesteps, cond, r.dtype)
 
     def denoiser(self, role: str, cond: Conditioning) -> Denoiser:
         """``fn(latents, timesteps) -> model output`` of ``role`` for ``cond``, with CFG when on."""
@@ -233,19 +357,12 @@ class PolicyModel:
     def sampler(self, num_steps: int, eta: float, noise_level: float) -> DDIMSampler | FlowSDESampler:
         """DDIM with ``eta`` (unet families, the scheduler's schedule and offset) or the flow SDE with
         ``noise_level`` over the scheduler's sigmas (SD3's shift, FLUX's resolution-dependent shift)."""
+        if self.flow:
+            return flow_sampler(self.scheduler_config, num_steps, noise_level, self.resolution, self.vae_scale)
         c = self.scheduler_config
-        n_train = int(c.get("num_train_timesteps", 1000))
-        if not self.flow:
-            return DDIMSampler(ddim_timesteps(num_steps, n_train, int(c.get("steps_offset", 0))),
-                               self.objective.alphas_cumprod, eta=eta, prediction_type=self.prediction_type)
-        mu = None
-        if c.get("use_dynamic_shifting"):
-            seq = (self.resolution // self.vae_scale // 2) ** 2
-            m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (c.get("max_image_seq_len", 4096)
-                                                                          - c.get("base_image_seq_len", 256))
-            mu = seq * m + c.get("base_shift", 0.5) - m * c.get("base_image_seq_len", 256)
-        return FlowSDESampler(flow_inference_sigmas(num_steps, n_train, float(c.get("shift", 1.0)), mu=mu),
-                              noise_level=noise_level, num_train_timesteps=n_train)
+        return DDIMSampler(ddim_timesteps(num_steps, int(c.get("num_train_timesteps", 1000)),
+                                          int(c.get("steps_offset", 0))),
+                           self.objective.alphas_cumprod, eta=eta, prediction_type=self.prediction_type)
 
     def latent_shape(self, batch: int) -> tuple[int, ...]:
         side = self.resolution // self.vae_scale
@@ -313,9 +430,8 @@ class PolicyModel:
 
     def noisy_and_target(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The noisy input, the regression target and the model's timesteps at ``u`` ``[B]`` in ``[0, 1)``: DDPM
-        timestep ``floor(u T)`` with the epsilon / v target; flow: the table position ``floor(u T)``,
-        ``(1 - sigma) x0 + sigma noise`` and the velocity ``noise - x0``."""
+        """The noisy input, regression target and model timesteps at ``u`` ``[B]`` in ``[0, 1)`` (table position
+        ``floor(u T)``; DDPM epsilon / v target, or flow's ``(1 - sigma) x0 + sigma noise`` and ``noise - x0``)."""
         from .math import add_noise, training_target
 
         n = self.objective.num_train_timesteps
@@ -359,10 +475,8 @@ def tiny_reward_model(folder: str, *, resolution: int, steps: int, seed: int, is
 # --- preference pairs ----------------------------------------------------------------------------------------
 def make_shapes_preference_pairs(out_dir: str, n: int, resolution: int = 32, seed: int = 0,
                                  colors: Sequence[str] = ()) -> str:
-    """``n`` preference pairs on the shapes task under ``out_dir``: ``pairs.jsonl`` rows ``{"prompt", "chosen",
-    "rejected"}`` (file names beside it). The chosen image is the prompt's shape in the prompt's colour (one of
-    ``colors``; any of the six when empty); the rejected one is the same shape, place and background in another
-    colour. Idempotent for the same arguments; written then renamed."""
+    """``n`` shapes preference pairs under ``out_dir`` (``pairs.jsonl``): chosen in the prompt's colour (one of
+    ``colors``), rejected the same picture in another colour. Idempotent; written then renamed."""
     path = os.path.join(out_dir, "pairs.jsonl")
     wanted = {"n": n, "resolution": resolution, "seed": seed, "colors": list(colors)}
     marker = os.path.join(out_dir, "pairs.json")
@@ -397,9 +511,8 @@ def make_shapes_preference_pairs(out_dir: str, n: int, resolution: int = 32, see
 
 def load_preference_rows(source: str, columns: dict[str, str], split: str = "train",
                          cache_dir: str | None = None) -> Any:
-    """Preference rows from a data file (``.jsonl``/``.json``/``.csv``/``.parquet``), a ``save_to_disk`` folder or
-    a hub name, with the ``prompt``, ``chosen`` and ``rejected`` columns renamed from ``columns``. Image cells are
-    file paths (relative to the file's folder) or images (``datasets.Image``)."""
+    """Preference rows of a data file, ``save_to_disk`` folder or hub name with the ``prompt``/``chosen``/``rejected``
+    columns renamed from ``columns``; image cells are paths (relative to the file's folder) or images."""
     from multiengine.pipelines.sources import load_source
 
     ds = load_source(source, split=split, key="data.source", cache_dir=cache_dir)
@@ -474,14 +587,9 @@ def reward_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[
 # --- a briefly pre-trained tiny unet ---------------------------------------------------------------------------
 def pretrain_tiny_unet(model_dir: str, images: str, steps: int, *, resolution: int, batch_size: int = 16,
                        lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
-    """Train the tiny SD unet of ``model_dir`` on the shapes images of folder ``images`` (``metadata.jsonl``
-    captions) with the epsilon objective for ``steps`` steps, in this process, and save it in place: the RL
-    recipes' tiny runs start from a denoiser that paints backgrounds and shapes instead of noise. Deterministic
-    in ``seed``; the global RNG is left untouched; idempotent (``unet/pretrained.json`` records what was done).
-
-    Returns:
-        ``{"steps", "seed", "resolution", "loss" (mean of the last 50 steps), "seconds"}``.
-    """
+    """Train the tiny SD unet of ``model_dir`` on the shapes images for ``steps`` epsilon steps in this process and
+    save it in place, so the RL tiny runs start from a denoiser that paints shapes. Deterministic in ``seed``,
+    idempotent (``unet/pretrained.json``); returns ``{"steps", "seed", "resolution", "loss", "seconds"}``."""
     import shutil
     import time
 
@@ -547,9 +655,8 @@ def pretrain_tiny_unet(model_dir: str, images: str, steps: int, *, resolution: i
 
 
 def load_reward_model_role(path: str) -> torch.nn.Module:
-    """:func:`rewards.load_tiny_reward_model` as a role factory: inside a ZeRO-3 role's build scope the module is
-    created partitioned, so the saved weights are loaded into its gathered parameters (every rank reads the same
-    file; rank 0's copy is partitioned back)."""
+    """:func:`rewards.load_tiny_reward_model` as a role factory: under ZeRO-3 the weights load into the gathered
+    parameters (rank 0's copy is partitioned back)."""
     from safetensors.torch import load_file
 
     from .rewards import TinyShapesRewardModel
@@ -568,13 +675,20 @@ def load_reward_model_role(path: str) -> torch.nn.Module:
     return model.eval()
 
 
-# --- the model folder and the roles of a diffusion RL run ---------------------------------------------------
-def denoiser_from_folder(folder: str) -> torch.nn.Module:
-    """A unet / transformer folder (its config.json names the diffusers class)."""
+# --- the model folder and the denoiser of a diffusion RL run ------------------------------------------------
+def denoiser_factory(model_path: str, denoiser: str, folder: str, variant: str | None = None
+                     ) -> Callable[[], torch.nn.Module]:
+    """A role's model factory for a denoiser ``folder``: ``<model_path>/<denoiser>`` loads as the pipeline's
+    component (with ``variant``), any other folder as the diffusers class its config.json names."""
     import diffusers
 
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        return getattr(diffusers, json.load(f)["_class_name"]).from_pretrained(folder)
+    if folder == os.path.join(model_path, denoiser):
+        return lambda: load_component(model_path, denoiser, variant)
+
+    def load() -> torch.nn.Module:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return getattr(diffusers, json.load(f)["_class_name"]).from_pretrained(folder)
+    return load
 
 
 def prepare_tiny_pipeline(path: str, shapes: str, family: str, *, seed: int, resolution: int, vae_steps: int,
@@ -601,30 +715,3 @@ def prepare_tiny_pipeline(path: str, shapes: str, family: str, *, seed: int, res
             done["unet"] = pretrain_tiny_unet(path, shapes, unet_steps, resolution=resolution, seed=seed)
         barrier()
     return done
-
-
-def rl_role_specs(model_path: str, denoiser: str, text_encoders: Sequence[str], placements: dict[str, Any], *,
-                  policy_folder: str, ref_folder: str | None, optim: Any, micro_batch_size: int, grad_accum: int,
-                  lora: Any, gradient_checkpointing: bool, seed: int, variant: str | None = None) -> list[Any]:
-    """RoleSpecs of a diffusion RL run: ``policy`` (trainable), ``ref`` (frozen, when ``ref_folder`` is not None),
-    ``vae`` and each text encoder (frozen), placed by ``placements[name]``. A denoiser folder equal to
-    ``<model_path>/<denoiser>`` loads as the pipeline's component (with ``variant``)."""
-    from multiengine.engines import frozen_role, trainable_role
-
-    from .models import load_component
-
-    default = os.path.join(model_path, denoiser)
-
-    def load(folder: str) -> Callable[[], torch.nn.Module]:
-        if folder == default:
-            return lambda: load_component(model_path, denoiser, variant)
-        return lambda: denoiser_from_folder(folder)
-
-    specs = [trainable_role("policy", load(policy_folder), placements["policy"], optim,
-                            micro_batch_size=micro_batch_size, grad_accum=grad_accum, lora=lora,
-                            gradient_checkpointing=gradient_checkpointing, seed=seed)]
-    if ref_folder is not None:
-        specs.append(frozen_role("ref", load(ref_folder), placements["ref"]))
-    specs.append(frozen_role("vae", lambda: load_component(model_path, "vae"), placements["vae"]))
-    specs += [frozen_role(n, lambda n=n: load_component(model_path, n), placements[n]) for n in text_encoders]
-    return specs

@@ -1,15 +1,12 @@
-"""What a diffusion fine-tuning run needs around its objective: family defaults, the image side a model
-allows, held-out splits, the training image stream (sharded, resumable), collation with every text
-encoder's ids, validation prompts and grids, and per-role memory figures. Flat typed arguments only: the
-recipes read their configs and call these.
-"""
+"""What a diffusion fine-tuning run needs around its objective: the T5 length and image side of a family, held-out
+splits, the tiny model, the training image stream (sharded, resumable) collated with every text encoder's ids,
+validation prompts and images, and per-role memory figures."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -17,19 +14,18 @@ from typing import Any
 import torch
 from multiengine.engines import barrier, current_rss_bytes, shard_batches
 from multiengine.pipelines.diffusion import data as data_lib
-from multiengine.pipelines.diffusion.families import FAMILIES, family_roles
+from multiengine.pipelines.diffusion.families import family_roles
 from multiengine.pipelines.diffusion.models import read_model_index, tokenizer_name
 from multiengine.pipelines.diffusion.tiny import build_tiny, pretrain_tiny_vae
-from multiengine.pipelines.diffusion.training import prompt_input_ids
+from multiengine.pipelines.diffusion.training import FLOW_FAMILY_DEFAULTS, prompt_input_ids
 from multiengine.pipelines.diffusion.validation import generate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLOW_FAMILY_DEFAULTS", "SHAPES_PROMPTS", "ImageColumn", "TrainImages", "build_tiny_model",
-           "caption_batches", "collate_captions", "conditioning_rows", "eval_split_value", "flow_options",
-           "held_out_of", "memory_metrics", "prepare_tiny_model", "rank0_first", "resolution_multiple",
-           "run_validation", "save_validation", "t5_length", "text_tokenizers", "token_lengths", "validation_captions",
-           "validation_round"]
+__all__ = ["SHAPES_PROMPTS", "ImageColumn", "TrainImages", "build_tiny_model", "caption_collate", "conditioning_rows",
+           "eval_split_value", "held_out_of", "memory_metrics", "prepare_tiny_model", "rank0_first",
+           "resolution_multiple", "run_validation", "save_validation", "t5_length", "text_tokenizers",
+           "token_lengths", "validation_captions"]
 
 SHAPES_PROMPTS = [
     "a red square on a white background",
@@ -37,21 +33,6 @@ SHAPES_PROMPTS = [
     "a green triangle on a gray background",
     "a yellow circle on a white background",
 ]
-# The flow-matching options' defaults per family, as diffusers' SD3 / FLUX training scripts set them.
-FLOW_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sd3": {"weighting_scheme": "logit_normal", "precondition_outputs": True, "max_sequence_length": 77},
-    "flux": {"weighting_scheme": "none", "precondition_outputs": False, "max_sequence_length": 512},
-}
-
-
-def flow_options(family: str, *, weighting_scheme: str, logit_mean: float, logit_std: float, mode_scale: float,
-                 precondition_outputs: bool | None, guidance_scale: float) -> dict[str, Any]:
-    """FlowMatchingObjective's options: "" / None take the family's default."""
-    defaults = FLOW_FAMILY_DEFAULTS[family]
-    return {"weighting_scheme": weighting_scheme or defaults["weighting_scheme"], "logit_mean": logit_mean,
-            "logit_std": logit_std, "mode_scale": mode_scale,
-            "precondition_outputs": defaults["precondition_outputs"] if precondition_outputs is None
-            else bool(precondition_outputs), "guidance_scale": guidance_scale}
 
 
 def t5_length(family: str, asked: int) -> int:
@@ -112,19 +93,13 @@ class ImageColumn(Sequence):
 
 def build_tiny_model(path: str, seed: int, resolution: int, family: str = "sd") -> str:
     """The embedded default model of ``family`` (``sd``, ``sdxl``, ``sd3``, ``flux``), built by tiny.py."""
-    if not isinstance(family, str):
-        raise ValueError(f"build_tiny_model(..., {family!r}): pass the family (sd, sdxl, sd3, flux); "
-                         "the text-encoder count is gone (2 text encoders = sdxl).")
-    if family not in FAMILIES:
-        raise ValueError(f"model.tiny_family={family!r}; use one of {list(FAMILIES)}.")
     return build_tiny(family, path, seed=seed, resolution=resolution)
 
 
 def prepare_tiny_model(path: str, family: str, images: Sequence[Any], *, seed: int, resolution: int, vae_steps: int,
                        is_main: bool, device: Any) -> dict[str, Any] | None:
-    """The tiny ``family`` model at ``path`` (rank 0 builds it while the others wait) and, for ``vae_steps`` > 0, its
-    random vae pretrained on ``images`` at ``resolution`` on every rank (each encodes and decodes its share of
-    every batch; rank 0 saves it). Collective; returns pretrain_tiny_vae's result, None without a pretrain."""
+    """The tiny ``family`` model at ``path`` (built by rank 0) and its vae pretrained on ``images`` by every rank when
+    ``vae_steps`` > 0. Collective; returns pretrain_tiny_vae's result or None."""
     if is_main:
         build_tiny_model(path, seed, resolution, family)
     barrier()
@@ -161,9 +136,8 @@ def collate_captions(examples: list[dict[str, Any]], tokenizers: list[Any], leng
 
 
 class TrainImages:
-    """This rank's endless stream of training micro batches (ShardedEpochSampler, the tail of each epoch
-    dropped, augmentation following the sampler's epoch) and its resumable position, plus the held-out
-    batches: the same number on every rank (lockstep forwards), deterministic transform."""
+    """This rank's endless, resumable stream of training micro batches (ShardedEpochSampler, tails dropped) and the
+    held-out batches, the same number on every rank."""
 
     def __init__(self, train_set: Any, heldout_set: Any | None, collate: Any, *, micro_batch_size: int,
                  world_size: int, rank: int, seed: int, num_workers: int = 0) -> None:
@@ -197,20 +171,10 @@ class TrainImages:
         return self.sampler.state_dict(consumed=self.consumed)
 
 
-def caption_batches(train_rows: Any, heldout_rows: Any | None, make_dataset: Callable[[Any, Any], Any], *,
-                    model_path: str, text_encoders: Sequence[str], t5_tokens: int, resolution: int, center_crop: bool,
-                    random_flip: bool, micro_batch_size: int, world_size: int, rank: int, seed: int,
-                    num_workers: int = 0) -> TrainImages:
-    """The training stream and held-out batches of an image-caption run: each row set made a dataset by
-    ``make_dataset(rows, transform)`` (training rows augmented as asked; held-out rows center-cropped, never
-    flipped), collated with every text encoder's ids. ValueError when a rank's share fills no micro batch."""
-    collate = partial(collate_captions, tokenizers=text_tokenizers(model_path, text_encoders),
-                      lengths=token_lengths(model_path, text_encoders, t5_tokens))
-    train = make_dataset(train_rows, data_lib.ImageTransform(resolution, center_crop, random_flip))
-    heldout = None if heldout_rows is None else make_dataset(heldout_rows, data_lib.ImageTransform(
-        resolution, center_crop=True, random_flip=False))
-    return TrainImages(train, heldout, collate, micro_batch_size=micro_batch_size, world_size=world_size, rank=rank,
-                       seed=seed, num_workers=num_workers)
+def caption_collate(model_path: str, text_encoders: Sequence[str], t5_tokens: int) -> Callable[[list[Any]], Any]:
+    """The collate function of an image-caption run: ``data.collate`` with every text encoder's ids."""
+    return partial(collate_captions, tokenizers=text_tokenizers(model_path, text_encoders),
+                   lengths=token_lengths(model_path, text_encoders, t5_tokens))
 
 
 def rank0_first(is_main: bool, fn: Callable[[], Any]) -> Any:
@@ -253,39 +217,18 @@ def conditioning_rows(rows: Any, n: int, resolution: int) -> tuple[list[Any], li
     return images, captions
 
 
-def run_validation(registry: Any, pipe: Any, trained: str, prompts: Sequence[str], *, resolution: int,
-                   steps: int, guidance_scale: float | None, seed: int, **pipeline_kwargs: Any) -> list[Any]:
-    """Images for ``prompts`` on all ranks in lockstep, the trained role in eval mode meanwhile."""
+def run_validation(registry: Any, pipe: Any, trained: str, prompts: Sequence[str], settings: Any, resolution: int,
+                   **pipeline_kwargs: Any) -> list[Any]:
+    """Images for ``prompts`` on all ranks in lockstep (``settings``: the validation section's sampler steps,
+    guidance and seed), the trained role in eval mode meanwhile."""
     module = registry.role(trained).module
     was_training = module.training
     module.eval()
     try:
-        return generate(pipe, registry, list(prompts), resolution, steps, guidance_scale, seed, **pipeline_kwargs)
+        return generate(pipe, registry, list(prompts), resolution, settings.num_inference_steps,
+                        settings.guidance_scale, settings.seed, **pipeline_kwargs)
     finally:
         module.train(was_training)
-
-
-def validation_round(registry: Any, metrics: Any, make_pipe: Callable[[], Any], trained: str,
-                     prompts: Sequence[str], grid: Callable[[list[Any]], Any], *, file: str, tag: str, step: int,
-                     role: str, resolution: int, steps: int, guidance_scale: float | None, seed: int,
-                     **pipeline_kwargs: Any) -> dict[str, Any]:
-    """One validation on all ranks in lockstep: ``make_pipe()`` generates ``prompts`` with ``role``; rank 0 saves
-    ``grid(images)`` at ``file`` with its index.jsonl entry and logs it to ``metrics``. Returns the entry."""
-    t0 = time.perf_counter()
-    pipe = make_pipe()
-    images = run_validation(registry, pipe, trained, prompts, resolution=resolution, steps=steps,
-                            guidance_scale=guidance_scale, seed=seed, **pipeline_kwargs)
-    del pipe
-    entry = {"step": step, "tag": tag, "file": file, "role": role, "prompts": list(prompts),
-             "seconds": time.perf_counter() - t0}
-    if registry.is_main:
-        image = grid(images)
-        save_validation(file, entry, image)
-        # One tag for every validation, so TensorBoard's step slider walks through before/step_N/after.
-        metrics.log_image(step, "validation/grid", image)
-        logger.info("validation grid (%s, step %d, %s): %s", tag, step, role, file)
-    metrics.log(step, {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
-    return entry
 
 
 def save_validation(path: str, entry: Mapping[str, Any], grid: Any) -> None:

@@ -1,10 +1,5 @@
-"""Build a tiny, randomly initialised Stable-Diffusion-style pipeline entirely offline.
-
-Tests and CPU smoke runs need a complete diffusers folder (``model_index.json``, ``unet/``,
-``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``) that ``from_pretrained`` loads like a
-hub checkpoint, without any download. The tokenizer is a real CLIP-format byte-level BPE
-(``vocab.json`` + ``merges.txt``) trained here on the shapes-dataset captions.
-"""
+"""Tiny, randomly initialised diffusers folders of every family (SD, SDXL, SD3, FLUX) built offline, with real
+tokenizers trained on the shapes captions, and the pre-training of a tiny vae so generations decode to images."""
 
 from __future__ import annotations
 
@@ -23,32 +18,15 @@ from .data import shapes_captions
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "TINY_SD_SUBFOLDERS",
-    "build_clip_tokenizer",
-    "build_tiny_clip_text_encoder",
-    "build_tiny_sd",
-    "pretrain_tiny_vae",
-    "vae_pretrain_images",
-    # other families
-    "T5_SPECIAL_TOKENS",
-    "build_t5_tokenizer",
-    "build_tiny",
-    "build_tiny_flux",
-    "build_tiny_sd3",
-    "build_tiny_sdxl",
-    "build_tiny_t5_encoder",
-    "build_tiny_vae",
-]
+__all__ = ["T5_SPECIAL_TOKENS", "build_clip_tokenizer", "build_t5_tokenizer", "build_tiny",
+           "build_tiny_clip_text_encoder", "build_tiny_flux", "build_tiny_sd", "build_tiny_sd3", "build_tiny_sdxl",
+           "build_tiny_t5_encoder", "build_tiny_vae", "pretrain_tiny_vae", "vae_pretrain_images"]
 
-TINY_SD_SUBFOLDERS: tuple[str, ...] = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
-# CLIP's pre-tokenizer regex (as in transformers' CLIPTokenizer): special tokens, contractions,
-# letter runs, single digits, punctuation runs.
-_CLIP_SPLIT = (
-    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
-)
+# CLIP's pre-tokenizer regex (as in transformers' CLIPTokenizer): special tokens, contractions, letter runs, digits,
+# punctuation runs.
+_CLIP_SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -65,25 +43,10 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for c in cs]
 
 
-def build_clip_tokenizer(
-    out_dir: str, texts: Iterable[str] | None = None, max_merges: int = 400, model_max_length: int = 77
-) -> str:
-    """Train a CLIP-format BPE on ``texts`` and save a loadable ``CLIPTokenizer`` in ``out_dir``.
-
-    The vocabulary is laid out like OpenAI CLIP's: the 256 byte symbols, the same 256 with the
-    ``</w>`` end-of-word suffix, one entry per learned merge, then ``<|startoftext|>`` and
-    ``<|endoftext|>`` last. Having every byte (with and without ``</w>``) means any caption, even
-    with words never seen in ``texts``, tokenizes to ids ``< vocab size`` instead of ``unk``.
-
-    Args:
-        out_dir: folder to write (``vocab.json``, ``merges.txt`` and transformers' tokenizer files).
-        texts: training text; defaults to every shapes-dataset caption.
-        max_merges: cap on learned merges (the vocabulary is ``512 + merges + 2``).
-        model_max_length: padded length used by pipelines (77 like CLIP).
-
-    Returns:
-        ``out_dir``.
-    """
+def build_clip_tokenizer(out_dir: str, texts: Iterable[str] | None = None, max_merges: int = 400,
+                         model_max_length: int = 77) -> str:
+    """A CLIP-format BPE trained on ``texts`` (default: the shapes captions) saved as a ``CLIPTokenizer``, its
+    vocabulary laid out like OpenAI CLIP's so any caption tokenizes below the vocabulary size."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
@@ -91,23 +54,14 @@ def build_clip_tokenizer(
     alphabet = _bytes_to_unicode()
     # Same normalizer/pre-tokenizer/suffix as CLIPTokenizer so learned merges are ones it will apply.
     bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", continuing_subword_prefix=""))
-    bpe.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
-    )
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) * 2 + max_merges,
-        min_frequency=1,
-        initial_alphabet=alphabet,
-        end_of_word_suffix="</w>",
-        show_progress=False,
-        special_tokens=[],
-    )
+    bpe.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                           normalizers.Lowercase()])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed",
+                                                                      invert=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) * 2 + max_merges, min_frequency=1,
+                                  initial_alphabet=alphabet, end_of_word_suffix="</w>", show_progress=False,
+                                  special_tokens=[])
     bpe.train_from_iterator(texts, trainer=trainer)
     merges = json.loads(bpe.to_str())["model"]["merges"][:max_merges]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
@@ -134,34 +88,13 @@ def build_clip_tokenizer(
     return out_dir
 
 
-def build_tiny_clip_text_encoder(
-    out_dir: str | None,
-    hidden_size: int = 32,
-    seed: int = 0,
-    vocab_size: int | None = None,
-    with_projection: bool = False,
-    num_hidden_layers: int = 2,
-    max_position_embeddings: int = 77,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-):
-    """A randomly initialised 2-layer ``CLIPTextModel`` (or ``CLIPTextModelWithProjection``).
-
-    ``vocab_size`` and the special-token ids must match the tokenizer: CLIP pools the text
-    embedding at the first ``eos_token_id`` in ``input_ids``, so a wrong id silently pools the
-    wrong position. When ``out_dir`` has a tokenizer (``vocab.json``) and they are not given,
-    they are read from it; otherwise the layout of :func:`build_clip_tokenizer` is assumed.
-    ``with_projection=True`` gives the SDXL ``text_encoder_2`` class.
-
-    Args:
-        out_dir: where to ``save_pretrained`` (``None``: only build).
-        hidden_size: width (also the projection size); heads = ``hidden_size // 8`` at least 1.
-        seed: init seed (the global RNG is left untouched).
-
-    Returns:
-        the model (on CPU, float32, eval mode).
-    """
+def build_tiny_clip_text_encoder(out_dir: str | None, hidden_size: int = 32, seed: int = 0,
+                                 vocab_size: int | None = None, with_projection: bool = False,
+                                 num_hidden_layers: int = 2, max_position_embeddings: int = 77,
+                                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                                 pad_token_id: int | None = None):
+    """A random 2-layer ``CLIPTextModel`` (``with_projection``: SDXL's ``text_encoder_2`` class), float32, eval
+    mode, saved in ``out_dir`` if given; vocabulary and special ids from ``out_dir``'s tokenizer unless given."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     ids: dict[str, int] = {}
@@ -178,19 +111,11 @@ def build_tiny_clip_text_encoder(
     eos = eos_token_id if eos_token_id is not None else ids.get("eos", vocab_size - 1)
     pad = pad_token_id if pad_token_id is not None else eos  # CLIPTokenizer pads with <|endoftext|>
 
-    config = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        projection_dim=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=max(1, hidden_size // 8),
-        max_position_embeddings=max_position_embeddings,
-        hidden_act="quick_gelu",
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
+    config = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                            projection_dim=hidden_size, num_hidden_layers=num_hidden_layers,
+                            num_attention_heads=max(1, hidden_size // 8),
+                            max_position_embeddings=max_position_embeddings,
+                            hidden_act="quick_gelu", bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -201,136 +126,39 @@ def build_tiny_clip_text_encoder(
     return model
 
 
-def _is_complete(out_dir: str) -> bool:
-    index = os.path.join(out_dir, "model_index.json")
-    if not os.path.isfile(index):
-        return False
-    for sub in TINY_SD_SUBFOLDERS:
-        folder = os.path.join(out_dir, sub)
-        if not os.path.isdir(folder) or not os.listdir(folder):
-            return False
-    return all(
-        any(name.endswith((".safetensors", ".bin")) for name in os.listdir(os.path.join(out_dir, sub)))
-        for sub in ("unet", "vae", "text_encoder")
-    )
-
-
 def build_tiny_sd(out_dir: str, seed: int = 0, resolution: int = 32, prediction_type: str = "epsilon") -> str:
-    """Write a tiny random Stable Diffusion folder that ``StableDiffusionPipeline.from_pretrained`` loads.
+    """A tiny SD folder (under 2M parameters) that ``StableDiffusionPipeline.from_pretrained`` loads: unet 32/64,
+    the tiny vae, a 2-layer CLIP text encoder, DDPM with SD's betas. Idempotent and atomic."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
-    Components: ``UNet2DConditionModel`` (channels 32/64, 1 layer per block, cross-attention dim
-    32), ``AutoencoderKL`` (channels 32/64 -> 2x downsampling, 4 latent channels), 2-layer
-    ``CLIPTextModel`` (hidden 32), a CLIP BPE tokenizer trained on the shapes captions, and a
-    ``DDPMScheduler`` with SD's scaled-linear betas. No safety checker. Under 2M parameters.
-
-    Idempotent: a complete existing folder is returned untouched. The folder is built in a
-    temporary sibling and renamed into place, so concurrent callers (several ranks) never see a
-    half-written pipeline.
-
-    Args:
-        out_dir: destination folder.
-        seed: initialisation seed (global RNG state is preserved).
-        resolution: pixel size the UNet's ``sample_size`` is set for (latents are ``resolution // 2``).
-        prediction_type: scheduler prediction type (``epsilon``, ``v_prediction``, ``sample``).
-
-    Returns:
-        ``out_dir``.
-    """
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTokenizer
-
-    if _is_complete(out_dir):
-        logger.info("tiny SD pipeline already complete at %s", out_dir)
+    if _folder_complete(out_dir):
         return out_dir
     if resolution % 2:
-        raise ValueError(
-            f"resolution must be even (2x VAE downsampling, 2x UNet downsampling), got {resolution}"
-        )
-
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny_sd_", dir=parent)
-    try:
-        tok_dir = os.path.join(tmp, "tokenizer")
-        build_clip_tokenizer(tok_dir)
-        tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
-        text_encoder = build_tiny_clip_text_encoder(
-            None,
-            hidden_size=32,
-            seed=seed,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=tokenizer.model_max_length,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        raise ValueError(f"resolution must be even (2x VAE downsampling, 2x UNet downsampling), got {resolution}")
+    with tempfile.TemporaryDirectory() as work:
+        tokenizer, (text_encoder,) = _clip_tokenizer_and_encoders(work, seed, (False,))
+        vae = build_tiny_vae(seed + 1, resolution)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + 1)
-            vae = AutoencoderKL(
-                in_channels=3,
-                out_channels=3,
-                down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-                block_out_channels=(32, 64),
-                layers_per_block=1,
-                latent_channels=4,
-                norm_num_groups=8,
-                sample_size=resolution,
-            )
             torch.manual_seed(seed + 2)
             unet = UNet2DConditionModel(
-                sample_size=resolution // 2,
-                in_channels=4,
-                out_channels=4,
-                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                block_out_channels=(32, 64),
-                layers_per_block=1,
-                cross_attention_dim=32,
-                attention_head_dim=8,
-                norm_num_groups=8,
-            )
-        # SD v1 schedule; clip_sample=False because latents are not bounded to [-1, 1]; steps_offset=1
-        # as in SD's own config (diffusers warns on 0).
-        scheduler = DDPMScheduler(
-            num_train_timesteps=1000,
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            clip_sample=False,
-            steps_offset=1,
-            prediction_type=prediction_type,
-        )
-        pipe = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            unet=unet,
-            scheduler=scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the folder private to this user
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            # out_dir exists: either another process finished first, or it is an empty/partial folder.
-            if _is_complete(out_dir):
-                logger.info("another process completed %s first", out_dir)
-                return out_dir
-            # model_index.json last: it is what marks the folder complete.
-            for name in sorted(os.listdir(tmp), key=lambda x: x == "model_index.json"):
-                dst = os.path.join(out_dir, name)
-                if os.path.isdir(dst):
-                    shutil.rmtree(dst)
-                os.replace(os.path.join(tmp, name), dst)
-        logger.info("built tiny SD pipeline at %s", out_dir)
-        return out_dir
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+                sample_size=resolution // 2, in_channels=4, out_channels=4,
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D",
+                                                                                          "CrossAttnUpBlock2D"),
+                block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32, attention_head_dim=8,
+                norm_num_groups=8)
+        # SD v1 schedule; clip_sample=False because latents are not bounded to [-1, 1]; steps_offset=1 as in SD's
+        # own config (diffusers warns on 0).
+        scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                  beta_schedule="scaled_linear", clip_sample=False, steps_offset=1,
+                                  prediction_type=prediction_type)
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+        # the BPE files as CLIP ships them (and slow tokenizers read) beside transformers' tokenizer.json
+        _save_pipeline_atomically(pipe, out_dir, {f"tokenizer/{f}": os.path.join(work, "clip_tokenizer", f)
+                                                  for f in ("vocab.json", "merges.txt")})
+    logger.info("built tiny SD pipeline at %s", out_dir)
+    return out_dir
 
 
 def _image_files(folder: str) -> list[str]:
@@ -338,11 +166,8 @@ def _image_files(folder: str) -> list[str]:
 
 
 def vae_pretrain_images(images: str | Sequence[Any], resolution: int) -> torch.Tensor:
-    """The images the tiny vae pre-train sees: ``[N, 3, resolution, resolution]`` float32 in ``[-1, 1]``,
-    each resized (shorter side) and center-cropped like the fine-tune's evaluation images.
-
-    ``images`` is a folder (its ``.png`` / ``.jpg`` / ``.jpeg`` / ``.webp`` files, sorted by name) or a sequence
-    of PIL images (a training set's image column)."""
+    """The tiny vae pre-train's images ``[N, 3, res, res]`` in ``[-1, 1]`` (resized, center-cropped): a folder's
+    image files (sorted) or a sequence of PIL images."""
     from PIL import Image
 
     from .data import ImageTransform
@@ -373,41 +198,13 @@ def _weights_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def pretrain_tiny_vae(
-    model_dir: str,
-    images: str | Sequence[Any],
-    steps: int = 300,
-    batch_size: int = 16,
-    lr: float = 2e-3,
-    seed: int = 0,
-    kl_weight: float = 1e-6,
-    progress: bool = True,
-    resolution: int = 32,
-    device: str | torch.device = "cpu",
-) -> dict[str, Any]:
-    """Train the random tiny VAE of ``model_dir`` as an autoencoder on ``images`` at ``resolution`` px, so that
-    generations of a fine-tuned tiny SD decode to recognisable images instead of noise.
-
-    Loss ``MSE(decode(sample), x) + kl_weight * KL`` (AdamW, ``lr``), then ``scaling_factor`` is set to
-    ``1 / std(latents)`` over the images (how SD's 0.18215 was chosen), and for a vae with a ``shift_factor``
-    (SD3 / FLUX style) that to the latents' mean, and the vae is saved in place (written beside and renamed).
-
-    Collective when a process group exists: every rank must call it with the same arguments. Each step draws
-    one batch of ``batch_size`` images (and its latent noise) from a generator seeded ``seed``; rank ``r``
-    encodes and decodes rows ``r, r + W, ...`` of it and the gradients are summed over the ranks, so each
-    rank does 1/W of the work and all ranks take the same optimizer step (up to the order of the float
-    sums, the result does not depend on W). Rank 0 saves; the caller waits for it (a barrier) before
-    loading the vae. The global RNG is left untouched. A progress bar with the estimated time left is shown
-    on rank 0 (``progress``). Idempotent: a vae already trained with the same ``steps``, ``seed``,
-    ``resolution`` and number of images (``vae/pretrained.json``) is left as is.
-
-    ``images``: see :func:`vae_pretrain_images`.
-
-    Returns:
-        ``{"mse": last batch's reconstruction MSE, "scaling_factor", "shift_factor", "steps", "seed",
-        "resolution", "images", "world_size", "seconds" (the slowest rank's), "rank_digests": per-rank hash
-        of the trained weights}`` (the same on every rank).
-    """
+def pretrain_tiny_vae(model_dir: str, images: str | Sequence[Any], steps: int = 300, batch_size: int = 16,
+                      lr: float = 2e-3, seed: int = 0, kl_weight: float = 1e-6, progress: bool = True,
+                      resolution: int = 32, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Train the random tiny vae of ``model_dir`` as an autoencoder (MSE + ``kl_weight`` KL), then set
+    ``scaling_factor = 1 / std(latents)`` (and ``shift_factor`` = their mean where the vae has one); saved in place
+    by rank 0. Collective: every rank takes the same step on its rows of one seeded batch. Idempotent
+    (``vae/pretrained.json``); returns the same figures (mse, factors, seconds, rank digests...) on every rank."""
     import time
 
     import torch.distributed as dist
@@ -506,28 +303,13 @@ def pretrain_tiny_vae(
     return result
 
 
-# ---------------------------------------------------------------------------------------------
-# Tiny folders of the other families: SDXL, SD3 (CLIP-L + CLIP-G + T5, SD3Transformer2DModel) and
-# FLUX (CLIP-L + T5, FluxTransformer2DModel), and build_tiny(family, ...) for all four.
-# ---------------------------------------------------------------------------------------------
-
+# --- the other families: SDXL, SD3 (CLIP-L + CLIP-G + T5) and FLUX (CLIP-L + T5) ------------------------------
 T5_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5's vocabulary
 
 
 def build_t5_tokenizer(out_dir: str, texts: Iterable[str] | None = None, model_max_length: int = 512) -> str:
-    """A T5 tokenizer (``tokenizer.json``, loads with ``T5TokenizerFast.from_pretrained``) whose Unigram
-    vocabulary has every whitespace-separated word of ``texts`` (default: the shapes captions) as one
-    ``▁word`` piece, scored by its log frequency, plus ``▁`` and the printable ASCII characters as low-scored
-    fall-back pieces: caption words are single tokens, other text splits into characters (``<unk>`` only
-    for characters outside ASCII). Ids: ``<pad>`` 0, ``</s>`` 1 (appended to every sequence), ``<unk>`` 2;
-    no sentinel tokens.
-
-    The vocabulary is written out rather than trained: the tokenizers Unigram trainer keeps only
-    characters and short fragments on a corpus this small.
-
-    Returns:
-        ``out_dir``.
-    """
+    """A ``T5TokenizerFast`` whose Unigram vocabulary has every word of ``texts`` as one piece plus ASCII fall-backs
+    (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2); written out: the trainer keeps only characters on so small a corpus."""
     import collections
     import math
     import string
@@ -553,9 +335,8 @@ def build_t5_tokenizer(out_dir: str, texts: Iterable[str] | None = None, model_m
 
 def build_tiny_t5_encoder(out_dir: str | None, vocab_size: int, d_model: int = 64, seed: int = 0,
                           num_layers: int = 2, num_heads: int = 4):
-    """A randomly initialised ``T5EncoderModel`` (``d_model`` wide, ``d_kv = d_model / num_heads``), the
-    class of SD3's ``text_encoder_3`` and FLUX's ``text_encoder_2``; ``vocab_size`` must match the
-    tokenizer. Saved with ``save_pretrained`` when ``out_dir`` is given; the global RNG is left untouched."""
+    """A random ``T5EncoderModel`` (SD3's ``text_encoder_3``, FLUX's ``text_encoder_2``), saved in ``out_dir`` if
+    given; ``vocab_size`` must match the tokenizer."""
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
@@ -574,10 +355,8 @@ def build_tiny_t5_encoder(out_dir: str | None, vocab_size: int, d_model: int = 6
 
 
 def build_tiny_vae(seed: int = 0, resolution: int = 32, latent_channels: int = 4, flow: bool = False):
-    """The tiny ``AutoencoderKL`` (channels 32/64 -> 2x downsampling). ``latent_channels=4`` with SD's
-    quant convs and scaling factor (the vae of :func:`build_tiny_sd`); ``flow=True`` is shaped like SD3's
-    and FLUX's vae: no quant convs and an explicit ``shift_factor`` (0 here, ``scaling_factor`` 1 until
-    :func:`pretrain_tiny_vae` measures it)."""
+    """The tiny ``AutoencoderKL`` (32/64 channels, 2x downsampling): SD's with ``latent_channels=4``; ``flow=True``
+    like SD3/FLUX's (no quant convs, ``shift_factor``; scale 1 until :func:`pretrain_tiny_vae` measures it)."""
     from diffusers import AutoencoderKL
 
     extra = {"use_quant_conv": False, "use_post_quant_conv": False, "shift_factor": 0.0,
@@ -603,14 +382,16 @@ def _folder_complete(out_dir: str) -> bool:
     return all(os.path.isdir(os.path.join(out_dir, c)) and os.listdir(os.path.join(out_dir, c)) for c in components)
 
 
-def _save_pipeline_atomically(pipe, out_dir: str) -> str:
-    """``pipe.save_pretrained`` into a temporary sibling, renamed into place: concurrent callers (several
-    ranks) never see a half-written folder, and a folder another caller completed first is kept."""
+def _save_pipeline_atomically(pipe, out_dir: str, extra: dict[str, str] | None = None) -> str:
+    """``pipe.save_pretrained`` (plus ``extra`` files) into a temporary sibling renamed into place; a folder another
+    caller completed first is kept."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny_", dir=parent)
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
+        for name, source in (extra or {}).items():
+            shutil.copyfile(source, os.path.join(tmp, name))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the folder private to this user
         try:
             os.rename(tmp, out_dir)
@@ -656,11 +437,8 @@ def _check_resolution(resolution: int, multiple: int, family: str) -> None:
 
 
 def build_tiny_sdxl(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
-    """A tiny SDXL folder that ``StableDiffusionXLPipeline.from_pretrained`` loads: the tiny vae (4 latent
-    channels), ``text_encoder`` (CLIP, hidden 32) and ``text_encoder_2`` (CLIP with projection, hidden 32)
-    sharing one CLIP tokenizer (saved as ``tokenizer`` and ``tokenizer_2``), a unet with cross-attention
-    width 32 + 32 and ``addition_embed_type="text_time"`` (six size/crop ids x 8 + the pooled 32), DDPM.
-    Idempotent and atomic like :func:`build_tiny_sd`."""
+    """A tiny SDXL folder: the tiny vae, two CLIP text encoders (hidden 32) sharing one tokenizer, a unet with
+    cross-attention 32 + 32 and ``text_time`` embeddings, DDPM. Idempotent and atomic."""
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTokenizer
 
@@ -695,15 +473,8 @@ def build_tiny_sdxl(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
 
 
 def build_tiny_sd3(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
-    """A tiny SD3 folder that ``StableDiffusion3Pipeline.from_pretrained`` loads.
-
-    ``text_encoder`` / ``text_encoder_2``: CLIP with projection (hidden 32 each; SD3's CLIP-L / CLIP-G),
-    sharing one CLIP tokenizer (``tokenizer``, ``tokenizer_2``); ``text_encoder_3``: T5 encoder (d_model 64)
-    with a Unigram T5 tokenizer (``tokenizer_3``); vae with 16 latent channels (2x downsampling);
-    ``SD3Transformer2DModel`` (patch 2, 2 layers, 4 heads x 8, ``joint_attention_dim`` 64 = the T5 width >=
-    the CLIP widths 32 + 32, ``pooled_projection_dim`` 64 = the two pooled projections); scheduler
-    ``FlowMatchEulerDiscreteScheduler(shift=3.0)`` like SD3's. Idempotent and atomic.
-    """
+    """A tiny SD3 folder: two CLIP encoders with projection (32 each) sharing one tokenizer, a T5 encoder (64), a
+    16-channel vae, ``SD3Transformer2DModel`` (2 layers, 4 heads x 8, joint width 64), FlowMatchEuler(shift=3)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     if _folder_complete(out_dir):
@@ -730,14 +501,8 @@ def build_tiny_sd3(out_dir: str, seed: int = 0, resolution: int = 32) -> str:
 
 
 def build_tiny_flux(out_dir: str, seed: int = 0, resolution: int = 32, guidance_embeds: bool = True) -> str:
-    """A tiny FLUX folder that ``FluxPipeline.from_pretrained`` loads.
-
-    ``text_encoder``: CLIP without projection (hidden 32, its pooled output conditions the transformer) with a
-    CLIP tokenizer; ``text_encoder_2``: T5 encoder (d_model 64) with a T5 tokenizer (``tokenizer_2``); vae
-    with 16 latent channels; ``FluxTransformer2DModel`` (``in_channels`` 64 = 16 x the 2x2 packing, 1 double
-    + 1 single block, 2 heads x 16 with rotary axes 4 + 6 + 6, ``guidance_embeds`` as FLUX.1-dev);
-    scheduler as FLUX.1-dev's (``shift=3``, dynamic shifting 0.5 -> 1.15). Idempotent and atomic.
-    """
+    """A tiny FLUX folder: CLIP (32) and T5 (64) encoders, a 16-channel vae, ``FluxTransformer2DModel`` (1 double + 1
+    single block, 2 heads x 16, guidance embeds), FLUX.1-dev's scheduler. Idempotent and atomic."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     if _folder_complete(out_dir):

@@ -1,34 +1,18 @@
-"""The training steps of diffusers' scripts, on registry engines: one objective per kind of model.
-
-* :class:`DiffusionObjective` - ``train_text_to_image.py`` / ``train_text_to_image_sdxl.py`` (unet, DDPM):
-  images -> latents through the ``vae`` engine, captions -> embeddings through the text-encoder engine(s),
-  noise (optional offset / input perturbation), random timesteps, the target for the prediction type, MSE
-  with optional min-SNR-gamma weights.
-* :class:`ControlNetObjective` - ``train_controlnet.py``: the same with a trainable ``controlnet`` whose
-  residuals go into a frozen ``unet``; the loss reaches the controlnet through the frozen unet.
-* :class:`FlowMatchingObjective` - ``train_dreambooth_sd3.py`` / ``train_dreambooth_flux.py`` (transformer,
-  rectified flow): timesteps from a density over the FlowMatchEuler table, ``(1 - sigma) x0 + sigma noise``,
-  velocity target, the SD3 loss weightings; three text encoders (SD3) or two with packed latents,
-  position ids and a guidance input (FLUX).
-
-Backward and step go through the trainable role's engine (it owns accumulation, clipping, the lr
-schedule and mixed precision).
-
-All randomness of a step comes from an explicit CPU ``torch.Generator`` that the caller seeds from
-(seed, step, rank): the same batch and seed give the same loss whatever the ZeRO stage of each role,
-and a resumed run draws exactly what the uninterrupted one would have.
-"""
+"""The training steps of diffusers' scripts on registry engines and their settings (the ``diffusion`` section):
+DDPM (train_text_to_image), ControlNet (train_controlnet) and flow matching (train_dreambooth_sd3 / _flux). All of
+a step's randomness comes from a CPU generator seeded from (seed, step, rank): the same loss at any ZeRO stage and
+after a resume."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.settings import Choice, Range, Settings, setting
 
 from . import flow
 from .families import family_roles
@@ -44,32 +28,60 @@ from .math import (
 )
 from .models import call_engine
 
-logger = logging.getLogger(__name__)
+__all__ = ["FLOW_FAMILY_DEFAULTS", "ControlNetObjective", "DDPMSettings", "DiffusionObjective", "DiffusionSettings",
+           "FlowMatchingObjective", "StepOutput", "differentiable_forward", "family_objective", "heldout_loss",
+           "prompt_input_ids", "step_generator"]
 
-__all__ = [
-    "ControlNetObjective",
-    "DiffusionObjective",
-    "FlowMatchingObjective",
-    "StepOutput",
-    "differentiable_forward",
-    "family_objective",
-    "flow_heldout_loss",
-    "heldout_loss",
-    "heldout_value",
-    "prompt_input_ids",
-    "step_generator",
-]
+# The flow-matching options' defaults per family, as diffusers' SD3 / FLUX training scripts set them.
+FLOW_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3": {"weighting_scheme": "logit_normal", "precondition_outputs": True, "max_sequence_length": 77},
+    "flux": {"weighting_scheme": "none", "precondition_outputs": False, "max_sequence_length": 512},
+}
+
+
+@dataclass(frozen=True)
+class DDPMSettings(Settings):
+    """The DDPM objective of the unet families (SD, SDXL), as diffusers' scripts' options."""
+
+    adam_epsilon: float = setting(1e-8, "AdamW epsilon of the trained role (diffusers' scripts' --adam_epsilon)",
+                                  Range(0, min_exclusive=True))
+    prediction_type: str = setting("", "SD/SDXL: \"\" = the scheduler's; epsilon | v_prediction | sample",
+                                   Choice("", *PREDICTION_TYPES))
+    snr_gamma: float = setting(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)", Range(0))
+    noise_offset: float = setting(0.0, "SD/SDXL: offset-noise scale", Range(0))
+    input_perturbation: float = setting(0.0, "SD/SDXL: input-perturbation scale", Range(0))
+
+
+@dataclass(frozen=True)
+class DiffusionSettings(DDPMSettings):
+    """DDPM (SD, SDXL) or rectified flow matching (SD3, FLUX); "" / null / 0 take the family's value."""
+
+    weighting_scheme: str = setting("", "SD3/FLUX: \"\" = the family's (SD3 logit_normal, FLUX none); or uniform, "
+                                        "mode, cosmap, ...", Choice("", *flow.SCHEMES))
+    logit_mean: float = setting(0.0, "SD3/FLUX logit_normal density: mean")
+    logit_std: float = setting(1.0, "SD3/FLUX logit_normal density: standard deviation", Range(0, min_exclusive=True))
+    mode_scale: float = setting(1.29, "SD3/FLUX mode density: scale", Range(0))
+    precondition_outputs: bool | None = setting(None, "SD3/FLUX: null = the family's (SD3 true, FLUX false): x0 loss "
+                                                      "of noisy - sigma * pred")
+    guidance_scale: float = setting(3.5, "FLUX with a guidance embedding: the guidance input during training")
+    max_sequence_length: int = setting(0, "SD3/FLUX: T5 tokens per caption; 0 = the family's (SD3 77, FLUX 512)",
+                                       Range(0))
+
+    DDPM = ("prediction_type", "snr_gamma", "noise_offset", "input_perturbation")
+    FLOW = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs", "guidance_scale",
+            "max_sequence_length")
+
+    def flow_option(self, family: str, name: str) -> Any:
+        """A flow option with "" / None resolved to the family's."""
+        value = getattr(self, name)
+        return FLOW_FAMILY_DEFAULTS[family][name] if value is None or (type(value) in (str, int) and not value) \
+            else value
 
 
 def step_generator(seed: int, step: int, micro_step: int, rank: int) -> torch.Generator:
     """The CPU generator for one micro batch: determined by (seed, step, micro_step, rank) only."""
     digest = hashlib.sha256(f"diffusion:{seed}:{step}:{micro_step}:{rank}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-
-
-def _randn(shape: Sequence[int], generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
-    # Drawn on the CPU and moved: the same numbers on any device, so runs compare across hardware.
-    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32).to(like.device)
 
 
 @dataclass
@@ -82,29 +94,10 @@ class StepOutput:
     sigmas: torch.Tensor | None = None  # [B], flow matching only
 
 
-@torch.no_grad()
-def _vae_latents(registry: EngineRegistry, vae_role: str, pixel_values: torch.Tensor,
-                 generator: torch.Generator) -> torch.Tensor:
-    """``[B, 3, H, W]`` in [-1, 1] -> float32 latents ``[B, C, H/f, W/f]``, sampled from the vae's posterior
-    with ``generator`` (one ``randn`` of the latent shape) and normalised: ``(z - shift_factor) * scaling_factor``."""
-    vae = registry.role(vae_role)
-    config = vae.module.config
-    posterior = call_engine(vae.engine, "encode", pixel_values.to(registry.device, vae.dtype)).latent_dist
-    # DiagonalGaussianDistribution.sample(generator): the same draw for the same generator state.
-    z = posterior.mean + posterior.std * _randn(posterior.mean.shape, generator, posterior.mean).to(
-        posterior.mean.dtype)
-    shift = float(getattr(config, "shift_factor", None) or 0.0)
-    return (z.float() - shift) * float(config.scaling_factor)
-
-
 def prompt_input_ids(tokenizers: Sequence[Any], captions: Sequence[str],
                      max_lengths: Sequence[int | None] | None = None) -> dict[str, torch.Tensor]:
-    """Token ids per text encoder, as the pipelines tokenize prompts: padded to ``max_length`` (default each
-    tokenizer's ``model_max_length``; give T5 the pipeline's ``max_sequence_length``), truncated.
-
-    Returns:
-        ``{"input_ids": [B, L1], "input_ids_2": [B, L2], ...}`` in the order of ``tokenizers``.
-    """
+    """``{"input_ids": [B, L1], "input_ids_2": [B, L2], ...}``: each tokenizer's ids as the pipelines tokenize
+    prompts, padded to ``max_lengths`` (None: the tokenizer's ``model_max_length``; T5: max_sequence_length)."""
     if isinstance(captions, str):
         raise TypeError("captions must be a sequence of strings, not a single string")
     max_lengths = list(max_lengths) if max_lengths is not None else [None] * len(tokenizers)
@@ -122,67 +115,56 @@ def _input_ids(batch: Mapping[str, Any], count: int) -> list[torch.Tensor]:
     return [batch["input_ids"]] + [batch[f"input_ids_{i + 1}"] for i in range(1, count)]
 
 
-class DiffusionObjective:
-    """Latents, conditioning and loss for a registry holding ``unet``, ``vae`` and the text encoders.
+class _Objective:
+    """What both objectives share: the registry, the vae's latents, the text encoders, evenly spaced held-out
+    positions over ``num_train_timesteps``; ``trained_role`` predicts unless a loss names another (an ``ema``)."""
 
-    Args:
-        registry: built registry (see :func:`build_diffusion_registry`).
-        text_encoders: role names of the text encoders, in order (``["text_encoder"]`` for SD 1.x).
-        alphas_cumprod: ``[T]`` from the noise scheduler.
-        prediction_type: ``epsilon``, ``v_prediction`` or ``sample``.
-        snr_gamma: min-SNR-gamma weighting when > 0 (diffusers recommends 5.0).
-        noise_offset: offset-noise scale (0 = off).
-        input_perturbation: input-perturbation scale (0 = off).
-        resolution: training size, for SDXL's ``time_ids`` (target size).
-    """
+    num_train_timesteps: int
 
-    trained_role = "unet"  # the role loss() predicts with unless told otherwise
-
-    def __init__(
-        self,
-        registry: EngineRegistry,
-        text_encoders: Sequence[str],
-        alphas_cumprod: torch.Tensor,
-        prediction_type: str = "epsilon",
-        snr_gamma: float = 0.0,
-        noise_offset: float = 0.0,
-        input_perturbation: float = 0.0,
-        resolution: int = 512,
-    ) -> None:
-        if prediction_type not in PREDICTION_TYPES:
-            raise ValueError(f"prediction_type={prediction_type!r}; use one of {list(PREDICTION_TYPES)}.")
-        self.registry = registry
+    def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], role: str) -> None:
+        self.registry, self.device, self.trained_role = registry, registry.device, role
         self.text_encoders = list(text_encoders)
-        self.alphas_cumprod = alphas_cumprod.float()
-        self.num_train_timesteps = int(alphas_cumprod.shape[0])
-        self.prediction_type = prediction_type
-        self.snr_gamma = snr_gamma
-        self.noise_offset = noise_offset
-        self.input_perturbation = input_perturbation
-        self.resolution = resolution
-        self.device = registry.device
-        vae_config = registry.role("vae").module.config
-        self.scaling_factor = float(vae_config.scaling_factor)
-        self.shift_factor = float(getattr(vae_config, "shift_factor", None) or 0.0)
-        unet_config = registry.role("unet").module.config
-        # SDXL-style unets take the pooled text embedding and size/crop ids as extra conditions.
-        self.text_time = getattr(unet_config, "addition_embed_type", None) == "text_time"
 
-    # --- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
     def latents(self, pixel_values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """``[B, 3, H, W]`` in [-1, 1] -> float32 latents ``[B, C, H/f, W/f]``, sampled from the vae's
-        posterior with ``generator`` and scaled (``(z - shift) * scaling_factor``)."""
-        return _vae_latents(self.registry, "vae", pixel_values, generator)
+        """``[B, 3, H, W]`` in [-1, 1] -> float32 latents ``[B, C, H/f, W/f]``: one draw of the vae's posterior
+        (DiagonalGaussianDistribution.sample(generator)), normalised ``(z - shift_factor) * scaling_factor``."""
+        vae = self.registry.role("vae")
+        posterior = call_engine(vae.engine, "encode", pixel_values.to(self.device, vae.dtype)).latent_dist
+        draw = torch.randn(tuple(posterior.mean.shape), generator=generator, dtype=torch.float32)
+        z = posterior.mean + posterior.std * draw.to(posterior.mean.device).to(posterior.mean.dtype)
+        config = vae.module.config
+        return (z.float() - float(getattr(config, "shift_factor", None) or 0.0)) * float(config.scaling_factor)
+
+    def heldout_points(self, count: int) -> list[int]:
+        """``count`` evenly spaced positions (cell centres of ``[0, T)``) for the held-out loss."""
+        return [int((i + 0.5) * self.num_train_timesteps / count) for i in range(count)]
+
+
+class DiffusionObjective(_Objective):
+    """Latents, conditioning and loss for a registry holding a unet (``role``), ``vae`` and text encoders, on the
+    folder's DDPM ``scheduler``; ``resolution``: SDXL's target size."""
+
+    def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], scheduler: Any,
+                 settings: DDPMSettings | None = None, resolution: int = 512, role: str = "unet") -> None:
+        super().__init__(registry, text_encoders, role)
+        s = settings or DDPMSettings()
+        self.alphas_cumprod = scheduler.alphas_cumprod.float()
+        self.num_train_timesteps = int(self.alphas_cumprod.shape[0])
+        self.prediction_type = s.prediction_type or str(scheduler.config.prediction_type)
+        self.snr_gamma, self.noise_offset, self.input_perturbation = s.snr_gamma, s.noise_offset, s.input_perturbation
+        self.resolution = resolution
+        # SDXL-style unets take the pooled text embedding and size/crop ids as extra conditions.
+        self.text_time = getattr(self.unet_config, "addition_embed_type", None) == "text_time"
+
+    @property
+    def unet_config(self) -> Any:
+        return self.registry.role(self.trained_role).module.config
 
     @torch.no_grad()
     def encode_prompts(self, input_ids: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids per text encoder (each ``[B, L]``) -> ``(hidden [B, L, sum D], pooled [B, P] | None)``.
-
-        One encoder (SD 1.x/2.x): its last hidden state, as diffusers' example. Several (SDXL): each
-        encoder's penultimate hidden state, concatenated on the feature axis, and the pooled projection
-        of the last one - what ``StableDiffusionXLPipeline.encode_prompt`` builds.
-        """
+        """Token ids per text encoder -> ``(hidden, pooled | None)``: SD's last hidden state, or SDXL's penultimate
+        states concatenated and the last one's pooled projection."""
         if len(input_ids) != len(self.text_encoders):
             raise ValueError(f"{len(input_ids)} id tensors for {len(self.text_encoders)} text encoders")
         if len(self.text_encoders) == 1:
@@ -197,7 +179,7 @@ class DiffusionObjective:
                 pooled = out[0] if out[0].ndim == 2 else None
         return torch.cat(hidden, dim=-1), None if pooled is None else pooled.float()
 
-    def time_ids(self, batch: dict[str, Any], batch_size: int) -> torch.Tensor:
+    def time_ids(self, batch: Mapping[str, Any], batch_size: int) -> torch.Tensor:
         """SDXL micro-conditioning ``[B, 6]``: original size, crop top-left, target size."""
         res = self.resolution
         original = batch.get("original_sizes", torch.tensor([[res, res]] * batch_size))
@@ -215,58 +197,26 @@ class DiffusionObjective:
                              "its last text encoder must have a projection (CLIPTextModelWithProjection).")
         return {"added_cond_kwargs": {"text_embeds": pooled.to(dtype), "time_ids": time_ids.to(dtype)}}
 
-    # --- the loss -----------------------------------------------------------------------------
-    def unet_forward(
-        self,
-        unet: Any,
-        noisy: torch.Tensor,
-        timesteps: torch.Tensor,
-        hidden: torch.Tensor,
-        pooled: torch.Tensor | None,
-        time_ids: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """``unet(noisy [B, C, h, w], timesteps [B], hidden [B, L, D])`` -> prediction ``[B, C, h, w]``;
-        inputs are cast to the unet's dtype (a bf16 engine does not cast them itself)."""
-        out = unet(noisy.to(dtype), timesteps.to(self.device), encoder_hidden_states=hidden.to(dtype),
-                   return_dict=False, **self.added_cond_kwargs(pooled, time_ids, dtype))
+    def unet_forward(self, unet: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: Any,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """``unet(noisy, timesteps, cond.hidden)`` (``cond``: hidden, pooled, time_ids) -> ``[B, C, h, w]``, the
+        inputs cast to the unet's dtype (a bf16 engine does not cast them itself)."""
+        out = unet(noisy.to(dtype), timesteps.to(self.device), encoder_hidden_states=cond.hidden.to(dtype),
+                   return_dict=False, **self.added_cond_kwargs(cond.pooled, cond.time_ids, dtype))
         return out[0]
 
-    def predict(self, role: str, noisy: torch.Tensor, timesteps: torch.Tensor, hidden: torch.Tensor,
-                pooled: torch.Tensor | None, time_ids: torch.Tensor | None, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The model's prediction for the noisy latents (``role``: the unet, or its ``ema``)."""
+    def predict(self, role: str, noisy: torch.Tensor, timesteps: torch.Tensor, cond: Any,
+                batch: Mapping[str, Any]) -> torch.Tensor:
         r = self.registry.role(role)
-        return self.unet_forward(r.engine, noisy, timesteps, hidden, pooled, time_ids, r.dtype)
+        return self.unet_forward(r.engine, noisy, timesteps, cond, r.dtype)
 
-    def heldout_points(self, count: int) -> list[int]:
-        """``count`` evenly spaced timesteps (cell centres of ``[0, T)``) for the held-out loss."""
-        return [int((i + 0.5) * self.num_train_timesteps / count) for i in range(count)]
-
-    def loss(
-        self,
-        batch: dict[str, Any],
-        generator: torch.Generator,
-        timesteps: torch.Tensor | None = None,
-        role: str | None = None,
-        weighted: bool = True,
-    ) -> StepOutput:
-        """The training loss of one micro batch.
-
-        Args:
-            batch: ``pixel_values [B, 3, H, W]``, ``input_ids [B, L]`` (and ``input_ids_2`` ... for
-                more text encoders), optionally ``original_sizes``/``crop_top_lefts`` ``[B, 2]``.
-            generator: CPU generator; draws, in order: posterior sample, noise, offset, perturbation,
-                timesteps (only when ``timesteps`` is not given).
-            timesteps: fixed ``[B]`` timesteps (held-out evaluation), else uniform random.
-            role: the role to predict with (default :attr:`trained_role`; ``ema`` to evaluate the EMA weights).
-            weighted: apply min-SNR weights (when ``snr_gamma > 0``).
-        """
-        pixel_values = batch["pixel_values"]
-        bsz = pixel_values.shape[0]
-        latents = self.latents(pixel_values, generator)
+    def loss(self, batch: Mapping[str, Any], generator: torch.Generator, timesteps: torch.Tensor | None = None,
+             role: str | None = None, weighted: bool = True) -> StepOutput:
+        """The training loss of one micro batch; ``generator`` draws posterior sample, noise, offset, perturbation,
+        timesteps (unless given); ``role`` predicts; ``weighted``: min-SNR weights when ``snr_gamma > 0``."""
+        bsz = batch["pixel_values"].shape[0]
+        latents = self.latents(batch["pixel_values"], generator)
         hidden, pooled = self.encode_prompts(_input_ids(batch, len(self.text_encoders)))
-
-        # Noise is built on the CPU from the generator, with math.py's pure functions, then moved.
         noise = torch.randn(tuple(latents.shape), generator=generator)
         noise = offset_noise(noise, self.noise_offset, generator=generator)
         model_noise = perturb_noise(noise, self.input_perturbation, generator=generator)
@@ -276,25 +226,39 @@ class DiffusionObjective:
         timesteps = timesteps.long().to(latents.device)
         noisy = add_noise(latents, model_noise, timesteps, self.alphas_cumprod)
         target = training_target(self.prediction_type, latents, noise, timesteps, self.alphas_cumprod)
-
-        time_ids = self.time_ids(batch, bsz) if self.text_time else None
-        pred = self.predict(role or self.trained_role, noisy, timesteps, hidden, pooled, time_ids, batch)
+        cond = Conditioning(hidden, pooled, self.time_ids(batch, bsz) if self.text_time else None)
+        pred = self.predict(role or self.trained_role, noisy, timesteps, cond, batch)
         weights = None
         if weighted and self.snr_gamma > 0:
-            snr = compute_snr(timesteps, self.alphas_cumprod)
-            weights = min_snr_weights(snr, self.snr_gamma, self.prediction_type)
+            weights = min_snr_weights(compute_snr(timesteps, self.alphas_cumprod), self.snr_gamma,
+                                      self.prediction_type)
         return StepOutput(loss=diffusion_loss(pred, target, weights), timesteps=timesteps.detach().cpu(),
                           latents_std=float(latents.std()))
 
 
-def differentiable_forward(registry: EngineRegistry, role: str, *args: Any, **kwargs: Any) -> Any:
-    """Call a frozen role's module with autograd on, so that a loss reaches trainable inputs through it
-    (the frozen unet between a trainable ControlNet and the loss). Its parameters get no gradients.
+@dataclass
+class Conditioning:
+    """Prompt embeddings ``hidden [B, L, D]``, ``pooled [B, P]`` (or None), SDXL's ``time_ids [B, 6]`` (or None)."""
 
-    A frozen engine's own forward runs under ``no_grad`` and would cut the graph; the module itself keeps
-    its ZeRO-3 hooks (every layer gathers its weights in the forward and again in the backward). All
-    ranks must make the same calls, and the backward must reach it on every rank.
-    """
+    hidden: torch.Tensor
+    pooled: torch.Tensor | None
+    time_ids: torch.Tensor | None = None
+
+    def cat(self, other: Conditioning) -> Conditioning:
+        def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else torch.cat([a, b])
+        return Conditioning(torch.cat([self.hidden, other.hidden]), join(self.pooled, other.pooled),
+                            join(self.time_ids, other.time_ids))
+
+    def repeat(self, n: int) -> Conditioning:
+        def rep(a: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else a.expand(n, *a.shape[1:])
+        return Conditioning(rep(self.hidden), rep(self.pooled), rep(self.time_ids))
+
+
+def differentiable_forward(registry: EngineRegistry, role: str, *args: Any, **kwargs: Any) -> Any:
+    """A frozen role's module called with autograd on (a frozen engine's forward runs under no_grad and would cut
+    the graph between a ControlNet and the loss); its parameters get no gradients."""
     r = registry.role(role)
     if r.trainable:
         raise ValueError(f"role '{role}' is trainable: call its engine, which owns its backward.")
@@ -303,115 +267,71 @@ def differentiable_forward(registry: EngineRegistry, role: str, *args: Any, **kw
 
 
 class ControlNetObjective(DiffusionObjective):
-    """diffusers' ``train_controlnet.py`` step: the trainable ``controlnet`` sees the noisy latents, the
-    timestep, the text embedding and the conditioning image, and its residuals are added inside the frozen
-    ``unet``, whose prediction gives the same loss as :class:`DiffusionObjective` (noise / v target, min-SNR).
+    """``train_controlnet.py``: the trainable ``controlnet``'s residuals (times ``conditioning_scale``) go into the
+    frozen ``unet_role``, whose prediction gives :class:`DiffusionObjective`'s loss."""
 
-    The batch adds ``conditioning_pixel_values [B, 3, H, W]`` in ``[0, 1]`` (no normalisation, as the
-    script's conditioning transform). Same arguments as :class:`DiffusionObjective`, plus
-    ``conditioning_scale`` (multiplies the residuals; 1 in training).
-    """
-
-    trained_role = "controlnet"
-
-    def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], alphas_cumprod: torch.Tensor,
-                 prediction_type: str = "epsilon", snr_gamma: float = 0.0, noise_offset: float = 0.0,
-                 input_perturbation: float = 0.0, resolution: int = 512, conditioning_scale: float = 1.0,
+    def __init__(self, registry: EngineRegistry, text_encoders: Sequence[str], scheduler: Any,
+                 settings: DDPMSettings | None = None, resolution: int = 512, conditioning_scale: float = 1.0,
                  unet_role: str = "unet") -> None:
-        super().__init__(registry, text_encoders, alphas_cumprod, prediction_type, snr_gamma, noise_offset,
-                         input_perturbation, resolution)
         if registry.role(unet_role).trainable:
             raise ValueError(f"role '{unet_role}' is trainable; the ControlNet objective expects a frozen unet.")
         self.unet_role = unet_role
+        super().__init__(registry, text_encoders, scheduler, settings, resolution, role="controlnet")
         self.conditioning_scale = float(conditioning_scale)
 
-    def predict(self, role: str, noisy: torch.Tensor, timesteps: torch.Tensor, hidden: torch.Tensor,
-                pooled: torch.Tensor | None, time_ids: torch.Tensor | None, batch: Mapping[str, Any]) -> torch.Tensor:
+    @property
+    def unet_config(self) -> Any:
+        return self.registry.role(self.unet_role).module.config
+
+    def predict(self, role: str, noisy: torch.Tensor, timesteps: torch.Tensor, cond: Any,
+                batch: Mapping[str, Any]) -> torch.Tensor:
         if "conditioning_pixel_values" not in batch:
             raise KeyError("the ControlNet objective needs batch['conditioning_pixel_values'] [B, 3, H, W] in [0, 1]")
         control = self.registry.role(role)
-        cond = batch["conditioning_pixel_values"].to(self.device, control.dtype)
+        image = batch["conditioning_pixel_values"].to(self.device, control.dtype)
         t = timesteps.to(self.device)
-        down, mid = control.engine(noisy.to(control.dtype), t, encoder_hidden_states=hidden.to(control.dtype),
-                                   controlnet_cond=cond, conditioning_scale=self.conditioning_scale,
-                                   return_dict=False, **self.added_cond_kwargs(pooled, time_ids, control.dtype))
-        unet = self.registry.role(self.unet_role)
-        dtype = unet.dtype
+        down, mid = control.engine(noisy.to(control.dtype), t, encoder_hidden_states=cond.hidden.to(control.dtype),
+                                   controlnet_cond=image, conditioning_scale=self.conditioning_scale,
+                                   return_dict=False, **self.added_cond_kwargs(cond.pooled, cond.time_ids,
+                                                                               control.dtype))
+        dtype = self.registry.role(self.unet_role).dtype
         out = differentiable_forward(
-            self.registry, self.unet_role, noisy.to(dtype), t, encoder_hidden_states=hidden.to(dtype),
+            self.registry, self.unet_role, noisy.to(dtype), t, encoder_hidden_states=cond.hidden.to(dtype),
             down_block_additional_residuals=[d.to(dtype) for d in down], mid_block_additional_residual=mid.to(dtype),
-            return_dict=False, **self.added_cond_kwargs(pooled, time_ids, dtype))
+            return_dict=False, **self.added_cond_kwargs(cond.pooled, cond.time_ids, dtype))
         return out[0]
 
 
-class FlowMatchingObjective:
-    """The rectified-flow step of diffusers' SD3 / FLUX training scripts on a registry holding
-    ``transformer``, ``vae`` and the family's text encoders (:func:`family_roles`).
+class FlowMatchingObjective(_Objective):
+    """The rectified-flow step of diffusers' SD3 / FLUX scripts on a registry holding the transformer (``role``),
+    ``vae`` and text encoders; FLUX takes ``guidance_scale`` as its guidance input."""
 
-    Args:
-        registry: built registry.
-        family: ``sd3`` (CLIP-L + CLIP-G penultimate states and pooled projections, T5 states) or ``flux``
-            (CLIP-L pooled output, T5 states, packed latents, position ids, guidance when the transformer has
-            ``guidance_embeds``).
-        scheduler_config: the folder's FlowMatchEulerDiscreteScheduler config (``num_train_timesteps``,
-            ``shift``, ``use_dynamic_shifting``): the table of timesteps and sigmas drawn from.
-        weighting_scheme: diffusers' ``--weighting_scheme``: ``logit_normal``/``mode``/``uniform`` shape the
-            timestep density, ``sigma_sqrt``/``cosmap`` weight the loss (uniform density), ``none``.
-        logit_mean, logit_std, mode_scale: the density's parameters (diffusers' defaults 0, 1, 1.29).
-        precondition_outputs: SD3 scripts' EDM preconditioning: the loss compares ``noisy - sigma * pred``
-            with ``x0`` (diffusers' SD3 scripts default to it; FLUX's do not have it).
-        guidance_scale: FLUX guidance input during training (diffusers' default 3.5); ignored without
-            ``guidance_embeds``.
-        text_encoders: role names (default: the family's).
-    """
-
-    trained_role = "transformer"
-
-    def __init__(
-        self,
-        registry: EngineRegistry,
-        family: str,
-        scheduler_config: Mapping[str, Any],
-        weighting_scheme: str = "logit_normal",
-        logit_mean: float = 0.0,
-        logit_std: float = 1.0,
-        mode_scale: float = 1.29,
-        precondition_outputs: bool = False,
-        guidance_scale: float = 3.5,
-        text_encoders: Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, registry: EngineRegistry, family: str, scheduler_config: Mapping[str, Any],
+                 settings: DiffusionSettings | None = None, text_encoders: Sequence[str] | None = None,
+                 role: str = "transformer") -> None:
         roles = family_roles(family)
         if roles.objective != "flow":
             raise ValueError(f"family={family!r} trains with DDPM noise targets: use DiffusionObjective.")
-        self.family = family
-        self.registry = registry
-        self.device = registry.device
-        self.text_encoders = list(text_encoders) if text_encoders is not None else list(roles.text_encoders)
+        super().__init__(registry, roles.text_encoders if text_encoders is None else text_encoders, role)
         if len(self.text_encoders) != len(roles.text_encoders):
             raise ValueError(f"family {family!r} has {len(roles.text_encoders)} text encoders "
                              f"{list(roles.text_encoders)}, got {self.text_encoders}")
-        self.weighting_scheme = flow.check_scheme(weighting_scheme)
-        if logit_std <= 0:
-            raise ValueError(f"logit_std={logit_std} must be > 0.")
-        self.logit_mean, self.logit_std, self.mode_scale = float(logit_mean), float(logit_std), float(mode_scale)
-        self.precondition = bool(precondition_outputs)
+        s = settings or DiffusionSettings()
+        self.family = family
+        self.weighting_scheme = flow.check_scheme(s.flow_option(family, "weighting_scheme"))
+        self.logit_mean, self.logit_std, self.mode_scale = float(s.logit_mean), float(s.logit_std), float(s.mode_scale)
+        self.precondition = bool(s.flow_option(family, "precondition_outputs"))
         self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
         self.timesteps, self.sigmas = flow.flow_match_schedule(
             self.num_train_timesteps, float(scheduler_config.get("shift", 1.0)),
             bool(scheduler_config.get("use_dynamic_shifting", False)))
-        config = registry.role(self.trained_role).module.config
-        self.guidance_scale = float(guidance_scale) if getattr(config, "guidance_embeds", False) else None
-
-    # --- conditioning -------------------------------------------------------------------------
-    @torch.no_grad()
-    def latents(self, pixel_values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """``[B, 3, H, W]`` in [-1, 1] -> float32 ``(z - shift_factor) * scaling_factor`` ``[B, C, h, w]``."""
-        return _vae_latents(self.registry, "vae", pixel_values, generator)
+        config = registry.role(role).module.config
+        self.guidance_scale = float(s.guidance_scale) if getattr(config, "guidance_embeds", False) else None
 
     @torch.no_grad()
     def encode_prompts(self, input_ids: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids per text encoder -> ``(prompt_embeds [B, L, D], pooled [B, P])`` as the family's
-        pipeline builds them (``encode_prompt``), in float32."""
+        """Token ids per text encoder -> ``(prompt_embeds [B, L, D], pooled [B, P])`` in float32, as the family's
+        pipeline's ``encode_prompt``."""
         if len(input_ids) != len(self.text_encoders):
             raise ValueError(f"{len(input_ids)} id tensors for {len(self.text_encoders)} text encoders")
         ids = [x.to(self.device) for x in input_ids]
@@ -427,50 +347,27 @@ class FlowMatchingObjective:
         t5 = self.registry[self.text_encoders[1]](ids[1])[0].float()
         return t5, clip.pooler_output.float()
 
-    # --- the loss -----------------------------------------------------------------------------
     def transformer_forward(self, transformer: Any, noisy: torch.Tensor, timesteps: torch.Tensor,
                             prompt_embeds: torch.Tensor, pooled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The transformer's velocity prediction ``[B, C, h, w]`` for noisy latents ``[B, C, h, w]`` and
-        timesteps ``[B]`` (values of the table, 0..1000); inputs in the transformer's dtype."""
+        """The velocity prediction ``[B, C, h, w]`` for noisy latents and timesteps ``[B]`` (0..1000 table values),
+        inputs in the transformer's dtype."""
         t = timesteps.to(self.device, torch.float32)
         kwargs = {"encoder_hidden_states": prompt_embeds.to(dtype), "pooled_projections": pooled.to(dtype),
                   "return_dict": False}
         if self.family == "sd3":
             return transformer(hidden_states=noisy.to(dtype), timestep=t, **kwargs)[0]
         b, _, h, w = noisy.shape
-        guidance = None
-        if self.guidance_scale is not None:
-            guidance = flow.flux_guidance(self.guidance_scale, b).to(self.device)
+        guidance = None if self.guidance_scale is None else flow.flux_guidance(self.guidance_scale, b).to(self.device)
         # FLUX's transformer scales timestep (and guidance) by 1000 itself: the pipeline passes t / 1000.
         out = transformer(hidden_states=flow.pack_latents(noisy.to(dtype)), timestep=t / 1000, guidance=guidance,
                           txt_ids=flow.flux_text_ids(prompt_embeds.shape[1]).to(self.device),
                           img_ids=flow.flux_image_ids(h, w).to(self.device), **kwargs)[0]
         return flow.unpack_latents(out, h, w)
 
-    def heldout_points(self, count: int) -> list[int]:
-        """``count`` evenly spaced indices into the timestep table for the held-out loss."""
-        return [int((i + 0.5) * self.num_train_timesteps / count) for i in range(count)]
-
-    def loss(
-        self,
-        batch: Mapping[str, Any],
-        generator: torch.Generator,
-        indices: torch.Tensor | None = None,
-        role: str | None = None,
-        weighted: bool = True,
-    ) -> StepOutput:
-        """The flow-matching loss of one micro batch.
-
-        Args:
-            batch: ``pixel_values [B, 3, H, W]`` and ``input_ids``, ``input_ids_2`` (, ``input_ids_3``) per text
-                encoder (:func:`prompt_input_ids`).
-            generator: CPU generator; draws, in order: posterior sample, noise, the density sample ``u``
-                (only when ``indices`` is not given) - the order of diffusers' scripts.
-            indices: fixed ``[B]`` positions in the timestep table (held-out evaluation), else drawn from the
-                density.
-            role: the role to predict with (default ``transformer``; e.g. its ``ema``).
-            weighted: apply the scheme's loss weighting (``sigma_sqrt``/``cosmap``).
-        """
+    def loss(self, batch: Mapping[str, Any], generator: torch.Generator, indices: torch.Tensor | None = None,
+             role: str | None = None, weighted: bool = True) -> StepOutput:
+        """The flow-matching loss of one micro batch; ``generator`` draws posterior sample, noise, density sample
+        (unless ``indices``); ``weighted``: the scheme's loss weighting."""
         latents = self.latents(batch["pixel_values"], generator)
         bsz = latents.shape[0]
         prompt_embeds, pooled = self.encode_prompts(_input_ids(batch, len(self.text_encoders)))
@@ -484,7 +381,6 @@ class FlowMatchingObjective:
             timesteps, sigmas = self.timesteps[indices], self.sigmas[indices]
         sigmas = sigmas.to(latents.device)
         noisy = flow.flow_noisy_input(latents, noise, sigmas)
-
         r = self.registry.role(role or self.trained_role)
         pred = self.transformer_forward(r.engine, noisy, timesteps, prompt_embeds, pooled, r.dtype)
         if self.precondition:
@@ -497,8 +393,10 @@ class FlowMatchingObjective:
 
 
 @torch.no_grad()
-def _heldout_mean(objective: Any, batches: Sequence[Mapping[str, Any]], points: Sequence[int], seed: int,
-                  role: str | None, fixed: Callable[[int, int], torch.Tensor]) -> float:
+def heldout_loss(objective: Any, batches: Sequence[Mapping[str, Any]], points: Sequence[int], seed: int,
+                 role: str | None = None) -> float:
+    """Mean unweighted loss of ``role`` over this rank's held-out ``batches`` x ``points``, noise fixed by ``seed``,
+    averaged over the ranks (collective)."""
     name = role or objective.trained_role
     module = objective.registry.role(name).module
     was_training = module.training
@@ -510,7 +408,7 @@ def _heldout_mean(objective: Any, batches: Sequence[Mapping[str, Any]], points: 
                 # The same (seed, batch, point) draws the same posterior sample and noise before and after training.
                 g = step_generator(seed, i, int(p), objective.registry.rank)
                 n = batch["pixel_values"].shape[0]
-                out = objective.loss(batch, g, fixed(int(p), n), role=name, weighted=False)
+                out = objective.loss(batch, g, torch.full((n,), int(p), dtype=torch.long), role=name, weighted=False)
                 total += torch.tensor([out.loss.item() * n, n], dtype=torch.float64)
     finally:
         module.train(was_training)
@@ -519,65 +417,21 @@ def _heldout_mean(objective: Any, batches: Sequence[Mapping[str, Any]], points: 
     return float(total[0] / total[1])
 
 
-def heldout_loss(
-    objective: DiffusionObjective,
-    batches: Sequence[dict[str, Any]],
-    timesteps: Sequence[int],
-    seed: int,
-    unet_role: str | None = None,
-) -> float:
-    """Mean unweighted loss over this rank's held-out ``batches`` x every timestep in ``timesteps``,
-    with noise fixed by ``seed``; averaged over all ranks (the same number on every rank). ``unet_role``:
-    the role predicting (default the objective's trained role: ``unet``, ``controlnet``; or an ``ema``).
-
-    Each rank must pass the same number of batches of the same sizes: every forward gathers
-    ZeRO-3 weights collectively.
-    """
-    return _heldout_mean(objective, batches, timesteps, seed, unet_role,
-                         lambda t, n: torch.full((n,), t, dtype=torch.long))
-
-
-def flow_heldout_loss(
-    objective: FlowMatchingObjective,
-    batches: Sequence[Mapping[str, Any]],
-    indices: Sequence[int],
-    seed: int,
-    role: str | None = None,
-) -> float:
-    """:func:`heldout_loss` for flow matching: every batch at every table position in ``indices``
-    (:meth:`FlowMatchingObjective.heldout_points`), noise fixed by ``seed``, no loss weighting; the mean
-    over all ranks. Collective, like :func:`heldout_loss`."""
-    return _heldout_mean(objective, batches, indices, seed, role, lambda i, n: torch.full((n,), i, dtype=torch.long))
-
-
-def family_objective(registry: EngineRegistry, model_path: str, family: str, text_encoders: Sequence[str], *,
-                   resolution: int, prediction_type: str = "", snr_gamma: float = 0.0, noise_offset: float = 0.0,
-                   input_perturbation: float = 0.0, flow_options: Mapping[str, Any] | None = None,
-                   conditioning_scale: float | None = None) -> tuple[Any, str | None]:
-    """The family's objective on the folder's scheduler and its prediction type: FlowMatchingObjective (SD3,
-    FLUX; ``flow_options`` its options, prediction type None), else the DDPM objective (``prediction_type`` ""
-    = the scheduler's), a ControlNetObjective when ``conditioning_scale`` is given."""
+def family_objective(registry: EngineRegistry, model_path: str, family: str, text_encoders: Sequence[str],
+                     settings: DDPMSettings, resolution: int, conditioning_scale: float | None = None
+                     ) -> tuple[Any, str | None]:
+    """The family's objective: FlowMatchingObjective (SD3, FLUX), else DDPM (a ControlNetObjective when
+    ``conditioning_scale`` is given)."""
     if family_roles(family).objective == "flow":
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         config = FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler")
-        return FlowMatchingObjective(registry, family, config, text_encoders=text_encoders,
-                                     **dict(flow_options or {})), None
+        return FlowMatchingObjective(registry, family, config, settings, text_encoders), None
     from diffusers import DDPMScheduler
 
     scheduler = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler")
-    prediction_type = prediction_type or scheduler.config.prediction_type
-    options = {"prediction_type": prediction_type, "snr_gamma": snr_gamma, "noise_offset": noise_offset,
-               "input_perturbation": input_perturbation, "resolution": resolution}
     if conditioning_scale is None:
-        return DiffusionObjective(registry, text_encoders, scheduler.alphas_cumprod, **options), prediction_type
-    return ControlNetObjective(registry, text_encoders, scheduler.alphas_cumprod, conditioning_scale=conditioning_scale,
-                               **options), prediction_type
-
-
-def heldout_value(objective: Any, batches: Sequence[Mapping[str, Any]], points: Sequence[int], seed: int,
-                  role: str | None = None) -> float:
-    """The held-out loss of ``role`` (None: the trained one) with either objective."""
-    if isinstance(objective, FlowMatchingObjective):
-        return flow_heldout_loss(objective, batches, points, seed, role=role)
-    return heldout_loss(objective, batches, points, seed, unet_role=role)
+        objective = DiffusionObjective(registry, text_encoders, scheduler, settings, resolution)
+    else:
+        objective = ControlNetObjective(registry, text_encoders, scheduler, settings, resolution, conditioning_scale)
+    return objective, objective.prediction_type

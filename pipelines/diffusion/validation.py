@@ -2,8 +2,7 @@
 
 The pipeline holds the engines' own modules (no copy): under ZeRO-3 every layer gathers its weights
 collectively as it runs, so every rank runs the same pipeline call with the same prompts and seed
-(a forward on rank 0 alone would wait forever for the others). Rank 0 writes the grid.
-"""
+(a forward on rank 0 alone would wait forever for the others). Rank 0 writes the grid."""
 
 from __future__ import annotations
 
@@ -11,17 +10,48 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.settings import Each, FieldError, Length, Range, Settings, setting
 from PIL import Image
 
 from .models import call_engine, read_model_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_pipeline", "generate", "image_grid"]
+__all__ = ["EMAValidation", "ValidationSettings", "build_pipeline", "generate", "image_grid"]
+
+
+_PROMPTS = 4
+
+
+@dataclass(frozen=True)
+class ValidationSettings(Settings):
+    """Images generated before, after and every N steps (the same on every rank)."""
+
+    enabled: bool = setting(True, "validation grids before and after training (and every `every` steps when > 0)")
+    every: int = setting(100, "also every N steps (0 = only before and after)", Range(0), when="enabled")
+    prompts: list[str] = setting([], "[] = validation.num_prompts shapes prompts (built-in data) or captions of your "
+                                     "held-out rows", Each(Length(1)), when="enabled")
+    num_prompts: int = setting(_PROMPTS, "how many prompts when validation.prompts is []", Range(1), when="enabled")
+    num_inference_steps: int = setting(20, "sampler steps", Range(1), when="enabled")
+    guidance_scale: float | None = setting(None, "null = the pipeline's default (SD/SDXL 7.5, SD3 7.0, FLUX 3.5)",
+                                           when="enabled", example=2.0)
+    seed: int = setting(0, "the sampler's seed (the same images on every rank)", Range(0), when="enabled")
+
+    def check(self) -> None:
+        if self.prompts and self.num_prompts != _PROMPTS:
+            raise FieldError("num_prompts", self.num_prompts, "applies only while validation.prompts is []",
+                             "drop validation.num_prompts")
+
+
+@dataclass(frozen=True)
+class EMAValidation(ValidationSettings):
+    use_ema: bool = setting(True, "generate with the EMA weights when EMA is on (as diffusers' examples)",
+                            when="enabled")
 
 # Pipeline components that fine-tuning never needs: passed as None so from_pretrained skips them.
 _OPTIONAL = ("safety_checker", "feature_extractor", "image_encoder")
@@ -38,11 +68,8 @@ def build_pipeline(
     components: Mapping[str, str] | None = None,
     class_name: str | None = None,
 ) -> Any:
-    """The model folder's pipeline class (``_class_name`` in model_index.json, e.g.
-    ``StableDiffusionPipeline``, or ``class_name``) with the registry's denoiser (component ``denoiser``:
-    ``unet`` or ``transformer``, taken from role ``unet_role``, e.g. ``ema``), vae and text encoders, plus
-    ``components`` (component -> role, e.g. ``{"controlnet": "controlnet"}``); tokenizers and scheduler load
-    from ``model_path``. No weights are copied."""
+    """The folder's pipeline class (or ``class_name``) on the registry's denoiser (from role ``unet_role``), vae,
+    text encoders and ``components``; tokenizers and scheduler from ``model_path``; no weights copied."""
     import diffusers
 
     index = read_model_index(model_path)
@@ -70,9 +97,8 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 @contextlib.contextmanager
 def _unet_inputs_in_own_dtype(unet: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """Pipelines cast latents and prompt embeddings to the *text encoder's* dtype; with roles in
-    different dtypes (an fp32 EMA beside a bf16 text encoder) the unet would get bf16 inputs for fp32
-    weights. Cast its floating inputs - never the timestep, which bf16 would round - to its own dtype."""
+    """Cast the unet's floating inputs (never the timestep) to its own dtype: pipelines cast them to the text
+    encoder's, wrong for an fp32 EMA beside a bf16 text encoder."""
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args = (_cast_floating(args[0], dtype), *args[1:]) if args else args
@@ -97,13 +123,8 @@ def generate(
     seed: int = 0,
     **pipeline_kwargs: Any,
 ) -> list[Image.Image]:
-    """One image per prompt (``resolution`` square), the same on every rank. All ranks must call it.
-
-    ``guidance_scale=None`` keeps the pipeline's default; ``pipeline_kwargs`` go to the pipeline call
-    (``max_sequence_length`` for SD3/FLUX, ``image`` for a ControlNet pipeline). The pipeline returns
-    latents (FLUX: packed, unpacked here); they are decoded through the vae engine (see
-    :func:`call_engine`), so every vae call goes through its engine like in training.
-    """
+    """One image per prompt, the same on every rank (all ranks call it); ``pipeline_kwargs`` go to the pipeline and
+    its latents are decoded through the vae engine like in training."""
     vae = registry.role("vae")
     generator = torch.Generator().manual_seed(seed)  # CPU: the same draws on any device
     # The pipeline calls the text encoders' modules directly, and their embedding layers read weight
@@ -152,12 +173,8 @@ def image_grid(
     step: int | None = None,
     min_size: int = 256,
 ) -> Image.Image:
-    """Paste equally sized images into a grid, row by row (``cols`` defaults to ceil(sqrt(N))).
-
-    Each image is upscaled by a whole factor (nearest neighbour, so a tiny model's pixels stay sharp) until
-    its shorter side is at least ``min_size`` pixels. With ``prompts`` and/or ``step`` a white strip under
-    each image carries its prompt and the training step (PIL's default font, wrapped to the image width).
-    """
+    """Paste equally sized images into a grid row by row, each upscaled (nearest) to at least ``min_size`` pixels,
+    with its prompt and step in a white strip under it when given."""
     from PIL import ImageDraw, ImageFont
 
     if not images:

@@ -1,4 +1,4 @@
-"""RLHF data: formats, sources and collators for steps 1-3 (and the resumable sampler).
+"""RLHF data: formats, sources and collators of every stage, and the ``data`` sections of the RLHF recipes.
 
 Formats (TRL's conventions), detected from the columns after the column mapping:
 
@@ -13,17 +13,11 @@ prompt-only               ``prompt``                                      ppo, e
 conversation              ``messages``                                    sft (ppo/eval: its prompt)
 ========================= =============================================== ======================
 
-Each of ``prompt``/``response``/``chosen``/``rejected`` may be a string (standard) or a list of
-``{"role", "content"}`` messages (conversational); ``messages`` is always conversational. Conversational
-rows are rendered with the tokenizer's chat template: prompts with ``add_generation_prompt=True`` (what
-the actor continues from), completions as the rest of the rendered conversation; SFT learns only the
-assistant tokens.
-
-Token layout: every collator encodes the prompt the same way (standard: the tokenizer's special tokens,
-e.g. a leading BOS, then the prompt text; conversational: the chat template's rendering, which carries
-its own special tokens; both truncated from the left so the end of the prompt survives) and the response
-after it, ending with EOS (a rendered assistant turn is cut after its EOS, or gets one), so the reward
-model in step 2 sees exactly the token sequences the actor produces in step 3.
+Each of ``prompt``/``response``/``chosen``/``rejected`` may be a string or a list of ``{"role", "content"}``
+messages (conversational, rendered with the tokenizer's chat template: prompts with ``add_generation_prompt=True``;
+SFT learns only the assistant tokens). Every collator encodes a prompt the same way (left-truncated, so its end
+survives) and the response after it ending with EOS, so the reward model of step 2 sees exactly the token sequences
+the actor produces in step 3.
 """
 
 from __future__ import annotations
@@ -31,15 +25,15 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-# One resumable distributed sampler for every pipeline: the diffusion one (same contract: seed + epoch
-# permutation, equal shard per rank, (epoch, position) state) is re-exported rather than duplicated.
+# One resumable distributed sampler for every pipeline (seed + epoch permutation, equal shard per rank).
 from multiengine.engines.sampler import ShardedEpochSampler
+from multiengine.engines.settings import Range, Satisfies, Settings, section, setting
 from multiengine.pipelines.sources import (
     DataSource,
     DataSourceError,
@@ -47,6 +41,7 @@ from multiengine.pipelines.sources import (
     as_sources,
     load_source,
     map_columns,
+    parse_eval_split,
     split_train_eval,
 )
 
@@ -55,28 +50,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "FIELDS",
-    "REQUIRED_COLUMNS",
-    "DataFormat",
-    "DataSource",
-    "PairCollator",
-    "PromptCollator",
-    "SFTCollator",
-    "ShardedEpochSampler",
-    "TrainEval",
-    "chat_template_roles",
-    "check_chat_roles",
-    "check_chat_template",
-    "check_rlhf_data",
-    "detect_format",
-    "is_conversation",
-    "load_rlhf_data",
-    "load_rlhf_dataset",
-    "prompt_text",
-]
+__all__ = ["FIELDS", "REQUIRED_COLUMNS", "Columns", "DataFormat", "DataSettings", "DataSource", "PairCollator",
+           "PromptCollator", "PromptData", "ResponseData", "SFTCollator", "ShardedEpochSampler", "TrainEval",
+           "chat_template_roles", "check_chat_roles", "check_chat_template", "check_rlhf_data", "detect_format",
+           "is_conversation", "load_rlhf_data", "load_rlhf_dataset", "prompt_text"]
 
-# the minimal columns of each stage's standard format (kept for callers that list them)
+# the minimal columns of each stage's standard format
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "sft": ("prompt", "response"),
     "reward": ("prompt", "chosen", "rejected"),
@@ -96,11 +75,85 @@ _EXAMPLE_MAPPING = {"sft": "prompt=question data.columns.response=answer",
                     "ppo": "prompt=question", "eval": "prompt=question"}
 
 
-# --------------------------------------------------------------------------------------------------
-# formats
-# --------------------------------------------------------------------------------------------------
+# --- the data sections ---------------------------------------------------------------------------------------------
+def _eval_split_ok(value: Any) -> bool:
+    try:
+        parse_eval_split(value)
+    except DataSourceError:
+        return False
+    return True
 
 
+@dataclass(frozen=True)
+class Columns(Settings):
+    """Your column names per field (``data.columns.<field>=<column>``); "" = a column named like the field."""
+
+    prompt: str = setting("", "your column holding the prompt (\"\" = a column named prompt)")
+    response: str = setting("", "... the response (completion is read as response)")
+    completion: str = setting("", "... the completion")
+    chosen: str = setting("", "... the preferred answer")
+    rejected: str = setting("", "... the worse answer")
+    text: str = setting("", "... plain text (language modelling)")
+    messages: str = setting("", "... a conversation: a list of {role, content}")
+
+    def mapping(self) -> dict[str, str]:
+        """``{field: column}`` of the fields that are mapped."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
+
+
+@dataclass(frozen=True)
+class DataSettings(Settings):
+    """Where a stage's training and evaluation rows come from (docs/data.md)."""
+
+    source: str = setting("", ".jsonl/.json/.csv/.parquet file, save_to_disk folder, split-files folder, hub name; "
+                              "\"\" = built-in")
+    sources: list[dict[str, Any]] = setting([], "several sources blended by weight, [{path, weight, columns, split}]; "
+                                                "replaces data.source",
+                                            Satisfies(lambda v: isinstance(v, (list, tuple)),
+                                                      "a list of {path, weight, columns, split}"))
+    columns: Columns = section(Columns, "your column names per field: data.columns.<field>=<column>")
+    train_split: str = setting("train", "the split of a hub dataset / DatasetDict folder to train on")
+    eval_source: str = setting("", "separate evaluation rows (the forms of data.source); never a training source")
+    eval_split: str = setting("auto", "auto (the eval/test split, else 5% of rows held out) | none | 0.05 | 200 | a "
+                                      "split name",
+                              Satisfies(_eval_split_ok, "auto, none, a fraction in (0, 1), a row count >= 1 or a split "
+                                                        "name"))
+
+    @property
+    def builtin(self) -> bool:
+        """Neither ``source`` nor ``sources`` is set: the built-in task's data."""
+        return not (self.source or self.sources)
+
+    def train_source(self) -> Any:
+        """``sources`` when set, else ``source``."""
+        return list(self.sources) or self.source
+
+    def overrides(self, source: str | None = None) -> list[str]:
+        """``key=value`` overrides that give another recipe these data (``source``: the built-in data's folder)."""
+        import json
+
+        out = [f"data.source={self.source if source is None else source}"]
+        if self.sources:
+            out.append(f"data.sources={json.dumps(list(self.sources))}")
+        out += [f"data.columns.{k}={v}" for k, v in self.columns.mapping().items()]
+        return out + [f"data.{k}={getattr(self, k)}" for k in ("train_split", "eval_source", "eval_split")]
+
+
+@dataclass(frozen=True)
+class PromptData(DataSettings):
+    max_prompt_len: int = setting(16, "prompt tokens kept (a longer prompt loses its beginning)", Range(1))
+
+
+@dataclass(frozen=True)
+class ResponseData(PromptData):
+    """Rows with prompts and answers (demonstrations or preference pairs)."""
+
+    max_response_len: int = setting(16, "response tokens kept, EOS included", Range(1))
+    heldout_size: int = setting(128, "evaluation rows (pairs) scored for the held-out figures (0 = all of them)",
+                                Range(0))
+
+
+# --- formats -------------------------------------------------------------------------------------------------------
 def is_conversation(value: Any) -> bool:
     """A list of ``{"role", "content"}`` messages (a conversational value)."""
     return (isinstance(value, (list, tuple)) and len(value) > 0
@@ -120,11 +173,8 @@ class DataFormat:
 
 
 def detect_format(columns: Sequence[str], example: Mapping[str, Any] | None = None) -> DataFormat | None:
-    """The format of rows with these columns (after the column mapping); ``None`` if none applies.
-
-    ``example`` (one row) decides standard vs conversational; without it, ``messages`` is the only
-    conversational sign.
-    """
+    """The format of rows with these columns (after the mapping), or None; ``example`` (one row) decides standard vs
+    conversational (without it, only ``messages`` is conversational)."""
     cols = set(columns)
     has_response = "response" in cols or "completion" in cols
     if {"prompt", "chosen", "rejected"} <= cols:
@@ -206,11 +256,7 @@ def _normalise(ds: Dataset, stage: str, source: str, key: str) -> Dataset:
     return ds
 
 
-# --------------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------------
-
-
+# --- loading -------------------------------------------------------------------------------------------------------
 def _load_one(source: DataSource, stage: str, split: str | None, default_split: str, key: str,
               columns: Mapping[str, str] | None, cache_dir: str | None) -> Dataset:
     wanted = split or source.split or default_split
@@ -222,31 +268,11 @@ def _load_one(source: DataSource, stage: str, split: str | None, default_split: 
     return _normalise(ds, stage, source.path, key)
 
 
-def load_rlhf_dataset(
-    source: str | Path,
-    split: str,
-    hf_split: str = "train",
-    columns: Mapping[str, str] | None = None,
-    cache_dir: str | None = None,
-    key: str = "data.source",
-) -> Dataset:
-    """Load the rows of one RLHF stage from one source as a ``datasets.Dataset``, format-checked.
-
-    Args:
-        source: a ``.json``/``.jsonl``/``.csv``/``.parquet`` file; a ``save_to_disk`` folder; a folder of
-            split files holding ``{split}.jsonl`` (or ``.json``/``.csv``/``.parquet``, or ``{hf_split}.*``),
-            as written by ``tiny.write_builtin_dataset``; or a hub dataset name (``load_dataset``; offline
-            from the local cache).
-        split: the RLHF stage, one of ``sft``, ``reward``, ``ppo``, ``eval``; decides the accepted formats
-            (module docstring).
-        hf_split: the split of a hub dataset / ``DatasetDict`` folder (single files have only ``train``).
-        columns: ``{field: column}`` column mapping, e.g. ``{"prompt": "question", "response": "answer"}``.
-        key: the config key of ``source`` (named in errors).
-
-    Raises:
-        ValueError (``DataSourceError``): unknown stage, missing source, unsupported file, no rows, or no
-        accepted format (the columns it has and the mapping to write are named).
-    """
+def load_rlhf_dataset(source: str | Path, split: str, hf_split: str = "train", columns: Mapping[str, str] | None = None,
+                      cache_dir: str | None = None, key: str = "data.source") -> Dataset:
+    """The format-checked rows of one stage (``split``: sft, reward, ppo or eval) from one source: a data file, a
+    ``save_to_disk`` folder, a folder of split files (``{split}.jsonl``, or ``{hf_split}.*``) or a hub dataset
+    (``hf_split`` of it), with the ``{field: column}`` mapping ``columns``; errors name ``key`` and the fix."""
     if split not in REQUIRED_COLUMNS:
         raise ValueError(f"unknown RLHF split {split!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
     ds = _load_one(DataSource(str(source)), split, None, hf_split, key, columns, cache_dir)
@@ -260,74 +286,48 @@ def _canonical(ds: Dataset, stage: str) -> Dataset:
     return ds.select_columns([c for c in ds.column_names if c in keep])
 
 
-def load_rlhf_data(
-    source: Any,
-    stage: str,
-    *,
-    columns: Mapping[str, str] | None = None,
-    train_split: str = "train",
-    eval_source: Any = None,
-    eval_split: float | int | str | None = 0.0,
-    eval_stage: str | None = None,
-    seed: int = 0,
-    size: int | None = None,
-    cache_dir: str | None = None,
-    evaluate: bool = True,
-) -> TrainEval:
-    """Training and evaluation rows of one stage, from one source or a weighted blend of several.
+def _settings(data: Any) -> DataSettings:
+    """A data section, or a path (list of sources) as the data section of that source alone."""
+    if isinstance(data, DataSettings):
+        return data
+    return DataSettings(sources=list(data)) if isinstance(data, (list, tuple)) else DataSettings(source=str(data))
 
-    Args:
-        source: a path / hub name, a list of ``{path, weight, columns, split}`` (``data.sources``) or
-            :class:`DataSource` objects.
-        stage: ``sft``, ``reward``, ``ppo`` (``eval`` for prompt sets).
-        columns: column mapping applied to every source (a source's own ``columns`` win).
-        train_split: the split of hub / ``DatasetDict`` sources to train on.
-        eval_source: separate evaluation rows (same forms as ``source``); never one of the training
-            sources.
-        eval_split: a fraction/count held out of each source (``0.05``), or the name of a split every
-            source has (``"test"``; ``"eval"`` = a folder's ``eval.jsonl``); ``"auto"``: each source's own
-            evaluation split (a folder's ``eval``/``test`` file, a ``test`` split), else 5% of its rows held
-            out, with a warning; 0 / ``None`` = no evaluation rows (a warning).
-        eval_stage: the stage whose formats the evaluation rows must have (default ``stage``; ``eval``
-            for prompt-only rows).
-        seed: held-out selection and blend order.
-        size: rows of a blend (default: the sum of the sources' rows).
-        evaluate: ``False``: training rows only (e.g. the pretraining rows of PPO-ptx).
 
-    Returns:
-        :class:`~multiengine.pipelines.sources.TrainEval` ``(train, eval, eval_origin)``. With several
-        sources the rows keep only the stage's fields (the sources' columns must agree after mapping).
-    """
+def load_rlhf_data(data: DataSettings | str, stage: str, *, seed: int = 0, eval_stage: str | None = None,
+                   source: Any = None, evaluate: bool = True, size: int | None = None) -> TrainEval:
+    """Training and evaluation rows of one ``stage`` (sft, reward, ppo) from a data section (or one path): its
+    source or weighted blend of sources, column mapping, ``train_split``, evaluation rows from ``eval_source`` or
+    ``eval_split`` (:func:`~multiengine.pipelines.sources.split_train_eval`) in the formats of ``eval_stage``
+    (default ``stage``; ``eval`` for prompt-only rows); ``seed``: held-out selection and blend order. ``source``
+    replaces the training source (PPO's pretraining rows); ``evaluate=False``: training rows only. A blend has ``size``
+    rows (default: the sources' together) and keeps only the stage's fields."""
     if stage not in REQUIRED_COLUMNS:
         raise ValueError(f"unknown RLHF stage {stage!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
+    data = _settings(data)
     eval_stage = eval_stage or stage
+    source = source or data.train_source()
     sources = as_sources(source, "data.sources" if isinstance(source, (list, tuple)) else "data.source")
-    evals = as_sources(eval_source, "data.eval_source")
     several = len(sources) > 1
+    key, columns, split = "data.sources" if several else "data.source", data.columns.mapping(), data.train_split
 
-    def load(src: DataSource, split: str | None) -> Dataset:
-        this_stage = stage if split is None else eval_stage
-        key = "data.sources" if several else "data.source"
-        ds = _load_one(src, this_stage, split, train_split, key, columns, cache_dir)
+    def load(src: DataSource, name: str | None) -> Dataset:
+        this_stage = stage if name is None else eval_stage
+        ds = _load_one(src, this_stage, name, split, key, columns, None)
         return _canonical(ds, this_stage) if several else ds
 
-    def load_eval(src: DataSource, split: str | None) -> Dataset:
-        return _load_one(src, eval_stage, None, train_split, "data.eval_source", columns, cache_dir)
+    def load_eval(src: DataSource, name: str | None) -> Dataset:
+        return _load_one(src, eval_stage, None, split, "data.eval_source", columns, None)
 
-    result = split_train_eval(load, sources, eval_source=evals, load_eval=load_eval, eval_split=eval_split,
-                              seed=seed, size=size, source_key="data.sources" if several else "data.source",
-                              evaluate=evaluate)
+    result = split_train_eval(load, sources, eval_source=as_sources(data.eval_source, "data.eval_source"),
+                              load_eval=load_eval, eval_split=parse_eval_split(data.eval_split), seed=seed,
+                              size=size, source_key=key, evaluate=evaluate)
     logger.info("%s rows: %d for training (%s); evaluation: %s%s", stage, len(result.train),
                 " + ".join(f"{s.path} x{s.weight:g}" for s in sources), result.eval_origin,
                 f" ({len(result.eval)} rows)" if result.eval is not None else "")
     return result
 
 
-# --------------------------------------------------------------------------------------------------
-# up-front checks (no model is built)
-# --------------------------------------------------------------------------------------------------
-
-
+# --- up-front checks (no model is built) ------------------------------------------------------------------------------
 def check_chat_template(tokenizer: Any, conversational: bool, key: str = "data.source",
                         tokenizer_key: str = "roles.actor.model") -> None:
     """Raise when conversational data meets a tokenizer without a chat template."""
@@ -431,34 +431,23 @@ def _first_row(ds: Dataset, role: str) -> int:
     return 0
 
 
-def check_rlhf_data(
-    source: Any,
-    stage: str,
-    *,
-    columns: Mapping[str, str] | None = None,
-    train_split: str = "train",
-    tokenizer: Any = None,
-    key: str = "data.source",
-    tokenizer_key: str = "roles.actor.model",
-    cache_dir: str | None = None,
-) -> dict[str, Any]:
-    """Check every source of one stage before any rank starts: it exists, its columns (after mapping)
-    form an accepted format, it has rows, and conversational data has a tokenizer with a chat template.
-
-    Returns:
-        ``{"rows": total rows, "sources": [{"path", "rows", "format"}], "conversational": bool}``.
-
-    Raises:
-        ValueError (``DataSourceError``) naming the key, the file and the fix.
-    """
+def check_rlhf_data(data: DataSettings | str, stage: str, tokenizer: Any = None, *, source: Any = None,
+                    key: str | None = None, tokenizer_key: str = "roles.actor.model") -> dict[str, Any]:
+    """Every source of one stage (``source``, else the data section's training sources), before any rank starts: it
+    exists, its columns (after mapping) form an accepted format, it has rows, and conversational rows meet a
+    tokenizer with a chat template taking their roles. Returns ``{"rows", "sources": [{"path", "rows", "format"}],
+    "conversational"}``; raises ``DataSourceError`` naming ``key``, the file and the fix."""
     if stage not in REQUIRED_COLUMNS:
         raise ValueError(f"unknown RLHF stage {stage!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
+    data = _settings(data)
+    source = source or data.train_source()
+    key = key or ("data.sources" if isinstance(source, (list, tuple)) else "data.source")
     sources = as_sources(source, key)
     if not sources:
         raise DataSourceError(f"{key} is empty: give a data file, folder or hub dataset name")
     report = []
     for src in sources:
-        ds = _load_one(src, stage, None, train_split, key, columns, cache_dir)
+        ds = _load_one(src, stage, None, data.train_split, key, data.columns.mapping(), None)
         fmt = detect_format(ds.column_names, ds[0])
         report.append({"path": src.path, "rows": len(ds), "format": str(fmt), "conversational": fmt.conversational})
         if fmt.conversational and tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -476,11 +465,7 @@ def check_rlhf_data(
     return {"rows": sum(r["rows"] for r in report), "sources": report, "conversational": conversational}
 
 
-# --------------------------------------------------------------------------------------------------
-# collators
-# --------------------------------------------------------------------------------------------------
-
-
+# --- collators -----------------------------------------------------------------------------------------------------
 def _pad_token_id(tokenizer: Any) -> int:
     pad = tokenizer.pad_token_id
     if pad is None:
@@ -603,11 +588,9 @@ class _Encoder:
         return self._truncate_prompt(self._ids(full[:start])), self._end_response(self._ids(full[start:]), eos)
 
     def messages_ids(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int], list[int]]:
-        """A whole conversation for SFT: ``(prompt ids, prompt labels, response ids)``; the prompt is everything
-        before the last assistant turn, and earlier assistant turns in it are labelled (the rest is -100).
-
-        Each piece of the rendering (up to an assistant turn's generation prompt, the turn itself) is
-        tokenized on its own, so the labelled spans are exactly the assistant turns."""
+        """A whole conversation for SFT: ``(prompt ids, prompt labels, response ids)``, the prompt everything before
+        the last assistant turn with its earlier assistant turns labelled (the rest -100). Each piece of the rendering
+        is tokenized on its own, so the labelled spans are exactly the assistant turns."""
         messages = [dict(m) for m in messages]
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant:
@@ -670,15 +653,10 @@ def _pad(rows: Sequence[Sequence[int]], value: int, left: bool) -> torch.Tensor:
 
 
 class PromptCollator(_Encoder):
-    """Left-padded prompts for generation (step 3).
-
-    Returns ``input_ids`` ``[B, C]``, ``attention_mask`` ``[B, C]`` (left padded, so every prompt ends
-    at column ``C - 1`` and generation continues from there) and ``prompts`` (texts, for judges: a
-    conversation's last user message); conversational batches also carry ``prompt_messages`` (the
-    message lists, to re-render them for a role with another tokenizer), and rows with other columns
-    than ``prompt`` carry ``columns``: ``{name: [one value per row]}`` (e.g. an ``answer`` column), which
-    reward functions get as keyword arguments.
-    """
+    """Left-padded prompts for generation (step 3): ``input_ids`` and ``attention_mask`` ``[B, C]`` (every prompt ends
+    at column ``C - 1``), ``prompts`` (texts for judges: a conversation's last user message), for conversations
+    ``prompt_messages`` (to re-render them for a role with another tokenizer), and ``columns`` ``{name: [a value per
+    row]}`` of the rows' other columns (reward functions get them as keyword arguments)."""
 
     def __init__(self, tokenizer: Any, max_prompt_len: int) -> None:
         super().__init__(tokenizer, max_prompt_len)
@@ -698,16 +676,9 @@ class PromptCollator(_Encoder):
 
 
 class SFTCollator(_Encoder):
-    """One SFT row per sequence, right padded, for supervised fine-tuning (step 1).
-
-    Standard rows: ``prompt + response + EOS`` (``text`` rows: BOS/specials + text + EOS, all learned).
-    Conversational rows: the chat template's rendering; only assistant tokens are learned.
-    Returns ``input_ids``, ``attention_mask`` and ``labels``, each ``[B, L]``; ``labels`` is -100 on
-    prompt/user/system tokens and on padding.
-    """
-
-    def __init__(self, tokenizer: Any, max_prompt_len: int, max_response_len: int = 64) -> None:
-        super().__init__(tokenizer, max_prompt_len, max_response_len)
+    """SFT rows, right padded (step 1): ``prompt + response + EOS`` (``text`` rows: all learned; conversations: the
+    chat template's rendering, assistant tokens learned); ``input_ids``, ``attention_mask`` and ``labels`` ``[B, L]``,
+    ``labels`` -100 where nothing is learned."""
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs, labels = [], []
@@ -715,23 +686,14 @@ class SFTCollator(_Encoder):
             ids, lab = self.sft_ids(e)
             seqs.append(ids)
             labels.append(lab)
-        return {
-            "input_ids": _pad(seqs, self.pad_id, left=False),
-            "attention_mask": _pad([[1] * len(s) for s in seqs], 0, left=False),
-            "labels": _pad(labels, -100, left=False),
-        }
+        return {"input_ids": _pad(seqs, self.pad_id, left=False),
+                "attention_mask": _pad([[1] * len(s) for s in seqs], 0, left=False),
+                "labels": _pad(labels, -100, left=False)}
 
 
 class PairCollator(_Encoder):
-    """Chosen and rejected sequences in one right-padded batch for the reward model (step 2).
-
-    Returns ``input_ids`` and ``attention_mask`` ``[2B, L]``: rows ``0..B-1`` are
-    ``prompt + chosen + EOS``, rows ``B..2B-1`` the matching ``prompt + rejected + EOS`` (conversational
-    rows rendered by the chat template); split the model's scores with ``scores[:B], scores[B:]``.
-    """
-
-    def __init__(self, tokenizer: Any, max_prompt_len: int, max_response_len: int = 64) -> None:
-        super().__init__(tokenizer, max_prompt_len, max_response_len)
+    """Preference pairs in one right-padded batch (step 2): ``input_ids`` and ``attention_mask`` ``[2B, L]``, rows
+    ``0..B-1`` ``prompt + chosen + EOS``, rows ``B..2B-1`` ``prompt + rejected + EOS`` (scores split ``[:B], [B:]``)."""
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chosen, rejected = [], []

@@ -1,12 +1,7 @@
-"""Offline preference optimisation on the registry: DPO (sigmoid, optional label smoothing) and IPO.
-
-Roles: a trainable policy (``actor``) and a frozen reference (``ref``), each its own engine with
-its own stage (e.g. the policy at ZeRO-2 and the ref at ZeRO-3). Batches are
-:class:`preference.PreferenceCollator` batches (``2B`` rows, chosen then rejected). The reference
-log-probs are computed on the fly (one no-grad ref forward per batch) or, with
-:meth:`DPOTrainer.precompute_reference`, once for the whole dataset; the ref role can then be
-left out of the registry.
-"""
+"""Offline preference optimisation on the registry: DPO (sigmoid, optional label smoothing) and IPO, with a trainable
+policy (``actor``) and a frozen reference (``ref``), each its own engine at its own stage. Batches are
+:class:`preference.PreferenceCollator` batches (``2B`` rows, chosen then rejected); the reference log-probs come from
+a no-grad ref forward per batch or, with :meth:`DPOTrainer.precompute_reference`, once for the whole dataset."""
 
 from __future__ import annotations
 
@@ -18,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines.settings import Choice, Range, Settings, setting
 
-from .evaluation import preference_accuracy
 from .losses import DPO_LOSSES, chosen_nll, dpo_loss
 from .preference import REF_KEYS, PreferenceCollator, pair_logprobs, preference_response_mask
 from .scoring import eval_mode
@@ -27,36 +22,25 @@ from .scoring import eval_mode
 __all__ = ["DPOSettings", "DPOTrainer"]
 
 
-@dataclass
-class DPOSettings:
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
-    beta: float = 0.1
-    label_smoothing: float = 0.0  # sigmoid only: assumed probability of a flipped label
-    precompute_ref: bool = False  # ref log-probs from the batch (precompute_reference), not a ref forward
-    sft_coef: float = 0.0  # > 0: + sft_coef x per-token NLL of the chosen answer (RPO; TRL's rpo_alpha)
+@dataclass(frozen=True)
+class DPOSettings(Settings):
+    """The preference loss."""
 
-    def __post_init__(self) -> None:
-        if self.loss not in DPO_LOSSES:
-            raise ValueError(f"loss={self.loss!r}; use one of {list(DPO_LOSSES)}.")
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}.")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}.")
-        if self.loss == "ipo" and self.label_smoothing:
-            raise ValueError("label_smoothing applies to loss=sigmoid only; set it to 0 for ipo.")
-        if self.sft_coef < 0:
-            raise ValueError(f"sft_coef must be >= 0, got {self.sft_coef}.")
+    loss: str = setting("sigmoid", "sigmoid (DPO) | ipo", Choice(*DPO_LOSSES))
+    beta: float = setting(0.1, "strength of the KL regularisation to the ref", Range(0, min_exclusive=True))
+    label_smoothing: float = setting(0.0, "assumed probability of a flipped label (conservative DPO)",
+                                     Range(0, 0.5, max_exclusive=True), when="loss=sigmoid")
+    precompute_ref: bool = setting(False, "ref log-probs of every pair once before training, not a ref forward per "
+                                          "batch")
+    precompute_batch_size: int = setting(64, "pairs per ref forward while precomputing", Range(1),
+                                         when="precompute_ref")
+    sft_coef: float = setting(0.0, "> 0: + sft_coef x per-token NLL of the chosen answer (RPO, TRL's rpo_alpha)",
+                              Range(0))
 
 
 class DPOTrainer:
-    """One optimizer step of DPO / IPO per :meth:`step` call (``G`` micro-batches of the batch).
-
-    Args:
-        registry: with the trainable ``policy`` role and, unless ``settings.precompute_ref`` and the
-            log-probs were precomputed, the frozen ``ref`` role.
-        settings: :class:`DPOSettings`.
-        policy / ref: role names.
-    """
+    """One optimizer step of DPO / IPO per :meth:`step` call (``G`` micro-batches of the batch), on a registry with
+    the trainable ``policy`` role and, unless ``settings.precompute_ref`` with precomputed rows, the frozen ``ref``."""
 
     def __init__(self, registry: EngineRegistry, settings: DPOSettings, *, policy: str = "actor",
                  ref: str | None = "ref") -> None:
@@ -74,12 +58,12 @@ class DPOTrainer:
         self.steps = 0
 
     # ---------------------------------------------------------------------------------------------
-    def reference_logprobs(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(chosen [B], rejected [B])`` reference log-probs: from the batch when it carries them,
-        else one ref forward (collective under ZeRO-3)."""
+    def reference_logprobs(self, batch: Mapping[str, Any], check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chosen [B], rejected [B])`` reference log-probs: from the batch when it carries them, else one ref
+        forward (collective under ZeRO-3); ``check``: refuse that forward with ``precompute_ref``."""
         if all(k in batch for k in REF_KEYS.values()):
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        if self.settings.precompute_ref or self.ref is None:
+        if (check and self.settings.precompute_ref) or self.ref is None:
             raise ValueError("precompute_ref=True but the batch has no ref_chosen_logps / ref_rejected_logps: "
                              "build the rows with precompute_reference() and a PreferenceCollator.")
         with torch.no_grad(), eval_mode(self.registry, self.ref) as engine:
@@ -126,21 +110,37 @@ class DPOTrainer:
         n = totals[-1]
         return {key: total / n for key, total in zip(keys, totals[:-1])}
 
+    @torch.no_grad()
     def evaluate(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
-        """Held-out preference accuracy, reward margin, implicit rewards and loss (collective)."""
+        """Held-out metrics of the implicit reward ``beta * (logpi - logref)`` over every rank's pair batches
+        (collective): ``accuracy`` (chosen reward > rejected), ``margin``, ``chosen_reward``, ``rejected_reward``,
+        ``loss`` and ``pairs``."""
         s = self.settings
-        return preference_accuracy(self.registry, batches, self.policy, self.ref, s.beta, s.loss, s.label_smoothing)
+        totals = torch.zeros(6, dtype=torch.float64)  # correct, margin, chosen, rejected, loss, pairs
+        for batch in batches:
+            batch = {k: v.to(self.registry.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            with eval_mode(self.registry, self.policy) as engine:
+                chosen, rejected = pair_logprobs(engine, batch)
+            ref_chosen, ref_rejected = self.reference_logprobs(batch, check=False)
+            losses, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, s.beta,
+                                                    s.label_smoothing, s.loss)
+            diff = (r_chosen - r_rejected).double().cpu()
+            totals += torch.stack([(diff > 0).double().sum(), diff.sum(), r_chosen.double().sum().cpu(),
+                                   r_rejected.double().sum().cpu(), losses.double().sum().cpu(),
+                                   torch.tensor(float(diff.numel()), dtype=torch.float64)])
+        right, margin, chosen_sum, rejected_sum, loss_sum, n = all_reduce_sum(totals).tolist()
+        n_ = max(n, 1.0)
+        return {"accuracy": right / n_, "margin": margin / n_, "chosen_reward": chosen_sum / n_,
+                "rejected_reward": rejected_sum / n_, "loss": loss_sum / n_, "pairs": n}
 
     # ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def precompute_reference(self, rows: Sequence[Mapping[str, Any]], collate: PreferenceCollator,
-                             batch_size: int = 8) -> list[dict[str, Any]]:
-        """Every row with its reference log-probs ``ref_chosen_logp`` / ``ref_rejected_logp`` added
-        (collective: each rank scores an equal share, then all ranks get all rows).
-
-        Feed the result to a batch stream with the same ``collate``: its batches then carry the ref
-        log-probs and no ref forward runs during training.
-        """
+                             batch_size: int | None = None) -> list[dict[str, Any]]:
+        """Every row with its reference log-probs ``ref_chosen_logp`` / ``ref_rejected_logp`` added, ``batch_size``
+        pairs per forward (default ``settings.precompute_batch_size``; collective: each rank scores an equal share,
+        then all ranks get all rows). Batches of the result (same ``collate``) carry them: no ref forward runs."""
+        batch_size = batch_size or self.settings.precompute_batch_size
         if self.ref is None:
             raise ValueError("precompute_reference needs the ref role.")
         reg = self.registry

@@ -1,5 +1,6 @@
-"""DAPO's dynamic sampling (Yu et al. 2025): drop the prompt groups whose rewards are all equal (zero
-advantage, so no policy gradient) and sample again until the batch holds the wanted number of groups.
+"""DAPO's dynamic sampling (Yu et al. 2025): drop the prompt groups whose rewards are all equal (advantage exactly 0
+under grpo, dr_grpo and rloo, so no policy gradient; reinforce_pp has no group baseline) and sample again until the
+batch holds the wanted number of groups.
 
 * :func:`filter_groups`: the pure test, rewards ``[n_groups, G]`` -> which groups have a spread.
 * :class:`DynamicSampler`: keeps the groups that pass, round after round, until ``target_groups`` are
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .rollout import sampling_seed
 
 __all__ = ["ON_CAP", "DynamicSampler", "GroupFilter", "collect_groups", "filter_groups", "group_row_indices",
            "round_seed"]
@@ -76,8 +79,7 @@ def group_row_indices(groups: torch.Tensor, group_size: int) -> torch.Tensor:
 def round_seed(seed: int, step: int, round_: int, rank: int) -> int:
     """Sampling seed of one round of one step on one rank. Round 0 is ``rollout.sampling_seed(seed, step,
     rank)`` (a run with dynamic sampling samples its first round as one without it)."""
-    base = (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
-    return (base + round_ * 6_700_417) % (2**63 - 1)
+    return (sampling_seed(seed, step, rank) + round_ * 6_700_417) % (2**63 - 1)
 
 
 class DynamicSampler:
@@ -90,19 +92,12 @@ class DynamicSampler:
     sampling order, completed with dropped ones when the cap was hit and ``on_cap="fill"``) and the step's
     metrics. Cumulative counts persist across steps (:meth:`state_dict`).
 
-    Args:
-        target_groups: groups per rank per step (``rollout_batch_size``).
-        max_rounds: sampling rounds per step at most (``grpo.max_resample_rounds``), ``>= 1``.
-        on_cap: ``fill`` or ``error`` (module docstring).
+    ``target_groups``: groups per rank per step (GRPOSettings.rollout_batch_size), ``max_rounds``: sampling rounds
+    per step at most (GRPOSettings.max_resample_rounds), both >= 1 (checked there); ``on_cap``: ``fill`` or
+    ``error`` (module docstring).
     """
 
     def __init__(self, target_groups: int, max_rounds: int = 4, on_cap: str = "fill") -> None:
-        if isinstance(target_groups, bool) or not isinstance(target_groups, int) or target_groups < 1:
-            raise ValueError(f"dynamic sampling target_groups={target_groups!r}: the number of prompt groups per "
-                             "rank per step (rollout_batch_size), an int >= 1.")
-        if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
-            raise ValueError(f"max_resample_rounds={max_rounds!r}: how many sampling rounds a step may take at "
-                             "most, an int >= 1 (e.g. 4).")
         if on_cap not in ON_CAP:
             raise ValueError(f"dynamic sampling on_cap={on_cap!r}; use one of {list(ON_CAP)}.")
         self.target_groups = target_groups

@@ -1,54 +1,53 @@
 """Generation from a (possibly ZeRO-3 partitioned) actor, two ways.
 
-``mode="gather"`` (default): ``registry.generation(role)``: the actor's parameters are gathered once
-per batch and DeepSpeed's per-module fetch/release hooks are detached for the duration, so every token
-runs on full local weights with no communication (what TRL's ``unwrap_model_for_generation`` does;
-DeepSpeed's Hybrid Engine does the same on the few GPU model families it supports). Costs one full
-copy of the actor per rank while it runs.
-
-``mode="per_token"``: the ZeRO-3 path, ``generate(synced_gpus=True)``: every token of every layer is
-gathered and released again (the ~700 ms/token of DeepSpeedExamples#764 on big models), but no rank
-ever holds the whole actor (TRL #2557). ``synced_gpus`` keeps a rank that finished early running dummy
-forwards until all ranks are done, since each forward is a collective.
-
-Below stage 3 both modes are plain ``generate``.
+``mode="gather"`` (default): ``registry.generation(role)`` gathers the actor once per batch and detaches DeepSpeed's
+per-module hooks, so every token runs on full local weights without communication (TRL's
+``unwrap_model_for_generation``); it costs one full copy of the actor per rank while it runs.
+``mode="per_token"``: ZeRO-3's ``generate(synced_gpus=True)``: every layer is gathered and released per token (slow
+on big models, DeepSpeedExamples#764), but no rank ever holds the whole actor. Below stage 3 both are plain
+``generate``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.settings import Choice, Range, Settings, setting
 
 from .ppo import truncate_after_eos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "generate", "position_ids_from_mask"]
-
-GENERATION_MODES = ("gather", "per_token")
+__all__ = ["GenerationSettings", "generate", "position_ids_from_mask", "rollout_done", "vllm_generate"]
 
 
-@dataclass
-class GenerationSettings:
-    """Sampling settings; ``temperature`` is also what the PPO log-probs divide logits by."""
+@dataclass(frozen=True)
+class GenerationSettings(Settings):
+    """How answers are sampled (rollouts and evaluation); ``temperature`` also divides the logits of the PPO/GRPO
+    log-probs."""
 
-    max_new_tokens: int = 16
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    mode: str = "gather"  # gather | per_token
+    max_new_tokens: int = setting(8, "tokens generated per answer", Range(1))
+    temperature: float = setting(1.0, "sampling temperature", Range(0, min_exclusive=True))
+    top_k: int = setting(0, "0 = off", Range(0))
+    top_p: float = setting(1.0, "nucleus sampling (1 = off)", Range(0, 1, min_exclusive=True))
+    mode: str = setting("gather", "gather (the actor gathered once per batch) | per_token (ZeRO-3 synced_gpus)",
+                        Choice("gather", "per_token"), when="engine=hf")
+    engine: str = setting("hf", "hf (transformers generate on the actor) | vllm (the rollout role's vLLM engine, its "
+                                "weights synced from the actor after each step: roles.rollout.*, docs/vllm.md)",
+                          Choice("hf", "vllm"))
+    # greedy answers are the same settings with do_sample off (not a config key: a run samples, eval.greedy adds these)
+    do_sample: bool = dataclasses.field(default=True, metadata={"hidden": True})
 
-    def __post_init__(self) -> None:
-        if self.mode not in GENERATION_MODES:
-            raise ValueError(f"generation mode={self.mode!r}; use one of {list(GENERATION_MODES)}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if k != "do_sample"}  # the section's keys only
+
+    def greedy(self) -> GenerationSettings:
+        # dataclasses.replace: Settings.replace passes a changed field twice (engines/settings.py)
+        return dataclasses.replace(self, do_sample=False)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -77,6 +76,8 @@ def generate(
         ``[B, T]`` response tokens (``T <= max_new_tokens``), padded with ``pad_token_id`` after the
         first EOS (rows that stopped early are not continued into the padding).
     """
+    if settings.engine == "vllm" and registry.rollout(role) is not None:  # roles without one: transformers
+        return vllm_generate(registry, input_ids, attention_mask, settings, eos_token_id, pad_token_id, role)[0]
     r = registry.role(role)
     synced = settings.mode == "per_token" and r.backend == "deepspeed" and r.stage == 3 and registry.world_size > 1
     kwargs = dict(
@@ -93,3 +94,41 @@ def generate(
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     response = out[:, input_ids.shape[1]:]
     return truncate_after_eos(response, eos_token_id, pad_token_id)
+
+
+def rollout_done(registry: EngineRegistry, role: str = "actor") -> dict[str, float]:
+    """After a rollout on role ``role``'s vLLM engine: the engine asleep (GPU sleep mode: its memory back to the
+    update) and the syncs since the last rollout, as timings (``sync_s``, ``sync_bytes``)."""
+    engine = registry.rollout(role)
+    engine.sleep()
+    stats = engine.take_sync_stats()
+    return {"sync_s": stats.seconds, "sync_bytes": float(stats.bytes)}
+
+
+def vllm_sampling(settings: GenerationSettings) -> dict[str, float]:
+    """The sampling of ``settings`` as vLLM takes it (temperature 0 = greedy; top_k 0 = off in both)."""
+    if not settings.do_sample:
+        return {"temperature": 0.0}
+    return {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
+
+
+@torch.no_grad()
+def vllm_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  settings: GenerationSettings, eos_token_id: int, pad_token_id: int,
+                  role: str = "actor") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`generate` on role ``role``'s rollout engine (synced from the role first when it stepped; collective),
+    and the log-prob ``[B, T]`` of each sampled token under the sampling distribution (0 after EOS). Request ``i``
+    is seeded from the torch RNG, so a seeded rollout samples the same tokens again."""
+    engine = registry.rollout(role)
+    if engine is None:
+        raise ValueError(f"generation.engine=vllm but role {role!r} has no rollout engine (registry.add_rollout).")
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+    tokens, logps = engine.generate(prompts, settings.max_new_tokens, vllm_sampling(settings), seeds, [eos_token_id])
+    T = max([1, *map(len, tokens)])
+    response = torch.full((len(tokens), T), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(len(tokens), T)
+    for i, (ids, lps) in enumerate(zip(tokens, logps)):
+        response[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        logprobs[i, :len(lps)] = torch.tensor(lps)
+    return response.to(input_ids.device), logprobs.to(input_ids.device)

@@ -20,6 +20,7 @@ reinforce_pp  r, then global whitening       k1 in the reward     token_mean
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,21 +29,29 @@ from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines.settings import Choice, FieldError, Range, Satisfies, Settings, setting
 
-from .advantages import CRITIC_FREE, critic_free_advantages
+from .advantages import CRITIC_FREE, critic_free_advantages, overlong_penalty
 from .dynamic_sampling import DynamicSampler, collect_groups, group_row_indices, round_seed
-from .generation import GenerationSettings
-from .losses import LOSS_AGG_MODES
-from .policy_variants import IMPORTANCE_LEVELS, overlong_penalty
+from .losses import IMPORTANCE_LEVELS, LOSS_AGG_MODES, ROLLOUT_IS_HELP
+from .multiturn import BUILTIN_ENVS, MultiTurnRollouts
+from .ppo_trainer import DUAL_CLIP
 from .rewards import RewardSource, RunningMoments, check_sources
-from .rollout import Experience, StepStats, concat_experiences, make_experience, rollout_metrics, step_timings
+from .rollout import (
+    Experience,
+    RolloutSpec,
+    StepStats,
+    concat_experiences,
+    make_experience,
+    rollout_metrics,
+    step_timings,
+)
 from .update import train_on_experience
 
 __all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer", "judge_prompt_problem", "plot_panels"]
 
 logger = logging.getLogger(__name__)
 
-Judge = Callable[[str, str], float]
 # a rollout maker other than make_experience (multi-turn): (prompt batch, step, sampling seed) -> Experience
 # with score set (collective: the same number of forwards of every role on every rank)
 Rollout = Callable[[dict[str, Any], int, int], Experience]
@@ -50,88 +59,89 @@ Rollout = Callable[[dict[str, Any], int, int], Experience]
 _KL_IN_REWARD = {"grpo": False, "dr_grpo": False, "rloo": True, "reinforce_pp": True}
 _LOSS_AGG = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "rloo": "token_mean",
              "reinforce_pp": "token_mean"}
+_ENV = Satisfies(lambda v: isinstance(v, str) and (v in ("", *BUILTIN_ENVS) or ":" in v and "builtin:" not in v),
+                 f"\"\", one of {', '.join(BUILTIN_ENVS)} or module:factory")
 
 
-@dataclass
-class GRPOSettings:
-    """Hyper-parameters of the critic-free family (``None`` = the algorithm's default, table above)."""
+@dataclass(frozen=True)
+class GRPOSettings(Settings):
+    """The critic-free estimator (a recipe's ``grpo`` section); "" / null = the algorithm's default (table above)."""
 
-    algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
-    n_samples_per_prompt: int = 4
-    rollout_batch_size: int = 4  # prompts per rank per step (rows = prompts x samples)
-    mini_batch_size: int = 8  # rows per rank per forward/backward
-    epochs: int = 1  # passes over one rollout (1: ratio = 1, the plain policy gradient)
-    clip_eps: float = 0.2
-    dual_clip: float | None = None
-    kl_coef: float = 0.04  # beta (DeepSeekMath's GRPO); 0 = no KL and no ref forward
-    kl_in_reward: bool | None = None  # True: -beta*k1 in the reward; False: beta*k3 loss term
-    kl_clamp: float | None = None  # clamp each token's KL estimate to +/- this
-    loss_agg: str | None = None
-    gamma: float = 1.0  # discount of the returns-to-go (rloo, reinforce_pp with KL in the reward)
-    std_eps: float = 1e-6
-    clip_reward: float | None = 5.0
-    normalize_rewards: bool = False  # running mean/std of the score (all ranks), before clipping
-    no_eos_penalty: float | None = None
-    shuffle_minibatches: bool = True
-    # DAPO / GSPO variants (policy_variants.py; None = clip_eps: the symmetric clip, unchanged)
-    clip_low: float | None = None
-    clip_high: float | None = None
-    importance_level: str = "token"  # token | sequence (GSPO)
-    overlong_buffer: int = 0  # 0 = off; else the last this-many tokens before max_new_tokens ramp a penalty
-    overlong_penalty: float = 1.0
-    # DAPO's dynamic sampling (dynamic_sampling.py): drop groups with all-equal rewards, sample again
-    dynamic_sampling: bool = False
-    max_resample_rounds: int = 4
-    # warn when more than this share of the groups is flat (all rewards equal) for flat_warn_steps steps in a row
-    flat_warn_share: float = 0.8  # 1 = never
-    flat_warn_steps: int = 5
+    algorithm: str = setting("grpo", "grpo | dr_grpo | rloo | reinforce_pp", Choice(*CRITIC_FREE))
+    n_samples_per_prompt: int = setting(8, "completions per prompt (a group; >= 2 except reinforce_pp)", Range(1))
+    rollout_batch_size: int = setting(8, "prompts per rank per step (rows = prompts x samples, a multiple of "
+                                         "roles.actor.micro_batch_size)", Range(1))
+    epochs: int = setting(1, "passes over one rollout (1 = ratio 1, the plain policy gradient)", Range(1))
+    clip_eps: float = setting(0.2, "policy ratio clip", Range(0, min_exclusive=True))
+    dual_clip: float = setting(0.0, "0 = off; > 1 caps the loss of negative-advantage tokens at -dual_clip x A (3.0 = "
+                                    "verl's vanilla loss, which always caps)", DUAL_CLIP)
+    kl_coef: float = setting(0.04, "beta; 0 = no KL and no ref role", Range(0))
+    kl_in_reward: bool | None = setting(None, "null = the algorithm's (k3 loss for grpo/dr_grpo, k1 reward for "
+                                              "rloo/reinforce_pp)", Choice(True, False), when="kl_coef")
+    kl_clamp: float = setting(0.0, "0 = off; clamp each token's KL estimate to +/- this", Range(0), when="kl_coef")
+    loss_aggregation: str = setting("", "\"\" = the algorithm's | token_mean (DAPO) | seq_mean_token_mean (GRPO) | "
+                                        "seq_mean_token_sum_norm (Dr. GRPO)", Choice("", *LOSS_AGG_MODES))
+    clip_low: float | None = setting(None, "null = clip_eps; the ratio's lower bound is 1 - clip_low",
+                                     Range(0, 1, max_exclusive=True))
+    clip_high: float | None = setting(None, "null = clip_low; > clip_low is DAPO's clip-higher (e.g. 0.28)", Range(0))
+    importance_level: str = setting("token", "token | sequence (GSPO's length-normalised sequence ratio)",
+                                    Choice(*IMPORTANCE_LEVELS))
+    overlong_buffer: int = setting(0, "0 = off; DAPO's soft overlong penalty of single answers over the last N "
+                                      "tokens before generation.max_new_tokens ...", Range(0), when="env=")
+    overlong_penalty: float = setting(1.0, "... growing linearly to this at max_new_tokens", Range(0),
+                                      when="overlong_buffer")
+    dynamic_sampling: bool = setting(False, "DAPO: drop prompt groups whose rewards are all equal, sample new prompts")
+    max_resample_rounds: int = setting(4, "sampling rounds per step at most (then the batch is filled with flat "
+                                          "groups)", Range(1), when="dynamic_sampling")
+    env: str = setting("", "\"\" = one completion per answer; builtin:arithmetic (calculator tool) or module:factory = "
+                           "multi-turn episodes, the environment's reward", _ENV, example="builtin:arithmetic")
+    max_turns: int = setting(3, "model turns per episode at most", Range(1), when="env")
+    max_total_tokens: int = setting(48, "tokens per episode at most, prompt included", Range(2), when="env")
+    gamma: float = setting(1.0, "discount of the returns-to-go", Range(0, 1))
+    std_eps: float = setting(1.0e-6, "added to the group std", Range(0), when="algorithm=grpo")
+    clip_reward: float = setting(5.0, "0 = no clipping", Range(0))
+    no_eos_penalty: float = setting(0.0, "> 0: subtracted from the score of answers without EOS (single answers)",
+                                    Range(0), when="env=")
+    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0), when="generation.engine=vllm")
+    shuffle_minibatches: bool = setting(True, "seeded minibatch order")
+    flat_warn_share: float = setting(0.8, "warn when more than this share of groups has all-equal rewards (1 = "
+                                          "never) ...", Range(0, 1))
+    flat_warn_steps: int = setting(5, "... for this many steps in a row", Range(1))
 
-    def __post_init__(self) -> None:
-        if self.algorithm not in CRITIC_FREE:
-            raise ValueError(f"algorithm={self.algorithm!r}; use one of {list(CRITIC_FREE)} (PPOTrainer for ppo).")
+    def check(self) -> None:
         n = self.n_samples_per_prompt
-        if n < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}.")
         if n < 2 and self.algorithm in ("grpo", "dr_grpo", "rloo"):
-            raise ValueError(f"algorithm={self.algorithm} compares completions of one prompt: n_samples_per_prompt="
-                             f"{n} gives zero advantages; use >= 2 (e.g. 4), or algorithm=reinforce_pp.")
-        rows = self.rollout_batch_size * n
-        if self.rollout_batch_size < 1 or self.mini_batch_size < 1 or rows % self.mini_batch_size:
-            raise ValueError(f"rollout_batch_size x n_samples_per_prompt = {rows} rows per rank must be a multiple of "
-                             f"mini_batch_size={self.mini_batch_size}.")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
-        if self.loss_agg is not None and self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg={self.loss_agg!r}; use one of {list(LOSS_AGG_MODES)}.")
-        if self.kl_clamp is not None and self.kl_clamp <= 0:
-            raise ValueError(f"kl_clamp must be > 0 (or None), got {self.kl_clamp}.")
-        low = self.clip_eps if self.clip_low is None else self.clip_low
-        if (self.clip_low is not None or self.clip_high is not None) and not 0.0 <= low < 1.0:
-            raise ValueError(f"clip_low={low!r}: the ratio's lower bound is 1 - clip_low; use 0 <= clip_low < 1.")
-        if self.clip_high is not None and self.clip_high < 0:
-            raise ValueError(f"clip_high={self.clip_high!r}: the ratio's upper bound is 1 + clip_high; use >= 0 "
-                             "(DAPO: 0.28).")
-        if self.importance_level not in IMPORTANCE_LEVELS:
-            raise ValueError(f"importance_level={self.importance_level!r}; use one of {list(IMPORTANCE_LEVELS)}.")
-        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
-            raise ValueError(f"overlong_buffer={self.overlong_buffer}, overlong_penalty={self.overlong_penalty}: "
-                             "both >= 0 (buffer 0 = off).")
-        if self.dynamic_sampling:
-            DynamicSampler(self.rollout_batch_size, self.max_resample_rounds)  # range checks
-        FlatGroupWatch(self.flat_warn_share, self.flat_warn_steps)  # range checks
+            raise FieldError("n_samples_per_prompt", n, f"gives zero advantages with algorithm={self.algorithm}, "
+                             "which compares completions of one prompt", "use >= 2 (e.g. 4), or algorithm=reinforce_pp")
+        if self.objective != "ppo" and self.clip_low is None and self.clip_eps >= 1:
+            raise FieldError("clip_eps", self.clip_eps, f"must be < 1 with the {self.objective} clip (its lower bound "
+                             "is 1 - clip_low, clip_low null = clip_eps)", "set clip_eps or clip_low below 1")
 
     @property
     def resolved_kl_in_reward(self) -> bool:
         return _KL_IN_REWARD[self.algorithm] if self.kl_in_reward is None else self.kl_in_reward
 
+    # what the update reads beside the fields (update.train_on_experience)
     @property
-    def resolved_loss_agg(self) -> str:
-        return self.loss_agg or _LOSS_AGG[self.algorithm]
+    def aggregation(self) -> str:
+        return self.loss_aggregation or _LOSS_AGG[self.algorithm]
+
+    @property
+    def objective(self) -> str:
+        """The policy loss (losses.POLICY_LOSSES): ``gspo`` (sequence ratio), ``dapo`` (clip_low / clip_high set),
+        else ``ppo``'s symmetric clip."""
+        if self.importance_level == "sequence":
+            return "gspo"
+        return "dapo" if self.clip_low is not None or self.clip_high is not None else "ppo"
+
+    @property
+    def kl_loss_coef(self) -> float:
+        return 0.0 if self.resolved_kl_in_reward else self.kl_coef
 
 
 class FlatGroupWatch:
-    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has zero
-    advantages, so it adds nothing to the gradient (only the KL term moves the policy).
+    """Tells when a run learns from few of its groups: a group whose answers all got the same reward has advantages
+    of exactly 0 (grpo, dr_grpo, rloo), so it adds nothing to the gradient (only the KL term moves the policy).
 
     :meth:`update` takes a step's share of flat groups (``reward/flat_groups``) and returns a warning, with
     what to change, at the step where more than ``share`` of the groups have been flat for ``steps`` steps in
@@ -139,11 +149,7 @@ class FlatGroupWatch:
     """
 
     def __init__(self, share: float = 0.8, steps: int = 5) -> None:
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-            raise ValueError(f"flat_warn_share={share!r}: a share of groups in [0, 1] (1 = never warn).")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"flat_warn_steps={steps!r}: a number of steps >= 1.")
-        self.share = float(share)
+        self.share = float(share)  # in [0, 1]; checked as GRPOSettings.flat_warn_share / flat_warn_steps
         self.steps = steps
         self.streak = 0
 
@@ -176,67 +182,51 @@ class FlatGroupWatch:
 class GRPOTrainer:
     """One critic-free step: rollout of ``n`` samples per prompt, group advantages, policy update.
 
-    Args:
-        registry: with a trainable ``actor``, a frozen ``ref`` (unless ``ref=None`` and ``kl_coef = 0``)
-            and the reward-model roles named by ``rewards``.
-        generation: sampling settings (``do_sample`` must be on: a group of identical greedy answers
-            has no spread); ``max_new_tokens`` is Dr. GRPO's normalising constant.
-        settings: :class:`GRPOSettings`.
-        eos_token_id / pad_token_id: the tokenizer's.
-        rewards: reward sources (:func:`rewards.reward_model` / :func:`rewards.reward_function`).
-        decode: ``response_ids [B, T] -> list[str]`` (needed by reward functions and the judge).
-        seed: sampling seeds derive from ``(seed, step, rank)`` (and the round, with dynamic sampling).
-        judge: optional ``judge(prompt, answer)`` logged as ``judge/mean``.
-        more_prompts: with dynamic sampling, the next batch of prompts for another round (every rank draws
-            the same number); ``None`` samples the step's prompts again with the round's seed.
-        rollout: ``rollout(batch, step, sampling_seed) -> Experience`` (score set) in place of the single
-            completion rollout, e.g. multi-turn episodes (multiturn.py).
+    ``spec``: the rollout's sampling (``do_sample`` must be on: a group of identical greedy answers has no spread;
+    ``max_new_tokens`` is Dr. GRPO's normalising constant), token ids, reward sources, decode, judge, seed and roles:
+    a trainable ``actor``, a frozen ``ref`` (read only when ``kl_coef > 0``); a critic is never read.
+    ``micro_batch_size``: the actor's rows per forward/backward in the update (roles.actor.micro_batch_size).
+    ``normalize_rewards``: a running mean/std of the score over all ranks, before clipping. ``more_prompts``: with
+    dynamic sampling, the next batch of prompts for another round (every rank draws the same number); None samples
+    the step's prompts again with the round's seed. ``rollout(batch, step, sampling_seed) -> Experience`` (score set)
+    replaces the single-completion rollout, e.g. multi-turn episodes (multiturn.MultiTurnRollouts; needed with
+    ``settings.env``).
     """
 
-    def __init__(
-        self,
-        registry: EngineRegistry,
-        generation: GenerationSettings,
-        settings: GRPOSettings,
-        eos_token_id: int,
-        pad_token_id: int,
-        rewards: Sequence[RewardSource],
-        decode: Callable[[torch.Tensor], list[str]] | None = None,
-        *,
-        actor: str = "actor",
-        ref: str | None = "ref",
-        seed: int = 0,
-        judge: Judge | None = None,
-        more_prompts: Callable[[], dict[str, Any]] | None = None,
-        rollout: Rollout | None = None,
-    ) -> None:
-        if not generation.do_sample:
+    def __init__(self, registry: EngineRegistry, settings: GRPOSettings, spec: RolloutSpec, micro_batch_size: int, *,
+                 normalize_rewards: bool = False, more_prompts: Callable[[], dict[str, Any]] | None = None,
+                 rollout: Rollout | None = None) -> None:
+        s = settings
+        if not spec.generation.do_sample:
             raise ValueError("critic-free estimators compare several samples of a prompt: set do_sample=True.")
-        if rollout is None or rewards:  # a custom rollout (multi-turn) may bring its own score
-            check_sources(rewards, registry)
-        if actor not in registry or not registry.role(actor).trainable:
-            raise ValueError(f"actor role {actor!r} must be a trainable role of the registry ({registry.names()}).")
-        if settings.kl_coef > 0 and (ref is None or ref not in registry):
-            raise ValueError(f"kl_coef={settings.kl_coef} needs the ref role {ref!r} (registry: {registry.names()}); "
+        if s.env and rollout is None:
+            raise ValueError(f"env={s.env!r} samples episodes: pass rollout=multiturn.MultiTurnRollouts(...).")
+        rows = s.rollout_batch_size * s.n_samples_per_prompt
+        if micro_batch_size < 1 or rows % micro_batch_size:
+            raise ValueError(f"rollout_batch_size x n_samples_per_prompt = {rows} rows per rank must be a multiple of "
+                             f"the actor's micro batch {micro_batch_size}.")
+        if rollout is None or spec.rewards:  # a custom rollout (multi-turn) may bring its own score
+            check_sources(spec.rewards, registry)
+        if spec.actor not in registry or not registry.role(spec.actor).trainable:
+            raise ValueError(f"actor role {spec.actor!r} must be a trainable role of the registry {registry.names()}.")
+        if s.kl_coef > 0 and (spec.ref is None or spec.ref not in registry):
+            raise ValueError(f"kl_coef={s.kl_coef} needs the ref role {spec.ref!r} (registry: {registry.names()}); "
                              "build one or set kl_coef=0.")
-        if any(s.fn is not None for s in rewards) and decode is None:
+        if any(src.fn is not None for src in spec.rewards) and spec.decode is None:
             raise ValueError("reward functions score texts: pass decode= (response ids -> strings).")
-        self.registry = registry
-        self.generation = generation
-        self.settings = settings
-        self.eos, self.pad = int(eos_token_id), int(pad_token_id)
-        self.rewards = list(rewards)
-        self.decode = decode
-        self.actor = actor
-        self.ref = ref if settings.kl_coef > 0 else None
-        self.seed = seed
-        self.judge = judge
-        self.normalizer = RunningMoments() if settings.normalize_rewards else None
-        self.flat_watch = FlatGroupWatch(settings.flat_warn_share, settings.flat_warn_steps)
-        self.more_prompts = more_prompts
-        self.rollout = rollout
-        self.sampler = (DynamicSampler(settings.rollout_batch_size, settings.max_resample_rounds)
-                        if settings.dynamic_sampling else None)
+        self.registry, self.settings, self.micro_batch_size = registry, s, micro_batch_size
+        # one pass over the rollout (one epoch, one optimizer step) with no KL in the reward: the update's own
+        # log-probs are the old ones, so the rollout runs no actor forward for them (TRL's way)
+        one_pass = s.epochs == 1 and rows == micro_batch_size * registry[spec.actor].gradient_accumulation_steps() \
+            and not (s.resolved_kl_in_reward and s.kl_coef > 0)
+        self.spec = dataclasses.replace(spec, ref=spec.ref if s.kl_coef > 0 else None, critic=None,  # critic-free
+                                        old_logprobs=not one_pass)
+        if isinstance(rollout, MultiTurnRollouts):
+            rollout.spec = dataclasses.replace(rollout.spec, old_logprobs=self.spec.old_logprobs)
+        self.normalizer = RunningMoments() if normalize_rewards else None
+        self.flat_watch = FlatGroupWatch(s.flat_warn_share, s.flat_warn_steps)
+        self.more_prompts, self.rollout = more_prompts, rollout
+        self.sampler = DynamicSampler(s.rollout_batch_size, s.max_resample_rounds) if s.dynamic_sampling else None
         self.dynamic: dict[str, float] = {}  # the last step's dynamic sampling counts (this rank)
 
     def _sample(self, batch: dict[str, Any], step: int, seed: int) -> Experience:
@@ -245,14 +235,11 @@ class GRPOTrainer:
         if self.rollout is not None:
             exp = self.rollout(batch, step, seed)
         else:
-            exp = make_experience(
-                self.registry, batch, step, generation=self.generation, eos_token_id=self.eos,
-                pad_token_id=self.pad, rewards=self.rewards, decode=self.decode, actor=self.actor, ref=self.ref,
-                critic=None, n_samples_per_prompt=s.n_samples_per_prompt, seed=self.seed,
-                no_eos_penalty=s.no_eos_penalty, sample_seed=seed)
+            exp = make_experience(self.registry, batch, step, self.spec, n_samples_per_prompt=s.n_samples_per_prompt,
+                                  no_eos_penalty=s.no_eos_penalty, sample_seed=seed)
         if s.overlong_buffer:
-            penalty = overlong_penalty(exp.action_mask.sum(-1), self.generation.max_new_tokens, s.overlong_buffer,
-                                       s.overlong_penalty).to(exp.score.device)
+            penalty = overlong_penalty(exp.action_mask.sum(-1), self.spec.generation.max_new_tokens,
+                                       s.overlong_buffer, s.overlong_penalty).to(exp.score.device)
             exp.score = exp.score + penalty
             exp.reward_parts["overlong"] = penalty
         return exp
@@ -260,12 +247,12 @@ class GRPOTrainer:
     def _dynamic_rollout(self, batch: dict[str, Any], step: int) -> Experience:
         """Rounds of rollouts until every rank holds ``rollout_batch_size`` groups with a reward spread (or the
         cap): the kept groups' rows in one Experience."""
-        G, rank = self.settings.n_samples_per_prompt, self.registry.rank
+        G, rank, seed = self.settings.n_samples_per_prompt, self.registry.rank, self.spec.seed
         timings: dict[str, float] = {}  # every round's, kept or not
 
         def sample(round_: int) -> tuple[torch.Tensor, Experience]:
             prompts = batch if round_ == 0 or self.more_prompts is None else self.more_prompts()
-            exp = self._sample(prompts, step, round_seed(self.seed, step, round_, rank))
+            exp = self._sample(prompts, step, round_seed(seed, step, round_, rank))
             for k, v in exp.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
             return exp.score.reshape(-1, G), exp
@@ -275,8 +262,8 @@ class GRPOTrainer:
 
         assert self.sampler is not None
         selection, self.dynamic = collect_groups(sample, self.sampler, sync)
-        parts = [exp.rows(group_row_indices(groups, G)) for exp, groups in selection]
-        exp = concat_experiences(parts, self.pad, G)
+        exp = concat_experiences([exp.rows(group_row_indices(groups, G)) for exp, groups in selection],
+                                 self.spec.pad_token_id, G)
         exp.timings = timings
         return exp
 
@@ -284,45 +271,35 @@ class GRPOTrainer:
     def make_experience(self, batch: dict[str, Any], step: int) -> Experience:
         """Rollout (``rollout_batch_size`` prompts x ``n_samples_per_prompt`` rows) with rewards and
         advantages set (collective)."""
-        s = self.settings
         if self.sampler is not None:
             exp = self._dynamic_rollout(batch, step)
         else:
-            exp = self._sample(batch, step, round_seed(self.seed, step, 0, self.registry.rank))
+            exp = self._sample(batch, step, round_seed(self.spec.seed, step, 0, self.registry.rank))
         t0 = time.perf_counter()
         score = exp.score
         if self.normalizer is not None:
             self.normalizer.update(score)
             score = self.normalizer.normalize(score)
-        exp.advantages, exp.rewards = critic_free_advantages(
-            s.algorithm, score, exp.logprobs, exp.ref_logprobs, exp.action_mask, s.n_samples_per_prompt,
-            kl_coef=s.kl_coef, kl_in_reward=s.resolved_kl_in_reward, kl_clamp=s.kl_clamp,
-            clip_reward=s.clip_reward, gamma=s.gamma, std_eps=s.std_eps)
+        exp.advantages, exp.rewards = critic_free_advantages(score, exp.logprobs, exp.ref_logprobs, exp.action_mask,
+                                                             self.settings)
         exp.timings["experience_s"] += time.perf_counter() - t0
         return exp
 
     def train_on(self, exp: Experience, step: int, stats: StepStats | None = None) -> dict[str, float]:
         """``epochs`` passes of minibatches over the rollout (KL loss term unless it is in the reward).
         With ``stats``, the statistics are added to it and ``{}`` is returned."""
-        s = self.settings
-        kl_loss_coef = 0.0 if s.resolved_kl_in_reward else s.kl_coef
-        return train_on_experience(
-            self.registry, exp, step, mini_batch_size=s.mini_batch_size, temperature=self.generation.temperature,
-            actor=self.actor, critic=None, epochs=s.epochs, clip_eps=s.clip_eps, dual_clip=s.dual_clip,
-            clip_low=s.clip_low, clip_high=s.clip_high, importance_level=s.importance_level,
-            loss_agg=s.resolved_loss_agg, horizon=self.generation.max_new_tokens, kl_coef=kl_loss_coef,
-            kl_estimator="k3", kl_clamp=s.kl_clamp, shuffle=s.shuffle_minibatches, seed=self.seed, stats=stats)
+        return train_on_experience(self.registry, exp, step, self.settings, self.spec, self.micro_batch_size,
+                                   stats=stats)
 
     def rollout_metrics(self, exp: Experience, stats: StepStats | None = None) -> dict[str, float]:
         """Reward, KL, length and group statistics of a rollout, over all ranks (with ``stats``: added to it)."""
-        return rollout_metrics(exp, self.judge, stats)
+        return rollout_metrics(exp, self.spec.judge, stats)
 
     def step(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """One step: rollout, advantages, update. Returns the step's metrics (global means)."""
         t0 = time.perf_counter()
         exp = self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
-        self.rollout_metrics(exp, stats)
         if self.sampler is not None:  # global: dropped / seen groups over all ranks
             d = self.dynamic
             stats.add("dynamic/dropped_rate", [d["dynamic/groups_dropped"], d["dynamic/groups_seen"]],
@@ -332,11 +309,12 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         self.train_on(exp, step, stats)
         t_train = time.perf_counter() - t1
+        self.rollout_metrics(exp, stats)  # after the update: with one pass, the actor's log-probs come from it
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
         metrics = {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings}
         if "reward/flat_groups" in metrics:  # the same global value on every rank: the streaks agree
             warning = self.flat_watch.update(metrics["reward/flat_groups"], self.settings.n_samples_per_prompt,
-                                             self.generation.temperature)
+                                             self.spec.generation.temperature)
             if warning and self.registry.is_main:
                 logger.warning("%s", warning)
         return metrics

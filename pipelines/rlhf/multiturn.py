@@ -35,39 +35,21 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from multiengine.engines.settings import config_problem
 
-__all__ = [
-    "ANSWER_RE",
-    "BUILTIN_ENVS",
-    "MultiTurnRollouts",
-    "arithmetic_rows",
-    "arithmetic_vocabulary",
-    "check_env_settings",
-    "environment_factory",
-    "episode_figures",
-    "evaluate_multiturn",
-    "prepare_arithmetic",
-    "prepare_arithmetic_assets",
-    "registry_rollouts",
-    "TOOL_CALL_RE",
-    "ArithmeticEnv",
-    "CalculatorError",
-    "Environment",
-    "MultiTurnRollout",
-    "TurnRenderer",
-    "arithmetic_prompts",
-    "collate_rollouts",
-    "format_number",
-    "multiturn_rollout",
-    "multiturn_rollouts",
-    "rollout_seed",
-    "safe_calculate",
-    "sampling_generate",
-    "to_experience_layout",
-]
+if TYPE_CHECKING:
+    from .grpo import GRPOSettings
+    from .rollout import RolloutSpec
+
+__all__ = ["ANSWER_RE", "BUILTIN_ENVS", "TOOL_CALL_RE", "ArithmeticEnv", "CalculatorError", "Environment",
+           "MultiTurnRollout", "MultiTurnRollouts", "TurnRenderer", "arithmetic_prompts", "arithmetic_rows",
+           "arithmetic_vocabulary", "check_env_settings", "collate_rollouts", "environment_factory", "episode_figures",
+           "evaluate_multiturn", "format_number", "multiturn_rollout", "multiturn_rollouts", "prepare_arithmetic",
+           "prepare_arithmetic_assets", "registry_rollouts", "rollout_seed", "safe_calculate", "sampling_generate",
+           "to_experience_layout"]
 
 TOOL_CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.S)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -329,22 +311,13 @@ def multiturn_rollout(
     max_new_tokens: int = 64,
     seed: int | None = None,
 ) -> MultiTurnRollout:
-    """Alternate model and environment turns until the environment says done or a cap is reached.
-
-    Args:
-        prompt: passed to ``env.reset``; its observation is the first turn.
-        generate: ``generate(ids, max_new_tokens) -> new ids``, any model or engine; whatever follows the first
-            EOS (``renderer.tokenizer.eos_token_id``) and anything beyond ``max_new_tokens`` is dropped.
-        max_turns: model turns at most (``grpo.max_turns``).
-        max_total_tokens: the whole sequence's length at most, prompt included (``grpo.max_total_tokens``); a
-            model turn gets at most the room that is left, and an environment turn that would leave no room for
-            another model token ends the episode.
-        max_new_tokens: tokens per model turn at most.
-        seed: seeds torch's global generator first (module docstring); ``None`` leaves it alone.
-
-    Returns:
-        A :class:`MultiTurnRollout`.
-    """
+    """One episode: model and environment turns alternate until the environment says done or a cap is reached.
+    ``env.reset(prompt)`` gives the first turn; ``generate(ids, max_new_tokens) -> new ids`` is any model or engine
+    (whatever follows the first EOS, ``renderer.tokenizer.eos_token_id``, or exceeds ``max_new_tokens`` is dropped).
+    Caps: ``max_turns`` model turns, ``max_total_tokens`` for the whole sequence, prompt included (a model turn gets
+    at most the room left; an environment turn that leaves no room for another model token ends the episode),
+    ``max_new_tokens`` per model turn. ``seed`` seeds torch's global generator first (module docstring; None leaves
+    it alone)."""
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns!r}: the number of model turns per episode, >= 1.")
     if max_new_tokens < 1:
@@ -547,7 +520,7 @@ def arithmetic_rows(n: int, seed: int, tool_fraction: float = 0.5, max_operand: 
 
 
 def prepare_arithmetic(root: str, seed: int = 0, hidden: int = 64, layers: int = 2, n_sft: int = 2000,
-                       n_prompts: int = 1000, n_eval: int = 256) -> dict[str, str]:
+                       n_prompts: int = 1000, n_eval: int = 256, heads: int = 0) -> dict[str, str]:
     """The arithmetic task under ``root``: ``data/{sft,ppo,eval}.jsonl`` (demonstrations, training prompts,
     held-out prompts), a word-level tokenizer (:func:`arithmetic_vocabulary`, no chat template: turns are plain
     text) and a random tiny OPT. Call on one rank; returns the paths."""
@@ -568,7 +541,7 @@ def prepare_arithmetic(root: str, seed: int = 0, hidden: int = 64, layers: int =
             f.writelines(json.dumps(r) + "\n" for r in rows)
     tokenizer, model = os.path.join(root, "tokenizer"), os.path.join(root, "model")
     tiny.train_tokenizer(arithmetic_vocabulary(), tokenizer, vocab_size=1024)
-    tiny.build_tiny_causal_lm(model, tokenizer, hidden=hidden, layers=layers, seed=seed)
+    tiny.build_tiny_causal_lm(model, tokenizer, hidden=hidden, layers=layers, seed=seed, heads=heads)
     return {"data": data, "tokenizer": tokenizer, "model": model}
 
 
@@ -597,6 +570,15 @@ def registry_rollouts(registry: Any, prompts: Sequence[str], make_env: Callable[
     rank whose episodes take more turns runs more local forwards without the others waiting on it. A ZeRO-3
     actor with ``mode="per_token"`` on several ranks is refused (each token would be a collective, and the
     ranks' turn counts differ)."""
+    caps = dict(seed=seed, max_turns=max_turns, max_total_tokens=max_total_tokens,
+                max_new_tokens=generation.max_new_tokens)
+    if generation.engine == "vllm":  # one request per turn, seeded from the episode's torch RNG
+        from .generation import vllm_sampling
+
+        engine, sampling = registry.rollout(actor), vllm_sampling(generation)
+        return multiturn_rollouts(prompts, make_env, lambda ids, n: engine.generate(
+            [ids], n, sampling, [int(torch.randint(0, 2**31 - 1, ()))], [renderer.eos_token_id])[0][0], renderer,
+            **caps)
     role = registry.role(actor)
     if generation.mode != "gather" and role.stage == 3 and registry.world_size > 1:
         raise ValueError("multi-turn rollouts need generation.mode=gather with a ZeRO-3 actor on several ranks: "
@@ -607,8 +589,7 @@ def registry_rollouts(registry: Any, prompts: Sequence[str], make_env: Callable[
         gen = _engine_generate(module, renderer.eos_token_id, renderer.tokenizer.pad_token_id, generation.temperature,
                                generation.top_k, generation.top_p, generation.do_sample)
         try:
-            return multiturn_rollouts(prompts, make_env, gen, renderer, seed=seed, max_turns=max_turns,
-                                      max_total_tokens=max_total_tokens, max_new_tokens=generation.max_new_tokens)
+            return multiturn_rollouts(prompts, make_env, gen, renderer, **caps)
         finally:
             module.train(was_training)
 
@@ -623,43 +604,47 @@ def episode_figures(rollouts: Sequence[MultiTurnRollout]) -> dict[str, torch.Ten
 
 
 class MultiTurnRollouts:
-    """``GRPOTrainer``'s ``rollout``: ``n_samples_per_prompt`` episodes per prompt (consecutive rows), the
-    actor's and ref's log-probs on the whole token sequence (one forward per role, every rank) and the
-    environment's reward as the score. Only the model's tokens are actions (:func:`to_experience_layout`)."""
+    """``GRPOTrainer``'s ``rollout`` with ``settings.env`` (a GRPOSettings): ``n_samples_per_prompt`` episodes per
+    prompt (consecutive rows) of at most ``max_turns`` model turns and ``max_total_tokens`` tokens, the log-probs
+    of ``spec.actor`` and ``spec.ref`` (None: no ref) on the whole token sequence (one forward per role, every rank)
+    and the environment's reward as the score. Only the model's tokens are actions (:func:`to_experience_layout`)."""
 
-    def __init__(self, registry: Any, make_env: Callable[[], Environment], renderer: TurnRenderer, generation: Any,
-                 *, n_samples_per_prompt: int, max_turns: int, max_total_tokens: int, actor: str = "actor",
-                 ref: str | None = None) -> None:
-        self.registry, self.make_env, self.renderer, self.generation = registry, make_env, renderer, generation
-        self.n, self.max_turns, self.max_total_tokens = n_samples_per_prompt, max_turns, max_total_tokens
-        self.actor, self.ref = actor, ref
+    def __init__(self, registry: Any, settings: GRPOSettings, renderer: TurnRenderer, spec: RolloutSpec) -> None:
+        self.registry, self.renderer, self.spec = registry, renderer, spec
+        self.make_env = environment_factory(settings.env)
+        self.n, self.max_turns, self.max_total_tokens = (settings.n_samples_per_prompt, settings.max_turns,
+                                                         settings.max_total_tokens)
 
     def episodes(self, prompts: Sequence[str], seed: int) -> list[MultiTurnRollout]:
-        return registry_rollouts(self.registry, prompts, self.make_env, self.renderer, self.generation, seed=seed,
-                                 max_turns=self.max_turns, max_total_tokens=self.max_total_tokens, actor=self.actor)
+        return registry_rollouts(self.registry, prompts, self.make_env, self.renderer, self.spec.generation,
+                                 seed=seed, max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
+                                 actor=self.spec.actor)
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, Any], step: int, seed: int) -> Any:
         import time
 
+        from .generation import rollout_done
         from .rollout import Experience
         from .scoring import role_logprobs
 
-        registry = self.registry
+        registry, spec = self.registry, self.spec
         prompts = [p for p in batch["prompts"] for _ in range(self.n)]
         t0 = time.perf_counter()
         rollouts = self.episodes(prompts, seed)
         t_gen = time.perf_counter() - t0
+        sync = rollout_done(registry, spec.actor) if spec.generation.engine == "vllm" else {}
         layout = to_experience_layout(rollouts, self.renderer.tokenizer.pad_token_id)
         seq = layout["sequences"].to(registry.device)
         attention = layout["attention_mask"].to(registry.device)
         action = layout["action_mask"].to(registry.device)
         C, action_f = layout["context_length"], action.float()
-        temperature = self.generation.temperature
-        logprobs = role_logprobs(registry, self.actor, seq, attention, C, temperature) * action_f
+        temperature = spec.generation.temperature
+        logprobs = role_logprobs(registry, spec.actor, seq, attention, C, temperature) * action_f \
+            if spec.old_logprobs else None
         ref_logprobs = None
-        if self.ref is not None:
-            ref_logprobs = role_logprobs(registry, self.ref, seq, attention, C, temperature) * action_f
+        if spec.ref is not None:
+            ref_logprobs = role_logprobs(registry, spec.ref, seq, attention, C, temperature) * action_f
         score = layout["score"].to(registry.device)
         return Experience(
             sequences=seq, attention_mask=attention, context_length=C, action_mask=action, logprobs=logprobs,
@@ -667,7 +652,7 @@ class MultiTurnRollouts:
             responses=[" | ".join(r.model_turns) for r in rollouts], group_size=self.n,
             extras=episode_figures(rollouts),
             timings={"generation_s": t_gen, "experience_s": time.perf_counter() - t0 - t_gen,
-                     "generation_steps": float(sum(int(r.action_mask.sum()) for r in rollouts))})
+                     "generation_steps": float(sum(int(r.action_mask.sum()) for r in rollouts)), **sync})
 
 
 def evaluate_multiturn(rollouts: MultiTurnRollouts, batches: Sequence[dict[str, Any]], seed: int) -> dict[str, float]:
@@ -689,8 +674,8 @@ def evaluate_multiturn(rollouts: MultiTurnRollouts, batches: Sequence[dict[str, 
             "tool_calls": float(totals[3]) / n}
 
 
-def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: int = 64,
-                              layers: int = 2) -> dict[str, str]:
+def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: int = 64, layers: int = 2,
+                              heads: int = 0) -> dict[str, str]:
     """:func:`prepare_arithmetic` under ``root`` on rank 0 on first use (the others wait at a barrier)."""
     import os
 
@@ -699,24 +684,25 @@ def prepare_arithmetic_assets(root: str, registry: Any, seed: int = 0, hidden: i
     paths = {k: os.path.join(root, k) for k in ("data", "tokenizer", "model")}
     done = os.path.join(root, ".complete")
     if registry.is_main and not os.path.isfile(done):
-        prepare_arithmetic(root, seed=seed, hidden=hidden, layers=layers)
+        prepare_arithmetic(root, seed=seed, hidden=hidden, layers=layers, heads=heads)
         with open(done, "w") as f:
             f.write("ok\n")
     barrier()
     return paths
 
 
-def check_env_settings(env: str, has_rewards: bool, generation_mode: str, overlong_buffer: int) -> None:
-    """rlhf_grpo's ``grpo.env`` settings: an environment that loads, its reward alone, gathered generation, no
-    per-answer length penalty. Raises ``ValueError`` naming the key and the fix."""
-    environment_factory(env)
+def check_env_settings(env: str, has_rewards: bool, generation_mode: str) -> None:
+    """The settings of other sections ``grpo.env`` needs: an environment that loads, its reward alone (no
+    reward.models / reward.functions) and gathered generation (episodes take a different number of turns on each
+    rank, so per-token collectives would hang). Raises a SettingsError naming the key and the fix."""
+    try:
+        environment_factory(env)
+    except ValueError as err:
+        raise config_problem("grpo.env", env, "cannot be loaded", str(err)) from None
     if has_rewards:
-        raise ValueError(f"grpo.env={env!r} scores episodes with the environment's reward; set reward.models=[] and "
-                         "reward.functions=[] (or grpo.env=\"\" for single answers).")
+        raise config_problem("grpo.env", env, "scores episodes with the environment's reward alone", "set "
+                             "reward.models=[] and reward.functions=[] (or grpo.env=\"\" for single answers)")
     if generation_mode != "gather":
-        raise ValueError(f"generation.mode={generation_mode!r} with grpo.env={env!r}: episodes take a different "
-                         "number of turns on each rank, so per-token collectives would hang; use generation.mode="
-                         "gather.")
-    if overlong_buffer:
-        raise ValueError(f"grpo.overlong_buffer={overlong_buffer} applies to single answers; set it to 0 with "
-                         "grpo.env (grpo.max_total_tokens caps an episode).")
+        raise config_problem("generation.mode", generation_mode, f"cannot run grpo.env={env!r} episodes: they take a "
+                             "different number of turns on each rank, so per-token collectives would hang",
+                             "use generation.mode=gather")

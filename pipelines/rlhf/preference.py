@@ -41,14 +41,9 @@ class PreferenceCollator:
 
 
 def preference_response_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``[2B, L]`` mask of the response tokens (EOS included) of a pair batch.
-
-    With ``prompt_lengths`` the response starts right after the prompt. Without it (a plain
-    :class:`PairCollator` batch) it starts at the first token where a pair's chosen and rejected rows
-    differ: the shared part then includes any common start of the two responses, whose tokens have the
-    same log-probs in both rows (same context), so DPO / IPO margins and losses are unchanged; only
-    the separate chosen / rejected implicit rewards shift by that shared part.
-    """
+    """``[2B, L]`` mask of the response tokens (EOS included) of a pair batch: after ``prompt_lengths``, or without
+    them at the first token where a pair's rows differ (a common start of both responses has the same log-probs in
+    both rows, so DPO / IPO margins and losses are unchanged; only the separate implicit rewards shift)."""
     ids, attn = batch["input_ids"], batch["attention_mask"].bool()
     rows, L = ids.shape
     if rows % 2:

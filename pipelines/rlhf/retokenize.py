@@ -1,12 +1,7 @@
-"""Tokenizers per role: detect that two roles tokenize differently, and re-encode the actor's sequences
-for a scoring role (reward model, critic) that has its own tokenizer.
-
-The actor samples token ids of *its* vocabulary; a reward model trained with another tokenizer would read
-them as ids of its own and score nonsense, silently. So the actor's sequences are decoded to text and
-encoded again with the scoring role's tokenizer, in exactly the layout that role was trained on (the
-step-2 collators': prompt with its special tokens or chat template, response, EOS when the actor emitted
-one), as OpenRLHF does for remote reward models. Equal vocabularies need no re-encoding.
-"""
+"""Tokenizers per role: whether two roles tokenize differently, and the actor's sequences re-encoded for a scoring
+role (reward model, critic) with its own tokenizer: decoded to text and encoded again in the layout that role was
+trained on (the step-2 collators': prompt with its special tokens or chat template, response, EOS when the actor
+emitted one), as OpenRLHF does for remote reward models; equal vocabularies need none."""
 
 from __future__ import annotations
 
@@ -49,15 +44,9 @@ def _visible_chars(text: str) -> int:
 
 
 class Retokenizer:
-    """Actor (``source``) sequences -> ids of a scoring role's tokenizer (``target``), ready for scoring.
-
-    Args:
-        source: the actor's tokenizer.
-        target: the reward model's / critic's tokenizer.
-        max_prompt_len, max_response_len: the target role's limits (as its step-2 collator had them).
-        conversational: the prompts are conversations (``prompt_messages`` must be passed then); with
-            equal vocabularies but different chat templates it still re-encodes.
-    """
+    """The actor's (``source`` tokenizer) sequences as ids of a scoring role's ``target`` tokenizer, ready for
+    scoring, within that role's prompt and response limits; ``conversational``: the prompts are conversations (pass
+    ``prompt_messages``; equal vocabularies with different chat templates still re-encode)."""
 
     def __init__(self, source: Any, target: Any, max_prompt_len: int, max_response_len: int,
                  conversational: bool = False) -> None:
@@ -85,27 +74,14 @@ class Retokenizer:
         prompt_messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
         align: bool = False,
     ) -> dict[str, Any]:
-        """Sequences for the target role.
-
-        Args:
-            prompt_ids, prompt_mask: ``[B, C]``, left padded (the actor's prompt batch).
-            response_ids: ``[B, T]`` generated ids.
-            response_mask: ``[B, T]`` valid response tokens (default: up to and including the first EOS).
-            prompts: the prompt strings (default: decoded from ``prompt_ids``; pass the originals so a
-                left-truncated prompt is whole again).
-            prompt_messages: the conversations of conversational prompts (``batch["prompt_messages"]``).
-            align: also return ``value_index`` ``[B, T]``: for each actor response token, the position in
-                the new sequence of the target token that ends the same text; and ``state_index`` ``[B, T]``:
-                for each actor action, the position whose value is that of the state before it (the position
-                of the text before the action: ``value_index`` of the previous token, the last prompt token
-                for the first), which is where a critic's value ``V(s_t)`` of action ``t`` is read, as
-                ``ppo.response_values`` reads it from the actor's own sequences.
-
-        Returns:
-            ``input_ids``/``attention_mask`` ``[B, L]`` (right padded; score at the last real token),
-            ``reencoded`` (False: the actor's own sequences, prompt left padded, masked response after),
-            ``responses`` (decoded texts, when re-encoded), ``value_index`` and ``state_index`` (with ``align``).
-        """
+        """Sequences for the target role from the actor's left-padded prompts ``[B, C]`` and generated ids ``[B, T]``
+        (``response_mask``: the valid ones, default up to the first EOS; ``prompts``: the original prompt strings, so a
+        left-truncated prompt is whole again; ``prompt_messages``: the conversations): ``input_ids`` /
+        ``attention_mask`` ``[B, L]`` (right padded; the score is read at the last real token), ``reencoded`` (False:
+        the actor's own ids), ``responses`` (decoded texts, when re-encoded) and with ``align``: ``value_index`` ``[B,
+        T]`` (for each actor token, the target position ending the same text) and ``state_index`` (where a critic's
+        value of the state before each action is read: the previous token's position, the last prompt token for the
+        first, as ``ppo.response_values`` reads the actor's own sequences)."""
         if response_mask is None:
             response_mask = self.response_mask(response_ids)
         response_mask = response_mask.long()
@@ -178,18 +154,10 @@ def position_budget(path: str) -> int:
 
 def retokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str]], conversational: bool,
                  tokenizers: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Retokenizer | None]]:
-    """Each scoring role's tokenizer and, when it tokenizes differently from the actor (vocabularies
-    compared, and chat templates for conversational prompts), the :class:`Retokenizer` that re-encodes the
-    actor's rows for it; ``None`` = the actor's ids are used as they are.
-
-    Args:
-        roles: ``(role, model folder, tokenizer key's value)``; "" = the folder's own tokenizer (the actor's
-            when the folder has none).
-        tokenizers: tokenizers already loaded, by role (reused, e.g. the critic's = the reward model's).
-
-    Returns:
-        ``({role: tokenizer}, {role: Retokenizer or None})``.
-    """
+    """``({role: tokenizer}, {role: Retokenizer or None})`` of each scoring role ``(role, model folder, its tokenizer
+    key's value: "" = the folder's own, else the actor's)``: a Retokenizer where it tokenizes differently from the
+    actor (vocabularies, and chat templates for conversational prompts), None where the actor's ids are used as they
+    are; ``tokenizers``: those already loaded, by role."""
     toks, retoks = dict(tokenizers or {}), {}
     for role, path, given in roles:
         tok = toks.get(role) or role_tokenizer(given, path, actor_tokenizer, what=f"role {role!r}")
@@ -208,13 +176,9 @@ def retokenizers(actor_tokenizer: Any, roles: list[tuple[str, str, str]], conver
 
 def check_scoring_tokenizers(actor_tokenizer: Any, roles: Sequence[tuple[str, str, str, str]],
                              conversational: bool) -> None:
-    """Each scoring role's tokenizer loads and fits its model and, when it must re-encode conversational
-    prompts, has a chat template. ``roles``: ``(role, model folder, tokenizer value, tokenizer key)``; a role
-    without a folder is skipped.
-
-    Raises:
-        OSError, ValueError: naming the role, its folder or tokenizer key, and the fix.
-    """
+    """Each scoring role's tokenizer loads, fits its model and, where it re-encodes conversations, has a chat
+    template; ``roles``: ``(role, model folder, tokenizer value, tokenizer key)``, a role without a folder skipped.
+    OSError / ValueError naming the role, its folder or key and the fix."""
     from ..checks import check_vocab_fits
     from .data import check_chat_template
 

@@ -1,5 +1,4 @@
-"""The reward sources a config names, checked and resolved from plain lists (the recipes read the ``reward``
-section and pass its ``models`` and ``functions`` here).
+"""The ``reward`` section of the RL recipes: the reward sources a config names, checked and resolved.
 
 ``models``: reward-model roles, each ``{role, model, weight}`` plus an optional ``tokenizer`` (a folder; "" = the
 model folder's own, re-encoded when it differs from the actor's) and optional placement keys (``stage, dtype,
@@ -19,12 +18,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from multiengine.engines import Placement
-from multiengine.engines.recipe_config import RecipeConfigError
+from multiengine.engines.settings import Settings, SettingsError, setting
 
 if TYPE_CHECKING:  # rewards.py pulls in the model code: imported where used, so importing this stays light
     from .rewards import RewardSource
 
-__all__ = ["RewardModelRole", "reward_entries", "reward_roles", "reward_tokenizer_checks", "with_retokenizers"]
+__all__ = ["RewardModelRole", "RewardSettings", "reward_entries", "reward_roles", "reward_tokenizer_checks",
+           "with_retokenizers"]
 
 _MODEL_KEYS = ("role", "model", "weight", "tokenizer", "stage", "dtype", "offload_params", "gather_forward")
 _FUNCTION_KEYS = ("fn", "weight")
@@ -43,19 +43,19 @@ class RewardModelRole:
 
 def _weight(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RecipeConfigError(f"{key}={value!r}: a reward weight is a finite number (e.g. 1.0).")
+        raise SettingsError(f"{key}={value!r}: a reward weight is a finite number (e.g. 1.0).")
     return float(value)
 
 
 def _check_keys(key: str, entry: Mapping[str, Any], valid: tuple[str, ...]) -> None:
     for name in entry:
         if name == "path" and "model" in valid:  # the old name of an entry's folder
-            raise RecipeConfigError(f"config key '{key}.path' (value {entry[name]!r}) is now '{key}.model': a "
+            raise SettingsError(f"config key '{key}.path' (value {entry[name]!r}) is now '{key}.model': a "
                                     f"role's folder is its `model` everywhere. Fix: write model: {entry[name]}.")
         if name not in valid:
             close = difflib.get_close_matches(str(name), valid, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(valid)}."
-            raise RecipeConfigError(f"unknown key '{key}.{name}' (value {entry[name]!r}).{hint}")
+            raise SettingsError(f"unknown key '{key}.{name}' (value {entry[name]!r}).{hint}")
 
 
 def reward_entries(models: Any, functions: Any, key: str = "reward", default_model: str = ""
@@ -66,36 +66,36 @@ def reward_entries(models: Any, functions: Any, key: str = "reward", default_mod
     ``roles.reward.model``, which an entry for the ``reward`` role may leave empty but not contradict.
 
     Raises:
-        RecipeConfigError: naming the key, the value and the fix.
+        SettingsError: naming the key, the value and the fix.
     """
     from .rewards import load_reward_function
 
     if not isinstance(models, list):
-        raise RecipeConfigError(f"{key}.models={models!r}: expected a list, e.g. [{{role: reward, weight: 1.0}}].")
+        raise SettingsError(f"{key}.models={models!r}: expected a list, e.g. [{{role: reward, weight: 1.0}}].")
     if not isinstance(functions, list):
-        raise RecipeConfigError(f"{key}.functions={functions!r}: expected a list, e.g. [builtin:judge].")
+        raise SettingsError(f"{key}.functions={functions!r}: expected a list, e.g. [builtin:judge].")
     roles: list[dict[str, Any]] = []
     for i, entry in enumerate(models):
         where = f"{key}.models[{i}]"
         if isinstance(entry, str):
             entry = {"role": entry}
         if not isinstance(entry, dict):
-            raise RecipeConfigError(f"{where}={entry!r}: expected a mapping such as {{role: reward, weight: 1.0}}.")
+            raise SettingsError(f"{where}={entry!r}: expected a mapping such as {{role: reward, weight: 1.0}}.")
         _check_keys(where, entry, _MODEL_KEYS)
         role = entry.get("role", "reward")
         if not isinstance(role, str) or not (role == "reward" or (role.startswith("reward_") and len(role) > 7)):
-            raise RecipeConfigError(f"{where}.role={role!r}: a reward-model role is named 'reward' or "
+            raise SettingsError(f"{where}.role={role!r}: a reward-model role is named 'reward' or "
                                     "'reward_<name>' (e.g. reward_safety).")
         if any(r["role"] == role for r in roles):
-            raise RecipeConfigError(f"{where}.role={role!r} appears twice in {key}.models; give each a new name.")
+            raise SettingsError(f"{where}.role={role!r} appears twice in {key}.models; give each a new name.")
         path = entry.get("model", "") or ""
         if not isinstance(path, str):
-            raise RecipeConfigError(f"{where}.model={path!r}: expected a model folder or hub name.")
+            raise SettingsError(f"{where}.model={path!r}: expected a model folder or hub name.")
         if not path and role != "reward":
-            raise RecipeConfigError(f"{where}.model is empty: only the 'reward' role defaults to roles.reward.model; "
+            raise SettingsError(f"{where}.model is empty: only the 'reward' role defaults to roles.reward.model; "
                                     f"give {role!r} its own folder.")
         if path and role == "reward" and default_model and path != default_model:
-            raise RecipeConfigError(f"{where}.model={path!r} and roles.reward.model={default_model!r} both set the "
+            raise SettingsError(f"{where}.model={path!r} and roles.reward.model={default_model!r} both set the "
                                     "'reward' role's folder; keep one (roles.reward.model is the usual place).")
         roles.append({**entry, "role": role, "model": path, "weight": _weight(f"{where}.weight",
                                                                              entry.get("weight", 1.0))})
@@ -105,15 +105,15 @@ def reward_entries(models: Any, functions: Any, key: str = "reward", default_mod
         if isinstance(entry, str):
             entry = {"fn": entry}
         if not isinstance(entry, dict) or not isinstance(entry.get("fn"), str):
-            raise RecipeConfigError(f"{where}={entry!r}: expected 'pkg.module:function', '/path/file.py:function', "
+            raise SettingsError(f"{where}={entry!r}: expected 'pkg.module:function', '/path/file.py:function', "
                                     "'builtin:judge' or {fn: <one of those>, weight: 1.0}.")
         _check_keys(where, entry, _FUNCTION_KEYS)
         try:
             load_reward_function(entry["fn"])
         except ValueError as exc:
-            raise RecipeConfigError(f"{where}: {exc}") from None
+            raise SettingsError(f"{where}: {exc}") from None
         if any(s == entry["fn"] for s, _ in specs):
-            raise RecipeConfigError(f"{where}={entry['fn']!r} appears twice in {key}.functions; merge the weights.")
+            raise SettingsError(f"{where}={entry['fn']!r} appears twice in {key}.functions; merge the weights.")
         specs.append((entry["fn"], _weight(f"{where}.weight", entry.get("weight", 1.0))))
     return roles, specs
 
@@ -130,14 +130,14 @@ def reward_roles(entries: list[dict[str, Any]], specs: list[tuple[str, float]], 
 
     if not entries and not specs:
         if default_path is None:
-            raise RecipeConfigError(f"no reward source: set roles.reward.model (a reward-model folder), {key}.models "
+            raise SettingsError(f"no reward source: set roles.reward.model (a reward-model folder), {key}.models "
                                     f"or {key}.functions (e.g. {key}.functions=[builtin:judge] on the built-in task).")
         entries = [{"role": "reward", "model": "", "weight": 1.0}]
     roles = []
     for i, entry in enumerate(entries):
         path = entry["model"] or default_path
         if path is None:
-            raise RecipeConfigError(f"{key}.models[{i}] (role 'reward') has no model and roles.reward.model is empty.")
+            raise SettingsError(f"{key}.models[{i}] (role 'reward') has no model and roles.reward.model is empty.")
         stage = entry.get("stage", base.stage)
         try:
             place = Placement(stage=base.stage if stage is None or stage < 0 else int(stage),
@@ -145,7 +145,7 @@ def reward_roles(entries: list[dict[str, Any]], specs: list[tuple[str, float]], 
                               offload_params=bool(entry.get("offload_params", base.offload_params)),
                               gather_forward=bool(entry.get("gather_forward", base.gather_forward)))
         except ValueError as exc:  # the engines' ConfigError: name the entry it came from
-            raise RecipeConfigError(f"{key}.models[{i}] (role {entry['role']!r}): {exc}") from None
+            raise SettingsError(f"{key}.models[{i}] (role {entry['role']!r}): {exc}") from None
         tokenizer = entry.get("tokenizer") or (default_tokenizer if entry["role"] == "reward" else "")
         roles.append(RewardModelRole(entry["role"], path, entry["weight"], place, str(tokenizer or "")))
     sources = [reward_model(r.role, r.weight) for r in roles]
@@ -157,6 +157,34 @@ def reward_roles(entries: list[dict[str, Any]], specs: list[tuple[str, float]], 
         unique = labels.count(label) == 1 and label not in taken
         sources.append(reward_function(spec, weight, name=label if unique else spec))
     return roles, sources
+
+
+@dataclass(frozen=True)
+class RewardSettings(Settings):
+    """The reward sources: reward-model roles and functions, summed with weights."""
+
+    models: list[Any] = setting([], "reward-model roles [{role, model, weight, tokenizer, stage, ...}]; [] and no "
+                                    "functions = the `reward` role (roles.reward), weight 1")
+    functions: list[Any] = setting([], "reward functions: pkg.mod:fn, /path/file.py:fn, builtin:judge or {fn, weight}")
+    normalize: bool = setting(False, "running mean/std of the combined score over all ranks, before clipping")
+
+    def entries(self, default_model: str = "") -> tuple[list[dict[str, Any]], list[tuple[str, float]]]:
+        """The checked ``models`` and ``functions`` entries (:func:`reward_entries`); ``default_model``:
+        ``roles.reward.model``."""
+        return reward_entries(self.models, self.functions, "reward", default_model)
+
+    def wants_reward_role(self) -> bool:
+        """The ``reward`` role takes its folder from ``roles.reward.model``: no source is named (the default), or a
+        ``models`` entry names the role without a folder."""
+        entries, functions = self.entries()
+        return (not entries and not functions) or any(e["role"] == "reward" and not e["model"] for e in entries)
+
+    def sources(self, default_path: str | None, base: Placement, default_tokenizer: str = ""
+                ) -> tuple[list[RewardModelRole], list[RewardSource]]:
+        """The reward-model roles to build and every reward source (:func:`reward_roles`): ``default_path`` is
+        ``roles.reward.model`` (None = none may be used), ``base`` ``roles.reward``'s placement."""
+        entries, specs = self.entries(default_path or "")
+        return reward_roles(entries, specs, default_path, base, "reward", default_tokenizer)
 
 
 def reward_tokenizer_checks(roles: list[RewardModelRole]) -> list[tuple[str, str, str, str]]:

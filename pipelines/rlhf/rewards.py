@@ -1,31 +1,16 @@
-"""Where a rollout's scalar reward comes from: reward-model roles and/or Python reward functions,
-combined as a weighted sum; plus a running normaliser of the combined score.
+"""Where a rollout's scalar reward comes from: reward-model roles and/or Python reward functions, summed with
+weights; and a running normaliser of the combined score.
 
-A reward function is written as for TRL's GRPOTrainer::
-
-    def my_reward(prompts, completions, **kwargs) -> list[float]: ...
-
-It is called once per batch with ``prompts`` (the rows' prompt texts; a conversation's last user
-message), ``completions`` (the answers, decoded without special tokens, up to the first EOS),
-``completion_ids`` (each answer's token ids, up to and including the first EOS) and every other column
-of the rows as a keyword argument holding one value per row (e.g. ``answer=[...]``), aligned with the
-rows after the ``n_samples_per_prompt`` repetition. It returns one float per row, or ``None`` for a row it
-does not apply to (that row gets 0 from it and is left out of its mean). A function without ``**kwargs``
-gets only the arguments it names (``responses`` is another name for ``completions``); a function whose
-parameters name none of these (``lambda p, r: ...``) gets ``(prompts, completions)`` by position, and
-columns only where it names them. The signature is read once, when the source is made.
-
-A reward function is named by a spec string, as in a YAML config:
-
-* ``package.module:function`` - importable from the Python path;
-* ``/path/to/file.py:function`` - a file, loaded as a module (it is your code: it runs);
-* ``builtin:judge`` - the built-in task's programmatic judge (:func:`judge_reward`).
-
-Reward functions run on every rank over that rank's rows; reward-model roles run one forward per
-rollout on every rank (collective under ZeRO-3), whichever rows a rank holds. A reward model with its
-own tokenizer carries a :class:`~multiengine.pipelines.rlhf.retokenize.Retokenizer`: it scores the
-actor's prompts and answers decoded and encoded again with its tokenizer (and chat template), never the
-actor's token ids.
+A reward function is written as for TRL's GRPOTrainer, ``fn(prompts, completions, **kwargs) -> list[float]``: called
+once per batch with the rows' prompt texts (a conversation's last user message), ``completions`` (the answers up to
+the first EOS, decoded without special tokens; also ``responses``), ``completion_ids`` and every other column of the
+rows as a keyword argument (e.g. ``answer=[...]``), one value per row after the ``n_samples_per_prompt`` repetition.
+It returns one float per row, or None where it does not apply (0 in the sum, left out of its mean). A function
+without ``**kwargs`` gets only what it names; one naming none of these gets ``(prompts, completions)`` by position.
+It is named by a spec: ``package.module:function``, ``/path/to/file.py:function`` (your code: it runs) or
+``builtin:judge`` (the built-in task's judge). Functions run on every rank over its rows; a reward-model role runs
+one forward per rollout on every rank (collective under ZeRO-3) and, with its own tokenizer, scores the actor's text
+re-encoded (:class:`~multiengine.pipelines.rlhf.retokenize.Retokenizer`), never the actor's ids.
 """
 
 from __future__ import annotations
@@ -45,26 +30,10 @@ from multiengine.engines import ConfigError, EngineRegistry, all_reduce_sum
 from . import tiny
 from .scoring import eval_mode, sequence_scores
 
-__all__ = [
-    "BUILTIN_REWARD_FUNCTIONS",
-    "RESERVED_ARGUMENTS",
-    "RESERVED_NAMES",
-    "RewardCall",
-    "RewardFn",
-    "RewardFunctionError",
-    "RewardSource",
-    "RunningMoments",
-    "call_reward_function",
-    "check_reward_columns",
-    "check_sources",
-    "compute_scores",
-    "judge_reward",
-    "load_reward_function",
-    "reencoded",
-    "reward_function",
-    "reward_model",
-    "reward_sources",
-]
+__all__ = ["BUILTIN_REWARD_FUNCTIONS", "RESERVED_ARGUMENTS", "RESERVED_NAMES", "RewardCall", "RewardFn",
+           "RewardFunctionError", "RewardSource", "RunningMoments", "call_reward_function", "check_reward_columns",
+           "check_sources", "compute_scores", "judge_reward", "load_reward_function", "reencoded", "reward_function",
+           "reward_model"]
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -83,12 +52,7 @@ BUILTIN_REWARD_FUNCTIONS: dict[str, RewardFn] = {"judge": judge_reward}
 
 
 def load_reward_function(spec: str) -> RewardFn:
-    """Resolve a reward-function spec (see the module docstring) to a callable.
-
-    Raises:
-        ValueError: malformed spec, a missing module/file/attribute, or an attribute that is not callable;
-            the message names the spec and how to fix it.
-    """
+    """The callable of a reward-function spec (module docstring); ValueError naming the spec and the fix."""
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"reward function {spec!r}: expected 'package.module:function', "
                          "'/path/to/file.py:function' or 'builtin:<name>'.")
@@ -135,13 +99,9 @@ class RewardFunctionError(ConfigError):
 
 @dataclass(frozen=True)
 class RewardCall:
-    """How a reward function is called, read once from its signature (module docstring).
-
-    ``positional``: ``(prompts, completions)`` go by position (a function naming none of
-    :data:`RESERVED_ARGUMENTS`); ``names``: the parameters passed by name when a value of that name is
-    offered; ``required``: those of them without a default; ``var_keyword``: it takes ``**kwargs`` (gets
-    ``prompts``, ``completions``, ``completion_ids`` and every column).
-    """
+    """How a reward function is called, read once from its signature: ``positional`` (``(prompts, completions)`` by
+    position: it names none of :data:`RESERVED_ARGUMENTS`), ``names`` (passed by name when offered), ``required``
+    (those without a default) and ``var_keyword`` (it takes ``**kwargs``: the texts, ids and every column)."""
 
     positional: bool
     names: tuple[str, ...] = ()
@@ -197,13 +157,9 @@ def call_reward_function(
     completion_ids: Sequence[Sequence[int]] | None = None,
     label: str = "",
 ) -> list[float]:
-    """``fn`` called on one batch as ``call`` says (module docstring); returns one float per row, ``nan`` where
-    it returned ``None``.
-
-    Raises:
-        ValueError: a required parameter that no column gives, a column that clashes with an argument name, a
-            wrong number of values or a non-finite value (``None`` is allowed: it means "does not apply").
-    """
+    """``fn`` called on one batch as ``call`` says: one float per row, ``nan`` where it returned None. ValueError
+    for a required parameter no column gives or a column named like an argument; RewardFunctionError for what the
+    function raised or returned (not one finite float or None per row)."""
     label = label or getattr(fn, "__name__", "reward function")
     columns = dict(columns or {})
     B = len(prompts)
@@ -294,23 +250,6 @@ def reward_function(fn: RewardFn | str, weight: float = 1.0, name: str | None = 
     return RewardSource(name=label, weight=float(weight), fn=fn)
 
 
-def reward_sources(
-    models: Mapping[str, float] | None = None,
-    functions: Sequence[str | tuple[str, float]] | Mapping[str, float] | None = None,
-) -> list[RewardSource]:
-    """Reward sources from flat settings, as a config names them: ``models`` maps reward-model roles
-    to weights (``{"reward": 1.0}``); ``functions`` lists specs (weight 1) or maps spec -> weight
-    (``{"builtin:judge": 1.0, "my_pkg.rewards:length": 0.1}``). Function names must be unique."""
-    out = [reward_model(role, float(weight)) for role, weight in (models or {}).items()]
-    items = functions.items() if isinstance(functions, Mapping) else (functions or [])
-    for item in items:
-        spec, weight = (item, 1.0) if isinstance(item, str) else item
-        out.append(reward_function(spec, float(weight)))
-    if not out:
-        raise ValueError("no reward source: name at least one reward-model role or reward function.")
-    return out
-
-
 def check_sources(sources: Sequence[RewardSource], registry: EngineRegistry) -> None:
     """Reject an empty list, duplicate or reserved names and reward-model roles the registry does not have."""
     if not sources:
@@ -329,12 +268,8 @@ def check_sources(sources: Sequence[RewardSource], registry: EngineRegistry) -> 
 
 
 def check_reward_columns(sources: Sequence[RewardSource], columns: Sequence[str], where: str = "the data") -> None:
-    """Every reward function's required parameters are among ``columns`` (the rows' columns besides
-    ``prompt``), and no column is named like a reward-function argument; checked before a rollout.
-
-    Raises:
-        ValueError: naming the function, the parameter, the columns ``where`` has, and the fix.
-    """
+    """Every reward function's required parameters are among ``columns`` (besides ``prompt``) and no column is named
+    like a reward-function argument; ValueError naming the function, the parameter, ``where``'s columns and the fix."""
     if not any(s.fn is not None for s in sources):
         return
     columns = [c for c in columns if c != "prompt"]
@@ -376,22 +311,11 @@ def compute_scores(
     prompt_messages: Sequence[Any] | None = None,
     columns: Mapping[str, Sequence[Any]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The weighted sum of every source's score for each row (collective: every rank, every role).
-
-    Args:
-        sequences / attention_mask: ``[B, L]`` prompt + response, the mask covering the actions.
-        prompts / responses: the rows' texts, needed by reward functions (and, as the original prompt
-            strings, by reward models with their own tokenizer).
-        context_length: ``C``, where the responses start; needed by reward models with a retokenizer (and
-            for the ``completion_ids`` reward functions get).
-        prompt_messages: conversational prompts (the collator's ``prompt_messages``), for retokenizers.
-        columns: the rows' other dataset columns (the collator's ``columns``), ``{name: [B values]}``,
-            passed to reward functions as keyword arguments.
-
-    Returns:
-        ``(total [B] float32, {source name: [B] unweighted score})``; a reward function's score is ``nan``
-        on the rows it returned ``None`` for (they add 0 to the total).
-    """
+    """``(total [B] float32, {source: [B] unweighted score})``: the weighted sum of every source's score of the rows
+``sequences`` ``[B, L]`` (prompt + response, ``attention_mask`` covering the actions; collective). Reward functions
+need the texts ``prompts``/``responses`` and get ``columns`` (``{name: [B values]}``) as keyword arguments; a reward
+model with a retokenizer needs ``context_length`` (where the responses start) and ``prompt_messages`` (conversations).
+A function's score is ``nan`` on rows it returned None for (they add 0 to the total)."""
     B = sequences.shape[0]
     total = torch.zeros(B, dtype=torch.float32, device=sequences.device)
     parts: dict[str, torch.Tensor] = {}
@@ -424,12 +348,9 @@ def compute_scores(
 
 
 class RunningMoments:
-    """Running mean and variance of a stream of scores over every rank (parallel-variance merge of
-    each batch's global count, mean and M2), to normalise rewards as ``(r - mean) / (std + eps)``.
-
-    ``update`` is collective. The state is identical on every rank; ``state_dict`` /
-    ``load_state_dict`` carry it through a checkpoint so a resumed run normalises the same way.
-    """
+    """Running mean and variance of a stream of scores over every rank (parallel-variance merge of each batch's global
+    count, mean and M2), to normalise rewards as ``(r - mean) / (std + eps)``; ``update`` is collective, the state the
+    same on every rank and checkpointed, so a resumed run normalises the same way."""
 
     def __init__(self, eps: float = 1e-8) -> None:
         self.eps = float(eps)

@@ -1,22 +1,20 @@
 """Experience making: generate responses, then score them with every role.
 
-One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies
-of a prompt are adjacent rows on the same rank: see advantages.py) and runs, on every rank, one
-forward of each role involved: the actor and the ref for log-probs, the critic (optional) for
-values, each reward-model role for a score; reward functions score the decoded texts (with the rows'
-other dataset columns, the collator's ``columns``, repeated with their prompts). Advantages
-are left to the estimator (GAE in ppo_trainer.py, the critic-free family in grpo.py).
+One call of :func:`make_experience` samples ``n_samples_per_prompt`` responses per prompt (the copies of a prompt are
+adjacent rows on the same rank: see advantages.py) and runs, on every rank, one forward of each role of its
+:class:`RolloutSpec`: the actor and the ref for log-probs, the critic (optional) for values, each reward-model role for
+a score; reward functions score the decoded texts (with the rows' other dataset columns, the collator's ``columns``,
+repeated with their prompts). Advantages are left to the estimator (GAE in ppo_trainer.py, the critic-free family in
+grpo.py).
 
 A reward model or critic with its own tokenizer gets the rows decoded and encoded again with it
-(``RewardSource.retokenizer``, ``critic_retokenizer``); the critic's values are then read at the
-positions that end the same text as the actor's tokens (``Experience.critic_index``), and the update
-feeds the critic the same re-encoded rows.
+(``RewardSource.retokenizer``, ``RolloutSpec.critic_retokenizer``); the critic's values are then read at the positions
+that end the same text as the actor's tokens (``Experience.critic_index``), and the update feeds the critic the same
+re-encoded rows.
 
-Every function here is collective: all ranks call it with the same number of rows, so every rank
-runs the same number of forwards of every role (under ZeRO-3 each forward gathers layers from all
-ranks, and a rank that skipped one would hang the others).
-
-Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
+Every function here is collective: all ranks call it with the same number of rows, so every rank runs the same number
+of forwards of every role (under ZeRO-3 each forward gathers layers from all ranks, and a rank that skipped one would
+hang the others). Shapes: ``B`` rows per rank (prompts x samples), ``C`` padded prompt length, ``T`` response length.
 """
 
 from __future__ import annotations
@@ -31,18 +29,19 @@ import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
-from .generation import GenerationSettings, generate, position_ids_from_mask
+from .generation import GenerationSettings, generate, position_ids_from_mask, rollout_done, vllm_generate
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
-__all__ = ["Experience", "StepStats", "concat_experiences", "expand_prompts", "make_experience", "rollout_metrics",
-           "sampling_seed", "step_timings"]
+__all__ = ["Experience", "RolloutSpec", "StepStats", "concat_experiences", "expand_prompts", "make_experience",
+           "rollout_metrics", "sampling_seed", "step_timings"]
 
 Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
 
 _ROW_TENSORS = ("sequences", "attention_mask", "action_mask", "logprobs", "score", "ref_logprobs", "values",
-                "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index")
+                "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index",
+                "rollout_logprobs")
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Experience:
     attention_mask: torch.Tensor  # [B, L]: prompt tokens and actions
     context_length: int  # C
     action_mask: torch.Tensor  # [B, T] bool prefix mask: up to and including the first EOS
-    logprobs: torch.Tensor  # [B, T] rollout (old) policy
+    logprobs: torch.Tensor | None  # [B, T] rollout (old) policy; None: the update's own, detached (one pass)
     score: torch.Tensor  # [B] weighted sum of the reward sources (after the no-EOS penalty)
     ref_logprobs: torch.Tensor | None = None  # [B, T]; None without a ref role
     values: torch.Tensor | None = None  # [B, T] critic at rollout time; None without a critic
@@ -65,6 +64,7 @@ class Experience:
     critic_sequences: torch.Tensor | None = None
     critic_attention_mask: torch.Tensor | None = None
     critic_index: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None  # [B, T] the rollout engine's (vLLM) of its sampled tokens; None: hf
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
@@ -124,7 +124,7 @@ def concat_experiences(parts: list[Experience], pad_token_id: int, group_size: i
             elif value.dim() == 2:  # [B, T]
                 value = _pad(value, 0, right)
             cols.setdefault(key, []).append(value)
-    take = {k: torch.cat(v) for k, v in cols.items()}
+    take = {**dict.fromkeys(_ROW_TENSORS), **{k: torch.cat(v) for k, v in cols.items()}}
     first = parts[0]
     timings: dict[str, float] = {}
     for p in parts:
@@ -164,44 +164,40 @@ def expand_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
     return {k: {c: repeat(x) for c, x in v.items()} if k == "columns" else repeat(v) for k, v in batch.items()}
 
 
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What a rollout samples and scores with: the sampling settings (``temperature`` also scales every log-prob),
+    the tokenizer's EOS and pad ids, the reward sources (summed with their weights), ``decode`` (``response_ids
+    [B, T] -> texts``, needed by reward functions and the judge), an optional ``judge(prompt, answer)`` logged as
+    ``judge/mean``, the roles (``ref`` and ``critic`` may be None), the run's seed (sampling seeds derive from
+    ``(seed, step, rank)``), a ``Retokenizer`` to the critic's tokenizer when it differs from the actor's, and
+    ``old_logprobs`` False: no actor forward for the rollout's log-probs (one pass over the rollout: the update takes
+    its own, detached, so the ratio is 1 by construction; GRPOTrainer decides)."""
+
+    generation: GenerationSettings
+    eos_token_id: int
+    pad_token_id: int
+    rewards: Sequence[RewardSource] = ()
+    decode: Decode | None = None
+    judge: Judge | None = None
+    actor: str = "actor"
+    ref: str | None = "ref"
+    critic: str | None = None
+    seed: int = 0
+    critic_retokenizer: Any = None
+    old_logprobs: bool = True
+
+
 @torch.no_grad()
-def make_experience(
-    registry: EngineRegistry,
-    batch: dict[str, Any],
-    step: int,
-    *,
-    generation: GenerationSettings,
-    eos_token_id: int,
-    pad_token_id: int,
-    rewards: Sequence[RewardSource],
-    decode: Decode | None = None,
-    actor: str = "actor",
-    ref: str | None = "ref",
-    critic: str | None = None,
-    n_samples_per_prompt: int = 1,
-    seed: int = 0,
-    no_eos_penalty: float | None = None,
-    critic_retokenizer: Any = None,
-    sample_seed: int | None = None,
-) -> Experience:
-    """Sample and score one rollout (collective).
-
-    Args:
-        batch: a :class:`PromptCollator` batch: ``input_ids`` / ``attention_mask`` ``[P, C]`` left
-            padded, ``prompts`` (texts; needed by reward functions), optionally ``columns`` (the rows' other
-            dataset columns, passed to reward functions by name).
-        step: seeds the sampling (with ``seed`` and the rank).
-        rewards: the reward sources, summed with their weights.
-        decode: ``response_ids [B, T] -> list[str]``; needed by reward functions (and judges).
-        actor / ref / critic: role names; ``ref`` and ``critic`` may be ``None``.
-        n_samples_per_prompt: completions per prompt, in consecutive rows.
-        no_eos_penalty: subtracted from the score of answers that never emitted EOS.
-        critic_retokenizer: a ``Retokenizer`` from the actor's tokenizer to the critic's, when they differ.
-        sample_seed: the sampling seed (``None`` = :func:`sampling_seed` of ``(seed, step, rank)``).
-
-    Returns:
-        An :class:`Experience` of ``P * n_samples_per_prompt`` rows without rewards/advantages.
-    """
+def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, spec: RolloutSpec, *,
+                    n_samples_per_prompt: int = 1, no_eos_penalty: float = 0.0,
+                    sample_seed: int | None = None) -> Experience:
+    """Sample and score one rollout (collective): ``n_samples_per_prompt`` completions of each prompt of ``batch``
+    (a :class:`PromptCollator` batch: left-padded ``input_ids`` / ``attention_mask`` ``[P, C]``, ``prompts`` texts,
+    optionally ``columns``, the rows' other dataset columns passed to reward functions by name) in consecutive rows,
+    one forward of each role of ``spec``, the score minus ``no_eos_penalty`` (0 = off) for answers without EOS.
+    ``sample_seed`` None = :func:`sampling_seed` of ``(spec.seed, step, rank)``. Returns an :class:`Experience` of
+    ``P * n_samples_per_prompt`` rows without rewards/advantages."""
     device = registry.device
     batch = expand_prompts(batch, n_samples_per_prompt)
     prompt_ids = batch["input_ids"].to(device)
@@ -210,29 +206,38 @@ def make_experience(
 
     # 1. sample (seeded per step and rank: resume and stage changes sample the same tokens)
     t0 = time.perf_counter()
-    torch.manual_seed(sampling_seed(seed, step, registry.rank) if sample_seed is None else sample_seed)
-    response = generate(registry, prompt_ids, prompt_mask, generation, eos_token_id, pad_token_id, role=actor)
+    torch.manual_seed(sampling_seed(spec.seed, step, registry.rank) if sample_seed is None else sample_seed)
+    eos, generation, critic = spec.eos_token_id, spec.generation, spec.critic
+    rollout_logprobs, sync = None, {}
+    if generation.engine == "vllm":
+        response, rollout_logprobs = vllm_generate(registry, prompt_ids, prompt_mask, generation, eos,
+                                                   spec.pad_token_id, spec.actor)
+        sync = rollout_done(registry, spec.actor)
+    else:
+        response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
     t_gen = time.perf_counter() - t0
 
     # 2. sequences; actions = the prefix up to and including the first EOS (a pad id sampled before it is
     #    an ordinary token, attended to here as it was while sampling)
     t1 = time.perf_counter()
     sequences = torch.cat([prompt_ids, response], dim=1)
-    action = ppo.action_mask(response, eos_token_id)
+    action = ppo.action_mask(response, eos)
     attention = torch.cat([prompt_mask, action.to(prompt_mask.dtype)], dim=1)
     action_f = action.float()
 
     # 3. one forward per role, every rank
-    logprobs = role_logprobs(registry, actor, sequences, attention, C, generation.temperature)
+    logprobs = None
+    if spec.old_logprobs:
+        logprobs = role_logprobs(registry, spec.actor, sequences, attention, C, generation.temperature) * action_f
     ref_logprobs = None
-    if ref is not None:
-        ref_logprobs = role_logprobs(registry, ref, sequences, attention, C, generation.temperature) * action_f
+    if spec.ref is not None:
+        ref_logprobs = role_logprobs(registry, spec.ref, sequences, attention, C, generation.temperature) * action_f
     prompts = list(batch.get("prompts", []))
     messages = batch.get("prompt_messages")
     values, critic_rows = None, {}
-    if critic is not None and critic_retokenizer is not None and critic_retokenizer.needed:
+    if critic is not None and spec.critic_retokenizer is not None and spec.critic_retokenizer.needed:
         # the critic reads the same text in its own tokens; V(s_t) sits where the text before action t ends
-        enc = reencoded(critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
+        enc = reencoded(spec.critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
         with eval_mode(registry, critic) as engine:
             full = engine(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                           position_ids=position_ids_from_mask(enc["attention_mask"])).float()
@@ -243,31 +248,28 @@ def make_experience(
         values = role_values(registry, critic, sequences, attention, C) * action_f
 
     # 4. the reward: weighted sum of reward-model scores and reward-function values
-    texts = decode(response) if decode is not None else []
+    texts = spec.decode(response) if spec.decode is not None else []
     columns = {k: list(v) for k, v in (batch.get("columns") or {}).items()}
-    score, parts = compute_scores(registry, rewards, sequences, attention, prompts or None, texts or None,
+    score, parts = compute_scores(registry, spec.rewards, sequences, attention, prompts or None, texts or None,
                                   context_length=C, prompt_messages=messages, columns=columns)
     if no_eos_penalty:
-        score = ppo.apply_no_eos_penalty(score, response, eos_token_id, no_eos_penalty)
+        score = ppo.apply_no_eos_penalty(score, response, eos, no_eos_penalty)
     t_exp = time.perf_counter() - t1
     return Experience(
         sequences=sequences, attention_mask=attention, context_length=C, action_mask=action,
-        logprobs=logprobs * action_f, score=score, ref_logprobs=ref_logprobs, values=values,
+        logprobs=logprobs, score=score, ref_logprobs=ref_logprobs, values=values,
         reward_parts=parts, prompts=prompts, responses=texts, columns=columns, group_size=n_samples_per_prompt,
-        **critic_rows,
-        timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1])},
+        **critic_rows, rollout_logprobs=None if rollout_logprobs is None else rollout_logprobs * action_f,
+        timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1]), **sync},
     )
 
 
 class StepStats:
-    """The scalar statistics of one step from every rank, reduced by ONE all-reduce.
-
-    Each entry puts local sums into one float64 vector, with a function of their global sums that gives
-    its value; :meth:`reduce` sums the vector over ranks at once (collective) and returns ``{key: value}``.
-    Every rank must add the same entries in the same order. Used by the trainers to reduce a rollout's
-    metrics, the update's statistics and the throughput together (each collective on gloo costs a
-    latency of about a millisecond, whatever its size).
-    """
+    """The scalar statistics of one step from every rank, reduced by ONE all-reduce: each entry puts local sums into
+    one float64 vector, with a function of their global sums that gives its value; :meth:`reduce` sums the vector
+    over ranks at once (collective) and returns ``{key: value}``. Every rank adds the same entries in the same order.
+    The trainers reduce a rollout's metrics, the update's statistics and the throughput together (each collective on
+    gloo costs about a millisecond, whatever its size)."""
 
     def __init__(self) -> None:
         self._sums: list[float] = []
@@ -318,7 +320,7 @@ def rollout_metrics(exp: Experience, judge: Judge | None = None, stats: StepStat
     stats.mean("response_length", mask.sum(-1))
     for name, value in exp.reward_parts.items():  # unweighted; rows a function returned None for are left out
         stats.nanmean(f"reward/{name}", value)
-    if exp.ref_logprobs is not None:
+    if exp.ref_logprobs is not None and exp.logprobs is not None:
         stats.mean("kl", (ppo.kl_k1(exp.logprobs, exp.ref_logprobs) * mask).sum(-1))
     if exp.rewards is not None:
         stats.mean("reward/total_mean", (exp.rewards * mask).sum(-1))
@@ -349,6 +351,7 @@ def step_timings(exp: Experience, t_train: float, t_step: float, stats: StepStat
         "time/train_s": t_train,
         "time/step_s": t_step,
         "gen/ms_per_token": 1000.0 * t_gen / max(exp.timings["generation_steps"], 1.0),
+        **{f"rollout/{k}": exp.timings[k] for k in ("sync_s", "sync_bytes") if k in exp.timings},
     }
     own = stats is None
     target = StepStats() if own else stats

@@ -18,10 +18,10 @@ __all__ = ["builtin_judge", "has_tokenizer", "on_rank0_first", "prepare_tiny_ass
            "role_tokenizer"]
 
 
-def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0, hidden: int = 64,
-                        layers: int = 2) -> dict[str, str]:
+def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0,
+                        size: tiny.TinySettings | None = None) -> dict[str, str]:
     """The embedded default under ``root``: built-in dataset (``root/data/{split}.jsonl``), word-level
-    tokenizer and a random tiny OPT. Rank 0 builds on first use, the others wait at a barrier."""
+    tokenizer and a random tiny OPT of ``size``. Rank 0 builds on first use, the others wait at a barrier."""
     paths = {"data": os.path.join(root, "data"), "tokenizer": os.path.join(root, "tokenizer"),
              "model": os.path.join(root, "model")}
     done = os.path.join(root, ".complete")
@@ -29,7 +29,9 @@ def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0, hidd
         # 30k preference pairs: with the default 6k a tiny reward model memorises them and stays at ~75%
         # held-out accuracy, which PPO then exploits; 512 evaluation prompts: a judge mean over 256 sampled
         # answers has a standard error of ~0.02
-        tiny.prepare_builtin(root, seed=seed, hidden=hidden, layers=layers, n_reward=30000, n_eval=512)
+        size = size or tiny.TinySettings()
+        tiny.prepare_builtin(root, seed=seed, hidden=size.hidden, layers=size.layers, heads=size.heads, n_reward=30000,
+                            n_eval=512)
         with open(done, "w") as f:
             f.write("ok\n")
     barrier()
@@ -46,10 +48,6 @@ def builtin_judge(prompts: Sequence[str], enabled: bool = True) -> Callable[[str
 
 def has_tokenizer(path: str) -> bool:
     """A local folder holding tokenizer files."""
-    return _has_tokenizer(path)
-
-
-def _has_tokenizer(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
                                        for f in ("tokenizer.json", "tokenizer_config.json"))
 
@@ -66,7 +64,7 @@ def resolve_tokenizer(*candidates: str) -> Any:
         if not path:
             continue
         path = os.path.expanduser(str(path))
-        if not (_has_tokenizer(path) or (not os.path.exists(path) and is_hub_name(path))):
+        if not (has_tokenizer(path) or (not os.path.exists(path) and is_hub_name(path))):
             continue
         try:
             tok = load_tokenizer(path)
@@ -115,7 +113,7 @@ def on_rank0_first(registry: EngineRegistry, load: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     if box[0] is not None:
-        from multiengine.engines.recipe_config import RecipeConfigError
+        from multiengine.engines.settings import SettingsError
 
-        raise RecipeConfigError(f"rank 0 could not load the data: {box[0]}")
+        raise SettingsError(f"rank 0 could not load the data: {box[0]}")
     return result if registry.is_main else load()

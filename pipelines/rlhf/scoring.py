@@ -20,14 +20,7 @@ from .generation import position_ids_from_mask
 from .losses import sequence_logprob
 from .models import last_token_index
 
-__all__ = [
-    "eval_mode",
-    "policy_logits",
-    "role_logprobs",
-    "role_values",
-    "sequence_logprobs",
-    "sequence_scores",
-]
+__all__ = ["eval_mode", "policy_logits", "role_logprobs", "role_values", "sequence_logprobs", "sequence_scores"]
 
 
 @contextlib.contextmanager

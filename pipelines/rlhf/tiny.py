@@ -1,22 +1,18 @@
 """The embedded default for RLHF: a tiny word-listing task, its judge, tokenizer and model.
 
-Task. A prompt asks for ``n`` words of a topic, e.g. ``"list 3 fruits :"``; the answer is a
-space-separated list of words, e.g. ``"apple pear plum"``. :func:`judge` scores an answer in
-``[0, 1]``::
+A prompt asks for ``n`` words of a topic (``"list 3 fruits :"``); the answer is a space-separated list of words.
+:func:`judge` scores it in ``[0, 1]``::
 
     hits   = min(#on-topic words that differ from the word before them, n)
     extras = #words - hits          (off-topic words, stutters, or more than n words)
     score  = clip((hits - 0.5 * extras) / n, 0, 1)
 
-so only exactly ``n`` on-topic words without a stutter ("apple apple") score 1. Repeats are judged
-only between neighbours on purpose: a stutter is a local pattern a 2-layer reward model learns
-reliably, whereas "any duplicate anywhere" was learned so poorly (about 80% pair accuracy on policy
-samples) that PPO against the learned reward model drifted to answers like "tram tram tram truck"
-and the judge score fell. The SFT demonstrations mix perfect answers with mediocre ones (an
-off-topic word, a stutter, a wrong count), so a model that imitates them
-scores clearly below 1; preference pairs are ranked by the judge, and PPO can push the policy towards
-the perfect answers. Everything is word level (one token per word), so prompts are 5 tokens and
-answers at most ``n + 3`` tokens: a 2-layer, 64-wide model learns it on CPU in minutes.
+so only exactly ``n`` on-topic words without a stutter score 1. Repeats are judged between neighbours only: a
+stutter is a local pattern a 2-layer reward model learns reliably, whereas "any duplicate anywhere" was learned so
+poorly that PPO against it drifted to answers like "tram tram tram truck". The SFT demonstrations mix perfect and
+mediocre answers, so imitating them scores clearly below 1; preference pairs are ranked by the judge. Everything is
+word level (5-token prompts, answers of at most ``n + 3`` tokens): a 2-layer, 64-wide model learns it on CPU in
+minutes.
 """
 
 from __future__ import annotations
@@ -29,8 +25,11 @@ import random
 import re
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from multiengine.engines.settings import Range, Settings, setting
 
 if TYPE_CHECKING:
     from multiengine.engines.planner import ModelInfo
@@ -38,29 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BOS_TOKEN",
-    "CHAT_ROLE_TOKENS",
-    "CHAT_TEMPLATE",
-    "COUNTS",
-    "EOS_TOKEN",
-    "PAD_TOKEN",
-    "TOPICS",
-    "UNK_TOKEN",
-    "build_corpus",
-    "TINY_FAMILIES",
-    "build_tiny_causal_lm",
-    "judge",
-    "make_prompt",
-    "parse_prompt",
-    "prepare_builtin",
-    "task_vocabulary",
-    "tiny_lm_config",
-    "tiny_model_info",
-    "train_bpe_tokenizer",
-    "train_tokenizer",
-    "write_builtin_dataset",
-]
+__all__ = ["BOS_TOKEN", "CHAT_ROLE_TOKENS", "CHAT_TEMPLATE", "COUNTS", "EOS_TOKEN", "PAD_TOKEN", "TINY_FAMILIES",
+           "TOPICS", "UNK_TOKEN", "TinySettings", "build_corpus", "build_tiny_causal_lm", "judge", "make_prompt",
+           "parse_prompt", "prepare_builtin", "task_vocabulary", "tiny_lm_config", "tiny_model_info",
+           "train_bpe_tokenizer", "train_tokenizer", "write_builtin_dataset"]
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
@@ -96,11 +76,8 @@ def parse_prompt(prompt: str) -> tuple[int, str] | None:
 
 
 def judge(prompt: str, answer: str) -> float:
-    """Programmatic reward in ``[0, 1]`` (see the module docstring); 0 for unknown prompts.
-
-    Special tokens left in a decoded answer (``</s>``, ``<pad>``) are ignored; the answer is read up to
-    the first ``</s>``.
-    """
+    """Programmatic reward in ``[0, 1]`` (module docstring); 0 for unknown prompts. The answer is read up to its
+    first ``</s>``, ignoring special tokens left in it."""
     parsed = parse_prompt(prompt)
     if parsed is None:
         return 0.0
@@ -231,27 +208,13 @@ def _demonstration(rng: random.Random, n: int, topic: str, good_fraction: float)
     return " ".join(make(rng, n, topic))
 
 
-def build_corpus(
-    seed: int = 0,
-    n_sft: int = 2000,
-    n_reward: int = 6000,
-    n_ppo: int = 1000,
-    n_eval: int = 128,
-    sft_good_fraction: float = 0.4,
-) -> dict[str, list[dict[str, str]]]:
-    """Deterministic splits of the built-in task.
-
-    Returns:
-        ``{"sft": [{prompt, response}], "reward": [{prompt, chosen, rejected}], "ppo": [{prompt}],
-        "eval": [{prompt, response, chosen, rejected}]}``. SFT responses are good with probability
-        ``sft_good_fraction`` and mediocre otherwise. Half the reward pairs are minimal pairs (an answer and a
-        one-edit corruption of it), half compare two candidates drawn from good, mediocre, noisy (several
-        mistakes), bad (off-topic) and degenerate (repeats, over-long) answers; each pair is ordered by
-        :func:`judge` (ties are redrawn). The evaluation rows are held out for every stage at once (as in
-        DeepSpeed-Chat's datasets): a prompt, a demonstration drawn like the SFT ones and a pair drawn like the
-        reward ones, so step 1's held-out loss, step 2's held-out accuracy and step 3's evaluation prompts all
-        come from rows no step trains on.
-    """
+def build_corpus(seed: int = 0, n_sft: int = 2000, n_reward: int = 6000, n_ppo: int = 1000, n_eval: int = 128,
+                 sft_good_fraction: float = 0.4) -> dict[str, list[dict[str, str]]]:
+    """Deterministic splits of the built-in task: ``sft`` (prompt, response: good with probability
+    ``sft_good_fraction``, else mediocre), ``reward`` (prompt, chosen, rejected: half minimal pairs, an answer and a
+    one-edit corruption, half two candidates of good, mediocre, noisy, bad and degenerate answers; ordered by
+    :func:`judge`, ties redrawn), ``ppo`` (prompt) and ``eval``: rows held out for every stage at once (a prompt, a
+    demonstration and a pair), so no step trains on the rows it is evaluated on."""
     rng = random.Random(seed)
     sft = []
     for _ in range(n_sft):
@@ -280,12 +243,7 @@ def build_corpus(
 
 
 def write_builtin_dataset(out_dir: str | Path, seed: int = 0, **sizes: int) -> dict[str, Path]:
-    """Write :func:`build_corpus` splits as ``{split}.jsonl`` (DeepSpeed-Chat column names).
-
-    ``sft.jsonl`` has ``prompt``/``response``, ``reward.jsonl`` ``prompt``/``chosen``/``rejected``,
-    ``ppo.jsonl`` ``prompt`` and ``eval.jsonl`` all four (the evaluation rows of every stage). Returns the
-    path of each split.
-    """
+    """:func:`build_corpus`'s splits as ``{split}.jsonl`` (DeepSpeed-Chat's column names); the path of each."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -299,11 +257,7 @@ def write_builtin_dataset(out_dir: str | Path, seed: int = 0, **sizes: int) -> d
     return paths
 
 
-# --------------------------------------------------------------------------------------------------
-# tokenizer and model
-# --------------------------------------------------------------------------------------------------
-
-
+# --- tokenizer and model -------------------------------------------------------------------------------------------
 # A minimal chat template for the word-level tokenizer: one role token per turn, each assistant turn closed by
 # EOS (what generation stops on), and the generation prompt "<|assistant|>".
 CHAT_ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -316,19 +270,10 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512,
                     chat_template: bool = False) -> PreTrainedTokenizerFast:
-    """Train a word-level tokenizer on ``texts`` and save it as a ``PreTrainedTokenizerFast``.
-
-    Words are split on whitespace, one token per word (the task is word level, and short sequences
-    keep the model tiny). Special tokens: ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3;
-    every encoded text starts with ``<s>``; padding side is left (for prompts, so generation continues
-    right after the last prompt token). Loadable with ``AutoTokenizer.from_pretrained(out_dir)``.
-
-    With ``chat_template=True`` the role tokens :data:`CHAT_ROLE_TOKENS` are appended (after every word, so
-    word ids do not move) and :data:`CHAT_TEMPLATE` is set.
-
-    Returns:
-        The ``PreTrainedTokenizerFast``.
-    """
+    """A word-level ``PreTrainedTokenizerFast`` trained on ``texts`` and saved to ``out_dir``: one token per word,
+    ``<pad>`` 0, ``<s>`` 1 (starts every text), ``</s>`` 2, ``<unk>`` 3, left padding (generation continues right
+    after the prompt); with ``chat_template`` the role tokens :data:`CHAT_ROLE_TOKENS` are appended (word ids do not
+    move) and :data:`CHAT_TEMPLATE` is set."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -342,15 +287,8 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN,
-        padding_side="left",
-        model_max_length=128,
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+                                   unk_token=UNK_TOKEN, padding_side="left", model_max_length=128)
     if chat_template:
         fast.add_special_tokens({"additional_special_tokens": list(CHAT_ROLE_TOKENS)})
         fast.chat_template = CHAT_TEMPLATE
@@ -386,6 +324,16 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: i
     return fast
 
 
+@dataclass(frozen=True)
+class TinySettings(Settings):
+    """The random tiny OPT built under output_dir/tiny for roles whose model is "" (mechanics only)."""
+
+    hidden: int = setting(64, "width of the random tiny model (roles whose model is \"\")", Range(8))
+    layers: int = setting(2, "layers of the random tiny model", Range(1))
+    heads: int = setting(0, "attention heads (0 = hidden / 16: head size 16; vLLM on CPU needs head size >= 32)",
+                         Range(0))
+
+
 # The decoder families users bring, as tiny configs: each entry maps the sizes below to that family's own
 # config keys, with dropout off (actor and ref must agree token for token).
 TINY_FAMILIES: tuple[str, ...] = ("opt", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma",
@@ -393,17 +341,13 @@ TINY_FAMILIES: tuple[str, ...] = ("opt", "gpt2", "gpt_neox", "llama", "mistral",
 
 
 def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, *, pad_token_id: int = 0,
-                   bos_token_id: int = 1, eos_token_id: int = 2, max_positions: int = 128) -> Any:
-    """A transformers config of a tiny decoder of ``family`` (one of :data:`TINY_FAMILIES`, the
-    ``model_type`` names): ``hidden`` wide, ``layers`` deep, ``hidden // 16`` heads (grouped-query
-    attention with half as many key/value heads where the family has it), no dropout.
-
-    Raises:
-        ValueError: an unknown family, naming the known ones.
-    """
+                   bos_token_id: int = 1, eos_token_id: int = 2, max_positions: int = 128, heads: int = 0) -> Any:
+    """A transformers config of a tiny decoder of ``family`` (a :data:`TINY_FAMILIES` ``model_type``): ``hidden``
+    wide, ``layers`` deep, ``heads`` heads (0 = ``hidden // 16``; half as many key/value heads where the family has
+    grouped-query attention), no dropout; ValueError naming the known families for another one."""
     from transformers import AutoConfig
 
-    heads = max(1, hidden // 16)
+    heads = heads or max(1, hidden // 16)
     ids = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id,
            "eos_token_id": eos_token_id}
     rope = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
@@ -432,20 +376,10 @@ def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int =
     return AutoConfig.for_model(family, **keys[family], **ids)
 
 
-def build_tiny_causal_lm(
-    out_dir: str | Path, tokenizer_dir: str | Path, hidden: int = 64, layers: int = 2, seed: int = 0,
-    family: str = "opt",
-) -> Path:
-    """Randomly initialised tiny causal LM of ``family`` (see :func:`tiny_lm_config`; OPT by default),
-    saved with ``save_pretrained`` together with the tokenizer.
-
-    Dropout is 0 (actor and ref must agree token for token) and there are 128 positions; the OPT default
-    has ``word_embed_proj_dim == hidden`` (no projection, like the real OPT-125m). Loadable with
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``.
-
-    Returns:
-        ``out_dir`` as a ``Path``.
-    """
+def build_tiny_causal_lm(out_dir: str | Path, tokenizer_dir: str | Path, hidden: int = 64, layers: int = 2,
+                         seed: int = 0, family: str = "opt", heads: int = 0) -> Path:
+    """A randomly initialised tiny causal LM of ``family`` (:func:`tiny_lm_config`; no dropout, so actor and ref
+    agree token for token; 128 positions) saved with its tokenizer to ``out_dir`` (returned as a Path)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -453,16 +387,13 @@ def build_tiny_causal_lm(
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
     config = tiny_lm_config(family, len(tokenizer), hidden, layers, pad_token_id=tokenizer.pad_token_id,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, heads=heads)
     # Seed only a private generator state: the caller's global RNG stream is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
@@ -472,7 +403,7 @@ def build_tiny_causal_lm(
 
 
 @functools.cache
-def tiny_model_info(hidden: int, layers: int, seed: int = 0) -> ModelInfo:
+def tiny_model_info(hidden: int, layers: int, seed: int = 0, heads: int = 0) -> ModelInfo:
     """The memory planner's view of the random tiny OPT the RLHF recipes build (built in a temporary folder to
     read its headers: it is a few hundred KB)."""
     from multiengine.engines import planner as P
@@ -480,22 +411,20 @@ def tiny_model_info(hidden: int, layers: int, seed: int = 0) -> ModelInfo:
     with tempfile.TemporaryDirectory(prefix="multiengine_plan_") as tmp:
         tok = os.path.join(tmp, "tokenizer")
         train_tokenizer(task_vocabulary(), tok)
-        model = build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed)
+        model = build_tiny_causal_lm(os.path.join(tmp, "model"), tok, hidden=hidden, layers=layers, seed=seed,
+                                     heads=heads)
         info = P.model_info(str(model))
     return P.ModelInfo(source=f"the recipes' tiny OPT (hidden {hidden}, {layers} layers)", tensors=info.tensors,
                        config=info.config, class_name=info.class_name)
 
 
-def prepare_builtin(
-    out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2, **sizes: int
-) -> dict[str, Path]:
-    """Data, tokenizer and a random tiny model for the built-in task, all under ``out_dir``.
-
-    Returns:
-        Paths: ``data`` (folder of ``{split}.jsonl``), each split by name, ``tokenizer`` and ``model``.
-    """
+def prepare_builtin(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 0,
+                    **sizes: int) -> dict[str, Path]:
+    """The built-in task's data (``data``: a folder of ``{split}.jsonl``, and each split by name), ``tokenizer`` and
+    random tiny ``model`` under ``out_dir``."""
     out = Path(out_dir)
     paths = write_builtin_dataset(out / "data", seed, **sizes)
     train_tokenizer(task_vocabulary(), out / "tokenizer")
-    model_dir = build_tiny_causal_lm(out / "model", out / "tokenizer", hidden=hidden, layers=layers, seed=seed)
+    model_dir = build_tiny_causal_lm(out / "model", out / "tokenizer", hidden=hidden, layers=layers, seed=seed,
+                                     heads=heads)
     return {"data": out / "data", **paths, "tokenizer": out / "tokenizer", "model": model_dir}

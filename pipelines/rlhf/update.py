@@ -1,11 +1,11 @@
-"""The policy (and optional value) update over one frozen rollout: epochs x minibatches, each
-minibatch a forward/backward/step of the actor (clipped surrogate [+ KL loss] [+ ptx]) and, with a
-critic, of the critic (clipped value loss).
+"""The policy (and optional value) update over one frozen rollout: epochs x minibatches, each minibatch a
+forward/backward/step of the actor (the settings' policy loss [+ KL loss] [+ ptx]) and, with a critic, of the critic
+(clipped value loss).
 
-Normalisation: each micro-batch's loss is divided by the global count of normalisation units of its
-optimizer step (tokens, or rows for the sequence modes; all ranks, all micro-batches) over ``W * G``,
-so after DeepSpeed's averaging the gradient is that of the whole step's batch in one piece,
-independent of the data-parallel size and of how rows are spread (see ppo.policy_loss).
+Normalisation: each micro-batch's loss is divided by the global count of normalisation units of its optimizer step
+(tokens, or rows for the sequence modes; all ranks, all micro-batches) over ``W * G``, so after DeepSpeed's averaging
+the gradient is that of the whole step's batch in one piece, independent of the data-parallel size and of how rows
+are spread (losses.aggregate_loss).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from multiengine.engines import EngineRegistry, all_reduce_sum
 
 from . import ppo
 from .generation import position_ids_from_mask
-from .losses import kl_loss, loss_units, policy_gradient_loss
-from .policy_variants import asymmetric_clipped_surrogate, clipped_policy_loss
-from .rollout import Experience, StepStats
+from .losses import PolicyLossInputs, kl_loss, logprob_mismatch, loss_units, policy_loss, truncated_is_weights
+from .rollout import Experience, RolloutSpec, StepStats
 from .scoring import policy_logits
 from .steps import causal_lm_loss
 
@@ -29,13 +28,12 @@ __all__ = ["minibatch_indices", "train_on_experience"]
 
 def minibatch_indices(n_rows: int, mini_batch_size: int, shuffle: bool = True, seed: int = 0, step: int = 0,
                       epoch: int = 0) -> list[torch.Tensor]:
-    """Row indices of the minibatches of one epoch. The permutation is seeded by ``(seed, step,
-    epoch)`` only (not the rank), so every rank shuffles its own rows the same way."""
+    """Row indices of the minibatches of one epoch. The permutation is seeded by ``(seed, step, epoch)`` only (not
+    the rank), so every rank shuffles its own rows the same way."""
     if n_rows % mini_batch_size:
-        raise ValueError(f"{n_rows} rollout rows per rank are not a multiple of mini_batch_size={mini_batch_size}.")
+        raise ValueError(f"{n_rows} rollout rows per rank are not a multiple of the micro batch {mini_batch_size}.")
     if shuffle:
-        g = torch.Generator().manual_seed(seed * 31 + step * 1009 + epoch)
-        order = torch.randperm(n_rows, generator=g)
+        order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 31 + step * 1009 + epoch))
     else:
         order = torch.arange(n_rows)
     return list(order.split(mini_batch_size))
@@ -61,66 +59,30 @@ def _denominators(exp: Experience, epochs: dict[str, list[list[torch.Tensor]]], 
             for key, total in zip(keys, totals)}
 
 
-def train_on_experience(
-    registry: EngineRegistry,
-    exp: Experience,
-    step: int,
-    *,
-    mini_batch_size: int,
-    critic_mini_batch_size: int | None = None,
-    temperature: float = 1.0,
-    actor: str = "actor",
-    critic: str | None = None,
-    epochs: int = 1,
-    clip_eps: float = 0.2,
-    dual_clip: float | None = None,
-    clip_low: float | None = None,
-    clip_high: float | None = None,
-    importance_level: str = "token",
-    value_clip: float | None = 0.2,
-    loss_agg: str = "token_mean",
-    horizon: int | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: float | None = None,
-    train_actor: bool = True,
-    ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None,
-    ptx_coef: float = 0.0,
-    shuffle: bool = True,
-    seed: int = 0,
-    stats: StepStats | None = None,
-) -> dict[str, float]:
-    """``epochs`` passes of minibatches over one frozen rollout (collective: one all-reduce for every
-    loss denominator, one for the statistics).
+def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, settings: Any, spec: RolloutSpec,
+                        micro_batch_size: int, critic_micro_batch_size: int | None = None, *, train_actor: bool = True,
+                        ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None,
+                        stats: StepStats | None = None) -> dict[str, float]:
+    """``settings.epochs`` passes of minibatches over one frozen rollout (collective: one all-reduce for every loss
+    denominator, one for the statistics).
 
-    Args:
-        exp: with ``advantages`` (and ``returns``/``values`` when a critic trains; ``ref_logprobs``
-            when ``kl_coef > 0``).
-        mini_batch_size: rows per rank per forward/backward; the minibatches of an epoch must be a
-            multiple of each engine's gradient accumulation steps.
-        critic_mini_batch_size: the critic's rows per forward/backward (``None`` = ``mini_batch_size``); its
-            minibatches take the same seeded order of rows.
-        temperature: the sampling temperature (the log-probs divide the logits by it).
-        clip_eps / dual_clip: the symmetric ratio clip (and the dual clip of negative advantages).
-        clip_low / clip_high / importance_level: DAPO's asymmetric clip (``None`` = ``clip_eps``) and GSPO's
-            sequence ratio (``policy_variants.clipped_policy_loss``); all at their defaults the loss is
-            ``losses.policy_gradient_loss``, unchanged.
-        critic: the value role to train, or ``None`` (critic-free).
-        loss_agg / horizon: normalisation of the policy and KL losses (``losses.LOSS_AGG_MODES``).
-        kl_coef / kl_estimator / kl_clamp: KL to the ref as a loss term (``0`` = none, e.g. when it is
-            in the reward).
-        train_actor: ``False`` during a critic warm-up.
-        ptx_batches / ptx_coef: SFT batches whose loss is added to the actor's (PPO-ptx).
-        shuffle / seed: minibatch order.
-        stats: add the statistics to this :class:`StepStats` (the caller reduces them with the step's
-            others) and return ``{}``.
+    ``settings`` (a PPOSettings or GRPOSettings) names the policy loss (``objective``) and its hyper-parameters, the
+    ``aggregation`` of the policy and KL losses (Dr. GRPO's horizon is ``spec.generation.max_new_tokens``), the KL
+    loss term (``kl_loss_coef``, k3 clamped to ``kl_clamp``; 0 = none, e.g. when it is in the reward), the critic's
+    ``value_clip`` and, with ``ptx_batches`` (SFT batches for PPO-ptx), ``ptx_coef``; ``shuffle_minibatches`` with
+    ``spec.seed`` orders the rows. ``spec`` names the actor and the critic to train (None: critic-free) and the
+    temperature the log-probs divide by. ``micro_batch_size`` / ``critic_micro_batch_size`` (None = the actor's):
+    rows per forward/backward of each role; an epoch's minibatches must be a multiple of each engine's gradient
+    accumulation steps. ``train_actor`` False: a critic warm-up. With ``stats`` the statistics are added to it (the
+    caller reduces them with the step's others) and ``{}`` is returned.
 
-    Returns:
-        Global means over ranks and micro-batches: ``policy_loss`` / ``value_loss`` / ``kl_loss`` (per
-        optimizer step), ``clip_frac``, ``clip_low_frac`` / ``clip_high_frac`` (tokens clipped below with
-        ``A < 0`` / above with ``A > 0``), ``approx_kl``, ``ratio_mean``, ``entropy``, ``value_clip_frac``,
-        ``ptx_loss``, ``kl_loss_kl`` (the mean per-token estimate).
+    Returns global means over ranks and micro-batches: ``policy_loss`` / ``value_loss`` / ``kl_loss`` (per optimizer
+    step), ``clip_frac``, ``clip_low_frac`` / ``clip_high_frac`` (tokens clipped below with ``A < 0`` / above with
+    ``A > 0``), ``approx_kl``, ``ratio_mean``, ``entropy``, ``value_clip_frac``, ``ptx_loss``, ``kl_loss_kl`` (the
+    mean per-token estimate).
     """
+    s, critic, temperature = settings, spec.critic, spec.generation.temperature
+    kl_coef, aggregation, horizon = s.kl_loss_coef, s.aggregation, spec.generation.max_new_tokens
     if exp.advantages is None:
         raise ValueError("the experience has no advantages: run an estimator first.")
     if kl_coef and exp.ref_logprobs is None:
@@ -128,57 +90,58 @@ def train_on_experience(
     if critic is not None and (exp.returns is None or exp.values is None):
         raise ValueError(f"training the critic {critic!r} needs returns and rollout values (GAE).")
     world = registry.world_size
-    actor_engine = registry[actor]
+    actor_engine = registry[spec.actor]
     critic_engine = registry[critic] if critic is not None else None
     g_actor = actor_engine.gradient_accumulation_steps()
     g_critic = critic_engine.gradient_accumulation_steps() if critic_engine is not None else 1
     C = exp.context_length
-    variant = clip_low is not None or clip_high is not None or importance_level != "token"
-    low = clip_eps if clip_low is None else clip_low
-    high = low if clip_high is None else clip_high
     sums: dict[str, float] = {}
     n_micro = {"actor": 0, "critic": 0}
 
     def add(key: str, value: torch.Tensor | float) -> None:
         sums[key] = sums.get(key, 0.0) + float(value)
 
-    sizes = {"actor": mini_batch_size, "critic": critic_mini_batch_size or mini_batch_size}
-    micro_of = {role: [minibatch_indices(exp.sequences.shape[0], size, shuffle, seed, step, epoch)
-                       for epoch in range(epochs)] for role, size in sizes.items()}
+    sizes = {"actor": micro_batch_size, "critic": critic_micro_batch_size or micro_batch_size}
+    micro_of = {role: [minibatch_indices(exp.sequences.shape[0], size, s.shuffle_minibatches, spec.seed, step, epoch)
+                       for epoch in range(s.epochs)] for role, size in sizes.items()}
     for role, g in (("actor", g_actor), ("critic", g_critic)):
-        n_mb = len(micro_of[role][0]) if epochs else 0
-        if n_mb % g:
-            raise ValueError(f"{n_mb} {role} minibatches per epoch is not a multiple of its gradient accumulation"
-                             f" steps ({g}).")
-    groups = ([("actor", loss_agg, g_actor)] if train_actor else []) + \
+        if len(micro_of[role][0]) % g:
+            raise ValueError(f"{len(micro_of[role][0])} {role} minibatches per epoch is not a multiple of its gradient "
+                             f"accumulation steps ({g}).")
+    # one pass (no rollout forward of the actor): every minibatch goes into one optimizer step, so the old log-probs
+    # are this pass's, detached (ratio 1, as TRL takes them); they are kept in exp for the rollout's KL figure
+    one_pass = exp.logprobs is None
+    if one_pass and (s.epochs != 1 or len(micro_of["actor"][0]) != g_actor or not train_actor):
+        raise ValueError(f"the rollout has no old log-probs, which epochs={s.epochs} and {len(micro_of['actor'][0])} "
+                         f"actor minibatches in {g_actor}-step accumulation need: sample with old_logprobs=True.")
+    if one_pass:
+        exp.logprobs = torch.zeros(exp.action_mask.shape, device=exp.action_mask.device)
+    groups = ([("actor", aggregation, g_actor)] if train_actor else []) + \
         ([("critic", "token_mean", g_critic)] if critic_engine is not None else [])
     denominators = _denominators(exp, micro_of, groups, world, registry.device)
-    for epoch in range(epochs):
+    for epoch in range(s.epochs):
         actor_micro, critic_micro = micro_of["actor"][epoch], micro_of["critic"][epoch]
         for i in range(max(len(actor_micro), len(critic_micro))):
-            # 1. actor: surrogate on the current policy's log-probs (+ KL loss) (+ pretraining loss)
+            # 1. actor: the policy loss on the current policy's log-probs (+ KL loss) (+ pretraining loss)
             if train_actor and i < len(actor_micro):
                 mb = exp.rows(actor_micro[i])
                 den = denominators[("actor", epoch, i - i % g_actor)]
                 logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
                 logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
-                if variant:
-                    pg_loss, pg_stats = clipped_policy_loss(logp, mb.logprobs, mb.advantages, mb.action_mask, low, high,
-                                                            importance_level, dual_clip, loss_agg, den, horizon)
-                else:  # the plain symmetric clip: the existing loss, bit for bit; only the per-side shares added
-                    pg_loss, pg_stats = policy_gradient_loss(logp, mb.logprobs, mb.advantages, mb.action_mask,
-                                                             clip_eps, dual_clip, loss_agg, den, horizon)
-                    zero = torch.zeros(())
-                    sides = {"clip_frac_low": zero, "clip_frac_high": zero}
-                    if clip_eps < 1.0:  # a lower bound 1 - clip_eps <= 0 clips nothing below
-                        with torch.no_grad():
-                            sides = asymmetric_clipped_surrogate(logp.detach(), mb.logprobs, mb.advantages,
-                                                                 mb.action_mask, low, high)[1]
-                    pg_stats = {**pg_stats, "clip_frac_low": sides["clip_frac_low"],
-                                "clip_frac_high": sides["clip_frac_high"]}
+                if one_pass:
+                    mb.logprobs = logp.detach() * mb.action_mask
+                    exp.logprobs[actor_micro[i]] = mb.logprobs
+                weights = None
+                if mb.rollout_logprobs is not None:  # sampled by vLLM: its log-probs against the trainer's old ones
+                    add("rollout/logprob_mismatch", logprob_mismatch(mb.logprobs, mb.rollout_logprobs, mb.action_mask))
+                    if s.rollout_is_cap:
+                        weights = truncated_is_weights(mb.logprobs, mb.rollout_logprobs, s.rollout_is_cap)
+                        add("rollout/is_weight_mean", ppo.masked_mean(weights, mb.action_mask))
+                pg_loss, pg_stats = policy_loss(s.objective, PolicyLossInputs(
+                    logp, mb.logprobs, mb.advantages, mb.action_mask, aggregation, den, horizon, weights), s)
                 loss = pg_loss
                 if kl_coef:
-                    k_loss, k_mean = kl_loss(logp, mb.ref_logprobs, mb.action_mask, kl_estimator, kl_clamp, loss_agg,
+                    k_loss, k_mean = kl_loss(logp, mb.ref_logprobs, mb.action_mask, "k3", s.kl_clamp, aggregation,
                                              den, horizon)
                     loss = loss + kl_coef * k_loss
                     add("kl_loss_global", k_loss.detach() / (world * g_actor))
@@ -186,10 +149,10 @@ def train_on_experience(
                 with torch.no_grad():
                     scaled = logits[:, C - 1:-1].float() / temperature
                     entropy = ppo.masked_mean(ppo.entropy_from_logits(scaled), mb.action_mask)
-                if ptx_coef > 0 and ptx_batches is not None:
+                if ptx_batches is not None and s.ptx_coef > 0:
                     ptx = {k: v.to(registry.device) for k, v in next(ptx_batches).items()}
                     ptx_loss = causal_lm_loss(actor_engine, ptx)
-                    loss = loss + ptx_coef * ptx_loss
+                    loss = loss + s.ptx_coef * ptx_loss
                     add("ptx_loss", ptx_loss.detach())
                 actor_engine.backward(loss)
                 actor_engine.step()
@@ -213,7 +176,7 @@ def train_on_experience(
                     full = critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
                                          position_ids=position_ids_from_mask(mb.attention_mask))
                     values = ppo.response_values(full, C)
-                v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip, den)
+                v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, s.value_clip, den)
                 critic_engine.backward(v_loss)
                 critic_engine.step()
                 add("value_loss_global", v_loss.detach() / (world * g_critic))
@@ -233,5 +196,4 @@ def train_on_experience(
         else:
             count = world * max(n_micro[role], 1)
             stats.add(key, [sums[key]], lambda total, count=count: total / count)
-    out: dict[str, Any] = stats.reduce() if own else {}
-    return out
+    return stats.reduce() if own else {}

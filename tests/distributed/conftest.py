@@ -36,6 +36,47 @@ def flux_lora_check(base_path, lora_path, merged_path, size):
 """
 
 
+# Keys of the RLHF recipes that common options leave unused (assert_keys_read's ``unread``): the models are given, so
+# no tiny model is built; rlhf_ppo without an EMA (ema.enabled=false) and without pretraining rows (ppo.ptx_coef=0).
+GIVEN_MODELS = ("tiny.hidden", "tiny.layers", "tiny.heads")
+PPO_PLAIN = ("roles.ema.dtype", "roles.ema.offload_params", "export.ema", "data.ptx_source", "data.max_ptx_len")
+
+# Every recipe run by these tests records which of its config's keys it read (logs/key-reads-rank<N>.json).
+os.environ["MULTIENGINE_KEY_READS"] = "1"
+
+
+def assert_keys_read(out_dir: Path, recipe: str, unread: tuple[str, ...] = ()) -> None:
+    """Every key of ``recipe`` was read by the run in ``out_dir`` (the union of its ranks' key-reads files), except
+    keys whose ``when`` does not hold in that run's config, keys used before any rank starts (the launch's), and
+    ``unread`` (keys the run's options leave unused, each a reason the caller states). A key nothing reads is
+    accepted and then ignored: the defect this guards against."""
+    from multiengine.engines.settings import when_holds
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+    from multiengine.recipes.language.lifecycle import LAUNCH_KEYS
+
+    read = set()
+    for path in Path(out_dir, "logs").glob("key-reads-rank*.json"):
+        read.update(json.loads(path.read_text()))
+    assert read, f"no key-reads files under {out_dir}/logs"
+    config = json.loads(Path(out_dir, "summary.json").read_text())["config"]
+
+    def lookup(key: str):
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    missing = []
+    for key, leaf in leaves(recipe_schema(load_recipe(recipe))).items():
+        parent = key.rsplit(".", 1)[0] + "." if "." in key and "." not in leaf.when.partition("=")[0] else ""
+        if key in read or key in LAUNCH_KEYS or key in unread:
+            continue
+        if leaf.when and not when_holds(leaf.when, lambda name, p=parent: lookup(p + name)):
+            continue
+        missing.append(key)
+    assert not missing, f"{recipe}: keys the run never read (accepted, then ignored?): {missing}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import launch
+from conftest import assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -20,11 +20,20 @@ ROLES = {"controlnet", "unet", "vae", "text_encoder"}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return launch("controlnet", tmp_path_factory.mktemp("controlnet"), timeout=600)
+    out = tmp_path_factory.mktemp("controlnet")
+    return launch("controlnet", out, timeout=600), out
+
+
+def test_every_key_is_read_by_the_run(ranks):
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+
+    absent = tuple(k for k in leaves(recipe_schema(load_recipe("controlnet")))
+                   if k.startswith(("roles.text_encoder_2.", "roles.text_encoder_3.")))  # a tiny SD has one encoder
+    assert_keys_read(ranks[1] / "run", "controlnet", unread=(*absent, "data.check_images"))  # built-in data
 
 
 def test_every_role_is_sharded_and_only_the_controlnet_trains(ranks):
-    for r in ranks:
+    for r in ranks[0]:
         assert set(r["memory"]) == ROLES
         assert r["stages"] == dict.fromkeys(ROLES, 3)
         assert r["trainable"] == {n: n == "controlnet" for n in ROLES}
@@ -36,24 +45,24 @@ def test_every_role_is_sharded_and_only_the_controlnet_trains(ranks):
         assert unet["param_bytes"] < 0.7 * unet["params_total"] * 4, unet
         assert unet["optimizer_bytes"] == 0 and r["memory"]["controlnet"]["optimizer_bytes"] > 0
     # `multiengine plan controlnet` predicts these per-rank model states (the ControlNet built on the meta device)
-    report = ranks[0]["planned_vs_measured"]
+    report = ranks[0][0]["planned_vs_measured"]
     assert set(report["roles"]) == ROLES, report
     assert all(row["within_tolerance"] for row in report["roles"].values()), report
 
 
 def test_controlnet_starts_from_the_unet_and_only_it_changes(ranks):
-    for r in ranks:
+    for r in ranks[0]:
         assert r["shared_with_unet"] > 10 and r["init_error"] == 0.0  # diffusers' ControlNetModel.from_unet
         assert r["controlnet_change"] > 1e-4
         assert r["unet_change"] == 0.0
         assert len(r["losses"]) == 3 and all(0 < x < 10 for x in r["losses"])
-    assert ranks[0]["losses"] == ranks[1]["losses"]  # averaged over ranks
+    assert ranks[0][0]["losses"] == ranks[0][1]["losses"]  # averaged over ranks
 
 
 def test_validation_grids_and_summary(ranks):
     from PIL import Image
 
-    r = ranks[0]
+    r = ranks[0][0]
     assert len(r["validations"]) == 2
     with Image.open(r["validations"][-1]) as grid:
         width, height = grid.size
@@ -95,7 +104,7 @@ FRESH = textwrap.dedent(
 
 
 def test_export_loads_with_diffusers_alone_in_a_fresh_process(ranks):
-    r = ranks[0]
+    r = ranks[0][0]
     paths = {"pipeline": r["export"]["pipeline"], "controlnet": r["export"]["controlnet"], "model": r["model_path"]}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no project code on the path
     proc = subprocess.run([sys.executable, "-c", FRESH, json.dumps(paths)], capture_output=True, text=True,

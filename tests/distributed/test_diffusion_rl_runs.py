@@ -3,7 +3,8 @@ CLI runs them: checked_config + main): the held-out reward rises (GRPO), the hel
 above 0.5 (DPO, a LoRA policy), the frozen ref and reward roles hold half of their parameters per rank, and in a
 fresh process the exported policy loads and generates in diffusers and the DPO adapter loads with
 load_lora_weights, giving the merged export's images. Each recipe resumed from its run's step-6 checkpoint
-repeats that run's steps 7-12 exactly. The flow families (tiny SD3 and FLUX) run both recipes for 2 steps with
+repeats that run's steps 7-12 exactly (the GRPO run keeps DDPO's per-prompt reward buffers, which the checkpoint
+carries). The flow families (tiny SD3 and FLUX) run both recipes for 2 steps with
 every frozen role sharded, and the FLUX LoRA adapter loads with load_lora_weights."""
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FLUX_LORA_CHECK, launch
+from conftest import FLUX_LORA_CHECK, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
 # GRPO: a shorter unet pretrain than the documented run's 400 steps (the vae's 100 are needed: with 40 the
-# sampled images carry no colour and the reward stays at 0). DPO: LoRA from the random unet, a brief vae pretrain.
-# Measured (2 ranks, seed 0): GRPO reward 0.044 -> 0.511 in 12 steps; DPO implicit accuracy 0 -> 0.81 in 12.
-GRPO = ["max_steps=12", "model.tiny_unet_steps=100", "checkpoint.every=6"]
+# sampled images carry no colour and the reward stays at 0), with DDPO's per-prompt reward buffers (16) so that the
+# resumed run needs their state. DPO: LoRA from the random unet, a brief vae pretrain.
+# Measured (2 ranks, seed 0): GRPO reward 0.116 -> 0.559 in 12 steps; DPO implicit accuracy 0 -> 0.78 in 12.
+GRPO = ["max_steps=12", "model.tiny_unet_steps=100", "checkpoint.every=6", "diffusion.prompt_buffer=16"]
 DPO = ["max_steps=12", "model.tiny_unet_steps=0", "model.tiny_vae_steps=30", "roles.policy.lora.r=8",
        "roles.policy.lr=1e-3", "checkpoint.every=6"]
 # In a fresh process, diffusers alone: the GRPO export generates; the DPO adapter on its base pipeline gives the
@@ -66,6 +68,25 @@ def fresh(runs):
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+# run -> (recipe, the text encoders its family lacks, LoRA on): what each run's options leave unused
+RUNS = {"grpo": ("diffusion_grpo", (2, 3), False), "grpo_resumed": ("diffusion_grpo", (2, 3), False),
+        "dpo": ("diffusion_dpo", (2, 3), True), "dpo_resumed": ("diffusion_dpo", (2, 3), True),
+        "grpo_sd3": ("diffusion_grpo", (), False), "grpo_flux_lora": ("diffusion_grpo", (3,), True),
+        "dpo_sd3": ("diffusion_dpo", (), False)}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_key_is_read_by_the_runs(runs, run):
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+
+    recipe, absent, lora = RUNS[run]
+    skip = tuple(f"roles.text_encoder_{i}." for i in absent)  # the family has no such text encoder
+    if not lora:  # lora.r 0: the adapters' other options have nothing to act on
+        skip += ("roles.policy.lora.alpha", "roles.policy.lora.dropout", "roles.policy.lora.target_modules")
+    unread = tuple(k for k in leaves(recipe_schema(load_recipe(recipe))) if k.startswith(skip)) if skip else ()
+    assert_keys_read(runs[1] / run, recipe, unread=unread)
 
 
 def _half_per_rank(summary: dict, *roles: str) -> None:

@@ -9,10 +9,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_keys_read
 
 pytestmark = pytest.mark.distributed
+# no LoRA adapters (lora.r=0; LoraSettings' other keys have no `when` yet, recipes/language/roles.py)
+NO_LORA = tuple(f"roles.student.lora.{k}" for k in ("alpha", "dropout", "target_modules"))
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 
 
 def test_distill_from_the_cli_and_the_student_export(tmp_path):
@@ -24,6 +27,7 @@ def test_distill_from_the_cli_and_the_student_export(tmp_path):
          "teacher_sft.overrides=[max_steps=8,eval.size=16,eval.greedy=false]", "checkpoint.every=3"],
         capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_keys_read(out, "distill", NO_LORA)
     summary = json.loads((out / "summary.json").read_text())
     m = summary["metrics"]
     for key in ("eval/before/loss", "eval/after/loss", "teacher/loss", "eval/before/judge", "eval/after/judge",

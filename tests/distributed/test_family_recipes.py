@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import launch
+from conftest import PPO_PLAIN, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
                for f in FAMILIES}
     (root / "folders.json").write_text(json.dumps(folders))
     ranks = launch("family_recipes", root / "out", str(root / "folders.json"))
-    return ranks[0]
+    return {**ranks[0], "out": root / "out"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -47,6 +47,19 @@ def test_every_rlhf_recipe_runs_at_default_stages(runs, family):
     assert r["ppo"]["metrics"]["eval/after/kl"] > 0  # the actor moved
     distill = r["distill"]["metrics"]
     assert distill["eval/after/loss"] < distill["eval/before/loss"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_run_reads_its_keys(runs, family):
+    # the SFT actor (the teacher) is given: none is trained first; distill's student too; PPO runs without an EMA or
+    # pretraining rows
+    sft = ("actor_sft.config", "actor_sft.overrides")
+    unread = {"ppo": PPO_PLAIN, "grpo": sft, "dpo": sft,
+              "distill": ("teacher_sft.config", "teacher_sft.overrides", "tiny.student_hidden", "tiny.student_layers",
+                          "tiny.student_heads")}
+    for recipe in ("sft", "reward", "ppo", "grpo", "dpo", "distill"):
+        assert_keys_read(runs["out"] / family / recipe, "distill" if recipe == "distill" else f"rlhf_{recipe}",
+                         unread.get(recipe, ()))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

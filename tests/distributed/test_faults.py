@@ -17,7 +17,7 @@ from conftest import launch
 
 pytestmark = pytest.mark.distributed
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 
 
 # --- crafted checkpoints ------------------------------------------------------------------------
@@ -80,30 +80,46 @@ HANG = '''
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
 from multiengine.engines import EngineRegistry, RoleSpec, train_ds_config
+from multiengine.engines.settings import setting
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 
-DEFAULTS = {"output_dir": "out", "seed": 0, "max_steps": 40, "dist_timeout_s": 10.0, "stop_at": 3}
+
+@dataclass(frozen=True)
+class HangConfig(RunConfig):
+    max_steps: int = setting(40, "steps")
+    dist_timeout_s: float = setting(10.0, "collective timeout")
+    stop_at: int = setting(3, "the step at which rank 1 stops")
 
 
-def main(cfg):
-    registry = EngineRegistry(backend="deepspeed", timeout_s=cfg.dist_timeout_s)
-    torch.manual_seed(0)
-    registry.add(RoleSpec("actor", lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)),
-                          train_ds_config(stage=3, dtype="fp32", micro_batch_size=2),
-                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01)))
-    registry.build()
-    actor = registry["actor"]
-    for step in range(cfg.max_steps):
-        if step == cfg.stop_at and registry.rank == 1:
-            with open(os.path.join(cfg.output_dir, "stopped_at"), "w") as f:
-                f.write(str(time.time()))
-            os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, holding its sockets, answering nothing
-        loss = actor(torch.randn(2, 64)).pow(2).mean()
-        actor.backward(loss)
-        actor.step()
-    return {"steps": cfg.max_steps}
+class Hang(Recipe):
+    name = "hang"
+    Config = HangConfig
+
+    @classmethod
+    def main(cls, cfg):
+        registry = EngineRegistry(backend="deepspeed", timeout_s=cfg.dist_timeout_s)
+        torch.manual_seed(0)
+        registry.add(RoleSpec("actor", lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)),
+                              train_ds_config(stage=3, dtype="fp32", micro_batch_size=2),
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01)))
+        registry.build()
+        actor = registry["actor"]
+        for step in range(cfg.max_steps):
+            if step == cfg.stop_at and registry.rank == 1:
+                with open(os.path.join(cfg.output_dir, "stopped_at"), "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, holding its sockets, answering nothing
+            loss = actor(torch.randn(2, 64)).pow(2).mean()
+            actor.backward(loss)
+            actor.step()
+        return {"steps": cfg.max_steps}
+
+
+RECIPE = Hang
 '''
 
 SLEEPER = '''
@@ -111,33 +127,53 @@ import os
 import time
 from pathlib import Path
 
-DEFAULTS = {"output_dir": "out", "seed": 0, "max_steps": 1}
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 
 
-def main(cfg):
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
-    time.sleep(600)
-    return {}
+class Sleeper(Recipe):
+    name = "sleeper"
+    Config = RunConfig
+
+    @classmethod
+    def main(cls, cfg):
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+        time.sleep(600)
+        return {}
+
+
+RECIPE = Sleeper
 '''
 
 
 NAN = '''
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 from multiengine.engines import OptimSpec, Placement, mean_over_ranks, save_role, trainable_role
-from multiengine.engines.recipe_lifecycle import Recipe, with_common
+from multiengine.engines.settings import section, setting
+from multiengine.recipes.language.lifecycle import CheckpointSettings, Recipe, RunConfig
 
-DEFAULTS = with_common({"output_dir": "out", "max_steps": 4, "backend": "deepspeed", "tensorboard": False,
-                        "plot": False, "nan_at": [], "nan_rank": 1, "checkpoint": {"every": 1, "keep_last": 9}})
 STAGES = {"s0": 0, "s2": 2, "s3": 3}  # stage 0: our own check decides; 2 and 3: DeepSpeed's overflow verdict
+
+
+@dataclass(frozen=True)
+class NaNConfig(RunConfig):
+    max_steps: int = setting(4, "steps")
+    backend: str = setting("deepspeed", "the backend")
+    tensorboard: bool = setting(False, "events")
+    plot: bool = setting(False, "curves")
+    nan_at: list[int] = setting([], "the steps whose loss is NaN on nan_rank")
+    nan_rank: int = setting(1, "the rank whose loss is NaN")
+    checkpoint: CheckpointSettings = section(CheckpointSettings, "every step", every=1)
 
 
 class NaN(Recipe):
     name = "nan"
+    Config = NaNConfig
 
     def build(self):
         for name, stage in STAGES.items():
@@ -176,7 +212,7 @@ class NaN(Recipe):
         return {n: save_role(self.registry, n, self.path("export", n))["model"] for n in STAGES}
 
 
-main = NaN.main
+RECIPE = NaN
 '''
 
 
@@ -266,8 +302,10 @@ def test_sigterm_to_the_cli_stops_every_rank(tmp_path):
     tag = (ckpts / "latest").read_text()
     before = _file_digests(ckpts)
     # the second run continues the first (a finished run's folder takes only resume_from or overwrite) and writes
-    # no checkpoint of its own: the first one's must survive it untouched
-    proc = subprocess.Popen([*base, "max_steps=100000", "checkpoint.every=0", "resume_from=latest"],
+    # no checkpoint of its own (keep_last back to its default: it applies only with checkpoint.every): the first
+    # one's must survive it untouched
+    proc = subprocess.Popen([*base, "max_steps=100000", "checkpoint.every=0", "checkpoint.keep_last=2",
+                             "resume_from=latest"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
     try:
         metrics = out / "metrics.jsonl"
@@ -277,7 +315,7 @@ def test_sigterm_to_the_cli_stops_every_rank(tmp_path):
                 break
             time.sleep(1)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        ranks = [p for p in _job_processes(str(out)) if "multiengine.recipes.cli --recipes-package" in p]
+        ranks = [p for p in _job_processes(str(out)) if "multiengine.recipes.language.cli --recipes-package" in p]
         assert len(ranks) == 2, _job_processes(str(out))  # both ranks run (in sessions of their own)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
@@ -365,7 +403,8 @@ def test_nonfinite_skip_on_two_ranks_skips_the_same_update_everywhere(tmp_path, 
 def test_nonfinite_stop_on_two_ranks_exits_3_and_keeps_the_last_checkpoint(tmp_path, fault_recipes, policy, nan_at,
                                                                           why):
     out = tmp_path / f"nan_{policy}"
-    proc = _nan_run(fault_recipes, out, f"nan_at={nan_at}", f"nonfinite.policy={policy}", "nonfinite.max_skips=1")
+    skips = ["nonfinite.max_skips=1"] if policy == "skip" else []  # max_skips applies only to the skip policy
+    proc = _nan_run(fault_recipes, out, f"nan_at={nan_at}", f"nonfinite.policy={policy}", *skips)
     assert proc.returncode == 3, proc.stderr[-4000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: step 3: non-finite values (loss=nan"), proc.stderr[-3000:]

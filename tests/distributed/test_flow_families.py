@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import FLUX_LORA_CHECK, launch
+from conftest import FLUX_LORA_CHECK, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -23,6 +23,22 @@ RUNS = {"sd3": "transformer", "flux": "transformer", "controlnet": "controlnet"}
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return launch("flow_families", tmp_path_factory.mktemp("flow_families"), timeout=900)
+
+
+# What the FLUX recipe runs leave unused: the roles and options of the other families (an SD/SDXL unet, SD3's third
+# text encoder, the DDPM options), the logit-normal and mode densities' options (FLUX's scheme is none), the built-in
+# data's image check; without LoRA its options, without EMA its role.
+@pytest.mark.parametrize("run", ["flux_full", "flux_resume", "flux_lora"])
+def test_every_key_is_read_by_the_recipe_runs(ranks, run):
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+
+    skip = ("roles.unet.", "roles.text_encoder_3.", "diffusion.prediction_type", "diffusion.snr_gamma",
+            "diffusion.noise_offset", "diffusion.input_perturbation", "diffusion.logit_", "diffusion.mode_scale",
+            "data.check_images")
+    skip += ("roles.ema.", "validation.use_ema") if run == "flux_lora" else \
+        ("roles.transformer.lora.alpha", "roles.transformer.lora.dropout", "roles.transformer.lora.target_modules")
+    unread = tuple(k for k in leaves(recipe_schema(load_recipe("sd_finetune"))) if k.startswith(skip))
+    assert_keys_read(os.path.join(os.path.dirname(ranks[0]["paths"]["flux"]), run), "sd_finetune", unread=unread)
 
 
 def test_family_detection(ranks):

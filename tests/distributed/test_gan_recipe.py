@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_keys_read
 
 pytestmark = pytest.mark.distributed
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 
 
 def test_gan_learns_the_ring_and_exports(tmp_path):
@@ -22,6 +23,7 @@ def test_gan_learns_the_ring_and_exports(tmp_path):
                            "max_steps=300", "eval.every=0", "eval.size=1024"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert_keys_read(out, "gan")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["roles"]["gen"]["stage"] == 2 and summary["roles"]["disc"]["stage"] == 3
     rows = {r["role"]: r for r in summary["memory"]["per_rank"][0]["roles"]}

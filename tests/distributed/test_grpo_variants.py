@@ -5,7 +5,7 @@ success rate of the calculator task rises."""
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 TIMING = ("train/time/", "train/gen/", "train/step_time_s")
@@ -16,7 +16,20 @@ MARGIN = 0.1
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch("grpo_variants", tmp_path_factory.mktemp("grpo_variants"), timeout=1200)[0]
+    out = tmp_path_factory.mktemp("grpo_variants")
+    return {**launch("grpo_variants", out, timeout=1200)[0], "out": out}
+
+
+# clip_low and clip_high set: they bound the ratio, not clip_eps; the full and resumed runs are given the DAPO
+# run's actor and tiny assets; the multi-turn run's reward is the environment's (no reward model to re-encode for)
+UNREAD = {"dapo": ("grpo.clip_eps",), "full": ("grpo.clip_eps", "actor_sft.config", "actor_sft.overrides"),
+          "resumed": ("grpo.clip_eps", "actor_sft.config", "actor_sft.overrides"),
+          "multiturn": ("roles.reward.tokenizer",)}
+
+
+@pytest.mark.parametrize("run", sorted(UNREAD))
+def test_every_run_reads_its_keys(runs, run):
+    assert_keys_read(runs["out"] / run, "rlhf_grpo", UNREAD[run])
 
 
 def test_dapo_settings_learn_and_report_clip_sides_and_dropped_groups(runs):

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import _free_port
+from conftest import _free_port, assert_keys_read
 
 pytestmark = pytest.mark.distributed
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 DEMO = ["run", "registry_demo", "--config", "tiny"]
 
@@ -77,6 +77,7 @@ def one_node(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one_node")
     _run([*CLI, *DEMO, "--nproc-per-node", "2", "max_steps=4", f"output_dir={out}"])
     assert len(_losses(out)) == 4
+    assert_keys_read(out, "registry_demo")
     return out
 
 
@@ -85,14 +86,15 @@ def test_static_two_nodes_then_resume_on_one_node(one_node, tmp_path):
     _two_nodes(two, "max_steps=2", "checkpoint.every=2")
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2
+    assert_keys_read(two, "registry_demo")
     assert _losses(two) == _losses(one_node)[:2]
 
     # the planner's per-rank model states at the config's placements equal the measured ones, on every rank
-    from multiengine.engines import recipe_plans
-    from multiengine.engines.recipe_config import load_config
+    from multiengine.recipes.language import plans
+    from multiengine.recipes.language.config import load_config, load_recipe
 
     cfg = load_config("registry_demo", "tiny", [f"output_dir={two}"])
-    planned = recipe_plans.configured_states("registry_demo", cfg, 2)
+    planned = plans.configured_states(load_recipe("registry_demo"), cfg, 2)
     for rank in summary["memory"]["per_rank"]:
         for row in rank["roles"]:
             p = planned[row["role"]]
@@ -115,6 +117,7 @@ def test_c10d_two_nodes_equal_one_node(one_node, tmp_path):
     _two_nodes(two, "max_steps=2", rdzv="c10d")
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     assert _losses(two) == _losses(one_node)[:2]
+    assert_keys_read(two, "registry_demo")
 
 
 def test_distill_on_two_nodes_equals_one_node(tmp_path):
@@ -129,11 +132,19 @@ def test_distill_on_two_nodes_equals_one_node(tmp_path):
     run = ["run", "distill", "--config", "tiny"]
     args = [f"roles.teacher.model={assets / 'model'}", f"roles.student.model={student}",
             f"data.source={assets / 'data'}", "max_steps=3", "roles.student.micro_batch_size=8", "data.heldout_size=16",
-            "eval.size=0", "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0"]
+            "eval.size=0", "export.enabled=false", "tensorboard=false", "plot=false", "checkpoint.every=0",
+            "checkpoint.keep_last=2"]
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
     _run([*CLI, *run, "--nproc-per-node", "2", f"output_dir={one}", *args])
     _two_nodes(two, *args, run=run)
     assert len(_losses(one)) == 3
+    # both models are given (no tiny model is built or trained first); no LoRA; offline with eval.size=0: nothing
+    # generates (generation.*)
+    unread = ("generation.max_new_tokens", "generation.temperature", "generation.top_k", "generation.top_p",
+              "generation.mode", "tiny.hidden", "tiny.layers", "tiny.heads", "tiny.student_hidden",
+              "tiny.student_layers", "tiny.student_heads", "teacher_sft.config", "teacher_sft.overrides")
+    for out in (one, two):
+        assert_keys_read(out, "distill", unread)
     assert _losses(two) == _losses(one)
     a, b = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert a["world_size"] == b["world_size"] == 2

@@ -11,11 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_keys_read
 from multiengine.pipelines.distill import on_policy_batch
 
 pytestmark = pytest.mark.distributed
+# no LoRA adapters (lora.r=0; LoraSettings' other keys have no `when` yet, recipes/language/roles.py)
+NO_LORA = tuple(f"roles.student.lora.{k}" for k in ("alpha", "dropout", "target_modules"))
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 
 
 def test_on_policy_distill_with_a_zero3_teacher_and_a_zero2_student(tmp_path):
@@ -28,6 +31,7 @@ def test_on_policy_distill_with_a_zero3_teacher_and_a_zero2_student(tmp_path):
          "checkpoint.every=3", "checkpoint.keep_last=2", "export.enabled=false"],
         capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_keys_read(out, "distill", NO_LORA)
     summary = json.loads((out / "summary.json").read_text())
     roles = summary["roles"]
     assert roles["teacher"]["stage"] == 3 and not roles["teacher"]["trainable"]
@@ -58,9 +62,13 @@ def test_on_policy_distill_with_a_zero3_teacher_and_a_zero2_student(tmp_path):
         [*CLI, "run", "distill", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={again}", "max_steps=6",
          "distill.on_policy_fraction=0.4", "distill.loss=reverse_kl", "eval.size=16", "eval.every=0",
          "data.heldout_size=32", f"roles.teacher.model={out / 'teacher' / 'export' / 'actor'}",
-         f"resume_from={out / 'checkpoints' / 'step_00000003'}", "checkpoint.every=0", "export.enabled=false"],
+         f"resume_from={out / 'checkpoints' / 'step_00000003'}", "checkpoint.every=0", "checkpoint.keep_last=2",
+         "export.enabled=false"],
         capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    # the teacher is given: no tiny teacher is trained (teacher_sft) and only the student is a tiny model
+    assert_keys_read(again, "distill", (*NO_LORA, "teacher_sft.config", "teacher_sft.overrides", "tiny.hidden",
+                                        "tiny.layers", "tiny.heads"))
     resumed = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in resumed if "train/on_policy" in r]
 

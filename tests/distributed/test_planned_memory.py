@@ -1,5 +1,5 @@
 """Planned vs measured model states on 2 ranks: every recipe's summary.json carries, per role, the
-planner's per-rank bytes (recipes.plans.planned_vs_measured) beside the memory report's, and they agree
+planner's per-rank bytes (recipes.language.plans.planned_vs_measured) beside the memory report's, and they agree
 within 5% plus the persistent-parameter term for the SD, SDXL, SD3 and FLUX (flow matching), PPO, GRPO and
 distillation tiny configs at ZeRO stages 0, 2 and 3 (one optimizer step each, all in one launch)."""
 
@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from conftest import WORKERS, launch
+from conftest import GIVEN_MODELS, PPO_PLAIN, WORKERS, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -40,8 +40,30 @@ def summaries(tmp_path_factory) -> dict[tuple[str, int], dict]:
     sys.path.insert(0, str(WORKERS))
     launch("planned_memory", root / "runs", str(assets), sd_model, shapes, str(student), families,
            *map(str, STAGES), timeout=1200)
-    return {(recipe, stage): json.loads((root / "runs" / f"{recipe}_stage{stage}" / "summary.json").read_text())
+    return {(recipe, stage): {**json.loads((root / "runs" / f"{recipe}_stage{stage}" / "summary.json").read_text()),
+                              "out_dir": root / "runs" / f"{recipe}_stage{stage}"}
             for recipe in RECIPES for stage in STAGES}
+
+
+# What the runs' options leave unused: the models and data are given (no tiny model is built or trained first), no
+# EMA or pretraining rows in PPO; in sd_finetune the roles and options of the other families (an SD model has no
+# transformer or third text encoder, SD 1.x no second one; FLUX and SD3 no unet) and the built-in data's size
+UNREAD = {"rlhf_ppo": (*GIVEN_MODELS, *PPO_PLAIN), "rlhf_grpo": (*GIVEN_MODELS, "actor_sft."),
+          "distill": ("tiny.", "teacher_sft."), "sd_finetune": ("roles.transformer.", "roles.text_encoder_2.",
+                                                                "roles.text_encoder_3."),
+          "sd_finetune_sdxl": ("roles.transformer.", "roles.text_encoder_3."),
+          "sd_finetune_sd3": ("roles.unet.",), "sd_finetune_flux": ("roles.unet.", "roles.text_encoder_3.")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_run_reads_its_keys(summaries, recipe):
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+
+    name = recipe if not recipe.startswith("sd_finetune") else "sd_finetune"
+    skip = tuple(UNREAD[recipe]) + (("data.builtin_size",) if name == "sd_finetune" else ())
+    unread = tuple(k for k in leaves(recipe_schema(load_recipe(name))) if k.startswith(skip))
+    for stage in STAGES:
+        assert_keys_read(summaries[(recipe, stage)]["out_dir"], name, unread)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

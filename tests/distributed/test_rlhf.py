@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import launch
+from conftest import GIVEN_MODELS, PPO_PLAIN, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -98,6 +98,8 @@ def test_resume_of_step3_continues_identically(ranks):
         assert resumed["kl_coef"] == pytest.approx(full["kl_coef"], rel=1e-9)
         assert resumed["lr"] == pytest.approx(full["lr"], rel=1e-9)
         assert resumed["eval_after"] == pytest.approx(full["eval_after"])
+    for run in ("full", "resumed"):
+        assert_keys_read(ranks[0]["resume"][run]["out_dir"], "rlhf_ppo", GIVEN_MODELS)
 
 
 FRESH = """
@@ -157,7 +159,7 @@ def test_exports_load_with_transformers_and_peft_in_a_fresh_process(ranks):
     assert len(out["lora_critic_values"][0]) == len(e["probe"][0])
 
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 
 
 def test_e2e_cli_on_the_embedded_default_shortened(tmp_path):
@@ -172,6 +174,11 @@ def test_e2e_cli_on_the_embedded_default_shortened(tmp_path):
          "roles.actor.micro_batch_size=4,roles.critic.micro_batch_size=4,roles.actor.lora.r=8]"],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    # step 3 is PPO: neither GRPO's nor DPO's step, and step 2 starts from step 1's model (reward.init_from_sft);
+    # step 3 is given steps 1 and 2's models
+    assert_keys_read(out, "rlhf_e2e", ("grpo.config", "grpo.overrides", "dpo.config", "dpo.overrides",
+                                       "model.reward_pretrained"))
+    assert_keys_read(out / "ppo", "rlhf_ppo", (*GIVEN_MODELS, *PPO_PLAIN))
     text = proc.stdout + proc.stderr
     assert "rlhf_e2e: rlhf_sft ran (no finished run to reuse); rlhf_reward ran" in text
     assert "rlhf_ppo: per-role memory on rank 0" in text and "rlhf_e2e: per-role memory" not in text  # no roles

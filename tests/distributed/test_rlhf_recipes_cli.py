@@ -1,6 +1,6 @@
-"""rlhf_grpo and rlhf_dpo from the CLI on 2 ranks (DeepSpeed CPU accelerator, gloo), shortened: the tiny
-configs with overrides, their summaries and outputs, a resumed rlhf_grpo run continuing bit for bit, and
-rlhf_dpo with precomputed reference log-probs on the actor trained by the first run."""
+"""rlhf_grpo, rlhf_dpo and rlhf_e2e from the CLI on 2 ranks (DeepSpeed CPU accelerator, gloo), shortened: the tiny
+configs with overrides, their summaries and outputs, a resumed rlhf_grpo run continuing bit for bit, rlhf_dpo with
+precomputed reference log-probs on the SFT actor it trains first, and rlhf_e2e with DPO as step 3."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_keys_read
 
 pytestmark = pytest.mark.distributed
 
-CLI = [sys.executable, "-m", "multiengine.recipes.cli", "run"]
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli", "run"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 # timings differ between runs; everything else a step logs must be equal after a resume
 TIMING = ("train/time/", "train/gen/", "train/step_time_s")
@@ -81,6 +82,7 @@ def grpo(tmp_path_factory):
         "checkpoint.keep_last=2", "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]", *common)
     resumed = root / "resumed"
     cli("rlhf_grpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={resumed}", "checkpoint.every=0",
+        "checkpoint.keep_last=2",
         f"roles.actor.model={out}/sft/export/actor", f"resume_from={out}/checkpoints/step_00000002", *common)
     return {"root": root, "out": out, "resumed": resumed}
 
@@ -123,6 +125,13 @@ def test_grpo_cli_summary_outputs_and_reward_sum(grpo):
     assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()
 
 
+def test_grpo_runs_read_every_key(grpo):
+    assert_keys_read(grpo["out"], "rlhf_grpo")
+    # the resumed run is given the first run's SFT actor and the user's data: no tiny model is built or trained
+    assert_keys_read(grpo["resumed"], "rlhf_grpo", ("tiny.hidden", "tiny.layers", "tiny.heads", "actor_sft.config",
+                                                    "actor_sft.overrides"))
+
+
 def test_grpo_resume_continues_bit_for_bit(grpo):
     full = train_lines(grpo["out"] / "metrics.jsonl")
     resumed = train_lines(grpo["resumed"] / "metrics.jsonl")
@@ -136,29 +145,52 @@ def test_grpo_resume_continues_bit_for_bit(grpo):
     assert s_res["metrics"]["eval/after/kl"] == s_full["metrics"]["eval/after/kl"]
 
 
-def test_dpo_cli_with_precomputed_ref_on_the_grpo_runs_actor(grpo):
+def test_dpo_cli_with_precomputed_ref_on_the_sft_actor_it_trains_first(tmp_path):
     from multiengine.pipelines.rlhf import tiny
 
-    out, data = grpo["root"] / "dpo", grpo["root"] / "pairs"
-    tiny.write_builtin_dataset(data, seed=1, n_sft=16, n_reward=320, n_ppo=16, n_eval=32)  # few pairs to precompute
+    out, data = tmp_path / "dpo", tmp_path / "pairs"
+    tiny.write_builtin_dataset(data, seed=1, n_sft=2000, n_reward=320, n_ppo=16, n_eval=32)  # few pairs to precompute
     cli("rlhf_dpo", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "max_steps=6",
-        f"roles.actor.model={grpo['out']}/sft/export/actor", f"data.source={data}", "roles.actor.stage=2",
-        "roles.ref.stage=3", "dpo.precompute_ref=true", "roles.actor.micro_batch_size=8", "roles.actor.grad_accum=2",
-        "roles.actor.lr=1e-3",
-        "data.heldout_size=64", "eval.size=16", "eval.batch_size=8", "eval.every=3", "checkpoint.every=3")
+        f"data.source={data}", "roles.actor.stage=2", "roles.ref.stage=3", "dpo.precompute_ref=true",
+        "roles.actor.micro_batch_size=8", "roles.actor.grad_accum=2", "roles.actor.lr=1e-3", "data.heldout_size=64",
+        "eval.size=16", "eval.batch_size=8", "eval.every=3", "checkpoint.every=3",
+        "actor_sft.overrides=[max_steps=5,eval.size=16,eval.greedy=false]")
+    # no LoRA adapters (lora.r=0; LoraSettings' other keys have no `when` yet, recipes/language/roles.py)
+    assert_keys_read(out, "rlhf_dpo", tuple(f"roles.actor.lora.{k}" for k in ("alpha", "dropout", "target_modules")))
     summary = json.loads((out / "summary.json").read_text())
     m = summary["metrics"]
     for key in ("eval/before/accuracy", "eval/after/accuracy", "eval/after/margin", "eval/after/chosen_reward",
                 "eval/after/rejected_reward", "eval/before/judge", "eval/after/judge", "eval/after/kl"):
         assert m.get(key) is not None, key
     assert m["precompute_ref"] and m["precompute_s"] > 0 and m["loss_type"] == "sigmoid"
-    # before any step the policy is the ref: every implicit reward is 0, the loss is ln 2
-    assert m["eval/before/loss"] == pytest.approx(0.693147, abs=1e-5) and m["eval/before/margin"] == 0.0
+    # before any step the policy is the ref (at another stage: equal up to rounding): implicit rewards 0, loss ln 2
+    assert m["eval/before/loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert m["eval/before/margin"] == pytest.approx(0.0, abs=1e-6)
     assert m["eval/after/loss"] < m["eval/before/loss"] and m["eval/after/margin"] > 0
     assert (summary["roles"]["actor"]["stage"], summary["roles"]["ref"]["stage"]) == (2, 3)
     train = train_lines(out / "metrics.jsonl")
     assert [x["step"] for x in train] == list(range(1, 7))
     assert {"train/loss", "train/accuracy", "train/margin", "train/rewards/chosen", "train/lr"} <= set(train[0])
-    assert not (out / "sft").exists()  # roles.actor.model given: no SFT run
+    assert (out / "sft" / "export" / "actor" / "config.json").is_file()  # the SFT actor was trained first
+    assert summary["paths"]["actor"] == summary["paths"]["ref"] == str(out / "sft" / "export" / "actor")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000006"
     assert (out / "export" / "actor" / "config.json").is_file() and (out / "curves.png").is_file()
+
+
+def test_e2e_with_dpo_as_step_3(tmp_path):
+    out = tmp_path / "e2e"
+    cli("rlhf_e2e", "--config", "tiny", "--nproc-per-node", "2", f"output_dir={out}", "algorithm=dpo", "max_steps=2",
+        "sft.overrides=[max_steps=3,eval.size=16,eval.every=0,eval.greedy=false,data.heldout_size=16]",
+        "dpo.overrides=[eval.size=16,eval.batch_size=8,eval.every=0,data.heldout_size=32]")
+    # DPO trains on the pairs directly: no reward-model step, and neither PPO's nor GRPO's step
+    assert_keys_read(out, "rlhf_e2e", ("reward.config", "reward.overrides", "reward.init_from_sft",
+                                       "model.reward_pretrained", "ppo.config", "ppo.overrides", "grpo.config",
+                                       "grpo.overrides"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary["step_runs"]) == ["rlhf_dpo", "rlhf_sft"] and summary["algorithm"] == "dpo"
+    f = summary["figures"]
+    assert f["sft/heldout_loss"] is not None and f["dpo/judge_before"] is not None and f["dpo/kl_after"] > 0
+    dpo = json.loads((out / "dpo" / "summary.json").read_text())
+    assert dpo["metrics"]["steps"] == 2 and dpo["paths"]["actor"] == str(out / "sft" / "export" / "actor")
+    assert summary["export"]["actor"]["model"] == str(out / "dpo" / "export" / "actor")
+    assert (out / "curves.png").is_file()

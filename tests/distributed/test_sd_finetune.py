@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import launch
+from conftest import assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -19,6 +19,36 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return launch("sd_finetune", tmp_path_factory.mktemp("sd_finetune"), timeout=600)
+
+
+def keys_under(recipe: str, *prefixes: str) -> tuple[str, ...]:
+    from multiengine.recipes.language.config import leaves, load_recipe, recipe_schema
+
+    return tuple(k for k in leaves(recipe_schema(load_recipe(recipe))) if k.startswith(prefixes))
+
+
+# What a run's options leave unused, by reason: the roles a tiny SD builds none of (SDXL: has text_encoder_2), the
+# LoRA options without LoRA (lora.r 0), the EMA role without an EMA, the built-in data's size beside data.source and
+# the image check of generated data, validation.num_prompts beside validation.prompts
+NOT_SD = keys_under("sd_finetune", "roles.transformer.", "roles.text_encoder_3.")
+NO_LORA = ("roles.unet.lora.alpha", "roles.unet.lora.dropout", "roles.unet.lora.target_modules")
+NO_EMA = ("roles.ema.dtype", "roles.ema.offload_params")
+UNREAD = {
+    "zero3": (*NOT_SD, "roles.text_encoder_2.", *NO_LORA, "data.check_images", "validation.num_prompts"),
+    "resume": (*NOT_SD, "roles.text_encoder_2.", *NO_LORA, "data.builtin_size", "validation.num_prompts"),
+    "seed": (*NOT_SD, "roles.text_encoder_2.", *NO_LORA, "data.builtin_size", "validation.num_prompts"),
+    "lora": (*NOT_SD, "roles.text_encoder_2.", *NO_EMA, "data.builtin_size"),
+    "sdxl": (*NOT_SD, *NO_LORA, *NO_EMA, "data.builtin_size", "validation.num_prompts"),
+    "sdxl_seed": (*NOT_SD, *NO_LORA, *NO_EMA, "data.builtin_size"),
+}
+
+
+@pytest.mark.parametrize("run", sorted(UNREAD))
+def test_every_key_is_read_by_the_runs(ranks, run):
+    root = ranks[0]["paths"]["root"]
+    unread = UNREAD[run]
+    assert_keys_read(os.path.join(root, run), "sd_finetune",
+                     unread=(*unread, *keys_under("sd_finetune", *(u for u in unread if u.endswith(".")))))
 
 
 def test_every_role_is_sharded_in_zero3_mode(ranks):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import launch
+from conftest import GIVEN_MODELS, PPO_PLAIN, assert_keys_read, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -60,6 +60,7 @@ def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
         assert len(r["steps"]) == 2 and all(s["value_loss"] == s["value_loss"] for s in r["steps"])
         assert r["critic_head_moved"] > 0
     assert ranks[0]["scores"] != ranks[1]["scores"]  # each rank scored its own prompts
+    assert_keys_read(tmp_path / "run", "rlhf_ppo", (*GIVEN_MODELS, *PPO_PLAIN))
     code = (
         "import json\n"
         "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multiengine.engines.recipe_config import (
-    CONFIGS_DIR,
+from multiengine.recipes.language.config import (
     ConfigValueError,
     DuplicateKeyError,
     RecipeConfigError,
-    _yaml_load,
     check_output_dir_writable,
+    configs_dir,
     load_config,
+    yaml_load,
 )
 
 
@@ -36,11 +36,11 @@ def test_a_yaml_key_set_twice_names_the_key_and_both_lines(tmp_path):
 
 def test_duplicate_keys_are_found_in_lists_and_overrides_but_merge_keys_pass():
     with pytest.raises(DuplicateKeyError) as err:
-        _yaml_load("a:\n  - {x: 1}\n  - {x: 1,\n     x: 3}\n")
+        yaml_load("a:\n  - {x: 1}\n  - {x: 1,\n     x: 3}\n")
     assert (err.value.key, err.value.first_line, err.value.second_line) == ("a[1].x", 3, 4)
     # the same name in two sections, and a merge key overridden beside it, are not duplicates
-    assert _yaml_load("a: {x: 1}\nb: {x: 2}\n") == {"a": {"x": 1}, "b": {"x": 2}}
-    assert _yaml_load("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n")["other"] == {"x": 2}
+    assert yaml_load("a: {x: 1}\nb: {x: 2}\n") == {"a": {"x": 1}, "b": {"x": 2}}
+    assert yaml_load("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n")["other"] == {"x": 2}
     with pytest.raises(RecipeConfigError, match=r"malformed override 'validation=\{a: 1, a: 2\}': key 'validation.a' "
                                                 r"is set twice"):
         load_config("rlhf_sft", "tiny", ["validation={a: 1, a: 2}"])
@@ -360,8 +360,18 @@ ROWS = [
         "roles.actor.micro_batch_size=[1,2]", "roles.actor.micro_batch_size"),
     cli("override-no-equals", "config", "an override without '='", "validate rlhf_reward --config tiny max_steps",
         "max_steps"),
-    cli("lora-empty-targets", "config", "LoRA on no modules", "validate rlhf_sft --config tiny roles.actor.lora.r=8 "
-        "roles.actor.lora.target_modules=[]", "roles.actor.lora.target_modules"),
+    cli("lora-alpha-without-r", "config", "a LoRA alpha without a LoRA rank", "validate rlhf_sft --config tiny "
+        "roles.actor.lora.alpha=32", "roles.actor.lora.alpha", "roles.actor.lora.r"),
+    cli("seed-too-large", "config", "a seed above 2^32-1", "validate rlhf_sft --config tiny seed=8589934592", "seed",
+        "8589934592"),
+    cli("keep-last-zero", "config", "keeping no checkpoint", "validate rlhf_sft --config tiny checkpoint.keep_last=0",
+        "checkpoint.keep_last", "0"),
+    cli("resume-empty-folder", "config", "resuming from a folder that holds no checkpoint",
+        "validate rlhf_sft --config tiny resume_from={d}/empty", "resume_from", "empty"),
+    cli("frozen-gradient-checkpointing", "config", "gradient checkpointing on a frozen role",
+        "validate rlhf_grpo --config tiny roles.ref.gradient_checkpointing=true", "roles.ref.gradient_checkpointing"),
+    cli("ema-offload-below-z3", "config", "parameter offload for an EMA at ZeRO-2", "validate sd_finetune --config "
+        "tiny roles.unet.stage=2 roles.ema.offload_params=true", "roles.ema.offload_params"),
     cli("resume-missing", "config", "resuming from a folder that does not exist", "validate rlhf_sft --config tiny "
         "resume_from={d}/no_ckpt", "resume_from", "no_ckpt"),
     cli("overwrite-and-resume", "config", "overwrite=true and resume_from=latest together",
@@ -564,6 +574,7 @@ def write_data(d: Path) -> None:
                                   "    return [float(c == a) for c, a in zip(completions, answer)]\n")
     (d / "afile").write_text("not a folder\n")
     (d / "dangling").symlink_to(d / "nowhere")
+    (d / "empty").mkdir()
     (d / "reward_run").mkdir()
     (d / "reward_run" / "run.json").write_text(json.dumps({"recipe": "rlhf_reward"}))
     (d / "reward_run" / "metrics.jsonl").write_text("")
@@ -661,12 +672,12 @@ def _paths(*roots: Path) -> set[Path]:
 
 
 def run_row(row: Row, d: Path, locked: Path) -> Result:
-    from multiengine.recipes.cli import main
+    from multiengine.recipes.language.cli import main
 
     def shown(text: str) -> str:
         return text.replace(str(locked), "{locked}").replace(str(d), "{d}")
 
-    if "{locked}" in row.command and not nobody_can_read(*CONFIGS_DIR.glob("*/tiny.yaml")):
+    if "{locked}" in row.command and not nobody_can_read(*configs_dir().glob("*/tiny.yaml")):
         return Result(None, [], "", [], "", skipped="acting as `nobody`, the CLI must read the shipped configs, and "
                       "this repository is under a folder only its owner may enter")
     before = _paths(d, locked.parent)

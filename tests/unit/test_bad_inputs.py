@@ -78,7 +78,7 @@ def _write_data(d: Path) -> None:
 def _argv(case: Case, d: Path) -> list[str]:
     args = [a.replace("{d}", str(d)) for a in case.args]
     config = [] if "--config" in args else ["--config", "tiny"]
-    return [sys.executable, "-m", "multiengine.recipes.cli", case.command, case.recipe, *config, *args,
+    return [sys.executable, "-m", "multiengine.recipes.language.cli", case.command, case.recipe, *config, *args,
             f"output_dir={d / 'out' / case.id}"]
 
 

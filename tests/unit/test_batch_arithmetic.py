@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from multiengine.engines.recipe_config import ConfigValueError
+from multiengine.engines.settings import SettingsError
 from multiengine.pipelines.checks import check_rows_per_rank
-from multiengine.recipes import cli
+from multiengine.recipes.language import cli
 
 
 @pytest.fixture(autouse=True)
@@ -148,7 +148,7 @@ def test_a_rank_started_without_the_pre_check_fails_before_building(data, capsys
 
 
 def test_the_message_names_every_fix_that_would_work():
-    with pytest.raises(ConfigValueError) as info:
+    with pytest.raises(SettingsError) as info:
         check_rows_per_rank(30, 4, key="train.micro_batch_size", value=4, factor=2, unit="pairs",
                             what="train.micro_batch_size x train.grad_accum=2", heldout=10)
     text = str(info.value)
@@ -159,6 +159,6 @@ def test_the_message_names_every_fix_that_would_work():
                               "--nnodes), hold out fewer rows (data.eval_split; 10 now) or give evaluation rows of "
                               "their own (data.eval_source), or add training pairs")
     check_rows_per_rank(32, 4, key="k", value=4, factor=2)  # exactly 8 per rank
-    with pytest.raises(ConfigValueError) as info:
+    with pytest.raises(SettingsError) as info:
         check_rows_per_rank(3, 4, key="k", value=1)  # fewer rows than ranks: no batch size fits
     assert info.value.fix == "run on 3 ranks or fewer (--nproc-per-node x --nnodes), or add training rows"

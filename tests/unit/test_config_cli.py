@@ -1,10 +1,12 @@
-"""Recipe configs (strict merge of DEFAULTS, YAML and overrides) and the `multiengine` CLI.
+"""Recipe configs (the typed Config's defaults, then a YAML file, then key=value overrides, strictly) and the
+`multiengine` CLI.
 
 Uses a throwaway recipe package and configs folder in a tmp dir, so it depends on no real recipe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from multiengine.engines import launcher
-from multiengine.engines.recipe_config import (
+from multiengine.recipes.language import cli, launcher
+from multiengine.recipes.language.config import (
     ConfigKeyError,
     ConfigTypeError,
     OverrideSyntaxError,
@@ -25,53 +27,80 @@ from multiengine.engines.recipe_config import (
     list_recipes,
     load_config,
     parse_override,
-    to_container,
 )
-from multiengine.recipes import cli
-from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError
+from multiengine.recipes.language.launcher import Nodes
+from toys import toy_package
 
 PKG = "me_toy_recipes"  # unique, so it cannot shadow or be shadowed by anything installed
+CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
 
 TOY = '''
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULTS = {
-    "output_dir": "out",
-    "seed": 0,
-    "max_steps": 10,
-    "lr": 1e-3,
-    "use_bf16": False,
-    "name": "toy",
-    "dtype": "bf16",
-    "prompts": ["a cat"],
-    "roles": {"actor": {"stage": 0, "offload": False}, "critic": {"stage": 0}},
-    "extra": {},
-    "tag": None,
-    "fail": False,
-}
+from multiengine.engines.settings import Range, setting
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
+from multiengine.recipes.language.roles import Role
 
 
-def main(cfg):
-    rank = os.environ.get("RANK", "0")
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "world": os.environ.get("WORLD_SIZE"), "omp": os.environ.get("OMP_NUM_THREADS"),
-              "max_steps": cfg.max_steps}
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
-    if cfg.fail:
-        raise RuntimeError("toy recipe asked to fail")
-    return {"steps": cfg.max_steps, "lr": cfg.lr, "rank": int(rank), "stage": cfg.roles.actor.stage}
+@dataclass(frozen=True)
+class ToyConfig(RunConfig):
+    output_dir: str = setting("out", "where the run writes")
+    max_steps: int = setting(10, "optimizer steps", Range(1))
+    lr: float = setting(1e-3, "a rate")
+    use_bf16: bool = setting(False, "a switch")
+    name: str = setting("toy", "a name")
+    dtype: str = setting("bf16", "a dtype's name")
+    prompts: list[str] = setting(["a cat"], "prompts")
+    extra: dict = setting({}, "handed on as it is")
+    tag: str | None = setting(None, "anything, or null")
+    fail: bool = setting(False, "raise after writing the rank file")
+
+
+class Toy(Recipe):
+    name = "toy"
+    roles = (Role("actor", "trained", trainable=True, defaults={"stage": 0}),
+             Role("critic", "frozen", defaults={"stage": 0}))
+    Config = ToyConfig
+    renamed = {"steps": "max_steps", "actor.*": "roles.actor.*"}
+
+    @classmethod
+    def main(cls, cfg):
+        rank = os.environ.get("RANK", "0")
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"rank": rank, "world": os.environ.get("WORLD_SIZE"), "omp": os.environ.get("OMP_NUM_THREADS"),
+                  "max_steps": cfg.max_steps}
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        if cfg.fail:
+            raise RuntimeError("toy recipe asked to fail")
+        return {"steps": cfg.max_steps, "lr": cfg.lr, "rank": int(rank), "stage": cfg.roles.actor.stage}
+
+
+RECIPE = Toy
 '''
 
 BROKEN = '''
-DEFAULTS = {"output_dir": "out", "max_steps": 1}  # no seed
+from dataclasses import dataclass
+
+from multiengine.engines.settings import Settings, setting
+from multiengine.recipes.language.lifecycle import Recipe
 
 
-def main(cfg):
-    return {}
+@dataclass(frozen=True)
+class NoSeed(Settings):
+    output_dir: str = setting("out", "where")
+    max_steps: int = setting(1, "steps")
+
+
+class Broken(Recipe):
+    name = "broken"
+    Config = NoSeed
+
+
+RECIPE = Broken
 '''
 
 TINY_YAML = """\
@@ -93,21 +122,10 @@ max_step: 2
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A recipe package on sys.path plus its configs folder; returns the CLI's pointing flags."""
-    root = tmp_path_factory.mktemp("toy")
-    pkg = root / "src" / PKG
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "toy.py").write_text(TOY)
-    (pkg / "broken.py").write_text(BROKEN)
-    configs = root / "configs"
-    (configs / "toy").mkdir(parents=True)
-    (configs / "toy" / "tiny.yaml").write_text(TINY_YAML)
-    (configs / "toy" / "bad.yaml").write_text(BAD_YAML)
-    sys.path.insert(0, str(root / "src"))
-    yield {"package": PKG, "configs_dir": str(configs), "src": str(root / "src")}
-    sys.path.remove(str(root / "src"))
-    for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
-        del sys.modules[name]
+    with toy_package(tmp_path_factory.mktemp("toy"), PKG,
+                     {"toy": TOY, "broken": BROKEN, "helpers": "X = 1\n"},
+                     {"toy/tiny": TINY_YAML, "toy/bad": BAD_YAML}) as where:
+        yield where
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +138,7 @@ def _restore_root_logging():
     root.setLevel(level)
 
 
-def load(toy: dict[str, str], config: str | None = None, *overrides: str, recipe: str = "toy") -> DictConfig:
+def load(toy: dict[str, str], config: str | None = None, *overrides: str, recipe: str = "toy"):
     return load_config(recipe, config, list(overrides), package=toy["package"], configs_dir=toy["configs_dir"])
 
 
@@ -129,13 +147,15 @@ def cli_args(toy: dict[str, str], *args: str) -> list[str]:
 
 
 # --- load_config ---------------------------------------------------------------------------
-def test_defaults_only_and_struct_mode(toy):
+def test_defaults_only_as_a_typed_frozen_object(toy):
     cfg = load(toy)
     assert cfg.max_steps == 10 and cfg.roles.actor.stage == 0 and cfg.prompts == ["a cat"]
-    with pytest.raises(ConfigAttributeError):
-        _ = cfg.max_step  # struct mode: a typo in recipe code fails too
-    with pytest.raises(ConfigAttributeError):
-        cfg.new_key = 1
+    assert cfg.roles["critic"].stage == 0 and list(cfg.roles) == ["actor", "critic"]
+    with pytest.raises(AttributeError):
+        _ = cfg.max_step  # a typo in recipe code fails too
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_steps = 1
+    assert cfg.to_dict()["roles"]["actor"]["lora"]["r"] == 0 and json.dumps(cfg.to_dict())
 
 
 def test_shipped_config_then_overrides(toy):
@@ -144,16 +164,16 @@ def test_shipped_config_then_overrides(toy):
     cfg = load(toy, "tiny", "max_steps=3", "roles.actor.stage=3", "roles.critic.stage=1", "prompts=[a, b c]",
                "lr=1", "use_bf16=true", "seed=7", "max_steps=4")
     assert cfg.max_steps == 4  # the later override wins
-    assert cfg.roles.actor.stage == 3 and cfg.roles.critic.stage == 1 and cfg.roles.actor.offload is False
-    assert list(cfg.prompts) == ["a", "b c"]
+    assert cfg.roles.actor.stage == 3 and cfg.roles.critic.stage == 1 and cfg.roles.actor.offload_params is False
+    assert cfg.prompts == ["a", "b c"]
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # an int is fine for a float key
     assert cfg.use_bf16 is True and cfg.seed == 7
 
 
 def test_override_a_whole_section(toy):
     cfg = load(toy, None, "roles.actor={stage: 3}")
-    assert cfg.roles.actor.stage == 3 and cfg.roles.actor.offload is False  # merged, not replaced
-    with pytest.raises(ConfigKeyError, match="roles.actor.stag'"):
+    assert cfg.roles.actor.stage == 3 and cfg.roles.actor.lr == 1e-5  # merged, not replaced
+    with pytest.raises(ConfigKeyError, match=r"roles\.actor\.stag'.*Did you mean 'roles\.actor\.stage'"):
         load(toy, None, "roles.actor={stag: 3}")
 
 
@@ -162,20 +182,26 @@ def test_yaml_scalars_follow_yaml_1_2(toy):
     assert cfg.dtype == "no"  # YAML 1.1 would make it False
     assert cfg.name == "007"  # a str key keeps the text typed
     assert cfg.lr == pytest.approx(1e-4)  # YAML 1.1 would keep "1e-4" a string
-    assert cfg.tag == "anything"  # a None default accepts any value
+    assert cfg.tag == "anything" and load(toy, None, "tag=null").tag is None  # `str | None` takes null
 
 
 def test_config_from_path_and_interpolation(toy, tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("max_steps: 5\nname: ${output_dir}/run\nextra:\n  zero_optimization:\n    stage: 3\n")
-    cfg = load(toy, str(path), "output_dir=/tmp/o", "extra.zero_optimization.reduce_bucket_size=10")
-    plain = to_container(cfg)
-    assert plain["max_steps"] == 5 and plain["name"] == "/tmp/o/run"
-    # `{}` is a free-form section: its keys are not checked, and can be added.
-    assert plain["extra"] == {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10}}
-    assert isinstance(plain, dict) and json.loads(json.dumps(plain)) == plain
+    cfg = load(toy, str(path), "output_dir=/tmp/o")
+    assert cfg.max_steps == 5 and cfg.name == "/tmp/o/run"  # resolved after the overrides
+    assert cfg.extra == {"zero_optimization": {"stage": 3}}  # a mapping key is taken as it is
     with pytest.raises(RecipeConfigError, match="nope"):
         load(toy, None, "name=${nope}")  # a broken interpolation fails at load time
+
+
+def test_a_key_set_twice_in_a_file_or_an_override_is_refused(toy, tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("max_steps: 5\nroles:\n  actor:\n    stage: 1\n    stage: 2\n")
+    with pytest.raises(UnknownConfigError, match=r"key 'roles\.actor\.stage' is set twice, on line 4 and on line 5"):
+        load(toy, str(path))
+    with pytest.raises(OverrideSyntaxError, match=r"key 'roles\.actor' is set twice"):
+        load(toy, None, "roles={actor: {stage: 1}, actor: {stage: 2}}")
 
 
 def test_unknown_override_key_names_key_value_and_suggestion(toy):
@@ -194,6 +220,7 @@ def test_unknown_override_key_names_key_value_and_suggestion(toy):
         ("roles.actor.stag=2", "roles.actor.stag", "roles.actor.stage"),
         ("rolse.actor.stage=2", "rolse.actor.stage", "roles.actor.stage"),
         ("roles.critc.stage=2", "roles.critc.stage", "roles.critic.stage"),
+        ("roles.actor.lora.rank=2", "roles.actor.lora.rank", None),
         ("max_steps.x=2", "max_steps.x", None),
     ],
 )
@@ -202,8 +229,8 @@ def test_unknown_nested_override_key(toy, override, key, suggestion):
         load(toy, None, override)
     assert info.value.key == key
     assert f"unknown config key '{key}'" in str(info.value)
+    assert info.value.suggestion == suggestion
     if suggestion:
-        assert info.value.suggestion == suggestion
         assert f"Did you mean '{suggestion}'?" in str(info.value)
 
 
@@ -213,9 +240,18 @@ def test_unknown_key_in_yaml(toy, tmp_path):
     assert "'max_step' (value 2)" in str(info.value) and "Did you mean 'max_steps'?" in str(info.value)
     assert "bad.yaml" in str(info.value)
     nested = tmp_path / "nested.yaml"
-    nested.write_text("roles:\n  actor:\n    offlaod: true\n")
-    with pytest.raises(ConfigKeyError, match=r"roles\.actor\.offlaod.*Did you mean 'roles\.actor\.offload'"):
+    nested.write_text("roles:\n  actor:\n    offlaod_params: true\n")
+    with pytest.raises(ConfigKeyError, match=r"roles\.actor\.offlaod_params.*Did you mean '.*\.offload_params'"):
         load(toy, str(nested))
+
+
+@pytest.mark.parametrize(("old", "new"), [("steps", "max_steps"), ("actor.lr", "roles.actor.lr"),
+                                          ("actor.lora.r", "roles.actor.lora.r")])
+def test_a_renamed_key_is_refused_naming_the_new_one(toy, old, new):
+    with pytest.raises(ConfigKeyError) as info:
+        load(toy, None, f"{old}=3")
+    assert f"config key '{old}' (value 3) is now '{new}'" in str(info.value) and f"write {new}=3" in str(info.value)
+    assert info.value.suggestion == new
 
 
 @pytest.mark.parametrize(
@@ -227,8 +263,10 @@ def test_unknown_key_in_yaml(toy, tmp_path):
         ("lr=fast", "float"),
         ("use_bf16=1", "bool"),
         ("prompts=a cat", "list"),
-        ("roles=3", "mapping"),
+        ("roles=3", "a mapping"),
+        ("extra=[1]", "a mapping"),
         ("roles.actor.stage=[1]", "int"),
+        ("roles.actor.betas=[0.9, x]", "float"),
     ],
 )
 def test_wrong_type_override(toy, override, expected):
@@ -236,7 +274,7 @@ def test_wrong_type_override(toy, override, expected):
     with pytest.raises(ConfigTypeError) as info:
         load(toy, None, override)
     msg = str(info.value)
-    assert f"'{key}'" in msg and expected in msg and value.strip("[]") in msg
+    assert f"'{key}" in msg and f"expects {expected}" in msg and value.strip("[]").split(", ")[-1] in msg
 
 
 def test_wrong_type_in_yaml(toy, tmp_path):
@@ -262,14 +300,16 @@ def test_parse_override():
 def test_unknown_recipe_and_config(toy):
     with pytest.raises(UnknownRecipeError, match="Did you mean 'toy'"):
         load(toy, recipe="tyo")
+    with pytest.raises(UnknownRecipeError, match="module me_toy_recipes.helpers defines no RECIPE"):
+        load(toy, recipe="helpers")
     with pytest.raises(UnknownConfigError, match=r"Did you mean 'tiny'.*Available: bad, tiny"):
         load(toy, "tinny")
     with pytest.raises(UnknownConfigError, match="does not exist"):
         load(toy, "/no/such/file.yaml")
 
 
-def test_recipe_without_required_defaults_is_a_programming_error(toy):
-    with pytest.raises(RecipeDefinitionError, match="seed"):
+def test_recipe_without_a_required_key_is_a_programming_error(toy):
+    with pytest.raises(RecipeDefinitionError, match=r"Config lacks required key\(s\) \['seed'\]"):
         load(toy, recipe="broken")
 
 
@@ -345,32 +385,30 @@ def test_cli_config_error_exits_2_without_launching(toy, tmp_path, capsys):
 
 def test_console_entry_config_error_has_no_traceback(toy, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([toy["src"], os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "multiengine.recipes.cli", *cli_args(toy, "run", "toy", "max_step=3")],
-        check=False, capture_output=True, text=True, env=env, timeout=60,
-    )
+    proc = subprocess.run([*CLI, *cli_args(toy, "run", "toy", "max_step=3")], check=False, capture_output=True,
+                          text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "unknown config key 'max_step'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_build_launch_command(toy):
     cmd = cli.build_launch_command("toy", "/c/tiny.yaml", ["max_steps=3", "prompts=[a, b]"], nproc_per_node=2,
-                                   package=toy["package"], configs_dir=toy["configs_dir"])
-    assert cmd[:4] == [sys.executable, "-m", "multiengine.recipes.cli", "_launch"]  # torchrun's agent, quiet
+                                   package=toy["package"], folder=toy["configs_dir"])
+    assert cmd[:4] == [*CLI, "_launch"]  # torchrun's agent, quiet
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2" and cmd[cmd.index("--nnodes") + 1] == "1"
     tail = cmd[cmd.index("--master_port") + 2:]
-    assert tail == ["-m", "multiengine.recipes.cli", "--recipes-package", toy["package"], "--configs-dir",
+    assert tail == ["-m", "multiengine.recipes.language.cli", "--recipes-package", toy["package"], "--configs-dir",
                     toy["configs_dir"], "run", "toy", "--config", "/c/tiny.yaml", "max_steps=3", "prompts=[a, b]"]
-    multi = cli.build_launch_command("toy", None, [], nproc_per_node=4, nnodes=2, node_rank=1,
-                                     master_addr="10.0.0.1", master_port=29500)
+    multi = cli.build_launch_command("toy", None, [], nproc_per_node=4,
+                                     nodes=Nodes(2, 1, master_addr="10.0.0.1", master_port=29500))
     assert multi[multi.index("--master_addr") + 1] == "10.0.0.1" and multi[multi.index("--node_rank") + 1] == "1"
     with pytest.raises(RecipeConfigError):
-        cli.build_launch_command("toy", None, [], nproc_per_node=1, nnodes=2)
+        cli.build_launch_command("toy", None, [], nproc_per_node=1, nodes=Nodes(2, None))
     with pytest.raises(RecipeConfigError):
         cli.build_launch_command("toy", None, [], nproc_per_node=0)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_cli_run_launches_two_ranks(toy, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = tmp_path / "out"
@@ -383,7 +421,7 @@ def test_cli_run_launches_two_ranks(toy, tmp_path, monkeypatch):
     assert records[0]["omp"] == str(max(1, launcher._cpu_count() // 2))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_cli_run_failing_rank_exits_non_zero(toy, tmp_path):
     out = tmp_path / "out"
     code = cli.main(cli_args(toy, "run", "toy", "--nproc-per-node", "1", "fail=true", f"output_dir={out}"))
@@ -392,10 +430,9 @@ def test_cli_run_failing_rank_exits_non_zero(toy, tmp_path):
 
 
 def test_launch_env_sets_omp_threads_only_if_unset(toy, monkeypatch):
-    from multiengine.engines import launcher
-
     monkeypatch.setattr(launcher, "_cpu_count", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    load(toy)  # the package is imported (the CLI has loaded its config before it launches)
     env = cli._launch_env(2, toy["package"])
     assert env["OMP_NUM_THREADS"] == "4"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == toy["src"]  # ranks import the package validated here

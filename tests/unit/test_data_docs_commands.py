@@ -106,7 +106,7 @@ def test_the_page_has_its_commands():
 
 @pytest.mark.parametrize("argv", doc_commands(), ids=lambda a: f"{a[2]}:{'+'.join(x for x in a[3:] if '=' in x)[:60]}")
 def test_doc_command_validates(argv, root, monkeypatch):
-    from multiengine.recipes.cli import main
+    from multiengine.recipes.language.cli import main
 
     monkeypatch.chdir(root)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

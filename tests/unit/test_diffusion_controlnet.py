@@ -16,7 +16,6 @@ from multiengine.pipelines.diffusion.controlnet import (
 from multiengine.pipelines.diffusion.data import (
     _shapes_rows,
     conditioning_pixels,
-    make_shapes_controlnet_dataset,
     make_shapes_dataset,
     shapes_conditioning_image,
     tokenize_captions,
@@ -52,7 +51,7 @@ def test_conditioning_images_follow_the_shape(tmp_path):
 def test_controlnet_dataset_loads_with_datasets(tmp_path):
     import datasets
 
-    out = make_shapes_controlnet_dataset(str(tmp_path / "cn"), 9, 32, seed=0, kind="mask")
+    out = make_shapes_dataset(str(tmp_path / "cn"), 9, 32, seed=0, conditioning="mask")
     plain = make_shapes_dataset(str(tmp_path / "plain"), 9, 32, seed=0)
     ds = datasets.load_dataset("imagefolder", data_dir=out, split="train")
     assert len(ds) == 9 and {"image", "conditioning_image", "text"} <= set(ds.column_names)
@@ -62,7 +61,7 @@ def test_controlnet_dataset_loads_with_datasets(tmp_path):
     cond = conditioning_pixels(ds[0]["conditioning_image"], 32)
     assert cond.shape == (3, 32, 32) and cond.min() == 0.0 and cond.max() == 1.0
     stamp = os.stat(os.path.join(out, "metadata.jsonl")).st_mtime_ns
-    assert make_shapes_controlnet_dataset(out, 9, 32, seed=0, kind="mask") == out
+    assert make_shapes_dataset(out, 9, 32, seed=0, conditioning="mask") == out
     assert os.stat(os.path.join(out, "metadata.jsonl")).st_mtime_ns == stamp  # idempotent
 
 
@@ -126,7 +125,7 @@ def test_objective_equals_a_hand_written_train_controlnet_step(sd_dir):
 
     registry = _registry(sd_dir, seed=4)
     scheduler = DDPMScheduler.from_pretrained(sd_dir, subfolder="scheduler")
-    objective = ControlNetObjective(registry, ["text_encoder"], scheduler.alphas_cumprod)
+    objective = ControlNetObjective(registry, ["text_encoder"], scheduler)
     tokenizer = CLIPTokenizer.from_pretrained(sd_dir, subfolder="tokenizer")
     batch = _batch(tokenizer)
     # An untrained ControlNet adds zeros: give its zero convolutions weights so that the test sees them.
@@ -183,11 +182,11 @@ def test_objective_needs_conditioning_and_a_frozen_unet(sd_dir):
     from transformers import CLIPTokenizer
 
     registry = _registry(sd_dir, seed=0)
-    alphas = DDPMScheduler.from_pretrained(sd_dir, subfolder="scheduler").alphas_cumprod
-    objective = ControlNetObjective(registry, ["text_encoder"], alphas)
+    scheduler = DDPMScheduler.from_pretrained(sd_dir, subfolder="scheduler")
+    objective = ControlNetObjective(registry, ["text_encoder"], scheduler)
     batch = _batch(CLIPTokenizer.from_pretrained(sd_dir, subfolder="tokenizer"))
     del batch["conditioning_pixel_values"]
     with pytest.raises(KeyError, match="conditioning_pixel_values"):
         objective.loss(batch, step_generator(0, 0, 0, 0))
     with pytest.raises(ValueError, match="'controlnet' is trainable"):
-        ControlNetObjective(registry, ["text_encoder"], alphas, unet_role="controlnet")
+        ControlNetObjective(registry, ["text_encoder"], scheduler, unet_role="controlnet")

@@ -182,8 +182,8 @@ def test_sdxl_embeddings_and_time_ids_equal_the_pipeline(folders):
     for name in family_roles("sdxl").frozen:
         registry.add(RoleSpec(name, lambda name=name: load_component(path, name), eval_ds_config(dtype="fp32")))
     registry.build()
-    alphas = DDPMScheduler.from_pretrained(path, subfolder="scheduler").alphas_cumprod
-    objective = DiffusionObjective(registry, ["text_encoder", "text_encoder_2"], alphas, resolution=32)
+    scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler")
+    objective = DiffusionObjective(registry, ["text_encoder", "text_encoder_2"], scheduler, resolution=32)
     pipe = StableDiffusionXLPipeline.from_pretrained(path)
     captions = shapes_captions()[:2]
     ids = prompt_input_ids([pipe.tokenizer, pipe.tokenizer_2], captions)

@@ -55,15 +55,16 @@ CASES = [("sd3", "logit_normal", True), ("sd3", "sigma_sqrt", False), ("sd3", "m
 def test_loss_and_gradients_equal_the_training_script(folders, family, scheme, precondition):
     import diffusers
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
-    from multiengine.pipelines.diffusion.training import FlowMatchingObjective, step_generator
+    from multiengine.pipelines.diffusion.training import DiffusionSettings, FlowMatchingObjective, step_generator
 
     path = folders[family]
     registry = _registry(path, family)
     pipe = getattr(diffusers, family_roles(family).pipeline).from_pretrained(path)
     captions = shapes_captions()[:2]
     batch = _batch(pipe, family, captions)
-    objective = FlowMatchingObjective(registry, family, pipe.scheduler.config, weighting_scheme=scheme,
-                                      logit_mean=0.2, logit_std=0.8, precondition_outputs=precondition)
+    settings = DiffusionSettings(weighting_scheme=scheme, logit_mean=0.2, logit_std=0.8,
+                                 precondition_outputs=precondition)
+    objective = FlowMatchingObjective(registry, family, pipe.scheduler.config, settings)
     out = objective.loss(batch, step_generator(0, 5, 1, 0))
     registry["transformer"].backward(out.loss)
     grads = {n: p.grad.clone() for n, p in registry["transformer"].module.named_parameters() if p.grad is not None}
@@ -141,7 +142,12 @@ def test_prompt_embeddings_equal_the_pipelines(folders, family):
 
 def test_heldout_and_determinism(folders):
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from multiengine.pipelines.diffusion.training import FlowMatchingObjective, flow_heldout_loss, step_generator
+    from multiengine.pipelines.diffusion.training import (
+        DiffusionSettings,
+        FlowMatchingObjective,
+        heldout_loss,
+        step_generator,
+    )
 
     path = folders["sd3"]
     registry = _registry(path, "sd3")
@@ -156,12 +162,12 @@ def test_heldout_and_determinism(folders):
     assert points == [125, 375, 625, 875]
     fixed = objective.loss(batch, step_generator(0, 0, 0, 0), indices=torch.tensor([125, 125]))
     assert fixed.sigmas.tolist() == [objective.sigmas[125].item()] * 2
-    h1 = flow_heldout_loss(objective, [batch], points, seed=3)
-    assert h1 == flow_heldout_loss(objective, [batch], points, seed=3) and 0 < h1 < 100
+    h1 = heldout_loss(objective, [batch], points, seed=3)
+    assert h1 == heldout_loss(objective, [batch], points, seed=3) and 0 < h1 < 100
     assert registry.role("transformer").module.training  # eval() only for the duration
     with pytest.raises(ValueError, match="DiffusionObjective"):
         FlowMatchingObjective(registry, "sdxl", config)
     with pytest.raises(ValueError, match="weighting_scheme='logitnormal'"):
-        FlowMatchingObjective(registry, "sd3", config, weighting_scheme="logitnormal")
+        FlowMatchingObjective(registry, "sd3", config, DiffusionSettings(weighting_scheme="logitnormal"))
     with pytest.raises(ValueError, match="3 text encoders"):
         FlowMatchingObjective(registry, "sd3", config, text_encoders=["text_encoder"])

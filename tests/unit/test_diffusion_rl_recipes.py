@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from multiengine.engines.recipe_config import RecipeConfigError, load_config, validate_config
-from multiengine.engines.role_schema import placement
+from multiengine.engines.settings import SettingsError
 from multiengine.pipelines.diffusion.rewards import color_reward
 from multiengine.pipelines.diffusion.rl_runs import (
     load_preference_rows,
@@ -20,7 +19,14 @@ from multiengine.pipelines.diffusion.rl_runs import (
     score_images,
     shapes_prompt_split,
 )
-from multiengine.recipes import diffusion_dpo, diffusion_grpo, plans
+from multiengine.recipes.language.config import (
+    RecipeConfigError,
+    describe_keys,
+    load_config,
+    load_recipe,
+    validate_config,
+)
+from multiengine.recipes.language.plans import recipe_plans
 
 
 def _grpo(*overrides):
@@ -35,7 +41,11 @@ def _grpo(*overrides):
     (["model.tiny_family=sdxl"], "model.tiny_unet_steps", "tiny SD unet only"),
     (["eval.size=9"], "eval.size", "cannot split the shapes captions"),
     (["diffusion.num_inference_steps=1"], "diffusion.train_timestep_fraction", "trains on no step"),
-    (["roles.vae.model=/somewhere"], "roles.vae.model", "loaded from the pipeline folder model.pretrained"),
+    (["diffusion.kl_coef=0", "roles.ref.dtype=bf16"], "roles.ref.dtype", "builds no ref role"),
+    (["reward.functions=[color]", "reward.weights=[]", "roles.reward.stage=2"], "roles.reward.stage",
+     "no reward role is built"),
+    (["roles.policy.lora.alpha=8"], "roles.policy.lora.alpha", "applies only when roles.policy.lora.r is set"),
+    (["diffusion.noise_level=0.5"], "diffusion.noise_level", "samples with DDIM"),
 ])
 def test_grpo_refuses_bad_settings_naming_the_key(overrides, key, words):
     with pytest.raises(RecipeConfigError) as info:
@@ -43,17 +53,28 @@ def test_grpo_refuses_bad_settings_naming_the_key(overrides, key, words):
     assert key in str(info.value) and words in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("override, key", [("roles.vae.model=/somewhere", "roles.vae.model"),
+                                           ("roles.policy.tokenizer=/t", "roles.policy.tokenizer")])
+def test_keys_a_role_does_not_have_are_refused_naming_why(override, key):
+    with pytest.raises(RecipeConfigError, match=f"'{key}'.*not accepted.*model.pretrained"):
+        _grpo(override)
+
+
 def test_grpo_keys_and_roles():
-    help_ = diffusion_grpo.HELP
+    help_ = {row["key"]: row["meaning"] for row in describe_keys(load_recipe("diffusion_grpo"))}
     for key in ("diffusion.kl_coef", "diffusion.group_size", "diffusion.eta", "diffusion.noise_level",
                 "reward.functions", "roles.policy.lora.r", "roles.ref.stage", "roles.reward.stage"):
         assert help_[key], key
     cfg = _grpo()
     assert cfg.roles.policy.micro_batch_size % cfg.diffusion.group_size == 0
-    ref = placement(cfg, diffusion_grpo.ROLES, "ref")
+    ref = cfg.roles.ref.placement()
     assert (ref.stage, ref.dtype, ref.gather_forward) == (3, "fp32", True)  # ZeRO-3, the policy's dtype
-    assert placement(_grpo("roles.policy.dtype=bf16"), diffusion_grpo.ROLES, "ref").dtype == "bf16"  # follows
-    assert placement(cfg, diffusion_grpo.ROLES, "reward").stage == 3
+    assert _grpo("roles.policy.dtype=bf16").roles.ref.placement().dtype == "bf16"  # follows
+    assert cfg.roles.reward.placement().stage == 3
+    # what a run builds: the accumulation counts every trained step of every rollout
+    roles = load_recipe("diffusion_grpo").describe(cfg)["roles"]
+    assert roles["policy"]["ds_config"]["gradient_accumulation_steps"] == cfg.diffusion.trained_steps
+    assert set(roles) == {"policy", "ref", "reward", "vae", "text_encoder"}
 
 
 def test_dpo_refuses_bad_data(tmp_path):
@@ -65,7 +86,7 @@ def test_dpo_refuses_bad_data(tmp_path):
     cfg = load_config("diffusion_dpo", "tiny", ["eval.size=256"])
     with pytest.raises(RecipeConfigError, match="eval.size.*every one of the 256 pairs"):
         validate_config("diffusion_dpo", cfg)
-    assert diffusion_dpo.HELP["dpo.beta"] and diffusion_dpo.DEFAULTS["roles"]["ref"]["stage"] == 3
+    assert load_config("diffusion_dpo", "tiny").roles.ref.stage == 3
 
 
 def test_shapes_prompts_split_by_colour():
@@ -110,7 +131,7 @@ def test_prompt_files_and_reward_mixing(tmp_path):
 
 
 def test_planner_lays_out_the_built_roles():
-    (plan,) = plans.recipe_plans("diffusion_grpo", _grpo())
+    (plan,) = recipe_plans(load_recipe("diffusion_grpo"), _grpo())
     roles = {r.name: r for r in plan.roles}
     assert set(roles) == {"policy", "ref", "reward", "vae", "text_encoder"}
     assert roles["policy"].trainable_params == roles["ref"].params and roles["ref"].trainable_params == 0
@@ -118,14 +139,14 @@ def test_planner_lays_out_the_built_roles():
     # is one of its phases
     assert roles["ref"].full_gather == ("forward",) and roles["vae"].full_gather == ("decode / encode",)
     assert roles["text_encoder"].full_gather == ("encode",) and dict(roles["text_encoder"].phases)["encode"] > 0
-    (plan,) = plans.recipe_plans("diffusion_grpo", _grpo("roles.ref.gather_forward=false"))
+    (plan,) = recipe_plans(load_recipe("diffusion_grpo"), _grpo("roles.ref.gather_forward=false"))
     assert {r.name: r for r in plan.roles}["ref"].full_gather == ()
-    (plan,) = plans.recipe_plans("diffusion_grpo", _grpo("diffusion.kl_coef=0", "reward.functions=[color]",
-                                                         "reward.weights=[]", "roles.policy.lora.r=4"))
+    (plan,) = recipe_plans(load_recipe("diffusion_grpo"), _grpo("diffusion.kl_coef=0", "reward.functions=[color]",
+                                                                "reward.weights=[]", "roles.policy.lora.r=4"))
     roles = {r.name: r for r in plan.roles}
     assert "ref" not in roles and "reward" not in roles
     assert roles["policy"].lora and 0 < roles["policy"].trainable_params < roles["policy"].params
-    (plan,) = plans.recipe_plans("diffusion_dpo", load_config("diffusion_dpo", "tiny"))
+    (plan,) = recipe_plans(load_recipe("diffusion_dpo"), load_config("diffusion_dpo", "tiny"))
     assert {r.name for r in plan.roles} == {"policy", "ref", "vae", "text_encoder"}
 
 
@@ -134,5 +155,5 @@ def test_planner_refuses_a_pipeline_without_a_denoiser(tmp_path, recipe):
     # a folder whose model_index.json names no component with weights: a clear error, not a KeyError
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
     cfg = load_config(recipe, "tiny", [f"model.pretrained={tmp_path}"])
-    with pytest.raises(RecipeConfigError, match=r"trains a unet or a transformer beside a vae; .* components \[\]"):
-        plans.recipe_plans(recipe, cfg)
+    with pytest.raises(SettingsError, match=r"trains a unet or a transformer beside a vae; .* components \[\]"):
+        recipe_plans(load_recipe(recipe), cfg)

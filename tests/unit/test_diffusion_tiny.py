@@ -38,7 +38,7 @@ def test_folder_layout(tiny_dir):
         assert os.path.isdir(os.path.join(tiny_dir, sub)), sub
     with open(os.path.join(tiny_dir, "tokenizer", "merges.txt")) as f:
         assert f.readline().startswith("#version")
-    assert not [n for n in os.listdir(os.path.dirname(tiny_dir)) if n.startswith(".tiny_sd_")]
+    assert not [n for n in os.listdir(os.path.dirname(tiny_dir)) if n.startswith(".tiny_")]
 
 
 def test_generates_32px_image_deterministically(pipe):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from multiengine.engines import (
     ConfigError,
+    OptimSpec,
     RoleSpec,
     eval_ds_config,
     load_ds_config,
@@ -39,13 +40,21 @@ def test_train_config_is_a_plain_dict_with_the_requested_stage():
     json.dumps(cfg)  # serialisable as a DeepSpeed JSON
 
 
-@pytest.mark.parametrize("off", [None, 0, 0.0])
+@pytest.mark.parametrize("off", [0, 0.0])
 def test_clipping_off_and_gradient_averaging_are_written_not_left_to_deepspeed_defaults(off):
     cfg = train_ds_config(stage=2, dtype="fp16", gradient_clipping=off)
     assert cfg["gradient_clipping"] == 0.0 and type(cfg["gradient_clipping"]) is float
     assert cfg["prescale_gradients"] is False and cfg["gradient_predivide_factor"] == 1.0
     assert cfg["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                            "hysteresis": 2, "min_loss_scale": 1}
+
+
+@pytest.mark.parametrize("bad", [None, -1.0, True, "1.0"])
+def test_no_clipping_is_spelled_one_way(bad):
+    with pytest.raises(ConfigError, match="0.0 = no clipping"):
+        train_ds_config(gradient_clipping=bad)
+    with pytest.raises(ConfigError, match="max_grad_norm=.*0.0 = no clipping"):
+        OptimSpec(max_grad_norm=bad)
 
 
 def test_eval_config_has_batch_keys_and_no_optimizer_sections():

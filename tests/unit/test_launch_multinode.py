@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from multiengine.engines.recipe_config import RecipeConfigError
-from multiengine.recipes import cli
+from multiengine.recipes.language import cli
+from multiengine.recipes.language.config import RecipeConfigError
+from multiengine.recipes.language.launcher import Nodes
 
 
 def _cmd(**kw):
-    return cli.build_launch_command("registry_demo", None, ["max_steps=3"], nproc_per_node=8, **kw)
+    return cli.build_launch_command("registry_demo", None, ["max_steps=3"], nproc_per_node=8, nodes=Nodes(**kw))
 
 
 def _opt(cmd, name):
@@ -37,6 +38,7 @@ def test_c10d_rendezvous():
     (dict(nnodes=2, node_rank=None, rdzv_backend="c10d"), "the rendezvous endpoint"),
     (dict(nnodes=2, node_rank=1, master_addr="h", master_port=1, rdzv_backend="c10d"), "no effect with"),
     (dict(nnodes=0), "--nnodes must be >= 1"),
+    (dict(nnodes=1, rdzv_backend="etcd"), "--rdzv-backend 'etcd'"),
 ])
 def test_mistakes_fail_before_launching(kw, message):
     with pytest.raises(RecipeConfigError) as exc:

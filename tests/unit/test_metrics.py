@@ -202,7 +202,7 @@ def test_wandb_mirrors_scalars_and_images(tmp_path, monkeypatch):
 
 
 def test_report_to_wandb_without_wandb_fails_before_any_rank_starts(monkeypatch):
-    from multiengine.engines.recipe_config import ConfigValueError, checked_config
+    from multiengine.recipes.language.config import ConfigValueError, checked_config
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else _find_spec(name, *a))
     with pytest.raises(ConfigValueError) as info:

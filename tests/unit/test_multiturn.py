@@ -11,6 +11,7 @@ import torch
 from multiengine.pipelines.rlhf import losses, ppo
 from multiengine.pipelines.rlhf import multiturn as mt
 from multiengine.pipelines.rlhf.generation import position_ids_from_mask
+from multiengine.pipelines.rlhf.grpo import GRPOSettings
 from multiengine.pipelines.rlhf.tiny import CHAT_ROLE_TOKENS, tiny_lm_config, train_tokenizer
 
 WORDS = ["compute", "+", "-", "*", "<calc>", "</calc>", "<result>", "</result>", "<answer>", "</answer>", "error:"] + \
@@ -207,7 +208,8 @@ def test_environment_tokens_get_no_gradient(tok, model):
     logits.retain_grad()
     logp = ppo.response_logprobs(logits, seq, C)
     advantages = torch.tensor([[1.0], [-1.0]]).expand_as(logp)  # non-zero everywhere, environment tokens included
-    loss, _ = losses.policy_gradient_loss(logp, logp.detach(), advantages, action)
+    loss, _ = losses.policy_loss("ppo", losses.PolicyLossInputs(logp, logp.detach(), advantages, action),
+                                 GRPOSettings())
     loss.backward()
     per_position = logits.grad[:, C - 1:-1].abs().sum(-1)  # position C-1+t scores response token t
     assert ((per_position > 0) == action).all()  # gradient exactly on the model's tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ from multiengine.engines import (
     save_role,
     trainable_role,
 )
-from multiengine.engines.recipe_lifecycle import COMMON_DEFAULTS, Recipe, with_common
-from omegaconf import OmegaConf
+from multiengine.engines.settings import setting
+from multiengine.recipes.language.lifecycle import CheckpointSettings, NonfiniteSettings, Recipe, RunConfig
 
 
 def _mlp():
@@ -104,8 +105,14 @@ def test_a_joint_backward_notes_the_loss_for_every_role():
 
 
 # --- the lifecycle's policy --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _ToyConfig(RunConfig):
+    nan_at: list[int] = setting([], "the steps whose loss is NaN")
+
+
 class _Toy(Recipe):
     name = "toy"
+    Config = _ToyConfig
 
     def build(self) -> None:
         self.registry.add(trainable_role("actor", _mlp, Placement(stage=0, dtype="fp32"),
@@ -127,11 +134,10 @@ class _Toy(Recipe):
         return {"actor": save_role(self.registry, "actor", self.path("export", "actor"))["model"]}
 
 
-def _cfg(tmp_path, **values):
-    cfg = OmegaConf.create(with_common({"output_dir": str(tmp_path / "run"), "max_steps": 4, "backend": "torch",
-                                        "tensorboard": False, "plot": False, "nan_at": [],
-                                        "checkpoint": {"every": 1, "keep_last": 5}, **values}))
-    return cfg
+def _cfg(tmp_path, nonfinite=None, **values):
+    return _ToyConfig(output_dir=str(tmp_path / "run"), max_steps=4, backend="torch", tensorboard=False, plot=False,
+                      checkpoint=CheckpointSettings(every=1, keep_last=5),
+                      nonfinite=NonfiniteSettings(**nonfinite or {}), **values)
 
 
 def _lines(tmp_path):
@@ -139,8 +145,8 @@ def _lines(tmp_path):
 
 
 def test_common_defaults_stop_on_the_first_non_finite_step():
-    assert COMMON_DEFAULTS["nonfinite"] == {"policy": "stop", "max_skips": 10}
-    assert COMMON_DEFAULTS["trust_remote_code"] is False
+    assert RunConfig().nonfinite == NonfiniteSettings(policy="stop", max_skips=10)
+    assert RunConfig().trust_remote_code is False
 
 
 def test_policy_stop_keeps_the_last_checkpoint_and_exports_nothing(tmp_path):

@@ -173,6 +173,32 @@ def test_sampled_distill_loss_is_the_offline_divergence_on_the_response(kind):
     assert distill.gkd_beta(kind, 0.3) == {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.3}[kind]
 
 
+def trl_gkd_compute_loss(student_logits, teacher_logits, prompt_length, labels, beta):
+    """TRL GKDTrainer.compute_loss: both models' logits at the completion's positions, then generalized_jsd_loss
+    called without a temperature (its default 1.0; GKDConfig.temperature only sets the sampling)."""
+    shifted_student = student_logits[:, prompt_length - 1:-1, :]
+    shifted_teacher = teacher_logits[:, prompt_length - 1:-1, :]
+    return trl_generalized_jsd_loss(shifted_student, shifted_teacher, labels[:, prompt_length:], beta, 1.0)
+
+
+@pytest.mark.parametrize("kind", distill.DIVERGENCES)
+def test_trls_gkd_loss_is_ours_at_temperature_one_whatever_it_samples_at(kind):
+    g = torch.Generator().manual_seed(4)
+    B, C, T, V = 3, 4, 5, 10
+    student = (2 * torch.randn(B, C + T, V, generator=g)).requires_grad_(True)
+    teacher = 2 * torch.randn(B, C + T, V, generator=g)
+    ids = torch.randint(0, V, (B, C + T), generator=g)
+    action = torch.arange(T)[None] < torch.tensor([5, 2, 3])[:, None]  # up to each answer's EOS
+    labels = torch.cat([torch.full((B, C), -100), ids[:, C:].masked_fill(~action, -100)], dim=1)
+    trl = trl_gkd_compute_loss(student, teacher, C, labels, distill.gkd_beta(kind, 0.3))
+    ours = distill.sampled_distill_loss(student, teacher, C, action, kind, 1.0, beta=0.3)
+    close(ours, trl)
+    close(torch.autograd.grad(ours, student)[0], torch.autograd.grad(trl, student)[0])
+    # at distill.temperature 2 ours softens both distributions and multiplies by 4: not TRL's loss, nor 4 x TRL's
+    tau2 = distill.sampled_distill_loss(student, teacher, C, action, kind, 2.0, beta=0.3)
+    assert abs(float(tau2) / 4 - float(trl)) > 1e-3 and abs(float(tau2) - float(trl)) > 1e-3
+
+
 def test_prompts_of_demonstrations():
     pad = 0
     # right-padded prompt + response: labels -100 on the prompt (and padding)
@@ -207,7 +233,7 @@ def two_vocabularies(tmp_path_factory):
 
 
 def _validate(capsys, d, *args: str) -> tuple[int, str]:
-    from multiengine.recipes import cli
+    from multiengine.recipes.language import cli
 
     code = cli.main(["validate", "distill", "--config", "tiny", *args, f"output_dir={d / 'out'}"])
     return code, capsys.readouterr().err
@@ -234,4 +260,4 @@ def test_validate_refuses_two_vocabularies_before_any_rank(two_vocabularies, cap
     assert code == 2 and "distill.on_policy_fraction=0.5" in err and "text rows have none" in err, err
     assert _validate(capsys, d, f"data.source={d / 'text.jsonl'}")[0] == 0  # offline distillation of text: fine
     code, err = _validate(capsys, d, "distill.loss=jsd", "distill.beta=0")
-    assert code == 2 and "distill.beta=0.0 with distill.loss=jsd" in err and "forward_kl (beta 0)" in err, err
+    assert code == 2 and "'distill.beta'" in err and "forward_kl (beta 0)" in err, err

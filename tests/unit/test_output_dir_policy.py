@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from multiengine.engines.recipe_lifecycle import folder_run
-from multiengine.recipes import cli
+from multiengine.recipes.language import cli
+from multiengine.recipes.language.lifecycle import folder_run
 
 
 @pytest.fixture(autouse=True)
@@ -158,14 +158,13 @@ def test_overwrite_never_clears_the_working_directory(tmp_path, capsys, monkeypa
 def test_the_closing_summary_compares_the_first_and_last_evaluation(tmp_path):
     from types import SimpleNamespace
 
-    from multiengine.engines.recipe_lifecycle import Recipe
-    from omegaconf import OmegaConf
+    from multiengine.recipes.language.lifecycle import Recipe
 
     class Toy(Recipe):
         name = "toy"
         headline = (("accuracy", "held-out accuracy", True), ("loss", "held-out loss", False), ("judge", "judge", True))
 
-    run = Toy(OmegaConf.create({"output_dir": str(tmp_path), "export": {"enabled": False}}))
+    run = Toy(SimpleNamespace(output_dir=str(tmp_path), export=SimpleNamespace(enabled=False)))
     run.registry, run.step = SimpleNamespace(world_size=2), 5
     run.history = [{"tag": "before", "step": 0, "accuracy": 0.5, "loss": 1.0},
                    {"tag": "step_3", "step": 3, "accuracy": 0.9, "loss": 0.1, "judge": 0.3},

@@ -1,4 +1,4 @@
-"""PPO math against hand-derived numbers (pipelines/rlhf/ppo.py)."""
+"""PPO math against hand-derived numbers (pipelines/rlhf/ppo.py, and the ``ppo`` entry of losses.POLICY_LOSSES)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import math
 
 import pytest
 import torch
+from multiengine.engines.settings import FieldError
 from multiengine.pipelines.rlhf import ppo
+from multiengine.pipelines.rlhf.losses import PolicyLossInputs, policy_loss
+from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings
+
+
+def ppo_loss(logp, old, adv, mask, clip_eps=0.2, dual_clip=0.0, global_token_count=None):
+    """The ``ppo`` policy loss, token mean (over ``global_token_count`` when given)."""
+    return policy_loss("ppo", PolicyLossInputs(logp, old, adv, mask, denominator=global_token_count),
+                       PPOSettings(clip_eps=clip_eps, dual_clip=dual_clip))
 
 
 def close(a: torch.Tensor, b, atol: float = 1e-6) -> None:
@@ -108,7 +117,7 @@ def test_compute_rewards_hand_values():
     rewards = ppo.compute_rewards(score, logp, ref, mask, kl_coef=0.1, clip_reward=5.0)
     close(rewards, [[-0.05, 5.1, 0.0], [0.0, 0.0, -2.0]])
     # no clipping
-    rewards = ppo.compute_rewards(score, logp, ref, mask, kl_coef=0.1, clip_reward=None)
+    rewards = ppo.compute_rewards(score, logp, ref, mask, kl_coef=0.1, clip_reward=0.0)
     close(rewards[0], [-0.05, 10.1, 0.0])
 
 
@@ -239,9 +248,11 @@ def test_policy_loss_clip_positive_and_negative_advantages():
     #   A=-2, r=1.5: max( 3.0,  2.4) =  3.0  (unclipped)
     #   A=-2, r=0.5: max( 1.0,  1.6) =  1.6  (clipped)
     # mean = (-2.4 - 1.0 + 3.0 + 1.6) / 4 = 0.3; clip fraction 2/4
-    loss, stats = ppo.policy_loss(logp, old, adv, torch.ones(1, 4), clip_eps=0.2)
+    loss, stats = ppo_loss(logp, old, adv, torch.ones(1, 4), clip_eps=0.2)
     close(loss.detach(), 0.3, atol=1e-5)
     close(stats["clip_frac"], 0.5)
+    close(stats["clip_frac_high"], 0.25)  # A > 0, r > 1.2
+    close(stats["clip_frac_low"], 0.25)  # A < 0, r < 0.8
     # approx_kl = 0.5 * mean(log r ^ 2) = 0.5 * (2 ln(1.5)^2 + 2 ln(0.5)^2) / 4
     close(stats["approx_kl"], 0.25 * (math.log(1.5) ** 2 + math.log(0.5) ** 2), atol=1e-5)
     loss.backward()
@@ -252,13 +263,13 @@ def test_policy_loss_clip_positive_and_negative_advantages():
 def test_policy_loss_mask_excludes_tokens():
     logp = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, 3.0, 1000.0]])
-    loss, _ = ppo.policy_loss(logp, logp, adv, torch.tensor([[1, 1, 0]]))
+    loss, _ = ppo_loss(logp, logp, adv, torch.tensor([[1, 1, 0]]))
     close(loss, -2.0)  # ratio 1: mean(-A) over the first two tokens
 
 
 def test_policy_loss_ratio_clamped():
     # a log-ratio of 100 would overflow exp(); it is clamped to 20
-    loss, stats = ppo.policy_loss(torch.tensor([[100.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]),
+    loss, stats = ppo_loss(torch.tensor([[100.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]),
                                   torch.ones(1, 1))
     assert torch.isfinite(loss)
     close(stats["ratio_max"], math.exp(20.0), atol=1.0)
@@ -269,14 +280,14 @@ def test_policy_loss_dual_clip():
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
     logp, old, mask = torch.log(ratio), torch.zeros(1, 3), torch.ones(1, 3)
     # standard: A=-1 r=5 -> max(5, 1.2) = 5; A=-1 r=2 -> 2; A=+1 r=5 -> max(-5, -1.2) = -1.2
-    loss, _ = ppo.policy_loss(logp, old, adv, mask)
+    loss, _ = ppo_loss(logp, old, adv, mask)
     close(loss, (5.0 + 2.0 - 1.2) / 3, atol=1e-5)
     # dual clip c=3 caps negative-advantage tokens at -c*A = 3: (3 + 2 - 1.2) / 3
-    loss, stats = ppo.policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    loss, stats = ppo_loss(logp, old, adv, mask, dual_clip=3.0)
     close(loss, (3.0 + 2.0 - 1.2) / 3, atol=1e-5)
     close(stats["dual_clip_frac"], 1.0 / 3.0)
-    with pytest.raises(ValueError):
-        ppo.policy_loss(logp, old, adv, mask, dual_clip=1.0)
+    with pytest.raises(FieldError, match="dual_clip"):
+        ppo_loss(logp, old, adv, mask, dual_clip=1.0)
 
 
 def _random_batch(seed: int = 0):
@@ -293,14 +304,14 @@ def _random_batch(seed: int = 0):
 def test_policy_loss_invariant_to_splitting_with_global_token_count():
     logp, old, adv, mask = _random_batch()
     n = ppo.global_token_count(mask)
-    full_mean, _ = ppo.policy_loss(logp, old, adv, mask)
-    full, _ = ppo.policy_loss(logp, old, adv, mask, global_token_count=n)
-    halves = [ppo.policy_loss(logp[s], old[s], adv[s], mask[s], global_token_count=n)[0]
+    full_mean, _ = ppo_loss(logp, old, adv, mask)
+    full, _ = ppo_loss(logp, old, adv, mask, global_token_count=n)
+    halves = [ppo_loss(logp[s], old[s], adv[s], mask[s], global_token_count=n)[0]
               for s in (slice(0, 3), slice(3, 6))]
     close(full, full_mean.item(), atol=1e-6)  # on one rank, sum / N == token mean
     close(halves[0] + halves[1], full.item(), atol=1e-6)
     # averaging per-half token means (what DP averaging does) is not: the halves hold 8 and 12 tokens
-    naive = [ppo.policy_loss(logp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 3), slice(3, 6))]
+    naive = [ppo_loss(logp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 3), slice(3, 6))]
     assert abs((naive[0] + naive[1]) / 2 - full) > 1e-3
 
 
@@ -308,10 +319,10 @@ def test_policy_loss_split_gradients_match():
     logp, old, adv, mask = _random_batch(1)
     n = mask.sum()
     a = logp.clone().requires_grad_(True)
-    ppo.policy_loss(a, old, adv, mask, global_token_count=n)[0].backward()
+    ppo_loss(a, old, adv, mask, global_token_count=n)[0].backward()
     b = logp.clone().requires_grad_(True)
     for s in (slice(0, 3), slice(3, 6)):
-        ppo.policy_loss(b[s], old[s], adv[s], mask[s], global_token_count=n)[0].backward()
+        ppo_loss(b[s], old[s], adv[s], mask[s], global_token_count=n)[0].backward()
     close(a.grad, b.grad, atol=1e-7)
 
 
@@ -327,7 +338,7 @@ def test_value_loss_hand_values():
     close(stats["clip_frac"], 0.5)
     loss.backward()
     close(values.grad, [[0.0, 0.6 / 2, 0.0]], atol=1e-6)  # clipped branch has no gradient
-    loss, _ = ppo.value_loss(values, old, returns, mask, clip_eps=None)
+    loss, _ = ppo.value_loss(values, old, returns, mask, clip_eps=0.0)  # 0: unclipped
     close(loss.detach(), (0.5 + 0.18) / 2, atol=1e-6)
     loss_sum, _ = ppo.value_loss(values, old, returns, mask, global_token_count=4)
     close(loss_sum.detach(), (0.845 + 0.18) / 4, atol=1e-6)

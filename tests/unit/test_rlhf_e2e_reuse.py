@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from multiengine.engines.recipe_steps import FINGERPRINT_FILE, reuse_reason, step_fingerprint
 from multiengine.pipelines.rlhf import tiny
+from multiengine.recipes.language.steps import FINGERPRINT_FILE, reuse_reason, step_fingerprint
 
 
 def _write(path, text):
@@ -40,9 +40,9 @@ def test_fingerprint_sees_config_and_input_changes(tmp_path):
 
 
 def _run(out, base, rbase, *extra):
-    cmd = [sys.executable, "-m", "multiengine.recipes.cli", "run", "rlhf_e2e", "--config", "tiny", f"output_dir={out}",
-           "backend=torch", "max_steps=1", f"model.pretrained={base}", f"model.reward_pretrained={rbase}",
-           "reward.init_from_sft=false",
+    cmd = [sys.executable, "-m", "multiengine.recipes.language.cli", "run", "rlhf_e2e", "--config", "tiny",
+           f"output_dir={out}", "backend=torch", "max_steps=1", f"model.pretrained={base}",
+           f"model.reward_pretrained={rbase}", "reward.init_from_sft=false",
            "sft.overrides=[max_steps=1,eval.size=0,eval.every=0,data.heldout_size=8]",
            "reward.overrides=[max_steps=1,eval.every=0,data.heldout_size=8]",
            "ppo.overrides=[eval.size=4,eval.batch_size=4,eval.every=0,eval.greedy=false,checkpoint.every=0,"

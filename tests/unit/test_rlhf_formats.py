@@ -15,6 +15,7 @@ import pytest
 import torch
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import (
+    DataSettings,
     PairCollator,
     PromptCollator,
     SFTCollator,
@@ -204,19 +205,18 @@ def test_heldout_rows_are_never_trained_on(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "response": "x"} for i in range(20)])
     b = _jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "response": "y"} for i in range(40)])
     # b is oversampled 4x in the blend: its held-out rows must be split off before blending
-    data = load_rlhf_data([{"path": a, "weight": 1}, {"path": b, "weight": 4}], "sft", eval_split=0.1, seed=3,
-                          size=200)
+    blend_of = DataSettings(sources=[{"path": a, "weight": 1}, {"path": b, "weight": 4}], eval_split="0.1")
+    data = load_rlhf_data(blend_of, "sft", seed=3, size=200)
     train, heldout = set(data.train["prompt"]), set(data.eval["prompt"])
     assert len(heldout) == 2 + 4 and not train & heldout
     assert "2 rows held out of" in data.eval_origin and "4 rows held out of" in data.eval_origin
     assert len(data.train) == 200
-    again = load_rlhf_data([{"path": a, "weight": 1}, {"path": b, "weight": 4}], "sft", eval_split=0.1, seed=3,
-                           size=200)
+    again = load_rlhf_data(blend_of, "sft", seed=3, size=200)
     assert again.train["prompt"] == data.train["prompt"] and again.eval["prompt"] == data.eval["prompt"]
     # a row count works too; a split leaving nothing to train on does not
-    assert len(load_rlhf_data(a, "sft", eval_split=5).eval) == 5
+    assert len(load_rlhf_data(DataSettings(source=a, eval_split="5"), "sft").eval) == 5
     with pytest.raises(DataSourceError, match="leaves none to train on"):
-        load_rlhf_data(a, "sft", eval_split=20)
+        load_rlhf_data(DataSettings(source=a, eval_split="20"), "sft")
     train_rows, held = heldout_split(load_rlhf_dataset(a, "sft"), 0.25, seed=0)
     assert len(held) == 5
     assert train_rows["prompt"] == [p for p in (f"a{i}" for i in range(20)) if p not in held["prompt"]]
@@ -227,29 +227,29 @@ def test_explicit_and_named_evaluation_rows(tmp_path, caplog):
 
     train = _jsonl(tmp_path / "train.jsonl", ROWS[:4])
     ev = _jsonl(tmp_path / "ev.jsonl", [{"prompt": "list 3 tools :"}])
-    data = load_rlhf_data(train, "sft", eval_source=ev, eval_stage="eval")
+    data = load_rlhf_data(DataSettings(source=train, eval_source=ev), "sft", eval_stage="eval")
     assert data.eval["prompt"] == ["list 3 tools :"] and data.eval_origin == f"data.eval_source={ev}"
     with pytest.raises(DataSourceError, match="is also a training source"):
-        load_rlhf_data(train, "sft", eval_source=train)
+        load_rlhf_data(DataSettings(source=train, eval_source=train), "sft")
     # a single file has no named splits: the old behaviour (its own rows as "eval") is an error now
     with pytest.raises(DataSourceError, match="single file with no 'eval' split.*data.eval_split=0.05"):
-        load_rlhf_data(train, "ppo", eval_split="eval")
+        load_rlhf_data(DataSettings(source=train, eval_split="eval"), "ppo")
     # the folder layout: ppo.jsonl to train on, eval.jsonl to evaluate on
     folder = tmp_path / "layout"
     _jsonl(folder / "ppo.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     _jsonl(folder / "eval.jsonl", [{"prompt": "list 4 tools :"}])
-    data = load_rlhf_data(str(folder), "ppo", eval_split="eval", eval_stage="eval")
+    data = load_rlhf_data(DataSettings(source=str(folder), eval_split="eval"), "ppo", eval_stage="eval")
     assert len(data.train) == 6 and data.eval["prompt"] == ["list 4 tools :"]
     # a DatasetDict folder with a test split; one without it is refused
     ds = Dataset.from_list(ROWS)
     DatasetDict({"train": ds.select(range(4)), "test": ds.select([4, 5])}).save_to_disk(str(tmp_path / "dd"))
-    data = load_rlhf_data(str(tmp_path / "dd"), "sft", eval_split="test")
+    data = load_rlhf_data(DataSettings(source=str(tmp_path / "dd"), eval_split="test"), "sft")
     assert len(data.train) == 4 and data.eval["prompt"] == [ROWS[4]["prompt"], ROWS[5]["prompt"]]
     ds.save_to_disk(str(tmp_path / "one"))
     with pytest.raises(DataSourceError, match="single dataset with no 'test' split"):
-        load_rlhf_data(str(tmp_path / "one"), "sft", eval_split="test")
+        load_rlhf_data(DataSettings(source=str(tmp_path / "one"), eval_split="test"), "sft")
     with caplog.at_level("WARNING"):
-        assert load_rlhf_data(train, "sft").eval is None
+        assert load_rlhf_data(DataSettings(source=train, eval_split="none"), "sft").eval is None
     assert "no evaluation rows" in caplog.text
 
 

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 from multiengine.engines import LoraSpec, ShardedBatches, apply_lora, is_lora, shard_batches
-from multiengine.engines.recipe_config import list_recipes, load_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
 from multiengine.pipelines.rlhf.roles import load_causal_lm, load_scalar_model
 from multiengine.pipelines.rlhf.runs import builtin_judge
+from multiengine.recipes.language.config import list_recipes, load_config
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +98,24 @@ def test_roles_load_without_dropout_and_lora_trains_only_adapters(assets, tmp_pa
 
 def test_ppo_step_on_the_torch_backend(assets):
     """One process, no DeepSpeed: experience, rewards on the last action, critic warm-up, an actor update."""
-    from multiengine.engines import EngineRegistry, OptimSpec, Placement
+    from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-    from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
+    from multiengine.pipelines.rlhf.rollout import RolloutSpec
 
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
     registry = EngineRegistry(backend="torch")
-    model = str(assets["model"])
-    opt = OptimSpec(lr=1e-2, total_steps=4)
-    build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
-                     ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
-                     actor_optim=opt, critic_optim=opt, micro_batch_size=2)
-    settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, critic_warmup_steps=1)
-    trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=5), settings, tok.eos_token_id,
-                         tok.pad_token_id, judge=tiny.judge,
-                         decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    model, place, opt = str(assets["model"]), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
+    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("ref", causal_lm(model), place))
+    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("reward", scalar_model(model), place))
+    registry.build()
+    settings = PPOSettings(rollout_batch_size=4, epochs=1, critic_warmup_steps=1)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
+                       critic="critic")
+    trainer = PPOTrainer(registry, settings, spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     batch = PromptCollator(tok, 16)([rows[i] for i in range(4)])
     before = [p.detach().clone() for p in registry["actor"].module.parameters()]

@@ -5,21 +5,24 @@ keys to its steps, and conversational data with a chat template through SFT and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
 import pytest
-from multiengine.engines.recipe_config import (
+from multiengine.pipelines.rlhf import tiny
+from multiengine.pipelines.rlhf.data import DataSettings
+from multiengine.pipelines.sources import parse_eval_split
+from multiengine.recipes.language.config import (
     RecipeConfigError,
     describe_keys,
-    key_checks,
+    leaves,
     load_config,
     load_recipe,
+    recipe_schema,
     validate_config,
 )
-from multiengine.pipelines.rlhf import tiny
-from multiengine.recipes.common import data_overrides, data_spec
 
 RECIPES = ("rlhf_sft", "rlhf_reward", "rlhf_ppo", "rlhf_grpo", "rlhf_dpo", "distill")
 QUIET = ["plot=false", "tensorboard=false", "checkpoint.every=0", "backend=torch"]
@@ -64,24 +67,14 @@ def test_every_key_has_a_meaning_for_help(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_number_and_choice_key_is_checked(recipe):
-    module = load_recipe(recipe)
-    checks = key_checks(module)  # the recipe's CHECKS and the lifecycle's common ones
-    unchecked = []
-
-    def walk(tree, prefix=""):
-        for name, value in tree.items():
-            key = prefix + name
-            if isinstance(value, dict):
-                walk(value, key + ".")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and key not in checks:
-                unchecked.append(key)
-
-    walk(module.DEFAULTS)
+def test_every_number_key_is_checked(recipe):
+    keys = leaves(recipe_schema(load_recipe(recipe)))
+    unchecked = [k for k, leaf in keys.items() if isinstance(leaf.default, (int, float))
+                 and not isinstance(leaf.default, bool) and not leaf.checks]
     assert unchecked == []
-    first_role = next(iter(module.DEFAULTS["roles"]))
+    first_role = next(k.split(".")[1] for k in keys if k.startswith("roles."))
     for key in (f"roles.{first_role}.stage", f"roles.{first_role}.dtype", "data.eval_split", "data.max_prompt_len"):
-        assert key in checks
+        assert keys[key].checks, key
 
 
 @pytest.mark.parametrize("override, message", [
@@ -101,7 +94,7 @@ def test_values_are_checked_when_the_config_loads(override, message):
 
 def test_eval_split_forms():
     def spec(value):
-        return data_spec(load_config("rlhf_sft", "tiny", [f"data.eval_split={value}"]).data)["eval_split"]
+        return parse_eval_split(load_config("rlhf_sft", "tiny", [f"data.eval_split={value}"]).data.eval_split)
 
     assert (spec("auto"), spec("none"), spec(0.05), spec(200), spec("test")) == ("auto", None, 0.05, 200, "test")
 
@@ -115,7 +108,17 @@ def _validate(recipe, *overrides):
     validate_config(recipe, load_config(recipe, "tiny", list(overrides)))
 
 
-def test_validate_builds_no_model(assets, monkeypatch):
+VALIDATED = {  # a user's models and data, for each recipe
+    "rlhf_sft": ["roles.actor.model={model}", "data.source={qa}", "data.columns.prompt=question",
+                 "data.columns.response=answer"],
+    "rlhf_dpo": ["roles.actor.model={model}", "data.source={data}", "dpo.precompute_ref=true"],
+    "rlhf_ppo": ["roles.actor.model={model}", "roles.reward.model={model}", "data.source={data}", "ppo.ptx_coef=0.1"],
+    "distill": ["roles.teacher.model={model}", "roles.student.model={model}", "data.source={data}"],
+}
+
+
+@pytest.mark.parametrize("recipe", list(VALIDATED))
+def test_validate_builds_no_model(assets, monkeypatch, recipe):
     import transformers
     from multiengine.pipelines.rlhf.models import ScalarHeadModel
 
@@ -125,12 +128,8 @@ def test_validate_builds_no_model(assets, monkeypatch):
     for cls in (transformers.AutoModelForCausalLM, transformers.AutoModel,
                 transformers.AutoModelForSequenceClassification, ScalarHeadModel):
         monkeypatch.setattr(cls, "from_pretrained", refuse)
-    _validate("rlhf_sft", f"roles.actor.model={assets['model']}", f"data.source={assets['qa']}",
-              "data.columns.prompt=question", "data.columns.response=answer")
-    _validate("rlhf_ppo", f"roles.actor.model={assets['model']}", f"roles.reward.model={assets['model']}",
-              f"data.source={assets['data']}", "ppo.ptx_coef=0.1")
-    _validate("distill", f"roles.teacher.model={assets['model']}", f"roles.student.model={assets['model']}",
-              f"data.source={assets['data']}")
+    values = {k: v for k, v in assets.items() if isinstance(v, str)}
+    _validate(recipe, *[o.format(**values) for o in VALIDATED[recipe]])
 
 
 @pytest.mark.parametrize("recipe, overrides, message", [
@@ -169,8 +168,7 @@ def test_validate_says_how_the_evaluation_rows_are_made(assets, caplog):
     assert "data.eval_split=auto" in caplog.text and "3 of its 64 rows" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        _validate("rlhf_ppo", f"roles.actor.model={assets['model']}", f"roles.reward.model={assets['model']}",
-                  f"data.source={assets['data']}")
+        _validate("rlhf_dpo", f"roles.actor.model={assets['model']}", f"data.source={assets['data']}")
     assert f"split 'eval' of {assets['data']}" in caplog.text  # the folder's eval.jsonl
 
 
@@ -180,15 +178,18 @@ def test_validate_says_how_the_evaluation_rows_are_made(assets, caplog):
 
 
 def test_data_overrides_give_another_recipe_the_same_data(assets):
-    src = load_config("rlhf_ppo", "tiny", [
+    src = load_config("rlhf_dpo", "tiny", [
         f"data.sources=[{{path: {assets['qa']}, weight: 3}}, {{path: {assets['chats']}, weight: 1}}]",
         "data.columns.prompt=question", "data.eval_split=0.1", f"data.eval_source={assets['pairs']}"])
-    got = load_config("rlhf_sft", "tiny", data_overrides(src.data))
-    assert data_spec(got.data) == data_spec(src.data)
-    assert data_spec(got.data)["source"][0] == {"path": assets["qa"], "weight": 3}
+    got = load_config("rlhf_sft", "tiny", src.data.overrides())
+    shared = [f.name for f in dataclasses.fields(DataSettings)]  # the loading keys (each recipe has its lengths)
+    assert [getattr(got.data, k) for k in shared] == [getattr(src.data, k) for k in shared]
+    assert got.data.train_source()[0] == {"path": assets["qa"], "weight": 3}
 
 
-def test_e2e_passes_the_data_keys_to_every_step(assets, tmp_path, monkeypatch):
+@pytest.mark.parametrize("algorithm, recipes", [("dpo", ["rlhf_sft", "rlhf_dpo"]),
+                                               ("ppo", ["rlhf_sft", "rlhf_reward", "rlhf_ppo"])])
+def test_e2e_passes_the_data_keys_to_every_step(assets, tmp_path, monkeypatch, algorithm, recipes):
     from multiengine.recipes import rlhf_e2e
 
     calls = []
@@ -201,14 +202,15 @@ def test_e2e_passes_the_data_keys_to_every_step(assets, tmp_path, monkeypatch):
     cfg = load_config("rlhf_e2e", "tiny", [f"output_dir={tmp_path}", "backend=torch",
                                            f"model.pretrained={assets['model']}",
                                            f"data.source={assets['qa']}", "data.columns.prompt=question",
-                                           "data.columns.response=answer", "data.eval_split=0.1"])
-    rlhf_e2e.main(cfg)
-    assert [c[0] for c in calls] == ["rlhf_sft", "rlhf_reward", "rlhf_ppo"]
+                                           "data.columns.response=answer", "data.eval_split=0.1",
+                                           f"algorithm={algorithm}"])
+    rlhf_e2e.RECIPE.main(cfg)
+    assert [c[0] for c in calls] == recipes
     for recipe, overrides in calls:
         assert f"data.source={assets['qa']}" in overrides
         assert "data.columns.prompt=question" in overrides and "data.eval_split=0.1" in overrides
         step = load_config(recipe, "tiny", overrides)  # valid keys for every step
-        assert data_spec(step.data)["columns"] == {"prompt": "question", "response": "answer"}
+        assert step.data.columns.mapping() == {"prompt": "question", "response": "answer"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,7 +226,7 @@ def test_conversations_through_sft_and_grpo(assets, tmp_path):
         "data.eval_split=8", "max_steps=3", "roles.actor.micro_batch_size=4", "eval.size=8", "eval.batch_size=4",
         "eval.every=0", "eval.greedy=false", "data.max_prompt_len=24", *QUIET])
     validate_config("rlhf_sft", sft_cfg)
-    out = rlhf_sft.main(sft_cfg)
+    out = rlhf_sft.RECIPE.main(sft_cfg)
     summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
     after = next(e for e in summary["evaluations"] if e["tag"] == "after")
     assert out["metrics"]["eval/after/heldout_loss"] > 0
@@ -243,7 +245,8 @@ def test_conversations_through_sft_and_grpo(assets, tmp_path):
         f"output_dir={tmp_path / 'grpo'}", f"roles.actor.model={out['export']['actor']['model']}",
         f"data.source={assets['chats']}", "data.eval_split=8", f"reward.functions=[{fn}:length]", "max_steps=2",
         "grpo.n_samples_per_prompt=2", "grpo.rollout_batch_size=2", "roles.actor.micro_batch_size=4", "eval.size=4",
-        "eval.batch_size=4", "eval.every=0", "roles.actor.dtype=fp32", "data.max_prompt_len=24", *QUIET])
+        "eval.batch_size=4", "eval.every=0", "roles.actor.dtype=fp32", "data.max_prompt_len=24",
+        "checkpoint.keep_last=2", *QUIET])
     validate_config("rlhf_grpo", grpo_cfg)
     run = rlhf_grpo.RLHFGRPO(grpo_cfg)
     run.setup()

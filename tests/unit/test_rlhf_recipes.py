@@ -1,32 +1,32 @@
-"""The RLHF recipes' config layer in one process: the shared reward config (reward-model roles and reward
-functions), each recipe's own checks (CHECKS and validate(cfg)) run before any rank starts, the shipped configs, and
-the rlhf_e2e step-3 switch feeding valid keys to each recipe. The runs themselves are in
-tests/distributed/test_rlhf_recipes.py."""
+"""The RLHF recipes' config layer in one process: the reward section (reward-model roles and reward functions), each
+recipe's checks (its settings' and validate(cfg)) run before any rank starts, the shipped configs, old keys refused
+naming the new ones, and the rlhf_e2e step-3 switch feeding valid keys to each recipe. The runs themselves are in
+tests/distributed/test_rlhf_recipes_cli.py."""
 
 from __future__ import annotations
 
 import pytest
 from multiengine.engines import Placement
-from multiengine.engines.recipe_config import RecipeConfigError, checked_config, list_recipes, load_config
+from multiengine.engines.settings import SettingsError
+from multiengine.pipelines.rlhf.reward_sources import RewardSettings
 from multiengine.pipelines.rlhf.rewards import judge_reward
-from multiengine.recipes.common import reward_config, reward_entries
-from omegaconf import OmegaConf
+from multiengine.recipes.language.config import RecipeConfigError, checked_config, list_recipes, load_config
 
 BASE = Placement(stage=3, dtype="fp32", offload_params=True)
 
 
-def section(**values):
-    return OmegaConf.create({"models": [], "functions": [], "normalize": False, **values})
+def reward_config(settings, default_path, base):
+    return settings.sources(default_path, base)
 
 
-@pytest.mark.parametrize("recipe", ["rlhf_grpo", "rlhf_dpo"])
+@pytest.mark.parametrize("recipe", ["rlhf_sft", "rlhf_reward", "rlhf_dpo", "distill", "rlhf_e2e", "rlhf_grpo"])
 def test_shipped_configs_load_with_a_header(recipe):
     names = list_recipes()[recipe]
-    assert "tiny" in names and len(names) >= 2  # the embedded default and a GPU example
+    assert "tiny" in names
     for name in names:
         cfg = load_config(recipe, name)
-        assert cfg.output_dir and cfg.max_steps > 0
-    from multiengine.engines.recipe_config import config_header, config_path
+        assert cfg.output_dir and cfg.max_steps >= (recipe != "rlhf_e2e")
+    from multiengine.recipes.language.config import config_header, config_path
 
     assert config_header(config_path(recipe, "tiny"))
 
@@ -35,7 +35,7 @@ def test_reward_models_and_functions_with_weights_and_placements(tmp_path):
     fn_file = tmp_path / "rewards.py"
     fn_file.write_text("def length(prompts, responses):\n    return [len(r) for r in responses]\n"
                        "def judge(prompts, responses):\n    return [0.0 for r in responses]\n")
-    s = section(models=[{"role": "reward", "weight": 0.5},
+    s = RewardSettings(models=[{"role": "reward", "weight": 0.5},
                         {"role": "reward_safety", "model": "/models/safety", "weight": 2, "stage": 2, "dtype": "bf16",
                          "offload_params": False}],
                 functions=["builtin:judge", {"fn": f"{fn_file}:length", "weight": 0.1},
@@ -56,17 +56,17 @@ def test_reward_models_and_functions_with_weights_and_placements(tmp_path):
 
 def test_a_placement_that_cannot_work_names_its_entry():
     # stage 2 with the base's parameter offload: only ZeRO-3 partitions parameters
-    with pytest.raises(RecipeConfigError, match=r"reward.models\[0\] \(role 'reward'\): offload_params=True needs"):
-        reward_config(section(models=[{"role": "reward", "stage": 2}]), "/models/rm", BASE)
+    with pytest.raises(SettingsError, match=r"reward.models\[0\] \(role 'reward'\): offload_params=True needs"):
+        reward_config(RewardSettings(models=[{"role": "reward", "stage": 2}]), "/models/rm", BASE)
 
 
 def test_empty_reward_config_is_the_reward_role_or_a_named_error():
-    roles, sources = reward_config(section(), "/models/rm", BASE)
+    roles, sources = reward_config(RewardSettings(), "/models/rm", BASE)
     assert [(r.role, r.path, r.weight) for r in roles] == [("reward", "/models/rm", 1.0)]
     assert [x.role for x in sources] == ["reward"]
-    with pytest.raises(RecipeConfigError, match="no reward source.*reward.functions"):
-        reward_config(section(), None, BASE)
-    roles, sources = reward_config(section(functions=["builtin:judge"]), None, BASE)
+    with pytest.raises(SettingsError, match="no reward source.*reward.functions"):
+        reward_config(RewardSettings(), None, BASE)
+    roles, sources = reward_config(RewardSettings(functions=["builtin:judge"]), None, BASE)
     assert roles == [] and [x.fn for x in sources] == [judge_reward]
 
 
@@ -86,24 +86,45 @@ def test_empty_reward_config_is_the_reward_role_or_a_named_error():
     ({"functions": "builtin:judge"}, "expected a list"),
 ])
 def test_bad_reward_entries_name_the_key_and_the_fix(values, message):
-    with pytest.raises(RecipeConfigError, match=message):
-        reward_entries(section(**values))
+    with pytest.raises(SettingsError, match=message):
+        RewardSettings(**values).entries()
 
 
 @pytest.mark.parametrize("recipe, overrides, message", [
     ("rlhf_grpo", ["grpo.algorithm=ppo"], "'grpo.algorithm' .* must be one of grpo, dr_grpo, rloo, reinforce_pp"),
-    ("rlhf_grpo", ["grpo.n_samples_per_prompt=1"], "n_samples_per_prompt=1 gives zero advantages"),
+    ("rlhf_grpo", ["grpo.n_samples_per_prompt=1"], "'grpo.n_samples_per_prompt' .* gives zero advantages"),
     ("rlhf_grpo", ["grpo.algorithm=reinforce_pp", "grpo.n_samples_per_prompt=1", "grpo.rollout_batch_size=6",
                    "roles.actor.micro_batch_size=4"], "multiple of roles.actor.micro_batch_size=4"),
     ("rlhf_grpo", ["grpo.mini_batch_size=4"], "'grpo.mini_batch_size' .* is now 'roles.actor.micro_batch_size'"),
-    ("rlhf_grpo", ["grpo.kl_in_reward=yes"], "grpo.kl_in_reward='yes'"),
-    ("rlhf_grpo", ["roles.actor.grad_accum=3"], r"roles.actor.grad_accum=3 does not divide the 2 minibatches"),
+    ("rlhf_grpo", ["grpo.kl_in_reward=yes"], "'grpo.kl_in_reward' .* expects bool"),
+    ("rlhf_grpo", ["roles.actor.grad_accum=3"], r"'roles.actor.grad_accum' does not divide the 2 minibatches"),
     ("rlhf_grpo", ["reward.functions=[]"], "no reward source"),
     ("rlhf_grpo", ["reward.functions=[builtin:judgee]"], "no built-in 'judgee'"),
     ("rlhf_grpo", ["generation.mode=hybrid"], "'generation.mode' .* must be one of gather, per_token, got 'hybrid'"),
     ("rlhf_dpo", ["dpo.loss=hinge"], "'dpo.loss' .* must be one of sigmoid, ipo, got 'hinge'"),
-    ("rlhf_dpo", ["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "label_smoothing applies to loss=sigmoid only"),
+    ("rlhf_dpo", ["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "'dpo.label_smoothing' .* applies only with "
+                                                              "dpo.loss=sigmoid"),
     ("rlhf_dpo", ["dpo.beta=0"], "'dpo.beta' .* must be > 0"),
+    ("rlhf_dpo", ["dpo.precompute_batch_size=8"], "'dpo.precompute_batch_size' .* applies only when "
+                                                  "dpo.precompute_ref is set"),
+    ("rlhf_dpo", ["roles.ref.tokenizer=/t"], "'roles.ref.tokenizer' .* the ref scores the actor's tokens"),
+    ("rlhf_dpo", ["roles.ref.lr=1e-3"], "'roles.ref.lr' .* roles.ref is frozen"),
+    ("rlhf_dpo", ["model.actor=/a"], "'model.actor' .* is now 'roles.actor.model'"),
+    ("rlhf_dpo", ["lora.actor.rank=8"], "'lora.actor.rank' .* is now 'roles.actor.lora.r'"),
+    ("rlhf_sft", ["train.lr=1e-3"], "'train.lr' .* is now 'roles.actor.lr'"),
+    ("rlhf_sft", ["model.tiny_hidden=32"], "'model.tiny_hidden' .* is now 'tiny.hidden'"),
+    ("rlhf_sft", ["generation.mode=hybrid"], "'generation.mode' .* must be one of gather, per_token"),
+    ("rlhf_reward", ["lora.enabled=true"], "'lora.enabled' .* is now 'roles.reward.lora.r'"),
+    ("rlhf_reward", ["eval.size=8"], "unknown config key 'eval.size'"),
+    ("distill", ["distill.jsd_beta=0.3"], "'distill.jsd_beta' .* is now 'distill.beta'"),
+    ("distill", ["distill.beta=0.3"], "'distill.beta' .* applies only with distill.loss=jsd"),
+    ("distill", ["distill.loss=jsd", "distill.beta=1"], "'distill.beta' .* must be in \\(0, 1\\)"),
+    ("distill", ["distill.temperature=0"], "'distill.temperature' .* must be > 0"),
+    ("distill", ["model.student_hidden=8"], "'model.student_hidden' .* is now 'tiny.student_hidden'"),
+    ("distill", ["teacher_sft.config=nope"], "teacher_sft.config='nope' .* has no shipped config 'nope'"),
+    ("rlhf_dpo", ["actor_sft.overrides=[max_step=3]"], "actor_sft.overrides=.*unknown config key 'max_step'"),
+    ("rlhf_e2e", ["resume_from=latest"], "unknown config key 'resume_from'"),
+    ("rlhf_e2e", ["max_steps=-1"], "'max_steps' .* must be >= 0"),
     ("rlhf_ppo", ["reward.models=[{role: critic}]"], "reward.models.0..role='critic'|reward.models\\[0\\].role"),
     ("rlhf_ppo", ["ppo.rollout_batch_size=6", "roles.actor.micro_batch_size=4"],
      r"'ppo.rollout_batch_size' .* multiple of roles.actor.micro_batch_size=4"),
@@ -125,10 +146,7 @@ def test_ppo_takes_the_same_reward_config():
                                            "weight: 0.5}]", "reward.normalize=true"])
     roles, sources = reward_config(cfg.reward, cfg.roles.reward.model, BASE)
     assert [(x.name, x.weight) for x in sources] == [("reward", 0.5), ("judge", 1.0)]
-    assert roles[0].path == cfg.roles.reward.model
-    from multiengine.recipes.rlhf_ppo import ppo_settings
-
-    assert ppo_settings(cfg).normalize_rewards
+    assert roles[0].path == cfg.roles.reward.model and cfg.reward.normalize
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dpo"])
@@ -163,7 +181,7 @@ def test_ppo_recipe_with_reward_functions_only_on_the_torch_backend(tmp_path):
         "eval.size=8", "eval.batch_size=4", "eval.greedy=false", "ppo.rollout_batch_size=4",
         "roles.actor.micro_batch_size=2", "roles.critic.micro_batch_size=2", "checkpoint.every=0",
         "export.critic=false", "plot=false", "tensorboard=false"])
-    rlhf_ppo.main(cfg)
+    rlhf_ppo.RECIPE.main(cfg)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert set(summary["roles"]) == {"actor", "ref", "critic"}
     assert summary["paths"]["critic"] == summary["paths"]["actor"] == str(assets["model"])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from multiengine.engines import EngineRegistry, OptimSpec, Placement
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
 from multiengine.pipelines.rlhf import ppo, tiny
 from multiengine.pipelines.rlhf.data import PairCollator, PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
@@ -15,8 +15,8 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.preference import PreferenceCollator, preference_response_mask
 from multiengine.pipelines.rlhf.rewards import judge_reward, reward_function, reward_model
-from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
-from multiengine.pipelines.rlhf.rollout import make_experience
+from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
+from multiengine.pipelines.rlhf.rollout import RolloutSpec, make_experience
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -49,15 +49,15 @@ def _ids_text(ids: torch.Tensor) -> list[str]:
 
 def test_pad_sampled_before_eos_is_an_action_and_rescoring_matches_an_unpadded_forward(small_vocab_model):
     registry = EngineRegistry(backend="torch")
-    registry.add(actor_spec(small_vocab_model, Placement(0, "fp32"), OptimSpec()))
-    registry.add(ref_spec(small_vocab_model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(small_vocab_model), Placement(0, "fp32"), OptimSpec()))
+    registry.add(frozen_role("ref", causal_lm(small_vocab_model), Placement(0, "fp32")))
     registry.build()
     # two prompts of different lengths, left padded with the pad id
     batch = {"input_ids": torch.tensor([[PAD, PAD, BOS, 3, 4], [BOS, 5, 6, 7, 3]]),
              "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), "prompts": ["a", "b"]}
-    exp = make_experience(registry, batch, 0, generation=GenerationSettings(max_new_tokens=6), eos_token_id=EOS,
-                          pad_token_id=PAD, rewards=[reward_function(lambda p, r: [0.0] * len(p), name="zero")],
-                          decode=_ids_text, n_samples_per_prompt=8, seed=3)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=6), EOS, PAD,
+                       [reward_function(lambda p, r: [0.0] * len(p), name="zero")], _ids_text, seed=3)
+    exp = make_experience(registry, batch, 0, spec, n_samples_per_prompt=8)
     response, mask = exp.response_ids, exp.action_mask
     # the mask is a prefix up to and including the first EOS
     lengths = mask.sum(-1)
@@ -92,10 +92,11 @@ def test_pad_sampled_before_eos_is_an_action_and_rescoring_matches_an_unpadded_f
 def _grpo_registry(assets, with_reward_model: bool) -> EngineRegistry:
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
-    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4), micro_batch_size=4))
-    registry.add(ref_spec(model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4),
+                                micro_batch_size=4))
+    registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     if with_reward_model:
-        registry.add(reward_spec(model, Placement(0, "fp32")))
+        registry.add(frozen_role("reward", scalar_model(model), Placement(0, "fp32")))
     return registry.build()
 
 
@@ -111,10 +112,13 @@ def test_grpo_family_step_on_the_torch_backend(assets, algorithm):
     sources = [reward_function("builtin:judge")]
     if algorithm == "grpo":
         sources.append(reward_model("reward", weight=0.5))
-    settings = GRPOSettings(algorithm=algorithm, n_samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4)
+    settings = GRPOSettings(algorithm=algorithm, n_samples_per_prompt=4, rollout_batch_size=2)
     decode = lambda ids: tok.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
-    trainer = GRPOTrainer(registry, GenerationSettings(max_new_tokens=5), settings, tok.eos_token_id,
-                          tok.pad_token_id, sources, decode, judge=tiny.judge)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id, sources, decode,
+                       judge=tiny.judge)
+    with pytest.raises(ValueError, match="multiple of the actor's micro batch 3"):
+        GRPOTrainer(registry, settings, spec, micro_batch_size=3)
+    trainer = GRPOTrainer(registry, settings, spec, micro_batch_size=4)
     batch = _prompt_batch(assets)
     exp = trainer.make_experience(batch, step=0)
     assert exp.sequences.shape[0] == 8 and exp.group_size == 4 and exp.values is None
@@ -139,19 +143,24 @@ def test_grpo_settings_are_checked():
         GRPOSettings(algorithm="ppo")
     with pytest.raises(ValueError, match="zero advantages"):
         GRPOSettings(algorithm="grpo", n_samples_per_prompt=1)
-    with pytest.raises(ValueError, match="multiple of mini_batch_size"):
-        GRPOSettings(n_samples_per_prompt=3, rollout_batch_size=1, mini_batch_size=2)
-    assert GRPOSettings(algorithm="reinforce_pp", n_samples_per_prompt=1, mini_batch_size=4).resolved_kl_in_reward
-    assert GRPOSettings(algorithm="dr_grpo").resolved_loss_agg == "seq_mean_token_sum_norm"
+    with pytest.raises(ValueError, match="applies only when kl_coef is set"):
+        GRPOSettings(kl_coef=0.0, kl_in_reward=True)
+    with pytest.raises(ValueError, match="applies only when env is set"):
+        GRPOSettings(max_turns=5)
+    assert GRPOSettings(algorithm="reinforce_pp", n_samples_per_prompt=1).resolved_kl_in_reward
+    assert GRPOSettings(algorithm="dr_grpo").aggregation == "seq_mean_token_sum_norm"
+    assert GRPOSettings(algorithm="dr_grpo", loss_aggregation="token_mean").aggregation == "token_mean"
+    assert GRPOSettings(algorithm="rloo", kl_in_reward=False).kl_loss_coef == 0.04
 
 
 def test_grpo_reward_normalisation_state_resumes(assets):
     tok = assets["tok"]
     registry = _grpo_registry(assets, with_reward_model=False)
-    settings = GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, normalize_rewards=True)
+    settings = GRPOSettings(n_samples_per_prompt=2, rollout_batch_size=2)
     decode = lambda ids: tok.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
-    make = lambda: GRPOTrainer(registry, GenerationSettings(max_new_tokens=4), settings,  # noqa: E731
-                               tok.eos_token_id, tok.pad_token_id, [reward_function(judge_reward)], decode)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=4), tok.eos_token_id, tok.pad_token_id,
+                       [reward_function(judge_reward)], decode)
+    make = lambda: GRPOTrainer(registry, settings, spec, 4, normalize_rewards=True)  # noqa: E731
     trainer = make()
     trainer.make_experience(_prompt_batch(assets), step=0)
     state = trainer.state_dict()
@@ -174,9 +183,9 @@ def test_dpo_step_precomputed_ref_equals_on_the_fly(assets):
     def build():
         registry = EngineRegistry(backend="torch")
         model = str(assets["model"])
-        registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2), micro_batch_size=2,
-                                grad_accum=2))
-        registry.add(ref_spec(model, Placement(0, "fp32")))
+        registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2),
+                                    micro_batch_size=2, grad_accum=2))
+        registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
         return registry.build()
 
     on_the_fly = DPOTrainer(build(), DPOSettings(beta=0.1))

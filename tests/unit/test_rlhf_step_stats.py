@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from multiengine.engines import EngineRegistry, OptimSpec, Placement, global_moments
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, global_moments, trainable_role
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.rewards import reward_function
-from multiengine.pipelines.rlhf.rollout import StepStats, rollout_metrics, step_timings
+from multiengine.pipelines.rlhf.rollout import RolloutSpec, StepStats, rollout_metrics, step_timings
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +43,22 @@ def test_step_stats_values():
 
 def _ppo(assets):
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-    from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 
     tok = assets["tok"]
     registry = EngineRegistry(backend="torch")
-    model, opt = str(assets["model"]), OptimSpec(lr=1e-2, total_steps=4)
-    build_rlhf_roles(registry, model, model, model, actor=Placement(0, "fp32"), critic=Placement(0, "fp32"),
-                     ref=Placement(0, "fp32"), reward=Placement(0, "fp32"),
-                     actor_optim=opt, critic_optim=opt, micro_batch_size=2)
-    trainer = PPOTrainer(registry, GenerationSettings(max_new_tokens=5), PPOSettings(rollout_batch_size=4,
-                         mini_batch_size=2), tok.eos_token_id, tok.pad_token_id, judge=tiny.judge,
-                         decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True))
+    model, place, opt = str(assets["model"]), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
+    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("ref", causal_lm(model), place))
+    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("reward", scalar_model(model), place))
+    registry.build()
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
+                       critic="critic")
+    with pytest.raises(ValueError, match="ema_decay=0.9 and the registry's roles"):
+        PPOTrainer(registry, PPOSettings(rollout_batch_size=4), spec, 2, ema_decay=0.9)  # no ema role
+    trainer = PPOTrainer(registry, PPOSettings(rollout_batch_size=4, epochs=1), spec, micro_batch_size=2)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     return trainer, PromptCollator(tok, 16)([rows[i] for i in range(4)])
 
@@ -90,19 +95,21 @@ def test_rollout_metrics_alone_or_with_the_step(assets):
 
 
 def test_grpo_step_reduces_all_its_metrics_at_once(assets):
+    from multiengine.engines import frozen_role, trainable_role
     from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
-    from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec
+    from multiengine.pipelines.rlhf.roles import causal_lm
 
     tok = assets["tok"]
     registry = EngineRegistry(backend="torch")
     model = str(assets["model"])
-    registry.add(actor_spec(model, Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4), micro_batch_size=4))
-    registry.add(ref_spec(model, Placement(0, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(model), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4),
+                                micro_batch_size=4))
+    registry.add(frozen_role("ref", causal_lm(model), Placement(0, "fp32")))
     registry.build()
-    trainer = GRPOTrainer(registry, GenerationSettings(max_new_tokens=5),
-                          GRPOSettings(n_samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4),
-                          tok.eos_token_id, tok.pad_token_id, [reward_function("builtin:judge")],
-                          lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
+                       [reward_function("builtin:judge")], lambda ids: tok.batch_decode(ids, skip_special_tokens=True),
+                       judge=tiny.judge)
+    trainer = GRPOTrainer(registry, GRPOSettings(n_samples_per_prompt=4, rollout_batch_size=2), spec, 4)
     rows = load_rlhf_dataset(assets["data"], "ppo")
     batch = PromptCollator(tok, 16)([rows[i] for i in range(2)])
     trainer.step(batch, 0)

@@ -1,6 +1,7 @@
-"""GRPO-family policy-loss variants (pipelines/rlhf/policy_variants.py, losses.aggregate_loss) and dynamic
-sampling (pipelines/rlhf/dynamic_sampling.py) against hand-derived values and against the public reference
-formulas (TRL's GRPO loss, verl's policy losses), re-implemented here in a few lines each."""
+"""GRPO-family policy losses (the ``dapo`` and ``gspo`` entries of losses.POLICY_LOSSES, losses.aggregate_loss),
+DAPO's overlong penalty (advantages.py) and dynamic sampling (pipelines/rlhf/dynamic_sampling.py) against
+hand-derived values and against the public reference formulas (TRL's GRPO loss, verl's policy losses),
+re-implemented here in a few lines each."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import math
 
 import pytest
 import torch
+from multiengine.engines.settings import FieldError
 from multiengine.pipelines.rlhf import advantages as adv
 from multiengine.pipelines.rlhf import losses
-from multiengine.pipelines.rlhf import policy_variants as pv
 from multiengine.pipelines.rlhf.dynamic_sampling import (
     DynamicSampler,
     collect_groups,
@@ -18,9 +19,16 @@ from multiengine.pipelines.rlhf.dynamic_sampling import (
     group_row_indices,
     round_seed,
 )
+from multiengine.pipelines.rlhf.grpo import GRPOSettings
 from multiengine.pipelines.rlhf.rollout import sampling_seed
 
 ATOL = 1e-6
+
+
+def clipped(name, logp, old, a, mask, clip_low=0.2, clip_high=0.28, dual_clip=0.0, mode="token_mean", horizon=None):
+    """The policy loss ``name`` with GRPO settings (clip_low / clip_high / dual_clip) and ``mode`` aggregation."""
+    settings = GRPOSettings(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    return losses.policy_loss(name, losses.PolicyLossInputs(logp, old, a, mask, mode, horizon=horizon), settings)
 
 
 def close(a, b, atol: float = ATOL) -> None:
@@ -118,73 +126,75 @@ def hand_batch():
 def test_asymmetric_clip_hand_values():
     logp, old, a, mask = hand_batch()
     # clip 0.2 / 0.28: row 0 t0 clipped high at 1.28 -> -1.28; row 1 t0 clipped low at 0.8 -> 0.8
-    per_token, stats = pv.asymmetric_clipped_surrogate(logp, old, a, mask, 0.2, 0.28)
-    close(per_token, [[-1.28, -0.9], [0.8, 1.1]])
+    loss, stats = clipped("dapo", logp, old, a, mask)
+    close(loss, (-1.28 - 0.9 + 0.8 + 1.1) / 4)
     close(stats["clip_frac_low"], 0.25)
     close(stats["clip_frac_high"], 0.25)
     close(stats["clip_frac"], 0.5)
-    loss, _ = pv.clipped_policy_loss(logp, old, a, mask, 0.2, 0.28, loss_agg="token_mean")
-    close(loss, (-1.28 - 0.9 + 0.8 + 1.1) / 4)
-    # clip-higher 0.6: row 0 t0 no longer clipped
-    per_token, stats = pv.asymmetric_clipped_surrogate(logp, old, a, mask, 0.2, 0.6)
-    close(per_token[0, 0], -1.5)
-    close(stats["clip_frac_high"], 0.0)
     # the gradient stops exactly on the clipped tokens: d/dlogp = -A r / 4 elsewhere
-    loss, _ = pv.clipped_policy_loss(logp, old, a, mask, 0.2, 0.28)
     (grad,) = torch.autograd.grad(loss, logp)
     close(grad, [[0.0, -0.9 / 4], [0.0, 1.1 / 4]])
+    # clip-higher 0.6: row 0 t0 is no longer clipped (-1.5)
+    loss, stats = clipped("dapo", logp, old, a, mask, clip_high=0.6)
+    close(loss, (-1.5 - 0.9 + 0.8 + 1.1) / 4)
+    close(stats["clip_frac_high"], 0.0)
+    # the ppo entry clips both sides at 1 +/- clip_eps (0.2): -1.2 for row 0 t0
+    loss, stats = clipped("ppo", logp, old, a, mask)
+    close(loss, (-1.2 - 0.9 + 0.8 + 1.1) / 4)
+    close(stats["clip_frac"], 0.5)
 
 
 def test_sequence_level_hand_values():
     logp, old, a, mask = hand_batch()
     s0, s1 = math.sqrt(1.5 * 0.9), math.sqrt(0.5 * 1.1)  # exp of the mean log-ratio
-    close(pv.sequence_log_ratio(logp, old, mask), [math.log(s0), math.log(s1)])
-    per_token, stats = pv.asymmetric_clipped_surrogate(logp, old, a, mask, 0.2, 0.28, importance_level="sequence")
-    close(per_token, [[-s0, -s0], [0.8, 0.8]])  # row 1: s1 = 0.7416 < 0.8 with A < 0: clipped
+    close(losses.sequence_log_ratio(logp, old, mask), [math.log(s0), math.log(s1)])
+    # per token (-s0, -s0) and (0.8, 0.8): row 1's s1 = 0.7416 < 0.8 with A < 0 is clipped
+    loss, stats = clipped("gspo", logp, old, a, mask)
+    close(loss, (-2 * s0 + 1.6) / 4)
     close(stats["clip_frac_low"], 0.5)  # one row of two
     close(stats["clip_frac_high"], 0.0)
-    loss, _ = pv.clipped_policy_loss(logp, old, a, mask, 0.2, 0.28, importance_level="sequence")
-    close(loss, (-2 * s0 + 1.6) / 4)
     (grad,) = torch.autograd.grad(loss, logp)
     close(grad, [[-s0 / 4, -s0 / 4], [0.0, 0.0]])  # sg[s_i] * d logp: s_i per token, no 1/|o| inside
 
 
-def test_symmetric_equals_existing_policy_gradient_loss():
+def test_symmetric_dapo_equals_ppo():
     logp, old, a, mask = random_batch(0, masked_row=True)
     a2 = a[:, None].expand_as(mask)
     for mode in losses.LOSS_AGG_MODES:
-        ours, stats = pv.clipped_policy_loss(logp, old, a2, mask, 0.2, None, dual_clip=3.0, loss_agg=mode,
-                                             horizon=9)
-        ref, ref_stats = losses.policy_gradient_loss(logp, old, a2, mask, 0.2, 3.0, mode, horizon=9)
+        ours, stats = clipped("dapo", logp, old, a2, mask, 0.2, None, 3.0, mode, horizon=9)
+        ref, ref_stats = clipped("ppo", logp, old, a2, mask, None, None, 3.0, mode, horizon=9)
         close(ours, ref)
-        close(stats["clip_frac"], ref_stats["clip_frac"])
-        close(stats["dual_clip_frac"], ref_stats["dual_clip_frac"])
-        close(stats["approx_kl"], ref_stats["approx_kl"])
+        for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl"):
+            close(stats[key], ref_stats[key])
 
 
 def test_overlong_penalty_hand_and_reference():
     lengths = torch.tensor([0, 3, 6, 7, 8, 10, 12])
     # max 10, buffer 4: no penalty up to 6, -1/4 per token after, -1 at 10 and beyond
-    close(pv.overlong_penalty(lengths, 10, 4, 1.0), [0, 0, 0, -0.25, -0.5, -1.0, -1.0])
-    close(pv.overlong_penalty(lengths, 10, 4, 0.5), [0, 0, 0, -0.125, -0.25, -0.5, -0.5])
+    close(adv.overlong_penalty(lengths, 10, 4, 1.0), [0, 0, 0, -0.25, -0.5, -1.0, -1.0])
+    close(adv.overlong_penalty(lengths, 10, 4, 0.5), [0, 0, 0, -0.125, -0.25, -0.5, -0.5])
     # verl's DAPO reward manager: min(-(L - (max - buffer)) / buffer * factor, 0), for L <= max
     for L in range(0, 11):
         verl = min(-(L - (10 - 4)) / 4 * 0.7, 0)
-        close(pv.overlong_penalty(torch.tensor([L]), 10, 4, 0.7), [verl])
+        close(adv.overlong_penalty(torch.tensor([L]), 10, 4, 0.7), [verl])
     with pytest.raises(ValueError, match="overlong_buffer"):
-        pv.overlong_penalty(lengths, 10, 11)
+        adv.overlong_penalty(lengths, 10, 11)
     with pytest.raises(ValueError, match="overlong_penalty"):
-        pv.overlong_penalty(lengths, 10, 4, -1.0)
+        adv.overlong_penalty(lengths, 10, 4, -1.0)
 
 
 def test_bad_clip_values_name_the_key():
-    logp, old, a, mask = hand_batch()
-    with pytest.raises(ValueError, match="clip_low"):
-        pv.clipped_policy_loss(logp, old, a, mask, clip_low=1.0)
-    with pytest.raises(ValueError, match="clip_high"):
-        pv.clipped_policy_loss(logp, old, a, mask, clip_high=-0.1)
-    with pytest.raises(ValueError, match="importance_level"):
-        pv.clipped_policy_loss(logp, old, a, mask, importance_level="group")
+    for bad in ({"clip_low": 1.0}, {"clip_high": -0.1}, {"importance_level": "group"}, {"dual_clip": 1.0}):
+        with pytest.raises(FieldError, match=next(iter(bad))):
+            GRPOSettings(**bad)
+    # clip_low null is clip_eps, the lower bound 1 - clip_eps of the dapo / gspo clips
+    with pytest.raises(FieldError, match="clip_eps"):
+        GRPOSettings(clip_eps=1.0, clip_high=0.28)
+    with pytest.raises(FieldError, match="clip_eps"):
+        GRPOSettings(clip_eps=1.5, importance_level="sequence")
+    assert GRPOSettings(clip_eps=1.5, clip_low=0.2, importance_level="sequence").objective == "gspo"
+    assert [GRPOSettings(**kw).objective for kw in ({}, {"clip_low": 0.2}, {"clip_high": 0.28})] == [
+        "ppo", "dapo", "dapo"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,11 +208,11 @@ _TRL_TYPE = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_toke
 @pytest.mark.parametrize("mode", list(_TRL_TYPE))
 @pytest.mark.parametrize("masked_row", [False, True])
 def test_matches_trl_grpo_loss(level, mode, masked_row):
-    clipped = torch.zeros(2)
+    reached = torch.zeros(2)
     for seed in range(3):
         logp, old, a, mask = random_batch(seed, masked_row)
-        ours, stats = pv.clipped_policy_loss(logp, old, a[:, None].expand_as(mask), mask, 0.2, 0.28, level,
-                                             loss_agg=mode, horizon=9)
+        name = "gspo" if level == "sequence" else "dapo"
+        ours, stats = clipped(name, logp, old, a[:, None].expand_as(mask), mask, mode=mode, horizon=9)
         ref, low, high = trl_grpo_loss(logp, old, a, mask, 0.2, 0.28, level, _TRL_TYPE[mode], 9)
         assert torch.isfinite(ours)
         close(ours, ref)
@@ -215,8 +225,8 @@ def test_matches_trl_grpo_loss(level, mode, masked_row):
         if level == "token":
             close(stats["clip_frac_low"], low)
             close(stats["clip_frac_high"], high)
-        clipped += torch.stack([stats["clip_frac_low"], stats["clip_frac_high"]])
-    assert (clipped > 0).all()  # the inputs reach both clip bounds
+        reached += torch.stack([stats["clip_frac_low"], stats["clip_frac_high"]])
+    assert (reached > 0).all()  # the inputs reach both clip bounds
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -225,7 +235,7 @@ def test_matches_verl_policy_loss_and_agg_loss(mode):
     for seed in range(3):
         logp, old, a, mask = random_batch(seed, masked_row=False)  # verl's seq-mean divides 0 / 0 on an empty row
         a2 = a[:, None].expand_as(mask)
-        ours, _ = pv.clipped_policy_loss(logp, old, a2, mask, 0.2, 0.28, dual_clip=3.0, loss_agg=ours_mode, horizon=9)
+        ours, _ = clipped("dapo", logp, old, a2, mask, dual_clip=3.0, mode=ours_mode, horizon=9)
         ref = verl_agg_loss(verl_vanilla(old, logp, a2, 0.2, 0.28, 3.0), mask, mode, scale=9)
         if mode == "seq-mean-token-sum-norm":  # verl sums over rows; Dr. GRPO (and TRL) take the mean of rows
             ref = ref / mask.shape[0]
@@ -233,12 +243,57 @@ def test_matches_verl_policy_loss_and_agg_loss(mode):
         close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
 
 
+def verl_compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                     clip_ratio=0.2, clip_ratio_c=3.0):
+    """verl core_algos.compute_policy_loss_vanilla with its defaults (clip_ratio 0.2 both sides, clip_ratio_c 3.0,
+    always on) and agg_loss: (pg_loss, pg_clipfrac, pg_clipfrac_lower)."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = (torch.gt(pg_losses2, pg_losses1).float() * response_mask).sum() / response_mask.sum()
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    lower = torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float()
+    pg_clipfrac_lower = (lower * response_mask).sum() / response_mask.sum()
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    return verl_agg_loss(pg_losses, response_mask, loss_agg_mode, scale=9), pg_clipfrac, pg_clipfrac_lower
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_ppo_entry_with_dual_clip_3_is_verls_vanilla_policy_loss(mode):
+    """verl's vanilla loss always caps negative-advantage tokens at clip_ratio_c = 3; GRPO's and PPO's default
+    (dual_clip 0) has no cap, and dual_clip=3.0 reproduces verl's: token-level advantages, same random inputs."""
+    from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings
+
+    reached = 0.0
+    for seed in range(4):
+        logp, old, _, mask = random_batch(seed, masked_row=False)
+        a = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed + 10))
+        ref, clipfrac, lower = verl_compute_policy_loss_vanilla(old, logp, a, mask, mode)
+        if mode == "seq-mean-token-sum-norm":  # verl sums over rows; Dr. GRPO (and TRL) take the mean of rows
+            ref = ref / mask.shape[0]
+        g_ref = torch.autograd.grad(ref, logp)[0]
+        inputs = losses.PolicyLossInputs(logp, old, a, mask, mode.replace("-", "_"), horizon=9)
+        for settings in (GRPOSettings(dual_clip=3.0), PPOSettings(dual_clip=3.0)):
+            ours, stats = losses.policy_loss("ppo", inputs, settings)
+            close(ours, ref)
+            close(torch.autograd.grad(ours, logp)[0], g_ref)
+            close(stats["clip_frac"], clipfrac)
+            close(stats["dual_clip_frac"], lower)
+        plain, _ = losses.policy_loss("ppo", inputs, GRPOSettings())  # the default: no cap
+        reached += float(lower)
+        assert float(lower) == 0 or abs(float(plain) - float(ref)) > 1e-4
+    assert reached > 0  # the inputs reach the cap
+
+
 def test_gspo_token_matches_verl_gspo_and_trl_sequence():
     for seed in range(4):
         for masked_row in (False, True):
             logp, old, a, mask = random_batch(seed, masked_row)
             a2 = a[:, None].expand_as(mask)
-            ours, _ = pv.clipped_policy_loss(logp, old, a2, mask, 0.2, 0.28, "sequence", loss_agg="seq_mean_token_mean")
+            ours, _ = clipped("gspo", logp, old, a2, mask, mode="seq_mean_token_mean")
             g_ours = torch.autograd.grad(ours, logp)[0]
             ref = verl_gspo(old, logp, a2, mask, 0.2, 0.28)
             if not masked_row:  # verl's seq-mean-token-mean is 0 / 0 on an empty row
@@ -325,8 +380,6 @@ def test_sampler_cap_fill_and_error():
     s.add(flat, None)
     with pytest.raises(ValueError, match="max_resample_rounds=1"):
         s.take()
-    with pytest.raises(ValueError, match="max_resample_rounds"):
-        DynamicSampler(2, max_rounds=0)
     with pytest.raises(ValueError, match="on_cap"):
         DynamicSampler(2, on_cap="pad")
 

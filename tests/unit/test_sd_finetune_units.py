@@ -9,17 +9,17 @@ import os
 
 import pytest
 import torch
-from multiengine.engines.recipe_config import list_recipes, load_config
-from multiengine.pipelines.diffusion.models import (
-    MODES,
-    Placement,
-    diffusion_role_specs,
-    read_model_index,
-    text_encoder_names,
-    tokenizer_name,
-)
+from multiengine.pipelines.diffusion.models import MODES, read_model_index, text_encoder_names, tokenizer_name
 from multiengine.pipelines.diffusion.training import step_generator
 from multiengine.pipelines.diffusion.validation import _cast_floating, image_grid
+from multiengine.recipes.language.config import (
+    ConfigKeyError,
+    RecipeConfigError,
+    list_recipes,
+    load_config,
+    validate_config,
+)
+from multiengine.recipes.sd_finetune import SDFinetune
 from PIL import Image
 
 
@@ -50,23 +50,22 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
     for: its family options pass the recipe's own check, every role it has is ZeRO-3 bf16, the side fits."""
     from multiengine.engines.known_models import is_known, known_pipeline_info
     from multiengine.pipelines.diffusion.planning import pipeline_family
-    from multiengine.recipes.sd_finetune import check_family_options
 
     cfg = load_config("sd_finetune", name)
     assert is_known(str(cfg.model.pretrained))
     parts = known_pipeline_info(str(cfg.model.pretrained))
     assert pipeline_family(parts) == family
     assert sorted(n for n in parts if n.startswith("text_encoder")) == sorted(encoders)
-    check_family_options(cfg, family)  # raises on an option of the other objective
-    from multiengine.engines.role_schema import placement
-    from multiengine.recipes.sd_finetune import ROLES
-
+    SDFinetune.check_family(cfg, family)  # raises on an option of the other objective, a role it has not
+    specs = {s.name: s for s in SDFinetune.role_specs(cfg, family, "/no/such/folder")}  # nothing is loaded
+    assert sorted(specs) == sorted([denoiser, "vae", *encoders, *(["ema"] if cfg.ema.enabled else [])])
     for role in (denoiser, "vae", *encoders):  # text_encoder_2 follows text_encoder unless it says otherwise
-        p = placement(cfg, ROLES, role)
+        p = specs[role].placement
         assert p.stage == 3 and p.dtype == "bf16", role
     assert cfg.data.resolution == 1024 and cfg.roles[denoiser].gradient_checkpointing
     if family == "sdxl":
-        assert cfg.ema.enabled and cfg.ema.dtype == "fp32" and list(cfg.export.roles) == ["unet"]
+        assert cfg.ema.enabled and cfg.roles.ema.dtype == "fp32" and list(cfg.export.roles) == ["unet"]
+        assert specs["ema"].placement.stage == 3 and specs["ema"].placement.dtype == "fp32"
         assert cfg.roles.unet.lr == 1e-6
     else:
         assert cfg.data.resolution % 16 == 0 and not cfg.ema.enabled
@@ -86,37 +85,70 @@ def test_large_family_configs_match_their_model(name, family, denoiser, encoders
 
 
 def test_family_options_of_the_other_objective_are_refused_on_the_shipped_configs():
-    from multiengine.engines.recipe_config import RecipeConfigError
-    from multiengine.recipes.sd_finetune import check_family_options
+    def check(config, family, *overrides):
+        SDFinetune.check_family(load_config("sd_finetune", config, list(overrides)), family)
 
     with pytest.raises(RecipeConfigError, match="diffusion.weighting_scheme"):
-        check_family_options(load_config("sd_finetune", "sdxl_full", ["diffusion.weighting_scheme=logit_normal"]),
-                             "sdxl")
+        check("sdxl_full", "sdxl", "diffusion.weighting_scheme=logit_normal")
     with pytest.raises(RecipeConfigError, match="diffusion.snr_gamma"):
-        check_family_options(load_config("sd_finetune", "sd3_medium_full", ["diffusion.snr_gamma=5.0"]), "sd3")
+        check("sd3_medium_full", "sd3", "diffusion.snr_gamma=5.0")
+    # the flow options a family has no use for: FLUX's guidance input on SD3, the density of another scheme
+    with pytest.raises(RecipeConfigError, match="diffusion.guidance_scale.*FLUX's guidance input"):
+        check("sd3_medium_full", "sd3", "diffusion.guidance_scale=2.0")
+    with pytest.raises(RecipeConfigError, match="diffusion.logit_std.*the scheme is none"):
+        check("flux_dev_lora", "flux", "diffusion.logit_std=2.0")
     # the denoiser the family does not have: its keys are refused, naming the one it has
     with pytest.raises(RecipeConfigError, match=r"roles.unet.lr.*no unet.*set roles.transformer.lr"):
-        check_family_options(load_config("sd_finetune", "sd3_medium_full", ["roles.unet.lr=1.0e-4"]), "sd3")
+        check("sd3_medium_full", "sd3", "roles.unet.lr=1.0e-4")
     with pytest.raises(RecipeConfigError, match=r"roles.transformer.lora.r.*set roles.unet.lora.r"):
-        check_family_options(load_config("sd_finetune", "tiny", ["roles.transformer.lora.r=4"]), "sd")
+        check("tiny", "sd", "roles.transformer.lora.r=4")
+    # and the text encoders it does not have
+    with pytest.raises(RecipeConfigError, match=r"roles.text_encoder_3.stage.*sdxl model has no text_encoder_3"):
+        check("sdxl_full", "sdxl", "roles.text_encoder_3.stage=2")
 
 
 @pytest.mark.parametrize("old,new", [("train.lr=1.0e-4", "roles.unet.lr"), ("lora.enabled=true", "roles.unet.lora.r"),
                                      ("flow.logit_std=2.0", "diffusion.logit_std"),
-                                     ("train.snr_gamma=5.0", "diffusion.snr_gamma")])
+                                     ("train.snr_gamma=5.0", "diffusion.snr_gamma"),
+                                     ("ema.dtype=bf16", "roles.ema.dtype"),
+                                     ("ema.offload_params=true", "roles.ema.offload_params")])
 def test_old_keys_are_refused_naming_the_new_one(old, new):
-    from multiengine.engines.recipe_config import ConfigKeyError
-
     with pytest.raises(ConfigKeyError, match=f"is now '{new}'"):
         load_config("sd_finetune", "tiny", [old])
 
 
-def test_unknown_mode_is_refused(tmp_path):
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
-    with pytest.raises(ValueError, match="seed_baseline"):
-        diffusion_role_specs(str(folder), mode="zero2")
+@pytest.mark.parametrize("overrides, key, words", [
+    # the EMA is built at the unet's stage: parameter offload needs it at ZeRO-3
+    (["roles.unet.stage=2", "roles.ema.offload_params=true"], "roles.ema.offload_params", "roles.unet's stage 2"),
+    (["mode=seed_baseline", "roles.ema.offload_params=true"], "roles.ema.offload_params", "seed_baseline"),
+    # seed_baseline decides where every frozen role lives: their placement keys would be ignored
+    (["mode=seed_baseline", "roles.vae.stage=2"], "roles.vae.stage", "whole at stage 0"),
+    (["mode=seed_baseline", "roles.text_encoder.gather_forward=false"], "roles.text_encoder.gather_forward",
+     "whole at stage 0"),
+    (["ema.enabled=false", "roles.ema.dtype=bf16"], "roles.ema.dtype", "builds no EMA role"),
+    (["ema.enabled=false", "validation.use_ema=false"], "validation.use_ema", "applies only with an EMA"),
+    (["export.roles=[transformer]"], "export.roles", "not among the roles"),
+    (["data.max_train_samples=4"], "data.max_train_samples", "fewer than roles.unet.micro_batch_size=8"),
+])
+def test_keys_the_run_could_not_honour_are_refused(tmp_path, overrides, key, words):
+    cfg = load_config("sd_finetune", "tiny", [f"output_dir={tmp_path}", *overrides])
+    with pytest.raises(RecipeConfigError) as info:
+        validate_config("sd_finetune", cfg, world_size=2)
+    assert key in str(info.value) and words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("override, words", [("roles.vae.model=/x", "not accepted"),
+                                             ("roles.unet.tokenizer=/x", "not accepted"),
+                                             ("roles.ema.stage=2", "not accepted"),
+                                             ("ema.inv_gamma=2.0", "use_ema_warmup"),
+                                             ("validation.enabled=false", None)])
+def test_keys_a_section_does_not_have(override, words):
+    if words is None:  # validation.* only with validation.enabled
+        with pytest.raises(RecipeConfigError, match="validation.every.*applies only when validation.enabled"):
+            load_config("sd_finetune", "tiny", [override, "validation.every=5"])
+        return
+    with pytest.raises(RecipeConfigError, match=words):
+        load_config("sd_finetune", "tiny", [override])
 
 
 def test_text_encoders_from_model_index(tmp_path):
@@ -131,17 +163,17 @@ def test_text_encoders_from_model_index(tmp_path):
 
 
 def test_seed_baseline_builds_frozen_roles_unsharded(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"unet": ["diffusers", "UNet2DConditionModel"],
-                                                           "text_encoder": ["transformers", "CLIPTextModel"]}))
-    specs = {s.name: s for s in diffusion_role_specs(str(tmp_path), mode="seed_baseline",
-                                                     ema=Placement(stage=3, dtype="fp32"))}
+    cfg = load_config("sd_finetune", "tiny", ["mode=seed_baseline", "roles.unet.dtype=bf16"])
+    specs = {s.name: s for s in SDFinetune.role_specs(cfg, "sd", str(tmp_path))}
     assert list(specs) == ["unet", "vae", "text_encoder", "ema"]
     stage = {n: s.ds_config["zero_optimization"]["stage"] for n, s in specs.items()}
     assert stage == {"unet": 3, "vae": 0, "text_encoder": 0, "ema": 0}
     assert specs["unet"].trainable and not specs["vae"].trainable and specs["ema"].stateful
-    assert specs["ema"].ds_config["bf16"]["enabled"] is False  # the EMA keeps fp32
-    zero3 = {s.name: s for s in diffusion_role_specs(str(tmp_path), ema=Placement(stage=2, dtype="fp32"))}
-    assert zero3["ema"].ds_config["zero_optimization"]["stage"] == 3  # follows the unet's stage
+    assert specs["ema"].ds_config["bf16"]["enabled"] is False  # the EMA keeps fp32 (roles.ema.dtype)
+    zero3 = {s.name: s for s in SDFinetune.role_specs(load_config("sd_finetune", "tiny", ["roles.unet.stage=2"]),
+                                                       "sd", str(tmp_path))}
+    assert zero3["ema"].ds_config["zero_optimization"]["stage"] == 2  # the unet's stage
+    assert zero3["vae"].ds_config["zero_optimization"]["stage"] == 3 and zero3["vae"].gather_forward
 
 
 def test_step_generator_is_a_function_of_its_arguments():

@@ -9,8 +9,8 @@ import os
 
 import pytest
 from datasets import Dataset
-from multiengine.engines.recipe_config import checked_config, load_config
 from multiengine.recipes import sd_finetune as recipe
+from multiengine.recipes.language.config import checked_config, load_config
 
 
 def _picker(tmp_path, *overrides):
@@ -56,7 +56,7 @@ def test_sd_finetune_trains_from_a_save_to_disk_folder(saved):
         f"output_dir={out}", f"data.source={root / 'saved'}", "data.columns.caption=prompt", "data.eval_split=4",
         "max_steps=2", "backend=torch", "model.tiny_vae_steps=0", "roles.unet.micro_batch_size=2", "ema.enabled=false",
         "eval.heldout_size=2", "eval.timesteps=2", "validation.num_inference_steps=1", "validation.num_prompts=2",
-        "checkpoint.every=0", "export.enabled=false", "plot=false"])
+        "checkpoint.every=0", "export.enabled=false", "export.roles=[]", "plot=false"])
     job = recipe.SDFinetune(cfg)
     job.setup()
     try:

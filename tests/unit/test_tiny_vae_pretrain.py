@@ -3,7 +3,6 @@ is skipped when the model folder brings its own vae, and keeps a finished pre-tr
 
 from __future__ import annotations
 
-import logging
 import os
 import types
 
@@ -61,8 +60,8 @@ def test_pretrain_trains_at_the_given_resolution(tiny_sd, tmp_path, monkeypatch)
 
 
 def _job(tmp_path, *overrides):
-    from multiengine.engines.recipe_config import load_config
     from multiengine.recipes import sd_finetune as recipe
+    from multiengine.recipes.language.config import load_config
 
     cfg = load_config("sd_finetune", "tiny", [f"output_dir={tmp_path}", *overrides])
     job = recipe.SDFinetune(cfg)
@@ -89,15 +88,16 @@ def test_recipe_pretrains_at_data_resolution_on_the_training_images(tmp_path, mo
     assert job.vae_pretrain == {"steps": 7}
 
 
-def test_recipe_skips_the_pretrain_when_the_model_brings_a_vae(tiny_sd, tmp_path, monkeypatch, caplog):
+def test_recipe_skips_the_pretrain_when_the_model_brings_a_vae(tiny_sd, tmp_path, monkeypatch):
     from multiengine.pipelines.diffusion import runs
-    from multiengine.recipes import diffusion_base
+    from multiengine.recipes.language.config import RecipeConfigError
 
     def fail(*args, **kwargs):
         raise AssertionError("pretrain_tiny_vae called for a model with its own vae")
 
     monkeypatch.setattr(runs, "pretrain_tiny_vae", fail)
-    job = _job(tmp_path, f"model.pretrained={tiny_sd}", "model.tiny_vae_steps=300")
-    with caplog.at_level(logging.INFO, logger=diffusion_base.__name__):
-        assert job._model_path() == tiny_sd
-    assert "model.tiny_vae_steps=300 skipped" in caplog.text and job.vae_pretrain is None
+    job = _job(tmp_path, f"model.pretrained={tiny_sd}")
+    assert job._model_path() == tiny_sd and job.vae_pretrain is None
+    # the tiny model's options are refused beside a model folder: they would be ignored
+    with pytest.raises(RecipeConfigError, match="model.tiny_vae_steps.*applies only while model.pretrained is empty"):
+        _job(tmp_path, f"model.pretrained={tiny_sd}", "model.tiny_vae_steps=7")

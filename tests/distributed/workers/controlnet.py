@@ -8,8 +8,10 @@ argv: out_dir
 import os
 
 from common import dump, out_dir
-from multiengine.engines.recipe_config import load_config
+from multiengine.engines import write_summary
+from multiengine.engines.settings import track_reads
 from multiengine.recipes import controlnet as recipe
+from multiengine.recipes.language.config import checked_config, load_config
 
 ROOT = out_dir()
 OVERRIDES = [
@@ -29,7 +31,8 @@ def max_change(a, b):
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-cfg = load_config("controlnet", "tiny", OVERRIDES)
+track_reads()  # which config keys the checks (rank 0, as the CLI) and the run read
+cfg = (checked_config if os.environ.get("RANK", "0") == "0" else load_config)("controlnet", "tiny", OVERRIDES)
 job = recipe.ControlNetTraining(cfg)
 job.setup()
 before = {role: gathered(job, role) for role in ("controlnet", "unet")}
@@ -40,6 +43,10 @@ job.train()
 after = {role: gathered(job, role) for role in ("controlnet", "unet")}
 exported = job.export()
 summary = job.summary(exported)
+if job.registry.is_main:
+    write_summary(job.path("summary.json"), summary)
+job.plot()
+job.write_key_reads()
 dump({
     "memory": {row["role"]: row for row in job.registry.memory_report()},
     "stages": {r.name: r.stage for r in job.registry.roles()},

@@ -12,12 +12,12 @@ import sys
 
 import torch
 from common import dump, finish, link_into
-from multiengine.engines.recipe_config import checked_config, load_recipe
+from multiengine.recipes.language.config import checked_config, load_recipe
 
 out = sys.argv[1]
 EVAL = ["eval.size=64", "eval.batch_size=32", "eval.every=0"]
 # no curves.png or TensorBoard events (about 0.5 s a run; the CLI tests check both)
-QUIET = ["checkpoint.every=0", "plot=false", "tensorboard=false"]
+QUIET = ["checkpoint.every=0", "checkpoint.keep_last=2", "plot=false", "tensorboard=false"]
 
 
 def run(folder: str, recipe: str, *overrides: str) -> dict:

@@ -35,8 +35,8 @@ from multiengine.pipelines.diffusion.models import load_component
 from multiengine.pipelines.diffusion.tiny import build_tiny
 from multiengine.pipelines.diffusion.training import (
     ControlNetObjective,
+    DiffusionSettings,
     FlowMatchingObjective,
-    flow_heldout_loss,
     heldout_loss,
     prompt_input_ids,
     step_generator,
@@ -117,12 +117,12 @@ def run_flow(family, path, layout):
     # SD3 with its scripts' default (logit-normal density, preconditioned outputs); FLUX with a loss weighting.
     options = {"weighting_scheme": "logit_normal", "precondition_outputs": True} if family == "sd3" else \
         {"weighting_scheme": "cosmap", "guidance_scale": 3.5}
-    objective = FlowMatchingObjective(registry, family, config, **options)
+    objective = FlowMatchingObjective(registry, family, config, DiffusionSettings(**options))
     tokenizers = [AutoTokenizer.from_pretrained(path, subfolder=t) for t in roles.tokenizers]
     lengths = [None] * (len(tokenizers) - 1) + [T5_LEN]
     heldout_batches = [batch(registry, tokenizers, lengths, 100, 0)]
     result = train(registry, objective, "transformer", lambda s, m: batch(registry, tokenizers, lengths, s, m),
-                   lambda: flow_heldout_loss(objective, heldout_batches, objective.heldout_points(2), seed=7))
+                   lambda: heldout_loss(objective, heldout_batches, objective.heldout_points(2), seed=7))
     result["guidance"] = objective.guidance_scale
     if layout == "zero3" and family == "sd3":  # every component gathered from its engine, as the recipe does
         components = {"transformer": "transformer", **{n: n for n in roles.frozen}}
@@ -131,18 +131,29 @@ def run_flow(family, path, layout):
 
 
 def run_recipe(name, *overrides):
-    from multiengine.engines.recipe_config import load_config
+    from multiengine.engines import write_summary
+    from multiengine.engines.settings import track_reads
     from multiengine.recipes import sd_finetune
+    from multiengine.recipes.language.config import checked_config, load_config
 
-    cfg = load_config("sd_finetune", "tiny_flux", [
+    track_reads()  # which config keys the checks (rank 0, as the CLI) and the run read
+    load = checked_config if os.environ.get("RANK", "0") == "0" else load_config
+    # the tiny config on the tiny FLUX folder (tiny_flux.yaml names the tiny model's family, refused beside a folder)
+    cfg = load("sd_finetune", "tiny", [
         f"output_dir={os.path.join(ROOT, name)}", f"model.pretrained={paths['flux']}", "max_steps=4",
+        "diffusion.max_sequence_length=16",
         "data.builtin_size=20", "roles.transformer.micro_batch_size=2", "roles.transformer.grad_accum=1",
-        "eval.heldout_size=4", "eval.timesteps=2", "validation.enabled=false", "checkpoint.every=2", "export.roles=[]",
-        *overrides])
+        "eval.heldout_size=4", "eval.timesteps=2", "validation.enabled=false", "validation.guidance_scale=null",
+        "checkpoint.every=2", "export.roles=[]", *overrides])
     job = sd_finetune.SDFinetune(cfg)
     job.setup()
     job.train()
     exported = job.export()
+    summary = job.summary(exported)
+    if job.registry.is_main:
+        write_summary(job.path("summary.json"), summary)
+    job.plot()
+    job.write_key_reads()
     out = {"losses": job.losses, "heldout": job.heldout, "export": exported,
            "lr": job.registry["transformer"].get_lr()[0], "sampler": job.sampler.state_dict(consumed=job.consumed),
            "weights": {role: checksum(job.registry, role) for role in ("transformer", "ema") if role in job.registry}}
@@ -159,8 +170,8 @@ def run_controlnet(path, layout):
     for name in ("unet", "vae", "text_encoder"):
         registry.add(frozen_spec(path, name, layout))
     registry.build()
-    alphas = DDPMScheduler.from_pretrained(path, subfolder="scheduler").alphas_cumprod
-    objective = ControlNetObjective(registry, ["text_encoder"], alphas)
+    scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler")
+    objective = ControlNetObjective(registry, ["text_encoder"], scheduler)
     tokenizers = [AutoTokenizer.from_pretrained(path, subfolder="tokenizer")]
     heldout_batches = [batch(registry, tokenizers, None, 100, 0, controlnet=True)]
     result = train(registry, objective, "controlnet", lambda s, m: batch(registry, tokenizers, None, s, m, True),

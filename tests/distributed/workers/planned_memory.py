@@ -14,12 +14,13 @@ import os
 import sys
 
 from common import dump, finish
-from multiengine.engines.recipe_config import load_config, load_recipe
+from multiengine.recipes.language.config import load_config, load_recipe
 
-QUIET = ["max_steps=1", "checkpoint.every=0", "tensorboard=false", "plot=false", "export.enabled=false"]
+QUIET = ["max_steps=1", "checkpoint.every=0", "checkpoint.keep_last=2", "tensorboard=false", "plot=false",
+         "export.enabled=false"]
 # The smallest sd_finetune run that still takes one optimizer step (Adam state exists) and builds every role.
-SD_SMALL = ["data.resolution=32", "validation.enabled=false", "eval.heldout_size=2",
-            "eval.timesteps=1", "ema.enabled=true"]
+SD_SMALL = ["data.resolution=32", "validation.enabled=false", "validation.guidance_scale=null", "export.roles=[]",
+            "eval.heldout_size=2", "eval.timesteps=1", "ema.enabled=true"]
 FAMILY_ROLES = {"sdxl": ("unet", "vae", "text_encoder", "text_encoder_2"),
                 "sd3": ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
                 "flux": ("transformer", "vae", "text_encoder", "text_encoder_2")}
@@ -51,7 +52,8 @@ def runs(assets: str, sd_model: str, shapes: str, student: str, families: dict[s
     }
     for family, folder in families.items():
         out[f"sd_finetune_{family}"] = ("sd_finetune", f"tiny_{family}", [
-            f"model.pretrained={folder}", f"data.source={shapes}", *SD_SMALL,
+            # the family comes from the folder (model.tiny_family back to its default)
+            f"model.pretrained={folder}", "model.tiny_family=sd", f"data.source={shapes}", *SD_SMALL,
             f"roles.{FAMILY_ROLES[family][0]}.micro_batch_size=2",
             *(f"roles.{role}.stage={s}" for role in FAMILY_ROLES[family])])
     return out

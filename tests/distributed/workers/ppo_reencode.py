@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 from common import dump, out_dir
 from multiengine.engines import EngineRegistry, write_summary
-from multiengine.engines.recipe_config import load_config
+from multiengine.engines.settings import track_reads
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PairCollator, _pad
 from multiengine.pipelines.rlhf.scoring import eval_mode, sequence_scores
+from multiengine.recipes.language.config import load_config
 from multiengine.recipes.rlhf_ppo import RLHFPPO
 
 root = out_dir()
@@ -41,6 +42,7 @@ cfg = load_config("rlhf_ppo", "tiny", [
     "roles.critic.stage=3",
     "eval.size=8", "eval.batch_size=4", "eval.every=0", "eval.greedy=false", "checkpoint.every=0", "plot=false",
     "tensorboard=false", "export.ema=false"])
+track_reads()  # the run's key reads, written at its end (Recipe.main's record, step by step here)
 run = RLHFPPO(cfg)
 run.setup()
 registry = run.registry
@@ -85,9 +87,11 @@ result["critic_head_moved"] = (head_after - head_before).abs().max().item()
 result["steps"] = [{k: m[k] for k in ("reward/mean", "value_loss", "policy_loss") if k in m} for m in run.step_metrics]
 export = run.export()
 summary = run.summary(export)
+summary["plot"] = run.plot()
 if registry.is_main:
     write_summary(run.path("summary.json"), summary)
 run.close()
+run.write_key_reads()
 result["export"] = {k: v["model"] for k, v in export.items()}
 result["reward_vocab"] = len(reward_tok)
 result["actor_vocab"] = len(run.tokenizer)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 from common import dump, finish
-from multiengine.engines.recipe_config import checked_config, load_recipe
+from multiengine.recipes.language.config import checked_config, load_recipe
 
 for recipe, overrides in json.loads(sys.argv[2]):
     load_recipe(recipe).main(checked_config(recipe, "tiny", overrides))

@@ -19,7 +19,7 @@ import os
 
 import torch
 from common import dump, gathered_state_dict, out_dir
-from multiengine.engines import EngineRegistry, OptimSpec, Placement, barrier
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, barrier, frozen_role, trainable_role
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PairCollator, PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
@@ -27,7 +27,8 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
 from multiengine.pipelines.rlhf.rewards import reward_function, reward_model
-from multiengine.pipelines.rlhf.roles import actor_spec, ref_spec, reward_spec
+from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
+from multiengine.pipelines.rlhf.rollout import RolloutSpec
 from transformers import AutoTokenizer
 
 ROOT = out_dir()
@@ -68,16 +69,16 @@ def prompts(step: int, rank: int) -> dict:
 
 def build(actor_stage: int, ref_stage: int, lr: float = 1e-3, grad_accum: int = 1, micro: int = 4) -> EngineRegistry:
     registry = EngineRegistry()
-    registry.add(actor_spec(MODEL, Placement(actor_stage, "fp32"), OptimSpec(lr=lr, total_steps=10),
-                            micro_batch_size=micro, grad_accum=grad_accum))
-    registry.add(ref_spec(MODEL, Placement(ref_stage, "fp32")))
+    registry.add(trainable_role("actor", causal_lm(MODEL), Placement(actor_stage, "fp32"),
+                                OptimSpec(lr=lr, total_steps=10), micro_batch_size=micro, grad_accum=grad_accum))
+    registry.add(frozen_role("ref", causal_lm(MODEL), Placement(ref_stage, "fp32")))
     return registry.build()
 
 
 def grpo(registry: EngineRegistry, algorithm: str, sources=(DENSE,), **kw) -> GRPOTrainer:
-    settings = GRPOSettings(algorithm=algorithm, n_samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4,
+    settings = GRPOSettings(algorithm=algorithm, n_samples_per_prompt=4, rollout_batch_size=2,
                             epochs=2 if algorithm == "grpo" else 1, **kw)
-    return GRPOTrainer(registry, GEN, settings, EOS, PAD, list(sources), decode, seed=0, judge=tiny.judge)
+    return GRPOTrainer(registry, settings, RolloutSpec(GEN, EOS, PAD, list(sources), decode, judge=tiny.judge), 4)
 
 
 def grpo_run(registry: EngineRegistry) -> dict:
@@ -113,7 +114,7 @@ registry = build(3, 3)
 result["grpo_z3"] = grpo_run(registry)
 result["grpo_z3"]["names"] = registry.names()  # the function alone: no reward role was built
 # --- with a reward model as well: the function + 0.5 x reward-model score--------------------------------
-registry.add(reward_spec(MODEL, Placement(3, "fp32")))
+registry.add(frozen_role("reward", scalar_model(MODEL, zero3=True), Placement(3, "fp32")))
 registry.build()  # builds only the new role; the actor keeps its trained weights
 before = gathered_state_dict(registry, "actor")
 trainer = grpo(registry, "grpo", sources=(DENSE, reward_model("reward", weight=0.5)))

@@ -14,6 +14,7 @@ argv: out_dir
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -28,15 +29,18 @@ from multiengine.engines import (
     ShardedBatches,
     apply_lora,
     barrier,
+    frozen_role,
     save_role,
+    trainable_role,
 )
-from multiengine.engines.recipe_config import load_config
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import PromptCollator, SFTCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings, generate
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-from multiengine.pipelines.rlhf.roles import build_rlhf_roles
+from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
+from multiengine.pipelines.rlhf.rollout import RolloutSpec
 from multiengine.recipes import rlhf_ppo
+from multiengine.recipes.language.config import load_config
 from transformers import AutoTokenizer
 
 ROOT = out_dir()
@@ -72,15 +76,20 @@ def build(actor_stage: int, critic_stage: int, ref: Placement | None = None, rew
     registry = EngineRegistry()
     opt = OptimSpec(lr=lr, betas=(0.9, 0.95), total_steps=10)
     lora_cfg = LORA if lora else None
-    build_rlhf_roles(
-        registry, MODEL, MODEL, MODEL, actor=Placement(actor_stage, "fp32"), critic=Placement(critic_stage, "fp32"),
-        ref=ref or Placement(actor_stage, "fp32"), reward=reward or Placement(critic_stage, "fp32"),
-        ema=Placement(actor_stage, "fp32") if ema else None,
-        actor_optim=opt, critic_optim=opt, micro_batch_size=2, actor_lora=lora_cfg, critic_lora=lora_cfg,
-        actor_gradient_checkpointing=checkpointing, critic_gradient_checkpointing=checkpointing, seed=0)
-    settings = settings or PPOSettings(rollout_batch_size=4, mini_batch_size=2, ppo_epochs=2)
-    gen = GenerationSettings(max_new_tokens=6, mode=mode)
-    trainer = PPOTrainer(registry, gen, settings, EOS, PAD, seed=0, judge=tiny.judge, decode=decode)
+    actor, critic = Placement(actor_stage, "fp32"), Placement(critic_stage, "fp32")
+    reward = reward or critic
+    trained = {"micro_batch_size": 2, "lora": lora_cfg, "gradient_checkpointing": checkpointing, "seed": 0}
+    registry.add(trainable_role("actor", causal_lm(MODEL), actor, opt, **trained))
+    registry.add(frozen_role("ref", causal_lm(MODEL), ref or actor))
+    registry.add(trainable_role("critic", scalar_model(MODEL, zero3=critic_stage == 3), critic, opt, **trained))
+    registry.add(frozen_role("reward", scalar_model(MODEL, zero3=reward.stage == 3), reward))
+    if ema:
+        registry.add(frozen_role("ema", causal_lm(MODEL), actor, stateful=True, lora=lora_cfg, seed=0))
+    registry.build()
+    settings = settings or PPOSettings(rollout_batch_size=4, epochs=2)
+    spec = RolloutSpec(GenerationSettings(max_new_tokens=6, mode=mode), EOS, PAD, decode=decode, judge=tiny.judge,
+                       critic="critic")
+    trainer = PPOTrainer(registry, settings, spec, 2, ema_decay=0.992 if ema else None)
     return registry, trainer
 
 
@@ -128,7 +137,7 @@ for mode in ("gather", "per_token", "gather"):
 step_times = {}
 prompts = stream(PROMPTS, COLLATE, 4, registry, seed=0)
 for mode in ("gather", "per_token"):
-    trainer.generation = GenerationSettings(max_new_tokens=6, mode=mode)
+    trainer.spec = dataclasses.replace(trainer.spec, generation=GenerationSettings(max_new_tokens=6, mode=mode))
     step_times[mode] = trainer.step(next(prompts), 10, None)["time/step_s"]
 result["generation"] = {"tokens": tokens, "s_per_token": timing, "ppo_step_s": step_times,
                         "partitioned": all(hasattr(p, "ds_tensor") for p in registry["actor"].module.parameters())}
@@ -150,8 +159,8 @@ result["export"] = {
 free(registry, trainer)
 
 # --- mixed placements: actor Z3, critic Z2, reward Z2 (-> 0), ref Z3 + param offload; EMA, ptx, warm-up -----
-settings = PPOSettings(rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, ptx_coef=0.5, critic_warmup_steps=1,
-                       dual_clip=3.0, adaptive_kl=True, kl_target=0.1, kl_horizon=100)
+settings = PPOSettings(rollout_batch_size=4, epochs=1, ptx_coef=0.5, critic_warmup_steps=1, dual_clip=3.0,
+                       adaptive_kl=True, kl_target=0.1, kl_horizon=100)
 registry, trainer = build(3, 2, ref=Placement(3, "fp32", offload_params=True), reward=Placement(2, "fp32"),
                           ema=True, settings=settings, checkpointing=True)
 sft_rows = load_rlhf_dataset(os.path.join(ASSETS, "data"), "sft")
@@ -226,17 +235,24 @@ COMMON = [
 
 
 def recipe_run(name: str, *overrides: str) -> dict:
-    cfg = load_config("rlhf_ppo", None, [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides])
-    job = rlhf_ppo.RLHFPPO(cfg)
-    job.setup()
-    start = job.step
-    job.train()
-    out = {"start": start, "steps": [{k: m[k] for k in (*KEYS, "kl_coef") if k in m} for m in job.step_metrics],
-           "prompts": job.prompts.state_dict(), "kl_coef": job.trainer.kl_ctl.value,
-           "lr": job.registry["actor"].get_lr()[0], "eval_after": job.history[-1]["judge"]}
-    job.close()
-    free(job)
-    return out
+    """A run of the recipe through its main (summary.json and the key reads written), probed at its end."""
+    probe: dict = {}
+
+    class Probed(rlhf_ppo.RLHFPPO):
+        def train(self) -> None:
+            probe["start"] = self.step
+            super().train()
+
+        def close(self) -> None:
+            probe.update(steps=[{k: m[k] for k in (*KEYS, "kl_coef") if k in m} for m in self.step_metrics],
+                         prompts=self.prompts.state_dict(), kl_coef=self.trainer.kl_ctl.value,
+                         lr=self.registry["actor"].get_lr()[0], eval_after=self.history[-1]["judge"],
+                         out_dir=self.output_dir)
+            super().close()
+
+    Probed.main(load_config("rlhf_ppo", None, [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides]))
+    free()
+    return probe
 
 
 full = recipe_run("full")

@@ -1,5 +1,7 @@
 """The sd_finetune recipe on 2 ranks, seven runs in one process group (one launch keeps the test short):
 
+Each run is checked as the CLI checks it and records which config keys it read.
+
   zero3     unet + vae + text_encoder + ema all ZeRO-3, 4 steps of 2 x 2 micro batches (accumulation),
             checkpoints at 2 and 4, export
   resume    from zero3's step-2 checkpoint to step 4
@@ -16,22 +18,28 @@ import os
 
 import torch
 from common import dump, out_dir
+from multiengine.engines import write_summary
 from multiengine.engines.partition import local_tensors
-from multiengine.engines.recipe_config import load_config
+from multiengine.engines.settings import track_reads
 from multiengine.recipes import sd_finetune as recipe
+from multiengine.recipes.language.config import checked_config, load_config
 
 ROOT = out_dir()
 COMMON = [
-    "max_steps=4", "model.tiny_vae_steps=0", "data.builtin_size=40", "data.resolution=32",
+    "max_steps=4", "data.resolution=32",
     "roles.unet.micro_batch_size=2", "roles.unet.grad_accum=2", "roles.unet.gradient_checkpointing=true",
-    "eval.heldout_size=4", "eval.timesteps=4",
-    "validation.prompts=[a red square on a white background,a blue circle on a black background]",
-    "validation.num_inference_steps=2", "checkpoint.every=2", "export.roles=[unet,ema]",
+    "eval.heldout_size=4", "eval.timesteps=4", "checkpoint.every=2", "export.roles=[unet,ema]",
 ]
+VALIDATION = ["validation.prompts=[a red square on a white background,a blue circle on a black background]",
+              "validation.num_inference_steps=2"]
+NO_VALIDATION = ["validation.enabled=false", "validation.guidance_scale=null"]  # tiny.yaml sets the guidance
 
 
 def run(name: str, *overrides: str):
-    cfg = load_config("sd_finetune", "tiny", [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides])
+    # as the CLI runs it (its checks once, then the run on every rank), recording which keys it reads
+    track_reads()
+    load = checked_config if os.environ.get("RANK", "0") == "0" else load_config
+    cfg = load("sd_finetune", "tiny", [*COMMON, f"output_dir={os.path.join(ROOT, name)}", *overrides])
     job = recipe.SDFinetune(cfg)
     job.setup()
     hook = CHECKS_BEFORE.get(name)
@@ -54,7 +62,11 @@ def run(name: str, *overrides: str):
         "vae_pretrain": job.vae_pretrain,
     }
     result.update(checks)
+    if job.registry.is_main:
+        write_summary(job.path("summary.json"), summary)  # its config: what assert_keys_read checks against
+    job.plot()
     job.close()
+    job.write_key_reads()
     return result
 
 
@@ -101,22 +113,21 @@ def lora_after(job, before):
 CHECKS_BEFORE = {"lora": lora_snapshot}
 CHECKS_AFTER = {"zero3": ema_full_copies_current, "lora": lora_after}
 
-results = {"zero3": run("zero3")}
+results = {"zero3": run("zero3", *VALIDATION, "model.tiny_vae_steps=0", "data.builtin_size=40")}
 model = os.path.join(ROOT, "zero3", "tiny_sd")
 data = os.path.join(ROOT, "zero3", "data", "shapes")
 shared = [f"model.pretrained={model}", f"data.source={data}"]
 ckpt = os.path.join(ROOT, "zero3", "checkpoints", "step_00000002")
-results["resume"] = run("resume", *shared, f"resume_from={ckpt}")
-results["seed"] = run("seed", *shared, "mode=seed_baseline")
-results["lora"] = run("lora", *shared, "roles.unet.lora.r=4", "ema.enabled=false", "export.roles=[unet]", "max_steps=3",
-                      "roles.unet.lr=1.0e-2", "checkpoint.every=0", "validation.enabled=false")
+results["resume"] = run("resume", *shared, *VALIDATION, f"resume_from={ckpt}")
+results["seed"] = run("seed", *shared, *VALIDATION, "mode=seed_baseline")
+results["lora"] = run("lora", *shared, *NO_VALIDATION, "roles.unet.lora.r=4", "ema.enabled=false",
+                      "export.roles=[unet]", "max_steps=3", "roles.unet.lr=1.0e-2", "checkpoint.every=0")
 # model.tiny_vae_steps: both ranks pretrain the tiny SDXL's vae (sdxl_seed skips it: its folder has that vae).
-sdxl = [f"data.source={data}", "max_steps=2", "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]",
-        "model.tiny_vae_steps=4"]
-results["sdxl"] = run("sdxl", *sdxl, "model.tiny_family=sdxl")
+sdxl = [f"data.source={data}", "max_steps=2", "checkpoint.every=0", "ema.enabled=false", "export.roles=[unet]"]
+results["sdxl"] = run("sdxl", *sdxl, *VALIDATION, "model.tiny_family=sdxl", "model.tiny_vae_steps=4")
 # The same tiny SDXL in diffusers' layout (both text encoders and the vae whole on every rank).
-results["sdxl_seed"] = run("sdxl_seed", *sdxl, f"model.pretrained={os.path.join(ROOT, 'sdxl', 'tiny_sdxl')}",
-                           "mode=seed_baseline", "validation.enabled=false", "export.enabled=false")
+results["sdxl_seed"] = run("sdxl_seed", *sdxl, *NO_VALIDATION, "mode=seed_baseline", "export.enabled=false",
+                           "export.roles=[]", f"model.pretrained={os.path.join(ROOT, 'sdxl', 'tiny_sdxl')}")
 results["paths"] = {"model": model, "root": ROOT}
 dump(results)
 

@@ -7,9 +7,9 @@ import os
 import torch
 import torch.distributed as dist
 from common import dump, out_dir
-from multiengine.engines import EngineRegistry, OptimSpec, Placement, save_role
+from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, save_role, trainable_role
 from multiengine.pipelines.rlhf.models import last_token_index
-from multiengine.pipelines.rlhf.roles import critic_spec, reward_spec
+from multiengine.pipelines.rlhf.roles import scalar_model
 
 PAD = 0
 registry = EngineRegistry()
@@ -57,9 +57,9 @@ for _ in range(3):
     opt.step()
     plain_losses.append(loss.item())
 
-registry.add(reward_spec(path, Placement(stage=3, dtype="fp32")))
-registry.add(critic_spec(path, Placement(stage=3, dtype="fp32"), OptimSpec(lr=1e-4, betas=(0.9, 0.95)),
-                         micro_batch_size=len(seqs)))
+registry.add(frozen_role("reward", scalar_model(path, zero3=True), Placement(stage=3, dtype="fp32")))
+registry.add(trainable_role("critic", scalar_model(path, zero3=True), Placement(stage=3, dtype="fp32"),
+                            OptimSpec(lr=1e-4, betas=(0.9, 0.95)), micro_batch_size=len(seqs)))
 registry.build()
 
 result = {}

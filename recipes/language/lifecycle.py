@@ -1,36 +1,13 @@
 """The one lifecycle every recipe shares: setup -> train -> export -> summary, with checkpoints and resume.
 
-A recipe is a subclass of :class:`Recipe` that fills in what is its own:
-
-* ``build()``       - add and build its roles on ``self.registry`` (already created) and load its data;
-* ``train_step()``  - one optimizer step (all of its micro-batches) returning metrics that are already
-                      means over ranks (``mean_over_ranks``);
-* ``evaluate(tag)`` - collective evaluation, called with ``"before"``, ``"after"`` and ``"step_<n>"``;
-* ``export()``      - write ``output_dir/export/<role>/`` (``multiengine.engines.save_role``);
-* ``state_dict()`` / ``load_state_dict()`` - what it needs beyond the registry to resume (data
-                      streams registered with ``registry.add_state`` are saved by the registry itself);
-* ``summary_metrics()`` and ``plot_panels`` - its headline figures and the panels of ``curves.png``.
-
-The base does the rest the same way for all: output folder, seeding, the registry (backend, seed,
-collective timeout), ``metrics.jsonl`` + TensorBoard (and wandb with ``report_to=wandb``), the tqdm loop
-with periodic evaluation and checkpoints, ``resume_from``, ``summary.json`` (with per-rank memory and every
-role's resolved config) and ``curves.png``. Its module keeps ``DEFAULTS`` (``with_common({...})``) and
-``main = MyRecipe.main``.
-
-Every step is checked for non-finite values: the registry never applies an optimizer update whose loss
-or global gradient norm is NaN/inf (engines/nonfinite.py), and the ``nonfinite`` policy decides what the
-run does about a step that had one, or whose loss metrics are not finite: ``stop`` ends it with
-NonFiniteError (exit 3, no export, the last checkpoint kept as it was) and ``skip`` goes on (the step is
-counted and warned about) until more than ``max_skips`` steps were skipped. The decision is taken from
-values summed over ranks, so every rank stops at the same step.
-
-The common keys are checked before any rank starts: COMMON_CHECKS (each value) by load_config and
-validate_common (across keys) by validate_config, besides the recipe's own CHECKS and validate(cfg).
-"""
+A :class:`Recipe` subclass declares ``name``, ``roles``, ``Config`` (a :class:`RunConfig`), ``renamed``,
+``validate`` and ``plan``, and fills in ``build``, ``train_step`` (metrics already means over ranks), ``evaluate``,
+``export``, ``state_dict`` / ``load_state_dict``, ``summary_metrics`` and ``plot_panels``. The base does the rest:
+output folder, seeding, registry, metrics, the loop with evaluation and checkpoints, resume, summary.json, curves.png
+and the ``nonfinite`` policy (``stop``: exit 3; ``skip``: until ``max_skips``), decided on values summed over ranks."""
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import logging
@@ -39,8 +16,8 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from multiengine.engines import (
     EngineRegistry,
@@ -55,51 +32,27 @@ from multiengine.engines import (
     write_summary,
 )
 from multiengine.engines.metrics import WANDB_FIX, WANDB_MISSING
-from multiengine.engines.recipe_config import (
+from multiengine.engines.settings import (
     Choice,
-    Key,
     Length,
-    OrFollow,
     Range,
-    RecipeConfigError,
     Satisfies,
-    config_problem,
-    split_keys,
+    Settings,
+    reads_of,
+    section,
+    setting,
+    track_reads,
+    tracking_reads,
 )
 from tqdm import tqdm
 
+from .config import KEY_READS_ENV, RecipeConfigError, config_problem
+
 logger = logging.getLogger(__name__)
+LAUNCH_KEYS = ("overwrite",)  # keys the launching process uses before any rank starts (never read by a rank)
 
-__all__ = ["COMMON_CHECKS", "COMMON_DEFAULTS", "COMMON_HELP", "COMMON_KEYS", "RUN_FILE", "RUN_OUTPUTS", "Recipe",
-           "check_output_dir", "clear_output_dir", "folder_run", "mark_run", "validate_common", "with_common"]
-
-COMMON_KEYS: dict[str, Any] = {
-    "output_dir": Key("outputs/recipe", "everything the run writes goes under this folder"),
-    "seed": Key(0, "one seed for data order, sampling and initialisation (each rank gets seed + rank)"),
-    "max_steps": Key(100, "optimizer steps"),
-    "backend": Key("auto", "auto | deepspeed | torch"),
-    "resume_from": Key("", "\"\" | \"latest\" (output_dir/checkpoints; fresh start if none) | a checkpoint folder"),
-    "overwrite": Key(False, "true: clear the earlier run's files in output_dir (metrics, summary, curves, "
-                            "TensorBoard, checkpoints, exports, logs) before starting; false: a folder holding "
-                            "another recipe's run or a finished run is refused"),
-    "dist_timeout_s": Key(1800.0, "a collective that waits longer than this fails the run"),
-    "checkpoint": Key({
-        "every": Key(0, "every N steps, and at the end of the run (0 = never)"),
-        "keep_last": Key(2, "keep the newest K (null = all)"),
-    }, "checkpoints under output_dir/checkpoints (written atomically; `latest` names the newest)"),
-    "nonfinite": Key({
-        "policy": Key("stop", "stop: end the run (exit 3), the last checkpoint kept | skip: go on, up to max_skips"),
-        "max_skips": Key(10, "skip: the run stops at the step that would be skip number max_skips + 1"),
-    }, "a NaN/inf loss or gradient norm at a step (no role ever applies such an update)"),
-    "trust_remote_code": Key(False, "DANGEROUS: true lets transformers run Python files shipped in a model or "
-                                    "tokenizer folder; only for folders whose code you have read"),
-    "tensorboard": Key(True, "TensorBoard events beside metrics.jsonl (and SD validation images)"),
-    "plot": Key(True, "curves.png of the main figures"),
-    "report_to": Key("none", "none | wandb: also send the scalars (and SD validation images) to Weights & Biases "
-                             "(needs `pip install wandb`; project from WANDB_PROJECT, default \"multiengine\"; "
-                             "WANDB_MODE=offline works without a login)"),
-}
-COMMON_DEFAULTS, COMMON_HELP = split_keys(COMMON_KEYS)
+__all__ = ["RUN_FILE", "RUN_OUTPUTS", "CheckpointSettings", "NonfiniteSettings", "Recipe", "RunConfig",
+           "check_output_dir", "clear_output_dir", "folder_run", "mark_run"]
 
 
 def _resume_source(value: Any) -> bool:
@@ -109,51 +62,50 @@ def _resume_source(value: Any) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("manifest.json", "latest"))
 
 
-# Checks of the common keys, for every recipe on this lifecycle (a recipe's own CHECKS entry for a key
-# replaces its common one). "roles.*" keys apply to recipes whose role sections have them.
-COMMON_CHECKS: dict[str, Any] = {
-    "output_dir": Length(1),
-    "seed": Range(0, 2**32 - 1),
-    "max_steps": Range(1),
-    "backend": Choice("auto", "deepspeed", "torch"),
-    "resume_from": Satisfies(_resume_source, "'', 'latest' or a checkpoint folder (manifest.json, or a 'latest' "
-                             "file in it)"),
-    "dist_timeout_s": Range(0, min_exclusive=True),
-    "checkpoint.every": Range(0),
-    "checkpoint.keep_last": Range(1, allow_none=True),
-    "nonfinite.policy": Choice("stop", "skip"),
-    "nonfinite.max_skips": Range(0),
-    "report_to": Choice("none", "wandb"),
-    "eval.every": Range(0),
-    "roles.*.stage": OrFollow(Range(0, 3), -1),
-    "roles.*.dtype": OrFollow(Choice("fp32", "bf16", "fp16"), ""),
-}
+@dataclass(frozen=True)
+class CheckpointSettings(Settings):
+    every: int = setting(0, "every N steps, and at the end of the run (0 = never)", Range(0))
+    keep_last: int | None = setting(2, "keep the newest K (null = all)", Range(1), when="every")
 
 
-def validate_common(cfg: Any, roles: Any = None) -> None:
-    """The common checks across keys, before any rank starts (config.validate_config runs them first): the
-    process-wide trust_remote_code switch (the recipe's validate(cfg) may load tokenizers), report_to=wandb
-    needs wandb installed, and every role section's placement (schema.check_role_sections for a recipe that
-    declares ROLES; else parameter offload needs ZeRO-3)."""
-    set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))
-    if cfg.get("report_to", "none") == "wandb" and importlib.util.find_spec("wandb") is None:
-        raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
-    if roles is not None:
-        from multiengine.engines.role_schema import check_role_sections
+@dataclass(frozen=True)
+class NonfiniteSettings(Settings):
+    policy: str = setting("stop", "stop: end the run (exit 3), the last checkpoint kept | skip: go on, up to "
+                                  "max_skips", Choice("stop", "skip"))
+    max_skips: int = setting(10, "skip: the run stops at the step that would be skip number max_skips + 1",
+                             Range(0), when="policy=skip")
 
-        check_role_sections(cfg, roles)
-        return
-    sections = cfg.get("roles")
-    if not isinstance(sections, Mapping):
-        return
-    for name, section in sections.items():
-        if not isinstance(section, Mapping):
-            continue
-        stage = section.get("stage")
-        if section.get("offload_params") and isinstance(stage, int) and stage not in (-1, 3):
-            raise config_problem(f"roles.{name}.offload_params", True, f"needs roles.{name}.stage=3 (it is {stage}):"
-                                 " only ZeRO-3 partitions parameters",
-                                 f"set roles.{name}.stage=3, or roles.{name}.offload_params=false")
+
+@dataclass(frozen=True)
+class RunConfig(Settings):
+    """The keys every recipe shares; a recipe's Config adds its sections (and may change these defaults)."""
+
+    output_dir: str = setting("outputs/recipe", "everything the run writes goes under this folder", Length(1))
+    seed: int = setting(0, "one seed for data order, sampling and initialisation (each rank gets seed + rank)",
+                        Range(0, 2**32 - 1))
+    max_steps: int = setting(100, "optimizer steps", Range(1))
+    backend: str = setting("auto", "auto | deepspeed | torch", Choice("auto", "deepspeed", "torch"))
+    resume_from: str = setting("", "\"\" | \"latest\" (output_dir/checkpoints; fresh start if none) | a checkpoint "
+                                    "folder", Satisfies(_resume_source, "'', 'latest' or a checkpoint folder "
+                                                        "(manifest.json, or a 'latest' file in it)"))
+    overwrite: bool = setting(False, "true: clear the earlier run's files in output_dir (metrics, summary, curves, "
+                                     "TensorBoard, checkpoints, exports, logs) before starting; false: a folder "
+                                     "holding another recipe's run or a finished run is refused")
+    dist_timeout_s: float = setting(1800.0, "a collective that waits longer than this fails the run",
+                                    Range(0, min_exclusive=True))
+    checkpoint: CheckpointSettings = section(CheckpointSettings, "checkpoints under output_dir/checkpoints (written "
+                                             "atomically; `latest` names the newest)")
+    nonfinite: NonfiniteSettings = section(NonfiniteSettings, "a NaN/inf loss or gradient norm at a step (no role "
+                                           "ever applies such an update)")
+    trust_remote_code: bool = setting(False, "DANGEROUS: true lets transformers run Python files shipped in a model "
+                                             "or tokenizer folder; only for folders whose code you have read")
+    tensorboard: bool = setting(True, "TensorBoard events beside metrics.jsonl (and SD validation images)")
+    plot: bool = setting(True, "curves.png of the main figures")
+    report_to: str = setting("none", "none | wandb: also send the scalars (and SD validation images) to Weights & "
+                                     "Biases (needs `pip install wandb`; project from WANDB_PROJECT, default "
+                                     "\"multiengine\"; WANDB_MODE=offline works without a login)",
+                             Choice("none", "wandb"))
+    roles: Any = field(default=None, metadata={"hidden": True})  # the declared roles (Roles), set by the loader
 
 
 # --- output_dir: one run per folder ------------------------------------------------------------------------
@@ -194,18 +146,11 @@ def _unsafe_to_clear(folder: str) -> bool:
             or cwd == full or cwd.startswith(full.rstrip(os.sep) + os.sep))
 
 
-def check_output_dir(name: str, cfg: Any) -> None:
-    """The output_dir policy, before any rank starts: a folder holding another recipe's run, or a finished run of
-    this recipe (without ``resume_from``), is refused unless ``overwrite=true``. A recipe without ``resume_from``
-    (rlhf_e2e) may rerun into its own folder: it reuses or reruns its steps itself. ``name``: the recipe's run
-    name (what its summary.json and run.json record).
-
-    Raises:
-        ConfigValueError: naming output_dir, overwrite=true (or a new folder) and resume_from=latest.
-    """
+def check_output_dir(name: str, cfg: Any, resumable: bool = True) -> None:
+    """The output_dir policy: another recipe's run, or a finished one of this recipe without ``resume_from``, is
+    refused unless ``overwrite=true`` (rlhf_e2e may rerun into its own folder)."""
     output_dir = str(cfg.output_dir)
-    overwrite = bool(cfg.get("overwrite", False))
-    resume = cfg.get("resume_from", None)
+    overwrite, resume = cfg.overwrite, cfg.resume_from
     if overwrite and resume:
         raise config_problem("overwrite", True, f"clears output_dir's checkpoints, and resume_from={resume!r} "
                              "asks to continue from them", "drop one: overwrite=true starts over, resume_from=latest "
@@ -226,7 +171,7 @@ def check_output_dir(name: str, cfg: Any) -> None:
             "metrics, curves, checkpoints and exports with it",
             "use a new output_dir, or set overwrite=true to clear that run's files first (resume_from=latest "
             "continues only a run of the same recipe)")
-    if found["finished"] and not resume and "resume_from" in cfg:
+    if found["finished"] and not resume and resumable:
         tag = latest_tag(os.path.join(os.path.expanduser(output_dir), "checkpoints"))
         cont = (f"set resume_from=latest to continue it from its checkpoint {tag} (with a larger max_steps)" if tag
                 else "resume_from=latest continues a run from its checkpoints, but this one wrote none "
@@ -242,10 +187,9 @@ def check_output_dir(name: str, cfg: Any) -> None:
 
 
 def clear_output_dir(name: str, cfg: Any) -> list[str]:
-    """With ``overwrite=true``: remove the earlier run's files (``RUN_OUTPUTS``) from output_dir, on one process
-    before any rank writes there (check_output_dir first); a folder that holds no run is left alone. Returns
-    what was removed."""
-    if not bool(cfg.get("overwrite", False)):
+    """With ``overwrite=true``: remove the earlier run's ``RUN_OUTPUTS`` from output_dir, on one process before any
+    rank writes; returns what was removed."""
+    if not cfg.overwrite:
         return []
     folder = os.path.expanduser(str(cfg.output_dir))
     found = folder_run(folder)
@@ -264,16 +208,13 @@ def clear_output_dir(name: str, cfg: Any) -> list[str]:
     return removed
 
 
-def output_dir_policy(module: Any, recipe: str, cfg: Any, *, clear: bool, nnodes: int = 1, node_rank: int | None = None,
+def output_dir_policy(recipe: Any, cfg: Any, *, clear: bool, nnodes: int = 1, node_rank: int | None = None,
                       rdzv_backend: str = "static") -> None:
-    """The policy for a recipe with an ``overwrite`` key (``module``: its module, whose ``main`` names its run):
-    :func:`check_output_dir`, or with ``clear`` and overwrite=true, :func:`clear_output_dir` on rank 0's node only
-    (several nodes may share the folder)."""
-    if "overwrite" not in cfg:
-        return
-    name = str(getattr(getattr(getattr(module, "main", None), "__self__", None), "name", None) or recipe)
+    """The policy of ``recipe`` (its class): :func:`check_output_dir`, or with ``clear`` and overwrite=true,
+    :func:`clear_output_dir` on rank 0's node only (several nodes may share the folder)."""
+    name = recipe.name
     if not clear:
-        check_output_dir(name, cfg)
+        check_output_dir(name, cfg, "resume_from" not in recipe.omit)
     elif cfg.overwrite and nnodes > 1 and rdzv_backend == "c10d":
         raise RecipeConfigError("overwrite=true with --rdzv-backend c10d on several nodes: nodes are numbered as they "
                                 "join, so none can clear output_dir before the others start; clear the earlier run's "
@@ -301,21 +242,6 @@ def _nonfinite_losses(metrics: dict[str, Any]) -> list[str]:
     return sorted(k for k, v in metrics.items() if "loss" in k and isinstance(v, float) and not math.isfinite(v))
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and out[key]:
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def with_common(defaults: dict[str, Any]) -> dict[str, Any]:
-    """A recipe's DEFAULTS: the common keys, overridden and extended by the recipe's own."""
-    return _merge(COMMON_DEFAULTS, defaults)
-
-
 def _duration(seconds: float) -> str:
     minutes, sec = divmod(int(round(seconds)), 60)
     return f"{minutes} min {sec} s" if minutes else f"{seconds:.1f} s"
@@ -335,12 +261,51 @@ class Recipe:
     """setup() -> train() -> export() -> summary() -> plot(); save_checkpoint()/resume() on the way."""
 
     name = "recipe"
+    roles: ClassVar[tuple[Any, ...]] = ()  # the Role declaration
+    Config: ClassVar[type] = RunConfig
+    renamed: ClassVar[dict[str, str]] = {}  # old key -> new key ("new.key (how the values differ)")
+    omit: ClassVar[tuple[str, ...]] = ()  # common keys this recipe does not have (a run of runs: resume_from, ...)
     plot_panels: list[tuple[str, list[str]]] = []
     plot_xlabel = "step"
     postfix_keys: tuple[str, ...] = ("loss",)  # shown in the progress bar
     # the closing summary's figures: (evaluation key, what it is, higher is better), first vs last evaluation;
     # none found: the training loss of the first and last steps
     headline: tuple[tuple[str, str, bool], ...] = ()
+
+    @classmethod
+    def validate(cls, cfg: Any, world_size: int = 1) -> None:
+        """The recipe's checks across keys and outside the config (paths, data, vocabularies, batches on
+        ``world_size`` ranks), before any rank starts; raise config_problem(...) or any RecipeConfigError."""
+
+    @classmethod
+    def plan(cls, cfg: Any, assume: Any = None) -> list[Any]:
+        """What ``multiengine plan`` sizes: a list of ``plans.RecipePlan``."""
+        raise RecipeConfigError(f"`multiengine plan` cannot plan recipe '{cls.name}': it defines no plan(cfg, assume) "
+                                "(see docs/adding-a-workflow.md)")
+
+    @classmethod
+    def describe(cls, cfg: Any) -> dict[str, Any]:
+        """What a run of ``cfg`` builds, as plain data: each role's RoleSpec and model folders and every other
+        section as handed on (a key must change it or be refused)."""
+        out = {k: v for k, v in cfg.to_dict().items() if k != "roles"}
+        out["roles"] = {}
+        for name, role in (cfg.roles.items() if cfg.roles is not None else ()):
+            if not hasattr(role, "spec"):  # a rollout engine: its settings
+                out["roles"][name] = role.to_dict()
+                continue
+            spec = role.spec(lambda: None, total_steps=1, lora_targets=("*",)) if role.trainable else \
+                role.spec(lambda: None)
+            out["roles"][name] = {**spec.describe(), "model": role.model_path(), "tokenizer": role.tokenizer_path()}
+        return out
+
+    @classmethod
+    def check(cls, cfg: Any, world_size: int = 1) -> None:
+        """Every check across keys: the common ones (trust_remote_code before any folder is read, wandb installed
+        for report_to=wandb), then :meth:`validate`."""
+        set_trust_remote_code(cfg.trust_remote_code)
+        if cfg.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+            raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
+        cls.validate(cfg, world_size)
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -380,6 +345,10 @@ class Recipe:
     def summary_extra(self) -> dict[str, Any]:
         return {}
 
+    def eval_every(self) -> int:
+        """Evaluate every N steps as well (0 = only before and after): ``eval.every`` where the recipe has it."""
+        return int(getattr(getattr(self.cfg, "eval", None), "every", 0) or 0)
+
     # --- the shared lifecycle ---------------------------------------------------------------------
     @property
     def output_dir(self) -> str:
@@ -391,28 +360,28 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         os.makedirs(self.output_dir, exist_ok=True)
-        set_trust_remote_code(bool(cfg.get("trust_remote_code", False)))  # before build() loads any folder
+        set_trust_remote_code(cfg.trust_remote_code)  # before build() loads any folder
         self.registry = EngineRegistry(backend=cfg.backend, seed=cfg.seed, timeout_s=cfg.dist_timeout_s or None)
         if self.registry.is_main:
             mark_run(self.output_dir, self.name)
         self.build()
         self.metrics = MetricsLogger(self.path("metrics.jsonl"), enabled=self.registry.is_main,
                                      tensorboard_dir=self.path("tensorboard") if cfg.tensorboard else None,
-                                     wandb=self.wandb_init() if cfg.get("report_to", "none") == "wandb" else None)
+                                     wandb=self.wandb_init() if cfg.report_to == "wandb" else None)
         if self.registry.is_main:
             logger.info("%s: roles built (world size %d):\n%s", self.name, self.registry.world_size,
                         self.registry.memory_report())
-        if cfg.get("resume_from"):  # a run of runs (rlhf_e2e) has no resume_from: its steps resume themselves
+        n = cfg.nonfinite  # the policy of every step
+        self.nonfinite = (n.policy, n.max_skips if n.policy == "skip" else 0)
+        if cfg.resume_from:  # a run of runs (rlhf_e2e) has no resume_from: its steps resume themselves
             self.resume(cfg.resume_from)
 
     def wandb_init(self) -> dict[str, Any]:
         """wandb.init's arguments for report_to=wandb: the run named after the recipe and output folder, its
         files under output_dir/wandb, the resolved config attached."""
-        from omegaconf import OmegaConf
-
         return {"project": os.environ.get("WANDB_PROJECT", "multiengine"),
                 "name": f"{self.name}:{os.path.basename(os.path.abspath(self.output_dir))}",
-                "dir": self.output_dir, "config": OmegaConf.to_container(self.cfg, resolve=True)}
+                "dir": self.output_dir, "config": self.cfg.to_dict()}
 
     def train(self) -> None:
         cfg, registry = self.cfg, self.registry
@@ -436,7 +405,7 @@ class Recipe:
             bar.update(1)
             bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.postfix_keys if metrics.get(k) is not None})
             last = self.step == cfg.max_steps
-            every = (cfg.get("eval") or {}).get("every", 0)
+            every = self.eval_every()
             if every and self.step % every == 0 and not last:
                 self.run_evaluation(f"step_{self.step}")
             self.after_step(last)
@@ -462,8 +431,7 @@ class Recipe:
         return "; ".join(parts) or "a loss was not finite on another rank"
 
     def _apply_nonfinite_policy(self, problem: str, bar: Any) -> None:
-        policy = self.cfg.get("nonfinite") or {}
-        name, max_skips = policy.get("policy", "stop"), int(policy.get("max_skips", 0))
+        name, max_skips = self.nonfinite
         where = f"step {self.step}: non-finite values ({problem})"
         if name == "skip" and self.nonfinite_skips <= max_skips:
             if self.registry.is_main:
@@ -499,7 +467,7 @@ class Recipe:
                  "step_metrics": self.step_metrics, "nonfinite_skips": self.nonfinite_skips}
         self._saved_at = self.step
         return self.registry.save_checkpoint(self.path("checkpoints"), client_state=state,
-                                             keep_last=self.cfg.checkpoint.keep_last or None)
+                                             keep_last=self.cfg.checkpoint.keep_last)
 
     def resume(self, resume_from: str) -> bool:
         path = resume_from
@@ -539,8 +507,6 @@ class Recipe:
         return out
 
     def summary(self, export: dict[str, Any]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
-
         registry = self.registry
         metrics = {"steps": self.step, "step_time_s_mean": self.mean_step_metric("step_time_s"),
                    **self.summary_metrics()}
@@ -554,24 +520,21 @@ class Recipe:
             "memory": {"per_rank": per_rank, "planned_vs_measured": self.planned_memory(per_rank, extra)},
             "roles": registry.describe(),
             "export": export,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": self.cfg.to_dict(),
             **extra,
         }
 
     def planned_memory(self, per_rank: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any] | None:
-        """`multiengine plan`'s per-rank model-state bytes per role at this config's placements beside the
-        measured ones (engines.recipe_plans.planned_vs_measured), on the main rank. The models are the folders the
-        run used (``summary_extra()["paths"]``). A planner failure is logged and recorded, not raised: the
-        run itself has finished."""
+        """`multiengine plan`'s per-rank model-state bytes beside the measured ones for the folders the run used,
+        on the main rank; a planner failure is logged and recorded, not raised."""
         if not self.registry.is_main:
             return None
-        from . import recipe_plans as plans
+        from . import plans
 
         used = {role: path for role, path in (extra.get("paths") or {}).items()
                 if isinstance(path, str) and os.path.isdir(path)}
         try:
-            report = plans.planned_vs_measured(self.name, self.cfg, per_rank, assume=used,
-                                               package=type(self).__module__.rpartition(".")[0])
+            report = plans.planned_vs_measured(type(self), self.cfg, per_rank, assume=used)
         except Exception as exc:  # the check must never lose a finished run's summary
             logger.warning("%s: planned-vs-measured memory not computed: %s: %s", self.name, type(exc).__name__, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -614,7 +577,7 @@ class Recipe:
         if export:
             lines.append(f"  export: {self.path('export')} ({', '.join(str(k) for k in export)})")
         else:
-            lines.append("  export: none (export.enabled=false)" if "export" in self.cfg else "  export: none")
+            lines.append("  export: none (export.enabled=false)" if hasattr(self.cfg, "export") else "  export: none")
         lines.append(f"  summary: {self.path('summary.json')} (every figure, per-rank memory, the resolved config)")
         if plot:
             lines.append(f"  curves: {plot}")
@@ -623,6 +586,8 @@ class Recipe:
     @classmethod
     def main(cls, cfg: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
+        if os.environ.get(KEY_READS_ENV) and not tracking_reads():  # tests: which keys the run read
+            track_reads()
         run = cls(cfg)
         run.setup()
         report = None
@@ -638,4 +603,14 @@ class Recipe:
                 report = run.closing_summary(export, summary["plot"], time.perf_counter() - t0)
         finally:
             run.close()
+            if os.environ.get(KEY_READS_ENV):
+                run.write_key_reads()
         return {"metrics": summary["metrics"], "export": export, "report": report}
+
+    def write_key_reads(self) -> None:
+        """``logs/key-reads-rank<N>.json``: the keys of this run's config read from setup to summary."""
+        folder = self.path("logs")
+        os.makedirs(folder, exist_ok=True)
+        rank = self.registry.rank if self.registry is not None else 0
+        with open(os.path.join(folder, f"key-reads-rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(sorted(reads_of(self.cfg)), f)

@@ -1,25 +1,9 @@
-"""The `multiengine` command: run a recipe (in this process or on N ranks), check, list and copy configs.
+"""The `multiengine` command: run a recipe (in this process or on N ranks), validate, plan, list and copy configs.
 
-    multiengine ls
-    multiengine cp registry_demo/tiny my.yaml
-    multiengine validate registry_demo --config tiny max_steps=3
-    multiengine run registry_demo --help                      # every key: type, default, meaning
-    multiengine run registry_demo --config tiny max_steps=3
-    multiengine run rlhf_ppo --config tiny --nproc-per-node 2 roles.actor.stage=3
+    multiengine run registry_demo --config tiny --nproc-per-node 2 max_steps=3
     multiengine plan rlhf_ppo --config opt1.3b_opt350m --gpus 8 --gpu-mem 80GiB --write my.yaml
-    multiengine run rlhf_ppo --config my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 \
-        --master-addr node0 --master-port 29500          # the same on node1 with --node-rank 1
 
-The config is validated here before any rank starts, so a typo costs a second, not a launch.
-
-Failures are reported once: each failing rank writes its traceback to
-<output_dir>/logs/rank<N>-error.log and a one-line record; this process prints the root cause as
-one `error:` line (naming the rank when ranks disagree) plus the fix. Exit codes: 0 success,
-1 a failure, 2 a user error (bad config, key, value, checkpoint), 3 stopped by the non-finite policy
-(a NaN/inf loss or gradient norm; nothing exported, the last checkpoint kept), 128+N stopped by signal N.
-SIGTERM and SIGINT are forwarded to the launcher and to every rank (each rank runs in its own
-session, so the terminal's process group does not reach them); ranks that lose their launcher exit.
-"""
+The config is validated here before any rank starts; failures are reported once (see launcher.py for exit codes)."""
 
 from __future__ import annotations
 
@@ -34,31 +18,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from multiengine.engines.launcher import (
-    _LAUNCH,
-    EXIT_FAILURE,
-    EXIT_USAGE,
-    RDZV_BACKENDS,
-    _is_config_error,
-    _launch_env,
-    _launch_main,
-    build_launch_command,
-    launch_job,
-    run_rank,
-)
-from multiengine.engines.recipe_config import (
-    CONFIGS_DIR,
+from multiengine.engines.settings import reads_of, track_reads, tracking_reads
+
+from .config import (
+    KEY_READS_ENV,
     RECIPES_PACKAGE,
     RecipeConfigError,
     checked_config,
     config_header,
     config_path,
+    configs_dir,
     format_key_help,
     list_recipes,
     load_config,
     load_recipe,
     resolve_config_file,
     validate_config,
+)
+from .launcher import (
+    _LAUNCH,
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    RDZV_BACKENDS,
+    Nodes,
+    _is_config_error,
+    _launch_env,
+    _launch_main,
+    build_launch_command,
+    launch_job,
+    run_rank,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="package holding the recipe modules (default: %(default)s)",
     )
     parser.add_argument(
-        "--configs-dir", default=str(CONFIGS_DIR),
-        help="folder of shipped configs, <recipe>/<name>.yaml (default: the installed ones)",
+        "--configs-dir", default=None,
+        help="folder of shipped configs, <recipe>/<name>.yaml (default: the recipes package's configs/)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -128,17 +116,15 @@ def run_recipe(
     overrides: Sequence[str] = (),
     *,
     package: str = RECIPES_PACKAGE,
-    configs_dir: str | Path = CONFIGS_DIR,
+    configs_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """checked_config (CHECKS and validate(cfg)), then the recipe's main(cfg) in this process; returns its summary."""
     cfg = checked_config(recipe, config, overrides, package=package, configs_dir=configs_dir)
     return _run_loaded(recipe, cfg, package, configs_dir)
 
 
-def _run_loaded(recipe: str, cfg: Any, package: str, configs_dir: str | Path) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    logger.info("recipe %s, config:\n%s", recipe, OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+def _run_loaded(recipe: str, cfg: Any, package: str, configs_dir: str | Path | None) -> dict[str, Any]:
+    logger.info("recipe %s, config:\n%s", recipe, _yaml(cfg))
     result = load_recipe(recipe, package, configs_dir).main(cfg)
     return {} if result is None else result
 
@@ -154,10 +140,16 @@ def _print_run_help(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return 0
 
 
-def _output_dir_policy(args: argparse.Namespace, cfg: Any, clear: bool) -> None:
-    from multiengine.engines.recipe_lifecycle import output_dir_policy
+def _yaml(cfg: Any) -> str:
+    import yaml
 
-    output_dir_policy(load_recipe(args.recipe, args.recipes_package, args.configs_dir), args.recipe, cfg, clear=clear,
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None, width=110).rstrip()
+
+
+def _output_dir_policy(args: argparse.Namespace, cfg: Any, clear: bool) -> None:
+    from .lifecycle import output_dir_policy
+
+    output_dir_policy(load_recipe(args.recipe, args.recipes_package, args.configs_dir), cfg, clear=clear,
                       nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", None),
                       rdzv_backend=getattr(args, "rdzv_backend", "static"))
 
@@ -177,9 +169,20 @@ def _load_checked(args: argparse.Namespace, overrides: list[str], hook: bool, wo
     cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
     if hook:
         _output_dir_policy(args, cfg, clear=False)
+        if os.environ.get(KEY_READS_ENV) and not tracking_reads():  # tests: the keys validate reads count too
+            track_reads()
         validate_config(args.recipe, cfg, package=args.recipes_package, configs_dir=args.configs_dir,
                         world_size=world_size)
     return cfg
+
+
+def _write_validate_reads(cfg: Any) -> None:
+    """With MULTIENGINE_KEY_READS set: the keys this process's checks read, beside the ranks' (logs/)."""
+    if os.environ.get(KEY_READS_ENV) and tracking_reads():
+        folder = os.path.join(str(cfg.output_dir), "logs")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "key-reads-validate.json"), "w", encoding="utf-8") as f:
+            json.dump(sorted(reads_of(cfg)), f)
 
 
 def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
@@ -188,9 +191,7 @@ def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, ove
     world = _world_size(args.nproc_per_node, args.nnodes)
     cfg = _load_checked(args, overrides, hook=True, world_size=world)
     if args.print_config:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+        print(_yaml(cfg))
     print(f"ok: config for recipe '{args.recipe}' is valid" + (f" on {world} ranks" if world > 1 else ""))
     return 0
 
@@ -198,7 +199,7 @@ def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, ove
 def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
     if args.help:
         return _print_run_help(parser, args)
-    package, configs_dir = args.recipes_package, args.configs_dir
+    package, folder = args.recipes_package, args.configs_dir
     multinode = ((args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_backend)
                  != (1, None, None, None, "static"))
     if args.nproc_per_node is None and multinode:
@@ -212,20 +213,18 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
 
         setup_logging(0)
         # The ranks get the resolved file, so a shipped name or relative path means the same to all.
-        config_file = str(resolve_config_file(args.recipe, args.config, configs_dir)) if args.config else None
-        cmd = build_launch_command(
-            args.recipe, config_file, overrides,
-            nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-            master_addr=args.master_addr, master_port=args.master_port,
-            package=package, configs_dir=configs_dir, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
-        )
+        config_file = str(resolve_config_file(args.recipe, args.config, folder)) if args.config else None
+        nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_backend, args.rdzv_id)
+        cmd = build_launch_command(args.recipe, config_file, overrides, nproc_per_node=args.nproc_per_node,
+                                   nodes=nodes, package=package, folder=folder)
         _output_dir_policy(args, cfg, clear=True)  # overwrite=true: cleared before any rank writes into it
+        _write_validate_reads(cfg)
         return launch_job(cmd, _launch_env(args.nproc_per_node, package), str(cfg.output_dir), args.nproc_per_node)
     return _run_here(args, overrides)
 
 
 def _run_here(args: argparse.Namespace, overrides: list[str]) -> int:
-    """This process runs the recipe: alone, or as one rank of a launched job (engines/launcher.run_rank)."""
+    """This process runs the recipe: alone, or as one rank of a launched job (language/launcher.run_rank)."""
     rank = int(os.environ.get("RANK", "0"))
 
     def load(checked: bool) -> Any:
@@ -278,7 +277,8 @@ def _add_plan_parser(sub: Any) -> None:
 
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from multiengine.engines import planner
-    from multiengine.engines import recipe_plans as plans
+
+    from . import plans
 
     cfg = load_config(args.recipe, args.config, overrides, package=args.recipes_package, configs_dir=args.configs_dir)
     try:
@@ -286,7 +286,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         assume = planner.parse_assume(args.assume)
         # Libraries building the tiny models print to stdout (DeepSpeed's logger): keep --json clean.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            items, results = plans.plan_recipe(args.recipe, cfg, budget, assume, args.configs_dir, args.recipes_package)
+            recipe = load_recipe(args.recipe, args.recipes_package, args.configs_dir)
+            items, results = plans.plan_recipe(recipe, cfg, budget, assume)
     except planner.PlanError as e:
         raise RecipeConfigError(str(e)) from None
     fits = all(r.fits for r in results)
@@ -304,8 +305,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         command = " ".join(["multiengine plan", args.recipe, *(["--config", args.config] if args.config else []),
                             *overrides, "--gpus", str(args.gpus), "--gpu-mem", args.gpu_mem,
                             *(["--nodes", str(args.nodes)] if args.nodes > 1 else [])])
-        path = plans.write_config(args.recipe, args.config, overrides, items, results, args.write, command,
-                                  configs_dir=args.configs_dir)
+        path = plans.write_config(args.recipe, args.config, overrides, (items, results), args.write, command,
+                                  folder=args.configs_dir)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0 if fits else EXIT_DOES_NOT_FIT
 
@@ -356,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stray = [a for a in extra if a.startswith("-") or args.command not in ("run", "validate", "plan")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if args.configs_dir is None:
+        args.configs_dir = str(configs_dir(args.recipes_package))
     try:
         if args.command == "run":
             return _cmd_run(parser, args, [*args.overrides, *extra])

@@ -1,11 +1,5 @@
-"""Running another recipe in-process as a step of this one, reused while nothing it was made from changed.
-
-A step's fingerprint (fingerprint.json beside its summary.json) records the hash of its resolved config and
-the identity of its inputs: every local file or folder the config names outside the step's own output_dir
-(content hashes of small files, size + mtime of large ones). :func:`run_step` reuses a finished step whose
-fingerprint is unchanged and runs it otherwise; rlhf_e2e chains its steps this way, and a recipe that trains
-its SFT actor first (rlhf_grpo, rlhf_dpo, distill) runs rlhf_sft through it.
-"""
+"""Running another recipe in-process as a step of this one, reused while its fingerprint (hash of its resolved
+config and identity of every local input outside its output_dir) is unchanged (rlhf_e2e, and SFT actors first)."""
 
 from __future__ import annotations
 
@@ -19,7 +13,8 @@ from typing import Any
 
 import torch
 from multiengine.engines.metrics import write_summary
-from multiengine.engines.recipe_config import flatten
+
+from .config import checked_config, flatten, load_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +121,11 @@ def _on_every_rank(value: Any) -> Any:
 
 def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun: bool,
              decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Run ``recipe`` with its shipped ``config`` and ``overrides`` under ``out_dir`` on the ranks of this process
-    group (its own registry), or reuse the finished run there (see :func:`reuse_reason`); returns its
-    summary.json. ``decisions[recipe]`` records whether it was reused and why."""
-    from multiengine.engines.recipe_config import checked_config, load_recipe
-    from omegaconf import OmegaConf
-
+    """Run ``recipe`` with ``config`` and ``overrides`` under ``out_dir`` on this process group, or reuse the
+    finished run (:func:`reuse_reason`); returns its summary.json and records the decision in ``decisions``."""
     # CHECKS and validate(cfg): the step's inputs (earlier steps' exports) exist by now
     cfg = checked_config(recipe, config or None, [*overrides, f"output_dir={out_dir}"])
-    fingerprint = step_fingerprint(recipe, OmegaConf.to_container(cfg, resolve=True), out_dir)
+    fingerprint = step_fingerprint(recipe, cfg.to_dict(), out_dir)
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     reuse, why = _on_every_rank(reuse_reason(out_dir, fingerprint, rerun) if is_main else None)
     summary_path = os.path.join(out_dir, "summary.json")

@@ -1,12 +1,7 @@
 """The process supervisor behind `multiengine run --nproc-per-node N`: torchrun as a quiet child, every rank in
-its own session, stop signals forwarded to all of them, and a failure reported once.
-
-Each failing rank writes its traceback to ``<output_dir>/logs/rank<N>-error.log`` and a one-line JSON record;
-the launching process reads the records after the job and prints the root cause as one ``error:`` line (naming
-the rank when ranks disagree) plus the fix. Exit codes: 0 success, 1 a failure, 2 a user error (bad config,
-key, value, checkpoint), 3 stopped by the non-finite policy, 128+N stopped by signal N. Writing to the terminal
-is this module's job, so it writes to stderr directly rather than through logging.
-"""
+its own session, stop signals forwarded to all of them, and a failure reported once as one ``error:`` line from
+the ranks' records in ``<output_dir>/logs/`` (exit codes: 0, 1 failure, 2 user error, 3 non-finite stop, 128+N
+signal N). It writes to stderr directly: talking to the terminal is its job."""
 
 from __future__ import annotations
 
@@ -15,17 +10,17 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .recipe_config import CONFIGS_DIR, RECIPES_PACKAGE, RecipeConfigError
+from .config import RECIPES_PACKAGE, RecipeConfigError, configs_dir
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +41,25 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RDZV_BACKENDS = ("static", "c10d")
 
 
-def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None, master_port: int | None,
-                     rdzv_backend: str, rdzv_id: str) -> list[str]:
+@dataclass(frozen=True)
+class Nodes:
+    """Where a job's ranks run: the number of nodes, this node's rank and the rendezvous (torchrun's options)."""
+
+    nnodes: int = 1
+    node_rank: int | None = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_backend: str = "static"
+    rdzv_id: str = "multiengine"
+
+
+def _rendezvous_args(nodes: Nodes) -> list[str]:
     """torchrun's rendezvous options, checked: a wrong node rank or a missing address would hang every node."""
+    nnodes, node_rank, master_addr, master_port = nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port
+    rdzv_backend, rdzv_id = nodes.rdzv_backend, nodes.rdzv_id
     if rdzv_backend not in RDZV_BACKENDS:
         raise RecipeConfigError(f"--rdzv-backend {rdzv_backend!r}; use one of {list(RDZV_BACKENDS)}")
     if nnodes < 1:
@@ -66,8 +68,10 @@ def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None
              else "the rendezvous endpoint: one node's host and a free port, the same on every node")
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise RecipeConfigError(f"--nnodes > 1 needs --master-addr and --master-port ({where})")
+    from multiengine.engines.dist import free_port
+
     addr = master_addr or "127.0.0.1"
-    port = str(master_port if master_port is not None else _free_port())
+    port = str(master_port if master_port is not None else free_port())
     if rdzv_backend == "c10d":
         if node_rank is not None and nnodes > 1:
             raise RecipeConfigError("--node-rank has no effect with --rdzv-backend c10d (nodes are numbered as they "
@@ -84,33 +88,24 @@ def _rendezvous_args(nnodes: int, node_rank: int | None, master_addr: str | None
     return ["--node_rank", str(node_rank), "--master_addr", addr, "--master_port", port]
 
 
-def build_launch_command(
-    recipe: str,
-    config_file: str | None,
-    overrides: Sequence[str],
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    node_rank: int | None = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    package: str = RECIPES_PACKAGE,
-    configs_dir: str | Path = CONFIGS_DIR,
-    rdzv_backend: str = "static",
-    rdzv_id: str = "multiengine",
-) -> list[str]:
-    """`python -m multiengine.recipes.cli _launch <torchrun options> -m multiengine.recipes.cli run <recipe> ...`:
-    torchrun's launcher (run quietly in its own process, see _launch_main), starting every rank."""
+CLI = "multiengine.recipes.language.cli"
+
+
+def build_launch_command(recipe: str, config_file: str | None, overrides: Sequence[str], *, nproc_per_node: int,
+                         nodes: Nodes = Nodes(), package: str = RECIPES_PACKAGE,
+                         folder: str | Path | None = None) -> list[str]:
+    """``python -m <cli> _launch <torchrun options> -m <cli> run <recipe> ...``: torchrun's launcher (run quietly in
+    its own process, see _launch_main), starting every rank."""
     if nproc_per_node < 1:
         raise RecipeConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     cmd = [
-        sys.executable, "-m", "multiengine.recipes.cli", _LAUNCH,
+        sys.executable, "-m", CLI, _LAUNCH,
         "--nproc_per_node", str(nproc_per_node),
-        "--nnodes", str(nnodes),
-        *_rendezvous_args(nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_id),
-        "-m", "multiengine.recipes.cli",
+        "--nnodes", str(nodes.nnodes),
+        *_rendezvous_args(nodes),
+        "-m", CLI,
         "--recipes-package", package,
-        "--configs-dir", str(configs_dir),
+        "--configs-dir", str(folder if folder is not None else configs_dir(package)),
         "run", recipe,
     ]
     if config_file is not None:
@@ -205,10 +200,8 @@ def _stopped_ranks(root: int) -> list[int]:
 
 
 def _launch(cmd: list[str], env: dict[str, str], error_dir: str | None = None) -> tuple[int, int | None]:
-    """Run the launcher; forward SIGTERM/SIGINT to it and to every rank, then wait for them.
-    Once a rank has recorded a failure (in ``error_dir``), a rank that is stopped gets SIGKILL after
-    FAILED_GRACE_S: torchrun's SIGTERM cannot reach it, and torchrun would wait 30 s before killing it.
-    Returns (exit code, the stop signal received or None)."""
+    """Run the launcher, forwarding SIGTERM/SIGINT to it and every rank; once a rank recorded a failure, a stopped
+    rank gets SIGKILL after FAILED_GRACE_S (torchrun cannot reach it). Returns (exit code, stop signal or None)."""
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_exit_with_parent if sys.platform.startswith("linux") else None)
     received: list[int] = []
@@ -425,18 +418,15 @@ def _report_job(error_dir: str, code: int, stop: int | None, nproc: int) -> int:
 
 
 def _is_config_error(exc: BaseException) -> bool:
-    if isinstance(exc, RecipeConfigError):
-        return True
-    # The engines' DeepSpeed-config errors are user errors too. Looked up, not imported: if the
-    # module was never imported, the exception cannot be one of its classes (and `ls` stays fast).
-    engines_config = sys.modules.get("multiengine.engines.config")
-    return engines_config is not None and isinstance(exc, engines_config.ConfigError)
+    """A user error: a settings error of the recipe language, the engines or the pipelines (SettingsError)."""
+    from multiengine.engines.settings import SettingsError
+
+    return isinstance(exc, SettingsError)
 
 
 def _leave(code: int) -> None:
-    """End a rank now, skipping the interpreter's teardown: with every output written and the process
-    group destroyed, that teardown can only fail a finished job (with gloo and DeepSpeed loaded, about
-    one rank exit in 40 aborted in C++ with "terminate called without an active exception")."""
+    """End a rank now, skipping the interpreter's teardown, which can only fail a finished job (about one exit in 40
+    aborted in C++ with gloo and DeepSpeed loaded)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -456,14 +446,12 @@ def launch_job(cmd: list[str], env: dict[str, str], output_dir: str, nproc_per_n
 
 
 def run_rank(load: Callable[[bool], Any], run: Callable[[Any], str | None]) -> int:
-    """This process runs a recipe: alone, or as one rank of a launched job. ``load(checked)`` reads the config and
-    sets up logging (``checked``: also run the checks, which the launching CLI otherwise ran for every rank);
-    ``run(cfg)`` runs it and returns what rank 0 prints at the end. A failure is recorded once (for the launcher
-    when launched); a launched rank leaves without the interpreter's teardown."""
+    """Run a recipe alone or as one rank: ``load(checked)`` reads the config (``checked``: also run the checks),
+    ``run(cfg)`` returns what rank 0 prints. A failure is recorded once; a launched rank skips the teardown."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     launched = "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
     if launched:
-        from .dist import watch_launcher
+        from multiengine.engines.dist import watch_launcher
 
         watch_launcher()  # from the start: imports and model builds can take minutes
     cfg = None
@@ -471,7 +459,7 @@ def run_rank(load: Callable[[bool], Any], run: Callable[[Any], str | None]) -> i
     try:
         cfg = load(checked)
         text = run(cfg)
-        from .dist import shutdown
+        from multiengine.engines.dist import shutdown
 
         shutdown()  # all ranks leave together (no-op when the recipe ran without a process group)
     except KeyboardInterrupt:

@@ -1,12 +1,6 @@
-"""The glue between recipes and the memory planner (engines/planner.py): a recipe's roles as planner requests,
-models resolved without loading weights, and a planned placement written back into a config.
-
-Models are resolved (:func:`resolve_model`) from a local folder's safetensors headers, the local Hugging Face
-cache, the planner's built-in architectures, or the shipped config that exports the folder a config points at.
-``assume`` (``--assume role=model``) says what a folder that does not exist yet will hold. Each recipe's own
-part (its models and activation shapes) is the recipe module's ``plan`` function (recipes/plans.py for the
-shipped recipes).
-"""
+"""The glue between recipes and the memory planner: roles as planner requests, models resolved without weights
+(local safetensors headers, the hub cache, built-in architectures, or the shipped config exporting a folder;
+``--assume role=model``), and a planned placement written back into a config."""
 
 from __future__ import annotations
 
@@ -18,17 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from multiengine.engines import planner as P
 
-from . import planner as P
-from .recipe_config import (
-    CONFIGS_DIR,
-    RECIPES_PACKAGE,
-    RecipeConfigError,
-    list_recipes,
-    load_config,
-    load_recipe,
-    resolve_config_file,
-)
+from .config import RecipeConfigError, configs_dir, list_recipes, load_config, resolve_config_file, yaml_load
 
 
 @dataclass(frozen=True)
@@ -68,14 +54,15 @@ def _hub_cache(name: str) -> str | None:
         return None
 
 
-def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
+def _producer(path: str, folder: str | Path | None) -> tuple[str, str] | None:
     """(model, description) when `path` is `<output_dir>/export/<role>` of a shipped config: the model
     that config starts from (its export has the same architecture)."""
     norm = os.path.normpath(path)
-    for recipe, names in list_recipes(configs_dir).items():
+    folder = Path(folder) if folder is not None else configs_dir()
+    for recipe, names in list_recipes(folder).items():
         for name in names:
             try:
-                data = yaml.safe_load((Path(configs_dir) / recipe / f"{name}.yaml").read_text(encoding="utf-8"))
+                data = yaml.safe_load((folder / recipe / f"{name}.yaml").read_text(encoding="utf-8"))
             except (OSError, yaml.YAMLError):
                 continue
             if not isinstance(data, dict) or not data.get("output_dir"):
@@ -92,7 +79,7 @@ def _producer(path: str, configs_dir: str | Path) -> tuple[str, str] | None:
 
 
 def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = None,
-                  configs_dir: str | Path = CONFIGS_DIR, tiny: Callable[[], P.ModelInfo] | None = None,
+                  folder: str | Path | None = None, tiny: Callable[[], P.ModelInfo] | None = None,
                   _seen: tuple[str, ...] = ()) -> P.ModelInfo:
     """A single model's parameters from `name` (folder, cached hub name, built-in name, or a shipped
     config's export folder); `assume[role]` replaces `name`."""
@@ -110,10 +97,10 @@ def resolve_model(name: str, role: str, *, assume: Mapping[str, str] | None = No
         return P.model_info(cached)
     if known_models.is_known(name):
         return known_models.known_model_info(name)
-    produced = _producer(name, configs_dir) if name not in _seen else None
+    produced = _producer(name, folder) if name not in _seen else None
     if produced:
         model, why = produced
-        info = resolve_model(model, role, configs_dir=configs_dir, tiny=tiny, _seen=(*_seen, name))
+        info = resolve_model(model, role, folder=folder, tiny=tiny, _seen=(*_seen, name))
         return P.ModelInfo(source=f"{name} (not there yet: {why})", tensors=info.tensors, config=info.config,
                            class_name=info.class_name)
     raise RecipeConfigError(
@@ -152,10 +139,9 @@ def _current(stage: int, trainable: bool, offload_params: bool = False, offload_
 
 
 def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current: P.Choice,
-          lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0,
-          phases: Sequence[tuple[str, int]] = (), full_gather: Sequence[str] = (),
-          choices: Sequence[P.Choice] = (), follows: str | None = None, follows_all: bool = False,
-          note: str = "", gather_hint: str = "") -> P.RoleRequest:
+          lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0, **request: Any) -> P.RoleRequest:
+    """The planner's RoleRequest of a role on the model ``info`` (its LoRA adapters added); ``request``: the other
+    RoleRequest fields (phases, full_gather, choices, follows, follows_all, note, gather_hint)."""
     params = info.params
     numels = list(info.numels)
     trainable_params = params if trainable else 0
@@ -169,11 +155,10 @@ def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current:
         params += adapters
         numels += adapter_numels
         trainable_params = adapters + extra_trainable if trainable else 0
-    return P.RoleRequest(
-        name=name, params=params, dtype=dtype, trainable_params=trainable_params, numels=tuple(numels),
-        hidden_size=info.hidden_size, lora=lora is not None, phases=tuple(phases), full_gather=tuple(full_gather),
-        choices=tuple(choices), current=current, follows=follows, follows_all=follows_all, source=info.source,
-        note=note, gather_hint=gather_hint)
+    request.update({k: tuple(request.get(k, ())) for k in ("phases", "full_gather", "choices")})
+    return P.RoleRequest(name=name, params=params, dtype=dtype, trainable_params=trainable_params,
+                         numels=tuple(numels), hidden_size=info.hidden_size, lora=lora is not None, current=current,
+                         source=info.source, **request)
 
 
 def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
@@ -189,16 +174,19 @@ def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def _lora(section: Any, default_targets: Sequence[str] = ()) -> tuple[int, tuple[str, ...]] | None:
+def _lora(section: Any, default_targets: Sequence[str] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``; empty target modules take
-    ``default_targets``, as role_schema.lora_spec does."""
+    ``default_targets`` (the decoders' q/k/v/out projections unless given), as TrainableRole.lora_spec does."""
+    if default_targets is None:
+        from .roles import LORA_TARGETS
+
+        default_targets = LORA_TARGETS
     return (int(section.r), tuple(section.target_modules) or tuple(default_targets)) if section.r else None
 
 
 def _scalar(info: P.ModelInfo) -> P.ModelInfo:
-    """A reward model / critic built from `info`: the LM body without its LM head, plus a value head
-    (the folder's own head when it has one: ``score.weight`` of a *ForSequenceClassification export, or
-    the ``weight`` of a ``value_head.safetensors`` beside a base model)."""
+    """A reward model / critic from `info`: the LM body without its head plus a value head (the folder's own
+    ``score.weight`` or ``value_head.safetensors`` when it has one)."""
     has_head = any(t.name in ("score.weight", "weight") or t.name.startswith("value_head") for t in info.tensors)
     body = info.without("lm_head.")
     if has_head:
@@ -227,71 +215,59 @@ def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | 
     return phases
 
 
-def declared_roles(cfg: Any, roles: Sequence[Any], infos: Mapping[str, P.ModelInfo],
+def role_request(role: Any, info: P.ModelInfo, phases: Sequence[tuple[str, int]] = (), **options: Any
+                 ) -> P.RoleRequest:
+    """The planner's request of a role config on the model ``info`` (trainable or frozen, stage, dtype, offload,
+    LoRA); ``options``: more request fields (``full_gather``, ``gather_hint``, ``note``, ``choices``...)."""
+    request: dict[str, Any] = {
+        "lora": _lora(role.lora) if role.trainable else None,
+        "current": _current(role.effective_stage, role.trainable, role.offload_params,
+                            getattr(role, "offload_optimizer", False)),
+        "phases": phases, "choices": P.trainable_choices() if role.trainable else P.frozen_choices()}
+    request.update(options)
+    return _role(role.name, info, role.effective_dtype, trainable=role.trainable, **request)
+
+
+def declared_roles(cfg: Any, infos: Mapping[str, P.ModelInfo],
                    phases: Mapping[str, Sequence[tuple[str, int]]] | None = None, *, title: str = "",
                    notes: Sequence[str] = (), pinned: Mapping[str, P.Choice] | None = None, followers: bool = False,
                    **options: Mapping[str, Any]) -> RecipePlan:
-    """The planner's roles straight from a recipe's ROLES declaration (the roles it builds: those ``infos`` has a
-    model for): trainable or frozen, placement keys roles.<name>.*, the stage a following role takes
-    (engines/role_schema.py resolves it, nowhere else), LoRA; only the models, the activation phases and
-    ``options`` (``<role>={...}``: more of a role's request, or a different one: ``full_gather``, ``gather_hint``,
-    ``extra_trainable``, ``note``, ...) are the recipe's own.
-
-    ``pinned``: roles the recipe builds at that one placement whatever their keys say (diffusers' layout: whole
-    copies). ``followers``: a role whose stage is -1 is planned at its leader's whole placement, as the recipe
-    builds it from one set of keys. Neither has keys of its own for ``--write``."""
-    from .role_schema import follow_chain
-
+    """The planner's roles from a config's declared roles that ``infos`` has a model for; ``pinned`` roles are built
+    at one placement, ``followers`` (stage -1) at their leader's; neither has keys for ``--write``."""
     phases, pinned = phases or {}, pinned or {}
     requests, keys = [], {}
-    for role in roles:
-        if role.name not in infos:
+    for name, role in cfg.roles.items():
+        if name not in infos:
             continue
-        section = cfg.roles[role.name]
-        stage = int(follow_chain(cfg, roles, role.name, "stage", -1))
-        dtype = str(follow_chain(cfg, roles, role.name, "dtype", ""))
-        request: dict[str, Any] = {
-            "lora": _lora(section.lora) if role.trainable else None,
-            "current": _current(stage, role.trainable, section.offload_params, section.get("offload_optimizer", False)),
-            "phases": phases.get(role.name, ()),
-            "choices": P.trainable_choices() if role.trainable else P.frozen_choices()}
-        if role.name in pinned:
-            request.update(current=pinned[role.name], choices=(pinned[role.name],))
-        elif followers and role.follows and int(section.stage) == -1:
-            request.update(follows=role.follows, follows_all=True, note=f"placed like {role.follows} (its stage is -1)")
+        follows = role._decl.follows
+        extra: dict[str, Any] = {}
+        if name in pinned:
+            extra.update(current=pinned[name], choices=(pinned[name],))
+        elif followers and follows and role.stage == -1:
+            extra.update(follows=follows, follows_all=True, note=f"placed like {follows} (its stage is -1)")
         else:
-            keys[role.name] = _keys(f"roles.{role.name}", offload_optimizer=role.trainable)
-        request.update(options.get(role.name, {}))
-        requests.append(_role(role.name, infos[role.name], dtype, trainable=role.trainable, **request))
+            keys[name] = _keys(f"roles.{name}", offload_optimizer=role.trainable)
+        requests.append(role_request(role, infos[name], phases.get(name, ()), **{**extra, **options.get(name, {})}))
     return RecipePlan(title, requests, keys, list(notes))
 
 
-def lm_role_phases(cfg: Any, roles: Sequence[Any], name: str, info: P.ModelInfo,
-                   **shapes: Any) -> list[tuple[str, int]]:
-    """The activation phases (:func:`_lm_phases` of ``shapes``) of the causal-LM role ``name`` on ``info``, at the
-    dtype its declaration resolves and with its gradient checkpointing."""
-    from .role_schema import follow_chain
-
-    return _lm_phases(P.transformer_dims(info.config), str(follow_chain(cfg, roles, name, "dtype", "")),
-                      checkpointing=bool(cfg.roles[name].get("gradient_checkpointing", False)), **shapes)
+def lm_role_phases(role: Any, info: P.ModelInfo, **shapes: Any) -> list[tuple[str, int]]:
+    """The activation phases (:func:`_lm_phases` of ``shapes``) of a causal-LM role config on ``info``, at its
+    resolved dtype and with its gradient checkpointing."""
+    return _lm_phases(P.transformer_dims(info.config), role.effective_dtype,
+                      checkpointing=bool(getattr(role, "gradient_checkpointing", False)), **shapes)
 
 
-def gather_options(cfg: Any, name: str, *phases: str) -> dict[str, Any]:
-    """A frozen role's request options: its ``phases`` run on whole (gathered) weights while
-    roles.<name>.gather_forward is on."""
-    return {"full_gather": phases if cfg.roles[name].gather_forward else (),
-            "gather_hint": f"roles.{name}.gather_forward=false"}
+def gather_options(role: Any, *phases: str) -> dict[str, Any]:
+    """A frozen role's request options: its ``phases`` run on whole (gathered) weights while its gather_forward is
+    on."""
+    return {"full_gather": phases if role.gather_forward else (),
+            "gather_hint": f"roles.{role.name}.gather_forward=false"}
 
 
-def recipe_plans(recipe: str, cfg: Any, assume: Mapping[str, str] | None = None,
-                 configs_dir: str | Path = CONFIGS_DIR, package: str = RECIPES_PACKAGE) -> list[RecipePlan]:
-    """What the recipe's config builds, as the planner sees it: the recipe module's ``plan(cfg, assume,
-    configs_dir)`` (a recipe without one cannot be planned)."""
-    planner = getattr(load_recipe(recipe, package, configs_dir), "plan", None)
-    if planner is None:
-        raise RecipeConfigError(f"`multiengine plan` cannot plan recipe '{recipe}': its module defines no "
-                                "plan(cfg, assume, configs_dir) (see docs/adding-a-workflow.md)")
-    return planner(cfg, assume, configs_dir)
+def recipe_plans(recipe: Any, cfg: Any, assume: Mapping[str, str] | None = None) -> list[RecipePlan]:
+    """What the recipe's config builds, as the planner sees it: its class's ``plan(cfg, assume)``."""
+    return recipe.plan(cfg, assume)
 
 
 def _configured(items: Sequence[RecipePlan]) -> Iterator[tuple[P.RoleRequest, P.Choice]]:
@@ -304,13 +280,12 @@ def _configured(items: Sequence[RecipePlan]) -> Iterator[tuple[P.RoleRequest, P.
             yield req, P.follower_choice(req, chosen[req.follows], choice) if req.follows else choice
 
 
-def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None,
-                      configs_dir: str | Path = CONFIGS_DIR,
-                      package: str = RECIPES_PACKAGE) -> dict[str, dict[str, int]]:
+def configured_states(recipe: Any, cfg: Any, world_size: int, assume: Mapping[str, str] | None = None
+                      ) -> dict[str, dict[str, int]]:
     """Planned per-rank model-state bytes of every role at the placements `cfg` asks for, for the
     planned-vs-measured check next to `registry.memory_report()` (keys as in the memory report)."""
     out: dict[str, dict[str, int]] = {}
-    for req, choice in _configured(recipe_plans(recipe, cfg, assume, configs_dir, package)):
+    for req, choice in _configured(recipe_plans(recipe, cfg, assume)):
         o = P.cost_role(req, choice, world_size)
         out[req.name] = {"stage": o.choice.stage, "params_total": req.params,
                          "params_persistent": req.persistent if o.choice.stage == 3 else 0,
@@ -319,27 +294,18 @@ def configured_states(recipe: str, cfg: Any, world_size: int, assume: Mapping[st
     return out
 
 
-def planned_vs_measured(recipe: str, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
-                        assume: Mapping[str, str] | None = None,
-                        configs_dir: str | Path = CONFIGS_DIR, package: str = RECIPES_PACKAGE) -> dict[str, Any]:
-    """Per role: the planner's per-rank model-state bytes at the placements `cfg` asks for beside the
-    measured ones (`per_rank`: ``gather_memory(registry)``, one entry per rank), and the difference.
-
-    Both sides count a role's states wherever they live (the memory report counts offloaded tensors
-    too), so the planned side is the configured stage without offload; ``planned_accelerator_bytes`` /
-    ``planned_host_bytes`` split it as `multiengine plan` does. The measured side is the rank holding the
-    most (ZeRO pads partitions evenly, so ranks differ by a few bytes at most). ``tolerance_bytes`` is
-    what the planner promises: 5% of the planned total plus the persistent parameters' bytes (the
-    parameters of at most ``stage3_param_persistence_threshold`` elements that every rank keeps whole
-    at ZeRO-3, where a threshold sized differently moves bytes between "partitioned" and "whole").
-    """
+def planned_vs_measured(recipe: Any, cfg: Any, per_rank: Sequence[Mapping[str, Any]],
+                        assume: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Per role: the planned per-rank model-state bytes at `cfg`'s placements (configured stage, no offload, as the
+    memory report counts offloaded tensors too) beside the most any rank measured (`per_rank`), and the difference.
+    ``tolerance_bytes``, what the planner promises: 5% of the planned total plus the persistent parameters' bytes."""
     world = len(per_rank)
     measured: dict[str, list[Mapping[str, Any]]] = {}
     for rank in per_rank:
         for row in rank.get("roles", []):
             measured.setdefault(str(row["role"]), []).append(row)
     roles: dict[str, Any] = {}
-    for req, choice in _configured(recipe_plans(recipe, cfg, assume, configs_dir, package)):
+    for req, choice in _configured(recipe_plans(recipe, cfg, assume)):
         gpu = P.cost_role(req, choice, world)
         anywhere = P.cost_role(req, P.Choice(gpu.choice.stage), world).states
         planned = dict(zip(STATE_KEYS, (anywhere.params, anywhere.grads, anywhere.optimizer)))
@@ -398,33 +364,32 @@ def placement_overrides(item: RecipePlan, placements: Mapping[str, P.Choice]) ->
     return out
 
 
-def plan_recipe(recipe: str, cfg: Any, budget: P.Budget, assume: Mapping[str, str] | None = None,
-                configs_dir: str | Path = CONFIGS_DIR, package: str = RECIPES_PACKAGE
+def plan_recipe(recipe: Any, cfg: Any, budget: P.Budget, assume: Mapping[str, str] | None = None
                 ) -> tuple[list[RecipePlan], list[P.Plan]]:
     """The recipe's plans (:func:`recipe_plans`) laid out for ``budget``, each result with its plan's notes."""
-    items = recipe_plans(recipe, cfg, assume, configs_dir, package)
+    items = recipe_plans(recipe, cfg, assume)
     results = [P.plan(item.roles, budget) for item in items]
     for item, result in zip(items, results):
         result.notes.extend(item.notes)
     return items, results
 
 
-def write_config(recipe: str, config: str | None, overrides: Sequence[str], items: Sequence[RecipePlan],
-                 results: Sequence[P.Plan], dest: str | os.PathLike, command: str,
-                 configs_dir: str | Path = CONFIGS_DIR) -> Path:
-    """The config (file + overrides) with every placement of ``results`` set, written to `dest` (atomically)
-    under a header naming the ``command`` that chose them."""
-    from multiengine.engines.recipe_config import _yaml_load, parse_override
+def write_config(recipe: str, config: str | None, overrides: Sequence[str], planned: tuple[Sequence[RecipePlan],
+                 Sequence[P.Plan]], dest: str | os.PathLike, command: str, folder: str | Path | None = None) -> Path:
+    """The config (file + overrides) with every placement of ``planned`` (the plans and their results) set, written
+    to `dest` (atomically) under a header naming the ``command`` that chose them."""
+    from .config import parse_override
 
+    items, results = planned
     placements = [r.placements() for r in results]
     header = (f"Placements chosen by `{command}`:\n"
               + "\n".join(f"  {r.request.name}: {r.chosen.choice.label}" for res in results for r in res.roles))
     data: dict[str, Any] = {}
     source_header: list[str] = []
     if config:
-        path = resolve_config_file(recipe, config, configs_dir)
+        path = resolve_config_file(recipe, config, folder)
         text = path.read_text(encoding="utf-8")
-        data = copy.deepcopy(_yaml_load(text) or {})
+        data = copy.deepcopy(yaml_load(text) or {})
         for line in text.splitlines():
             if not line.startswith("#"):
                 break
@@ -448,5 +413,5 @@ def write_config(recipe: str, config: str | None, overrides: Sequence[str], item
     tmp = dest.with_name(f".{dest.name}.tmp")
     tmp.write_text("\n".join(lines) + "\n" + body, encoding="utf-8")
     os.replace(tmp, dest)
-    load_config(recipe, str(dest.resolve()), configs_dir=configs_dir)  # what we wrote must load
+    load_config(recipe, str(dest.resolve()), configs_dir=folder)  # what we wrote must load
     return dest
