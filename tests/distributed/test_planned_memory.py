@@ -47,10 +47,11 @@ def summaries(tmp_path_factory) -> dict[tuple[str, int], dict]:
 
 # What the runs' options leave unused: the models and data are given (no tiny model is built or trained first), no
 # EMA or pretraining rows in PPO; in sd_finetune the roles and options of the other families (an SD model has no
-# transformer or third text encoder, SD 1.x no second one; FLUX and SD3 no unet) and the built-in data's size
+# transformer or third text encoder, SD 1.x no second one; FLUX and SD3 no unet) and the built-in data's size; the
+# distill run is offline with eval.size=0: nothing generates
 UNREAD = {"rlhf_ppo": (*GIVEN_MODELS, *PPO_PLAIN), "rlhf_grpo": (*GIVEN_MODELS, "actor_sft."),
-          "distill": ("tiny.", "teacher_sft."), "sd_finetune": ("roles.transformer.", "roles.text_encoder_2.",
-                                                                "roles.text_encoder_3."),
+          "distill": ("tiny.", "teacher_sft.", "generation."),
+          "sd_finetune": ("roles.transformer.", "roles.text_encoder_2.", "roles.text_encoder_3."),
           "sd_finetune_sdxl": ("roles.transformer.", "roles.text_encoder_3."),
           "sd_finetune_sd3": ("roles.unet.",), "sd_finetune_flux": ("roles.unet.", "roles.text_encoder_3.")}
 

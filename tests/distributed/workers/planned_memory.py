@@ -14,7 +14,7 @@ import os
 import sys
 
 from common import dump, finish
-from multiengine.recipes.language.config import load_config, load_recipe
+from multiengine.recipes.language.config import checked_config, load_config, load_recipe
 
 QUIET = ["max_steps=1", "checkpoint.every=0", "checkpoint.keep_last=2", "tensorboard=false", "plot=false",
          "export.enabled=false"]
@@ -66,7 +66,9 @@ def main() -> None:
     for stage in (int(x) for x in stages):
         for name, (recipe, config, overrides) in runs(assets, sd_model, shapes, student, families, stage).items():
             run_dir = os.path.join(out, f"{name}_stage{stage}")
-            cfg = load_config(recipe, config, [*QUIET, f"output_dir={run_dir}", *overrides])
+            # rank 0 runs the checks the CLI runs before launch (they read keys too), the others only load
+            load = checked_config if os.environ.get("RANK", "0") == "0" else load_config
+            cfg = load(recipe, config, [*QUIET, f"output_dir={run_dir}", *overrides])
             load_recipe(recipe).main(cfg)
             done.append(run_dir)
     dump({"runs": done})
