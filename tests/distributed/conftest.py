@@ -41,8 +41,13 @@ def flux_lora_check(base_path, lora_path, merged_path, size):
 GIVEN_MODELS = ("tiny.hidden", "tiny.layers", "tiny.heads")
 PPO_PLAIN = ("roles.ema.dtype", "roles.ema.offload_params", "export.ema", "data.ptx_source", "data.max_ptx_len")
 
-# Every recipe run by these tests records which of its config's keys it read (logs/key-reads-rank<N>.json).
-os.environ["MULTIENGINE_KEY_READS"] = "1"
+@pytest.fixture(autouse=True, scope="module")
+def _record_key_reads():
+    """Every recipe run by these tests records which of its config's keys it read (logs/key-reads-rank<N>.json);
+    set per module, so the unit tests that run in the same session see no such files."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MULTIENGINE_KEY_READS", "1")
+        yield
 
 
 def assert_keys_read(out_dir: Path, recipe: str, unread: tuple[str, ...] = ()) -> None:
