@@ -14,6 +14,7 @@ import os
 import sys
 
 from common import dump, finish
+from multiengine.engines.settings import track_reads
 from multiengine.recipes.language.config import checked_config, load_config, load_recipe
 
 QUIET = ["max_steps=1", "checkpoint.every=0", "checkpoint.keep_last=2", "tensorboard=false", "plot=false",
@@ -63,6 +64,7 @@ def main() -> None:
     out, assets, sd_model, shapes, student, family_models, *stages = sys.argv[1:]
     families = dict(pair.split("=", 1) for pair in family_models.split(",")) if family_models != "-" else {}
     done = []
+    track_reads()  # from the start, as the CLI does: the keys the checks read count toward each run's key reads
     for stage in (int(x) for x in stages):
         for name, (recipe, config, overrides) in runs(assets, sd_model, shapes, student, families, stage).items():
             run_dir = os.path.join(out, f"{name}_stage{stage}")
