@@ -14,6 +14,7 @@ from multiengine.pipelines.rlhf.generation import GenerationSettings, position_i
 from multiengine.pipelines.rlhf.roles import load_causal_lm, load_scalar_model
 from multiengine.pipelines.rlhf.runs import builtin_judge
 from multiengine.recipes.language.config import list_recipes, load_config
+from toys import ppo_registry
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +99,11 @@ def test_roles_load_without_dropout_and_lora_trains_only_adapters(assets, tmp_pa
 
 def test_ppo_step_on_the_torch_backend(assets):
     """One process, no DeepSpeed: experience, rewards on the last action, critic warm-up, an actor update."""
-    from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
     from multiengine.pipelines.rlhf.rollout import RolloutSpec
 
     tok = tiny.train_tokenizer(tiny.task_vocabulary(), assets["tokenizer"])
-    registry = EngineRegistry(backend="torch")
-    model, place, opt = str(assets["model"]), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
-    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
-    registry.add(frozen_role("ref", causal_lm(model), place))
-    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
-    registry.add(frozen_role("reward", scalar_model(model), place))
-    registry.build()
+    registry = ppo_registry(str(assets["model"]))
     settings = PPOSettings(rollout_batch_size=4, epochs=1, critic_warmup_steps=1)
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
                        decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,

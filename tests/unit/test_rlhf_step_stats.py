@@ -14,6 +14,7 @@ from multiengine.pipelines.rlhf.data import PromptCollator, load_rlhf_dataset
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.rewards import reward_function
 from multiengine.pipelines.rlhf.rollout import RolloutSpec, StepStats, rollout_metrics, step_timings
+from toys import ppo_registry
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +44,9 @@ def test_step_stats_values():
 
 def _ppo(assets):
     from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer
-    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
 
     tok = assets["tok"]
-    registry = EngineRegistry(backend="torch")
-    model, place, opt = str(assets["model"]), Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
-    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
-    registry.add(frozen_role("ref", causal_lm(model), place))
-    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
-    registry.add(frozen_role("reward", scalar_model(model), place))
-    registry.build()
+    registry = ppo_registry(str(assets["model"]))
     spec = RolloutSpec(GenerationSettings(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id,
                        decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), judge=tiny.judge,
                        critic="critic")
@@ -95,7 +89,6 @@ def test_rollout_metrics_alone_or_with_the_step(assets):
 
 
 def test_grpo_step_reduces_all_its_metrics_at_once(assets):
-    from multiengine.engines import frozen_role, trainable_role
     from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer
     from multiengine.pipelines.rlhf.roles import causal_lm
 

@@ -1,5 +1,6 @@
-"""Throwaway recipe packages for the recipe-language tests: modules on the recipe contract (``RECIPE`` = a Recipe
-subclass with a typed Config) and their shipped configs, in a temporary folder on sys.path."""
+"""Small shared builders of the unit tests: throwaway recipe packages for the recipe-language tests (modules on the
+recipe contract and their shipped configs, in a temporary folder on sys.path) and a PPO registry on the torch
+backend."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def toy_package(root: Path, package: str, modules: Mapping[str, str],
         sys.path.remove(str(root / "src"))
         for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
             del sys.modules[name]
+
+
+def ppo_registry(model: str):
+    """actor, ref, critic and reward of one tiny model folder on the torch backend, fp32, built."""
+    from multiengine.engines import EngineRegistry, OptimSpec, Placement, frozen_role, trainable_role
+    from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
+
+    registry = EngineRegistry(backend="torch")
+    place, opt = Placement(0, "fp32"), OptimSpec(lr=1e-2, total_steps=4)
+    registry.add(trainable_role("actor", causal_lm(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("ref", causal_lm(model), place))
+    registry.add(trainable_role("critic", scalar_model(model), place, opt, micro_batch_size=2))
+    registry.add(frozen_role("reward", scalar_model(model), place))
+    registry.build()
+    return registry
