@@ -25,7 +25,9 @@ from conftest import _free_port, assert_keys_read
 pytestmark = pytest.mark.distributed
 
 CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+# built at import, before conftest's per-module fixture sets MULTIENGINE_KEY_READS: named here too
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
+           MULTIENGINE_KEY_READS="1")
 DEMO = ["run", "registry_demo", "--config", "tiny"]
 
 

@@ -15,7 +15,8 @@ from conftest import assert_keys_read
 pytestmark = pytest.mark.distributed
 
 CLI = [sys.executable, "-m", "multiengine.recipes.language.cli", "run"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+# built at import, before conftest's per-module fixture sets MULTIENGINE_KEY_READS: named here too
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MULTIENGINE_KEY_READS="1")
 # timings differ between runs; everything else a step logs must be equal after a resume
 TIMING = ("train/time/", "train/gen/", "train/step_time_s")
 
