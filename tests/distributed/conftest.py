@@ -88,13 +88,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess the tests start, built when it starts (so it holds what fixtures set, such
+    as MULTIENGINE_KEY_READS)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", **extra)
+
+
 def launch(worker: str, out_dir: Path, *args: str, nproc: int = 2, timeout: int = 900,
            expect_fail: bool = False) -> list[dict]:
     """Run tests/distributed/workers/<worker>.py on `nproc` ranks; return each rank's result JSON."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(_free_port()), str(WORKERS / f"{worker}.py"), str(out_dir), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    env = subprocess_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if _startup_abort(proc, out_dir):
         # Seen once in ~30 launches on a loaded 2-core machine: a rank aborts in C++ before running

@@ -14,31 +14,27 @@ real cluster, and the registry demo must give the same losses as a 2-rank single
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import _free_port, assert_keys_read
+from conftest import _free_port, assert_keys_read, subprocess_env
 
 pytestmark = pytest.mark.distributed
 
 CLI = [sys.executable, "-m", "multiengine.recipes.language.cli"]
-# built at import, before conftest's per-module fixture sets MULTIENGINE_KEY_READS: named here too
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
-           MULTIENGINE_KEY_READS="1")
 DEMO = ["run", "registry_demo", "--config", "tiny"]
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
 def _run_nodes(commands: list[list[str]], timeout: int = 600) -> None:
     """Start one command per "node" at once (each waits in the rendezvous until all have joined)."""
-    procs = [subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for cmd in commands]
     results = []
     try:

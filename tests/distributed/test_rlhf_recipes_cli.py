@@ -5,24 +5,21 @@ precomputed reference log-probs on the SFT actor it trains first, and rlhf_e2e w
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import assert_keys_read
+from conftest import assert_keys_read, subprocess_env
 
 pytestmark = pytest.mark.distributed
 
 CLI = [sys.executable, "-m", "multiengine.recipes.language.cli", "run"]
-# built at import, before conftest's per-module fixture sets MULTIENGINE_KEY_READS: named here too
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MULTIENGINE_KEY_READS="1")
 # timings differ between runs; everything else a step logs must be equal after a resume
 TIMING = ("train/time/", "train/gen/", "train/step_time_s")
 
 
 def cli(*args: str, timeout: int = 600) -> None:
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
