@@ -147,19 +147,21 @@ def cast_folder(folder: str, dtype: torch.dtype | str) -> None:
 
 def _peft_prefixes(module: torch.nn.Module) -> list[str]:
     """State-dict prefixes of peft wrappers inside ``module`` ("" for a top-level PeftModel)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
+    if "peft" not in sys.modules:  # no adapters were made in this process (importing peft costs seconds)
         return []
+    from peft import PeftModel
+
     return [name for name, m in module.named_modules() if isinstance(m, PeftModel)]
 
 
 def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's CPU state dict with every LoRA layer merged (``W + delta``) under the keys of the model without
     adapters (peft's ``base_layer``/``lora_``/``base_model.model.`` names undone). Parameters must be whole."""
+    state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+    if "peft" not in sys.modules:  # no adapters were made in this process: nothing to merge or rename
+        return state
     from peft.tuners.lora import LoraLayer
 
-    state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
     for prefix, layer in module.named_modules():
         if not isinstance(layer, LoraLayer):
             continue

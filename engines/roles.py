@@ -17,6 +17,7 @@ import torch
 
 from .config import DTYPES, ConfigError, eval_ds_config, train_ds_config
 from .deepspeed_adapter import zero_init_paused
+from .settings import is_scheduler_name, scheduler_names
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class Placement:
 _OPTIMIZERS = ("auto", "adamw", "ds_adam", "sgd")
 
 
+def _constant(_step: int) -> float:
+    return 1.0
+
+
 @dataclass(frozen=True)
 class OptimSpec:
     """An optimizer and its learning-rate schedule in optimizer steps. ``name``: auto (optim.resolve_optimizer), adamw,
@@ -83,12 +88,10 @@ class OptimSpec:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a number >= 0 (0.0 = no clipping).")
         if self.warmup_steps < 0 or self.total_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps} and total_steps={self.total_steps} must be >= 0.")
-        from transformers import SchedulerType
-
-        names = [s.value for s in SchedulerType]
-        if self.scheduler not in names:
+        if not is_scheduler_name(self.scheduler):
             import difflib
 
+            names = scheduler_names()
             close = difflib.get_close_matches(self.scheduler, names, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of "
@@ -110,6 +113,8 @@ class OptimSpec:
 
     def scheduler_factory(self) -> Callable[[torch.optim.Optimizer], Any]:
         def build(optimizer: torch.optim.Optimizer) -> Any:
+            if self.scheduler == "constant":  # transformers' get_constant_schedule, without importing transformers
+                return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
             from transformers import get_scheduler
 
             # DeepSpeed steps the scheduler once per optimizer step, so both counts are optimizer steps.

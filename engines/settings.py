@@ -13,9 +13,26 @@ import typing
 from pathlib import Path
 from typing import Any
 
+# transformers' scheduler names (SchedulerType) of every release this project supports, checked without importing
+# transformers.trainer_utils (it imports peft: seconds in every process); other names are looked up there.
+SCHEDULERS = frozenset({"linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"})
+
+
+def scheduler_names() -> list[str]:
+    """Every ``transformers.get_scheduler`` name."""
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType]
+
+
+def is_scheduler_name(name: str) -> bool:
+    return name in SCHEDULERS or name in scheduler_names()
+
+
 __all__ = ["Check", "Choice", "Each", "FieldError", "Length", "PathExists", "Range", "Satisfies", "Settings",
            "SettingsError", "config_problem", "field_checks", "field_help", "optional", "section", "setting",
-           "reads_of", "set_key", "track_reads", "tracking_reads", "when_holds", "when_problem"]
+           "reads_of", "SCHEDULERS", "is_scheduler_name", "scheduler_names", "set_key", "track_reads", "tracking_reads",
+           "when_holds", "when_problem"]
 
 
 class SettingsError(ValueError):

@@ -20,7 +20,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiengine.engines.settings import Choice, Each, Length, Range, Satisfies, Settings, section, setting
+from multiengine.engines.settings import (
+    Choice,
+    Each,
+    Length,
+    Range,
+    Satisfies,
+    Settings,
+    is_scheduler_name,
+    section,
+    setting,
+)
 
 from .config import Key, Node, config_problem, settings_node
 
@@ -30,12 +40,6 @@ __all__ = ["LORA_TARGETS", "FrozenRole", "LoraSettings", "Role", "RoleConfig", "
 # The attention projections of OPT (the embedded tiny model), Llama, Mistral, Qwen and most decoders.
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 DTYPES = ("fp32", "bf16", "fp16")
-
-
-def _scheduler_names() -> list[str]:
-    from transformers.trainer_utils import SchedulerType
-
-    return [t.value for t in SchedulerType]
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ class TrainableRole(RoleConfig):
                                  [Length(2, 2), Each(Range(0, 1, max_exclusive=True))])
     scheduler: str = setting("constant", "a transformers scheduler name (constant, constant_with_warmup, linear, "
                                          "cosine, ...)",
-                             Satisfies(lambda v: v in _scheduler_names(), "a transformers scheduler name (constant, "
+                             Satisfies(is_scheduler_name, "a transformers scheduler name (constant, "
                                        "constant_with_warmup, linear, cosine, ...)"))
     warmup_steps: int = setting(0, "linear warm-up steps", Range(0))
     max_grad_norm: float = setting(1.0, "gradient clipping (0 = none)", Range(0))

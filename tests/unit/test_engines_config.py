@@ -57,6 +57,21 @@ def test_no_clipping_is_spelled_one_way(bad):
         OptimSpec(max_grad_norm=bad)
 
 
+def test_scheduler_names_checked_without_transformers_are_transformers_names_and_constant_is_its_schedule():
+    from multiengine.engines.settings import SCHEDULERS
+    from transformers import SchedulerType, get_scheduler
+
+    assert SCHEDULERS <= {s.value for s in SchedulerType}
+    with pytest.raises(ConfigError, match="scheduler='cosin' is not a transformers scheduler. Did you mean 'cosine'"):
+        OptimSpec(scheduler="cosin")
+    ours, theirs = (torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5) for _ in range(2))
+    ours_s, theirs_s = OptimSpec(scheduler="constant").scheduler_factory()(ours), get_scheduler("constant", theirs)
+    for _ in range(3):
+        ours.step(), theirs.step(), ours_s.step(), theirs_s.step()
+        assert ours_s.get_last_lr() == theirs_s.get_last_lr() == [0.5]
+    assert ours_s.state_dict() == theirs_s.state_dict()  # a checkpoint of either resumes the other
+
+
 def test_eval_config_has_batch_keys_and_no_optimizer_sections():
     cfg = eval_ds_config(stage=3, dtype="fp32", offload_params=True)
     assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"}
