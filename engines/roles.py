@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +64,19 @@ def _constant(_step: int) -> float:
     return 1.0
 
 
+def lr_factor(step: int, *, name: str, warmup: int, total: int) -> float:
+    """The learning-rate factor of transformers' ``constant_with_warmup``, ``linear`` and ``cosine`` (one half-wave)
+    schedules at optimizer step ``step``, float for float as theirs (``tests/unit/test_engines_config.py``)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if name == "constant_with_warmup":
+        return 1.0
+    if name == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
 @dataclass(frozen=True)
 class OptimSpec:
     """An optimizer and its learning-rate schedule in optimizer steps. ``name``: auto (optim.resolve_optimizer), adamw,
@@ -113,8 +128,13 @@ class OptimSpec:
 
     def scheduler_factory(self) -> Callable[[torch.optim.Optimizer], Any]:
         def build(optimizer: torch.optim.Optimizer) -> Any:
-            if self.scheduler == "constant":  # transformers' get_constant_schedule, without importing transformers
+            # the common schedules built as transformers builds them, without importing transformers.optimization
+            # (it imports peft: seconds in every rank)
+            if self.scheduler == "constant":
                 return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
+            if self.scheduler in ("constant_with_warmup", "linear", "cosine"):
+                return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+                    lr_factor, name=self.scheduler, warmup=self.warmup_steps, total=max(self.total_steps, 1)))
             from transformers import get_scheduler
 
             # DeepSpeed steps the scheduler once per optimizer step, so both counts are optimizer steps.

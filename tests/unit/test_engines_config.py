@@ -57,18 +57,26 @@ def test_no_clipping_is_spelled_one_way(bad):
         OptimSpec(max_grad_norm=bad)
 
 
-def test_scheduler_names_checked_without_transformers_are_transformers_names_and_constant_is_its_schedule():
+def test_scheduler_names_checked_without_transformers_are_transformers_names():
     from multiengine.engines.settings import SCHEDULERS
-    from transformers import SchedulerType, get_scheduler
+    from transformers import SchedulerType
 
     assert SCHEDULERS <= {s.value for s in SchedulerType}
     with pytest.raises(ConfigError, match="scheduler='cosin' is not a transformers scheduler. Did you mean 'cosine'"):
         OptimSpec(scheduler="cosin")
+
+
+@pytest.mark.parametrize("name", ["constant", "constant_with_warmup", "linear", "cosine"])
+@pytest.mark.parametrize("warmup, total", [(0, 1), (0, 7), (3, 10), (5, 5), (10, 4)])
+def test_schedules_built_without_transformers_equal_transformers_step_for_step(name, warmup, total):
+    from transformers import get_scheduler
+
     ours, theirs = (torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5) for _ in range(2))
-    ours_s, theirs_s = OptimSpec(scheduler="constant").scheduler_factory()(ours), get_scheduler("constant", theirs)
-    for _ in range(3):
+    ours_s = OptimSpec(scheduler=name, warmup_steps=warmup, total_steps=total).scheduler_factory()(ours)
+    theirs_s = get_scheduler(name, theirs, num_warmup_steps=warmup, num_training_steps=total)
+    for _ in range(total + 3):
+        assert ours_s.get_last_lr() == theirs_s.get_last_lr()  # bit for bit, past the end too
         ours.step(), theirs.step(), ours_s.step(), theirs_s.step()
-        assert ours_s.get_last_lr() == theirs_s.get_last_lr() == [0.5]
     assert ours_s.state_dict() == theirs_s.state_dict()  # a checkpoint of either resumes the other
 
 
