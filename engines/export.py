@@ -146,9 +146,7 @@ def cast_folder(folder: str, dtype: torch.dtype | str) -> None:
 
 
 def _peft_prefixes(module: torch.nn.Module) -> list[str]:
-    """State-dict prefixes of peft wrappers inside ``module`` ("" for a top-level PeftModel)."""
-    if "peft" not in sys.modules:  # no adapters were made in this process (importing peft costs seconds)
-        return []
+    """State-dict prefixes of peft wrappers inside ``module`` ("" for a top-level PeftModel); peft is imported."""
     from peft import PeftModel
 
     return [name for name, m in module.named_modules() if isinstance(m, PeftModel)]
