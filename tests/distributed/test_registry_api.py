@@ -6,13 +6,22 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import launch
+from conftest import launch, launch_jobs
 
 pytestmark = pytest.mark.distributed
 
 
-def test_zero3_generation_after_training_steps(tmp_path, tiny_models):
-    ranks = launch("generation_after_training", tmp_path, json.dumps(tiny_models))
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, tiny_models):
+    """The workers that need no fresh process, in one launch."""
+    return launch_jobs(tmp_path_factory.mktemp("registry_api"), {
+        "generation_after_training": ("generation_after_training", json.dumps(tiny_models)),
+        "joint_backward_deepspeed": ("joint_backward", "deepspeed"),
+        "joint_backward_torch": ("joint_backward", "torch")})
+
+
+def test_zero3_generation_after_training_steps(jobs):
+    ranks = jobs["generation_after_training"]
     for r in ranks:
         assert r["hooks_at_build"] > 0
         assert len(r["rounds"]) == 3
@@ -27,8 +36,8 @@ def test_zero3_generation_after_training_steps(tmp_path, tiny_models):
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "torch"])
-def test_one_loss_over_two_trainable_roles(tmp_path, backend):
-    ranks = launch("joint_backward", tmp_path, backend)
+def test_one_loss_over_two_trainable_roles(jobs, backend):
+    ranks = jobs[f"joint_backward_{backend}"]
     for r in ranks:
         assert r["backend"] == backend
         # pairs at stages 3+2, 3+3, 0+3 (accumulation 2) and 3+2 with accumulation 2 and 1

@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import launch
+from conftest import launch, launch_jobs
 
 pytestmark = pytest.mark.distributed
 
 
-def test_stage3_trainable_and_frozen_roles_are_partitioned(tmp_path):
-    ranks = launch("zero3_roles", tmp_path)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, tiny_models):
+    """The workers that need no fresh process, in one launch."""
+    return launch_jobs(tmp_path_factory.mktemp("registry"), {
+        "zero3_roles": ("zero3_roles",), "mixed_stages": ("mixed_stages", json.dumps(tiny_models)),
+        "stage_equivalence": ("stage_equivalence",), "two_trainables_deepspeed": ("two_trainables", "deepspeed"),
+        "two_trainables_torch": ("two_trainables", "torch")})
+
+
+def test_stage3_trainable_and_frozen_roles_are_partitioned(jobs):
+    ranks = jobs["zero3_roles"]
     for r in ranks:
         for name in ("policy", "frozen"):
             role = r["per_role"][name]
@@ -40,8 +49,8 @@ def test_stage3_trainable_and_frozen_roles_are_partitioned(tmp_path):
     assert ranks[0]["losses"] != ranks[1]["losses"]
 
 
-def test_mixed_stages_from_pretrained(tmp_path, tiny_models):
-    ranks = launch("mixed_stages", tmp_path, json.dumps(tiny_models))
+def test_mixed_stages_from_pretrained(jobs, tiny_models):
+    ranks = jobs["mixed_stages"]
     for r in ranks:
         assert r["partitioned"] == {"actor": True, "reward": False, "encoder": False, "unet": True}
         assert r["stages"] == {"actor": 3, "reward": 0, "encoder": 0, "unet": 3}
@@ -66,8 +75,8 @@ def test_mixed_stages_from_pretrained(tmp_path, tiny_models):
             assert a.shape == b.shape and torch.equal(a, b), name
 
 
-def test_losses_match_across_zero_stages(tmp_path):
-    ranks = launch("stage_equivalence", tmp_path)
+def test_losses_match_across_zero_stages(jobs):
+    ranks = jobs["stage_equivalence"]
     losses = ranks[0]["losses"]
     assert losses["s0"][-1] < losses["s0"][0]  # it learns
     for stage in ("s2", "s3"):
@@ -77,8 +86,8 @@ def test_losses_match_across_zero_stages(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "torch"])
-def test_several_trainable_roles(tmp_path, backend):
-    ranks = launch("two_trainables", tmp_path, backend)
+def test_several_trainable_roles(jobs, backend):
+    ranks = jobs[f"two_trainables_{backend}"]
     for r in ranks:
         assert r["backend"] == backend
         assert r["a_after_one_micro"] == 0.0  # accumulation 2: no update after one micro batch

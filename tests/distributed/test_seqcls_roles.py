@@ -8,13 +8,19 @@ import subprocess
 import sys
 
 import pytest
-from conftest import GIVEN_MODELS, PPO_PLAIN, assert_keys_read, launch
+from conftest import GIVEN_MODELS, PPO_PLAIN, assert_keys_read, launch_jobs
 
 pytestmark = pytest.mark.distributed
 
 
-def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
-    ranks = launch("seqcls_roles", tmp_path / "run", timeout=600)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seqcls")
+    return {**launch_jobs(out, {"run": ("seqcls_roles",), "ppo_reencode": ("ppo_reencode",)}), "out": out}
+
+
+def test_sequence_classification_reward_and_critic_at_zero3(jobs):
+    ranks = jobs["run"]
     for r in ranks:
         for name in ("reward", "critic"):
             role = r[name]
@@ -30,7 +36,7 @@ def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
     code = (
         "import json, torch\n"
         "from transformers import AutoModelForSequenceClassification\n"
-        f"r = json.load(open({str(tmp_path / 'run' / 'rank0.json')!r}))\n"
+        f"r = json.load(open({str(jobs['out'] / 'run' / 'rank0.json')!r}))\n"
         "m, info = AutoModelForSequenceClassification.from_pretrained(r['export'], output_loading_info=True)\n"
         "with torch.no_grad():\n"
         "    s = m.eval()(input_ids=torch.tensor(r['ids']), attention_mask=torch.tensor(r['mask'])).logits\n"
@@ -44,10 +50,10 @@ def test_sequence_classification_reward_and_critic_at_zero3(tmp_path):
     assert got["scores"] == pytest.approx(ranks[0]["expected"], abs=1e-5)
 
 
-def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
+def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(jobs):
     """rlhf_ppo with a word-level actor and a TRL-style sequence-classification reward model whose tokenizer is
     sub-word BPE: reward (ZeRO-3) and critic (ZeRO-3, from the same folder) read the actor's texts re-encoded."""
-    ranks = launch("ppo_reencode", tmp_path, timeout=900)
+    ranks = jobs["ppo_reencode"]
     for r in ranks:
         assert r["reencoded"] == {"reward": True, "critic": True}
         assert r["stages"] == {"reward": 3, "critic": 3}
@@ -60,11 +66,11 @@ def test_ppo_recipe_with_a_reward_model_on_another_tokenizer(tmp_path):
         assert len(r["steps"]) == 2 and all(s["value_loss"] == s["value_loss"] for s in r["steps"])
         assert r["critic_head_moved"] > 0
     assert ranks[0]["scores"] != ranks[1]["scores"]  # each rank scored its own prompts
-    assert_keys_read(tmp_path / "run", "rlhf_ppo", (*GIVEN_MODELS, *PPO_PLAIN))
+    assert_keys_read(jobs["out"] / "ppo_reencode" / "run", "rlhf_ppo", (*GIVEN_MODELS, *PPO_PLAIN))
     code = (
         "import json\n"
         "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
-        f"r = json.load(open({str(tmp_path / 'rank0.json')!r}))\n"
+        f"r = json.load(open({str(jobs['out'] / 'ppo_reencode' / 'rank0.json')!r}))\n"
         "m, info = AutoModelForSequenceClassification.from_pretrained(\n"
         "    r['export']['critic'], output_loading_info=True)\n"
         "tok = AutoTokenizer.from_pretrained(r['export']['critic'])\n"
