@@ -1,13 +1,20 @@
-"""The registry on 2 real ranks: DeepSpeed's CPU accelerator, gloo, no mocks."""
+"""The registry on 2 real ranks: DeepSpeed's CPU accelerator, gloo, no mocks. Partitioning, stages, several
+trainable roles, checkpoints; whole-parameter access with coalesced collectives (workers/coalesced_gather.py); every
+setting the project means written into the engine config, read back from built engines on both backends at ZeRO
+0/1/2/3, and one SGD step with clipping off / at 0.5 equal to plain PyTorch; backward through a trainable role
+without updating it (a GAN's generator step), and one loss over both roles, at every mix of ZeRO stages 0/2/3 and
+on the torch backend: every step equals plain PyTorch."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from conftest import launch, launch_jobs
 
 pytestmark = pytest.mark.distributed
+MIXES = [("deepspeed", g, d) for g in (0, 2, 3) for d in (0, 2, 3)] + [("torch", 0, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +23,18 @@ def jobs(tmp_path_factory, tiny_models):
     return launch_jobs(tmp_path_factory.mktemp("registry"), {
         "zero3_roles": ("zero3_roles",), "mixed_stages": ("mixed_stages", json.dumps(tiny_models)),
         "stage_equivalence": ("stage_equivalence",), "two_trainables_deepspeed": ("two_trainables", "deepspeed"),
-        "two_trainables_torch": ("two_trainables", "torch")})
+        "two_trainables_torch": ("two_trainables", "torch"), "coalesced_gather": ("coalesced_gather",),
+        "explicit_settings": ("explicit_settings",), "gan_through": ("gan_through",)})
+
+
+@pytest.fixture(scope="module")
+def explicit(jobs):
+    return jobs["explicit_settings"]
+
+
+@pytest.fixture(scope="module")
+def gan(jobs):
+    return jobs["gan_through"]
 
 
 def test_stage3_trainable_and_frozen_roles_are_partitioned(jobs):
@@ -135,3 +153,92 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
         assert "trains ['actor']" in r["errors"]["roles"]
     world = launch("ckpt", tmp_path / "world", "world", str(ckpt), "deepspeed", nproc=1)
     assert "written by 2 ranks, this run has 1" in world[0]["error"]
+
+
+# --- coalesced gathers -----------------------------------------------------------------------------------
+# MLP(width 64, depth 3): weights 64x64 (x3) and 1x64, biases 64 (x3) and 1; ZeRO-3 keeps the tensors of at
+# most 10 x 64 elements whole on every rank (persistent): all but the three 64x64 weights.
+PERSIST = [False, True, False, True, False, True, True, True]
+
+
+def test_gathers_are_coalesced_and_leave_persistent_tensors_whole(jobs):
+    ranks = jobs["coalesced_gather"]
+    for r in ranks:
+        assert r["before"]["persist"] == PERSIST
+        assert r["before"]["whole"] == PERSIST  # after optimizer steps, as ZeRO-3 leaves them
+        assert r["one_role"] == {"all_gather": 1, "total": 1}  # DeepSpeed's GatheredParameters: one per tensor
+        assert r["inside_whole"] and r["values_equal"]
+        assert r["after"]["whole"] == PERSIST  # back to 1/N, persistent ones still whole
+        assert r["two_roles"] == {"all_gather": 1, "total": 1}
+        assert r["nested"] == {"total": 0, "whole_after_inner": True}
+        m = r["modifier"]
+        assert m["broadcast"] == 1 and m["all_equal"]
+        assert m["values"] == [10.0 + k for k in range(8)]  # rank 0's, on both ranks
+        assert m["state"]["whole"] == PERSIST
+        assert m["forward"] == pytest.approx(m["by_hand"], abs=1e-5)
+        assert r["error_released"]["whole"] == PERSIST and r["error_values_equal"]
+        assert r["partitioned_tensors"] == 3
+        # two 64x64 weights (+ a bias) fit, the third not; or one each
+        assert r["bucket_8256"] == 2 and r["bucket_1"] == 3
+        g = r["gather_forward"]
+        assert g["all_gather"] == 1 and g["equal"] and g["state"]["whole"] == PERSIST
+        assert r["losses"]["policy"] == r["losses"]["twin"] and r["final_equal"]
+    assert ranks[0]["losses"] != ranks[1]["losses"]
+
+
+# --- settings written into the engine config ---------------------------------------------------------------
+def _max_diff(a, b) -> float:
+    return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_engine_reports_the_role_spec_and_steps_like_plain_pytorch(explicit, backend, stage, clip):
+    for rank in explicit:
+        r = rank[f"{backend}/s{stage}_c{int(clip * 10)}"]
+        assert (r["clip"], r["config_clip"]) == (clip, clip)
+        assert (r["bf16"], r["fp16"], r["accum"], r["micro"], r["lr"]) == (False, False, 1, 4, 0.1)
+        assert r["optimizer"] == "SGD"
+        ref = rank[f"reference/{clip}"]
+        assert ref["grad_norm"] > 10  # clipping at 0.5 (or DeepSpeed's default 1.0) would change the step
+        assert _max_diff(r["params"], ref["params"]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+def test_a_config_without_gradient_clipping_clips_alike_on_both_backends(explicit, backend):
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    for rank in explicit:
+        r = rank[f"{backend}/own"]
+        assert r["clip"] == r["config_clip"] == GRADIENT_CLIPPING_DEFAULT
+        assert _max_diff(r["params"], rank[f"reference/{float(GRADIENT_CLIPPING_DEFAULT)}"]["params"]) < 1e-5
+
+
+# --- backward through a role that is not stepped ---------------------------------------------------------------
+@pytest.mark.parametrize("how", ["through", "by_hand", "joint"])
+@pytest.mark.parametrize(("backend", "g", "d"), MIXES)
+def test_gan_steps_equal_plain_pytorch(gan, backend, g, d, how):
+    for rank in gan:
+        r = rank[f"{backend}/g{g}/d{d}/{how}"]
+        assert r["gen"] < 1e-5 and r["disc"] < 1e-5 and r["gen_grad"] < 1e-5, r
+        if how == "joint":
+            assert r["disc_moved_by_gen_step"] > 1e-4, r  # the discriminator learned from the same loss
+        else:
+            assert r["disc_moved_by_gen_step"] == 0.0, r
+
+
+@pytest.mark.parametrize("key", [f"deepspeed/g2/d{d}/{how}/acc2" for d in (0, 3) for how in ("through", "by_hand")]
+                         + ["torch/g0/d0/through/acc2"])
+def test_a_discriminator_accumulating_two_micro_batches_passes_gradients_unscaled(gan, key):
+    for rank in gan:
+        r = rank[key]
+        assert r["gen"] < 1e-5 and r["disc"] < 1e-5 and r["gen_grad"] < 1e-5, r
+        assert r["disc_moved_by_gen_step"] == 0.0, r
+
+
+def test_a_loss_through_an_unlisted_trainable_role_is_refused_with_the_fix(gan):
+    errors = gan[0]["errors"]
+    assert errors["engine"].startswith("JointLossError") and "through=['disc']" in errors["engine"]
+    assert errors["unlisted"].startswith("JointLossError") and "through=" in errors["unlisted"]
+    assert errors["both"].startswith("ConfigError") and "['disc'] are in both roles and through" in errors["both"]
