@@ -124,11 +124,9 @@ def launch_jobs(out_dir: Path, jobs: dict[str, tuple[str, ...]], timeout: int = 
     """Several workers in one launch (workers/jobs.py), ``{job: (worker, *args)}``, one after another in one process
     group: each job's ranks' result JSON, from out_dir/<job>. A launch costs seconds of process start and imports
     per rank; workers that need no fresh process share one."""
-    launch("jobs", out_dir, json.dumps({job: list(spec) for job, spec in jobs.items()}), timeout=timeout)
-    results = {}
-    for job in jobs:
-        results[job] = [json.loads((out_dir / job / f"rank{rank}.json").read_text()) for rank in range(2)]
-    return results
+    ranks = len(launch("jobs", out_dir, json.dumps({job: list(spec) for job, spec in jobs.items()}), timeout=timeout))
+    return {job: [json.loads((out_dir / job / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+            for job in jobs}
 
 
 def _startup_abort(proc: subprocess.CompletedProcess, out_dir: Path) -> bool:
