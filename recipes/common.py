@@ -402,17 +402,17 @@ def reward_plan(cfg: Any, rows: int, assume: Mapping[str, str] | None) -> tuple[
     seq = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
     out, infos, leader = plans.RecipePlan("", []), {}, None
     for i, e in enumerate(entries):
-        info = plans._scalar(lm_info(cfg, e.get("model") or r.model or "", e["role"], assume))
+        info = plans.scalar_info(lm_info(cfg, e.get("model") or r.model or "", e["role"], assume))
         stage = r.effective_stage if e.get("stage") is None or e["stage"] < 0 else int(e["stage"])
         dtype = str(e.get("dtype") or r.effective_dtype)
         own = "stage" in e or "offload_params" in e
-        current = plans._current(stage, False, bool(e.get("offload_params", r.offload_params)))
+        current = plans.current_choice(stage, False, bool(e.get("offload_params", r.offload_params)))
         follows = leader if not own and leader is not None else None
         note = f"weight {e['weight']:g}" + (f"; placement set in reward.models[{i}] (planned as written)" if own else
                                             f"; placed like {leader} (one roles.reward section)" if follows else "")
-        out.roles.append(plans._role(
+        out.roles.append(plans.role_plan(
             e["role"], info, dtype, trainable=False, current=current,
-            phases=plans._lm_phases(P.transformer_dims(info.config), dtype, forward=(rows, seq), logits=False,
+            phases=plans.lm_phases(P.transformer_dims(info.config), dtype, forward=(rows, seq), logits=False,
                                     label="experience forward"),
             full_gather=("experience forward",) if e.get("gather_forward", r.gather_forward) else (),
             gather_hint=f"reward.models[{i}].gather_forward=false" if "gather_forward" in e
@@ -421,7 +421,7 @@ def reward_plan(cfg: Any, rows: int, assume: Mapping[str, str] | None) -> tuple[
         infos[e["role"]] = info
         if not own and leader is None:
             leader = e["role"]
-            out.keys[e["role"]] = plans._keys("roles.reward", offload_optimizer=False)
+            out.keys[e["role"]] = plans.role_keys("roles.reward", offload_optimizer=False)
     if functions:
         out.notes.append("reward functions (no memory): " + ", ".join(f"{fn} x {w:g}" for fn, w in functions))
     return out, infos
@@ -436,7 +436,7 @@ def rollout_plan(cfg: Any, info: P.ModelInfo) -> list[P.RoleRequest]:
     dtype = r.dtype or cfg.roles.actor.effective_dtype
     element = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
     kv = int(r.kv_cache_gb * 2**30)
-    stage0 = plans._current(0, False)
+    stage0 = plans.current_choice(0, False)
     return [P.RoleRequest("rollout", info.params // r.tensor_parallel_size + kv // element, dtype, choices=(stage0,),
                           current=stage0, source=info.source,
                           note=f"vLLM: {info.params // r.tensor_parallel_size:,} parameters (tensor_parallel_size "

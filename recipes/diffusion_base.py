@@ -495,7 +495,7 @@ class ImageFinetune(DiffusionRecipe):
         res, batch = cfg.data.resolution, t.micro_batch_size
         vae, net = components_["vae"], components_[denoiser]
         scale = D.vae_scale(vae)
-        lora = plans._lora(t.lora, family_roles(D.pipeline_family(components_)).lora_targets)
+        lora = plans.lora_choice(t.lora, family_roles(D.pipeline_family(components_)).lora_targets)
         encoders = D.encoder_names(components_)
         infos = {denoiser: net, "vae": vae, **{n: components_[n] for n in encoders}}
         if trained != denoiser:
@@ -534,9 +534,9 @@ class ImageFinetune(DiffusionRecipe):
                                     **options)
         if cls.ema_enabled(cfg):  # the trained role's weights (and adapters), sharded like it
             e = cfg.roles.ema
-            plan.roles.append(plans._role(
+            plan.roles.append(plans.role_plan(
                 "ema", infos[trained], e.effective_dtype, trainable=False, lora=lora,
-                current=plans._current(0 if baseline else t.effective_stage, False, e.offload_params),
+                current=plans.current_choice(0 if baseline else t.effective_stage, False, e.offload_params),
                 choices=(P.Choice(0),) if baseline else (), follows=None if baseline else trained,
                 note=SEED_BASELINE_NOTE if baseline else f"sharded like the {trained} (same stage)"))
             if not baseline:
@@ -692,7 +692,8 @@ class DiffusionRL(DiffusionRecipe):
                              ("train step", act(dtype=pol.effective_dtype, trainable=True))],
                   "ref": [("forward", act(dtype=r.ref.effective_dtype, trainable=False))],
                   "vae": [("decode / encode", vae_act)], **encode_phases(cfg, components_, rows, tokens)}
-        options = {"policy": {"lora": plans._lora(pol.lora, family_roles(D.pipeline_family(components_)).lora_targets)},
+        targets = family_roles(D.pipeline_family(components_)).lora_targets
+        options = {"policy": {"lora": plans.lora_choice(pol.lora, targets)},
                    "vae": plans.gather_options(r.vae, "decode / encode"),
                    **({"ref": plans.gather_options(r.ref, "forward")} if ref else {}),
                    **{n: plans.gather_options(r[n], "encode") for n in encoders}}

@@ -167,22 +167,22 @@ class RLHFPPO(common.RLHFRecipe):
         # the critic's folder as build() resolves it: roles.critic.model, else the reward model's (its declaration),
         # else the first reward model, else the actor's with a fresh head (rewards from functions only)
         if r.critic.model or (assume and "critic" in assume):
-            critic_info = plans._scalar(common.lm_info(cfg, r.critic.model, "critic", assume))
+            critic_info = plans.scalar_info(common.lm_info(cfg, r.critic.model, "critic", assume))
         elif reward_infos:
             critic_info = reward_infos.get("reward") or next(iter(reward_infos.values()))
         else:
-            critic_info = plans._scalar(actor_info)
+            critic_info = plans.scalar_info(actor_info)
         plan = common.policy_plan("rlhf_ppo", f"generation: {rollout} prompts x ({prompt} + {new}) tokens per rank, "
                                   f"mode {g.mode}; updates on {r.actor.micro_batch_size} rows (critic "
                                   f"{r.critic.micro_batch_size}) per forward/backward", cfg,
                                   {"actor": actor_info, "critic": critic_info}, True, rollout, rollout, rewards,
                                   assume)
         if cfg.ema.enabled:  # the actor's weights (and adapters) at the actor's stage
-            plan.roles.append(plans._role("ema", actor_info, r.ema.effective_dtype, trainable=False,
-                                          lora=plans._lora(r.actor.lora),
-                                          current=plans._current(plan.roles[0].current.stage, False,
-                                                                 r.ema.offload_params),
-                                          follows="actor", note="built at the actor's stage"))
+            plan.roles.append(plans.role_plan("ema", actor_info, r.ema.effective_dtype, trainable=False,
+                                              lora=plans.lora_choice(r.actor.lora),
+                                              current=plans.current_choice(plan.roles[0].current.stage, False,
+                                                                           r.ema.offload_params),
+                                              follows="actor", note="built at the actor's stage"))
             plan.keys["ema"] = plans.RoleKeys(None, "roles.ema.offload_params")
         return [plan]
 

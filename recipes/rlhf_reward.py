@@ -81,7 +81,7 @@ class RLHFReward(common.RLHFRecipe):
     @classmethod
     def plan(cls, cfg: RewardConfig, assume: Any = None) -> list[plans.RecipePlan]:
         r = cfg.roles.reward
-        info = plans._scalar(common.lm_info(cfg, r.model, "reward", assume))
+        info = plans.scalar_info(common.lm_info(cfg, r.model, "reward", assume))
         seq, rows = cfg.data.max_prompt_len + cfg.data.max_response_len, 2 * r.micro_batch_size
         phases = plans.lm_role_phases(r, info, train=(rows, seq), logits=False)
         return [plans.declared_roles(cfg, {"reward": info}, {"reward": phases}, title="rlhf_reward",

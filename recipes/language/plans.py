@@ -132,14 +132,15 @@ def resolve_pipeline(name: str, *, variant: str | None = None,
         f"--assume pipeline=<folder or built-in name>.")
 
 
-def _current(stage: int, trainable: bool, offload_params: bool = False, offload_optimizer: bool = False) -> P.Choice:
+def current_choice(stage: int, trainable: bool, offload_params: bool = False,
+                   offload_optimizer: bool = False) -> P.Choice:
     if not trainable and stage in (1, 2):
         stage = 0
     return P.Choice(stage, bool(offload_optimizer and trainable and stage > 0), bool(offload_params and stage == 3))
 
 
-def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current: P.Choice,
-          lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0, **request: Any) -> P.RoleRequest:
+def role_plan(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current: P.Choice,
+              lora: tuple[int, Sequence[str]] | None = None, extra_trainable: int = 0, **request: Any) -> P.RoleRequest:
     """The planner's RoleRequest of a role on the model ``info`` (its LoRA adapters added); ``request``: the other
     RoleRequest fields (phases, full_gather, choices, follows, follows_all, note, gather_hint)."""
     params = info.params
@@ -161,7 +162,7 @@ def _role(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, current:
                          source=info.source, **request)
 
 
-def _keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
+def role_keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
     return RoleKeys(f"{prefix}.stage", f"{prefix}.offload_params" if offload_params else None,
                     f"{prefix}.offload_optimizer" if offload_optimizer else None)
 
@@ -174,7 +175,7 @@ def module_info(name: str, module: Any, dtype: str = "F32") -> P.ModelInfo:
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def _lora(section: Any, default_targets: Sequence[str] | None = None) -> tuple[int, tuple[str, ...]] | None:
+def lora_choice(section: Any, default_targets: Sequence[str] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``; empty target modules take
     ``default_targets`` (the decoders' q/k/v/out projections unless given), as TrainableRole.lora_spec does."""
     if default_targets is None:
@@ -184,7 +185,7 @@ def _lora(section: Any, default_targets: Sequence[str] | None = None) -> tuple[i
     return (int(section.r), tuple(section.target_modules) or tuple(default_targets)) if section.r else None
 
 
-def _scalar(info: P.ModelInfo) -> P.ModelInfo:
+def scalar_info(info: P.ModelInfo) -> P.ModelInfo:
     """A reward model / critic from `info`: the LM body without its head plus a value head (the folder's own
     ``score.weight`` or ``value_head.safetensors`` when it has one)."""
     has_head = any(t.name in ("score.weight", "weight") or t.name.startswith("value_head") for t in info.tensors)
@@ -195,9 +196,9 @@ def _scalar(info: P.ModelInfo) -> P.ModelInfo:
     return body.plus("value_head.weight", (1, hidden))
 
 
-def _lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | None = None,
-               forward: tuple[int, int] | None = None, generate: tuple[int, int, int] | None = None,
-               logits: bool = True, checkpointing: bool = False, label: str = "forward") -> list[tuple[str, int]]:
+def lm_phases(dims: P.TransformerDims, dtype: str, *, train: tuple[int, int] | None = None,
+              forward: tuple[int, int] | None = None, generate: tuple[int, int, int] | None = None,
+              logits: bool = True, checkpointing: bool = False, label: str = "forward") -> list[tuple[str, int]]:
     phases = []
     if generate:
         batch, prompt, new = generate
@@ -220,12 +221,12 @@ def role_request(role: Any, info: P.ModelInfo, phases: Sequence[tuple[str, int]]
     """The planner's request of a role config on the model ``info`` (trainable or frozen, stage, dtype, offload,
     LoRA); ``options``: more request fields (``full_gather``, ``gather_hint``, ``note``, ``choices``...)."""
     request: dict[str, Any] = {
-        "lora": _lora(role.lora) if role.trainable else None,
-        "current": _current(role.effective_stage, role.trainable, role.offload_params,
+        "lora": lora_choice(role.lora) if role.trainable else None,
+        "current": current_choice(role.effective_stage, role.trainable, role.offload_params,
                             getattr(role, "offload_optimizer", False)),
         "phases": phases, "choices": P.trainable_choices() if role.trainable else P.frozen_choices()}
     request.update(options)
-    return _role(role.name, info, role.effective_dtype, trainable=role.trainable, **request)
+    return role_plan(role.name, info, role.effective_dtype, trainable=role.trainable, **request)
 
 
 def declared_roles(cfg: Any, infos: Mapping[str, P.ModelInfo],
@@ -246,15 +247,15 @@ def declared_roles(cfg: Any, infos: Mapping[str, P.ModelInfo],
         elif followers and follows and role.stage == -1:
             extra.update(follows=follows, follows_all=True, note=f"placed like {follows} (its stage is -1)")
         else:
-            keys[name] = _keys(f"roles.{name}", offload_optimizer=role.trainable)
+            keys[name] = role_keys(f"roles.{name}", offload_optimizer=role.trainable)
         requests.append(role_request(role, infos[name], phases.get(name, ()), **{**extra, **options.get(name, {})}))
     return RecipePlan(title, requests, keys, list(notes))
 
 
 def lm_role_phases(role: Any, info: P.ModelInfo, **shapes: Any) -> list[tuple[str, int]]:
-    """The activation phases (:func:`_lm_phases` of ``shapes``) of a causal-LM role config on ``info``, at its
+    """The activation phases (:func:`lm_phases` of ``shapes``) of a causal-LM role config on ``info``, at its
     resolved dtype and with its gradient checkpointing."""
-    return _lm_phases(P.transformer_dims(info.config), role.effective_dtype,
+    return lm_phases(P.transformer_dims(info.config), role.effective_dtype,
                       checkpointing=bool(getattr(role, "gradient_checkpointing", False)), **shapes)
 
 

@@ -67,7 +67,7 @@ def test_scalar_model_count_equals_the_loaded_model(tmp_path):
     OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
                              word_embed_proj_dim=32)).save_pretrained(tmp_path / "lm")
     model = ScalarHeadModel.from_pretrained(tmp_path / "lm")
-    assert plans._scalar(P.model_info(tmp_path / "lm")).params == sum(p.numel() for p in model.parameters())
+    assert plans.scalar_info(P.model_info(tmp_path / "lm")).params == sum(p.numel() for p in model.parameters())
 
 
 def test_write_round_trips(capsys, tmp_path):
@@ -163,7 +163,7 @@ def test_a_saved_reward_model_keeps_its_own_head(tmp_path):
                              word_embed_proj_dim=32, pad_token_id=1)).save_pretrained(tmp_path / "lm")
     ScalarHeadModel.from_pretrained(tmp_path / "lm").save_pretrained(tmp_path / "rm")
     loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
-    assert plans._scalar(P.model_info(tmp_path / "rm")).params == sum(p.numel() for p in loaded.parameters())
+    assert plans.scalar_info(P.model_info(tmp_path / "rm")).params == sum(p.numel() for p in loaded.parameters())
 
 
 def _roles(recipe: str, *overrides: str, config: str = "tiny") -> dict[str, object]:
@@ -204,7 +204,7 @@ def test_ppo_critic_and_rewards_from_the_reward_section():
     # reward functions only: the critic starts from the actor's folder with a fresh head, no reward role
     roles = _roles("rlhf_ppo", "reward.functions=[builtin:judge]", "roles.actor.model=", "roles.reward.model=")
     assert list(roles) == ["actor", "critic", "ref"]
-    assert roles["critic"].params == plans._scalar(tiny_model_info(64, 2, 0)).params
+    assert roles["critic"].params == plans.scalar_info(tiny_model_info(64, 2, 0)).params
     assert roles["critic"].trainable_params == roles["critic"].params
     # roles.critic.model is planned from its own folder; reward roles from reward.models, placed like the critic
     roles = _roles("rlhf_ppo", "roles.actor.model=", "roles.critic.model=facebook/opt-350m", "roles.critic.stage=3",
