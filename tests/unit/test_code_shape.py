@@ -42,3 +42,17 @@ def test_engines_name_no_recipe_or_recipe_language():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in _sources("engines")
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert len(recipes) >= 13 and not hits, hits
+
+
+def test_every_recipe_class_extends_recipe_directly_and_holds_its_own_workflow():
+    """A recipe file reads top to bottom: its class extends Recipe alone (shared code is functions called by name)
+    and defines its own build and train_step."""
+    from multiengine.recipes.language.config import list_recipes, load_recipe
+    from multiengine.recipes.language.lifecycle import Recipe
+
+    names = list_recipes()
+    assert len(names) >= 13, names
+    for name in names:
+        cls = load_recipe(name)
+        assert cls.__bases__ == (Recipe,), f"{name}: {cls.__name__} extends {cls.__bases__}, not Recipe alone"
+        assert {"build", "train_step"} <= set(vars(cls)), f"{name}: {cls.__name__} defines no build/train_step"
