@@ -23,14 +23,30 @@ def test_readme_has_two_setup_commands_that_install_what_they_need():
         assert command.startswith("python -m pip install torch==2.13.0 && python -m pip install -e ")
     assert "multiengine run" in main_job and "--nproc-per-node 2" in main_job and "--config tiny" in main_job
     assert "pytest" in tests and '".[test' in tests
+    # the lint runs after the install and before the tests, so a finding fails the command before the long part
+    steps = tests.split(" && ")
+    lint = steps.index("python -m ruff check .")
+    assert all("pip install" in step for step in steps[:lint]), steps
+    assert [i for i, step in enumerate(steps) if "pytest" in step] == [len(steps) - 1], steps
 
 
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "set -euo pipefail" in ci  # pytest's exit 5 (no tests) fails CI
+    assert "set -euo pipefail" in ci
     command = _readme_commands()[1]
     quiet = command.replace("pip install ", "pip install -q ")
-    assert quiet in ci, (quiet, ci)
+    # the command is the script's last line: the first failure in its `&&` chain (a lint finding, pytest's exit 5
+    # when it collects no test) is the script's exit status, which `set -e` alone would not give after an `&&` list
+    assert ci.strip().splitlines()[-1] == quiet, (quiet, ci)
+
+
+def test_the_test_extra_pins_the_ruff_the_command_runs():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^test = \[(.*)\]$", pyproject, flags=re.MULTILINE)
+    assert extra, "pyproject.toml has no `test` extra"
+    # one exact version: a newer ruff can add checks to the selected rules and fail CI on an unchanged tree
+    assert re.search(r'"ruff==[0-9.]+"', extra.group(1)), extra.group(0)
+    assert "\n[tool.ruff]\n" in pyproject and "\n[tool.ruff.lint]\n" in pyproject
 
 
 def test_registry_guide_names_every_public_engine_name():
