@@ -62,3 +62,26 @@ def test_test_files_have_unique_basenames():
     # in unit/ and distributed/ make collection fail.
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_testing_doc_examples_compile_and_import_what_the_helpers_define():
+    import ast
+
+    import multiengine.engines as engines
+
+    defined = {}
+    helpers = {"common": "tests/distributed/workers/common.py", "conftest": "tests/distributed/conftest.py"}
+    for module, path in helpers.items():
+        tree = ast.parse((ROOT / path).read_text())
+        defined[module] = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined["multiengine.engines"] = set(engines.__all__)
+    blocks = re.findall(r"```python\n(.*?)\n```", (ROOT / "docs" / "testing.md").read_text(), flags=re.DOTALL)
+    assert len(blocks) >= 2, "docs/testing.md has lost its worker and test examples"
+    imported = []
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and node.module in defined:
+                imported += [(node.module, alias.name) for alias in node.names]
+    missing = [(module, name) for module, name in imported if name not in defined[module]]
+    assert imported and not missing, missing
