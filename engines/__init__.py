@@ -25,9 +25,9 @@ _WHERE: dict[str, str] = {
     "NonFiniteError": "nonfinite", "NonFiniteUpdate": "nonfinite",
     "build_optimizer": "optim",
     "local_tensors": "partition", "refresh_full_copies": "partition",
-    "EngineRegistry": "registry", "JointLossError": "registry", "Role": "registry", "RoleSpec": "registry",
-    "UnknownRoleError": "registry",
-    "LoraSpec": "roles", "OptimSpec": "roles", "Placement": "roles", "apply_lora": "roles", "frozen_role": "roles",
+    "EngineRegistry": "registry", "JointLossError": "registry", "Role": "registry", "UnknownRoleError": "registry",
+    "LoraSpec": "roles", "OptimSpec": "roles", "Placement": "roles", "RoleSpec": "roles", "apply_lora": "roles",
+    "frozen_role": "roles",
     "is_lora": "roles", "set_gradient_checkpointing": "roles", "torch_dtype": "roles", "trainable_role": "roles",
     "set_trust_remote_code": "safe_io", "trust_remote_code": "safe_io",
     "ShardedBatches": "sampler", "ShardedEpochSampler": "sampler", "shard_batches": "sampler",
@@ -60,11 +60,12 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .nonfinite import NonFiniteError, NonFiniteUpdate
     from .optim import build_optimizer
     from .partition import local_tensors, refresh_full_copies
-    from .registry import EngineRegistry, JointLossError, Role, RoleSpec, UnknownRoleError
+    from .registry import EngineRegistry, JointLossError, Role, UnknownRoleError
     from .roles import (
         LoraSpec,
         OptimSpec,
         Placement,
+        RoleSpec,
         apply_lora,
         frozen_role,
         is_lora,

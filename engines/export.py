@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dist import barrier
-from .roles import _is_diffusers_model, torch_dtype
+from .roles import _is_diffusers_model, is_lora, torch_dtype
 from .safe_io import fsync_path, fsync_tree
 
 if TYPE_CHECKING:
@@ -230,8 +230,6 @@ def write_role(registry: EngineRegistry, name: str, folder: str, *, dtype: str |
                merge_lora: bool = True, pad_token_id: int | None = None) -> dict[str, str]:
     """Gather role ``name`` on all ranks and write it into ``folder`` on rank 0, not atomically (see :func:`save_role`).
     Returns ``{"model": folder}`` and, for a peft LoRA role, ``"adapter": folder/adapter``."""
-    from .roles import is_lora
-
     module = registry.role(name).module
     lora = merge_lora and is_lora(module)
     written = {"model": folder}

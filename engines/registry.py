@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import difflib
 import logging
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +35,7 @@ from .config import (
 )
 from .dist import DistEnv, deepspeed_available, device_for, init_distributed, shutdown
 from .partition import hooks_detached, whole_parameters
-from .roles import set_gradient_checkpointing
+from .roles import RoleSpec, set_gradient_checkpointing
 from .seeding import generator as _generator
 from .seeding import role_seed, seed_everything
 from .torch_backend import TorchEngine
@@ -45,69 +43,8 @@ from .zero_scope import role_build_scope
 
 logger = logging.getLogger(__name__)
 
-ModelFactory = Callable[[], torch.nn.Module]
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Client-state key under which registered objects (samplers, controllers) are checkpointed.
 _STATES_KEY = "_registry_states"
-
-
-@dataclass
-class RoleSpec:
-    """What a role is built from: ``model()`` (run in the role's build scope: zero.Init at stage 3), its DeepSpeed
-    config (a dict or a JSON path), an optimizer factory (trainable roles only; ``trainable`` defaults to having one)
-    and a scheduler factory. ``hidden_size``: the width for "auto" buckets when the model has none. ``stateful``: a
-    frozen role whose weights change (an EMA), checkpointed as its partitions. ``gather_forward``: a frozen ZeRO-3
-    role gathered whole once per forward (one collective; 1/N between calls). ``placement``, ``lora``, ``optim``,
-    ``gradient_checkpointing``: what the role builders (engines.roles) were asked for, for reports and exports."""
-
-    name: str
-    model: ModelFactory
-    ds_config: dict[str, Any] | str
-    optimizer: OptimizerFactory | None = None
-    lr_scheduler: SchedulerFactory | None = None
-    trainable: bool | None = None
-    hidden_size: int | None = None
-    stateful: bool = False
-    gather_forward: bool = False
-    placement: Any = None
-    lora: Any = None
-    optim: Any = None
-    gradient_checkpointing: bool = False
-
-    def describe(self) -> dict[str, Any]:
-        """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
-        def plain(x: Any) -> Any:
-            return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x
-
-        return {"name": self.name, "ds_config": self.ds_config, "trainable": self.trainable,
-                "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
-                "lora": plain(self.lora), "optim": plain(self.optim),
-                "gradient_checkpointing": self.gradient_checkpointing}
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ConfigError(f"role name {self.name!r} must be an identifier (letters, digits, '_').")
-        if not callable(self.model):
-            raise ConfigError(f"role '{self.name}': model must be a callable returning a module, got {self.model!r}.")
-        has_ds_optimizer = isinstance(self.ds_config, dict) and "optimizer" in self.ds_config
-        has_optimizer = self.optimizer is not None or has_ds_optimizer
-        if self.trainable is None:
-            self.trainable = has_optimizer
-        if self.trainable and not has_optimizer:
-            raise ConfigError(f"role '{self.name}': trainable=True but no optimizer; pass optimizer=lambda params: ..."
-                              " or trainable=False for a frozen role.")
-        if not self.trainable and has_optimizer:
-            raise ConfigError(f"role '{self.name}': trainable=False but an optimizer was given; frozen roles get no "
-                              "optimizer: drop optimizer= (and the config's 'optimizer' section) or set "
-                              "trainable=True.")
-        if self.lr_scheduler is not None and not self.trainable:
-            raise ConfigError(f"role '{self.name}': lr_scheduler given for a frozen role; drop it.")
-        if self.gather_forward and self.trainable:
-            raise ConfigError(f"role '{self.name}': gather_forward is for frozen roles; a trainable one needs its"
-                              " ZeRO-3 hooks for the backward pass.")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Role builders: where a role lives (:class:`Placement`), how it trains (:class:`OptimSpec`) and its LoRA
-(:class:`LoraSpec`), turned by :func:`trainable_role` / :func:`frozen_role` into plain RoleSpecs::
+(:class:`LoraSpec`), turned by :func:`trainable_role` / :func:`frozen_role` into the :class:`RoleSpec` the registry
+builds from::
 
     actor = trainable_role("actor", lambda: AutoModelForCausalLM.from_pretrained(path), Placement(stage=3),
                            OptimSpec(lr=1e-5), micro_batch_size=4, lora=LoraSpec(rank=8))
@@ -8,9 +9,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +26,8 @@ from .settings import is_scheduler_name, scheduler_names
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoraSpec", "OptimSpec", "Placement", "apply_lora", "frozen_role", "is_lora", "set_gradient_checkpointing",
-           "torch_dtype", "trainable_role"]
+__all__ = ["LoraSpec", "OptimSpec", "Placement", "RoleSpec", "apply_lora", "frozen_role", "is_lora",
+           "set_gradient_checkpointing", "torch_dtype", "trainable_role"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -171,6 +174,65 @@ class LoraSpec:
                           init_lora_weights=self.init, task_type=task_type or self.task_type)
 
 
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class RoleSpec:
+    """What a role is built from: ``model()`` (run in the role's build scope: zero.Init at stage 3), its DeepSpeed
+    config (a dict or a JSON path), an optimizer factory (trainable roles only; ``trainable`` defaults to having one)
+    and a scheduler factory. ``hidden_size``: the width for "auto" buckets when the model has none. ``stateful``: a
+    frozen role whose weights change (an EMA), checkpointed as its partitions. ``gather_forward``: a frozen ZeRO-3
+    role gathered whole once per forward (one collective; 1/N between calls). ``placement``, ``lora``, ``optim``,
+    ``gradient_checkpointing``: what the role builders below were asked for, for reports and exports."""
+
+    name: str
+    model: Callable[[], torch.nn.Module]
+    ds_config: dict[str, Any] | str
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    trainable: bool | None = None
+    hidden_size: int | None = None
+    stateful: bool = False
+    gather_forward: bool = False
+    placement: Placement | None = None
+    lora: LoraSpec | None = None
+    optim: OptimSpec | None = None
+    gradient_checkpointing: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
+        def plain(x: Any) -> Any:
+            return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x
+
+        return {"name": self.name, "ds_config": self.ds_config, "trainable": self.trainable,
+                "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
+                "lora": plain(self.lora), "optim": plain(self.optim),
+                "gradient_checkpointing": self.gradient_checkpointing}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(f"role name {self.name!r} must be an identifier (letters, digits, '_').")
+        if not callable(self.model):
+            raise ConfigError(f"role '{self.name}': model must be a callable returning a module, got {self.model!r}.")
+        has_ds_optimizer = isinstance(self.ds_config, dict) and "optimizer" in self.ds_config
+        has_optimizer = self.optimizer is not None or has_ds_optimizer
+        if self.trainable is None:
+            self.trainable = has_optimizer
+        if self.trainable and not has_optimizer:
+            raise ConfigError(f"role '{self.name}': trainable=True but no optimizer; pass optimizer=lambda params: ..."
+                              " or trainable=False for a frozen role.")
+        if not self.trainable and has_optimizer:
+            raise ConfigError(f"role '{self.name}': trainable=False but an optimizer was given; frozen roles get no "
+                              "optimizer: drop optimizer= (and the config's 'optimizer' section) or set "
+                              "trainable=True.")
+        if self.lr_scheduler is not None and not self.trainable:
+            raise ConfigError(f"role '{self.name}': lr_scheduler given for a frozen role; drop it.")
+        if self.gather_forward and self.trainable:
+            raise ConfigError(f"role '{self.name}': gather_forward is for frozen roles; a trainable one needs its"
+                              " ZeRO-3 hooks for the backward pass.")
+
+
 def is_lora(module: torch.nn.Module) -> bool:
     return any("lora_" in name for name, _ in module.named_parameters())
 
@@ -260,11 +322,9 @@ def _factory(model: Callable[[], torch.nn.Module], lora: LoraSpec | None, gradie
 def trainable_role(name: str, model: Callable[[], torch.nn.Module], placement: Placement | None = None,
                    optim: OptimSpec | None = None, *, micro_batch_size: int = 1, grad_accum: int = 1,
                    lora: LoraSpec | None = None, gradient_checkpointing: bool = False, seed: int = 0,
-                   hidden_size: int | None = None) -> Any:
+                   hidden_size: int | None = None) -> RoleSpec:
     """A trainable role: its optimizer and schedule, placement, accumulation and clipping; LoRA (only adapters
     train) and gradient checkpointing applied after ``model()``."""
-    from .registry import RoleSpec
-
     placement, optim = placement or Placement(), optim or OptimSpec()
     if placement.gather_forward:
         raise ConfigError(f"role '{name}': gather_forward is for frozen roles; a trainable one needs its ZeRO-3"
@@ -280,11 +340,9 @@ def trainable_role(name: str, model: Callable[[], torch.nn.Module], placement: P
 
 def frozen_role(name: str, model: Callable[[], torch.nn.Module], placement: Placement | None = None, *,
                 stateful: bool = False, lora: LoraSpec | None = None, seed: int = 0,
-                hidden_size: int | None = None) -> Any:
+                hidden_size: int | None = None) -> RoleSpec:
     """A frozen role: no optimizer, no gradients, eval mode. ``stateful``: its weights change anyway (an EMA; saved
     in checkpoints); ``lora``: the adapter layout of a LoRA trainable role (an EMA of one)."""
-    from .registry import RoleSpec
-
     placement = placement or Placement()
     if placement.offload_optimizer:
         raise ConfigError(f"role '{name}': offload_optimizer=True, but a frozen role has no optimizer; drop it.")
