@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -64,20 +66,24 @@ def test_test_files_have_unique_basenames():
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
-def test_testing_doc_examples_compile_and_import_what_the_helpers_define():
+@pytest.mark.parametrize("doc", ["testing.md", "benchmarks.md"])
+def test_doc_examples_compile_and_import_what_the_helpers_define(doc):
+    # docs/testing.md's 2-rank worker and test, docs/benchmarks.md's benchmark: copied by newcomers, so held to the
+    # helpers' real names
     import ast
 
     import multiengine.engines as engines
 
     defined = {}
-    helpers = {"common": "tests/distributed/workers/common.py", "conftest": "tests/distributed/conftest.py"}
+    helpers = {"common": "tests/distributed/workers/common.py", "conftest": "tests/distributed/conftest.py",
+               "benchmarks.common": "benchmarks/common.py"}
     for module, path in helpers.items():
         tree = ast.parse((ROOT / path).read_text())
         defined[module] = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
             t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     defined["multiengine.engines"] = set(engines.__all__)
-    blocks = re.findall(r"```python\n(.*?)\n```", (ROOT / "docs" / "testing.md").read_text(), flags=re.DOTALL)
-    assert len(blocks) >= 2, "docs/testing.md has lost its worker and test examples"
+    blocks = re.findall(r"```python\n(.*?)\n```", (ROOT / "docs" / doc).read_text(), flags=re.DOTALL)
+    assert blocks, f"docs/{doc} has lost its examples"
     imported = []
     for block in blocks:
         for node in ast.walk(ast.parse(block)):
