@@ -13,19 +13,25 @@ from multiengine.engines import barrier
 from multiengine.engines.settings import Range, section, setting
 from multiengine.pipelines.diffusion import rl
 from multiengine.pipelines.diffusion.export import ExportSettings
-from multiengine.pipelines.diffusion.families import family_roles
+from multiengine.pipelines.diffusion.families import family_roles, model_family
 from multiengine.pipelines.diffusion.rl_runs import (
     DPOEval,
+    PolicyModel,
     PreferenceData,
     RLModelSettings,
     make_shapes_preference_pairs,
     preference_split,
+    rl_export,
+    rl_model,
+    rl_specs,
 )
+from multiengine.pipelines.diffusion.runs import first_last, step_record
 from multiengine.pipelines.diffusion.training import step_generator
-from multiengine.recipes.diffusion_base import POLICY, DiffusionRL, first_last, refuse, rl_roles, step_record, unset
+from multiengine.recipes import diffusion_parts as parts
+from multiengine.recipes.diffusion_parts import POLICY, refuse, rl_roles, unset
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import Key, config_problem
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,10 @@ class DiffusionDPOConfig(RunConfig):
     export: ExportSettings = section(ExportSettings, "what the run writes under output_dir/export")
 
 
-class DiffusionDPO(DiffusionRL):
+class DiffusionDPO(Recipe):
+    """The policy (a denoiser) against its frozen starting copy (ref) on preference pairs, with the vae and text
+    encoders frozen."""
+
     name = "diffusion_dpo"
     roles = rl_roles(
         {**POLICY, "lr": 1e-4, "micro_batch_size": Key(16, "preference pairs per rank per forward (2x images)"),
@@ -47,7 +56,6 @@ class DiffusionDPO(DiffusionRL):
         "frozen reference: the policy's starting weights (a separate copy, also with LoRA)",
         vae="frozen: latents of the chosen and rejected images")
     Config = DiffusionDPOConfig
-    rows_per_item = 2  # a pair is a chosen and a rejected image
     postfix_keys = ("loss", "implicit_acc")
     headline = (("implicit_acc", "implicit reward accuracy on held-out pairs", True),)
     plot_panels = [("loss", ["train/loss"]), ("implicit accuracy", ["train/implicit_acc", "eval/implicit_acc"])]
@@ -56,7 +64,7 @@ class DiffusionDPO(DiffusionRL):
     def validate(cls, cfg: DiffusionDPOConfig, world_size: int = 1) -> None:
         """Model folder and resolution, the family's keys, the pair data (columns, enough rows for the held-out
         split)."""
-        cls.check_rl_model(cfg)
+        parts.check_rl_model(cls, cfg)
         if cfg.data.eval_source:
             refuse(unset(cfg.eval, ("size",), "eval", "applies to pairs held out of data.source, and "
                          "data.eval_source is given"))
@@ -66,29 +74,43 @@ class DiffusionDPO(DiffusionRL):
                                  f"set eval.size below {rows} or give data.eval_source")
 
     @classmethod
-    def unused(cls, cfg: DiffusionDPOConfig, family: str) -> dict[str, tuple[Any, str]]:
-        out = {} if family == "flux" else unset(cfg.dpo, ("guidance_scale",), "dpo", "is FLUX's guidance input; "
-                                                                                     f"this {family} model has none")
+    def check_family(cls, cfg: DiffusionDPOConfig, family: str, where: str = "") -> None:
+        """The keys of a text encoder or denoiser this family has not, and the dpo options it has no use for, are
+        refused."""
+        unused = {} if family == "flux" else unset(cfg.dpo, ("guidance_scale",), "dpo", "is FLUX's guidance input; "
+                                                                                        f"this {family} model has none")
         if family_roles(family).objective != "flow":
-            out.update(unset(cfg.dpo, ("max_sequence_length",), "dpo", f"is the T5 length of SD3/FLUX; this {family} "
-                                                                       "model has no T5"))
-        return out
+            unused.update(unset(cfg.dpo, ("max_sequence_length",), "dpo", f"is the T5 length of SD3/FLUX; this "
+                                                                          f"{family} model has no T5"))
+        parts.check_family(cls, cfg, parts.absent_roles(cfg, family), unused, where)
 
     @classmethod
-    def accum(cls, cfg: DiffusionDPOConfig) -> int:
-        return 1
+    def role_specs(cls, cfg: DiffusionDPOConfig, family: str, model_path: str) -> list[Any]:
+        return rl_specs(cfg, family, model_path, rows=2)  # a pair is a chosen and a rejected image
+
+    describe = classmethod(parts.describe)
 
     @classmethod
     def plan(cls, cfg: DiffusionDPOConfig, assume: Any = None) -> list[plans.RecipePlan]:
         pairs = 2 * cfg.roles.policy.micro_batch_size  # chosen and rejected images
-        return cls.rl_plan(cfg, assume, pairs, f"{pairs // 2} preference pairs per rank: {pairs} images per forward",
-                           t5_tokens=cfg.dpo.max_sequence_length)
+        return parts.rl_plan(cfg, assume, cls.name, pairs, f"{pairs // 2} preference pairs per rank: {pairs} images "
+                             "per forward", res=cfg.data.resolution, t5_tokens=cfg.dpo.max_sequence_length)
 
     def build(self) -> None:
         cfg, registry, data = self.cfg, self.registry, self.cfg.data
-        self.add_denoisers(data.resolution)
+        # 1. the model folder (the tiny pipeline built and pretrained here when model.pretrained is empty); the
+        #    family's checks again (a hub name's is known only now)
+        self.model_path, done = rl_model(cfg, registry, self.path(f"tiny_{cfg.model.tiny_family}"),
+                                         self.path("data", "shapes"), data.resolution)
+        self.vae_pretrain, self.family = done["vae"], model_family(self.model_path)
+        self.check_family(cfg, self.family, self.model_path)
+        # 2. the policy, the ref, the vae and the text encoders, each its own engine
+        for spec in self.role_specs(cfg, self.family, self.model_path):
+            registry.add(spec)
         registry.build()
-        self.pm = self.policy_model(data.resolution, cfg.dpo.guidance_scale, cfg.dpo.max_sequence_length)
+        self.pm = PolicyModel(registry, self.model_path, self.family, resolution=data.resolution,
+                              guidance_scale=cfg.dpo.guidance_scale, t5_tokens=cfg.dpo.max_sequence_length)
+        # 3. the pairs: data.source, or shapes pairs that rank 0 draws; the held-out split
         source = os.path.expanduser(data.source)
         if not source:
             source = self.path("data", "pairs", "pairs.jsonl")
@@ -133,6 +155,10 @@ class DiffusionDPO(DiffusionRL):
         _, stats = rl.diffusion_dpo_loss_from_losses(mw, ml, rw, rl_, self.cfg.dpo.beta)
         return {"implicit_acc": float(stats.implicit_acc), "margin": float(stats.margin.mean()),
                 "chosen_preferred": float((mw < ml).float().mean()), "policy_mse": float(stats.model_mse)}
+
+    def export(self) -> dict[str, Any]:
+        """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy."""
+        return rl_export(self.registry, self.cfg, self.path("export"), self.model_path, self.family)
 
     def summary_metrics(self) -> dict[str, Any]:
         return {**first_last(self.step_metrics, "loss"),

@@ -12,35 +12,32 @@ import torch
 from multiengine.engines.settings import Range, section, setting
 from multiengine.pipelines.diffusion import rl
 from multiengine.pipelines.diffusion.export import ExportSettings
-from multiengine.pipelines.diffusion.families import family_roles
+from multiengine.pipelines.diffusion.families import family_roles, model_family
 from multiengine.pipelines.diffusion.inputs import check_config_folder
 from multiengine.pipelines.diffusion.rl_runs import (
     REWARD_MODEL,
     GRPOEval,
+    PolicyModel,
     PromptSettings,
     RewardSettings,
     RLModelSettings,
     load_reward_model_role,
     reward_functions,
     reward_grid,
+    rl_export,
+    rl_model,
+    rl_specs,
     rollout_advantages,
     score_images,
     tiny_reward_model,
 )
+from multiengine.pipelines.diffusion.runs import first_last, step_record
 from multiengine.pipelines.diffusion.training import step_generator
-from multiengine.recipes.diffusion_base import (
-    FROZEN,
-    POLICY,
-    DiffusionRL,
-    first_last,
-    refuse,
-    rl_roles,
-    step_record,
-    unset,
-)
+from multiengine.recipes import diffusion_parts as parts
+from multiengine.recipes.diffusion_parts import FROZEN, POLICY, refuse, rl_roles, unset
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import config_problem
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 
@@ -56,7 +53,10 @@ class DiffusionGRPOConfig(RunConfig):
     export: ExportSettings = section(ExportSettings, "what the run writes under output_dir/export")
 
 
-class DiffusionGRPO(DiffusionRL):
+class DiffusionGRPO(Recipe):
+    """The policy (a denoiser) sampled, scored and stepped on group-relative advantages, with a frozen ref for the
+    KL term, the reward model where listed, and the vae and text encoders frozen."""
+
     name = "diffusion_grpo"
     roles = rl_roles(
         POLICY, "frozen reference for the KL term (built when diffusion.kl_coef > 0): a separate copy of the policy's "
@@ -65,7 +65,6 @@ class DiffusionGRPO(DiffusionRL):
              "CNN trained here", defaults=FROZEN, omit=("tokenizer",), why="the reward model scores images"),
         vae="frozen: decodes the sampled latents")
     Config = DiffusionGRPOConfig
-    resolution_key = "diffusion.resolution"
     postfix_keys = ("reward", "policy_loss")
     headline = (("reward", "mean reward of held-out prompts", True),)
     plot_panels = [("reward", ["train/reward", "eval/reward"]), ("policy", ["train/policy_loss", "train/kl"]),
@@ -75,7 +74,7 @@ class DiffusionGRPO(DiffusionRL):
     def validate(cls, cfg: DiffusionGRPOConfig, world_size: int = 1) -> None:
         """The model folder and family, resolution, the batch (micro batch = prompts x group_size), the reward
         functions, the prompt files and the reward-model folder; before any rank starts."""
-        cls.check_rl_model(cfg)
+        parts.check_rl_model(cls, cfg, "diffusion.resolution")
         d, micro = cfg.diffusion, cfg.roles.policy.micro_batch_size
         if micro % d.group_size:
             raise config_problem("roles.policy.micro_batch_size", micro, f"is not a multiple of diffusion.group_size="
@@ -97,10 +96,6 @@ class DiffusionGRPO(DiffusionRL):
         cfg.prompts.check_files(cfg.eval.size)
 
     @classmethod
-    def resolution(cls, cfg: DiffusionGRPOConfig) -> int:
-        return cfg.diffusion.resolution
-
-    @classmethod
     def uses_ref(cls, cfg: DiffusionGRPOConfig) -> bool:
         return cfg.diffusion.kl_coef > 0
 
@@ -109,31 +104,36 @@ class DiffusionGRPO(DiffusionRL):
         return REWARD_MODEL in cfg.reward.functions
 
     @classmethod
-    def absent(cls, cfg: DiffusionGRPOConfig, family: str) -> dict[str, tuple[str, str]]:
-        out = super().absent(cfg, family)
+    def check_family(cls, cfg: DiffusionGRPOConfig, family: str, where: str = "") -> None:
+        """The keys of a role the run does not build (a text encoder or denoiser this family has not, the ref
+        without the KL term, the reward model unless listed) and the other sampler's noise are refused."""
+        absent = parts.absent_roles(cfg, family)
+        if not cls.uses_ref(cfg):
+            absent["ref"] = ("diffusion.kl_coef=0 builds no ref role", "drop roles.ref.{key}, or set diffusion.kl_coef")
         if not cls.uses_reward_model(cfg):
-            out["reward"] = ("reward.functions lists no reward_model: no reward role is built",
-                             "drop roles.reward.{key}, or add reward_model to reward.functions")
-        return out
-
-    @classmethod
-    def unused(cls, cfg: DiffusionGRPOConfig, family: str) -> dict[str, tuple[Any, str]]:
+            absent["reward"] = ("reward.functions lists no reward_model: no reward role is built",
+                                "drop roles.reward.{key}, or add reward_model to reward.functions")
         if family_roles(family).objective == "flow":
-            return unset(cfg.diffusion, ("eta",), "diffusion", f"is DDIM's noise (unet families); this {family} "
-                                                               "model samples with diffusion.noise_level")
-        return unset(cfg.diffusion, ("noise_level",), "diffusion", f"is the flow SDE's noise; this {family} model "
-                                                                   "samples with DDIM at diffusion.eta")
+            unused = unset(cfg.diffusion, ("eta",), "diffusion", f"is DDIM's noise (unet families); this {family} "
+                                                                 "model samples with diffusion.noise_level")
+        else:
+            unused = unset(cfg.diffusion, ("noise_level",), "diffusion", f"is the flow SDE's noise; this {family} "
+                                                                         "model samples with DDIM at diffusion.eta")
+        parts.check_family(cls, cfg, absent, unused, where)
 
     @classmethod
-    def accum(cls, cfg: DiffusionGRPOConfig) -> int:
-        return cfg.diffusion.trained_steps  # each rollout trains on its sampled steps, one backward each
+    def role_specs(cls, cfg: DiffusionGRPOConfig, family: str, model_path: str) -> list[Any]:
+        """The policy (each rollout trains on its sampled steps, one backward each), the ref, the vae, the text
+        encoders and the reward model (its folder, or the tiny one trained here)."""
+        specs = rl_specs(cfg, family, model_path, accum=cfg.diffusion.trained_steps, ref=cls.uses_ref(cfg))
+        if cls.uses_reward_model(cfg):
+            folder = cfg.roles.reward.model or os.path.join(cfg.output_dir, "tiny_reward")
+            specs.append(cfg.roles.reward.spec(lambda: load_reward_model_role(folder)))
+        return specs
 
     @classmethod
-    def extra_specs(cls, cfg: DiffusionGRPOConfig) -> list[Any]:
-        if not cls.uses_reward_model(cfg):
-            return []
-        folder = cfg.roles.reward.model or os.path.join(cfg.output_dir, "tiny_reward")
-        return [cfg.roles.reward.spec(lambda: load_reward_model_role(folder))]
+    def describe(cls, cfg: DiffusionGRPOConfig) -> dict[str, Any]:
+        return parts.describe(cls, cfg, "diffusion.resolution")
 
     @classmethod
     def plan(cls, cfg: DiffusionGRPOConfig, assume: Any = None) -> list[plans.RecipePlan]:
@@ -143,20 +143,30 @@ class DiffusionGRPO(DiffusionRL):
         if cls.uses_reward_model(cfg):
             with torch.device("meta"):
                 extra["reward"] = plans.module_info("reward", TinyShapesRewardModel())
-        return cls.rl_plan(cfg, assume, cfg.roles.policy.micro_batch_size, f"{d.num_inference_steps} sampling steps, "
-                           f"group {d.group_size}", extra=extra, guidance_scale=d.guidance_scale)
+        return parts.rl_plan(cfg, assume, cls.name, cfg.roles.policy.micro_batch_size, f"{d.num_inference_steps} "
+                             f"sampling steps, group {d.group_size}", res=d.resolution, ref=cls.uses_ref(cfg),
+                             extra=extra, guidance_scale=d.guidance_scale)
 
     def build(self) -> None:
         cfg, registry, d = self.cfg, self.registry, self.cfg.diffusion
-        self.add_denoisers(d.resolution)
-        if self.uses_reward_model(cfg) and not cfg.roles.reward.model:  # the tiny shapes CNN, trained by rank 0
+        # 1. the model folder (the tiny pipeline built and pretrained here when model.pretrained is empty); the
+        #    family's checks again (a hub name's is known only now); the tiny reward model, trained by rank 0
+        self.model_path, done = rl_model(cfg, registry, self.path(f"tiny_{cfg.model.tiny_family}"),
+                                         self.path("data", "shapes"), d.resolution)
+        self.vae_pretrain, self.unet_pretrain, self.family = done["vae"], done["unet"], model_family(self.model_path)
+        self.check_family(cfg, self.family, self.model_path)
+        if self.uses_reward_model(cfg) and not cfg.roles.reward.model:
             tiny_reward_model(self.path("tiny_reward"), resolution=d.resolution, steps=cfg.reward.model_steps,
                               seed=cfg.seed, is_main=registry.is_main)
+        # 2. the roles, each its own engine; the reward functions, the sampler, the prompts
+        for spec in self.role_specs(cfg, self.family, self.model_path):
+            registry.add(spec)
         registry.build()
         self.rewards = reward_functions(cfg.reward.functions, cfg.reward.weights, registry)
         ev = cfg.eval.reward
         self.eval_rewards = reward_functions([ev], [1.0], registry) if ev else self.rewards
-        self.pm = self.policy_model(d.resolution, d.guidance_scale)
+        self.pm = PolicyModel(registry, self.model_path, self.family, resolution=d.resolution,
+                              guidance_scale=d.guidance_scale, t5_tokens=0)
         self.sampler = self.pm.sampler(d.num_inference_steps, d.eta, d.noise_level)
         self.train_prompts, self.eval_prompts = cfg.prompts.split(cfg.eval.size, cfg.seed)
         self.tracker = rl.PromptStatTracker(d.prompt_buffer, d.prompt_min_count, d.advantage_std) \
@@ -216,6 +226,10 @@ class DiffusionGRPO(DiffusionRL):
             self.metrics.log_image(self.step, "eval/grid", grid)
             self.grids.append(path)
         return result
+
+    def export(self) -> dict[str, Any]:
+        """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy."""
+        return rl_export(self.registry, self.cfg, self.path("export"), self.model_path, self.family)
 
     def summary_metrics(self) -> dict[str, Any]:
         return {**first_last(self.step_metrics, "reward"), **self.eval_figures(("reward",))}

@@ -23,8 +23,8 @@ ZERO3, SEED_BASELINE = "zero3", "seed_baseline"
 MODES: tuple[str, ...] = (ZERO3, SEED_BASELINE)
 _TEXT_ENCODER = re.compile(r"^text_encoder(_\d+)?$")
 
-__all__ = ["MODES", "SEED_BASELINE", "ZERO3", "EMASettings", "ModelSettings", "call_engine", "load_component",
-           "read_model_index", "text_encoder_names", "tokenizer_name", "update_ema"]
+__all__ = ["MODES", "SEED_BASELINE", "ZERO3", "EMASettings", "ModelSettings", "call_engine", "component_loader",
+           "load_component", "read_model_index", "text_encoder_names", "tokenizer_name", "update_ema"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,13 @@ def call_engine(engine: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 @torch.no_grad()
+def component_loader(model: Any, model_path: str) -> Any:
+    """``load(name)``: a role factory of the component ``name`` of ``model_path`` (with ``model.variant`` where
+    ``model.pretrained`` is given)."""
+    variant = (model.variant or None) if model.pretrained else None
+    return lambda name: (lambda: load_component(model_path, name, variant))
+
+
 def update_ema(registry: EngineRegistry, step: int, settings: EMASettings, source: str, target: str = "ema") -> float:
     """One EMA update after 1-based optimizer step ``step`` with diffusers' EMAModel decay (returned), on local
     partitions, or with a sharded source gathered for a whole EMA (seed_baseline). All ranks call it."""

@@ -21,7 +21,7 @@ from multiengine.engines.settings import Each, FieldError, Length, Range, Settin
 from . import flow
 from .data import SHAPES_COLORS, _draw_shape, _shapes_rows, shapes_captions
 from .families import family_roles
-from .models import ModelSettings, call_engine, load_component
+from .models import ModelSettings, call_engine, component_loader, load_component
 from .rl import DDIMSampler, Denoiser, FlowSDESampler, PromptStatTracker, ddim_timesteps, flow_sampler, group_advantages
 from .training import Conditioning, DiffusionObjective, DiffusionSettings, FlowMatchingObjective, prompt_input_ids
 
@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BUILTIN_REWARDS", "DPOEval", "GRPOEval", "PolicyModel", "PreferenceData", "PromptSettings",
            "RLModelSettings", "RewardSettings", "denoiser_factory", "load_preference_rows", "load_reward_function",
-           "load_reward_model_role", "make_shapes_preference_pairs", "prepare_tiny_pipeline", "preference_pixels",
-           "preference_source", "preference_split", "pretrain_tiny_unet", "read_prompts", "reward_functions",
-           "reward_grid", "reward_model_scores", "score_images", "shapes_prompt_split", "tiny_reward_model"]
+           "load_reward_model_role", "make_shapes_preference_pairs", "preference_pixels", "preference_source",
+           "preference_split", "pretrain_tiny_unet", "read_prompts", "reward_functions", "reward_grid",
+           "reward_model_scores", "rl_export", "rl_model", "rl_specs", "score_images", "shapes_prompt_split",
+           "tiny_reward_model"]
 
 REWARD_MODEL = "reward_model"
 BUILTIN_REWARDS = ("color", "shapes", REWARD_MODEL)
@@ -691,27 +692,61 @@ def denoiser_factory(model_path: str, denoiser: str, folder: str, variant: str |
     return load
 
 
-def prepare_tiny_pipeline(path: str, shapes: str, family: str, *, seed: int, resolution: int, vae_steps: int,
-                          unet_steps: int, is_main: bool, device: Any) -> dict[str, Any]:
-    """The tiny ``family`` pipeline at ``path`` and the shapes images at ``shapes`` (rank 0 writes them), its vae
-    pretrained on them (all ranks) and, for SD, its unet (rank 0 while the others wait). Collective."""
+def rl_model(cfg: Any, registry: EngineRegistry, path: str, shapes: str, resolution: int) -> tuple[str, dict[str, Any]]:
+    """The model folder: model.pretrained's, or the tiny ``model.tiny_family`` pipeline at ``path`` and the shapes
+    images at ``shapes`` (rank 0 writes them), its vae pretrained on them (all ranks) and, for SD, its unet (rank 0
+    while the others wait), with {"vae": ..., "unet": ...}: what each pre-train did (None: none). Collective."""
     from multiengine.engines import barrier
 
     from .data import make_shapes_dataset
     from .runs import build_tiny_model
     from .tiny import pretrain_tiny_vae
 
-    if is_main:
-        build_tiny_model(path, seed, resolution, family)
-        make_shapes_dataset(shapes, 136, resolution, seed=seed)
-    barrier()
     done: dict[str, Any] = {"vae": None, "unet": None}
-    if vae_steps:
-        done["vae"] = pretrain_tiny_vae(path, shapes, vae_steps, seed=seed, resolution=resolution, progress=False,
-                                        device=device)
+    m = cfg.model
+    if m.pretrained:
+        return m.path(), done
+    if registry.is_main:
+        build_tiny_model(path, cfg.seed, resolution, m.tiny_family)
+        make_shapes_dataset(shapes, 136, resolution, seed=cfg.seed)
+    barrier()
+    if m.tiny_vae_steps:
+        done["vae"] = pretrain_tiny_vae(path, shapes, m.tiny_vae_steps, seed=cfg.seed, resolution=resolution,
+                                        progress=False, device=registry.device)
         barrier()
-    if unet_steps:
-        if is_main:
-            done["unet"] = pretrain_tiny_unet(path, shapes, unet_steps, resolution=resolution, seed=seed)
+    if m.tiny_unet_steps:
+        if registry.is_main:
+            done["unet"] = pretrain_tiny_unet(path, shapes, m.tiny_unet_steps, resolution=resolution, seed=cfg.seed)
         barrier()
-    return done
+    return path, done
+
+
+def rl_specs(cfg: Any, family: str, model_path: str, *, rows: int = 1, accum: int = 1, ref: bool = True) -> list[Any]:
+    """The RoleSpecs of a diffusion RL run on the folder ``model_path``: the policy (``rows`` per micro-batch item,
+    ``accum`` backwards per micro batch), the ref where ``ref``, the vae and the family's text encoders."""
+    fr, r = family_roles(family), cfg.roles
+    load = component_loader(cfg.model, model_path)
+    default = {"policy": os.path.join(model_path, fr.denoiser)}
+    variant = (cfg.model.variant or None) if cfg.model.pretrained else None
+
+    def denoiser(name: str) -> Any:
+        return denoiser_factory(model_path, fr.denoiser, r[name].model_path(default), variant)
+
+    specs = [r.policy.spec(denoiser("policy"), total_steps=cfg.max_steps, seed=cfg.seed, rows=rows, accum=accum,
+                           lora_targets=fr.lora_targets)]
+    if ref:
+        specs.append(r.ref.spec(denoiser("ref")))
+    return specs + [r[n].spec(load(n)) for n in ("vae", *fr.text_encoders)]
+
+
+def rl_export(registry: EngineRegistry, cfg: Any, out_dir: str, model_path: str, family: str) -> dict[str, Any]:
+    """export/policy (a diffusers pipeline folder) and export/lora for a LoRA policy, under ``out_dir``."""
+    from .export import export_run
+
+    if not cfg.export.enabled:
+        return {}
+    fr = family_roles(family)
+    lora = ("policy", fr.denoiser, fr.pipeline) if cfg.roles.policy.lora.r else None
+    return export_run(registry, out_dir, model_path, {fr.denoiser: "policy", "vae": "vae",
+                                                       **{n: n for n in fr.text_encoders}},
+                      cfg.export, lora=lora, pipeline="policy")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-from multiengine.engines import barrier, current_rss_bytes, shard_batches
+from multiengine.engines import barrier, current_rss_bytes, mean_over_ranks, shard_batches
+from multiengine.engines.settings import SettingsError
 from multiengine.pipelines.diffusion import data as data_lib
 from multiengine.pipelines.diffusion.families import family_roles
 from multiengine.pipelines.diffusion.models import read_model_index, tokenizer_name
@@ -23,9 +25,10 @@ from multiengine.pipelines.diffusion.validation import generate
 logger = logging.getLogger(__name__)
 
 __all__ = ["SHAPES_PROMPTS", "ImageColumn", "TrainImages", "build_tiny_model", "caption_collate", "conditioning_rows",
-           "eval_split_value", "held_out_of", "memory_metrics", "prepare_tiny_model", "rank0_first",
-           "resolution_multiple", "run_validation", "save_validation", "t5_length", "text_tokenizers",
-           "token_lengths", "validation_captions"]
+           "eval_split_value", "first_last", "held_out_of", "image_figures", "image_model", "image_source",
+           "log_validation", "memory_metrics", "prepare_tiny_model", "rank0_first", "resolution_multiple",
+           "run_validation", "split_rows", "step_record", "t5_length", "text_tokenizers", "token_lengths",
+           "train_images", "validation_captions"]
 
 SHAPES_PROMPTS = [
     "a red square on a white background",
@@ -113,6 +116,29 @@ def prepare_tiny_model(path: str, family: str, images: Sequence[Any], *, seed: i
     return done
 
 
+def image_source(cfg: Any, registry: Any, folder: str) -> Any:
+    """data.sources / data.source, or the built-in shapes dataset that rank 0 generates at ``folder``."""
+    d = cfg.data
+    if d.spec:
+        return d.spec
+    if registry.is_main:
+        data_lib.make_shapes_dataset(folder, d.builtin_size, d.resolution, seed=cfg.seed,
+                                     conditioning=d.conditioning_kind if d.conditioning else "")
+    barrier()
+    return folder
+
+
+def image_model(cfg: Any, registry: Any, rows: Any, folder: str) -> tuple[str, dict[str, Any] | None]:
+    """The model folder: model.pretrained's, or the tiny model built at ``folder``, its vae pretrained on the
+    training ``rows`` at data.resolution first (with pretrain_tiny_vae's result). Collective."""
+    if cfg.model.pretrained:
+        return cfg.model.path(), None
+    images = ImageColumn(cfg.data.first_rows(rows.train), "image")
+    return folder, prepare_tiny_model(folder, cfg.model.tiny_family, images, seed=cfg.seed,
+                                      resolution=cfg.data.resolution, vae_steps=cfg.model.tiny_vae_steps,
+                                      is_main=registry.is_main, device=registry.device)
+
+
 def text_tokenizers(model_path: str, encoders: Sequence[str]) -> list[Any]:
     from transformers import AutoTokenizer
 
@@ -169,6 +195,29 @@ class TrainImages:
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict(consumed=self.consumed)
+
+
+def split_rows(rows: Any, data: Any, heldout_size: int) -> tuple[Any, Any | None]:
+    """The training rows (data.max_train_samples of them) and the first ``heldout_size`` held-out rows (None)."""
+    held = None if rows.eval is None or not heldout_size else rows.eval.select(range(min(heldout_size,
+                                                                                          len(rows.eval))))
+    return data.first_rows(rows.train), held
+
+
+def train_images(cfg: Any, registry: Any, train_rows: Any, heldout_rows: Any | None, collate: Any, trained: str
+                 ) -> TrainImages:
+    """The training stream and held-out batches of ``trained``'s micro batch (conditioning images where
+    data.conditioning); too few rows for a micro batch per rank is a config error."""
+    def dataset(rows: Any, train: bool) -> Any:
+        return data_lib.ImageCaptionDataset(rows, cfg.data.transform(train), "image", "caption", seed=cfg.seed,
+                                            conditioning_column="conditioning_image" if cfg.data.conditioning else None)
+    try:
+        return TrainImages(dataset(train_rows, True), None if heldout_rows is None else dataset(heldout_rows, False),
+                           collate, micro_batch_size=cfg.roles[trained].micro_batch_size,
+                           world_size=registry.world_size, rank=registry.rank, seed=cfg.seed,
+                           num_workers=cfg.data.num_workers)
+    except ValueError as exc:
+        raise SettingsError(f"{exc}: lower roles.{trained}.micro_batch_size or add data.") from None
 
 
 def caption_collate(model_path: str, text_encoders: Sequence[str], t5_tokens: int) -> Callable[[list[Any]], Any]:
@@ -231,13 +280,43 @@ def run_validation(registry: Any, pipe: Any, trained: str, prompts: Sequence[str
         module.train(was_training)
 
 
-def save_validation(path: str, entry: Mapping[str, Any], grid: Any) -> None:
-    """Rank 0: the grid at ``path`` and its entry as a line of ``index.jsonl`` beside it."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    grid.save(path)
-    with open(os.path.join(folder, "index.jsonl"), "a", encoding="utf-8") as f:
-        f.write(json.dumps(dict(entry)) + "\n")
+def log_validation(registry: Any, metrics: Any, entry: dict[str, Any], images: list[Any],
+                   grid: Callable[[list[Any]], Any]) -> dict[str, Any]:
+    """Rank 0 saves ``grid(images)`` at entry["file"] with ``entry`` as a line of ``index.jsonl`` beside it and logs
+    it to TensorBoard; every rank logs the image count and seconds. Returns ``entry``."""
+    if registry.is_main:
+        image = grid(images)
+        folder = os.path.dirname(entry["file"])
+        os.makedirs(folder, exist_ok=True)
+        image.save(entry["file"])
+        with open(os.path.join(folder, "index.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+        # One tag for every validation, so TensorBoard's step slider walks through before/step_N/after.
+        metrics.log_image(entry["step"], "validation/grid", image)
+        logger.info("validation grid (%s, step %d, %s): %s", entry["tag"], entry["step"], entry["role"], entry["file"])
+    metrics.log(entry["step"], {"images": len(images), "seconds": entry["seconds"]}, prefix="validation")
+    return entry
+
+
+def first_last(step_metrics: list[dict[str, float]], key: str) -> dict[str, Any]:
+    """first_<key> and final_<key>: the training metric of the first and the last step (None before any)."""
+    values = [m[key] for m in step_metrics if key in m]
+    return {f"first_{key}": values[0] if values else None, f"final_{key}": values[-1] if values else None}
+
+
+def image_figures(step_metrics: list[dict[str, float]], heldout: Mapping[str, float]) -> dict[str, Any]:
+    """An image fine-tune's summary figures: the first and last training loss, the median step time (the first step,
+    its warm-up, left out) and the ``heldout`` losses of each evaluation."""
+    times = [m["step_time_s"] for m in (step_metrics[1:] or step_metrics)]
+    return {**first_last(step_metrics, "loss"), "step_time_s_median": statistics.median(times) if times else None,
+            **{f"heldout/{k}": v for k, v in heldout.items()}}
+
+
+def step_record(registry: Any, records: list[dict[str, float]], trained: str) -> dict[str, float]:
+    """A step's metrics: each the mean over the micro batches that have it and over the ranks, the learning rate of
+    the ``trained`` role and the memory per role."""
+    out = {key: statistics.fmean(r[key] for r in records if key in r) for key in records[-1]}
+    return {**mean_over_ranks(out), "lr": registry[trained].get_lr()[0], **memory_metrics(registry)}
 
 
 def memory_metrics(registry: Any) -> dict[str, float]:

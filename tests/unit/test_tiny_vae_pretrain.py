@@ -60,13 +60,10 @@ def test_pretrain_trains_at_the_given_resolution(tiny_sd, tmp_path, monkeypatch)
 
 
 def _job(tmp_path, *overrides):
-    from multiengine.recipes import sd_finetune as recipe
     from multiengine.recipes.language.config import load_config
 
     cfg = load_config("sd_finetune", "tiny", [f"output_dir={tmp_path}", *overrides])
-    job = recipe.SDFinetune(cfg)
-    job.registry = types.SimpleNamespace(is_main=True, rank=0, world_size=1, device=torch.device("cpu"))
-    return job
+    return cfg, types.SimpleNamespace(is_main=True, rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def test_recipe_pretrains_at_data_resolution_on_the_training_images(tmp_path, monkeypatch):
@@ -76,16 +73,17 @@ def test_recipe_pretrains_at_data_resolution_on_the_training_images(tmp_path, mo
     monkeypatch.setattr(runs, "build_tiny_model", lambda *a, **k: None)
     monkeypatch.setattr(runs, "pretrain_tiny_vae", lambda path, images, steps, **kw: calls.append(
         (path, [images[i].size for i in range(len(images))], steps, kw)) or {"steps": steps})
-    job = _job(tmp_path, "data.resolution=16", "data.builtin_size=10", "eval.heldout_size=2",
-               "model.tiny_vae_steps=7")
-    job.data_source = job._data_source()
-    path = job._model_path()
+    cfg, registry = _job(tmp_path, "data.resolution=16", "data.builtin_size=10", "eval.heldout_size=2",
+                         "model.tiny_vae_steps=7")
+    source = runs.image_source(cfg, registry, str(tmp_path / "data" / "shapes"))
+    rows = cfg.data.load(source, cfg.eval.heldout_size, cfg.seed)
+    path, vae_pretrain = runs.image_model(cfg, registry, rows, str(tmp_path / "tiny_sd"))
     (where, sizes, steps, kw), = calls
     assert where == path == str(tmp_path / "tiny_sd") and steps == 7
-    assert kw["resolution"] == 16 and kw["seed"] == job.cfg.seed
-    train = job.rows().train  # the same rows the fine-tune trains on: the held-out rows are not among them
+    assert kw["resolution"] == 16 and kw["seed"] == cfg.seed
+    train = rows.train  # the same rows the fine-tune trains on: the held-out rows are not among them
     assert len(sizes) == len(train) < 10 and set(sizes) == {(16, 16)}
-    assert job.vae_pretrain == {"steps": 7}
+    assert vae_pretrain == {"steps": 7}
 
 
 def test_recipe_skips_the_pretrain_when_the_model_brings_a_vae(tiny_sd, tmp_path, monkeypatch):
@@ -96,8 +94,8 @@ def test_recipe_skips_the_pretrain_when_the_model_brings_a_vae(tiny_sd, tmp_path
         raise AssertionError("pretrain_tiny_vae called for a model with its own vae")
 
     monkeypatch.setattr(runs, "pretrain_tiny_vae", fail)
-    job = _job(tmp_path, f"model.pretrained={tiny_sd}")
-    assert job._model_path() == tiny_sd and job.vae_pretrain is None
+    cfg, registry = _job(tmp_path, f"model.pretrained={tiny_sd}")
+    assert runs.image_model(cfg, registry, None, str(tmp_path / "tiny_sd")) == (tiny_sd, None)
     # the tiny model's options are refused beside a model folder: they would be ignored
     with pytest.raises(RecipeConfigError, match="model.tiny_vae_steps.*applies only while model.pretrained is empty"):
         _job(tmp_path, f"model.pretrained={tiny_sd}", "model.tiny_vae_steps=7")

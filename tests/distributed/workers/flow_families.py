@@ -155,7 +155,7 @@ def run_recipe(name, *overrides):
     job.plot()
     job.write_key_reads()
     out = {"losses": job.losses, "heldout": job.heldout, "export": exported,
-           "lr": job.registry["transformer"].get_lr()[0], "sampler": job.sampler.state_dict(consumed=job.consumed),
+           "lr": job.registry["transformer"].get_lr()[0], "sampler": job.images.state_dict(),
            "weights": {role: checksum(job.registry, role) for role in ("transformer", "ema") if role in job.registry}}
     job.close()
     return out

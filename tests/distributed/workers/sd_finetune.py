@@ -58,7 +58,7 @@ def run(name: str, *overrides: str):
         "stages": {r.name: r.stage for r in job.registry.roles()},
         "step_time_s": summary["metrics"]["step_time_s_median"],
         "lr": job.registry["unet"].get_lr()[0],
-        "sampler": job.sampler.state_dict(consumed=job.consumed),
+        "sampler": job.images.state_dict(),
         "vae_pretrain": job.vae_pretrain,
     }
     result.update(checks)
