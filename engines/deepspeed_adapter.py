@@ -2,7 +2,8 @@
 upgrade is checked here (:func:`missing`, run against the installed DeepSpeed by tests/unit/test_deepspeed_adapter.py
 and at every build) and fixed here. What DeepSpeed's public API lacks: one backward for several engines and engines
 a loss only passes through (the engine's backward bookkeeping), ZeRO-3 hooks off around a gathered forward, torch's
-own ``F.linear`` on whole weights, zero.Init that keeps class decorators, and DeepSpeed's cached groups torn down.
+own ``F.linear`` on whole weights, zero.Init that keeps class decorators, DeepSpeed's cached groups torn down, and
+its groups bounded by the collective timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _REQUIRED = (
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "iter_params"),
     ("deepspeed.comm.comm", "cdb"),
     ("deepspeed.comm.comm", "destroy_process_group"),
+    ("deepspeed.comm.torch", "TorchBackend.new_group"),
 )
 _ENGINE_ATTRS = ("_running_engine_backward_lock", "_running_engine_backward_count", "_running_engine_backward")
 
@@ -241,3 +243,15 @@ def destroy_groups() -> bool:
         return False
     comm.destroy_process_group()
     return True
+
+
+def bound_group_timeouts(timeout: Any) -> None:
+    """Every group DeepSpeed creates from now on (its data-parallel groups, the cloned world group ZeRO reduces
+    gradients on) waits ``timeout`` (a timedelta; None: torch's default) in a collective, as the default group does:
+    DeepSpeed's ``new_group`` passes no timeout, so torch gave them its 30 minutes."""
+    cdb = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    if cdb is None:
+        return
+    vars(cdb).pop("new_group", None)
+    if timeout is not None:
+        cdb.new_group = lambda ranks: torch.distributed.new_group(ranks, timeout=timeout)

@@ -74,6 +74,7 @@ def export_local_size() -> None:
 
 
 _timeout_s: float | None = None  # what this process's group was created with (None: the defaults)
+_destroyed = 0  # default groups this process has destroyed (shutdown); the next one gets fresh store keys
 
 
 def _launched() -> bool:
@@ -122,6 +123,9 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
     if alone:  # DeepSpeed adopts the existing group
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
+    elif _destroyed:  # a group after a destroyed one (close, then a new registry): DeepSpeed adopts it too
+        dist.init_process_group(backend=backend, store=_fresh_store(env, timeout), rank=env.rank,
+                                world_size=env.world_size, **timeout)
     if use_deepspeed:
         # DeepSpeed may JIT-build an op during its start (on CPU: the shared-memory comm op); a lock
         # left by a killed build would make it wait for ever.
@@ -131,13 +135,23 @@ def init_distributed(use_deepspeed: bool, backend: str | None = None, timeout_s:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **timeout)
+        from .deepspeed_adapter import bound_group_timeouts
+
+        bound_group_timeouts(timeout.get("timeout"))
         release_shm_buffers(env.rank, env.world_size)
-    elif not alone:
+    elif not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, **timeout)
     _timeout_s = timeout_s
     logger.info("process group up: rank %d of %d (%s%s)", env.rank, env.world_size, backend,
                 "" if timeout_s is None else f", collective timeout {timeout_s:g} s")
     return env
+
+
+def _fresh_store(env: DistEnv, timeout: dict) -> dist.Store:
+    """The launcher's store under keys of this group's own: torch numbers groups from 0 again after a destroy, and
+    a rank that read a destroyed group's address of its peer from the store waited on it for ever."""
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, **timeout))
+    return dist.PrefixStore(f"multiengine-group-{_destroyed}", store)
 
 
 # --- DeepSpeed's shared-memory all-reduce buffers on CPU ------------------------------------------
@@ -214,7 +228,8 @@ def collective_timeout_message(exc: BaseException) -> str | None:
     ds_dir = os.sep + "deepspeed" + os.sep
 
     def wrapper(f: traceback.FrameSummary) -> bool:  # decorators that only pass the call through
-        return f.filename.startswith(torch_dir) or f.filename.endswith(os.path.join("deepspeed", "utils", "nvtx.py"))
+        return f.filename.startswith(torch_dir) or f.filename.endswith(
+            (os.path.join("deepspeed", "utils", "nvtx.py"), os.sep + "typing_extensions.py"))
 
     c10d = [f for f in frames if f.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
     inner = [f for f in frames if not wrapper(f)]
@@ -254,12 +269,14 @@ def device_for(local_rank: int, use_deepspeed: bool) -> torch.device:
 def shutdown() -> None:
     """Leave the process group: a barrier first (a peer still inside a collective when gloo is torn down aborts
     in C++: "terminate called without an active exception"), then destroy it."""
+    global _destroyed
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         from .deepspeed_adapter import destroy_groups
 
         if not destroy_groups():
             dist.destroy_process_group()
+        _destroyed += 1
 
 
 def barrier() -> None:
