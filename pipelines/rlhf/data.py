@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["FIELDS", "REQUIRED_COLUMNS", "Columns", "DataFormat", "DataSettings", "DataSource", "PairCollator",
            "PromptCollator", "PromptData", "ResponseData", "SFTCollator", "ShardedEpochSampler", "TrainEval",
            "chat_template_roles", "check_chat_roles", "check_chat_template", "check_rlhf_data", "detect_format",
-           "is_conversation", "load_rlhf_data", "load_rlhf_dataset", "prompt_text"]
+           "is_conversation", "load_rlhf_data", "load_rlhf_dataset", "load_stage", "prompt_stream", "prompt_text",
+           "training_batches"]
 
 # the minimal columns of each stage's standard format
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -706,3 +707,40 @@ class PairCollator(_Encoder):
             "input_ids": _pad(seqs, self.pad_id, left=False),
             "attention_mask": _pad([[1] * len(s) for s in seqs], 0, left=False),
         }
+
+
+def load_stage(registry: Any, data: DataSettings, seed: int, stage: str, assets: Mapping[str, str], *,
+               eval_stage: str | None = None, source: Any = None, evaluate: bool = True) -> TrainEval:
+    """The training and evaluation rows of one stage from ``data`` (the built-in data of ``assets`` when it names
+    none; ``source``: another training source), loaded on rank 0 first."""
+    from .runs import on_rank0_first
+
+    source = source or data.train_source() or assets.get("data", "")
+    return on_rank0_first(registry, lambda: load_rlhf_data(data, stage, seed=seed, eval_stage=eval_stage,
+                                                           source=source, evaluate=evaluate))
+
+
+def training_batches(registry: Any, data: DataSettings, seed: int, rows: TrainEval, collate: Any,
+                     batch_size: int) -> tuple[Any, list[Any]]:
+    """The training rows as a checkpointed stream of ``batch_size`` rows (registry state ``batches``), and the
+    held-out batches of at most ``data.heldout_size`` evaluation rows (0 = all), never trained on."""
+    from multiengine.engines import ShardedBatches, shard_batches
+
+    w, rank = registry.world_size, registry.rank
+    batches = registry.add_state("batches", ShardedBatches(rows.train, collate, batch_size, w, rank, seed=seed))
+    heldout = [] if rows.eval is None else shard_batches(rows.eval, collate, batch_size, w, rank,
+                                                         limit=data.heldout_size)
+    return batches, heldout
+
+
+def prompt_stream(registry: Any, data: DataSettings, seed: int, rows: TrainEval, tokenizer: Any,
+                  batch_size: int) -> tuple[Any, bool, dict[str, Any]]:
+    """The training prompts as a checkpointed stream (registry state ``prompts``), whether they are conversations,
+    and the columns of the training and evaluation rows (what reward functions may read)."""
+    from multiengine.engines import ShardedBatches
+
+    collate = PromptCollator(tokenizer, data.max_prompt_len)
+    prompts = registry.add_state("prompts", ShardedBatches(rows.train, collate, batch_size, registry.world_size,
+                                                           registry.rank, seed=seed))
+    columns = {"train": rows.train.column_names, "eval": rows.eval.column_names if rows.eval is not None else None}
+    return prompts, "prompt_messages" in collate([rows.train[0]]), columns

@@ -20,11 +20,12 @@ from .rewards import RewardSource, RunningMoments, check_sources, reward_model
 from .rollout import Experience, RolloutSpec, StepStats, make_experience, rollout_metrics, sampling_seed, step_timings
 from .update import train_on_experience
 
-__all__ = ["DUAL_CLIP", "SUMMARY_TIMINGS", "PPOSettings", "PPOTrainer", "plot_panels"]
+__all__ = ["DUAL_CLIP", "SUMMARY_TIMINGS", "PPOSettings", "PPOTrainer", "plot_panels", "summary_timings"]
 
 # the per-step timings (rollout.step_timings) whose means a run's summary reports
 SUMMARY_TIMINGS = ("time/step_s", "time/generation_s", "time/experience_s", "time/train_s", "gen/tokens_per_s",
                    "gen/ms_per_token")
+ROLLOUT_SUMMARY = ("rollout/sync_s", "rollout/sync_bytes", "rollout/logprob_mismatch")  # generation.engine=vllm's
 DUAL_CLIP = Satisfies(lambda c: type(c) in (int, float) and (c == 0 or c > 1), "0 (off) or > 1")
 
 
@@ -70,6 +71,12 @@ class PPOSettings(Settings):
         """Optimizer steps of a trainable role over ``max_steps`` PPO steps: each runs ``epochs`` passes over
         ``rollout_batch_size`` rows in micro batches of ``micro_batch_size``, stepping every ``grad_accum``."""
         return max_steps * self.epochs * (self.rollout_batch_size // micro_batch_size) // grad_accum
+
+
+def summary_timings(engine: str) -> tuple[str, ...]:
+    """The per-step figures whose means a policy recipe's summary holds (``generation.engine``: vllm adds the rollout
+    engine's sync time and bytes and log-prob mismatch)."""
+    return SUMMARY_TIMINGS + (ROLLOUT_SUMMARY if engine == "vllm" else ())
 
 
 def plot_panels(sources: Sequence[RewardSource], judged: bool) -> list[tuple[str, list[str]]]:

@@ -1,18 +1,21 @@
 """The RLHF roles' models, each built on its own engine by the recipes (``cfg.roles.<name>.spec(factory)``):
 causal LMs (``actor``, ``ref``: the SFT folder loaded again, never a deepcopy of a partitioned model; a teacher, a
-student) and scalar-head models (``critic``, ``reward``), all loaded with dropout off."""
+student) and scalar-head models (``critic``, ``reward``), all loaded with dropout off; and what the recipes call to
+set them up: their folders and tokenizers (the tiny assets where left empty), adding them to the registry, export."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from multiengine.engines import torch_dtype
+from multiengine.engines import EngineRegistry, frozen_role, save_role, torch_dtype
 
 from .models import ScalarHeadModel
 
-__all__ = ["causal_lm", "disable_dropout", "load_causal_lm", "load_scalar_model", "scalar_model"]
+__all__ = ["add_lm_role", "add_reward_roles", "add_rollout", "causal_lm", "disable_dropout", "export_role",
+           "load_causal_lm", "load_scalar_model", "role_folder", "scalar_model", "tiny_assets"]
 
 
 def _config_without_dropout(path: str) -> Any:
@@ -61,3 +64,55 @@ def causal_lm(path: str, dtype: str = "fp32") -> Callable[[], torch.nn.Module]:
 def scalar_model(path: str, dtype: str = "fp32", zero3: bool = False, seed: int = 0) -> Callable[[], torch.nn.Module]:
     """The model factory of a scalar-head role (a reward model, a critic): LM body + value head, dropout off."""
     return lambda: load_scalar_model(path, zero3, torch_dtype(dtype), seed)
+
+
+def tiny_assets(registry: EngineRegistry, root: str, cfg: Any, *models: str) -> dict[str, str]:
+    """The embedded default (built-in data, tokenizer, random tiny OPT of ``cfg.tiny``) under ``root`` when
+    ``cfg.data`` is the built-in data or one of ``models`` (model folders) is left empty, else ``{}``."""
+    from .runs import prepare_tiny_assets
+
+    if not (cfg.data.builtin or not all(models)):
+        return {}
+    return prepare_tiny_assets(root, registry, cfg.seed, cfg.tiny)
+
+
+def role_folder(role: Any, assets: dict[str, str], path: str = "") -> tuple[str, Any]:
+    """``role``'s folder (``path``: what the recipe resolved or trained for it; else ``role.model``; else the tiny
+    model) and its tokenizer (``role.tokenizer``, else the folder's, else the tiny tokenizer)."""
+    from .runs import role_tokenizer
+
+    path = path or role.model or assets["model"]
+    tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
+    return path, role_tokenizer(role.tokenizer_path(), path, tiny_tok, what=f"roles.{role.name}.model")
+
+
+def add_lm_role(registry: EngineRegistry, role: Any, path: str, seed: int, scalar: bool = False, **spec: Any) -> None:
+    """Add ``role`` (a ``roles.<name>`` section) on ``path``: a causal LM, or with ``scalar`` an LM body + value head;
+    ``spec``: its ``.spec`` arguments (``total_steps``, ``rows``, ...)."""
+    dtype = role.effective_dtype
+    model = scalar_model(path, dtype, role.effective_stage == 3, seed if role.trainable else 0) if scalar \
+        else causal_lm(path, dtype)
+    registry.add(role.spec(model, seed=seed, **spec))
+
+
+def add_reward_roles(registry: EngineRegistry, models: list[Any]) -> None:
+    """Add the reward-model roles ``models`` (``RewardSettings.sources``'), each at its own placement."""
+    for m in models:
+        p = m.placement
+        registry.add(frozen_role(m.role, scalar_model(m.path, p.dtype, p.stage == 3), p))
+
+
+def add_rollout(registry: EngineRegistry, cfg: Any, path: str, seq_len: int, role: str = "actor") -> None:
+    """With generation.engine=vllm: roles.rollout's vLLM engine on every rank, started from ``path`` (``role``'s
+    initial folder) and synced from ``role`` before each rollout that follows an optimizer step."""
+    if cfg.generation.engine != "vllm":
+        return
+    from multiengine.engines.vllm_rollout import VLLMRollout
+
+    settings = cfg.roles.rollout.engine_settings(seq_len, cfg.seed)
+    registry.add_rollout(role, VLLMRollout(path, settings, registry.device.type))
+
+
+def export_role(registry: EngineRegistry, export: Any, root: str, tokenizer: Any, role: str = "actor") -> dict:
+    """``{role: ...}``: ``role`` saved to ``root/<role>`` with ``tokenizer`` when ``export.enabled``, else ``{}``."""
+    return {role: save_role(registry, role, os.path.join(root, role), tokenizer=tokenizer)} if export.enabled else {}

@@ -34,7 +34,7 @@ from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
 __all__ = ["Experience", "RolloutSpec", "StepStats", "concat_experiences", "expand_prompts", "make_experience",
-           "rollout_metrics", "sampling_seed", "step_timings"]
+           "rollout_metrics", "rollout_spec", "sampling_seed", "step_timings"]
 
 Judge = Callable[[str, str], float]
 Decode = Callable[[torch.Tensor], list[str]]
@@ -186,6 +186,15 @@ class RolloutSpec:
     seed: int = 0
     critic_retokenizer: Any = None
     old_logprobs: bool = True
+
+
+def rollout_spec(answers: Any, tokenizer: Any, rewards: Sequence[RewardSource], seed: int, **roles: Any
+                 ) -> RolloutSpec:
+    """The rollouts' spec: sampled as the evaluation ``answers`` (a ``PolicyAnswers``), judged alike, decoded with
+    the actor's ``tokenizer``; ``roles``: its role names (and the critic's retokenizer)."""
+    return RolloutSpec(answers.sampled, tokenizer.eos_token_id, tokenizer.pad_token_id, rewards,
+                       lambda ids: tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True), answers.judge,
+                       seed=seed, **roles)
 
 
 @torch.no_grad()
