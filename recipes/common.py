@@ -1,7 +1,7 @@
-"""What the RLHF recipes share: the sections they declare alike (their settings classes live in pipelines/: data,
-generation, eval, reward, tiny; the export and step-run ones here), the base class :class:`RLHFRecipe` (the checks of
-validate, and the setup that reads those sections: tiny assets, model folders and tokenizers, an SFT model trained
-first, data streams, evaluation answers, export) and the planner helpers of their ``plan``."""
+"""What the RLHF recipes share beyond pipelines/rlhf (whose functions build their roles, data streams and rollouts):
+the sections they declare alike (the export and step-run settings here; data, generation, eval, reward, tiny in
+pipelines/), the checks of their ``validate``, the SFT model a recipe trains first (an rlhf_sft run) and the planner
+helpers of their ``plan``."""
 
 from __future__ import annotations
 
@@ -10,19 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines import planner as P
 from multiengine.engines.settings import Settings, setting
 from multiengine.pipelines.checks import check_model, check_stage_batches, check_tokenizer
-from multiengine.pipelines.rlhf.runs import on_rank0_first, role_tokenizer
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import RecipeConfigError, config_problem, load_config
-from multiengine.recipes.language.lifecycle import Recipe
 
 __all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "ExportSettings",
-           "RLHFRecipe", "StepRun", "check_data", "check_model", "check_prompts_and_rewards", "check_reward_columns",
-           "check_role", "check_sft_run", "check_stage_batches", "check_tokenizer", "eval_generation", "lm_info",
-           "lora_renamed", "old_keys", "policy_plan", "reward_plan"]
+           "StepRun", "check_data", "check_hf_generation", "check_model", "check_prompts_and_rewards",
+           "check_reward_columns", "check_role", "check_sft_run", "check_stage_batches", "check_tokenizer",
+           "eval_generation", "lm_info", "lora_renamed", "old_keys", "policy_plan", "reward_plan", "sft_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +181,6 @@ def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun
 
 ROLLOUT_ROLE_HELP = ("the vLLM engine generating the {of}'s rollouts on every rank (generation.engine=vllm), its "
                      "weights synced from the {of} after each optimizer step; docs/vllm.md")
-ROLLOUT_SUMMARY = ("rollout/sync_s", "rollout/sync_bytes", "rollout/logprob_mismatch")
 
 
 def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, int, int] | None = None) -> None:
@@ -224,150 +220,20 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
                              f"cannot run with generation.engine=vllm: {err.problem}", fix) from None
 
 
-# --- the recipes' base: their checks and setup -----------------------------------------------------------------------
-class RLHFRecipe(Recipe):
-    """A recipe of this family: its checks' errors are config errors, and its setup reads the shared sections."""
+def check_hf_generation(cfg: Any, name: str) -> None:
+    """generation.engine=vllm only where a rollout role generates (recipe ``name`` samples evaluation answers only)."""
+    if cfg.generation.engine != "hf":
+        raise config_problem("generation.engine", cfg.generation.engine, f"has no rollout engine in {name} (vLLM "
+                             "generates the rollouts of rlhf_grpo, rlhf_ppo and distill)", "generation.engine=hf")
 
-    @classmethod
-    def check(cls, cfg: Any, world_size: int = 1) -> None:
-        """generation.engine=vllm only where a rollout role generates (the others sample evaluation answers only)."""
-        engine = getattr(getattr(cfg, "generation", None), "engine", "hf")
-        if engine != "hf" and not any(r.rollout for r in cls.roles):
-            raise config_problem("generation.engine", engine, f"has no rollout engine in {cls.name} (vLLM generates "
-                                 "the rollouts of rlhf_grpo, rlhf_ppo and distill)", "generation.engine=hf")
-        super().check(cfg, world_size)
 
-    def tiny_assets(self, *models: str) -> dict[str, str]:
-        """The embedded default (built-in data, tokenizer, random tiny OPT of ``tiny.*``) under output_dir/tiny when
-        the data or one of ``models`` (model folders) is left empty, else ``{}``."""
-        from multiengine.pipelines.rlhf.runs import prepare_tiny_assets
-
-        cfg = self.cfg
-        if not (cfg.data.builtin or not all(models)):
-            return {}
-        return prepare_tiny_assets(self.path("tiny"), self.registry, cfg.seed, cfg.tiny)
-
-    def role_folder(self, role: str, assets: dict[str, str], path: str = "") -> tuple[str, Any]:
-        """``roles.<role>.model`` (``path``: what the recipe resolved or trained for it; else the tiny model when
-        empty) and its tokenizer (``roles.<role>.tokenizer``, else the folder's, else the tiny tokenizer)."""
-        r = self.cfg.roles[role]
-        path = path or r.model or assets["model"]
-        tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None
-        return path, role_tokenizer(r.tokenizer_path(), path, tiny_tok, what=f"roles.{role}.model")
-
-    def sft_model(self, run: StepRun, out_dir: str, assets: dict[str, str]) -> str:
-        """The export of an rlhf_sft run (``run``: config and overrides) under ``out_dir`` on this recipe's data
-        from the tiny model, reused while its config and inputs are unchanged (language.steps.run_step)."""
-        cfg = self.cfg
-        overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *cfg.data.overrides(assets.get("data") or None),
-                     f"roles.actor.model={assets['model']}", *run.overrides]
-        logger.info("%s: the SFT model comes from rlhf_sft (config %s) in %s", self.name, run.config, out_dir)
-        return run_step("rlhf_sft", run.config, overrides, out_dir, False, {})["export"]["actor"]["model"]
-
-    def sft_actor(self, assets: dict[str, str]) -> tuple[str, Any]:
-        """The actor's folder (``roles.actor.model``, else the tiny SFT actor trained first under output_dir/sft with
-        ``actor_sft``) and its tokenizer."""
-        cfg = self.cfg
-        path = cfg.roles.actor.model or self.sft_model(cfg.actor_sft, self.path("sft"), assets)
-        return self.role_folder("actor", assets, path)
-
-    def add_role(self, name: str, path: str, scalar: bool = False, **spec: Any) -> None:
-        """Add ``roles.<name>`` on ``path`` to the registry: a causal LM, or with ``scalar`` an LM body + value head;
-        ``spec``: its ``.spec`` arguments (``total_steps``, ``rows``, ...)."""
-        from multiengine.pipelines.rlhf.roles import causal_lm, scalar_model
-
-        role, seed = self.cfg.roles[name], self.cfg.seed
-        dtype = role.effective_dtype
-        model = scalar_model(path, dtype, role.effective_stage == 3, seed if role.trainable else 0) if scalar \
-            else causal_lm(path, dtype)
-        self.registry.add(role.spec(model, seed=seed, **spec))
-
-    def add_reward_roles(self, models: list[Any]) -> None:
-        """Add the reward-model roles ``models`` (``RewardSettings.sources``'), each at its own placement."""
-        from multiengine.engines import frozen_role
-        from multiengine.pipelines.rlhf.roles import scalar_model
-
-        for m in models:
-            p = m.placement
-            self.registry.add(frozen_role(m.role, scalar_model(m.path, p.dtype, p.stage == 3), p))
-
-    def rollout_spec(self, rewards: list[Any], **roles: Any) -> Any:
-        """The rollouts' RolloutSpec: sampled as the evaluation answers (``self.answers``), judged alike, decoded
-        with the actor's tokenizer; ``roles``: its role names (and the critic's retokenizer)."""
-        from multiengine.pipelines.rlhf.rollout import RolloutSpec
-
-        a, tok = self.answers, self.tokenizer
-        return RolloutSpec(a.sampled, tok.eos_token_id, tok.pad_token_id, rewards,
-                           lambda ids: tok.batch_decode(ids.cpu(), skip_special_tokens=True), a.judge,
-                           seed=self.cfg.seed, **roles)
-
-    def add_rollout(self, path: str, seq_len: int, role: str = "actor") -> None:
-        """With generation.engine=vllm: roles.rollout's vLLM engine on every rank, started from ``path`` (``role``'s
-        initial folder) and synced from ``role`` before each rollout that follows an optimizer step."""
-        if self.cfg.generation.engine != "vllm":
-            return
-        from multiengine.engines.vllm_rollout import VLLMRollout
-
-        settings = self.cfg.roles.rollout.engine_settings(seq_len, self.cfg.seed)
-        self.registry.add_rollout(role, VLLMRollout(path, settings, self.registry.device.type))
-
-    def rollout_summary(self) -> dict[str, Any]:
-        """The means of the rollout engine's per-step figures (sync time and bytes, log-prob mismatch); {} with hf."""
-        if self.cfg.generation.engine != "vllm":
-            return {}
-        return {f"{key}_mean": self.mean_step_metric(key) for key in ROLLOUT_SUMMARY}
-
-    def load_data(self, stage: str, assets: dict[str, str], *, eval_stage: str | None = None, source: Any = None,
-                  evaluate: bool = True) -> Any:
-        """The training and evaluation rows of one stage from ``cfg.data`` (the built-in data of ``assets`` when it
-        names none; ``source``: another training source), rank 0 first; a ``TrainEval``."""
-        from multiengine.pipelines.rlhf.data import load_rlhf_data
-
-        cfg = self.cfg
-        source = source or cfg.data.train_source() or assets.get("data", "")
-        return on_rank0_first(self.registry, lambda: load_rlhf_data(cfg.data, stage, seed=cfg.seed,
-                                                                    eval_stage=eval_stage, source=source,
-                                                                    evaluate=evaluate))
-
-    def training_batches(self, data: Any, collate: Any, batch_size: int) -> tuple[ShardedBatches, list[Any]]:
-        """The training rows as a checkpointed stream of ``batch_size`` rows, and the held-out batches of at most
-        ``data.heldout_size`` evaluation rows (0 = all), never trained on."""
-        cfg, registry = self.cfg, self.registry
-        batches = registry.add_state("batches", ShardedBatches(data.train, collate, batch_size, registry.world_size,
-                                                               registry.rank, seed=cfg.seed))
-        heldout = []
-        if data.eval is not None:
-            heldout = shard_batches(data.eval, collate, batch_size, registry.world_size, registry.rank,
-                                    limit=cfg.data.heldout_size)
-        return batches, heldout
-
-    def prompt_batches(self, data: Any, tokenizer: Any, batch_size: int) -> tuple[ShardedBatches, bool, dict]:
-        """The training prompts as a checkpointed stream, whether they are conversations, and the columns of the
-        training and evaluation rows (what reward functions may read)."""
-        from multiengine.pipelines.rlhf.data import PromptCollator
-
-        cfg, registry = self.cfg, self.registry
-        collate = PromptCollator(tokenizer, cfg.data.max_prompt_len)
-        prompts = registry.add_state("prompts", ShardedBatches(data.train, collate, batch_size, registry.world_size,
-                                                               registry.rank, seed=cfg.seed))
-        columns = {"train": data.train.column_names, "eval": data.eval.column_names if data.eval is not None else None}
-        return prompts, "prompt_messages" in collate([data.train[0]]), columns
-
-    def policy_answers(self, rows: Any, tokenizer: Any, role: str = "actor") -> Any:
-        """``role``'s sampled (and greedy) answers to the evaluation rows' prompts, with ``generation`` and ``eval``
-        (``evaluation.policy_answers``); call it to evaluate."""
-        from multiengine.pipelines.rlhf.evaluation import policy_answers
-
-        cfg = self.cfg
-        return policy_answers(self.registry, rows, tokenizer, cfg.generation, cfg.eval, cfg.data.max_prompt_len, role)
-
-    def export_role(self, tokenizer: Any, role: str = "actor") -> dict[str, Any]:
-        """``export/<role>`` with ``tokenizer`` when ``export.enabled``, else ``{}``."""
-        from multiengine.engines import save_role
-
-        if not self.cfg.export.enabled:
-            return {}
-        return {role: save_role(self.registry, role, self.path("export", role), tokenizer=tokenizer)}
+def sft_model(cfg: Any, run: StepRun, out_dir: str, assets: dict[str, str]) -> str:
+    """The export of an rlhf_sft run (``run``: config and overrides) under ``out_dir`` on ``cfg.data`` from the tiny
+    model, reused while its config and inputs are unchanged (language.steps.run_step)."""
+    overrides = [f"seed={cfg.seed}", f"backend={cfg.backend}", *cfg.data.overrides(assets.get("data") or None),
+                 f"roles.actor.model={assets['model']}", *run.overrides]
+    logger.info("the SFT model comes from rlhf_sft (config %s) in %s", run.config, out_dir)
+    return run_step("rlhf_sft", run.config, overrides, out_dir, False, {})["export"]["actor"]["model"]
 
 
 # --- the planner helpers of the recipes' plan -----------------------------------------------------------------------

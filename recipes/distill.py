@@ -32,15 +32,16 @@ from multiengine.pipelines.distill import (
     student_samples,
 )
 from multiengine.pipelines.rlhf import tiny
-from multiengine.pipelines.rlhf.data import ResponseData, SFTCollator
-from multiengine.pipelines.rlhf.evaluation import EvalSettings
+from multiengine.pipelines.rlhf.data import ResponseData, SFTCollator, load_stage, training_batches
+from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
 from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
+from multiengine.pipelines.rlhf.roles import add_lm_role, add_rollout, export_role, role_folder, tiny_assets
 from multiengine.pipelines.rlhf.rollout import sampling_seed
 from multiengine.pipelines.rlhf.runs import role_tokenizer
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import Key, RecipeConfigError
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 
@@ -85,7 +86,7 @@ def shared_logits(teacher: str, student: str, teacher_tokenizer: Any, student_to
             f"logits) do not share one vocabulary, which token-level distillation needs: {err}") from None
 
 
-class Distill(common.RLHFRecipe):
+class Distill(Recipe):
     name = "distill"
     # one tokenizer for both roles (token-level distillation): the student's empty tokenizer is the teacher's
     roles = (Role("teacher", "the frozen teacher", defaults={
@@ -162,23 +163,26 @@ class Distill(common.RLHFRecipe):
         cfg, registry = self.cfg, self.registry
         teacher, student = cfg.roles.teacher, cfg.roles.student
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
-        assets = self.tiny_assets(student.model, teacher.model)
-        teacher_path = teacher.model or self.sft_model(cfg.teacher_sft, self.path("teacher"), assets)
-        self.teacher_path, self.tokenizer = self.role_folder("teacher", assets, teacher_path)
+        assets = tiny_assets(registry, self.path("tiny"), cfg, student.model, teacher.model)
+        teacher_path = teacher.model or common.sft_model(cfg, cfg.teacher_sft, self.path("teacher"), assets)
+        self.teacher_path, self.tokenizer = role_folder(teacher, assets, teacher_path)
         self.student_path = student.model or self._tiny_student(assets["tokenizer"])
         own = role_tokenizer(student.tokenizer_path(), self.student_path, self.tokenizer)
         self.vocab = shared_logits(self.teacher_path, self.student_path, self.tokenizer, own)
         # 2. the two roles: a frozen teacher, a trainable student, each at its own placement
-        self.add_role("teacher", self.teacher_path)
-        self.add_role("student", self.student_path, total_steps=cfg.max_steps)
+        add_lm_role(registry, teacher, self.teacher_path, cfg.seed)
+        add_lm_role(registry, student, self.student_path, cfg.seed, total_steps=cfg.max_steps)
         registry.build()
-        self.add_rollout(self.student_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens, "student")
+        add_rollout(registry, cfg, self.student_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens,
+                    "student")
         # 3. data: demonstrations (prompt + response), evaluation rows never trained on (held-out loss, prompts)
-        data = self.load_data("sft", assets)
+        data = load_stage(registry, cfg.data, cfg.seed, "sft", assets)
         collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches, self.heldout = self.training_batches(data, collate, student.micro_batch_size)
+        self.batches, self.heldout = training_batches(registry, cfg.data, cfg.seed, data, collate,
+                                                      student.micro_batch_size)
         # the student's and the teacher's answers to the evaluation prompts (generation.*: also the on-policy steps')
-        self.answers = self.policy_answers(data.eval, self.tokenizer, role="student")
+        self.answers = policy_answers(registry, data.eval, self.tokenizer, cfg.generation, cfg.eval,
+                                      cfg.data.max_prompt_len, "student")
         self.teacher_answers = replace(self.answers, role="teacher")
         self.teacher_eval: dict[str, Any] = {}
 
@@ -249,7 +253,7 @@ class Distill(common.RLHFRecipe):
         self.teacher_eval = dict(state.get("teacher_eval", {}))
 
     def export(self) -> dict[str, Any]:
-        return self.export_role(self.tokenizer, role="student")
+        return export_role(self.registry, self.cfg.export, self.path("export"), self.tokenizer, "student")
 
     def summary_metrics(self) -> dict[str, Any]:
         metrics = {f"teacher/{k[len('teacher_'):]}": v for k, v in self.teacher_eval.items() if v is not None}

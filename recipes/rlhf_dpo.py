@@ -20,16 +20,17 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, shard_batches
 from multiengine.engines.settings import Range, section, setting
-from multiengine.pipelines.rlhf.data import PairCollator, ResponseData
+from multiengine.pipelines.rlhf.data import PairCollator, ResponseData, load_stage
 from multiengine.pipelines.rlhf.dpo import DPOSettings, DPOTrainer
-from multiengine.pipelines.rlhf.evaluation import EvalSettings
+from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.preference import PreferenceCollator
+from multiengine.pipelines.rlhf.roles import add_lm_role, export_role, role_folder, tiny_assets
 from multiengine.pipelines.rlhf.tiny import TinySettings
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import Key
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class DPOConfig(RunConfig):
     export: common.ExportSettings = section(common.ExportSettings, "export/actor")
 
 
-class RLHFDPO(common.RLHFRecipe):
+class RLHFDPO(Recipe):
     name = "rlhf_dpo"
     roles = (Role("actor", "the policy being optimised", trainable=True,
                   defaults={**common.RLHF_TRAINABLE, "stage": 3, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine",
@@ -76,6 +77,7 @@ class RLHFDPO(common.RLHFRecipe):
         """The actor (and ref) folder and the tokenizer against its vocabulary, the preference data (formats,
         columns, rows, chat template, held-out pairs); with no roles.actor.model, the rlhf_sft run that trains it. On
         ``world_size`` ranks: a step's pairs per rank (and the SFT run's micro batch)."""
+        common.check_hf_generation(cfg, cls.name)
         common.check_model("roles.ref.model", cfg.roles.ref.model)
         tok = common.check_role(cfg, "actor")
         report = common.check_data(cfg, "reward", tok, tokenizer_key="roles.actor.tokenizer")
@@ -114,18 +116,19 @@ class RLHFDPO(common.RLHFRecipe):
     def build(self) -> None:
         cfg, registry, actor = self.cfg, self.registry, self.cfg.roles.actor
         # 1. the actor (SFT model, trained here on first use) and the tokenizer
-        assets = self.tiny_assets(actor.model)
-        actor_path, self.tokenizer = self.sft_actor(assets)
+        assets = tiny_assets(registry, self.path("tiny"), cfg, actor.model)
+        actor_path = actor.model or common.sft_model(cfg, cfg.actor_sft, self.path("sft"), assets)
+        actor_path, self.tokenizer = role_folder(actor, assets, actor_path)
         self.paths = {"actor": actor_path, "ref": cfg.roles.ref.model_path({"actor": actor_path})}
         # 2. roles: the trainable policy (chosen and rejected rows of each pair in one batch) and the frozen ref
-        self.add_role("actor", actor_path, total_steps=cfg.max_steps, rows=2)
-        self.add_role("ref", self.paths["ref"])
+        add_lm_role(registry, actor, actor_path, cfg.seed, total_steps=cfg.max_steps, rows=2)
+        add_lm_role(registry, cfg.roles.ref, self.paths["ref"], cfg.seed)
         registry.build()
         self.trainer = registry.add_state("dpo", DPOTrainer(registry, cfg.dpo))
         # 3. pairs: a training stream (checkpointed) and held-out pairs (evaluation rows, never trained on); ref
         #    log-probs precomputed if asked
         collate = PreferenceCollator(PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len))
-        data = self.load_data("reward", assets)
+        data = load_stage(registry, cfg.data, cfg.seed, "reward", assets)
         train_rows, heldout_rows = data.train, None
         if data.eval is not None:
             n = len(data.eval) if not cfg.data.heldout_size else min(cfg.data.heldout_size, len(data.eval))
@@ -145,7 +148,8 @@ class RLHFDPO(common.RLHFRecipe):
         self.heldout = [] if heldout_rows is None else shard_batches(
             heldout_rows, collate, actor.micro_batch_size, registry.world_size, registry.rank)
         # 4. sampled answers to the evaluation rows' prompts (the built-in task's judge scores them)
-        self.answers = self.policy_answers(data.eval, self.tokenizer)
+        self.answers = policy_answers(registry, data.eval, self.tokenizer, cfg.generation, cfg.eval,
+                                      cfg.data.max_prompt_len)
 
     def train_step(self) -> dict[str, float]:
         # this rank's next B pairs; per micro batch of B / G pairs: ref log-probs (a no-grad forward unless
@@ -165,7 +169,7 @@ class RLHFDPO(common.RLHFRecipe):
         return result
 
     def export(self) -> dict[str, Any]:
-        return self.export_role(self.tokenizer)
+        return export_role(self.registry, self.cfg.export, self.path("export"), self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         d = self.cfg.dpo

@@ -27,7 +27,7 @@ from multiengine.recipes import common
 from multiengine.recipes.common import run_step
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import RecipeConfigError, load_config, load_recipe
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.steps import FINGERPRINT_FILE
 
 __all__ = ["FINAL_STEP", "FINGERPRINT_FILE", "RECIPE", "steps"]
@@ -102,10 +102,10 @@ def _passed_overrides(cfg: E2EConfig) -> list[str]:
     return out
 
 
-class RLHFE2E(common.RLHFRecipe):
-    """A run of runs on the shared lifecycle: setup (the process group, output folder policy, metrics), train (the
-    steps, each its own recipe with its own registry on these ranks), export (the last step's models), summary and
-    curves. Its roles are its steps'."""
+class RLHFE2E(Recipe):
+    """A run of runs on the shared lifecycle: setup (the process group, output folder policy, metrics; build: the tiny
+    assets and the keys every step gets), train (train_step runs the next step: its own recipe with its own registry
+    on these ranks), export (the last step's models), summary and curves. Its roles are its steps'."""
 
     name = "rlhf_e2e"
     Config = E2EConfig
@@ -165,38 +165,42 @@ class RLHFE2E(common.RLHFRecipe):
         self.assets: dict[str, str] = {}
         if cfg.data.builtin or not cfg.model.pretrained:
             self.assets = prepare_tiny_assets(self.path("tiny"), self.registry, cfg.seed)
+        # every step gets the common keys and reads the same data (its own stage's rows of it)
+        self.shared = [*_passed_overrides(cfg), *cfg.data.overrides(self.assets["data"] if cfg.data.builtin else None)]
         self.decisions: dict[str, dict[str, Any]] = {}  # recipe -> {"reused": bool, "why": str}
-        self.results: dict[str, dict[str, Any]] = {}
+        self.results: dict[str, dict[str, Any]] = {}  # step -> its run's metrics, export, plot
+
+    def train_step(self) -> dict[str, Any]:
+        """The next step, its models from the steps before: 1. SFT: base model -> export/actor; 2. the reward model
+        from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward; 3. PPO / GRPO / DPO:
+        actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)."""
+        cfg, done = self.cfg, self.results
+        name, recipe, _ = steps(cfg)[len(done)]
+        base = cfg.model.pretrained or self.assets["model"]
+        if name == "sft":
+            models = [f"{BASE_MODEL[recipe]}={base}"]
+        elif name == "reward":
+            rm_base = done["sft"]["export"]["actor"]["model"] if cfg.reward.init_from_sft else \
+                (cfg.model.reward_pretrained or base)
+            models = [f"{BASE_MODEL[recipe]}={rm_base}"]
+        else:
+            reward_path = done["reward"]["export"]["reward"]["model"] if "reward" in done else None
+            models = FINAL_STEP[name][2](done["sft"]["export"]["actor"]["model"], reward_path)
+        step = getattr(cfg, name)
+        last = [f"max_steps={cfg.max_steps}"] if cfg.max_steps and name == cfg.algorithm else []
+        done[name] = run_step(recipe, step.config, [*self.shared, *models, *step.overrides, *last],
+                              os.path.join(self.output_dir, name), cfg.rerun, self.decisions)
+        return done[name]["metrics"]
 
     def train(self) -> None:
-        cfg, out = self.cfg, self.output_dir
-        base = cfg.model.pretrained or self.assets["model"]
-        # every step gets the common keys and reads the same data (its own stage's rows of it)
-        shared = [*_passed_overrides(cfg), *cfg.data.overrides(self.assets["data"] if cfg.data.builtin else None)]
-        # 1. SFT: base model -> export/actor
-        sft = run_step("rlhf_sft", cfg.sft.config, [*shared, f"{BASE_MODEL['rlhf_sft']}={base}", *cfg.sft.overrides],
-                       os.path.join(out, "sft"), cfg.rerun, self.decisions)
-        actor = sft["export"]["actor"]["model"]
-        # 2. reward model: from the SFT model (InstructGPT) or a separate base (DeepSpeed-Chat) -> export/reward
-        recipe, needs_rm, feed = FINAL_STEP[cfg.algorithm]
-        reward: dict[str, Any] = {"metrics": {}, "export": {}}
-        reward_path = None
-        if needs_rm:
-            rm_base = actor if cfg.reward.init_from_sft else (cfg.model.reward_pretrained or base)
-            reward = run_step("rlhf_reward", cfg.reward.config,
-                              [*shared, f"{BASE_MODEL['rlhf_reward']}={rm_base}", *cfg.reward.overrides],
-                              os.path.join(out, "reward"), cfg.rerun, self.decisions)
-            reward_path = reward["export"]["reward"]["model"]
-        # 3. PPO / GRPO / DPO: actor and ref from step 1 (PPO: reward and critic from step 2; GRPO: reward)
-        final = getattr(cfg, cfg.algorithm)
-        overrides = [*shared, *feed(actor, reward_path), *final.overrides]
-        if cfg.max_steps:
-            overrides.append(f"max_steps={cfg.max_steps}")
-        last = run_step(recipe, final.config, overrides, os.path.join(out, cfg.algorithm), cfg.rerun, self.decisions)
-        self.results = {"sft": sft, **({"reward": reward} if needs_rm else {}), cfg.algorithm: last}
+        """Each step in turn, then the figures of the whole run as one record of metrics.jsonl."""
+        cfg = self.cfg
+        while len(self.results) < len(steps(cfg)):
+            self.train_step()
+        last = self.results[cfg.algorithm]
         self.step = int(last.get("metrics", {}).get("steps") or 0)
-        # 4. the figures of the whole run, as one record of metrics.jsonl
-        self.figures = _figures(cfg.algorithm, sft["metrics"], reward["metrics"], last["metrics"])
+        self.figures = _figures(cfg.algorithm, self.results["sft"]["metrics"],
+                                self.results.get("reward", {}).get("metrics", {}), last["metrics"])
         self.metrics.log(self.step, {k: v for k, v in self.figures.items() if isinstance(v, (int, float))},
                          prefix="e2e")
 

@@ -25,18 +25,27 @@ from typing import Any
 
 from multiengine.engines.settings import Range, section, setting
 from multiengine.pipelines.rlhf import multiturn
-from multiengine.pipelines.rlhf.data import PromptData, prompt_text
-from multiengine.pipelines.rlhf.evaluation import EvalSettings
+from multiengine.pipelines.rlhf.data import PromptData, load_stage, prompt_stream, prompt_text
+from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
 from multiengine.pipelines.rlhf.generation import GenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, judge_prompt_problem, plot_panels
-from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS
+from multiengine.pipelines.rlhf.ppo_trainer import summary_timings
 from multiengine.pipelines.rlhf.retokenize import retokenizers
 from multiengine.pipelines.rlhf.reward_sources import RewardSettings, with_retokenizers
+from multiengine.pipelines.rlhf.roles import (
+    add_lm_role,
+    add_reward_roles,
+    add_rollout,
+    export_role,
+    role_folder,
+    tiny_assets,
+)
+from multiengine.pipelines.rlhf.rollout import rollout_spec
 from multiengine.pipelines.rlhf.tiny import TinySettings
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import RecipeConfigError, config_problem
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 
@@ -61,7 +70,7 @@ class GRPOConfig(RunConfig):
     export: common.ExportSettings = section(common.ExportSettings, "export/actor")
 
 
-class RLHFGRPO(common.RLHFRecipe):
+class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
     roles = (
         Role("actor", "the policy (an SFT model); model \"\" = the tiny SFT actor trained first under output_dir/sft "
@@ -162,13 +171,15 @@ class RLHFGRPO(common.RLHFRecipe):
             assets = multiturn.prepare_arithmetic_assets(self.path("arith"), registry, cfg.seed, cfg.tiny.hidden,
                                                          cfg.tiny.layers, cfg.tiny.heads)
         else:
-            assets = self.tiny_assets(r.actor.model)
-        actor_path, self.tokenizer = self.sft_actor(assets)
+            assets = tiny_assets(registry, self.path("tiny"), cfg, r.actor.model)
+        actor_path = r.actor.model or common.sft_model(cfg, cfg.actor_sft, self.path("sft"), assets)
+        actor_path, self.tokenizer = role_folder(r.actor, assets, actor_path)
         self.paths = {"actor": actor_path}
 
         # 2. data: prompts (checkpointed stream), evaluation prompts never trained on
-        data = self.load_data("ppo", assets, eval_stage="eval")
-        self.prompts, conversational, columns = self.prompt_batches(data, self.tokenizer, g.rollout_batch_size)
+        data = load_stage(registry, cfg.data, cfg.seed, "ppo", assets, eval_stage="eval")
+        self.prompts, conversational, columns = prompt_stream(registry, cfg.data, cfg.seed, data, self.tokenizer,
+                                                              g.rollout_batch_size)
 
         # 3. roles: actor (trainable), ref (frozen; none when kl_coef = 0), every reward-model role (each with
         #    its own tokenizer: re-encoded when it differs from the actor's)
@@ -184,22 +195,23 @@ class RLHFGRPO(common.RLHFRecipe):
                                     "Use your own reward function or a reward model.")
         common.check_reward_columns(self.rewards, columns)
         updates = cfg.max_steps * g.epochs * (g.rollout_batch_size * g.n_samples_per_prompt // r.actor.micro_batch_size)
-        self.add_role("actor", actor_path, total_steps=updates // r.actor.grad_accum)
+        add_lm_role(registry, r.actor, actor_path, cfg.seed, total_steps=updates // r.actor.grad_accum)
         self.ref = "ref" if g.kl_coef > 0 else None
         if self.ref:
             self.paths["ref"] = r.ref.model_path({"actor": actor_path})
-            self.add_role("ref", self.paths["ref"])
+            add_lm_role(registry, r.ref, self.paths["ref"], cfg.seed)
         self.paths.update({m.role: m.path for m in reward_roles})
-        self.add_reward_roles(reward_roles)
+        add_reward_roles(registry, reward_roles)
         registry.build()
-        self.add_rollout(actor_path, self.sequence_length(cfg))
+        add_rollout(registry, cfg, actor_path, self.sequence_length(cfg))
         self.reward_role = reward_roles[0].role if reward_roles else None
 
         # sampled (and greedy) answers to the evaluation prompts, judged on the built-in task; rollouts sample alike
-        self.answers = self.policy_answers(data.eval, self.tokenizer)
+        self.answers = policy_answers(registry, data.eval, self.tokenizer, cfg.generation, cfg.eval,
+                                      cfg.data.max_prompt_len)
 
         # 4. the trainer (with grpo.env: multi-turn episodes): its state (reward normaliser) goes into every checkpoint
-        spec = self.rollout_spec(self.rewards, ref=self.ref)
+        spec = rollout_spec(self.answers, self.tokenizer, self.rewards, cfg.seed, ref=self.ref)
         self.episodes = multiturn.MultiTurnRollouts(registry, g, multiturn.TurnRenderer(self.tokenizer), spec) \
             if g.env else None
         self.trainer = registry.add_state("grpo", GRPOTrainer(
@@ -228,7 +240,7 @@ class RLHFGRPO(common.RLHFRecipe):
 
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
-        return self.export_role(self.tokenizer)
+        return export_role(self.registry, self.cfg.export, self.path("export"), self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         g = self.cfg.grpo
@@ -237,7 +249,7 @@ class RLHFGRPO(common.RLHFRecipe):
         return {"algorithm": g.algorithm, "loss_agg": g.aggregation, "kl_in_reward": g.resolved_kl_in_reward,
                 "final": self.step_metrics[-1] if self.step_metrics else {},
                 "generation_mode": self.cfg.generation.mode,
-                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.rollout_summary(),
+                **{f"{key}_mean": self.mean_step_metric(key) for key in summary_timings(self.cfg.generation.engine)},
                 **self.eval_figures(figures)}
 
     def summary_extra(self) -> dict[str, Any]:

@@ -20,17 +20,26 @@ from typing import Any
 
 from multiengine.engines import ShardedBatches, save_role
 from multiengine.engines.settings import Range, Settings, section, setting
-from multiengine.pipelines.rlhf.data import PromptData, SFTCollator
-from multiengine.pipelines.rlhf.evaluation import EvalSettings
+from multiengine.pipelines.rlhf.data import PromptData, SFTCollator, load_stage, prompt_stream
+from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
 from multiengine.pipelines.rlhf.generation import GenerationSettings
-from multiengine.pipelines.rlhf.ppo_trainer import SUMMARY_TIMINGS, PPOSettings, PPOTrainer, plot_panels
+from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer, plot_panels, summary_timings
 from multiengine.pipelines.rlhf.retokenize import retokenizers
 from multiengine.pipelines.rlhf.reward_sources import RewardSettings, with_retokenizers
+from multiengine.pipelines.rlhf.roles import (
+    add_lm_role,
+    add_reward_roles,
+    add_rollout,
+    export_role,
+    role_folder,
+    tiny_assets,
+)
+from multiengine.pipelines.rlhf.rollout import rollout_spec
 from multiengine.pipelines.rlhf.tiny import TinySettings
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import config_problem
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -74,7 +83,7 @@ class PPOConfig(RunConfig):
 _TRAIN = {**common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-4, "micro_batch_size": 16}
 
 
-class RLHFPPO(common.RLHFRecipe):
+class RLHFPPO(Recipe):
     name = "rlhf_ppo"
     roles = (
         Role("actor", "the policy: step 1's export; model \"\" = the random tiny OPT (mechanics only)", trainable=True,
@@ -191,7 +200,8 @@ class RLHFPPO(common.RLHFRecipe):
         cfg, registry, r = self.cfg, self.registry, self.cfg.roles
         # 1. the model folders (the random tiny OPT and the built-in task where left empty) and the reward sources
         wants_rm = cfg.reward.wants_reward_role()
-        self.assets = self.tiny_assets(r.actor.model, *([r.reward.model] if wants_rm else []))
+        self.assets = tiny_assets(registry, self.path("tiny"), cfg, r.actor.model,
+                                  *([r.reward.model] if wants_rm else []))
         for role in ("actor", *(("reward",) if wants_rm else ())):
             if not r[role].model:
                 logger.warning("roles.%s.model is empty: using the random tiny model %s (run rlhf_e2e for the whole "
@@ -203,7 +213,7 @@ class RLHFPPO(common.RLHFRecipe):
             logger.info("rewards from functions only: the critic starts from %s with a fresh head", critic_path)
         self.paths = {"actor": actor_path, "ref": r.ref.model_path({"actor": actor_path}),
                       **{m.role: m.path for m in reward_roles}, "critic": critic_path}
-        _, self.tokenizer = self.role_folder("actor", self.assets, actor_path)
+        _, self.tokenizer = role_folder(r.actor, self.assets, actor_path)
 
         # 2. the prompts first: whether they are conversations decides how other tokenizers re-encode them
         self._setup_data()
@@ -214,22 +224,22 @@ class RLHFPPO(common.RLHFRecipe):
 
         # 3. the roles: actor, ref, critic, reward (+ EMA, + more reward models), each its own engine
         p = cfg.ppo
-        self.add_role("actor", actor_path, total_steps=p.optimizer_steps(cfg.max_steps, r.actor.micro_batch_size,
-                                                                          r.actor.grad_accum))
-        self.add_role("ref", self.paths["ref"])
-        self.add_role("critic", critic_path, scalar=True, total_steps=p.optimizer_steps(
-            cfg.max_steps, r.critic.micro_batch_size, r.critic.grad_accum))
-        main = [m for m in reward_roles if m.role == "reward"]
-        self.add_reward_roles(main)
+        add_lm_role(registry, r.actor, actor_path, cfg.seed,
+                    total_steps=p.optimizer_steps(cfg.max_steps, r.actor.micro_batch_size, r.actor.grad_accum))
+        add_lm_role(registry, r.ref, self.paths["ref"], cfg.seed)
+        add_lm_role(registry, r.critic, critic_path, cfg.seed, scalar=True,
+                    total_steps=p.optimizer_steps(cfg.max_steps, r.critic.micro_batch_size, r.critic.grad_accum))
+        add_reward_roles(registry, [m for m in reward_roles if m.role == "reward"])
         if cfg.ema.enabled:  # the actor's weights and adapters, at its stage
-            self.add_role("ema", actor_path, stateful=True, lora=r.actor.lora_spec())
-        self.add_reward_roles([m for m in reward_roles if m.role != "reward"])
+            add_lm_role(registry, r.ema, actor_path, cfg.seed, stateful=True, lora=r.actor.lora_spec())
+        add_reward_roles(registry, [m for m in reward_roles if m.role != "reward"])
         registry.build()
-        self.add_rollout(actor_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
+        add_rollout(registry, cfg, actor_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
 
         # 4. the trainer (its state goes into every checkpoint): it samples as the evaluation answers are sampled
         #    and logs the built-in task's judge next to the reward
-        spec = self.rollout_spec(self.rewards, critic="critic", critic_retokenizer=self.retokenizers.get("critic"))
+        spec = rollout_spec(self.answers, self.tokenizer, self.rewards, cfg.seed, critic="critic",
+                            critic_retokenizer=self.retokenizers.get("critic"))
         self.trainer = registry.add_state("ppo", PPOTrainer(
             registry, p, spec, r.actor.micro_batch_size, r.critic.micro_batch_size,
             normalize_rewards=cfg.reward.normalize, ema_decay=cfg.ema.decay if cfg.ema.enabled else None))
@@ -238,13 +248,16 @@ class RLHFPPO(common.RLHFRecipe):
     def _setup_data(self) -> None:
         cfg, registry = self.cfg, self.registry
         # prompts to train on; evaluation prompts that are never trained on
-        data = self.load_data("ppo", self.assets, eval_stage="eval")
-        self.prompts, self.conversational, self.data_columns = self.prompt_batches(data, self.tokenizer,
-                                                                                   cfg.ppo.rollout_batch_size)
-        self.answers = self.policy_answers(data.eval, self.tokenizer)  # sampled (and greedy) answers
+        data = load_stage(registry, cfg.data, cfg.seed, "ppo", self.assets, eval_stage="eval")
+        self.prompts, self.conversational, self.data_columns = prompt_stream(registry, cfg.data, cfg.seed, data,
+                                                                             self.tokenizer, cfg.ppo.rollout_batch_size)
+        # sampled (and greedy) answers
+        self.answers = policy_answers(registry, data.eval, self.tokenizer, cfg.generation, cfg.eval,
+                                      cfg.data.max_prompt_len)
         self.ptx: ShardedBatches | None = None
         if cfg.ppo.ptx_coef > 0:
-            ptx = self.load_data("sft", self.assets, evaluate=False, source=cfg.data.ptx_source or None)
+            ptx = load_stage(registry, cfg.data, cfg.seed, "sft", self.assets, evaluate=False,
+                             source=cfg.data.ptx_source or None)
             ptx_collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_ptx_len)
             self.ptx = registry.add_state("ptx", ShardedBatches(
                 ptx.train, ptx_collate, cfg.roles.actor.micro_batch_size, registry.world_size, registry.rank,
@@ -270,7 +283,7 @@ class RLHFPPO(common.RLHFRecipe):
     # --- outputs ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
         cfg, registry = self.cfg, self.registry
-        out = self.export_role(self.tokenizer)
+        out = export_role(registry, cfg.export, self.path("export"), self.tokenizer)
         if out and cfg.export.critic:
             out["critic"] = save_role(registry, "critic", self.path("export", "critic"),
                                       tokenizer=self.tokenizers["critic"])  # the critic's own tokenizer
@@ -283,7 +296,7 @@ class RLHFPPO(common.RLHFRecipe):
                    *(f"reward/{src.name}" for src in self.rewards))
         return {"final": self.step_metrics[-1] if self.step_metrics else {},
                 "generation_mode": self.cfg.generation.mode,
-                **{f"{key}_mean": self.mean_step_metric(key) for key in SUMMARY_TIMINGS}, **self.rollout_summary(),
+                **{f"{key}_mean": self.mean_step_metric(key) for key in summary_timings(self.cfg.generation.engine)},
                 **self.eval_figures(figures)}
 
     def summary_extra(self) -> dict[str, Any]:

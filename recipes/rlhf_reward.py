@@ -17,14 +17,15 @@ from typing import Any
 from multiengine.engines import mean_over_ranks
 from multiengine.engines import planner as P
 from multiengine.engines.settings import Range, Settings, section, setting
-from multiengine.pipelines.rlhf.data import PairCollator, ResponseData
+from multiengine.pipelines.rlhf.data import PairCollator, ResponseData, load_stage, training_batches
 from multiengine.pipelines.rlhf.evaluation import pair_accuracy
+from multiengine.pipelines.rlhf.roles import add_lm_role, export_role, role_folder, tiny_assets
 from multiengine.pipelines.rlhf.steps import reward_loss
 from multiengine.pipelines.rlhf.tiny import TinySettings
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import Key
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 
@@ -46,7 +47,7 @@ class RewardConfig(RunConfig):
                                                                    "folder with the tokenizer")
 
 
-class RLHFReward(common.RLHFRecipe):
+class RLHFReward(Recipe):
     name = "rlhf_reward"
     # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
     # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works.
@@ -90,17 +91,18 @@ class RLHFReward(common.RLHFRecipe):
                                      reward={"extra_trainable": P.transformer_dims(info.config).hidden})]
 
     def build(self) -> None:
-        cfg = self.cfg
+        cfg, registry, reward = self.cfg, self.registry, self.cfg.roles.reward
         # 1. the model (LM body + scalar head) and its tokenizer
-        assets = self.tiny_assets(cfg.roles.reward.model)
-        self.model_path, self.tokenizer = self.role_folder("reward", assets)
-        self.add_role("reward", self.model_path, scalar=True, total_steps=cfg.max_steps,
-                      rows=2)  # chosen and rejected rows of each pair in one batch
-        self.registry.build()
+        assets = tiny_assets(registry, self.path("tiny"), cfg, reward.model)
+        self.model_path, self.tokenizer = role_folder(reward, assets)
+        add_lm_role(registry, reward, self.model_path, cfg.seed, scalar=True, total_steps=cfg.max_steps,
+                    rows=2)  # chosen and rejected rows of each pair in one batch
+        registry.build()
         # 2. pairs to train on and held-out pairs (evaluation rows, never trained on)
-        data = self.load_data("reward", assets)
+        data = load_stage(registry, cfg.data, cfg.seed, "reward", assets)
         collate = PairCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches, self.heldout = self.training_batches(data, collate, cfg.roles.reward.micro_batch_size)
+        self.batches, self.heldout = training_batches(registry, cfg.data, cfg.seed, data, collate,
+                                                      reward.micro_batch_size)
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry
@@ -122,7 +124,7 @@ class RLHFReward(common.RLHFRecipe):
         return pair_accuracy(self.registry, "reward", self.heldout) if self.heldout else {}
 
     def export(self) -> dict[str, Any]:
-        return self.export_role(self.tokenizer, role="reward")
+        return export_role(self.registry, self.cfg.export, self.path("export"), self.tokenizer, "reward")
 
     def summary_metrics(self) -> dict[str, Any]:
         before, after = self.evaluation("before") or {}, self.evaluation("after") or {}

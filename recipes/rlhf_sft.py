@@ -18,14 +18,15 @@ from typing import Any
 import torch
 from multiengine.engines import mean_over_ranks
 from multiengine.engines.settings import Range, section, setting
-from multiengine.pipelines.rlhf.data import ResponseData, SFTCollator
-from multiengine.pipelines.rlhf.evaluation import EvalSettings
+from multiengine.pipelines.rlhf.data import ResponseData, SFTCollator, load_stage, training_batches
+from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
 from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.roles import add_lm_role, export_role, role_folder, tiny_assets
 from multiengine.pipelines.rlhf.steps import causal_lm_loss
 from multiengine.pipelines.rlhf.tiny import TinySettings
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
-from multiengine.recipes.language.lifecycle import RunConfig
+from multiengine.recipes.language.lifecycle import Recipe, RunConfig
 from multiengine.recipes.language.roles import Role
 
 
@@ -43,7 +44,7 @@ class SFTConfig(RunConfig):
     export: common.ExportSettings = section(common.ExportSettings, "export/actor: an HF folder with the tokenizer")
 
 
-class RLHFSFT(common.RLHFRecipe):
+class RLHFSFT(Recipe):
     name = "rlhf_sft"
     roles = (Role("actor", "the policy being fine-tuned; model \"\" = the random tiny OPT (tiny.*)", trainable=True,
                   defaults={**common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine",
@@ -58,6 +59,7 @@ class RLHFSFT(common.RLHFRecipe):
     def validate(cls, cfg: SFTConfig, world_size: int = 1) -> None:
         """Model folder, tokenizer vs vocabulary, data (formats, columns, rows, chat template, evaluation rows), and a
         micro batch of training rows per rank on ``world_size`` ranks."""
+        common.check_hf_generation(cfg, cls.name)
         cls.check_batches(cfg, common.check_data(cfg, "sft", common.check_role(cfg, "actor")), world_size)
 
     @classmethod
@@ -78,18 +80,20 @@ class RLHFSFT(common.RLHFRecipe):
                                      actor={"full_gather": ("generation",)})]
 
     def build(self) -> None:
-        cfg = self.cfg
+        cfg, registry, actor = self.cfg, self.registry, self.cfg.roles.actor
         # 1. the model and its tokenizer (the random tiny OPT and the built-in task when left empty)
-        assets = self.tiny_assets(cfg.roles.actor.model)
-        self.model_path, self.tokenizer = self.role_folder("actor", assets)
-        self.add_role("actor", self.model_path, total_steps=cfg.max_steps)
-        self.registry.build()
+        assets = tiny_assets(registry, self.path("tiny"), cfg, actor.model)
+        self.model_path, self.tokenizer = role_folder(actor, assets)
+        add_lm_role(registry, actor, self.model_path, cfg.seed, total_steps=cfg.max_steps)
+        registry.build()
         # 2. demonstrations to train on; evaluation rows (never trained on) for the held-out loss and prompts
-        data = self.load_data("sft", assets)
+        data = load_stage(registry, cfg.data, cfg.seed, "sft", assets)
         collate = SFTCollator(self.tokenizer, cfg.data.max_prompt_len, cfg.data.max_response_len)
-        self.batches, self.heldout = self.training_batches(data, collate, cfg.roles.actor.micro_batch_size)
+        self.batches, self.heldout = training_batches(registry, cfg.data, cfg.seed, data, collate,
+                                                      actor.micro_batch_size)
         # 3. sampled and greedy answers to the evaluation rows' prompts (the built-in task's judge scores them)
-        self.answers = self.policy_answers(data.eval, self.tokenizer)
+        self.answers = policy_answers(registry, data.eval, self.tokenizer, cfg.generation, cfg.eval,
+                                      cfg.data.max_prompt_len)
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry
@@ -119,7 +123,7 @@ class RLHFSFT(common.RLHFRecipe):
         return {**result, **self.answers()}
 
     def export(self) -> dict[str, Any]:
-        return self.export_role(self.tokenizer)
+        return export_role(self.registry, self.cfg.export, self.path("export"), self.tokenizer)
 
     def summary_metrics(self) -> dict[str, Any]:
         losses = [m["loss"] for m in self.step_metrics]
