@@ -16,8 +16,8 @@ from .sources import is_hub_name
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelFolderError", "check_diffusers_folder", "check_model", "check_model_folder", "check_rows_per_rank",
-           "check_stage_batches", "check_tokenizer", "check_vocab_fits", "heldout_of_training", "load_tokenizer",
-           "tokenizer_size"]
+           "check_stage_batches", "check_tokenizer", "check_vocab_fits", "has_tokenizer", "heldout_of_training",
+           "load_tokenizer", "resolve_tokenizer", "role_tokenizer", "tokenizer_size"]
 
 
 class ModelFolderError(SettingsError):
@@ -91,6 +91,49 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
 
 
+def has_tokenizer(path: str) -> bool:
+    """A local folder holding tokenizer files."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def resolve_tokenizer(*candidates: str) -> Any:
+    """``AutoTokenizer`` from the first candidate that has one: a local folder with tokenizer files (exports
+    carry their tokenizer), or a hub name (from the hub or its local cache). A tokenizer without a pad token
+    gets its EOS as the pad token (decoder-only models often ship without one)."""
+    errors = []
+    for path in candidates:
+        if not path:
+            continue
+        path = os.path.expanduser(str(path))
+        if not (has_tokenizer(path) or (not os.path.exists(path) and is_hub_name(path))):
+            continue
+        try:
+            tok = load_tokenizer(path)
+        except (OSError, ValueError) as err:
+            errors.append(f"{path}: {err}")
+            continue
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    detail = f" ({'; '.join(errors)})" if errors else ""
+    raise FileNotFoundError(f"no tokenizer in any of {[c for c in candidates if c]}{detail}")
+
+
+def role_tokenizer(given: str, model_path: str, fallback: Any = None, *, what: str = "") -> Any:
+    """A role's tokenizer: ``given`` (a tokenizer folder or hub name: its ``roles.<role>.tokenizer``), else the
+    model folder's own, else ``fallback`` (e.g. the actor's, for a folder saved without one; logged)."""
+    if given:
+        return resolve_tokenizer(given)
+    if has_tokenizer(os.path.expanduser(model_path)) or (not os.path.exists(model_path) and is_hub_name(model_path)):
+        return resolve_tokenizer(model_path)
+    if fallback is None:
+        raise FileNotFoundError(f"no tokenizer in {model_path}; set the tokenizer key of {what or 'this role'}")
+    logger.info("%s: %s has no tokenizer files; using %s's", what or "role", model_path,
+                getattr(fallback, "name_or_path", "the actor"))
+    return fallback
+
+
 def tokenizer_size(tokenizer: Any) -> int:
     """The embedding rows a tokenizer needs: its largest id + 1 (added tokens included)."""
     vocab = tokenizer.get_vocab()
@@ -137,8 +180,6 @@ def check_model(key: str, path: str) -> None:
 def check_tokenizer(key: str, given: str, model_key: str, model_path: str, fallback: Any = None) -> Any:
     """Load the tokenizer of a role (``given`` = its tokenizer key's value, else the model folder's) and check
     that the model embeds every id of it; returns it (``None`` when ``model_path`` is "")."""
-    from .rlhf.runs import role_tokenizer
-
     if not model_path:
         return None
     try:

@@ -1,5 +1,5 @@
-"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge,
-tokenizer resolution and loading on rank 0 first."""
+"""What the RLHF recipes share beyond the engines: the embedded tiny assets, the built-in judge and loading on
+rank 0 first (a role's tokenizer: pipelines.checks)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from multiengine.engines import EngineRegistry, barrier
 
+from ..checks import has_tokenizer, resolve_tokenizer, role_tokenizer  # re-exported: the RLHF recipes' import
 from . import tiny
 
 logger = logging.getLogger(__name__)
@@ -44,54 +45,6 @@ def builtin_judge(prompts: Sequence[str], enabled: bool = True) -> Callable[[str
     if enabled and prompts and all(tiny.parse_prompt(p) is not None for p in prompts):
         return tiny.judge
     return None
-
-
-def has_tokenizer(path: str) -> bool:
-    """A local folder holding tokenizer files."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
-                                       for f in ("tokenizer.json", "tokenizer_config.json"))
-
-
-def resolve_tokenizer(*candidates: str) -> Any:
-    """``AutoTokenizer`` from the first candidate that has one: a local folder with tokenizer files (exports
-    carry their tokenizer), or a hub name (from the hub or its local cache). A tokenizer without a pad token
-    gets its EOS as the pad token (decoder-only models often ship without one)."""
-    from ..checks import load_tokenizer
-    from ..sources import is_hub_name
-
-    errors = []
-    for path in candidates:
-        if not path:
-            continue
-        path = os.path.expanduser(str(path))
-        if not (has_tokenizer(path) or (not os.path.exists(path) and is_hub_name(path))):
-            continue
-        try:
-            tok = load_tokenizer(path)
-        except (OSError, ValueError) as err:
-            errors.append(f"{path}: {err}")
-            continue
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        return tok
-    detail = f" ({'; '.join(errors)})" if errors else ""
-    raise FileNotFoundError(f"no tokenizer in any of {[c for c in candidates if c]}{detail}")
-
-
-def role_tokenizer(given: str, model_path: str, fallback: Any = None, *, what: str = "") -> Any:
-    """A role's tokenizer: ``given`` (a tokenizer folder or hub name: its ``roles.<role>.tokenizer``), else the
-    model folder's own, else ``fallback`` (e.g. the actor's, for a folder saved without one; logged)."""
-    from ..sources import is_hub_name
-
-    if given:
-        return resolve_tokenizer(given)
-    if has_tokenizer(os.path.expanduser(model_path)) or (not os.path.exists(model_path) and is_hub_name(model_path)):
-        return resolve_tokenizer(model_path)
-    if fallback is None:
-        raise FileNotFoundError(f"no tokenizer in {model_path}; set the tokenizer key of {what or 'this role'}")
-    logger.info("%s: %s has no tokenizer files; using %s's", what or "role", model_path,
-                getattr(fallback, "name_or_path", "the actor"))
-    return fallback
 
 
 def on_rank0_first(registry: EngineRegistry, load: Callable[[], Any]) -> Any:
