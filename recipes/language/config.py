@@ -21,6 +21,7 @@ import yaml
 from multiengine.engines.settings import (
     FieldError,
     SettingsError,
+    config_problem,  # re-exported: the error a recipe's validate raises
     field_checks,
     field_help,
     set_key,
@@ -100,12 +101,6 @@ def _problems_error(recipe: str | None, problems: list[Problem]) -> ConfigValueE
     who = f" for recipe '{recipe}'" if recipe else ""
     lines = [f"{p.message}; fix: {p.fix}" for p in problems]
     return ConfigValueError(f"config{who} has {len(problems)} problems:\n  - " + "\n  - ".join(lines), problems)
-
-
-def config_problem(key: str, value: Any, problem: str, fix: str) -> ConfigValueError:
-    """The error a recipe's validate raises: ``problem`` completes "config key '<key>' ...", e.g.
-    ``config_problem("data.path", path, "has no rows", "point data.path at a non-empty JSONL file")``."""
-    return _problems_error(None, [Problem(key, value, f"config key '{key}' {problem} (value {value!r})", fix)])
 
 
 # --- YAML ------------------------------------------------------------------------------------
@@ -327,12 +322,10 @@ def recipe_schema(recipe: Any) -> Node:
     cached = recipe.__dict__.get("_schema")
     if cached is not None:
         return cached
-    from .roles import roles_node
-
     config = recipe.Config
     node = settings_node(config, "", omit=[*recipe.omit, "roles"])
-    if recipe.roles:
-        node.children["roles"] = roles_node(recipe.roles)
+    if recipe.roles:  # the declarations (roles.Role) build their section: roles.py imports this module, not back
+        node.children["roles"] = recipe.roles[0].section(recipe.roles)
     build = node.build
     node.build = lambda kw: build({**kw, "roles": kw.get("roles")})
     recipe._schema = node

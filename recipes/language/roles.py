@@ -9,8 +9,8 @@ and each ``roles.<name>`` section becomes a typed role config: a :class:`FrozenR
 ``gather_forward``) or a :class:`TrainableRole` (also optimizer, batches, LoRA, gradient checkpointing), holding only
 what its kind can honour (``omit`` drops what the recipe cannot, e.g. LoRA on a network peft does not adapt). The
 role config resolves "follow another role's stage and dtype" (``stage: -1``, ``dtype: ""``) and "weights from another
-role" (an empty ``model``) here and nowhere else, and turns itself into what the registry builds (:meth:`spec`) and
-what the planner sizes (:meth:`request`).
+role" (an empty ``model``) here and nowhere else, and turns itself into what the registry builds (:meth:`spec`);
+``plans.role_request`` turns it into what the planner sizes.
 """
 
 from __future__ import annotations
@@ -121,12 +121,6 @@ class RoleConfig(Settings):
         if self.tokenizer or not self._decl.tokenizer_of:
             return self.tokenizer
         return self._roles[self._decl.tokenizer_of].tokenizer_path()
-
-    def request(self, info: Any, phases: Sequence[tuple[str, int]] = (), **options: Any) -> Any:
-        """The planner's RoleRequest of this role on the model ``info`` at its configured placement."""
-        from . import plans
-
-        return plans.role_request(self, info, phases, **options)
 
 
 @dataclass(frozen=True)
@@ -260,6 +254,11 @@ class Role:
     omit: tuple[str, ...] = ()
     why: str = ""
     rollout: bool = False  # an inference engine generating for the role it follows (RolloutRole's keys)
+
+    @staticmethod
+    def section(roles: Sequence[Role]) -> Node:
+        """The ``roles`` section of a recipe's schema from its declaration (:func:`roles_node`)."""
+        return roles_node(roles)
 
 
 _FROZEN_NOTE = ("roles.{name} is frozen: it has no {key} (only trainable roles have an optimizer, batches, LoRA and "

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from multiengine.recipes.language.config import (
-    ConfigValueError,
     DuplicateKeyError,
     RecipeConfigError,
     check_output_dir_writable,
@@ -74,17 +73,17 @@ def locked_folder() -> Path:
 def test_output_dir_that_is_a_file_or_under_one_or_not_writable_is_refused(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("not a folder\n")
-    with pytest.raises(ConfigValueError, match=r"'output_dir' is an existing file, not a folder .*fix: point"):
+    with pytest.raises(RecipeConfigError, match=r"'output_dir' is an existing file, not a folder .*fix: point"):
         check_output_dir_writable(str(afile))
-    with pytest.raises(ConfigValueError, match=rf"'output_dir' cannot be created: {afile} is a file"):
+    with pytest.raises(RecipeConfigError, match=rf"'output_dir' cannot be created: {afile} is a file"):
         check_output_dir_writable(str(afile / "run"))
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
-    with pytest.raises(ConfigValueError, match=r"is a link to .*nowhere, which does not exist"):
+    with pytest.raises(RecipeConfigError, match=r"is a link to .*nowhere, which does not exist"):
         check_output_dir_writable(str(tmp_path / "dangling"))
     locked = locked_folder()
     try:
         for target, where in ((locked / "run" / "a", f"in {locked}, where it would be created"), (locked, "in it")):
-            with unprivileged(), pytest.raises(ConfigValueError) as err:
+            with unprivileged(), pytest.raises(RecipeConfigError) as err:
                 check_output_dir_writable(str(target))
             assert f"is not writable: cannot create files {where} (Permission denied)" in str(err.value)
         assert list(locked.iterdir()) == []  # the probe file is gone, the folder was not created

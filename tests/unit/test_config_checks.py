@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from multiengine.engines.settings import Choice, Each, FieldError, Length, Range, Satisfies
+from multiengine.engines.settings import Choice, Each, FieldError, Length, Range, Satisfies, SettingsError
 from multiengine.recipes.language import cli
 from multiengine.recipes.language.config import (
     ConfigKeyError,
@@ -259,7 +259,7 @@ def test_validate_hook_checks_the_data(toy, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n{}\n")
     cfg = load(toy, f"data.path={data}", "data.heldout=2", f"output_dir={tmp_path / 'o'}")
-    with pytest.raises(ConfigValueError, match=r"'data.heldout' leaves no training rows \(2 rows\).*below 2"):
+    with pytest.raises(SettingsError, match=r"'data.heldout' leaves no training rows \(2 rows\).*below 2"):
         validate_config("checked", cfg, package=toy["package"], configs_dir=toy["configs_dir"])
 
 

@@ -68,3 +68,94 @@ def test_the_pipelines_never_import_the_recipes():
                     "    out['names'] += len([getattr(module, n) for n in names])")
     assert out["names"] > 100  # every module's public names resolved
     assert "multiengine.recipes" not in out["modules"]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, read from the source: every ``import`` and ``from ... import`` of a
+    multiengine or relative module, at module level and inside functions (a lazy import still knots two modules);
+    ``from pkg import name`` where ``name`` is a submodule is an edge to that submodule. Imports under ``if
+    TYPE_CHECKING:`` are left out: they name types for annotations and never run."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = {}
+    for top in ("engines", "pipelines", "recipes"):
+        for path in (root / top).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            name = ".".join(["multiengine", *(parts[:-1] if is_package else parts)])
+            files[name] = (path, is_package)
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, (path, is_package) in files.items():
+        package = name if is_package else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in
+                       ast.unparse(block.test) for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            targets = []
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
+            for target in targets:
+                while target and target not in files:  # `import a.b.c` of a name inside a module: the module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_knot_and_only_a_knot():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_the_package_imports_itself_back():
+    """engines/, pipelines/ and recipes/ import in one direction: no two modules reach each other through imports."""
+    graph = _import_graph()
+    engines = "multiengine.engines."
+    assert len(graph) > 80
+    # `from . import checkpoint` (a submodule), `from .roles import RoleSpec` and a lazy import in a method all count
+    assert {engines + m for m in ("checkpoint", "export", "roles")} <= graph[engines + "registry"]
+    assert engines + "optim" in graph[engines + "roles"]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (each a set of modules that import one another):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)

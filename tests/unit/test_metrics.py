@@ -202,14 +202,15 @@ def test_wandb_mirrors_scalars_and_images(tmp_path, monkeypatch):
 
 
 def test_report_to_wandb_without_wandb_fails_before_any_rank_starts(monkeypatch):
-    from multiengine.recipes.language.config import ConfigValueError, checked_config
+    from multiengine.engines.settings import SettingsError
+    from multiengine.recipes.language.config import checked_config
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else _find_spec(name, *a))
-    with pytest.raises(ConfigValueError) as info:
+    with pytest.raises(SettingsError) as info:
         checked_config("registry_demo", "tiny", ["report_to=wandb"])
     text = str(info.value)
     assert "config key 'report_to'" in text and "wandb is not installed" in text
     assert "pip install wandb, or set report_to=none" in text
     assert checked_config("registry_demo", "tiny", ["report_to=none"]).report_to == "none"
-    with pytest.raises(ConfigValueError, match="report_to"):
+    with pytest.raises(SettingsError, match="report_to"):
         checked_config("registry_demo", "tiny", ["report_to=mlflow"])

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from multiengine.engines import planner as P
+from multiengine.engines.settings import SettingsError
 from multiengine.recipes.language.config import (
     ConfigKeyError,
     ConfigValueError,
@@ -20,7 +21,7 @@ from multiengine.recipes.language.config import (
     validate_config,
 )
 from multiengine.recipes.language.lifecycle import Recipe
-from multiengine.recipes.language.plans import module_info
+from multiengine.recipes.language.plans import module_info, role_request
 from multiengine.recipes.language.roles import FrozenRole, Role, RolloutRole, TrainableRole
 from toys import toy_package
 
@@ -91,8 +92,8 @@ def test_follow_weights_and_tokenizer_are_resolved_by_the_role_config(toy):
 @pytest.mark.parametrize("override, error, words", [
     ("roles.actor.stage=-1", ConfigValueError, r"roles\.actor\.stage' .* must be in \[0, 3\]"),  # follows none
     ("roles.actor.dtype=", ConfigValueError, r"roles\.actor\.dtype' .* must be one of fp32, bf16, fp16"),
-    ("roles.ref.offload_params=true", ConfigValueError, r"roles\.ref\.offload_params' needs ZeRO-3 \(roles\.ref "
-                                                        r"runs at stage 2\).*roles\.ref\.stage=3"),
+    ("roles.ref.offload_params=true", SettingsError, r"roles\.ref\.offload_params' needs ZeRO-3 \(roles\.ref "
+                                                     r"runs at stage 2\).*roles\.ref\.stage=3"),
     ("roles.ref.offload_optimizer=true", ConfigKeyError, "roles.ref is frozen: it has no offload_optimizer"),
     ("roles.reward.lr=0.1", ConfigKeyError, "roles.reward is frozen: it has no lr"),
     ("roles.actor.gather_forward=true", ConfigKeyError, r"unknown config key 'roles\.actor\.gather_forward'"),
@@ -168,7 +169,7 @@ def test_describe_is_what_a_run_builds(toy):
     assert cls.describe(load(toy, "seed=3"))["seed"] == 3
 
 
-# --- .request(): what the planner sizes ----------------------------------------------------------------
+# --- role_request(): what the planner sizes ------------------------------------------------------------
 class _Attention(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -179,14 +180,14 @@ def test_a_role_config_is_the_planners_request(toy):
     info = module_info("tiny", _Attention())
     params = info.params
     r = load(toy, "roles.actor.lora={r: 2, target_modules: [q_proj]}", "roles.actor.offload_optimizer=true").roles
-    actor = r.actor.request(info, [("train step", 1000)])
+    actor = role_request(r.actor, info, [("train step", 1000)])
     assert actor.name == "actor" and actor.dtype == "fp32" and actor.lora and actor.phases == (("train step", 1000),)
     assert actor.trainable_params == 2 * (16 + 16) and actor.params == params + 64  # only the adapters train
     assert actor.current == P.Choice(2, offload_optimizer=True) and actor.choices == P.trainable_choices()
-    ref = r.ref.request(info)
+    ref = role_request(r.ref, info)
     assert ref.trainable_params == 0 and not ref.lora and ref.current == P.Choice(0)  # frozen at 2: built at 0
     assert ref.choices == P.frozen_choices() and ref.params == params
-    critic = r.critic.request(info, note="from the reward model")
+    critic = role_request(r.critic, info, note="from the reward model")
     assert critic.trainable_params == params and critic.note == "from the reward model"
 
 
