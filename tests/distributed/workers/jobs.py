@@ -1,8 +1,8 @@
 """Several workers in one 2-rank launch, one after another: each runs as its own launch would run it (its argv:
 its folder, then its arguments), and the registries it leaves open are closed after it. One process start and
-one set of imports for all of them (conftest.launch_jobs). The process group stays up from the first job to the
-last: a closed registry's ``shutdown`` is only a barrier here (a DeepSpeed engine built after the group was
-destroyed and made again hung in DeepSpeed's ``new_group``).
+one set of imports for all of them (conftest.launch_jobs). Each job leaves the process group as a worker does
+(its registry's close() or its finish() destroys it) and the next job's registry makes a new one: close, then a
+new registry in the same process, as any script may do it.
 
 argv: out_dir, a JSON object {job: [worker, args...]}; job's folder: out_dir/job.
 """
@@ -13,13 +13,13 @@ import runpy
 import sys
 
 import common
-import multiengine.engines.registry as registry_module
-from multiengine.engines import EngineRegistry, barrier
+from multiengine.engines import EngineRegistry
+from multiengine.engines.dist import shutdown
 
 out, jobs = sys.argv[1], json.loads(sys.argv[2])
 here = os.path.dirname(os.path.abspath(__file__))
 finish = common.finish
-common.finish = registry_module.shutdown = barrier  # the launch leaves the process group once, after the last job
+common.finish = shutdown  # a job's finish() leaves the process group without ending the launch
 for job, (worker, *args) in jobs.items():
     folder = os.path.join(out, job)
     os.makedirs(folder, exist_ok=True)
