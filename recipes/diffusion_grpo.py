@@ -166,7 +166,7 @@ class DiffusionGRPO(Recipe):
         ev = cfg.eval.reward
         self.eval_rewards = reward_functions([ev], [1.0], registry) if ev else self.rewards
         self.pm = PolicyModel(registry, self.model_path, self.family, resolution=d.resolution,
-                              guidance_scale=d.guidance_scale, t5_tokens=0)
+                              guidance_scale=d.guidance_scale)
         self.sampler = self.pm.sampler(d.num_inference_steps, d.eta, d.noise_level)
         self.train_prompts, self.eval_prompts = cfg.prompts.split(cfg.eval.size, cfg.seed)
         self.tracker = rl.PromptStatTracker(d.prompt_buffer, d.prompt_min_count, d.advantage_std) \
