@@ -1,6 +1,6 @@
 """Typed settings: frozen dataclasses whose fields carry a default, one line of help and a check (:func:`setting`,
 :func:`section`, :class:`Settings`); an object that exists is a valid one. ``when="env"``: a field that means
-something only while ``env`` is set refuses a non-default value otherwise. Standard library only."""
+something only while ``env`` is set refuses any value but its default or an off one otherwise. Standard library only."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def is_scheduler_name(name: str) -> bool:
 
 __all__ = ["Check", "Choice", "Each", "FieldError", "Length", "PathExists", "Range", "Satisfies", "Settings",
            "SettingsError", "config_problem", "field_checks", "field_help", "optional", "section", "setting",
-           "reads_of", "SCHEDULERS", "is_scheduler_name", "scheduler_names", "set_key", "track_reads", "tracking_reads",
-           "when_holds", "when_problem"]
+           "reads_of", "SCHEDULERS", "is_scheduler_name", "scheduler_names", "set_key", "sets_feature", "track_reads",
+           "tracking_reads", "when_holds", "when_problem"]
 
 
 class SettingsError(ValueError):
@@ -289,6 +289,11 @@ def when_holds(when: str, get: Any) -> bool:
     return str(value).lower() == wanted.lower() if eq else bool(value)
 
 
+def sets_feature(value: Any, default: Any) -> bool:
+    """Whether a ``when`` key's value asks for something: not its default and not an off value (false, 0, "", [])."""
+    return value != default and bool(value)
+
+
 def when_problem(when: str) -> str:
     name, eq, wanted = when.partition("=")
     if eq:
@@ -352,7 +357,7 @@ class Settings:
                 raise FieldError(f.name, value, *found)
             when = f.metadata.get("when")
             if when and "." not in when.partition("=")[0] and not when_holds(when, lambda name: getattr(self, name)) \
-                    and value != _field_default(f):  # a dotted name is a key of the whole config: checked there
+                    and sets_feature(value, _field_default(f)):  # a dotted name is a key of the config: checked there
                 raise FieldError(f.name, value, when_problem(when), f"set {when}, or leave {f.name} at its default "
                                  f"{_field_default(f)!r}")
         self.check()

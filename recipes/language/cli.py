@@ -29,6 +29,7 @@ from .config import (
     config_path,
     configs_dir,
     format_key_help,
+    inactive_line,
     list_recipes,
     load_config,
     load_recipe,
@@ -124,6 +125,8 @@ def run_recipe(
 
 
 def _run_loaded(recipe: str, cfg: Any, package: str, configs_dir: str | Path | None) -> dict[str, Any]:
+    if inactive_line(cfg):
+        logger.info("%s", inactive_line(cfg))
     logger.info("recipe %s, config:\n%s", recipe, _yaml(cfg))
     result = load_recipe(recipe, package, configs_dir).main(cfg)
     return {} if result is None else result
@@ -192,6 +195,8 @@ def _cmd_validate(parser: argparse.ArgumentParser, args: argparse.Namespace, ove
     cfg = _load_checked(args, overrides, hook=True, world_size=world)
     if args.print_config:
         print(_yaml(cfg))
+    if inactive_line(cfg):
+        print(inactive_line(cfg))
     print(f"ok: config for recipe '{args.recipe}' is valid" + (f" on {world} ranks" if world > 1 else ""))
     return 0
 

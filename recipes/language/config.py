@@ -25,6 +25,7 @@ from multiengine.engines.settings import (
     field_checks,
     field_help,
     set_key,
+    sets_feature,
     value_problem,
     when_holds,
     when_problem,
@@ -382,6 +383,7 @@ class _Ctx:
         self.where: dict[str, str] = {}  # dotted key -> where its value was last set
         self.raw: dict[str, str] = {}  # dotted key -> an override's text (a str key keeps exactly what was typed)
         self.source = "the default"
+        self.layer, self.layers = 0, {}  # dotted key -> the layer that set it: 0 defaults, 1 the file, 2 overrides
 
     def unknown(self, path: str, value: Any, node: Node | None, note: str = "") -> ConfigKeyError:
         all_paths = _paths(self.schema)
@@ -440,7 +442,7 @@ def _merge(target: dict, node: Node, data: dict, prefix: str, ctx: _Ctx) -> None
             _merge(target[key], child, value, path + ".", ctx)
         else:
             target[key] = copy.deepcopy(value)
-            ctx.where[path] = ctx.source
+            ctx.where[path], ctx.layers[path] = ctx.source, ctx.layer
 
 
 _KEY_RE = re.compile(r"[A-Za-z_][\w-]*(?:\.[\w-]+)*")
@@ -538,6 +540,34 @@ def _typed(node: Node, tree: dict, prefix: str, ctx: _Ctx) -> None:
             tree[name] = _coerce(path, tree[name], child.annotation, ctx)
 
 
+def _switch_off(path: str, leaf: Leaf, tree: dict) -> str | None:
+    """The full ``when`` condition of a key that asks for something its switch has turned off, else None."""
+    parent = path.rsplit(".", 1)[0] + "." if "." in path and "." not in leaf.when.partition("=")[0] else ""
+    if not leaf.when or when_holds(leaf.when, lambda name: _lookup(tree, parent + name)):
+        return None
+    return parent + leaf.when if sets_feature(_lookup(tree, path), leaf.default) else None
+
+
+def inactive_keys_of(schema: Node, tree: dict, where: dict[str, str], layers: dict[str, int]) -> dict[str, str]:
+    """The later setting wins: a ``when`` key set in an earlier layer (defaults < file < overrides) than the one
+    that turned its switch off goes back to its default, ``{key: why}``; one set in the same or a later layer stays
+    for :func:`check_tree` to refuse (a contradiction written in one place)."""
+    inactive: dict[str, str] = {}
+    changed = True
+    while changed:  # a switch turned off this way turns off the keys that depend on it
+        changed = False
+        for path, leaf in leaves(schema).items():
+            when = _switch_off(path, leaf, tree)
+            switch = (when or "").partition("=")[0]
+            if when and path not in inactive and layers.get(path, 0) < layers.get(switch, 0):
+                inactive[path] = (f"{when_problem(when)}; {switch}={_lookup(tree, switch)!r} {where[switch]} "
+                                  f"(so {_lookup(tree, path)!r} {where.get(path, 'by default')} is not used)")
+                parts = path.split(".")
+                _lookup(tree, ".".join(parts[:-1]))[parts[-1]] = copy.deepcopy(leaf.default)
+                layers[path], changed = layers[switch], True
+    return inactive
+
+
 def check_tree(recipe: str, schema: Node, tree: dict, where: dict[str, str] | None = None) -> None:
     """Each value against its field's checks (and ``when``): ConfigValueError listing every problem, in key order."""
     where = where or {}
@@ -546,10 +576,9 @@ def check_tree(recipe: str, schema: Node, tree: dict, where: dict[str, str] | No
         value = _lookup(tree, path)
         source = where.get(path, "the default")
         found = value_problem(path, value, leaf.checks, leaf.annotation, leaf.default)
-        if found is None and leaf.when:
-            parent = path.rsplit(".", 1)[0] + "." if "." in path and "." not in leaf.when.partition("=")[0] else ""
-            if not when_holds(leaf.when, lambda name, p=parent: _lookup(tree, p + name)) and value != leaf.default:
-                found = (when_problem(parent + leaf.when), f"set {parent}{leaf.when}, or drop {path}")
+        when = _switch_off(path, leaf, tree) if found is None else None
+        if when:
+            found = (when_problem(when), f"set {when}, or drop {path}")
         if found is not None:
             problem, fix = found
             problems.append(Problem(path, value, f"config key '{path}' for recipe '{recipe}' {problem}, got {value!r} "
@@ -560,7 +589,7 @@ def check_tree(recipe: str, schema: Node, tree: dict, where: dict[str, str] | No
 
 def _lookup(tree: Any, key: str) -> Any:
     node = tree
-    for part in key.split("."):
+    for part in key.split(".") if key else ():
         node = node[part]
     return node
 
@@ -603,16 +632,33 @@ def load_config(recipe: str, config: str | None = None, overrides: Iterable[str]
             data = {}
         if not isinstance(data, dict):
             raise UnknownConfigError(f"config file {path} must be a mapping of keys, got {type(data).__name__}")
-        ctx.source = f"in {path}"
+        ctx.source, ctx.layer = f"in {path}", 1
         _merge(merged, schema, data, "", ctx)
+    ctx.layer = 2  # the override list is one layer: a contradiction within it is refused
     for text in overrides:
         _apply_override(merged, text, ctx)
     merged = _resolve(recipe, merged)
     _typed(schema, merged, "", ctx)
+    inactive = inactive_keys_of(schema, merged, ctx.where, ctx.layers)
     check_tree(recipe, schema, merged, ctx.where)
     cfg = _build(schema, merged, "", recipe, ctx.where)
     set_key(cfg, cfg)  # which keys a run reads can be told (tests: every key is read by the run, or refused)
+    object.__setattr__(cfg, "_inactive", inactive)
     return cfg
+
+
+def inactive_keys(cfg: Any) -> dict[str, str]:
+    """``{key: why}`` of the keys :func:`load_config` set aside: their feature was turned off by a later setting."""
+    return dict(getattr(cfg, "_inactive", None) or {})
+
+
+def inactive_line(cfg: Any) -> str:
+    """One line naming the inactive keys and why (grouped by the switch), or ''."""
+    why: dict[str, list[str]] = {}
+    for key, reason in inactive_keys(cfg).items():
+        why.setdefault(reason.split(" (so ")[0], []).append(key)
+    return "inactive keys (a later setting turned their feature off): " + "; ".join(
+        f"{', '.join(keys)} ({reason})" for reason, keys in why.items()) if why else ""
 
 
 def _resolve(recipe: str, tree: dict) -> dict:

@@ -46,7 +46,7 @@ from multiengine.engines.settings import (
 )
 from tqdm import tqdm
 
-from .config import KEY_READS_ENV, RecipeConfigError, config_problem
+from .config import KEY_READS_ENV, RecipeConfigError, config_problem, inactive_keys
 
 logger = logging.getLogger(__name__)
 LAUNCH_KEYS = ("overwrite",)  # keys the launching process uses before any rank starts (never read by a rank)
@@ -521,6 +521,7 @@ class Recipe:
             "roles": registry.describe(),
             "export": export,
             "config": self.cfg.to_dict(),
+            "inactive_keys": inactive_keys(self.cfg),  # {key: why}: set, but a later setting turned its feature off
             **extra,
         }
 
