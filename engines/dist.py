@@ -248,6 +248,9 @@ def collective_timeout_message(exc: BaseException) -> str | None:
 
 
 def _short_path(path: str) -> str:
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `multiengine` is
+    if path.startswith(package + os.sep):
+        return os.path.join("multiengine", os.path.relpath(path, package))
     marker = "site-packages" + os.sep
     if marker in path:
         return path[path.rindex(marker) + len(marker):]

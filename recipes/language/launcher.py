@@ -400,6 +400,8 @@ def _report_job(error_dir: str, code: int, stop: int | None, nproc: int) -> int:
         pass
     if code == 0 and not records:
         return 0
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")  # a rank's progress bar may have left its line unfinished
     if records:
         first = min(records, key=lambda r: (r["secondary"], r["time"]))
         same = len(records) == first["world"] and all(r["message"] == first["message"] for r in records)
