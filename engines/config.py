@@ -11,11 +11,10 @@ from typing import Any
 
 import torch
 
-from .settings import SettingsError
+from .settings import DTYPES, SettingsError
 
 AUTO = "auto"
 
-DTYPES = ("fp32", "bf16", "fp16")
 
 # Top-level keys DeepSpeed understands (the common ones). Anything else is almost always a typo,
 # which DeepSpeed itself would silently ignore; we reject it with a suggestion instead.

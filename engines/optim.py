@@ -64,17 +64,11 @@ def build_optimizer(
             on a GPU) or ``"sgd"`` (plain ``torch.optim.SGD``; ``betas`` and ``eps`` unused).
         offload: the role's optimizer state lives on the host (``offload_optimizer``); DeepSpeed then
             requires its CPU Adam, so ``"adamw"`` with ``offload=True`` is an error naming the fix.
+
+    ``lr``, ``betas``, ``eps``, ``weight_decay``: checked where they are set (:class:`~.roles.OptimSpec`).
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer name={name!r} is not known; use one of {list(OPTIMIZERS)}.")
-    if not lr >= 0:
-        raise ValueError(f"optimizer lr={lr!r} must be >= 0.")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"optimizer betas={tuple(betas)!r} must be two numbers in [0, 1).")
-    if not eps > 0:
-        raise ValueError(f"optimizer eps={eps!r} must be > 0.")
-    if weight_decay < 0:
-        raise ValueError(f"optimizer weight_decay={weight_decay!r} must be >= 0.")
     params = list(params)
     betas = (float(betas[0]), float(betas[1]))
     if name == "sgd":

@@ -20,23 +20,20 @@ from typing import Any
 
 import torch
 
-from .config import DTYPES, ConfigError, eval_ds_config, train_ds_config
+from .config import ConfigError, eval_ds_config, train_ds_config
 from .deepspeed_adapter import zero_init_paused
-from .settings import is_scheduler_name, scheduler_names
+from .settings import DECODER_LORA_TARGETS, DTYPES, OPTIMIZER_CHECKS
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LoraSpec", "OptimSpec", "Placement", "RoleSpec", "apply_lora", "frozen_role", "is_lora",
            "set_gradient_checkpointing", "torch_dtype", "trainable_role"]
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def torch_dtype(name: str) -> torch.dtype:
     """``"bf16"`` -> ``torch.bfloat16`` (the names the config factories take)."""
-    if name not in _TORCH_DTYPES:
+    if name not in DTYPES:
         raise ConfigError(f"dtype={name!r}; use one of {list(DTYPES)}.")
-    return _TORCH_DTYPES[name]
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass(frozen=True)
@@ -99,21 +96,13 @@ class OptimSpec:
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer name={self.name!r}; use one of {list(_OPTIMIZERS)}.")
-        if not self.lr >= 0:
-            raise ConfigError(f"lr={self.lr!r} must be >= 0.")
-        if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
-                or not self.max_grad_norm >= 0:
-            raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a number >= 0 (0.0 = no clipping).")
-        if self.warmup_steps < 0 or self.total_steps < 0:
-            raise ConfigError(f"warmup_steps={self.warmup_steps} and total_steps={self.total_steps} must be >= 0.")
-        if not is_scheduler_name(self.scheduler):
-            import difflib
-
-            names = scheduler_names()
-            close = difflib.get_close_matches(self.scheduler, names, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"scheduler={self.scheduler!r} is not a transformers scheduler.{hint} Use one of "
-                              f"{names}.")
+        for key, checks in OPTIMIZER_CHECKS.items():  # the recipe keys' own checks (engines.settings)
+            value = getattr(self, key)
+            for problem, check in ((c.problem(value), c) for c in checks):
+                if problem:
+                    raise ConfigError(f"{key}={value!r} {problem}; fix: {check.fix(key, value)}.")
+        if self.total_steps < 0:
+            raise ConfigError(f"total_steps={self.total_steps} must be >= 0.")
 
     def optimizer_factory(self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], Any]:
         from .optim import build_optimizer, resolve_optimizer
@@ -156,7 +145,7 @@ class LoraSpec:
     rank: int = 8
     alpha: float | None = None
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+    target_modules: tuple[str, ...] = DECODER_LORA_TARGETS
     init: bool | str = True
     task_type: str | None = None
 

@@ -29,6 +29,13 @@ def is_scheduler_name(name: str) -> bool:
     return name in SCHEDULERS or name in scheduler_names()
 
 
+# The dtypes a config names -> torch's (and vLLM's) name of each.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# LoRA's targets on a decoder whose config names none: the attention projections of OPT (out_proj) and of Llama,
+# Mistral, Qwen and Gemma (o_proj). The diffusion families name their own (pipelines.diffusion.families).
+DECODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+
+
 __all__ = ["Check", "Choice", "Each", "FieldError", "Length", "PathExists", "Range", "Satisfies", "Settings",
            "SettingsError", "config_problem", "field_checks", "field_help", "optional", "section", "setting",
            "reads_of", "SCHEDULERS", "is_scheduler_name", "scheduler_names", "set_key", "sets_feature", "track_reads",
@@ -209,6 +216,27 @@ class Satisfies(Check):
         except (TypeError, ValueError, AttributeError):
             ok = False
         return None if ok else f"must be {self.description}"
+
+
+class _SchedulerName(Check):
+    def describe(self) -> str:
+        return "a transformers scheduler name (constant, constant_with_warmup, linear, cosine, ...)"
+
+    def problem(self, value: Any) -> str | None:
+        return None if isinstance(value, str) and is_scheduler_name(value) else f"must be {self.describe()}"
+
+    def fix(self, key: str, value: Any) -> str:
+        close = difflib.get_close_matches(str(value), scheduler_names(), n=1)
+        return (f"did you mean {key}={close[0]}? " if close else "") + f"use one of {', '.join(scheduler_names())}"
+
+
+# The optimizer settings' checks, defined once: the recipe language declares its role keys (roles.<name>.lr, ...)
+# with them and engines.OptimSpec applies them to what a registry user passes.
+OPTIMIZER_CHECKS: dict[str, tuple[Check, ...]] = {
+    "lr": (Range(0, min_exclusive=True),), "weight_decay": (Range(0),), "eps": (Range(0, min_exclusive=True),),
+    "betas": (Length(2, 2), Each(Range(0, 1, max_exclusive=True))), "warmup_steps": (Range(0),),
+    "max_grad_norm": (Satisfies(lambda v: not isinstance(v, bool) and v >= 0, "a number >= 0 (0.0 = no clipping)"),),
+    "scheduler": (_SchedulerName(),)}
 
 
 # --- declaring fields ----------------------------------------------------------------------------------------------

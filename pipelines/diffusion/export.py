@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from multiengine.engines import EngineRegistry, atomic_dir, save_role, write_role
 from multiengine.engines.export import cast_folder
-from multiengine.engines.settings import Choice, Each, Length, Settings, setting
+from multiengine.engines.settings import DTYPES, Choice, Each, Length, Settings, setting
 
 from .models import read_model_index
 
@@ -115,7 +115,7 @@ def save_lora(registry: EngineRegistry, out_dir: str, role: str = "unet", compon
 @dataclass(frozen=True)
 class ExportSettings(Settings):
     enabled: bool = setting(True, "export/<pipeline> (a diffusers pipeline folder) and export/lora for LoRA runs")
-    dtype: str = setting("fp32", "dtype of every exported component", Choice("fp32", "bf16", "fp16"), when="enabled")
+    dtype: str = setting("fp32", "dtype of every exported component", Choice(*DTYPES), when="enabled")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from multiengine.engines import planner as P
+from multiengine.engines.settings import DECODER_LORA_TARGETS
 
 from .config import RecipeConfigError, configs_dir, list_recipes, load_config, resolve_config_file, yaml_load
 
@@ -177,12 +178,9 @@ STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 def lora_choice(section: Any, default_targets: Sequence[str] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """(rank, target modules) of a role's ``lora`` section, None for ``r: 0``; empty target modules take
-    ``default_targets`` (the decoders' q/k/v/out projections unless given), as TrainableRole.lora_spec does."""
-    if default_targets is None:
-        from .roles import LORA_TARGETS
-
-        default_targets = LORA_TARGETS
-    return (int(section.r), tuple(section.target_modules) or tuple(default_targets)) if section.r else None
+    ``default_targets`` (unless given, the decoders' q/k/v and output projections), as TrainableRole.lora_spec does."""
+    targets = tuple(section.target_modules) or tuple(default_targets or DECODER_LORA_TARGETS)
+    return (int(section.r), targets) if section.r else None
 
 
 def scalar_info(info: P.ModelInfo) -> P.ModelInfo:

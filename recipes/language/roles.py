@@ -21,25 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multiengine.engines.settings import (
+    DECODER_LORA_TARGETS,
+    DTYPES,
+    OPTIMIZER_CHECKS,
     Choice,
     Each,
     Length,
     Range,
-    Satisfies,
     Settings,
-    is_scheduler_name,
     section,
     setting,
 )
 
 from .config import Key, Node, config_problem, settings_node
 
-__all__ = ["LORA_TARGETS", "FrozenRole", "LoraSettings", "Role", "RoleConfig", "Roles", "RolloutRole", "TrainableRole",
+__all__ = ["FrozenRole", "LoraSettings", "Role", "RoleConfig", "Roles", "RolloutRole", "TrainableRole",
            "roles_node"]
-
-# The attention projections of OPT (the embedded tiny model), Llama, Mistral, Qwen and most decoders.
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
-DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,8 @@ class LoraSettings(Settings):
     alpha: float = setting(0.0, "LoRA scaling alpha (0 = r)", Range(0), when="r")
     dropout: float = setting(0.0, "adapter dropout", Range(0, 1, max_exclusive=True), when="r")
     target_modules: list[str] = setting([], "module names that get adapters; [] = the model's usual targets "
-                                        "(decoders: q/k/v/out projections; unets, SD3, FLUX: diffusers' attention "
-                                        "projections)", Each(Length(1)), when="r")
+                                        "(decoders: q/k/v and output projections; unets, SD3, FLUX: diffusers' "
+                                        "attention projections)", Each(Length(1)), when="r")
 
 
 @dataclass(frozen=True)
@@ -145,16 +142,13 @@ class TrainableRole(RoleConfig):
 
     offload_optimizer: bool = setting(False, "optimizer state offload to CPU")
     gradient_checkpointing: bool = setting(False, "recompute activations in backward: less memory, more time")
-    lr: float = setting(1e-5, "peak learning rate", Range(0, min_exclusive=True))
-    weight_decay: float = setting(0.0, "AdamW weight decay", Range(0))
-    betas: list[float] = setting([0.9, 0.999], "Adam betas [beta1, beta2]",
-                                 [Length(2, 2), Each(Range(0, 1, max_exclusive=True))])
+    lr: float = setting(1e-5, "peak learning rate", OPTIMIZER_CHECKS["lr"])
+    weight_decay: float = setting(0.0, "AdamW weight decay", OPTIMIZER_CHECKS["weight_decay"])
+    betas: list[float] = setting([0.9, 0.999], "Adam betas [beta1, beta2]", OPTIMIZER_CHECKS["betas"])
     scheduler: str = setting("constant", "a transformers scheduler name (constant, constant_with_warmup, linear, "
-                                         "cosine, ...)",
-                             Satisfies(is_scheduler_name, "a transformers scheduler name (constant, "
-                                       "constant_with_warmup, linear, cosine, ...)"))
-    warmup_steps: int = setting(0, "linear warm-up steps", Range(0))
-    max_grad_norm: float = setting(1.0, "gradient clipping (0 = none)", Range(0))
+                                         "cosine, ...)", OPTIMIZER_CHECKS["scheduler"])
+    warmup_steps: int = setting(0, "linear warm-up steps", OPTIMIZER_CHECKS["warmup_steps"])
+    max_grad_norm: float = setting(1.0, "gradient clipping (0 = none)", OPTIMIZER_CHECKS["max_grad_norm"])
     micro_batch_size: int = setting(8, "rows per rank per forward/backward", Range(1))
     grad_accum: int = setting(1, "micro batches per optimizer step", Range(1))
     lora: LoraSettings = section(LoraSettings, "LoRA adapters instead of full fine-tuning (lora.r > 0)")
@@ -163,7 +157,7 @@ class TrainableRole(RoleConfig):
     def trainable(self) -> bool:
         return True
 
-    def lora_spec(self, default_targets: Sequence[str] = tuple(LORA_TARGETS), init: bool | str = True) -> Any:
+    def lora_spec(self, default_targets: Sequence[str] = DECODER_LORA_TARGETS, init: bool | str = True) -> Any:
         """The engines' LoraSpec, or None for ``lora.r: 0`` (``alpha: 0`` = r); empty ``target_modules`` take
         ``default_targets`` (the diffusion family's)."""
         from multiengine.engines import LoraSpec
@@ -172,7 +166,7 @@ class TrainableRole(RoleConfig):
         if not s.r:
             return None
         return LoraSpec(rank=s.r, alpha=s.alpha or None, dropout=s.dropout,
-                        target_modules=tuple(s.target_modules) or tuple(default_targets) or tuple(LORA_TARGETS),
+                        target_modules=tuple(s.target_modules) or tuple(default_targets) or DECODER_LORA_TARGETS,
                         init=init)
 
     def optim(self, total_steps: int, eps: float = 1e-8) -> Any:
@@ -184,7 +178,7 @@ class TrainableRole(RoleConfig):
                          max_grad_norm=self.max_grad_norm)
 
     def spec(self, model: Callable[[], Any], *, seed: int = 0, name: str | None = None, total_steps: int = 0,
-             rows: int = 1, accum: int = 1, lora_targets: Sequence[str] = tuple(LORA_TARGETS),
+             rows: int = 1, accum: int = 1, lora_targets: Sequence[str] = DECODER_LORA_TARGETS,
              lora_init: bool | str = True, eps: float = 1e-8) -> Any:
         """The RoleSpec the registry builds: ``model()`` under this role's placement, its optimizer over
         ``total_steps``, ``rows`` x micro_batch_size rows per forward (a DPO pair is 2 rows), ``accum`` x grad_accum
@@ -229,7 +223,7 @@ class RolloutRole(Settings):
         from multiengine.engines.vllm_rollout import VLLMSettings
 
         dtype = self.dtype or self._roles[self._decl.follows].effective_dtype
-        return VLLMSettings({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        return VLLMSettings(DTYPES[dtype],
                             self.max_model_len or seq_len, self.kv_cache_gb, self.gpu_memory_utilization,
                             self.tensor_parallel_size, self.sleep, seed)
 

@@ -62,7 +62,8 @@ def test_scheduler_names_checked_without_transformers_are_transformers_names():
     from transformers import SchedulerType
 
     assert SCHEDULERS <= {s.value for s in SchedulerType}
-    with pytest.raises(ConfigError, match="scheduler='cosin' is not a transformers scheduler. Did you mean 'cosine'"):
+    with pytest.raises(ConfigError, match="scheduler='cosin' must be a transformers scheduler name .*did you mean "
+                                          "scheduler=cosine"):
         OptimSpec(scheduler="cosin")
 
 

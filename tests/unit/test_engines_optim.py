@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiengine.engines import ConfigError, OptimSpec
 from multiengine.engines.optim import OPTIMIZERS, build_optimizer, ds_adam_kind
 
 
@@ -49,10 +50,6 @@ def test_ds_adam_on_the_cpu_is_deepspeeds_cpu_adam_and_steps_like_torch_adamw():
 
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"name": "adam"}, "optimizer name='adam' is not known; use one of \\['adamw', 'ds_adam', 'sgd'\\]"),
-    ({"lr": -1.0}, "lr=-1.0 must be >= 0"),
-    ({"betas": (0.9, 1.0)}, "betas=\\(0.9, 1.0\\)"),
-    ({"eps": -1.0}, "eps=-1.0"),
-    ({"weight_decay": -0.1}, "weight_decay=-0.1"),
     ({"offload": True}, "offload_optimizer=True.*use optimizer 'ds_adam'"),
 ])
 def test_bad_arguments_are_errors_naming_them(kwargs, fragment):
@@ -60,3 +57,16 @@ def test_bad_arguments_are_errors_naming_them(kwargs, fragment):
     name, lr = args.pop("name"), args.pop("lr")
     with pytest.raises(ValueError, match=fragment):
         build_optimizer(name, _params(), lr=lr, **args)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"lr": -1.0}, "lr=-1.0 must be > 0; fix: set lr to a value that is > 0"),
+    ({"lr": 0.0}, "lr=0.0 must be > 0"),  # the bound of the recipe key roles.<name>.lr, checked by the same Range
+    ({"betas": (0.9, 1.0)}, "betas=\\(0.9, 1.0\\) item 1 \\(1.0\\) must be in \\[0, 1\\)"),
+    ({"eps": -1.0}, "eps=-1.0 must be > 0"),
+    ({"weight_decay": -0.1}, "weight_decay=-0.1 must be >= 0"),
+    ({"max_grad_norm": True}, "max_grad_norm=True must be a number >= 0"),
+])
+def test_the_optimizer_settings_are_checked_where_they_are_set(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        OptimSpec(**kwargs)

@@ -65,7 +65,7 @@ def test_a_declaration_states_only_what_differs_from_the_shared_role_keys(toy):
     assert isinstance(r.actor, TrainableRole) and isinstance(r.ref, FrozenRole) and r.trainable() == [
         "actor", "critic", "net"]
     assert r.actor.lr == 1e-3 and r.actor.stage == 2 and r.actor.scheduler == "constant"  # the rest: shared defaults
-    assert r.actor.lora.r == 0 and r.actor.lora.target_modules == []  # [] = the targets the build gives (LORA_TARGETS)
+    assert r.actor.lora.r == 0 and r.actor.lora.target_modules == []  # []: DECODER_LORA_TARGETS at build
     assert (r.ref.stage, r.ref.dtype, r.reward.stage, r.reward.dtype) == (-1, "", -1, "")  # followers follow
     assert set(r.ref.to_dict()) == {f.name for f in dataclasses.fields(FrozenRole)}
     assert set(r.actor.to_dict()) == {f.name for f in dataclasses.fields(TrainableRole)}
