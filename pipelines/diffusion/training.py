@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry
-from multiengine.engines.settings import Choice, Range, Settings, setting
+from multiengine.engines.settings import OPTIMIZER_CHECKS, Choice, Range, Settings, setting
 
 from . import flow
 from .families import family_roles
@@ -44,7 +44,7 @@ class DDPMSettings(Settings):
     """The DDPM objective of the unet families (SD, SDXL), as diffusers' scripts' options."""
 
     adam_epsilon: float = setting(1e-8, "AdamW epsilon of the trained role (diffusers' scripts' --adam_epsilon)",
-                                  Range(0, min_exclusive=True))
+                                  OPTIMIZER_CHECKS["eps"])
     prediction_type: str = setting("", "SD/SDXL: \"\" = the scheduler's; epsilon | v_prediction | sample",
                                    Choice("", *PREDICTION_TYPES))
     snr_gamma: float = setting(0.0, "SD/SDXL: > 0 = min-SNR-gamma weighting (5.0 recommended)", Range(0))
