@@ -204,3 +204,15 @@ def test_sd_finetune_with_validation_off_names_an_imageless_folder_or_an_unwrita
         assert "'output_dir' is not writable" in line and str(locked) in line, line
     finally:
         shutil.rmtree(locked.parent)
+
+
+def test_a_run_logs_the_inactive_keys_first_and_records_them_in_its_summary(tmp_path, caplog):
+    out = tmp_path / "run"
+    with caplog.at_level("INFO"):
+        assert cli.main(["run", "registry_demo", "--config", "tiny", "backend=torch", "checkpoint.every=0",
+                         "max_steps=1", "plot=false", f"output_dir={out}"]) == 0
+    first = caplog.messages[0]
+    assert first.startswith("inactive keys") and "checkpoint.keep_last" in first, caplog.messages[:2]
+    assert sum("inactive keys" in m for m in caplog.messages) == 1
+    recorded = json.loads((out / "summary.json").read_text())["inactive_keys"]
+    assert list(recorded) == ["checkpoint.keep_last"] and "checkpoint.every=0" in recorded["checkpoint.keep_last"]
