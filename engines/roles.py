@@ -22,6 +22,7 @@ import torch
 
 from .config import ConfigError, eval_ds_config, train_ds_config
 from .deepspeed_adapter import zero_init_paused
+from .optim import OPTIMIZERS, build_optimizer, resolve_optimizer
 from .settings import DECODER_LORA_TARGETS, DTYPES, OPTIMIZER_CHECKS
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class Placement:
                               " parameters.")
 
 
-_OPTIMIZERS = ("auto", "adamw", "ds_adam", "sgd")
+_OPTIMIZERS = ("auto", *OPTIMIZERS)
 
 
 def _constant(_step: int) -> float:
@@ -105,8 +106,6 @@ class OptimSpec:
             raise ConfigError(f"total_steps={self.total_steps} must be >= 0.")
 
     def optimizer_factory(self, offload: bool = False) -> Callable[[Iterable[torch.nn.Parameter]], Any]:
-        from .optim import build_optimizer, resolve_optimizer
-
         name = resolve_optimizer(self.name, offload)
 
         def build(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
