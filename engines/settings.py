@@ -241,13 +241,15 @@ OPTIMIZER_CHECKS: dict[str, tuple[Check, ...]] = {
 
 # --- declaring fields ----------------------------------------------------------------------------------------------
 def setting(default: Any, help: str, check: Check | list[Check] | None = None, *, when: str = "",
-            example: Any = None) -> Any:
+            example: Any = None, items_when: dict[str, str] | None = None) -> Any:
     """A settings field: default (lists/dicts copied per object), one line of help, check(s), ``when`` (the sibling
     that must be set, ``"name"`` or ``"name=value"``, for this one to differ from its default; a dotted name is a key
     from the config's root, e.g. ``"generation.engine=vllm"``) and ``example`` (a valid non-default value where the
-    type and check give none)."""
+    type and check give none); ``items_when``: a list's items that ask for a feature, ``{item: condition}``
+    (``{"ema": "ema.enabled"}``), a condition on a key the config lacks not applying."""
     checks = tuple(check) if isinstance(check, (list, tuple)) else (check,) if check is not None else ()
-    meta = {"help": help, "checks": checks, "when": when, "example": example}
+    meta = {"help": help, "checks": checks, "when": when, "example": example,
+            "items_when": tuple((items_when or {}).items())}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -121,7 +121,7 @@ class ExportSettings(Settings):
 @dataclass(frozen=True)
 class RoleExportSettings(ExportSettings):
     roles: list[str] = setting([], "per-role folders besides the pipeline, e.g. [unet, ema] ([] = none)",
-                               Each(Length(1)), when="enabled")
+                               Each(Length(1)), when="enabled", items_when={"ema": "ema.enabled"})
 
 
 def export_run(registry: EngineRegistry, out_dir: str, model_path: str, components: dict[str, str],

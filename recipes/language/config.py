@@ -273,6 +273,7 @@ class Leaf(NamedTuple):
     checks: tuple
     when: str = ""
     example: Any = None
+    items_when: tuple = ()  # ((item, condition), ...): a list's items that ask for a feature
 
 
 @dataclasses.dataclass
@@ -308,7 +309,7 @@ def settings_node(cls: type, help: str = "", defaults: dict[str, Any] | None = N
         if given is dataclasses.MISSING:
             given = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         children[f.name] = Leaf(copy.deepcopy(given), hints.get(f.name, Any), help_text, field_checks(f),
-                                f.metadata.get("when", ""), f.metadata.get("example"))
+                                f.metadata.get("when", ""), f.metadata.get("example"), f.metadata.get("items_when", ()))
     if defaults:
         raise RecipeDefinitionError(f"{cls.__name__} has no field(s) {sorted(defaults)} to set defaults of")
     for name in defaults_given:
@@ -565,7 +566,25 @@ def inactive_keys_of(schema: Node, tree: dict, where: dict[str, str], layers: di
                 parts = path.split(".")
                 _lookup(tree, ".".join(parts[:-1]))[parts[-1]] = copy.deepcopy(leaf.default)
                 layers[path], changed = layers[switch], True
+            for item, when in _items_off(path, leaf, tree):
+                switch = when.partition("=")[0]
+                if layers.get(path, 0) < layers.get(switch, 0):
+                    inactive[path] = (f"its item {item!r} {when_problem(when)}; {switch}={_lookup(tree, switch)!r} "
+                                      f"{where[switch]} (so {item!r} {where.get(path, 'by default')} is not used)")
+                    _lookup(tree, path).remove(item)
     return inactive
+
+
+def _items_off(path: str, leaf: Leaf, tree: dict) -> list[tuple[Any, str]]:
+    """``[(item, condition)]``: the items of a list key that ask for a feature that is off."""
+    off = []
+    for item, when in leaf.items_when:
+        try:
+            if item in _lookup(tree, path) and not when_holds(when, lambda name: _lookup(tree, name)):
+                off.append((item, when))
+        except KeyError:  # the recipe has no such feature
+            continue
+    return off
 
 
 def check_tree(recipe: str, schema: Node, tree: dict, where: dict[str, str] | None = None) -> None:
@@ -579,6 +598,8 @@ def check_tree(recipe: str, schema: Node, tree: dict, where: dict[str, str] | No
         when = _switch_off(path, leaf, tree) if found is None else None
         if when:
             found = (when_problem(when), f"set {when}, or drop {path}")
+        for item, when in _items_off(path, leaf, tree) if found is None else ():
+            found = (f"names {item!r}, which {when_problem(when)}", f"set {when}, or drop {item!r} from {path}")
         if found is not None:
             problem, fix = found
             problems.append(Problem(path, value, f"config key '{path}' for recipe '{recipe}' {problem}, got {value!r} "

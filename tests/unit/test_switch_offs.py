@@ -28,10 +28,6 @@ from multiengine.recipes.language.config import (
 from test_bad_input_table import locked_folder, unprivileged
 
 CONFIGS = [(recipe, name) for recipe, names in list_recipes().items() for name in names]
-# Refusals of a switch-off that a recipe's own validate makes (not a when= key): (recipe, override) -> the key named.
-# The diffusion fine-tunes' files export [unet, ema]; ema.enabled=false then leaves export.roles naming a role the
-# run does not build.
-KNOWN_REFUSALS = {("sd_finetune", "ema.enabled=false"): "export.roles"}
 
 
 def _switch(path: str, leaf: Leaf) -> str:
@@ -72,6 +68,8 @@ def _dependents(recipe: str, cfg, switch: str) -> set[str]:
             if leaf.when and _switch(path, leaf) == on and sets_feature(values[path], leaf.default):
                 found.add(path)
                 todo.append(path)
+            if any(w.partition("=")[0] == on and item in values[path] for item, w in leaf.items_when):
+                found.add(path)  # a list naming an item of the feature (export.roles: [unet, ema])
     return found
 
 
@@ -105,13 +103,14 @@ def test_every_switch_off_is_accepted_and_names_the_inactive_keys(recipe, name, 
         cfg, refusal = _validate(recipe, name, [*out, override])
         expected = _dependents(recipe, base, switch)
         assert set(inactive_keys(cfg)) == expected, (override, inactive_keys(cfg))
-        for key in expected:  # back to its default, and the reason names the switch and where it was set
-            assert flatten(cfg)[key] == leaves(recipe_schema(load_recipe(recipe)))[key].default
+        keys = leaves(recipe_schema(load_recipe(recipe)))
+        for key in expected:  # back to its default (an item: out of its list); the reason names the switch and where
+            items = [item for item, w in keys[key].items_when if w.partition("=")[0] == switch]
+            assert all(i not in flatten(cfg)[key] for i in items) if items else flatten(cfg)[key] == keys[key].default
             assert f"{switch}=" in inactive_keys(cfg)[key] and f"in override '{override}'" in inactive_keys(cfg)[key]
         if refusal is not None and refusal != base_refusal:
             refused[(recipe, override)] = refusal
-    known = {k: v for k, v in KNOWN_REFUSALS.items() if k[0] == recipe and k[1] in switches}
-    assert refused == (known if base_refusal is None else {}), refused
+    assert refused == {}, refused
 
 
 def test_the_switch_offs_of_the_issue_are_among_those_walked():
@@ -137,6 +136,9 @@ def test_a_contradiction_in_one_place_is_refused_naming_the_key(tmp_path):
     # one override list that turns the switch off and sets a detail
     with pytest.raises(RecipeConfigError, match=r"'checkpoint\.keep_last' .* applies only when checkpoint\.every"):
         load_config("rlhf_grpo", "tiny", ["checkpoint.every=0", "checkpoint.keep_last=5"])
+    # one override list: a list naming an item of the feature it turns off
+    with pytest.raises(RecipeConfigError, match=r"'export\.roles' .* names 'ema', which applies only when ema\.en"):
+        load_config("sd_finetune", "tiny", ["ema.enabled=false", "export.roles=[unet,ema]"])
     # one file: the detail set beside a switch the file leaves off
     mine = tmp_path / "mine.yaml"
     mine.write_text((Path(__file__).parents[2] / "recipes/configs/rlhf_sft/tiny.yaml").read_text()
