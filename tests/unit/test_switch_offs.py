@@ -16,6 +16,7 @@ from multiengine.recipes.language import cli
 from multiengine.recipes.language.config import (
     Leaf,
     RecipeConfigError,
+    config_path,
     flatten,
     inactive_keys,
     leaves,
@@ -198,9 +199,10 @@ def test_sd_finetune_with_validation_off_names_an_imageless_folder_or_an_unwrita
     assert cli.main([*base, f"output_dir={afile / 'run'}"]) == 2
     assert f"'output_dir' cannot be created: {afile} is a file" in _one_error(capsys)
     locked = locked_folder()
-    try:
+    try:  # as nobody, the config is read from a copy anyone may read (a clone's own folder may be root's alone)
+        config = str(shutil.copy(config_path("sd_finetune", "tiny"), locked.parent / "tiny.yaml"))
         with unprivileged():
-            code = cli.main([*base, f"output_dir={locked / 'run'}"])
+            code = cli.main(["validate", "sd_finetune", "--config", config, *base[4:], f"output_dir={locked / 'run'}"])
         assert code == 2
         line = _one_error(capsys)
         assert "'output_dir' is not writable" in line and str(locked) in line, line
