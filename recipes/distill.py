@@ -22,6 +22,7 @@ import torch
 from multiengine.engines import barrier, mean_over_ranks
 from multiengine.engines import planner as P
 from multiengine.engines.settings import Range, section, setting
+from multiengine.pipelines.checks import role_tokenizer
 from multiengine.pipelines.distill import (
     DistillSettings,
     check_vocab,
@@ -37,7 +38,6 @@ from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
 from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
 from multiengine.pipelines.rlhf.roles import add_lm_role, add_rollout, export_role, role_folder, tiny_assets
 from multiengine.pipelines.rlhf.rollout import sampling_seed
-from multiengine.pipelines.rlhf.runs import role_tokenizer
 from multiengine.recipes import common
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import Key, RecipeConfigError

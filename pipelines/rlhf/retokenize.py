@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from ..checks import role_tokenizer
 from .data import _Encoder, _pad, is_conversation
-from .runs import role_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ def tiny_assets(registry: EngineRegistry, root: str, cfg: Any, *models: str) -> 
 def role_folder(role: Any, assets: dict[str, str], path: str = "") -> tuple[str, Any]:
     """``role``'s folder (``path``: what the recipe resolved or trained for it; else ``role.model``; else the tiny
     model) and its tokenizer (``role.tokenizer``, else the folder's, else the tiny tokenizer)."""
-    from .runs import role_tokenizer
+    from ..checks import role_tokenizer
 
     path = path or role.model or assets["model"]
     tiny_tok = role_tokenizer("", assets["tokenizer"]) if assets else None

@@ -10,13 +10,11 @@ from typing import Any
 
 from multiengine.engines import EngineRegistry, barrier
 
-from ..checks import has_tokenizer, resolve_tokenizer, role_tokenizer  # re-exported: the RLHF recipes' import
 from . import tiny
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["builtin_judge", "has_tokenizer", "on_rank0_first", "prepare_tiny_assets", "resolve_tokenizer",
-           "role_tokenizer"]
+__all__ = ["builtin_judge", "on_rank0_first", "prepare_tiny_assets"]
 
 
 def prepare_tiny_assets(root: str, registry: EngineRegistry, seed: int = 0,

@@ -173,7 +173,7 @@ def test_overlong_penalty_is_added_to_the_score(assets):
 
 def test_multiturn_rollouts_on_the_registry_mask_environment_tokens(tmp_path):
     paths = multiturn.prepare_arithmetic(str(tmp_path), hidden=32, layers=1, n_sft=4, n_prompts=4, n_eval=2)
-    from multiengine.pipelines.rlhf.runs import resolve_tokenizer
+    from multiengine.pipelines.checks import resolve_tokenizer
 
     tok = resolve_tokenizer(paths["model"])
     registry = _registry(paths["model"])
