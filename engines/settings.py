@@ -36,7 +36,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DECODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
 
 
-__all__ = ["Check", "Choice", "Each", "FieldError", "Length", "PathExists", "Range", "Satisfies", "Settings",
+__all__ = ["DECODER_LORA_TARGETS", "DTYPES", "OPTIMIZER_CHECKS", "Check", "Choice", "Each", "FieldError", "Length",
+           "PathExists", "Range", "Satisfies", "Settings",
            "SettingsError", "config_problem", "field_checks", "field_help", "optional", "section", "setting",
            "reads_of", "SCHEDULERS", "is_scheduler_name", "scheduler_names", "set_key", "sets_feature", "track_reads",
            "tracking_reads", "when_holds", "when_problem"]
