@@ -171,7 +171,8 @@ class RoleSpec:
     config (a dict or a JSON path), an optimizer factory (trainable roles only; ``trainable`` defaults to having one)
     and a scheduler factory. ``hidden_size``: the width for "auto" buckets when the model has none. ``stateful``: a
     frozen role whose weights change (an EMA), checkpointed as its partitions. ``gather_forward``: a frozen ZeRO-3
-    role gathered whole once per forward (one collective; 1/N between calls). ``placement``, ``lora``, ``optim``,
+    role gathered whole once per forward (one collective; 1/N between calls). ``packed``: its token-sequence passes
+    run packed (packing.py; the family must be in ``PACKABLE_FAMILIES``). ``placement``, ``lora``, ``optim``,
     ``gradient_checkpointing``: what the role builders below were asked for, for reports and exports."""
 
     name: str
@@ -187,6 +188,7 @@ class RoleSpec:
     lora: LoraSpec | None = None
     optim: OptimSpec | None = None
     gradient_checkpointing: bool = False
+    packed: bool = False
 
     def describe(self) -> dict[str, Any]:
         """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
@@ -196,7 +198,7 @@ class RoleSpec:
         return {"name": self.name, "ds_config": self.ds_config, "trainable": self.trainable,
                 "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
                 "lora": plain(self.lora), "optim": plain(self.optim),
-                "gradient_checkpointing": self.gradient_checkpointing}
+                "gradient_checkpointing": self.gradient_checkpointing, "packed": self.packed}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

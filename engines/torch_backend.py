@@ -35,6 +35,7 @@ class TorchEngine(torch.nn.Module):
         self._clip = float(config.get("gradient_clipping", 0.0) or 0.0)
         self.micro_steps = 0
         self.global_steps = 0
+        self._boundary: bool | None = None
         self._ddp: torch.nn.Module | None = None
         if optimizer is not None and world_size > 1:
             self._ddp = torch.nn.parallel.DistributedDataParallel(self.module)
@@ -65,7 +66,11 @@ class TorchEngine(torch.nn.Module):
         return int(self.config["train_batch_size"])
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self._gas == 0
+        return (self.micro_steps + 1) % self._gas == 0 if self._boundary is None else self._boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """As DeepSpeed's: the caller says which micro-batch ends an optimizer step (None: every ``gas``-th)."""
+        self._boundary = is_boundary
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         # Same scaling as DeepSpeed (scale_wrt_gas): the summed micro-batch grads average.

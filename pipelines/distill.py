@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines.packing import lm_forward, packs
 from multiengine.engines.settings import Choice, Range, Satisfies, Settings, setting
 
 __all__ = ["DIVERGENCES", "DistillSettings", "check_vocab", "distillation_loss", "divergence", "generalized_jsd",
@@ -222,11 +223,15 @@ def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_m
 
 def role_logits(registry: Any, role: str, batch: dict[str, torch.Tensor], vocab: int,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """``role``'s logits of ``batch``'s tokens, cut to the first ``vocab`` (the logits teacher and student share:
-    padded embeddings of one tokenizer, :func:`check_vocab`)."""
-    out = registry[role](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=position_ids, use_cache=False)
-    return out.logits if out.logits.shape[-1] == vocab else out.logits[..., :vocab]
+    """``role``'s logits of ``batch``'s tokens (packed where its engine packs), cut to the first ``vocab`` (the logits
+    teacher and student share: padded embeddings of one tokenizer, :func:`check_vocab`)."""
+    engine = registry[role]
+    if packs(engine):
+        logits = lm_forward(engine, batch["input_ids"], batch["attention_mask"])
+    else:
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=position_ids, use_cache=False).logits
+    return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ from multiengine.pipelines.checks import check_model, check_stage_batches, check
 from multiengine.recipes.language import plans
 from multiengine.recipes.language.config import RecipeConfigError, config_problem, load_config
 
-__all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "ExportSettings",
+__all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "TOKEN_BUDGET_WHY",
+           "ExportSettings",
            "StepRun", "check_data", "check_hf_generation", "check_model", "check_prompts_and_rewards",
            "check_reward_columns", "check_role", "check_sft_run", "check_stage_batches", "check_tokenizer",
            "eval_generation", "lm_info", "lora_renamed", "old_keys", "policy_plan", "reward_plan", "sft_model"]
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 RLHF_TRAINABLE: dict[str, Any] = {"betas": [0.9, 0.95]}
 JUDGE_HEADLINE = ("judge", "judge score of sampled answers (built-in task)", True)
 REWARD_HEADLINE = ("reward", "held-out reward (weighted sum of the reward sources)", True)
+TOKEN_BUDGET_WHY = ("its micro-batches are the data loader's micro_batch_size rows (each packed where the family "
+                    "packs); token budgets size the RL updates' micro-batches")
 REF_TOKENIZER = "the ref scores the actor's tokens: its tokenizer is the actor's (roles.actor.tokenizer)"
 TINY_RENAMED: dict[str, str] = {"model.tiny_hidden": "tiny.hidden", "model.tiny_layers": "tiny.layers"}
 

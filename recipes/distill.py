@@ -89,12 +89,13 @@ def shared_logits(teacher: str, student: str, teacher_tokenizer: Any, student_to
 class Distill(Recipe):
     name = "distill"
     # one tokenizer for both roles (token-level distillation): the student's empty tokenizer is the teacher's
-    roles = (Role("teacher", "the frozen teacher", defaults={
+    roles = (Role("teacher", "the frozen teacher", sequences=True, defaults={
                   "stage": 3, "dtype": "fp32",
                   "model": Key("", "a causal-LM folder or hub name; \"\" = train the tiny SFT model under "
                                    "output_dir/teacher first (teacher_sft)"),
                   "tokenizer": Key("", "the tokenizer of both roles; \"\" = the teacher folder's own")}),
-             Role("student", "the trainable student", trainable=True, tokenizer_of="teacher", defaults={
+             Role("student", "the trainable student", trainable=True, tokenizer_of="teacher", sequences=True,
+                  omit=("token_budget",), why=common.TOKEN_BUDGET_WHY, defaults={
                   **common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-3, "scheduler": "cosine",
                   "warmup_steps": 20, "micro_batch_size": 16,
                   "model": Key("", "a causal-LM folder or hub name; \"\" = a random tiny model with the teacher's "

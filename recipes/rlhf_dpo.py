@@ -54,14 +54,15 @@ class DPOConfig(RunConfig):
 
 class RLHFDPO(Recipe):
     name = "rlhf_dpo"
-    roles = (Role("actor", "the policy being optimised", trainable=True,
+    roles = (Role("actor", "the policy being optimised", trainable=True, sequences=True,
+                  omit=("token_budget",), why=common.TOKEN_BUDGET_WHY,
                   defaults={**common.RLHF_TRAINABLE, "stage": 3, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine",
                             "warmup_steps": 10,
                             "model": Key("", "a causal-LM folder (the SFT model) or hub name; \"\" = train the tiny "
                                              "SFT actor under output_dir/sft (actor_sft)"),
                             "micro_batch_size": Key(32, "pairs per rank per forward/backward (2 rows each)")}),
              Role("ref", "the frozen SFT policy: the actor's folder loaded again (never a copy)", follows="actor",
-                  weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER))
+                  weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER, sequences=True))
     Config = DPOConfig
     renamed = common.old_keys("actor", "model.actor", **common.lora_renamed("actor"))
     headline = (("accuracy", "held-out preference accuracy", True), common.JUDGE_HEADLINE)

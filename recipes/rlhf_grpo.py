@@ -74,12 +74,12 @@ class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
     roles = (
         Role("actor", "the policy (an SFT model); model \"\" = the tiny SFT actor trained first under output_dir/sft "
-                      "(actor_sft)", trainable=True,
+                      "(actor_sft)", trainable=True, sequences=True,
              defaults={**common.RLHF_TRAINABLE, "dtype": "fp32", "lr": 1e-3, "micro_batch_size": 32}),
         Role("ref", "the frozen SFT policy (the actor's folder; none when grpo.kl_coef is 0)", follows="actor",
-             weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER),
+             weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER, sequences=True),
         Role("reward", "the frozen `reward` role (when reward.models names it) and the placement of every reward "
-                       "model (each reward.models entry may override)", follows="actor"),
+                       "model (each reward.models entry may override)", follows="actor", sequences=True),
         Role("rollout", common.ROLLOUT_ROLE_HELP.format(of="actor"), follows="actor", rollout=True),
     )
     Config = GRPOConfig
@@ -201,7 +201,7 @@ class RLHFGRPO(Recipe):
             self.paths["ref"] = r.ref.model_path({"actor": actor_path})
             add_lm_role(registry, r.ref, self.paths["ref"], cfg.seed)
         self.paths.update({m.role: m.path for m in reward_roles})
-        add_reward_roles(registry, reward_roles)
+        add_reward_roles(registry, reward_roles, r.reward.packing)
         registry.build()
         add_rollout(registry, cfg, actor_path, self.sequence_length(cfg))
         self.reward_role = reward_roles[0].role if reward_roles else None

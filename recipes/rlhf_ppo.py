@@ -87,13 +87,14 @@ class RLHFPPO(Recipe):
     name = "rlhf_ppo"
     roles = (
         Role("actor", "the policy: step 1's export; model \"\" = the random tiny OPT (mechanics only)", trainable=True,
-             defaults=_TRAIN),
+             defaults=_TRAIN, sequences=True),
         Role("critic", "the value model (LM body + value head); model \"\" = the reward model's (DeepSpeed-Chat), the "
-                       "actor's when rewards are functions only", trainable=True, weights="reward", defaults=_TRAIN),
+                       "actor's when rewards are functions only", trainable=True, weights="reward", defaults=_TRAIN,
+             sequences=True),
         Role("ref", "the frozen SFT policy (the actor's folder)", follows="actor", weights="actor",
-             omit=("tokenizer",), why=common.REF_TOKENIZER),
+             omit=("tokenizer",), why=common.REF_TOKENIZER, sequences=True),
         Role("reward", "the frozen reward model: step 2's export or a *ForSequenceClassification model; model \"\" = "
-                       "the random tiny model with a fresh head", follows="critic"),
+                       "the random tiny model with a fresh head", follows="critic", sequences=True),
         Role("rollout", common.ROLLOUT_ROLE_HELP.format(of="actor"), follows="actor", rollout=True),
         Role("ema", "an exponential moving average of the actor (ema.enabled), built at the actor's stage",
              follows="actor", omit=("model", "tokenizer", "stage", "gather_forward"),
@@ -229,10 +230,10 @@ class RLHFPPO(Recipe):
         add_lm_role(registry, r.ref, self.paths["ref"], cfg.seed)
         add_lm_role(registry, r.critic, critic_path, cfg.seed, scalar=True,
                     total_steps=p.optimizer_steps(cfg.max_steps, r.critic.micro_batch_size, r.critic.grad_accum))
-        add_reward_roles(registry, [m for m in reward_roles if m.role == "reward"])
+        add_reward_roles(registry, [m for m in reward_roles if m.role == "reward"], r.reward.packing)
         if cfg.ema.enabled:  # the actor's weights and adapters, at its stage
             add_lm_role(registry, r.ema, actor_path, cfg.seed, stateful=True, lora=r.actor.lora_spec())
-        add_reward_roles(registry, [m for m in reward_roles if m.role != "reward"])
+        add_reward_roles(registry, [m for m in reward_roles if m.role != "reward"], r.reward.packing)
         registry.build()
         add_rollout(registry, cfg, actor_path, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
 

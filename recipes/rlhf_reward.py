@@ -52,7 +52,8 @@ class RLHFReward(Recipe):
     # InstructGPT starts the reward model from the SFT model, DeepSpeed-Chat from a separate pretrained model
     # (OPT-350m): any causal-LM folder, a previous reward export or a TRL reward model works.
     roles = (Role("reward", "the reward model being trained: LM body + scalar head (LoRA adapts the body, the head "
-                            "trains fully)", trainable=True,
+                            "trains fully)", trainable=True, sequences=True,
+                  omit=("token_budget",), why=common.TOKEN_BUDGET_WHY,
                   defaults={**common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-3, "scheduler": "cosine",
                             "warmup_steps": 20,
                             "model": Key("", "a causal-LM folder, SFT or reward export, *ForSequenceClassification "

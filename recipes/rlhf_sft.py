@@ -47,6 +47,8 @@ class SFTConfig(RunConfig):
 class RLHFSFT(Recipe):
     name = "rlhf_sft"
     roles = (Role("actor", "the policy being fine-tuned; model \"\" = the random tiny OPT (tiny.*)", trainable=True,
+                  sequences=True,
+                  omit=("token_budget",), why=common.TOKEN_BUDGET_WHY,
                   defaults={**common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine",
                             "warmup_steps": 20, "micro_batch_size": 16}),)
     Config = SFTConfig

@@ -123,6 +123,7 @@ class ScalarHeadModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
     ) -> torch.Tensor:
         """Per-position scalar values.
 
@@ -130,7 +131,8 @@ class ScalarHeadModel(nn.Module):
             input_ids: ``[B, T]``.
             attention_mask: ``[B, T]`` (1 = real token).
             position_ids: ``[B, T]``, optional; pass them for left-padded rows of models that do not derive
-                positions from the mask (OPT does, Llama does not).
+                positions from the mask (OPT does, Llama does not), and restarting per sequence for packed rows.
+            use_cache: accepted as causal LMs take it; the body never caches (a cache would hide packed sequences).
 
         Returns:
             ``[B, T]`` values in the head's dtype.

@@ -86,20 +86,40 @@ def role_folder(role: Any, assets: dict[str, str], path: str = "") -> tuple[str,
     return path, role_tokenizer(role.tokenizer_path(), path, tiny_tok, what=f"roles.{role.name}.model")
 
 
+def packs(packing: str, path: str, key: str) -> bool:
+    """Whether a role with ``packing`` (auto | packed | padded, the key ``key``) runs packed on the model at ``path``:
+    auto packs the families that pack (engines.packing); packed on another family is refused, naming it."""
+    if packing == "padded":
+        return False
+    from multiengine.engines.packing import PACKABLE_FAMILIES, family_packs
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if packing == "packed" and not family_packs(config):
+        raise ValueError(f"{key}=packed: the {config.model_type} model {path} cannot pack (these families pack: "
+                         f"{', '.join(sorted(PACKABLE_FAMILIES))}); set {key}=auto or padded")
+    return family_packs(config)
+
+
 def add_lm_role(registry: EngineRegistry, role: Any, path: str, seed: int, scalar: bool = False, **spec: Any) -> None:
-    """Add ``role`` (a ``roles.<name>`` section) on ``path``: a causal LM, or with ``scalar`` an LM body + value head;
-    ``spec``: its ``.spec`` arguments (``total_steps``, ``rows``, ...)."""
+    """Add ``role`` (a ``roles.<name>`` section) on ``path``: a causal LM, or with ``scalar`` an LM body + value head,
+    packed as ``role.packing`` says; ``spec``: its ``.spec`` arguments (``total_steps``, ``rows``, ...)."""
     dtype = role.effective_dtype
     model = scalar_model(path, dtype, role.effective_stage == 3, seed if role.trainable else 0) if scalar \
         else causal_lm(path, dtype)
-    registry.add(role.spec(model, seed=seed, **spec))
+    built = role.spec(model, seed=seed, **spec)
+    built.packed = packs(role.packing, path, f"roles.{role.name}.packing")
+    registry.add(built)
 
 
-def add_reward_roles(registry: EngineRegistry, models: list[Any]) -> None:
-    """Add the reward-model roles ``models`` (``RewardSettings.sources``'), each at its own placement."""
+def add_reward_roles(registry: EngineRegistry, models: list[Any], packing: str = "auto") -> None:
+    """Add the reward-model roles ``models`` (``RewardSettings.sources``'), each at its own placement, packed as
+    ``packing`` (``roles.reward.packing``) says."""
     for m in models:
         p = m.placement
-        registry.add(frozen_role(m.role, scalar_model(m.path, p.dtype, p.stage == 3), p))
+        spec = frozen_role(m.role, scalar_model(m.path, p.dtype, p.stage == 3), p)
+        spec.packed = packs(packing, m.path, "roles.reward.packing")
+        registry.add(spec)
 
 
 def add_rollout(registry: EngineRegistry, cfg: Any, path: str, seq_len: int, role: str = "actor") -> None:

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines.packing import lm_forward
 
 from . import ppo
-from .generation import GenerationSettings, generate, position_ids_from_mask, rollout_done, vllm_generate
+from .generation import GenerationSettings, generate, rollout_done, vllm_generate
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import eval_mode, role_logprobs, role_values
 
@@ -248,8 +249,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
         # the critic reads the same text in its own tokens; V(s_t) sits where the text before action t ends
         enc = reencoded(spec.critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
         with eval_mode(registry, critic) as engine:
-            full = engine(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                          position_ids=position_ids_from_mask(enc["attention_mask"])).float()
+            full = lm_forward(engine, enc["input_ids"], enc["attention_mask"]).float()
         values = full.gather(1, enc["state_index"]) * action_f
         critic_rows = {"critic_sequences": enc["input_ids"], "critic_attention_mask": enc["attention_mask"],
                        "critic_index": enc["state_index"]}

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry
+from multiengine.engines.packing import lm_forward
 
 from . import ppo
-from .generation import position_ids_from_mask
 from .losses import sequence_logprob
 from .models import last_token_index
 
@@ -37,16 +37,14 @@ def eval_mode(registry: EngineRegistry, role: str) -> Iterator[Any]:
 
 
 def policy_logits(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, L, V]`` logits of a causal-LM engine, positions from the mask (left padding safe)."""
-    out = engine(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    return out.logits
+    """``[B, L, V]`` logits of a causal-LM engine: packed where the engine packs, else positions from the mask (left
+    padding safe)."""
+    return lm_forward(engine, input_ids, attention_mask)
 
 
 def sequence_scores(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` scalar-head scores at the last real token (through the engine, so ZeRO-3 hooks run)."""
-    values = engine(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=position_ids_from_mask(attention_mask))
+    values = lm_forward(engine, input_ids, attention_mask)
     return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
 
 
@@ -64,8 +62,7 @@ def role_values(registry: EngineRegistry, role: str, sequences: torch.Tensor, at
                 context_length: int) -> torch.Tensor:
     """``[B, T]`` critic values aligned with the response tokens (eval mode, no grad)."""
     with eval_mode(registry, role) as engine:
-        values = engine(input_ids=sequences, attention_mask=attention_mask,
-                        position_ids=position_ids_from_mask(attention_mask)).float()
+        values = lm_forward(engine, sequences, attention_mask).float()
         return ppo.response_values(values, context_length)
 
 

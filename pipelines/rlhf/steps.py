@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from multiengine.engines.packing import lm_forward, packs
 
 from .models import pairwise_loss
 from .scoring import sequence_scores
@@ -14,7 +16,11 @@ __all__ = ["causal_lm_loss", "reward_loss"]
 
 
 def causal_lm_loss(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Token-mean cross-entropy on ``labels`` (-100 = ignored), ``[B, L]`` batch of :class:`SFTCollator`."""
+    """Token-mean cross-entropy on ``labels`` (-100 = ignored), ``[B, L]`` batch of :class:`SFTCollator`; packed
+    where the engine packs (the same tokens and mean as transformers' loss)."""
+    if packs(engine):
+        logits = lm_forward(engine, batch["input_ids"], batch["attention_mask"])[:, :-1].float()
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
     out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                  use_cache=False)
     return out.loss

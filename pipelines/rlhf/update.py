@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines.packing import lm_forward
 
 from . import ppo
-from .generation import position_ids_from_mask
 from .losses import PolicyLossInputs, kl_loss, logprob_mismatch, loss_units, policy_loss, truncated_is_weights
 from .rollout import Experience, RolloutSpec, StepStats
 from .scoring import policy_logits
@@ -169,12 +169,10 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                 mb = exp.rows(critic_micro[i])
                 den = denominators[("critic", epoch, i - i % g_critic)]
                 if mb.critic_sequences is not None:  # a critic with its own tokenizer: its re-encoded rows
-                    full = critic_engine(input_ids=mb.critic_sequences, attention_mask=mb.critic_attention_mask,
-                                         position_ids=position_ids_from_mask(mb.critic_attention_mask))
+                    full = lm_forward(critic_engine, mb.critic_sequences, mb.critic_attention_mask)
                     values = full.float().gather(1, mb.critic_index)
                 else:
-                    full = critic_engine(input_ids=mb.sequences, attention_mask=mb.attention_mask,
-                                         position_ids=position_ids_from_mask(mb.attention_mask))
+                    full = lm_forward(critic_engine, mb.sequences, mb.attention_mask)
                     values = ppo.response_values(full, C)
                 v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, s.value_clip, den)
                 critic_engine.backward(v_loss)

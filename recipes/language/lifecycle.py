@@ -295,7 +295,8 @@ class Recipe:
                 continue
             spec = role.spec(lambda: None, total_steps=1, lora_targets=("*",)) if role.trainable else \
                 role.spec(lambda: None)
-            out["roles"][name] = {**spec.describe(), "model": role.model_path(), "tokenizer": role.tokenizer_path()}
+            out["roles"][name] = {**spec.describe(), "model": role.model_path(), "tokenizer": role.tokenizer_path(),
+                                  **{k: getattr(role, k) for k in ("packing", "token_budget") if hasattr(role, k)}}
         return out
 
     @classmethod
@@ -305,6 +306,8 @@ class Recipe:
         set_trust_remote_code(cfg.trust_remote_code)
         if cfg.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
             raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
+        if cfg.roles is not None:
+            cfg.roles.check_packing()
         cls.validate(cfg, world_size)
 
     def __init__(self, cfg: Any) -> None:

@@ -58,6 +58,8 @@ class RoleConfig(Settings):
     stage: int = setting(3, "ZeRO stage 0-3", Range(-1, 3))
     dtype: str = setting("bf16", "fp32 | bf16 | fp16 (GPU only)", Choice(*DTYPES, ""))
     offload_params: bool = setting(False, "ZeRO-3 parameter offload to CPU")
+    packing: str = setting("auto", "token-sequence passes without padding: packed | padded | auto (packed for the "
+                                   "families that pack, docs/rlhf.md)", Choice("auto", "packed", "padded"))
 
     # set by Roles: the declaration and the other roles (for follows and weights)
     def _bind(self, decl: Role, roles: Roles) -> None:
@@ -151,6 +153,8 @@ class TrainableRole(RoleConfig):
     max_grad_norm: float = setting(1.0, "gradient clipping (0 = none)", OPTIMIZER_CHECKS["max_grad_norm"])
     micro_batch_size: int = setting(8, "rows per rank per forward/backward", Range(1))
     grad_accum: int = setting(1, "micro batches per optimizer step", Range(1))
+    token_budget: int = setting(0, "RL updates: tokens per rank per forward/backward, the step's rows spread over "
+                                   "balanced micro-batches; 0 = micro_batch_size rows", Range(0))
     lora: LoraSettings = section(LoraSettings, "LoRA adapters instead of full fine-tuning (lora.r > 0)")
 
     @property
@@ -248,6 +252,7 @@ class Role:
     omit: tuple[str, ...] = ()
     why: str = ""
     rollout: bool = False  # an inference engine generating for the role it follows (RolloutRole's keys)
+    sequences: bool = False  # a language model: its passes run over token sequences (the packing keys)
 
     @staticmethod
     def section(roles: Sequence[Role]) -> Node:
@@ -257,6 +262,9 @@ class Role:
 
 _FROZEN_NOTE = ("roles.{name} is frozen: it has no {key} (only trainable roles have an optimizer, batches, LoRA and "
                 "gradient checkpointing)")
+
+
+_SEQUENCE_KEYS = ("packing", "token_budget")
 
 
 def _role_node(role: Role) -> Node:
@@ -273,6 +281,9 @@ def _role_node(role: Role) -> Node:
     if role.tokenizer_of:
         defaults.setdefault("tokenizer", Key("", f"a tokenizer folder; \"\" = roles.{role.tokenizer_of}'s tokenizer"))
     refused = {k: role.why or f"recipe cannot honour roles.{role.name}.{k}" for k in role.omit if "." not in k}
+    if not role.sequences:  # packing is for token sequences: refused for images, points, ...
+        refused.update({k: f"roles.{role.name} runs no token-sequence passes" for k in _SEQUENCE_KEYS})
+        role = dataclasses.replace(role, omit=(*role.omit, *_SEQUENCE_KEYS))
     if not role.trainable:
         refused.update({f.name: _FROZEN_NOTE.format(name=role.name, key=f.name)
                         for f in dataclasses.fields(TrainableRole) if f.init and f.name not in _FROZEN_FIELDS})
@@ -289,6 +300,21 @@ def _role_node(role: Role) -> Node:
 
 
 _FROZEN_FIELDS = {f.name for f in dataclasses.fields(FrozenRole)}
+
+
+def _model_type(path: str) -> str:
+    """The ``model_type`` of a model folder's config.json; "opt" for "" (the built-in tiny model); "" when unknown
+    here (a hub name: the build checks it)."""
+    import json
+    import os
+
+    if not path:
+        return "opt"
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return ""
+    with open(config, encoding="utf-8") as f:
+        return str(json.load(f).get("model_type", ""))
 
 
 def roles_node(roles: Sequence[Role]) -> Node:
@@ -323,6 +349,22 @@ class Roles:
             raise config_problem(f"{key}.offload_params", True, f"needs ZeRO-3 (roles.{role.name} runs at stage "
                                  f"{stage}): only ZeRO-3 partitions parameters",
                                  f"set {key}.stage=3, or {key}.offload_params=false")
+
+    def check_packing(self) -> None:
+        """Refuse ``packing: packed`` for a role whose model family cannot pack (its folder's ``model_type``; an empty
+        model is the built-in tiny OPT), naming the key and the family, before any rank starts."""
+        from multiengine.engines.packing import PACKABLE_FAMILIES
+
+        for name, role in self._configs.items():
+            if getattr(role, "packing", "") != "packed" or not role._decl.sequences:
+                continue
+            family, where = _model_type(role.model_path()), role.model_path() or "the built-in tiny model"
+            if family and family not in PACKABLE_FAMILIES:
+                packable = ", ".join(sorted(PACKABLE_FAMILIES))
+                raise config_problem(f"roles.{name}.packing", "packed", f"cannot pack the {family} model ({where}): "
+                                     f"that family's attention is not confined to packed sequences by position ids "
+                                     f"(these pack: {packable})",
+                                     f"set roles.{name}.packing=auto (packed where the family packs) or padded")
 
     def __getattr__(self, name: str) -> Any:
         configs = self.__dict__.get("_configs", {})
