@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKABLE_FAMILIES", "Packed", "budget_split", "family_packs", "lm_forward", "pack", "packs"]
+__all__ = ["PACKABLE_FAMILIES", "Packed", "budget_split", "family_packs", "lm_forward", "pack", "packs", "token_budget"]
 
 # model_type values whose transformers attention (sdpa, eager; 5.x) gives a packed sequence the logits it has alone
 # (tests/unit/test_packing.py checks each against its padded pass); OPT is not among them.
@@ -34,6 +34,11 @@ def family_packs(config: Any) -> bool:
 def packs(engine: Any) -> bool:
     """Whether the registry built ``engine`` to run its token-sequence passes packed (``RoleSpec.packed``)."""
     return bool(getattr(engine, "packed_sequences", False))
+
+
+def token_budget(engine: Any) -> int:
+    """The tokens per micro-batch the registry built ``engine`` with (``RoleSpec.token_budget``; 0 = rows)."""
+    return int(getattr(engine, "token_budget", 0) or 0)
 
 
 @dataclass(frozen=True)

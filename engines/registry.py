@@ -294,7 +294,7 @@ class EngineRegistry:
             model.eval()
 
         engine = (self._deepspeed_engine if use_ds else self._torch_engine)(spec, model, config)
-        engine.packed_sequences = spec.packed  # read by packing.lm_forward
+        engine.packed_sequences, engine.token_budget = spec.packed, spec.token_budget  # read by packing.py's callers
         if not spec.trainable:
             # Frozen roles never build an autograd graph, whoever calls them.
             engine.forward = torch.no_grad()(engine.forward)

@@ -172,7 +172,8 @@ class RoleSpec:
     and a scheduler factory. ``hidden_size``: the width for "auto" buckets when the model has none. ``stateful``: a
     frozen role whose weights change (an EMA), checkpointed as its partitions. ``gather_forward``: a frozen ZeRO-3
     role gathered whole once per forward (one collective; 1/N between calls). ``packed``: its token-sequence passes
-    run packed (packing.py; the family must be in ``PACKABLE_FAMILIES``). ``placement``, ``lora``, ``optim``,
+    run packed (packing.py; the family must be in ``PACKABLE_FAMILIES``); ``token_budget``: tokens per micro-batch of
+    the updates that size them by tokens (0 = rows). ``placement``, ``lora``, ``optim``,
     ``gradient_checkpointing``: what the role builders below were asked for, for reports and exports."""
 
     name: str
@@ -189,6 +190,7 @@ class RoleSpec:
     optim: OptimSpec | None = None
     gradient_checkpointing: bool = False
     packed: bool = False
+    token_budget: int = 0
 
     def describe(self) -> dict[str, Any]:
         """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
@@ -198,7 +200,8 @@ class RoleSpec:
         return {"name": self.name, "ds_config": self.ds_config, "trainable": self.trainable,
                 "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
                 "lora": plain(self.lora), "optim": plain(self.optim),
-                "gradient_checkpointing": self.gradient_checkpointing, "packed": self.packed}
+                "gradient_checkpointing": self.gradient_checkpointing, "packed": self.packed,
+                "token_budget": self.token_budget}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

@@ -11,11 +11,11 @@ are spread (losses.aggregate_loss).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
-from multiengine.engines.packing import lm_forward
+from multiengine.engines.packing import budget_split, lm_forward, token_budget
 
 from . import ppo
 from .losses import PolicyLossInputs, kl_loss, logprob_mismatch, loss_units, policy_loss, truncated_is_weights
@@ -39,24 +39,53 @@ def minibatch_indices(n_rows: int, mini_batch_size: int, shuffle: bool = True, s
     return list(order.split(mini_batch_size))
 
 
-def _denominators(exp: Experience, epochs: dict[str, list[list[torch.Tensor]]], groups: list[tuple[str, str, int]],
-                  world: int, device: torch.device) -> dict[tuple[str, int, int], torch.Tensor]:
-    """Every optimizer step's loss denominator of the update, from one all-reduce: ``(role, epoch, first
-    micro-batch) -> global units / (W * G)``, ``epochs[role]`` being that role's minibatches per epoch. The rows
-    of each step are fixed before it runs (the minibatch order is seeded) and the units only count the action
-    mask, so all can be summed up front."""
-    keys, local = [], []
-    for role, mode, g in groups:
+class _Micro(NamedTuple):
+    rows: torch.Tensor
+    step: int  # the optimizer step (within the epoch) it belongs to
+    last: bool  # the step's last micro-batch: the optimizer steps after it
+
+
+def _plan(exp: Experience, epochs: dict[str, list[list[torch.Tensor]]], groups: list[tuple[str, str, int, int]],
+          registry: EngineRegistry) -> tuple[dict[str, list[list[_Micro]]], dict[tuple[str, int, int], torch.Tensor]]:
+    """Each role's micro-batches per epoch and every optimizer step's loss denominator (``(role, epoch, step) ->
+    global units / (W * G)``), from one all-reduce. ``epochs[role]``: its fixed-size minibatches per epoch, ``G`` of
+    them one optimizer step. With a token budget a step's rows are spread over balanced micro-batches of at most that
+    many tokens, as many on every rank as the rank that needs most (the same all-reduce). The rows of each step are
+    fixed before it runs (the minibatch order is seeded) and the units only count the action mask, so all can be
+    summed up front."""
+    world, rank = registry.world_size, registry.rank
+    keys, local, counts, splits = [], [], [], {}
+    for role, mode, g, budget in groups:
+        lengths = (exp.critic_attention_mask if role == "critic" and exp.critic_sequences is not None
+                   else exp.attention_mask).sum(-1)
         for e, micro in enumerate(epochs[role]):
             for start in range(0, len(micro), g):
-                keys.append((role, e, start))
+                keys.append((role, e, start // g))
                 local.append(sum(float(loss_units(exp.action_mask[idx], mode)) for idx in micro[start:start + g]))
+                if budget:
+                    rows = torch.cat(micro[start:start + g])
+                    splits[keys[-1]] = (rows, lengths[rows].tolist(), budget)
+                    counts.append(len(budget_split(splits[keys[-1]][1], budget)))
     if not keys:
-        return {}
-    totals = all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
-    g_of = {role: g for role, _, g in groups}
-    return {key: torch.tensor(total / (world * g_of[key[0]]), dtype=torch.float32, device=device)
-            for key, total in zip(keys, totals)}
+        return {}, {}
+    slots = torch.zeros(len(counts) * world, dtype=torch.float64)
+    slots[rank::world] = torch.tensor(counts, dtype=torch.float64)
+    totals = all_reduce_sum(torch.cat([torch.tensor(local, dtype=torch.float64), slots])).tolist()
+    most = [int(max(totals[len(keys) + i * world:len(keys) + (i + 1) * world])) for i in range(len(counts))]
+    g_of = {role: g for role, _, g, _ in groups}
+    plan: dict[str, list[list[_Micro]]] = {role: [[] for _ in epochs[role]] for role, *_ in groups}
+    for key in keys:
+        role, e, step = key
+        g = g_of[role]
+        if key in splits:
+            rows, lengths, budget = splits[key]
+            bins = budget_split(lengths, budget, most.pop(0))
+            plan[role][e] += [_Micro(rows[b], step, i == len(bins) - 1) for i, b in enumerate(bins)]
+        else:
+            fixed = epochs[role][e][step * g:(step + 1) * g]
+            plan[role][e] += [_Micro(idx, step, i == g - 1) for i, idx in enumerate(fixed)]
+    return plan, {key: torch.tensor(total / (world * g_of[key[0]]), dtype=torch.float32, device=registry.device)
+                  for key, total in zip(keys, totals)}
 
 
 def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, settings: Any, spec: RolloutSpec,
@@ -73,8 +102,10 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
     ``spec.seed`` orders the rows. ``spec`` names the actor and the critic to train (None: critic-free) and the
     temperature the log-probs divide by. ``micro_batch_size`` / ``critic_micro_batch_size`` (None = the actor's):
     rows per forward/backward of each role; an epoch's minibatches must be a multiple of each engine's gradient
-    accumulation steps. ``train_actor`` False: a critic warm-up. With ``stats`` the statistics are added to it (the
-    caller reduces them with the step's others) and ``{}`` is returned.
+    accumulation steps, and with a token budget (``RoleSpec.token_budget``) each optimizer step's rows are spread over
+    balanced micro-batches of at most that many tokens instead (the same gradient). ``train_actor`` False: a critic
+    warm-up. With ``stats`` the statistics are added to it (the caller reduces them with the step's others) and ``{}``
+    is returned.
 
     Returns global means over ranks and micro-batches: ``policy_loss`` / ``value_loss`` / ``kl_loss`` (per optimizer
     step), ``clip_frac``, ``clip_low_frac`` / ``clip_high_frac`` (tokens clipped below with ``A < 0`` / above with
@@ -96,7 +127,7 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
     g_critic = critic_engine.gradient_accumulation_steps() if critic_engine is not None else 1
     C = exp.context_length
     sums: dict[str, float] = {}
-    n_micro = {"actor": 0, "critic": 0}
+    n_micro, n_steps = {"actor": 0, "critic": 0}, {"actor": 0, "critic": 0}
 
     def add(key: str, value: torch.Tensor | float) -> None:
         sums[key] = sums.get(key, 0.0) + float(value)
@@ -116,21 +147,21 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                          f"actor minibatches in {g_actor}-step accumulation need: sample with old_logprobs=True.")
     if one_pass:
         exp.logprobs = torch.zeros(exp.action_mask.shape, device=exp.action_mask.device)
-    groups = ([("actor", aggregation, g_actor)] if train_actor else []) + \
-        ([("critic", "token_mean", g_critic)] if critic_engine is not None else [])
-    denominators = _denominators(exp, micro_of, groups, world, registry.device)
+    groups = ([("actor", aggregation, g_actor, token_budget(actor_engine))] if train_actor else []) + \
+        ([("critic", "token_mean", g_critic, token_budget(critic_engine))] if critic_engine is not None else [])
+    plan, denominators = _plan(exp, micro_of, groups, registry)
     for epoch in range(s.epochs):
-        actor_micro, critic_micro = micro_of["actor"][epoch], micro_of["critic"][epoch]
+        actor_micro, critic_micro = (plan[role][epoch] if role in plan else [] for role in ("actor", "critic"))
         for i in range(max(len(actor_micro), len(critic_micro))):
             # 1. actor: the policy loss on the current policy's log-probs (+ KL loss) (+ pretraining loss)
             if train_actor and i < len(actor_micro):
-                mb = exp.rows(actor_micro[i])
-                den = denominators[("actor", epoch, i - i % g_actor)]
+                mb = exp.rows(actor_micro[i].rows)
+                den = denominators[("actor", epoch, actor_micro[i].step)]
                 logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
                 logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
                 if one_pass:
                     mb.logprobs = logp.detach() * mb.action_mask
-                    exp.logprobs[actor_micro[i]] = mb.logprobs
+                    exp.logprobs[actor_micro[i].rows] = mb.logprobs
                 weights = None
                 if mb.rollout_logprobs is not None:  # sampled by vLLM: its log-probs against the trainer's old ones
                     add("rollout/logprob_mismatch", logprob_mismatch(mb.logprobs, mb.rollout_logprobs, mb.action_mask))
@@ -154,8 +185,11 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                     ptx_loss = causal_lm_loss(actor_engine, ptx)
                     loss = loss + s.ptx_coef * ptx_loss
                     add("ptx_loss", ptx_loss.detach())
+                if token_budget(actor_engine):  # a step of any number of micro-batches: say which one ends it
+                    actor_engine.set_gradient_accumulation_boundary(actor_micro[i].last)
                 actor_engine.backward(loss)
                 actor_engine.step()
+                n_steps["actor"] += actor_micro[i].last
                 # summed over ranks and an optimizer step's micro-batches, loss / (W*G) is that step's loss
                 add("policy_loss_global", pg_loss.detach() / (world * g_actor))
                 for key in ("clip_frac", "approx_kl", "ratio_mean"):
@@ -166,8 +200,8 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                 n_micro["actor"] += 1
             # 2. critic: clipped value loss against the returns
             if critic_engine is not None and i < len(critic_micro):
-                mb = exp.rows(critic_micro[i])
-                den = denominators[("critic", epoch, i - i % g_critic)]
+                mb = exp.rows(critic_micro[i].rows)
+                den = denominators[("critic", epoch, critic_micro[i].step)]
                 if mb.critic_sequences is not None:  # a critic with its own tokenizer: its re-encoded rows
                     full = lm_forward(critic_engine, mb.critic_sequences, mb.critic_attention_mask)
                     values = full.float().gather(1, mb.critic_index)
@@ -175,8 +209,11 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                     full = lm_forward(critic_engine, mb.sequences, mb.attention_mask)
                     values = ppo.response_values(full, C)
                 v_loss, v_stats = ppo.value_loss(values, mb.values, mb.returns, mb.action_mask, s.value_clip, den)
+                if token_budget(critic_engine):
+                    critic_engine.set_gradient_accumulation_boundary(critic_micro[i].last)
                 critic_engine.backward(v_loss)
                 critic_engine.step()
+                n_steps["critic"] += critic_micro[i].last
                 add("value_loss_global", v_loss.detach() / (world * g_critic))
                 add("value_clip_frac", v_stats["clip_frac"])
                 n_micro["critic"] += 1
@@ -185,11 +222,11 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
     #    micro-batch / optimizer step
     own = stats is None
     stats = StepStats() if own else stats
-    per_step = {"policy_loss_global": g_actor, "kl_loss_global": g_actor, "value_loss_global": g_critic}
+    per_step = {"policy_loss_global", "kl_loss_global", "value_loss_global"}
     for key in sorted(sums):
         role = "critic" if key.startswith("value_") else "actor"
         if key in per_step:
-            steps = max(n_micro[role] / per_step[key], 1.0)
+            steps = max(float(n_steps[role]), 1.0)
             stats.add(key.removesuffix("_global"), [sums[key]], lambda total, steps=steps: total / steps)
         else:
             count = world * max(n_micro[role], 1)

@@ -189,10 +189,12 @@ class TrainableRole(RoleConfig):
         backward passes per step, LoRA (``lora_targets``/``lora_init``: the family's) and gradient checkpointing."""
         from multiengine.engines import trainable_role
 
-        return trainable_role(name or self.name, model, self.placement(), self.optim(total_steps, eps),
+        spec = trainable_role(name or self.name, model, self.placement(), self.optim(total_steps, eps),
                               micro_batch_size=rows * self.micro_batch_size, grad_accum=accum * self.grad_accum,
                               lora=self.lora_spec(lora_targets, lora_init),
                               gradient_checkpointing=self.gradient_checkpointing, seed=seed)
+        spec.token_budget = self.token_budget
+        return spec
 
 
 _VLLM = "generation.engine=vllm"
