@@ -39,19 +39,29 @@ def disable_dropout(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def attention(dtype: torch.dtype | None) -> dict[str, str]:
+    """On a GPU with flash-attention installed and a 16-bit dtype, its kernels (packed passes take its
+    variable-length path from the restarted position ids); else transformers' default (sdpa)."""
+    import importlib.util
+
+    fast = torch.cuda.is_available() and dtype in (torch.bfloat16, torch.float16)
+    return {"attn_implementation": "flash_attention_2"} if fast and importlib.util.find_spec("flash_attn") else {}
+
+
 def load_causal_lm(path: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with dropout off; inside a stage-3 build scope it loads
-    partitioned."""
+    """``AutoModelForCausalLM.from_pretrained`` with dropout off (flash-attention where :func:`attention` finds it);
+    inside a stage-3 build scope it loads partitioned."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype,
+                                                 **attention(dtype))
     return disable_dropout(model)
 
 
 def load_scalar_model(path: str, zero3: bool, dtype: torch.dtype | None = None, seed: int = 0) -> ScalarHeadModel:
     """A reward model / critic: :meth:`ScalarHeadModel.from_pretrained` with dropout off."""
     model = ScalarHeadModel.from_pretrained(path, zero3=zero3, dtype=dtype, head_seed=seed,
-                                            config=_config_without_dropout(path))
+                                            config=_config_without_dropout(path), **attention(dtype))
     return disable_dropout(model)
 
 
