@@ -92,7 +92,9 @@ def role_memory(role: Any, world_size: int) -> dict[str, Any]:
         "param_device": "cpu" if offload == "cpu" else str(next(iter(module.parameters()), torch.empty(0)).device),
         "grad_bytes": grad_numel * element,
         "optimizer_bytes": optimizer_state_bytes(role.engine) if role.trainable else 0,
-        "note": role.note,
+        # how its token-sequence passes run: activations scale with real tokens (packed) or the token budget
+        "note": "; ".join(filter(None, [role.note, "packed" if role.spec.packed else "",
+                                        f"token budget {role.spec.token_budget}" if role.spec.token_budget else ""])),
     }
 
 
