@@ -293,6 +293,7 @@ def reward_plan(cfg: Any, rows: int, assume: Mapping[str, str] | None) -> tuple[
             out.keys[e["role"]] = plans.role_keys("roles.reward", offload_optimizer=False)
     if functions:
         out.notes.append("reward functions (no memory): " + ", ".join(f"{fn} x {w:g}" for fn, w in functions))
+    out.packed = [name for name, info in infos.items() if plans.packs(r, info)]
     return out, infos
 
 
@@ -321,9 +322,10 @@ def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo
     seq, r = prompt + new, cfg.roles
     if ref:  # the actor's folder unless roles.ref.model names another
         infos = {**infos, "ref": lm_info(cfg, r.ref.model, "ref", assume) if r.ref.model else infos["actor"]}
+    # an update micro-batch: micro_batch_size rows, or with a token budget the budget's tokens (update_shape)
+    train = {name: plans.update_shape(r[name], infos[name], seq, rows) for name in ("actor", "critic") if name in infos}
     phases = {"actor": plans.lm_role_phases(r.actor, infos["actor"], generate=(rollout, prompt, new),
-                                            forward=(rows, seq), train=(r.actor.micro_batch_size, seq),
-                                            label="experience forward"),
+                                            forward=(rows, seq), train=train["actor"][0], label="experience forward"),
               "ref": plans.lm_role_phases(r.ref, infos.get("ref", infos["actor"]), forward=(rollout, seq),
                                           label="experience forward")}
     gathers = cfg.generation.mode == "gather" and cfg.generation.engine == "hf"  # vllm: the engine generates
@@ -332,10 +334,12 @@ def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo
                "ref": plans.gather_options(r.ref, "experience forward")}
     if "critic" in infos:
         phases["critic"] = plans.lm_role_phases(r.critic, infos["critic"], forward=(rows, seq),
-                                                train=(r.critic.micro_batch_size, seq), logits=False,
+                                                train=train["critic"][0], logits=False,
                                                 label="experience forward")
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
-    plan = plans.declared_roles(cfg, infos, phases, title=title, notes=[note, *rewards.notes], **options)
+    budgets = [text for _, notes in train.values() for text in notes]
+    plan = plans.declared_roles(cfg, infos, phases, title=title, notes=[note, *budgets, *rewards.notes], **options)
     plan.roles += rewards.roles + rollout_plan(cfg, infos["actor"])
     plan.keys.update(rewards.keys)
+    plan.packed += rewards.packed
     return plan

@@ -35,6 +35,7 @@ class RecipePlan:
     roles: list[P.RoleRequest]
     keys: dict[str, RoleKeys] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    packed: list[str] = field(default_factory=list)  # the roles whose token-sequence passes run packed (a note)
     # rlhf_e2e: the step's overrides list (e.g. "sft.overrides") that --write appends the placements to
     overrides_key: str | None = None
 
@@ -247,7 +248,8 @@ def declared_roles(cfg: Any, infos: Mapping[str, P.ModelInfo],
         else:
             keys[name] = role_keys(f"roles.{name}", offload_optimizer=role.trainable)
         requests.append(role_request(role, infos[name], phases.get(name, ()), **{**extra, **options.get(name, {})}))
-    return RecipePlan(title, requests, keys, list(notes))
+    packed = [name for name, role in cfg.roles.items() if name in infos and packs(role, infos[name])]
+    return RecipePlan(title, requests, keys, list(notes), packed)
 
 
 def lm_role_phases(role: Any, info: P.ModelInfo, **shapes: Any) -> list[tuple[str, int]]:
@@ -255,6 +257,34 @@ def lm_role_phases(role: Any, info: P.ModelInfo, **shapes: Any) -> list[tuple[st
     resolved dtype and with its gradient checkpointing."""
     return lm_phases(P.transformer_dims(info.config), role.effective_dtype,
                       checkpointing=bool(getattr(role, "gradient_checkpointing", False)), **shapes)
+
+
+def packs(role: Any, info: P.ModelInfo) -> bool:
+    """Whether a role config's token-sequence passes run packed on ``info``'s model, as the build decides: ``packing``
+    packed, or auto on a family in ``PACKABLE_FAMILIES`` (the built-in tiny model is an OPT: padded)."""
+    from multiengine.engines.packing import PACKABLE_FAMILIES
+
+    if not getattr(getattr(role, "_decl", None), "sequences", False):
+        return False
+    family = str((info.config or {}).get("model_type", ""))
+    return role.packing == "packed" or (role.packing == "auto" and family in PACKABLE_FAMILIES)
+
+
+def update_shape(role: Any, info: P.ModelInfo, seq: int, rows: int) -> tuple[tuple[int, int], list[str]]:
+    """(rows, tokens per row) one update micro-batch of a trainable LM role is planned at, and a note: its
+    ``micro_batch_size`` rows of ``seq``; with a token budget packed, the budget's tokens in packed rows of ``seq``
+    (at least one: a longer sequence runs alone); with a budget on padded rows, as many whole rows as an optimizer
+    step has (``micro_batch_size`` x ``grad_accum``, at most ``rows``, at most a token each): short rows fill it."""
+    budget = int(getattr(role, "token_budget", 0) or 0)
+    if not budget:
+        return (role.micro_batch_size, seq), []
+    step = min(role.micro_batch_size * role.grad_accum, rows)
+    if packs(role, info):
+        shape, how = (min(-(-budget // seq), step), seq), "packed"
+    else:  # each padded row costs the full width, however few real tokens it holds
+        shape, how = (min(step, budget), seq), "padded (up to an optimizer step's rows: short rows fill a budget)"
+    return shape, [f"token budget: roles.{role.name} updates on at most {budget} tokens per micro-batch, planned as "
+                   f"{shape[0]} rows of {seq} tokens, {how}; micro_batch_size {role.micro_batch_size} rows without it"]
 
 
 def gather_options(role: Any, *phases: str) -> dict[str, Any]:
@@ -370,6 +400,9 @@ def plan_recipe(recipe: Any, cfg: Any, budget: P.Budget, assume: Mapping[str, st
     results = [P.plan(item.roles, budget) for item in items]
     for item, result in zip(items, results):
         result.notes.extend(item.notes)
+        if item.packed:
+            result.notes.append(f"packed passes ({', '.join(item.packed)}): activations planned at the padded size, "
+                                "the most a pass holds (packed, it computes the rows' real tokens only)")
     return items, results
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from multiengine.engines import known_models
 from multiengine.engines import planner as P
 from multiengine.pipelines.rlhf.tiny import tiny_model_info
 from multiengine.recipes.language import cli, plans
@@ -258,3 +259,55 @@ def test_planned_vs_measured_report(tmp_path):
     assert report["roles"]["extra"]["planned"] is None  # built by the run, unknown to the planner
     assert report["total"]["difference_bytes"] == off
     json.dumps(report)
+
+
+def _train_and_experience(recipe: str, role: str, *overrides: str, assume: dict | None = None) -> tuple[int, int]:
+    item = plans.recipe_plans(load_recipe(recipe), load_config(recipe, "tiny", list(overrides)), assume)[0]
+    phases = dict(next(r for r in item.roles if r.name == role).phases)
+    return phases["train step"], phases["experience forward"]
+
+
+def test_a_token_budget_sizes_the_update_micro_batch():
+    """rlhf_grpo tiny: 64 rows of 16 + 8 = 24 tokens, 32 rows per micro-batch. A packing family (Llama) plans a
+    token-budget micro-batch as the budget's tokens in packed rows of 24 (at most an optimizer step's rows); a
+    padded one (the tiny OPT) as up to a step's whole rows. The experience passes keep their padded size."""
+    llama = {"actor": "meta-llama/Llama-3.1-8B"}
+    dims = P.transformer_dims(known_models.known_model_info(llama["actor"]).config)
+
+    def train(rows: int) -> int:
+        return P.transformer_activation_bytes(dims, batch=rows, seq=24, dtype="fp32", trainable=True, logits=True)
+
+    full, forward = _train_and_experience("rlhf_grpo", "actor", assume=llama)
+    assert full == train(32)
+    budget, packed_forward = _train_and_experience("rlhf_grpo", "actor", "roles.actor.token_budget=100", assume=llama)
+    assert budget == train(5) and budget * 768 == full * 120  # ceil(100 / 24) = 5 rows: 120 tokens, not 32 x 24
+    assert packed_forward == forward  # packed experience passes are planned at their padded size (a bound)
+    # a budget above the step's tokens: the step's rows (32); with grad_accum 2 a step has 64 rows, 42 packed rows
+    assert _train_and_experience("rlhf_grpo", "actor", "roles.actor.token_budget=1000", assume=llama)[0] == full
+    assert _train_and_experience("rlhf_grpo", "actor", "roles.actor.token_budget=1000", "roles.actor.grad_accum=2",
+                                 assume=llama)[0] == train(42)
+    # padded (asked for, or the tiny OPT's family): short rows fill a budget, so up to a step's whole rows
+    assert _train_and_experience("rlhf_grpo", "actor", "roles.actor.token_budget=100", "roles.actor.packing=padded",
+                                 "roles.actor.grad_accum=2", assume=llama)[0] == train(64)
+    opt_full = _train_and_experience("rlhf_grpo", "actor")[0]
+    opt_budget = _train_and_experience("rlhf_grpo", "actor", "roles.actor.token_budget=100", "roles.actor.grad_accum=2")
+    assert opt_budget[0] == 2 * opt_full  # 64 padded rows instead of 32
+
+
+def test_ppo_plans_each_roles_budget_and_notes_the_packed_roles():
+    llama = {"actor": "meta-llama/Llama-3.1-8B"}
+    cfg = load_config("rlhf_ppo", "tiny", ["roles.actor.token_budget=48", "roles.critic.token_budget=48"])
+    item = plans.recipe_plans(load_recipe("rlhf_ppo"), cfg, llama)[0]
+    base = plans.recipe_plans(load_recipe("rlhf_ppo"), load_config("rlhf_ppo", "tiny"), llama)[0]
+    train = {r.name: dict(r.phases).get("train step") for r in item.roles}
+    before = {r.name: dict(r.phases).get("train step") for r in base.roles}
+    assert train["actor"] * 16 == before["actor"] * 2  # Llama packs: 2 rows of 24 tokens instead of 16
+    assert train["critic"] == before["critic"]  # the tiny OPT critic runs padded: a step's 16 rows, as before
+    assert item.packed == base.packed == ["actor", "ref"]  # the tiny OPT critic and reward run padded
+    assert [n for n in item.notes if n.startswith("token budget")] == [
+        "token budget: roles.actor updates on at most 48 tokens per micro-batch, planned as 2 rows of 24 tokens, "
+        "packed; micro_batch_size 16 rows without it",
+        "token budget: roles.critic updates on at most 48 tokens per micro-batch, planned as 16 rows of 24 tokens, "
+        "padded (up to an optimizer step's rows: short rows fill a budget); micro_batch_size 16 rows without it"]
+    results = plans.plan_recipe(load_recipe("rlhf_ppo"), cfg, P.Budget(world_size=2, gpu_bytes=80 << 30), llama)[1]
+    assert any(n.startswith("packed passes (actor, ref)") for n in results[0].notes)
