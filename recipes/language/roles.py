@@ -363,7 +363,7 @@ class Roles:
             family, where = _model_type(role.model_path()), role.model_path() or "the built-in tiny model"
             if family and family not in PACKABLE_FAMILIES:
                 packable = ", ".join(sorted(PACKABLE_FAMILIES))
-                raise config_problem(f"roles.{name}.packing", "packed", f"cannot pack the {family} model ({where}): "
+                raise config_problem(f"roles.{name}.packing", "packed", f"asks to pack the {family} model ({where}): "
                                      f"that family's attention is not confined to packed sequences by position ids "
                                      f"(these pack: {packable})",
                                      f"set roles.{name}.packing=auto (packed where the family packs) or padded")

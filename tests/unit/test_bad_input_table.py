@@ -296,6 +296,11 @@ ROWS = [
         "roles.actor.stage=5", "roles.actor.stage", "5"),
     cli("sd-unet-stage-5", "config", "a ZeRO stage that does not exist (diffusion)", "validate sd_finetune --config "
         "tiny roles.unet.stage=5", "roles.unet.stage", "5"),
+    cli("sd-unet-packing", "config", "packing for a role that runs no token sequences (diffusion)",
+        "validate sd_finetune --config tiny roles.unet.packing=packed", "roles.unet.packing", "no token-sequence"),
+    cli("sft-token-budget", "config", "a token budget where micro-batches are the data loader's rows",
+        "validate rlhf_sft --config tiny roles.actor.token_budget=512", "roles.actor.token_budget",
+        "micro_batch_size rows"),
     cli("ppo-old-key", "config", "a key of the old dialect", "validate rlhf_ppo --config tiny ppo.mini_batch_size=4",
         "ppo.mini_batch_size", "roles.actor.micro_batch_size"),
     cli("ppo-rollout-0", "config", "an empty rollout", "validate rlhf_ppo --config tiny ppo.rollout_batch_size=0",
@@ -465,6 +470,9 @@ ROWS = [
         "roles.actor.model={d}/plain_model roles.reward.model={d}/no_reward", "roles.reward.model", "no_reward"),
     cli("distill-teacher-missing", "models", "a teacher folder that does not exist", "validate distill --config tiny "
         "roles.teacher.model={d}/no_teacher", "roles.teacher.model", "no_teacher"),
+    cli("sft-pack-opt", "models", "packed passes asked of a family that cannot pack (the built-in tiny OPT)",
+        "validate rlhf_sft --config tiny roles.actor.packing=packed", "roles.actor.packing", "opt model",
+        "roles.actor.packing=auto"),
     # --- rewards ---------------------------------------------------------------------------------------------
     cli("reward-fn-no-colon", "rewards", "a reward function without module:function",
         "validate rlhf_grpo --config tiny "
