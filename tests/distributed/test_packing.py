@@ -130,7 +130,7 @@ def assert_equal_metrics(gaps: dict[str, tuple[float, float, float]]) -> None:
 
 
 RECIPE_RUNS = ("sft_llama_z2", "sft_qwen2_z3", "reward_llama_z3", "dpo_qwen2_z2", "grpo_gemma_z2", "grpo_llama_z3",
-               "multiturn_qwen2_z3", "ppo_llama_z3", "distill_gemma_z2")
+               "multiturn_qwen2_z3", "ppo_llama_z3", "distill_gemma_z2", "onpolicy_llama_z3")
 
 
 @pytest.mark.parametrize("name", RECIPE_RUNS)

@@ -87,6 +87,10 @@ RUNS = {
     "distill_gemma_z2": ("distill", ("teacher", "student"), [
         f"roles.teacher.model={ge}", f"roles.student.model={F['gemma']['student']}", "roles.teacher.stage=2",
         "roles.student.stage=2", "max_steps=3", "roles.student.micro_batch_size=8", *EVAL]),
+    "onpolicy_llama_z3": ("distill", ("teacher", "student"), [
+        f"roles.teacher.model={ll}", f"roles.student.model={F['llama']['student']}", "roles.teacher.stage=3",
+        "roles.student.stage=3", "max_steps=2", "roles.student.micro_batch_size=8", "distill.on_policy_fraction=1.0",
+        *EVAL]),
 }
 EXTRA = {"grpo_llama_z3": ("budget",), **{name: ("running",) for name in ("sft_llama_z2", "dpo_qwen2_z2",
                                                                            "grpo_gemma_z2", "distill_gemma_z2")}}
