@@ -1,8 +1,8 @@
 """Packed passes equal padded ones on 2 ranks (real DeepSpeed, fp32) for tiny Llama, Qwen2 and Gemma at ZeRO-2 and
-ZeRO-3: the scoring passes, an RL update's losses, weights and gradients (workers/packing.py), and they do not when
-positions run on across a packed row; a token-budget update runs as many micro-batches on each rank and gives the
-fixed-size path's weights; every RLHF recipe and distill gives the same per-step metrics packed and padded
-(workers/packing_recipes.py). One launch for all."""
+ZeRO-3: the scoring passes, an RL update's losses, weights and gradients (workers/packed_passes.py), and they do not
+when positions run on across a packed row; a token-budget update runs as many micro-batches on each rank and gives
+the fixed-size path's weights; every RLHF recipe and distill gives the same per-step metrics packed and padded
+(workers/packed_recipes.py). One launch for all."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def runs(tmp_path_factory):
                for f in FAMILIES}
     (root / "folders.json").write_text(json.dumps({**folders, "data": str(long_tailed_data(root / "data"))}))
     (root / "bases.json").write_text(json.dumps({f: v["base"] for f, v in folders.items()}))
-    return launch_jobs(root / "out", {"registry": ("packing", str(root / "bases.json")),
-                                      "recipes": ("packing_recipes", str(root / "folders.json"))})
+    return launch_jobs(root / "out", {"registry": ("packed_passes", str(root / "bases.json")),
+                                      "recipes": ("packed_recipes", str(root / "folders.json"))})
 
 
 @pytest.mark.parametrize("stage", (2, 3))

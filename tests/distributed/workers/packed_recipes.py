@@ -1,5 +1,5 @@
 """The RLHF recipes and distill on tiny Llama, Qwen2 and Gemma models, fp32, each run twice with the same seed:
-``roles.<r>.packing=packed`` on every language-model role, then ``=padded`` (test_packing.py compares their
+``roles.<r>.packing=packed`` on every language-model role, then ``=padded`` (test_packed_passes.py compares their
 metrics.jsonl), at ZeRO-2 or ZeRO-3 as RUNS says; GRPO once more packed with a token budget on the actor's
 update; some once more packed with positions running on across a packed row (engines.packing.pack patched), which
 must differ. Shortened to 2-3 steps, on a folder of split files (sft/reward/ppo/eval.jsonl) with long-tailed
