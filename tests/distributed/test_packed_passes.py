@@ -129,8 +129,9 @@ def assert_equal_metrics(gaps: dict[str, tuple[float, float, float]]) -> None:
     assert not {k for k in others if not k.endswith("clip_frac")}, others
 
 
-RECIPE_RUNS = ("sft_llama_z2", "sft_qwen2_z3", "reward_llama_z3", "dpo_qwen2_z2", "grpo_gemma_z2", "grpo_llama_z3",
-               "multiturn_qwen2_z3", "ppo_llama_z3", "distill_gemma_z2", "onpolicy_llama_z3")
+RECIPE_RUNS = ("sft_llama_z2", "sft_qwen2_z3", "reward_llama_z3", "reward_gemma_z2", "dpo_qwen2_z2", "dpo_llama_z3",
+               "grpo_gemma_z2", "grpo_llama_z3", "multiturn_qwen2_z3", "ppo_llama_z3", "ppo_qwen2_z2",
+               "distill_gemma_z2", "onpolicy_llama_z3")
 
 
 @pytest.mark.parametrize("name", RECIPE_RUNS)

@@ -70,7 +70,11 @@ RUNS = {
     "sft_qwen2_z3": ("rlhf_sft", ("actor",), [f"roles.actor.model={qw}", "roles.actor.stage=3", "max_steps=3", *EVAL]),
     "reward_llama_z3": ("rlhf_reward", ("reward",), [f"roles.reward.model={ll}", "roles.reward.stage=3",
                                                      "max_steps=3"]),
+    "reward_gemma_z2": ("rlhf_reward", ("reward",), [f"roles.reward.model={ge}", "roles.reward.stage=2",
+                                                     "max_steps=3"]),
     "dpo_qwen2_z2": ("rlhf_dpo", ("actor", "ref"), [f"roles.actor.model={qw}", "roles.actor.stage=2", "max_steps=3",
+                                                    *EVAL]),
+    "dpo_llama_z3": ("rlhf_dpo", ("actor", "ref"), [f"roles.actor.model={ll}", "roles.actor.stage=3", "max_steps=3",
                                                     *EVAL]),
     "grpo_gemma_z2": ("rlhf_grpo", ("actor", "ref"), [f"roles.actor.model={ge}", "roles.actor.stage=2",
                                                       "max_steps=2", *GRPO]),
@@ -82,6 +86,10 @@ RUNS = {
         *ROLLOUT, *NO_EVAL]),
     "ppo_llama_z3": ("rlhf_ppo", ("actor", "critic", "ref", "reward"), [
         f"roles.actor.model={ll}", "roles.reward.model={reward}", "roles.actor.stage=3", "roles.critic.stage=3",
+        "max_steps=2", "ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=4",
+        "roles.critic.micro_batch_size=4", "ppo.epochs=2", *ROLLOUT, *NO_EVAL]),
+    "ppo_qwen2_z2": ("rlhf_ppo", ("actor", "critic", "ref", "reward"), [
+        f"roles.actor.model={qw}", f"roles.reward.model={qw}", "roles.actor.stage=2", "roles.critic.stage=2",
         "max_steps=2", "ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=4",
         "roles.critic.micro_batch_size=4", "ppo.epochs=2", *ROLLOUT, *NO_EVAL]),
     "distill_gemma_z2": ("distill", ("teacher", "student"), [
