@@ -8,8 +8,9 @@ lengths (left-padded prompts, right-padded answers, as a rollout has them):
             the gradients). At ZeRO-2, packed once more with positions running on across a packed row instead of
             restarting per sequence (engines.packing.pack patched): scores, and the update's losses and changes.
   budget    per ZeRO stage, packed actor and critic: the same update with micro_batch_size rows per micro-batch
-            (grad_accum of them a step) and with a token budget; rank 0's rows are short, rank 1's long, so alone
-            they would split a step into different numbers of micro-batches. Each rank's micro-batches per
+            (grad_accum of them a step) and with a token budget (two: more micro-batches than grad_accum, and
+            fewer); rank 0's rows are short, rank 1's long, so alone they would split a step into different
+            numbers of micro-batches. Each rank's micro-batches per
             optimizer step are recorded (the test compares the ranks'), with the weights after the update.
 
 argv: out_dir, a JSON file {family: folder} (each a tiny causal LM saved with its tokenizer).
@@ -186,27 +187,31 @@ for family, folder in FOLDERS.items():
             **({"running": compare(runs["padded"], runs["running"], action)} if "running" in runs else {}),
             "packed_rows": list(PACK(ids, mask).input_ids.shape), "tokens": int(mask.sum())}
 
-BUDGET = 24  # rank 1's rows (17-18 tokens) each alone: 8 micro-batches a step against grad_accum 4
+# rank 1's rows (17-18 tokens): with 24 each alone, 8 micro-batches a step against grad_accum 4; with 64 three
+BUDGETS = (24, 64)
 for stage in (2, 3):
     folder = FOLDERS[list(FOLDERS)[stage - 2]]
     rank = int(os.environ["RANK"])
     ids, mask, action = rows(rank, short=rank == 0)
+    lengths = mask.sum(-1).tolist()
     runs = {}
-    for mode, budget in (("fixed", 0), ("budget", BUDGET)):
-        # 8 rows a step: micro_batch_size 2 x grad_accum 4, or as many micro-batches of <= BUDGET tokens as the
+    for budget in (0, *BUDGETS):
+        # 8 rows a step: micro_batch_size 2 x grad_accum 4, or as many micro-batches of <= budget tokens as the
         # rank with the longest rows needs
         registry = build(folder, stage, True, frozen=False, budget=budget, micro=2, accum=4)
         counts = count_micro(registry)
-        runs[mode] = update(registry, experience(registry, ids, mask, action), counts)
+        runs[budget] = update(registry, experience(registry, ids, mask, action), counts)
         free(registry)
-    lengths = mask.sum(-1).tolist()
-    result["budget"][f"zero{stage}"] = {
-        "gaps": {**{f"loss/{k}": abs(runs["fixed"]["losses"][k] - runs["budget"]["losses"][k])
-                    / max(abs(runs["fixed"]["losses"][k]), 1e-30) for k in STEP_LOSSES},
-                 **{f"weights/{r}": rel(runs["fixed"]["after"][r], runs["budget"]["after"][r]) for r in TRAINED},
-                 **{f"gradient/{r}": rel(runs["fixed"]["change"][r], runs["budget"]["change"][r]) for r in TRAINED}},
-        "micro_per_step": {m: runs[m]["micro_per_step"] for m in runs},
-        "optimizer_steps": {m: runs[m]["optimizer_steps"] for m in runs},
-        "alone": len(budget_split(lengths, BUDGET)), "tokens": sum(lengths), "budget": BUDGET}
+    fixed = runs[0]
+    for budget in BUDGETS:
+        run = runs[budget]
+        result["budget"][f"zero{stage}/{budget}"] = {
+            "gaps": {**{f"loss/{k}": abs(fixed["losses"][k] - run["losses"][k]) / max(abs(fixed["losses"][k]), 1e-30)
+                        for k in STEP_LOSSES},
+                     **{f"weights/{r}": rel(fixed["after"][r], run["after"][r]) for r in TRAINED},
+                     **{f"gradient/{r}": rel(fixed["change"][r], run["change"][r]) for r in TRAINED}},
+            "micro_per_step": {"fixed": fixed["micro_per_step"], "budget": run["micro_per_step"]},
+            "optimizer_steps": {"fixed": fixed["optimizer_steps"], "budget": run["optimizer_steps"]},
+            "alone": len(budget_split(lengths, budget)), "tokens": sum(lengths)}
 dump(result)
 finish()
