@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import launch_jobs
+from conftest import PPO_PLAIN, assert_keys_read, launch_jobs
 
 pytestmark = pytest.mark.distributed
 FAMILIES = ("llama", "qwen2", "gemma")
@@ -159,3 +159,18 @@ def test_token_budget_grpo_run_equals_fixed_micro_batches(runs):
     gaps = metric_gaps(folders["grpo_llama_z3/packed"], folders["grpo_llama_z3/budget"], PER_MICRO_BATCH)
     assert {"train/policy_loss", "train/kl_loss"} <= set(gaps)
     assert_equal_metrics(gaps)
+
+
+def test_every_run_reads_its_keys(runs):
+    # the models are given (no SFT model is trained first); PPO runs without an EMA or pretraining rows; a multi-turn
+    # run's reward is its environment's (no reward model); on-policy distill samples every batch (no labels for the
+    # hard-label term)
+    recipes = {"sft": "rlhf_sft", "reward": "rlhf_reward", "dpo": "rlhf_dpo", "grpo": "rlhf_grpo",
+               "multiturn": "rlhf_grpo", "ppo": "rlhf_ppo", "distill": "distill", "onpolicy": "distill"}
+    sft, teacher = ("actor_sft.config", "actor_sft.overrides"), ("teacher_sft.config", "teacher_sft.overrides")
+    unread = {"dpo": sft, "grpo": sft, "multiturn": (*sft, "roles.reward.tokenizer"), "ppo": PPO_PLAIN,
+              "distill": teacher, "onpolicy": (*teacher, "distill.alpha")}
+    for key, folder in runs["recipes"][0]["folders"].items():
+        if not key.endswith("/padded"):
+            kind = key.split("_")[0]
+            assert_keys_read(Path(folder), recipes[kind], unread.get(kind, ()))
