@@ -43,6 +43,7 @@ class _Micro(NamedTuple):
     rows: torch.Tensor
     step: int  # the optimizer step (within the epoch) it belongs to
     last: bool  # the step's last micro-batch: the optimizer steps after it
+    count: int  # micro-batches in its step (the engine divides each loss by its gradient accumulation steps)
 
 
 def _plan(exp: Experience, epochs: dict[str, list[list[torch.Tensor]]], groups: list[tuple[str, str, int, int]],
@@ -80,10 +81,10 @@ def _plan(exp: Experience, epochs: dict[str, list[list[torch.Tensor]]], groups: 
         if key in splits:
             rows, lengths, budget = splits[key]
             bins = budget_split(lengths, budget, most.pop(0))
-            plan[role][e] += [_Micro(rows[b], step, i == len(bins) - 1) for i, b in enumerate(bins)]
+            plan[role][e] += [_Micro(rows[b], step, i == len(bins) - 1, len(bins)) for i, b in enumerate(bins)]
         else:
             fixed = epochs[role][e][step * g:(step + 1) * g]
-            plan[role][e] += [_Micro(idx, step, i == g - 1) for i, idx in enumerate(fixed)]
+            plan[role][e] += [_Micro(idx, step, i == g - 1, g) for i, idx in enumerate(fixed)]
     return plan, {key: torch.tensor(total / (world * g_of[key[0]]), dtype=torch.float32, device=registry.device)
                   for key, total in zip(keys, totals)}
 
@@ -183,7 +184,8 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                 if ptx_batches is not None and s.ptx_coef > 0:
                     ptx = {k: v.to(registry.device) for k, v in next(ptx_batches).items()}
                     ptx_loss = causal_lm_loss(actor_engine, ptx)
-                    loss = loss + s.ptx_coef * ptx_loss
+                    # a step's ptx term is its micro-batches' mean whatever their number (the engine divides by G)
+                    loss = loss + s.ptx_coef * ptx_loss * (g_actor / actor_micro[i].count)
                     add("ptx_loss", ptx_loss.detach())
                 if token_budget(actor_engine):  # a step of any number of micro-batches: say which one ends it
                     actor_engine.set_gradient_accumulation_boundary(actor_micro[i].last)
