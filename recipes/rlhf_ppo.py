@@ -133,10 +133,6 @@ class RLHFPPO(Recipe):
         pretraining rows; on ``world_size`` ranks, a step's prompts (and pretraining rows) per rank."""
         r, p = cfg.roles, cfg.ppo
         cfg.reward.entries(r.reward.model)
-        if r.actor.token_budget and p.ptx_coef > 0:  # one pretraining batch per micro-batch: their count would vary
-            raise config_problem("roles.actor.token_budget", r.actor.token_budget, "sizes the actor's micro-batches by "
-                                 "tokens, and ppo.ptx_coef > 0 adds a pretraining batch to each of them",
-                                 "set roles.actor.token_budget=0 (micro_batch_size rows), or ppo.ptx_coef=0")
         for role in ("actor", "critic"):
             mbs = r[role].micro_batch_size
             if p.rollout_batch_size % mbs:
