@@ -85,6 +85,33 @@ def test_gradients_and_scalar_heads_equal_padded():
     assert float((grads[0] - grads[1]).abs().max() / grads[0].abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_logprobs_on_packed_rows_equal_those_of_the_unpacked_logits(family):
+    from multiengine.engines.packing import lm_logprobs
+    from multiengine.pipelines.rlhf import ppo
+
+    model, (ids, mask), C, temperature = _model(family), _batch(1, rows=7, width=16), 5, 0.7
+    scored = mask[:, C:].bool() & mask[:, C - 1:-1].bool()  # response tokens after a real one
+    figures, grads = [], []
+    for packed in (False, True):
+        model.packed_sequences = packed
+        logits = lm_forward(model, ids, mask)
+        want = ppo.response_logprobs(logits, ids, C, temperature)
+        want_entropy = ppo.entropy_from_logits(logits[:, C - 1:-1].float() / temperature)
+        logp, entropy = lm_logprobs(model, ids, mask, C, temperature, entropy=True)
+        assert _gap(want, logp, scored) < 1e-6 and _gap(want_entropy, entropy, scored) < 1e-6
+        if not packed:  # the padded path is ppo.response_logprobs itself
+            assert torch.equal(logp, want) and torch.equal(entropy, want_entropy.detach())
+        else:  # nothing is computed for padding
+            assert not logp[~scored].any() and not entropy[~scored].any() and not entropy.requires_grad
+        model.zero_grad()
+        (logp * scored).sum().backward()
+        figures.append(logp.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert _gap(figures[0], figures[1], scored) < 1e-5
+    assert float((grads[0] - grads[1]).abs().max() / grads[0].abs().max()) < 1e-5
+
+
 def test_rows_are_packed_no_wider_than_the_batch():
     ids, mask = _batch(3, rows=16, width=20)
     p = pack(ids, mask)
