@@ -9,8 +9,8 @@ lengths (left-padded prompts, right-padded answers, as a rollout has them):
             restarting per sequence (engines.packing.pack patched): scores, and the update's losses and changes.
   budget    per ZeRO stage, packed actor and critic: the same update with micro_batch_size rows per micro-batch
             (grad_accum of them a step) and with a token budget (two: more micro-batches than grad_accum, and
-            fewer); rank 0's rows are short, rank 1's long, so alone they would split a step into different
-            numbers of micro-batches. Each rank's micro-batches per
+            fewer), with a pretraining (ptx) term; rank 0's rows are short, rank 1's long, so alone they would
+            split a step into different numbers of micro-batches. Each rank's micro-batches per
             optimizer step are recorded (the test compares the ranks'), with the weights after the update.
 
 argv: out_dir, a JSON file {family: folder} (each a tiny causal LM saved with its tokenizer).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ from multiengine.pipelines.rlhf.update import train_on_experience
 FOLDERS: dict[str, str] = json.load(open(sys.argv[2]))
 C, T, ROWS = 8, 10, 8  # prompt width, answer width, rows per rank
 SETTINGS = PPOSettings(rollout_batch_size=ROWS, epochs=2, kl_coef=0.0)
+PTX_SETTINGS = dataclasses.replace(SETTINGS, ptx_coef=0.5)
 # the update's continuous figures (the clip fractions count tokens: one at a clip edge may flip on 1e-7); a token
 # budget changes the micro-batches that entropy and approx_kl are means over, not the per-step losses
 LOSSES = ("policy_loss", "value_loss", "entropy", "approx_kl")
@@ -121,11 +123,14 @@ def count_micro(registry: EngineRegistry) -> dict[str, list[int]]:
     return counts
 
 
-def update(registry: EngineRegistry, exp: Experience, counts: dict | None = None) -> dict:
+def update(registry: EngineRegistry, exp: Experience, counts: dict | None = None, ptx: dict | None = None) -> dict:
+    """One update (with ``ptx``: PPO-ptx, that pretraining batch in every actor micro-batch): its losses, the trained
+    roles' weights after it and their change."""
     before = weights(registry)
     spec = RolloutSpec(GenerationSettings(max_new_tokens=T), eos_token_id=2, pad_token_id=0, critic="critic",
                        ref=None, seed=1)
-    stats = train_on_experience(registry, exp, 0, SETTINGS, spec, 2)
+    stats = train_on_experience(registry, exp, 0, PTX_SETTINGS if ptx else SETTINGS, spec, 2,
+                                ptx_batches=itertools.repeat(ptx) if ptx else None)
     after = weights(registry)
     out = {"losses": {k: stats[k] for k in LOSSES},
            "after": after, "change": {role: after[role] - before[role] for role in TRAINED}}
@@ -194,13 +199,17 @@ for stage in (2, 3):
     rank = int(os.environ["RANK"])
     ids, mask, action = rows(rank, short=rank == 0)
     lengths = mask.sum(-1).tolist()
+    # a pretraining batch (PPO-ptx): the same one in every actor micro-batch, so each optimizer step's ptx term
+    # is that batch's loss whatever the number of micro-batches
+    ptx_ids, ptx_mask, _ = rows(10 + rank)
+    ptx = {"input_ids": ptx_ids, "attention_mask": ptx_mask, "labels": ptx_ids.masked_fill(ptx_mask == 0, -100)}
     runs = {}
     for budget in (0, *BUDGETS):
         # 8 rows a step: micro_batch_size 2 x grad_accum 4, or as many micro-batches of <= budget tokens as the
         # rank with the longest rows needs
         registry = build(folder, stage, True, frozen=False, budget=budget, micro=2, accum=4)
         counts = count_micro(registry)
-        runs[budget] = update(registry, experience(registry, ids, mask, action), counts)
+        runs[budget] = update(registry, experience(registry, ids, mask, action), counts, ptx)
         free(registry)
     fixed = runs[0]
     for budget in BUDGETS:
