@@ -51,7 +51,11 @@ def runs(tmp_path_factory):
                    "student": str(tiny.build_tiny_causal_lm(root / f"{f}_small", root / "tok", hidden=16, layers=1,
                                                             family=f, seed=1))}
                for f in FAMILIES}
-    (root / "folders.json").write_text(json.dumps({**folders, "data": str(long_tailed_data(root / "data"))}))
+    # a reward model and critic on another (sub-word) tokenizer: the rollout's rows re-encoded for them
+    tiny.train_bpe_tokenizer(tiny.task_vocabulary() * 3, root / "bpe_tok")
+    bpe = str(tiny.build_tiny_causal_lm(root / "gemma_bpe", root / "bpe_tok", hidden=32, family="gemma", seed=2))
+    data = str(long_tailed_data(root / "data"))
+    (root / "folders.json").write_text(json.dumps({**folders, "bpe": bpe, "data": data}))
     (root / "bases.json").write_text(json.dumps({f: v["base"] for f, v in folders.items()}))
     return launch_jobs(root / "out", {"registry": ("packed_passes", str(root / "bases.json")),
                                       "recipes": ("packed_recipes", str(root / "folders.json"))})
@@ -133,7 +137,7 @@ def assert_equal_metrics(gaps: dict[str, tuple[float, float, float]]) -> None:
 
 RECIPE_RUNS = ("sft_llama_z2", "sft_qwen2_z3", "reward_llama_z3", "reward_gemma_z2", "dpo_qwen2_z2", "dpo_llama_z3",
                "grpo_gemma_z2", "grpo_llama_z3", "multiturn_qwen2_z3", "ppo_llama_z3", "ppo_qwen2_z2",
-               "distill_gemma_z2", "onpolicy_llama_z3")
+               "ppo_bpe_gemma_z3", "distill_gemma_z2", "onpolicy_llama_z3")
 
 
 @pytest.mark.parametrize("name", RECIPE_RUNS)

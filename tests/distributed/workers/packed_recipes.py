@@ -6,7 +6,8 @@ must differ. Shortened to 2-3 steps, on a folder of split files (sft/reward/ppo/
 prompt and answer lengths, so that short sequences share packed rows. Each run's calls of engines.packing.pack are
 counted, with the rows they packed and the rows those became.
 
-argv: out_dir, a JSON file {family: {"base": folder, "student": folder}, "data": folder}.
+argv: out_dir, a JSON file {family: {"base": folder, "student": folder}, "bpe": folder (a Gemma on a sub-word
+tokenizer: ppo_bpe's reward model and critic, which read the rollouts re-encoded), "data": folder}.
 """
 
 import dataclasses
@@ -62,6 +63,9 @@ def running(input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int
     return dataclasses.replace(p, position_ids=torch.arange(p.input_ids.shape[1]).expand_as(p.input_ids).clone())
 
 GRPO = ["grpo.rollout_batch_size=4", DENSE, *ROLLOUT, *NO_EVAL]
+# advantages not whitened: a policy loss of mean-zero advantages is a difference of O(1) terms ~1000 times its size,
+# whose rounding a 1e-5 relative comparison would read
+PPO = ["roles.critic.micro_batch_size=4", "ppo.epochs=2", "ppo.whiten_advantages=false", *ROLLOUT, *NO_EVAL]
 
 # name: recipe, the LM roles, overrides (the family's models, the stages, 2-3 steps)
 ll, qw, ge = F["llama"]["base"], F["qwen2"]["base"], F["gemma"]["base"]
@@ -87,11 +91,15 @@ RUNS = {
     "ppo_llama_z3": ("rlhf_ppo", ("actor", "critic", "ref", "reward"), [
         f"roles.actor.model={ll}", "roles.reward.model={reward}", "roles.actor.stage=3", "roles.critic.stage=3",
         "max_steps=2", "ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=4",
-        "roles.critic.micro_batch_size=4", "ppo.epochs=2", *ROLLOUT, *NO_EVAL]),
+        *PPO]),
     "ppo_qwen2_z2": ("rlhf_ppo", ("actor", "critic", "ref", "reward"), [
         f"roles.actor.model={qw}", f"roles.reward.model={qw}", "roles.actor.stage=2", "roles.critic.stage=2",
         "max_steps=2", "ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=4",
-        "roles.critic.micro_batch_size=4", "ppo.epochs=2", *ROLLOUT, *NO_EVAL]),
+        *PPO]),
+    "ppo_bpe_gemma_z3": ("rlhf_ppo", ("actor", "critic", "ref", "reward"), [
+        f"roles.actor.model={ge}", f"roles.reward.model={F['bpe']}", "roles.actor.stage=3", "roles.critic.stage=3",
+        "max_steps=2", "ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=4",
+        *PPO]),
     "distill_gemma_z2": ("distill", ("teacher", "student"), [
         f"roles.teacher.model={ge}", f"roles.student.model={F['gemma']['student']}", "roles.teacher.stage=2",
         "roles.student.stage=2", "max_steps=3", "roles.student.micro_batch_size=8", *EVAL]),
