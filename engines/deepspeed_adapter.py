@@ -152,11 +152,20 @@ def zero3_hooks_off(offload: Any) -> list[torch.nn.Parameter]:
     for hook in [*offload.forward_hooks, *offload.backward_hooks]:
         hook.remove()
     offload.forward_hooks, offload.backward_hooks = [], []
+    # and the root's start-of-forward hook: its reset_step checks a stale trace across ranks (collectives) per forward
+    start = getattr(offload, "fwd_pre_hook", None)
+    if start is not None and start.id in offload.module._forward_pre_hooks:
+        offload.start_of_forward = offload.module._forward_pre_hooks[start.id]
+        start.remove()
     return params
 
 
 def zero3_hooks_on(offload: Any) -> None:
-    """The hooks back (DeepSpeed records its fetch trace again on the next forward)."""
+    """The hooks back, in DeepSpeed's order (it records its fetch trace again on the next forward)."""
+    start = getattr(offload, "start_of_forward", None)
+    if start is not None:
+        offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start)
+        offload.start_of_forward = None
     offload._register_deepspeed_module(offload.module)
 
 

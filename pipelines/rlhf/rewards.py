@@ -28,7 +28,7 @@ import torch
 from multiengine.engines import ConfigError, EngineRegistry, all_reduce_sum
 
 from . import tiny
-from .scoring import eval_mode, sequence_scores
+from .scoring import scoring_mode, sequence_scores
 
 __all__ = ["BUILTIN_REWARD_FUNCTIONS", "RESERVED_ARGUMENTS", "RESERVED_NAMES", "RewardCall", "RewardFn",
            "RewardFunctionError", "RewardSource", "RunningMoments", "call_reward_function", "check_reward_columns",
@@ -329,7 +329,7 @@ A function's score is ``nan`` on rows it returned None for (they add 0 to the to
                                      "the responses start) so its rows can be re-encoded.")
                 batch = reencoded(src.retokenizer, sequences, attention_mask, context_length, prompts, prompt_messages)
                 ids, mask = batch["input_ids"], batch["attention_mask"]
-            with eval_mode(registry, src.role) as engine:
+            with scoring_mode(registry, src.role) as engine:
                 value = sequence_scores(engine, ids, mask).float()
             total = total + src.weight * value
         else:

@@ -32,7 +32,7 @@ from multiengine.engines.packing import lm_forward
 from . import ppo
 from .generation import GenerationSettings, generate, rollout_done, vllm_generate
 from .rewards import RewardSource, compute_scores, reencoded
-from .scoring import eval_mode, role_logprobs, role_values
+from .scoring import role_logprobs, role_values, scoring_mode
 
 __all__ = ["Experience", "RolloutSpec", "StepStats", "concat_experiences", "expand_prompts", "make_experience",
            "rollout_metrics", "rollout_spec", "sampling_seed", "step_timings"]
@@ -248,7 +248,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     if critic is not None and spec.critic_retokenizer is not None and spec.critic_retokenizer.needed:
         # the critic reads the same text in its own tokens; V(s_t) sits where the text before action t ends
         enc = reencoded(spec.critic_retokenizer, sequences, attention, C, prompts or None, messages, align=True)
-        with eval_mode(registry, critic) as engine:
+        with scoring_mode(registry, critic) as engine:
             full = lm_forward(engine, enc["input_ids"], enc["attention_mask"]).float()
         values = full.gather(1, enc["state_index"]) * action_f
         critic_rows = {"critic_sequences": enc["input_ids"], "critic_attention_mask": enc["attention_mask"],

@@ -1,7 +1,7 @@
 """Forwards of RLHF roles: policy logits and log-probs, critic values, reward-model scores.
 
-Every call goes through the role's engine, so ZeRO-3 fetch/release hooks run; every rank must make
-the same calls in the same order (each ZeRO-3 forward is a collective).
+Every call goes through the role's engine (ZeRO-3 fetch hooks, or whole weights for a small role: scoring_mode);
+every rank must make the same calls in the same order (each ZeRO-3 forward is a collective).
 
 Shapes: ``B`` rows, ``C`` padded prompt length, ``T`` response length, ``L = C + T``.
 """
@@ -20,7 +20,8 @@ from . import ppo
 from .losses import sequence_logprob
 from .models import last_token_index
 
-__all__ = ["eval_mode", "policy_logits", "role_logprobs", "role_values", "sequence_logprobs", "sequence_scores"]
+__all__ = ["eval_mode", "policy_logits", "role_logprobs", "role_values", "scoring_mode", "sequence_logprobs",
+           "sequence_scores"]
 
 
 @contextlib.contextmanager
@@ -28,12 +29,28 @@ def eval_mode(registry: EngineRegistry, role: str) -> Iterator[Any]:
     """The role's engine with its module in eval mode (restored on exit); rollout scoring must see
     the numbers the training forwards see, without dropout."""
     module = registry.role(role).module
-    was_training = module.training
+    if not module.training:  # frozen roles are built in eval mode: no walk over the modules twice per forward
+        yield registry[role]
+        return
     module.eval()
     try:
         yield registry[role]
     finally:
-        module.train(was_training)
+        module.train()
+
+
+@contextlib.contextmanager
+def scoring_mode(registry: EngineRegistry, role: str) -> Iterator[Any]:
+    """:func:`eval_mode` for a no-grad scoring forward, on whole weights where a ZeRO-3 role is no larger than what
+    DeepSpeed may hold gathered at once (its prefetch bucket and live-parameter limit): one coalesced all-gather and
+    no per-layer fetch hooks, which cost more than a model that small computes."""
+    r = registry.role(role)
+    zero = r.config.get("zero_optimization", {})
+    limit = min(zero.get("stage3_prefetch_bucket_size", 0), zero.get("stage3_max_live_parameters", 0))
+    small = r.stage == 3 and not r.spec.gather_forward and \
+        sum(getattr(p, "ds_numel", p.numel()) for p in r.module.parameters()) <= limit  # gather_forward: its own
+    with registry.gathered(role) if small else contextlib.nullcontext(), eval_mode(registry, role) as engine:
+        yield engine
 
 
 def policy_logits(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -52,7 +69,7 @@ def sequence_scores(engine: Any, input_ids: torch.Tensor, attention_mask: torch.
 def role_logprobs(registry: EngineRegistry, role: str, sequences: torch.Tensor, attention_mask: torch.Tensor,
                   context_length: int, temperature: float = 1.0) -> torch.Tensor:
     """``[B, T]`` log-probs of the response tokens under ``role`` (eval mode, no grad)."""
-    with eval_mode(registry, role) as engine:
+    with scoring_mode(registry, role) as engine:
         logits = policy_logits(engine, sequences, attention_mask)
         return ppo.response_logprobs(logits, sequences, context_length, temperature)
 
@@ -61,7 +78,7 @@ def role_logprobs(registry: EngineRegistry, role: str, sequences: torch.Tensor, 
 def role_values(registry: EngineRegistry, role: str, sequences: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int) -> torch.Tensor:
     """``[B, T]`` critic values aligned with the response tokens (eval mode, no grad)."""
-    with eval_mode(registry, role) as engine:
+    with scoring_mode(registry, role) as engine:
         values = lm_forward(engine, sequences, attention_mask).float()
         return ppo.response_values(values, context_length)
 
