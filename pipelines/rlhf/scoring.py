@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry
-from multiengine.engines.packing import lm_forward
+from multiengine.engines.packing import lm_forward, lm_logprobs
 
 from . import ppo
 from .losses import sequence_logprob
@@ -70,8 +70,7 @@ def role_logprobs(registry: EngineRegistry, role: str, sequences: torch.Tensor, 
                   context_length: int, temperature: float = 1.0) -> torch.Tensor:
     """``[B, T]`` log-probs of the response tokens under ``role`` (eval mode, no grad)."""
     with scoring_mode(registry, role) as engine:
-        logits = policy_logits(engine, sequences, attention_mask)
-        return ppo.response_logprobs(logits, sequences, context_length, temperature)
+        return lm_logprobs(engine, sequences, attention_mask, context_length, temperature)[0]
 
 
 @torch.no_grad()

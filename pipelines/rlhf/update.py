@@ -15,12 +15,11 @@ from typing import Any, NamedTuple
 
 import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
-from multiengine.engines.packing import budget_split, lm_forward, token_budget
+from multiengine.engines.packing import budget_split, lm_forward, lm_logprobs, token_budget
 
 from . import ppo
 from .losses import PolicyLossInputs, kl_loss, logprob_mismatch, loss_units, policy_loss, truncated_is_weights
 from .rollout import Experience, RolloutSpec, StepStats
-from .scoring import policy_logits
 from .steps import causal_lm_loss
 
 __all__ = ["minibatch_indices", "train_on_experience"]
@@ -158,8 +157,8 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
             if train_actor and i < len(actor_micro):
                 mb = exp.rows(actor_micro[i].rows)
                 den = denominators[("actor", epoch, actor_micro[i].step)]
-                logits = policy_logits(actor_engine, mb.sequences, mb.attention_mask)
-                logp = ppo.response_logprobs(logits, mb.sequences, C, temperature)
+                logp, token_entropy = lm_logprobs(actor_engine, mb.sequences, mb.attention_mask, C, temperature,
+                                                  entropy=True)
                 if one_pass:
                     mb.logprobs = logp.detach() * mb.action_mask
                     exp.logprobs[actor_micro[i].rows] = mb.logprobs
@@ -178,9 +177,7 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                     loss = loss + kl_coef * k_loss
                     add("kl_loss_global", k_loss.detach() / (world * g_actor))
                     add("kl_loss_kl", k_mean)
-                with torch.no_grad():
-                    scaled = logits[:, C - 1:-1].float() / temperature
-                    entropy = ppo.masked_mean(ppo.entropy_from_logits(scaled), mb.action_mask)
+                entropy = ppo.masked_mean(token_entropy, mb.action_mask)
                 if ptx_batches is not None and s.ptx_coef > 0:
                     ptx = {k: v.to(registry.device) for k, v in next(ptx_batches).items()}
                     ptx_loss = causal_lm_loss(actor_engine, ptx)
