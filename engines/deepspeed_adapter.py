@@ -36,6 +36,8 @@ _REQUIRED = (
     ("deepspeed.runtime.zero.partition_parameters", "shutdown_init_context"),
     ("deepspeed.runtime.zero.partition_parameters", "restore_init_context"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module"),
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.get_param_coordinator"),
+    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator._invalidate_trace"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "iter_params"),
     ("deepspeed.comm.comm", "cdb"),
     ("deepspeed.comm.comm", "destroy_process_group"),
@@ -161,12 +163,19 @@ def zero3_hooks_off(offload: Any) -> list[torch.nn.Parameter]:
 
 
 def zero3_hooks_on(offload: Any) -> None:
-    """The hooks back, in DeepSpeed's order (it records its fetch trace again on the next forward)."""
+    """The hooks back as they were: DeepSpeed's order, the same module ids, and its fetch trace kept (no hooked pass
+    ran meanwhile; DeepSpeed drops it on re-registering, and the next update would fetch layer by layer and check the
+    re-recorded order across ranks, every step). Whatever a stale trace keeps whole, the optimizer step releases."""
     start = getattr(offload, "start_of_forward", None)
     if start is not None:
         offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start)
         offload.start_of_forward = None
-    offload._register_deepspeed_module(offload.module)
+    coordinator = offload.get_param_coordinator()
+    coordinator._invalidate_trace = lambda: None  # for the duration of the re-registration only
+    try:
+        offload._register_deepspeed_module(offload.module, count=[offload.module.ds_id])
+    finally:
+        del coordinator._invalidate_trace
 
 
 @contextlib.contextmanager

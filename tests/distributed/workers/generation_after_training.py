@@ -70,6 +70,8 @@ for _ in range(3):
     module.eval()
     with registry.gathered("actor"):
         via_gathered = module.generate(prompts, **kwargs)
+    # back to 1/N on exit (a later hooked pass may leave whole what DeepSpeed's trace reuses soon; a step releases it)
+    partitioned = all(p.numel() == 0 for p in module.parameters() if not p.ds_persist)
     module.train()
     reference_2 = per_token()
     result["rounds"].append({
@@ -81,7 +83,7 @@ for _ in range(3):
         "after": {"training": module.training,
                   "checkpointing": any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()),
                   "hooks": len(offload.forward_hooks) + len(offload.backward_hooks),
-                  "partitioned": all(p.numel() == 0 for p in module.parameters() if not p.ds_persist)},
+                  "partitioned": partitioned},
     })
     seq = via_gathered
 result["hooks_at_build"] = n_hooks
