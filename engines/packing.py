@@ -101,16 +101,26 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int = 
                   (int(mask.shape[0]), int(mask.shape[1])))
 
 
-def lm_forward(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def lm_forward(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """``[B, L, ...]`` per-position output of ``engine`` (a causal LM's logits, a scalar head's values), computed
-    packed when the engine packs, else on the padded rows with positions from the mask (left padding safe)."""
+    packed when the engine packs, else on the padded rows with positions from the mask (left padding safe;
+    ``kwargs``: more for the padded forward)."""
     if packs(engine):
         p = pack(input_ids, attention_mask)
         out = engine(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
         return p.unpack(getattr(out, "logits", out))
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-    out = engine(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    out = engine(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
     return getattr(out, "logits", out)
+
+
+def _keeps_logits(engine: Any) -> bool:
+    """Whether the causal LM under ``engine`` (through a peft wrapper) takes ``logits_to_keep`` (transformers')."""
+    import inspect
+
+    module = getattr(engine, "module", engine)
+    module = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
 def lm_logprobs(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
@@ -120,8 +130,10 @@ def lm_logprobs(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     engine packs: the log-softmax runs over the packed rows' real tokens alone and only these per-token figures are
     unpacked (0 where the token or the one before it is padding), never ``[B, L, V]`` logits."""
     C = context_length
-    if not packs(engine):
-        z = lm_forward(engine, input_ids, attention_mask)[:, C - 1:-1].float() / temperature
+    if not packs(engine):  # the head's logits only where they score the response (transformers' logits_to_keep)
+        keep = {"logits_to_keep": input_ids.shape[1] - C + 1} if _keeps_logits(engine) else {}
+        logits = lm_forward(engine, input_ids, attention_mask, **keep)
+        z = logits[:, logits.shape[1] - (input_ids.shape[1] - C) - 1:-1].float() / temperature
         labels = input_ids[:, C:]
     else:
         p = pack(input_ids, attention_mask)
