@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKABLE_FAMILIES", "Packed", "budget_split", "family_packs", "lm_forward", "lm_logprobs", "pack", "packs",
-           "token_budget"]
+__all__ = ["PACKABLE_FAMILIES", "Packed", "budget_split", "family_packs", "keeps_logits", "lm_forward", "pack",
+           "packed_output", "packs", "token_budget"]
 
 # model_type values whose transformers attention (sdpa, eager; 5.x) gives a packed sequence the logits it has alone
 # (tests/unit/test_packing.py checks each against its padded pass); OPT is not among them.
@@ -101,64 +101,31 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int = 
                   (int(mask.shape[0]), int(mask.shape[1])))
 
 
+def packed_output(engine: Any, p: Packed) -> torch.Tensor:
+    """``[R, C, ...]`` per-position output of ``engine`` on the packed rows ``p`` (no mask, no cache)."""
+    out = engine(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
+    return getattr(out, "logits", out)
+
+
 def lm_forward(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """``[B, L, ...]`` per-position output of ``engine`` (a causal LM's logits, a scalar head's values), computed
     packed when the engine packs, else on the padded rows with positions from the mask (left padding safe;
     ``kwargs``: more for the padded forward)."""
     if packs(engine):
         p = pack(input_ids, attention_mask)
-        out = engine(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
-        return p.unpack(getattr(out, "logits", out))
+        return p.unpack(packed_output(engine, p))
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     out = engine(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
     return getattr(out, "logits", out)
 
 
-def _keeps_logits(engine: Any) -> bool:
+def keeps_logits(engine: Any) -> bool:
     """Whether the causal LM under ``engine`` (through a peft wrapper) takes ``logits_to_keep`` (transformers')."""
     import inspect
 
     module = getattr(engine, "module", engine)
     module = module.get_base_model() if hasattr(module, "get_base_model") else module
     return "logits_to_keep" in inspect.signature(module.forward).parameters
-
-
-def lm_logprobs(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
-                temperature: float = 1.0, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` float32 log-probs of the tokens ``input_ids[:, C:]`` under ``softmax(logits / temperature)`` at the
-    position before each, and with ``entropy`` those distributions' ``[B, T]`` entropies (no grad). Packed where the
-    engine packs: the log-softmax runs over the packed rows' real tokens alone and only these per-token figures are
-    unpacked (0 where the token or the one before it is padding), never ``[B, L, V]`` logits."""
-    C = context_length
-    if not packs(engine):  # the head's logits only where they score the response (transformers' logits_to_keep)
-        keep = {"logits_to_keep": input_ids.shape[1] - C + 1} if _keeps_logits(engine) else {}
-        logits = lm_forward(engine, input_ids, attention_mask, **keep)
-        z = logits[:, logits.shape[1] - (input_ids.shape[1] - C) - 1:-1].float() / temperature
-        labels = input_ids[:, C:]
-    else:
-        p = pack(input_ids, attention_mask)
-        out = engine(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
-        logits = getattr(out, "logits", out)
-        width = attention_mask.shape[1]
-        # real tokens of the response whose predecessor is real: that one sits in the slot before theirs
-        column, flat_mask = p.index % width, attention_mask.reshape(-1).bool()
-        scored = (column >= C) & flat_mask[(p.index - 1).clamp(min=0)] & (column > 0)
-        where, slots = p.index[scored], p.slots[scored] - 1
-        z = logits.reshape(-1, logits.shape[-1]).index_select(0, slots).float() / temperature
-        labels = input_ids.reshape(-1)[where]
-    logp = torch.log_softmax(z, dim=-1).gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-    if not packs(engine):
-        return logp, ent
-
-    def unpacked(x: torch.Tensor) -> torch.Tensor:
-        flat = x.new_zeros(attention_mask.numel())
-        return flat.index_copy(0, where, x).view(attention_mask.shape)[:, C:]
-
-    return unpacked(logp), None if ent is None else unpacked(ent)
 
 
 def _balanced(lengths: list[int], count: int) -> list[list[int]]:

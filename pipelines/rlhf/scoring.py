@@ -13,15 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry
-from multiengine.engines.packing import lm_forward, lm_logprobs
+from multiengine.engines import EngineRegistry, packing
+from multiengine.engines.packing import lm_forward
 
 from . import ppo
 from .losses import sequence_logprob
 from .models import last_token_index
 
-__all__ = ["eval_mode", "policy_logits", "role_logprobs", "role_values", "scoring_mode", "sequence_logprobs",
-           "sequence_scores"]
+__all__ = ["eval_mode", "lm_logprobs", "policy_logits", "role_logprobs", "role_values", "scoring_mode",
+           "sequence_logprobs", "sequence_scores"]
 
 
 @contextlib.contextmanager
@@ -63,6 +63,41 @@ def sequence_scores(engine: Any, input_ids: torch.Tensor, attention_mask: torch.
     """``[B]`` scalar-head scores at the last real token (through the engine, so ZeRO-3 hooks run)."""
     values = lm_forward(engine, input_ids, attention_mask)
     return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
+
+
+def lm_logprobs(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
+                temperature: float = 1.0, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` float32 log-probs of the response tokens ``input_ids[:, C:]`` (:func:`ppo.logprobs_from_logits`) and
+    with ``entropy`` their distributions' ``[B, T]`` entropies (no grad). Packed where the engine packs: only the
+    logits that score a real response token after a real one are taken, and only the per-token figures unpacked
+    (0 elsewhere), never ``[B, L, V]`` logits; padded, the model's head runs only where it scores the response
+    (transformers' ``logits_to_keep``)."""
+    C, T = context_length, input_ids.shape[1] - context_length
+    where = None
+    if not packing.packs(engine):
+        keep = {"logits_to_keep": T + 1} if packing.keeps_logits(engine) else {}
+        z, labels = lm_forward(engine, input_ids, attention_mask, **keep)[:, -T - 1:-1], input_ids[:, C:]
+    else:
+        p = packing.pack(input_ids, attention_mask)  # through the module: one place packs every pass
+        logits = packing.packed_output(engine, p)
+        # real tokens of the response whose predecessor is real: that one sits in the slot before theirs
+        column, flat_mask = p.index % input_ids.shape[1], attention_mask.reshape(-1).bool()
+        scored = (column >= C) & flat_mask[(p.index - 1).clamp(min=0)] & (column > 0)
+        where = p.index[scored]
+        z = logits.reshape(-1, logits.shape[-1]).index_select(0, p.slots[scored] - 1)
+        labels = input_ids.reshape(-1)[where]
+    logp = ppo.logprobs_from_logits(z, labels, temperature)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = ppo.entropy_from_logits(z.float() / temperature)
+    if where is None:
+        return logp, ent
+
+    def unpacked(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(attention_mask.numel()).index_copy(0, where, x).view(attention_mask.shape)[:, C:]
+
+    return unpacked(logp), None if ent is None else unpacked(ent)
 
 
 @torch.no_grad()

@@ -15,11 +15,12 @@ from typing import Any, NamedTuple
 
 import torch
 from multiengine.engines import EngineRegistry, all_reduce_sum
-from multiengine.engines.packing import budget_split, lm_forward, lm_logprobs, token_budget
+from multiengine.engines.packing import budget_split, lm_forward, token_budget
 
 from . import ppo
 from .losses import PolicyLossInputs, kl_loss, logprob_mismatch, loss_units, policy_loss, truncated_is_weights
 from .rollout import Experience, RolloutSpec, StepStats
+from .scoring import lm_logprobs
 from .steps import causal_lm_loss
 
 __all__ = ["minibatch_indices", "train_on_experience"]

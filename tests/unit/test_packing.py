@@ -87,8 +87,8 @@ def test_gradients_and_scalar_heads_equal_padded():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
 def test_logprobs_on_packed_rows_equal_those_of_the_unpacked_logits(family):
-    from multiengine.engines.packing import lm_logprobs
     from multiengine.pipelines.rlhf import ppo
+    from multiengine.pipelines.rlhf.scoring import lm_logprobs
 
     model, (ids, mask), C, temperature = _model(family), _batch(1, rows=7, width=16), 5, 0.7
     scored = mask[:, C:].bool() & mask[:, C - 1:-1].bool()  # response tokens after a real one
