@@ -296,7 +296,7 @@ class Recipe:
             spec = role.spec(lambda: None, total_steps=1, lora_targets=("*",)) if role.trainable else \
                 role.spec(lambda: None)
             out["roles"][name] = {**spec.describe(), "model": role.model_path(), "tokenizer": role.tokenizer_path(),
-                                  **{k: getattr(role, k) for k in ("packing", "token_budget") if hasattr(role, k)}}
+                                  **({"packing": role.packing} if hasattr(role, "packing") else {})}
         return out
 
     @classmethod
