@@ -213,6 +213,12 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
         hidden, layers, heads = tiny or (cfg.tiny.hidden, cfg.tiny.layers, cfg.tiny.heads)
         config = {**tiny_lm_config("opt", 512, hidden, layers, heads=heads).to_dict(),
                   "architectures": ["OPTForCausalLM"]}
+    from multiengine.engines.moe import moe_shape
+
+    if moe_shape(config) is not None:  # vLLM generates with it, but the sync sends fused experts it cannot load
+        raise config_problem("generation.engine", "vllm", f"cannot run roles.{role}.model, a mixture of experts "
+                             f"({config.get('model_type')}): the weight sync sends its fused expert tensors, which "
+                             "vLLM's loader does not take", "generation.engine=hf")
     try:
         check_supported(config, r.engine_settings(seq_len, cfg.seed), "cuda" if torch.cuda.is_available() else "cpu")
     except RolloutEngineError as err:
