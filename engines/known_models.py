@@ -70,6 +70,12 @@ _LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, 
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
               "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False,
               "hidden_act": "silu", "rms_norm_eps": 1e-5}
+_QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                  "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                  "tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6}
 
 MODELS: dict[str, KnownModel] = {
     "facebook/opt-350m": _opt(1024, 24, 16, 4096, 512, before=False),
@@ -77,6 +83,8 @@ MODELS: dict[str, KnownModel] = {
     "facebook/opt-13b": _opt(5120, 40, 40, 20480, 5120),
     "meta-llama/Meta-Llama-3-8B": KnownModel("transformers", "LlamaForCausalLM", _LLAMA3_8B, "BF16",
                                              "config.json of meta-llama/Meta-Llama-3-8B"),
+    "Qwen/Qwen3-30B-A3B": KnownModel("transformers", "Qwen3MoeForCausalLM", _QWEN3_30B_A3B, "BF16",
+                                     "config.json of Qwen/Qwen3-30B-A3B"),
     "openai/clip-vit-large-patch14": KnownModel("transformers", "CLIPTextModel", _CLIP_L, "F32",
                                                 "text_config of openai/clip-vit-large-patch14 (CLIP-L)"),
     "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k": KnownModel(
@@ -88,6 +96,7 @@ ALIASES = {
     "meta-llama/Meta-Llama-3-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
     "meta-llama/Llama-3.1-8B": "meta-llama/Meta-Llama-3-8B",
     "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
+    "Qwen/Qwen3-30B-A3B-Base": "Qwen/Qwen3-30B-A3B",
     "runwayml/stable-diffusion-v1-5": "stable-diffusion-v1-5/stable-diffusion-v1-5",
     "CompVis/stable-diffusion-v1-4": "stable-diffusion-v1-5/stable-diffusion-v1-5",
 }

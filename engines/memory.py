@@ -65,9 +65,23 @@ def optimizer_state_bytes(engine: Any) -> int:
     return total
 
 
+def moe_params(module: torch.nn.Module) -> Any:
+    """planner.MoeCounts of a live model (whole sizes of ZeRO-3 partitions), None for a dense one."""
+    from .planner import moe_counts
+
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    return moe_counts(((n, getattr(p, "ds_numel", p.numel())) for n, p in module.named_parameters()),
+                      config.to_dict())
+
+
 def role_memory(role: Any, world_size: int) -> dict[str, Any]:
     module = role.module
     total, partition, persistent, nbytes = _param_counts(module)
+    moe = moe_params(module)
+    moe_note = (f"MoE top {moe.top_k} of {moe.experts}: {moe.active:,} active, experts "
+                f"{100 * moe.expert_share:.0f}% of the weights" if moe else "")
     trainable_numel = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
     element = torch.tensor([], dtype=role.dtype).element_size()
     if not role.trainable:
@@ -87,13 +101,15 @@ def role_memory(role: Any, world_size: int) -> dict[str, Any]:
         "params_total": total,
         "params_local": partition,
         "params_persistent": persistent,
+        "params_active": moe.active if moe else total,  # used per token: top_k of the experts (MoE)
+        "expert_share": moe.expert_share if moe else 0.0,
         "local_fraction": (partition / total) if total else 0.0,
         "param_bytes": nbytes,
         "param_device": "cpu" if offload == "cpu" else str(next(iter(module.parameters()), torch.empty(0)).device),
         "grad_bytes": grad_numel * element,
         "optimizer_bytes": optimizer_state_bytes(role.engine) if role.trainable else 0,
         # how its token-sequence passes run: activations scale with real tokens (packed) or the token budget
-        "note": "; ".join(filter(None, [role.note, "packed" if role.spec.packed else "",
+        "note": "; ".join(filter(None, [role.note, moe_note, "packed" if role.spec.packed else "",
                                         f"token budget {role.spec.token_budget}" if role.spec.token_budget else ""])),
     }
 

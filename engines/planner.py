@@ -121,6 +121,11 @@ class ModelInfo:
         return replace(self, tensors=(*self.tensors, TensorEntry(name, tuple(shape), dtype)))
 
     @property
+    def moe(self) -> MoeCounts | None:
+        """Its mixture-of-experts parameters (:func:`moe_counts`), None for a dense model."""
+        return moe_counts(((t.name, t.numel) for t in self.tensors), self.config)
+
+    @property
     def hidden_size(self) -> int | None:
         """The width ZeRO-3 buckets are sized from: config hidden_size / d_model / n_embd, else the largest of
         hidden_sizes, else the widest Linear/Conv weight."""
@@ -230,6 +235,70 @@ def pipeline_info(folder: str | os.PathLike, variant: str | None = None) -> dict
             info = model_info(sub, variant)
             out[name] = replace(info, class_name=info.class_name or str(value[1]))
     return out
+
+
+# --- mixtures of experts ---
+_ROUTED = re.compile(r"(^|\.)experts\.")  # "mlp.experts.gate_up_proj" (fused) or "mlp.experts.3.w1.weight"
+_SHARED = re.compile(r"(^|\.)shared_experts?\.")  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts
+
+
+@dataclass(frozen=True)
+class MoeCounts:
+    """An MoE model's parameters by use: ``routed``, the experts' weights, of which a token uses ``top_k`` of
+    ``experts``; ``shared``, shared experts' weights (every token uses them); ``block``, the largest of the
+    ``layers`` expert blocks (one module per layer: ZeRO-3 gathers it whole, every expert, in every pass)."""
+
+    experts: int
+    top_k: int
+    total: int
+    routed: int
+    shared: int
+    layers: int
+    block: int
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: everything but the routed experts, plus top_k / experts of those."""
+        return self.total - self.routed + self.routed * self.top_k // self.experts
+
+    @property
+    def expert_share(self) -> float:
+        return self.routed / self.total if self.total else 0.0
+
+    def describe(self, dtype: str) -> str:
+        """One line for ``plan``: active of total, the experts' share, the ZeRO-3 gathers in ``dtype``."""
+        b = DTYPE_BYTES[dtype]
+        shared = f", shared experts {fmt_count(self.shared)}" if self.shared else ""
+        return (f"mixture of experts, top {self.top_k} of {self.experts}: {self.active:,} active parameters per "
+                f"token ({fmt_count(self.active)}) of {fmt_count(self.total)}; routed expert weights "
+                f"{100 * self.expert_share:.1f}% of the total{shared}. At ZeRO-3 each pass gathers every expert: "
+                f"{fmt_bytes(b * self.block)} per layer, {fmt_bytes(b * self.routed)} per forward over "
+                f"{self.layers} layers (twice that per trained step)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"experts": self.experts, "top_k": self.top_k, "total_params": self.total,
+                "active_params": self.active, "routed_params": self.routed, "shared_params": self.shared,
+                "expert_share": self.expert_share, "moe_layers": self.layers, "block_params": self.block}
+
+
+def moe_counts(tensors: Iterable[tuple[str, int]], config: Mapping[str, Any] | None) -> MoeCounts | None:
+    """The MoE counts of ``(name, numel)`` pairs (safetensors entries, or a live model's parameters) whose config
+    routes (engines.moe.moe_shape); experts are told by name: ``experts.`` tensors (fused or one per expert) are
+    routed, grouped into blocks by the name before it; ``shared_expert(s).`` ones shared. None for a dense model."""
+    total = routed = shared = 0
+    blocks: dict[str, int] = {}
+    for name, numel in tensors:
+        total += numel
+        found = _ROUTED.search(name)
+        if found:
+            routed += numel
+            blocks[name[:found.start()]] = blocks.get(name[:found.start()], 0) + numel
+        elif _SHARED.search(name):
+            shared += numel
+    shape = _moe_shape(config) if routed and config else None
+    if shape is None:
+        return None
+    return MoeCounts(shape.experts, shape.top_k, total, routed, shared, len(blocks), max(blocks.values()))
 
 
 # --- ZeRO-3 persistence and LoRA ---
@@ -386,11 +455,12 @@ def train_buffer_bytes(
     return bucket, fp32
 
 
-def gather_buffer_bytes(params: int, *, dtype: str, hidden_size: int | None = None) -> int:
+def gather_buffer_bytes(params: int, *, dtype: str, hidden_size: int | None = None, block: int = 0) -> int:
     """Accelerator bytes a ZeRO-3 role gathers while it runs layer by layer: at most
-    stage3_max_live_parameters (3e7 in the project's configs) plus the prefetch bucket (0.9·h²)."""
+    stage3_max_live_parameters (3e7 in the project's configs), or the largest module gathered at once (``block``:
+    an MoE layer's fused experts) when bigger, plus the prefetch bucket (0.9·h²)."""
     prefetch = int(0.9 * hidden_size * hidden_size) if hidden_size else int(5e7)
-    return DTYPE_BYTES[dtype] * min(params, STAGE3_MAX_LIVE_PARAMETERS + prefetch)
+    return DTYPE_BYTES[dtype] * min(params, max(STAGE3_MAX_LIVE_PARAMETERS, block) + prefetch)
 
 
 def comm_bytes(params: int, *, dtype: str, stage: int, trainable_params: int = 0,
@@ -421,7 +491,7 @@ class TransformerDims:
     mlp: str = "gelu"  # "relu" | "gelu" | "gated" (SwiGLU / GeGLU: three MLP matrices)
     rms_norm: bool = False  # RMSNorm computing in fp32 (Llama, T5): keeps an fp32 copy of its input
     rotary: bool = False  # rotary position embeddings: q and k are kept before rotation too
-    extra_per_layer: int = 0  # more elements per token per layer (see dit_dims)
+    extra_per_layer: int = 0  # more elements per token per layer (see dit_dims; MoE routing)
 
     @property
     def kv(self) -> int:
@@ -429,7 +499,7 @@ class TransformerDims:
 
 
 _LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "phi3", "olmo", "olmo2",
-               "granite", "cohere"}
+               "granite", "cohere", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"}
 
 
 def transformer_dims(config: Mapping[str, Any]) -> TransformerDims:
@@ -457,10 +527,27 @@ def transformer_dims(config: Mapping[str, Any]) -> TransformerDims:
            + str(cfg.get("feed_forward_proj", ""))).lower()
     llama_like = model_type in _LLAMA_LIKE
     mlp = "gated" if ("gated" in act or llama_like) else ("relu" if act == "relu" or act.endswith("relu") else "gelu")
+    extra = 0
+    shape = _moe_shape(cfg)
+    if shape is not None:  # a token runs top_k experts (and the shared ones) instead of one wide MLP
+        expert = first("moe_intermediate_size", default=intermediate)
+        shared = first("shared_expert_intermediate_size", default=expert * first("n_shared_experts", default=0))
+        intermediate = shape.top_k * expert + shared
+        extra = 2 * shape.top_k * hidden + 2 * shape.experts  # each routed copy's input and output; router scores
     return TransformerDims(hidden=hidden, layers=layers, intermediate=intermediate,
                            vocab=first("vocab_size", default=0),
                            kv_hidden=kv_heads * head_dim if kv_heads != heads else None, mlp=mlp,
-                           rms_norm=llama_like or model_type in {"t5", "umt5", "mt5"}, rotary=llama_like)
+                           rms_norm=llama_like or model_type in {"t5", "umt5", "mt5"}, rotary=llama_like,
+                           extra_per_layer=extra)
+
+
+def _moe_shape(config: Mapping[str, Any]) -> Any:
+    """engines.moe.moe_shape of a config that names experts (torch is imported only for those), else None."""
+    if not any("expert" in str(k) for k in config):
+        return None
+    from .moe import moe_shape
+
+    return moe_shape(dict(config))
 
 
 def _layer_elements(d: TransformerDims, activation_bytes: int = 2) -> int:
@@ -615,6 +702,7 @@ class RoleRequest:
     source: str = ""
     note: str = ""
     gather_hint: str = ""  # how the config turns the whole-model gather off (for the message)
+    moe: MoeCounts | None = None  # a mixture of experts' counts (active parameters, expert blocks)
 
     @property
     def trainable(self) -> bool:
@@ -675,7 +763,8 @@ def cost_role(req: RoleRequest, choice: Choice, world_size: int) -> RoleOption:
             if label in req.full_gather:
                 extra += DTYPE_BYTES[req.dtype] * req.params - states.params  # the rest of the model
             else:
-                extra += gather_buffer_bytes(req.params, dtype=req.dtype, hidden_size=req.hidden_size)
+                extra += gather_buffer_bytes(req.params, dtype=req.dtype, hidden_size=req.hidden_size,
+                                             block=req.moe.block if req.moe else 0)
         if req.trainable and label.startswith("train"):
             extra += bucket
         if extra > best:
@@ -791,7 +880,8 @@ class Plan:
                 r.request.name: {
                     "params": r.request.params, "trainable_params": r.request.trainable_params,
                     "dtype": r.request.dtype, "lora": r.request.lora, "persistent_params": r.request.persistent,
-                    "source": r.request.source, "chosen": option(r.chosen),
+                    "source": r.request.source, "moe": r.request.moe.to_dict() if r.request.moe else None,
+                    "chosen": option(r.chosen),
                     "current": option(r.current) if r.current else None,
                     "options": [option(o) for o in r.options],
                 } for r in self.roles
@@ -961,6 +1051,8 @@ def format_plan(p: Plan, title: str = "") -> str:
             head += f"\n  model: {r.source}"
         if r.note:
             head += f"\n  note: {r.note}"
+        if r.moe:
+            head += f"\n  moe: {r.moe.describe(r.dtype)}"
         if r.phases:
             head += "\n  transient: " + "; ".join(f"{label} {fmt_bytes(v)}" for label, v in r.phases)
         out.append(head)

@@ -161,7 +161,7 @@ def role_plan(name: str, info: P.ModelInfo, dtype: str, *, trainable: bool, curr
     request.update({k: tuple(request.get(k, ())) for k in ("phases", "full_gather", "choices")})
     return P.RoleRequest(name=name, params=params, dtype=dtype, trainable_params=trainable_params,
                          numels=tuple(numels), hidden_size=info.hidden_size, lora=lora is not None, current=current,
-                         source=info.source, **request)
+                         source=info.source, moe=info.moe, **request)
 
 
 def role_keys(prefix: str, *, offload_params: bool = True, offload_optimizer: bool = True) -> RoleKeys:
