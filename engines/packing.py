@@ -24,7 +24,7 @@ __all__ = ["PACKABLE_FAMILIES", "Packed", "budget_split", "family_packs", "keeps
 # model_type values whose transformers attention (sdpa, eager; 5.x) gives a packed sequence the logits it has alone
 # (tests/unit/test_packing.py checks each against its padded pass); OPT is not among them.
 PACKABLE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2",
-                               "gpt_neox"})
+                               "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
 
 
 def family_packs(config: Any) -> bool:

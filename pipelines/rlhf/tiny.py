@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BOS_TOKEN", "CHAT_ROLE_TOKENS", "CHAT_TEMPLATE", "COUNTS", "EOS_TOKEN", "PAD_TOKEN", "TINY_FAMILIES",
-           "TOPICS", "UNK_TOKEN", "TinySettings", "build_corpus", "build_tiny_causal_lm", "judge", "make_prompt",
-           "parse_prompt", "prepare_builtin", "task_vocabulary", "tiny_lm_config", "tiny_model_info",
+__all__ = ["BOS_TOKEN", "CHAT_ROLE_TOKENS", "CHAT_TEMPLATE", "COUNTS", "EOS_TOKEN", "MOE_FAMILIES", "PAD_TOKEN",
+           "TINY_FAMILIES", "TOPICS", "UNK_TOKEN", "TinySettings", "build_corpus", "build_tiny_causal_lm", "judge",
+           "make_prompt", "parse_prompt", "prepare_builtin", "task_vocabulary", "tiny_lm_config", "tiny_model_info",
            "train_bpe_tokenizer", "train_tokenizer", "write_builtin_dataset"]
 
 PAD_TOKEN = "<pad>"
@@ -334,10 +334,12 @@ class TinySettings(Settings):
                          Range(0))
 
 
+# The mixtures of experts among the families below: 4 experts, top 2, each expert half the dense MLP's width.
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The decoder families users bring, as tiny configs: each entry maps the sizes below to that family's own
 # config keys, with dropout off (actor and ref must agree token for token).
 TINY_FAMILIES: tuple[str, ...] = ("opt", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma",
-                                  "gemma2", "gemma3_text", "phi3")
+                                  "gemma2", "gemma3_text", "phi3", *MOE_FAMILIES)
 
 
 def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, *, pad_token_id: int = 0,
@@ -353,6 +355,7 @@ def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int =
     rope = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
             "max_position_embeddings": max_positions, "attention_dropout": 0.0}
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden}
     keys: dict[str, dict[str, Any]] = {
         "opt": {"hidden_size": hidden, "num_hidden_layers": layers, "ffn_dim": 4 * hidden,
                 "num_attention_heads": heads, "max_position_embeddings": max_positions, "word_embed_proj_dim": hidden,
@@ -370,6 +373,11 @@ def tiny_lm_config(family: str, vocab_size: int, hidden: int = 64, layers: int =
         "gemma2": dict(rope, head_dim=hidden // heads, sliding_window=max_positions),
         "gemma3_text": dict(rope, head_dim=hidden // heads, sliding_window=max_positions),
         "phi3": dict(rope, resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=max_positions),
+        "mixtral": dict(rope, intermediate_size=hidden, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=None, router_jitter_noise=0.0),
+        "qwen2_moe": dict(rope, **moe, shared_expert_intermediate_size=hidden, use_sliding_window=False),
+        "qwen3_moe": dict(rope, **moe, head_dim=hidden // heads, use_sliding_window=False),
+        "olmoe": dict(rope, intermediate_size=hidden, num_experts=4, num_experts_per_tok=2),
     }
     if family not in keys:
         raise ValueError(f"tiny model family {family!r}: expected one of {', '.join(TINY_FAMILIES)}")

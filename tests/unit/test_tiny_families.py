@@ -35,3 +35,16 @@ def test_a_trained_tokenizer_in_a_family_folder_encodes_as_saved(tmp_path, famil
     assert tok.apply_chat_template([{"role": "user", "content": "list 3 fruits :"}], tokenize=False,
                                    add_generation_prompt=True) == "<s><|user|> list 3 fruits : <|assistant|> "
     assert ("encodes text differently" in caplog.text) == (family == "qwen2")
+
+
+@pytest.mark.parametrize("family", tiny.MOE_FAMILIES)
+def test_tiny_moe_configs_route_4_experts_top_2_at_the_family_coefficient(family):
+    from multiengine.engines.moe import MoeShape, moe_shape
+    from transformers import AutoConfig
+
+    config = tiny.tiny_lm_config(family, 100, hidden=32, layers=2)
+    assert family in tiny.TINY_FAMILIES and config.model_type == family
+    default = AutoConfig.for_model(family).router_aux_loss_coef
+    assert default > 0 and moe_shape(config) == MoeShape(experts=4, top_k=2, aux_coef=default)
+    assert getattr(config, "router_jitter_noise", 0.0) == 0.0 and not config.output_router_logits
+    assert getattr(config, "moe_intermediate_size", None) in (None, 32) and config.intermediate_size <= 64
