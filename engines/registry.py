@@ -34,6 +34,7 @@ from .config import (
     zero_stage,
 )
 from .dist import DistEnv, deepspeed_available, device_for, init_distributed, shutdown
+from .moe import set_leaf_modules
 from .partition import hooks_detached, whole_parameters
 from .roles import RoleSpec, set_gradient_checkpointing
 from .seeding import generator as _generator
@@ -293,6 +294,8 @@ class EngineRegistry:
             model.requires_grad_(False)
             model.eval()
 
+        if use_ds and stage == 3:  # expert blocks with one module per expert: gathered whole, however ranks route
+            set_leaf_modules(model)
         engine = (self._deepspeed_engine if use_ds else self._torch_engine)(spec, model, config)
         engine.packed_sequences, engine.token_budget = spec.packed, spec.token_budget  # read by packing.py's callers
         if not spec.trainable:
