@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MoeShape", "RouterTap", "expert_load", "is_moe", "load_balancing_loss", "moe_shape", "routers",
-           "set_leaf_modules"]
+__all__ = ["MoeShape", "RouterTap", "aux_term", "expert_load", "generated_routing", "is_moe", "load_balancing_loss",
+           "moe_shape", "router_logits_off", "routers", "set_leaf_modules", "tap_of", "tapped"]
 
 # config attributes that hold the number of routed experts, per family
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -81,33 +81,60 @@ def set_leaf_modules(model: torch.nn.Module) -> list[str]:
 class RouterTap:
     """Hooks on a model's routers for one or more forward passes.
 
-    ``logits[i]`` / ``indices[i]``: the ``[N, E]`` logits and ``[N, k]`` chosen experts of router ``i`` in the
-    last pass (``keep_logits``: logits with their graph, for the loss). ``replay``: ``[layers, N, k]`` indices to
-    impose on the next pass (rows of ``-1`` route as the router chooses), set with :meth:`impose`."""
+    ``logits[i]`` / ``indices[i]``: router ``i``'s ``[N, E]`` logits (with their graph) and ``[N, k]`` chosen experts
+    in the last pass, ``N`` its tokens. ``routing``: ``[B, L, layers, k]`` experts to impose, in the caller's padded
+    layout (``-1``: the router's own choice); a packed pass maps it through :meth:`packed`. ``record``: every pass's
+    ``[layers, N, k]`` choices are kept in ``passes`` (a rollout's prefill and decode steps)."""
 
-    def __init__(self, model: Any, keep_logits: bool = True) -> None:
+    def __init__(self, model: Any, routing: torch.Tensor | None = None, record: bool = False) -> None:
         self.routers = routers(model)
-        self.keep_logits = keep_logits
+        self.module = _unwrapped(model)
+        if routing is not None and routing.shape[2] != len(self.routers):
+            raise ValueError(f"recorded routing of {routing.shape[2]} MoE layers for a model of {len(self.routers)}")
+        self.routing = routing
+        self.record = record
         self.logits: list[torch.Tensor] = []
         self.indices: list[torch.Tensor] = []
-        self.replay: torch.Tensor | None = None
+        self.passes: list[torch.Tensor] = []
         self.replayed = 0  # tokens given recorded routing, over the passes since the tap opened
+        self._layout: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._rows: torch.Tensor | None = None
         self._handles: list[Any] = []
 
-    def impose(self, indices: torch.Tensor | None) -> None:
-        """Route the next passes' tokens by ``indices`` (``[layers, N, k]``, -1 = the router's own choice)."""
-        if indices is not None and indices.shape[0] != len(self.routers):
-            raise ValueError(f"recorded routing for {indices.shape[0]} MoE layers, the model has "
-                             f"{len(self.routers)}")
-        self.replay = indices
+    def packed(self, index: torch.Tensor | None, slots: torch.Tensor | None = None, tokens: int = 0) -> None:
+        """The next passes run packed: the real token at flat padded place ``index[i]`` sits at ``slots[i]`` of a
+        pass of ``tokens`` (engines.packing.Packed); ``index`` None: padded, as the caller's rows."""
+        self._layout = None if index is None else (index, slots, tokens)
+
+    def to_pass(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """Per-token values ``[B * L, ...]`` in the padded layout -> the pass's layout (``fill`` elsewhere)."""
+        if self._layout is None:
+            return x
+        index, slots, tokens = self._layout
+        out = x.new_full((tokens, *x.shape[1:]), fill)
+        out[slots] = x[index.to(x.device)]
+        return out
+
+    def from_pass(self, y: torch.Tensor, total: int, fill: float) -> torch.Tensor:
+        """Per-token values ``[N, ...]`` of the pass -> the padded layout of ``total`` tokens."""
+        if self._layout is None:
+            return y
+        index, slots, _ = self._layout
+        out = y.new_full((total, *y.shape[1:]), fill)
+        out[index.to(y.device)] = y[slots.to(y.device)]
+        return out
 
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
             logits, weights, chosen = out
             if layer == 0:
                 self.logits, self.indices = [], []
-            if self.replay is not None:
-                given = self.replay[layer].to(chosen.device)
+                self._rows = None
+                if self.routing is not None:
+                    flat = self.routing.reshape(-1, *self.routing.shape[2:]).to(chosen.device, chosen.dtype)
+                    self._rows = self.to_pass(flat, -1)
+            if self._rows is not None:
+                given = self._rows[:, layer]
                 if given.shape != chosen.shape:
                     raise ValueError(f"recorded routing of {tuple(given.shape)} for a pass of {tuple(chosen.shape)}")
                 use = given[:, 0] >= 0
@@ -117,35 +144,92 @@ class RouterTap:
                 if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises its top k
                     probs = probs / probs.sum(-1, keepdim=True)
                 weights = torch.where(use.unsqueeze(1), probs.to(weights.dtype), weights)
-            self.logits.append(logits if self.keep_logits else logits.detach())
+            self.logits.append(logits)
             self.indices.append(chosen.detach())
+            if self.record and layer == len(self.routers) - 1:
+                self.passes.append(torch.stack(self.indices))
             return logits, weights, chosen
         return hook
 
     def __enter__(self) -> RouterTap:
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        self.module._moe_tap = self  # engines.packing tells an open tap how it packed the pass
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.module.__dict__.pop("_moe_tap", None)
 
-    def chosen(self) -> torch.Tensor:
-        """``[layers, N, k]`` experts chosen in the last pass."""
-        return torch.stack(self.indices)
+    def chosen(self, shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """Experts chosen in the last pass: ``[layers, N, k]``, or with ``shape`` ``(B, L)`` ``[B, L, layers, k]`` in
+        the padded layout (-1 at padding)."""
+        c = torch.stack(self.indices)
+        if shape is None:
+            return c
+        flat = self.from_pass(c.permute(1, 0, 2), shape[0] * shape[1], -1)
+        return flat.view(*shape, *flat.shape[1:])
+
+    def aux_loss(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`load_balancing_loss` of the last pass over the tokens of ``mask`` (padded layout ``[B, L]``)."""
+        return load_balancing_loss(self.logits, self.routers[0].top_k, self._mask(mask))
+
+    def load(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`expert_load` of the last pass over the tokens of ``mask`` (padded layout ``[B, L]``)."""
+        return expert_load(self.indices, self.routers[0].num_experts, self._mask(mask))
+
+    def _mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return None if mask is None else self.to_pass(mask.reshape(-1).float(), 0.0)
+
+
+def tap_of(engine: Any) -> RouterTap | None:
+    """The :class:`RouterTap` open on ``engine``'s model, if any."""
+    return getattr(_unwrapped(engine), "_moe_tap", None)
 
 
 @contextlib.contextmanager
-def tapped(model: Any, replay: torch.Tensor | None = None, keep_logits: bool = True) -> Iterator[RouterTap | None]:
-    """A :class:`RouterTap` on ``model`` for the block (None for a dense model), imposing ``replay`` if given."""
-    tap = RouterTap(model, keep_logits)
+def tapped(model: Any, routing: torch.Tensor | None = None, record: bool = False) -> Iterator[RouterTap | None]:
+    """A :class:`RouterTap` on ``model`` for the block (None for a dense model), imposing ``routing`` if given."""
+    tap = RouterTap(model, routing, record)
     if not tap.routers:
         yield None
         return
-    tap.impose(replay)
     with tap:
         yield tap
+
+
+def router_logits_off(model: Any) -> dict[str, bool]:
+    """``output_router_logits=False`` for the forward or ``generate`` of an MoE model (whatever its config says:
+    transformers' own load-balancing loss fails on a cached decoding step's logits, and the trainers add theirs), {}
+    for a dense one."""
+    return {"output_router_logits": False} if routers(model) else {}
+
+
+def aux_term(engine: Any, tap: RouterTap | None, mask: torch.Tensor | None) -> tuple[Any, dict[str, float]]:
+    """The router's auxiliary loss term of a training pass under ``tap`` (``engine.router_aux_coef`` x the
+    load-balancing loss over the trained tokens ``mask``, ``[B, L]``) and its figures: ``moe/aux_loss`` (unscaled)
+    and ``moe/load_max`` / ``moe/load_min`` (the busiest / idlest expert's share x experts, a mean over layers: 1 at
+    balance). ``(0.0, {})`` without a tap (a dense model)."""
+    if tap is None or not tap.logits:
+        return 0.0, {}
+    aux = tap.aux_loss(mask)
+    load = tap.load(mask) * tap.routers[0].num_experts
+    figures = {"moe/aux_loss": float(aux.detach()), "moe/load_max": float(load.max(-1).values.mean()),
+               "moe/load_min": float(load.min(-1).values.mean())}
+    coef = float(getattr(engine, "router_aux_coef", 0.0) or 0.0)
+    return (coef * aux if coef else 0.0), figures
+
+
+def generated_routing(passes: list[torch.Tensor], rows: int, width: int) -> torch.Tensor:
+    """``[rows, width, layers, k]`` routing of generated sequences from a rollout's passes (each ``[layers,
+    rows * n, k]``: the prompt's prefill, then one token per step); the last token, never fed back, gets -1."""
+    parts = [p.view(p.shape[0], rows, -1, p.shape[-1]) for p in passes]
+    routing = torch.cat(parts, dim=2).permute(1, 2, 0, 3)
+    if routing.shape[1] < width:
+        pad = routing.new_full((rows, width - routing.shape[1], *routing.shape[2:]), -1)
+        routing = torch.cat([routing, pad], dim=1)
+    return routing[:, :width].to(torch.int16)
 
 
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None = None) -> torch.Tensor:

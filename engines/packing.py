@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from . import moe
+
 __all__ = ["PACKABLE_FAMILIES", "Packed", "budget_split", "family_packs", "keeps_logits", "lm_forward", "pack",
            "packed_output", "packs", "token_budget"]
 
@@ -102,7 +104,11 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int = 
 
 
 def packed_output(engine: Any, p: Packed) -> torch.Tensor:
-    """``[R, C, ...]`` per-position output of ``engine`` on the packed rows ``p`` (no mask, no cache)."""
+    """``[R, C, ...]`` per-position output of ``engine`` on the packed rows ``p`` (no mask, no cache); an open router
+    tap (engines.moe) is told where each token went."""
+    tap = moe.tap_of(engine)
+    if tap is not None:
+        tap.packed(p.index, p.slots, p.input_ids.numel())
     out = engine(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
     return getattr(out, "logits", out)
 
@@ -115,6 +121,9 @@ def lm_forward(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tenso
         p = pack(input_ids, attention_mask)
         return p.unpack(packed_output(engine, p))
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    tap = moe.tap_of(engine)
+    if tap is not None:
+        tap.packed(None)
     out = engine(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
     return getattr(out, "logits", out)
 
