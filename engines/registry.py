@@ -298,6 +298,7 @@ class EngineRegistry:
             set_leaf_modules(model)
         engine = (self._deepspeed_engine if use_ds else self._torch_engine)(spec, model, config)
         engine.packed_sequences, engine.token_budget = spec.packed, spec.token_budget  # read by packing.py's callers
+        engine.router_aux_coef = spec.router_aux_coef  # read by moe.aux_term
         if not spec.trainable:
             # Frozen roles never build an autograd graph, whoever calls them.
             engine.forward = torch.no_grad()(engine.forward)

@@ -173,7 +173,8 @@ class RoleSpec:
     frozen role whose weights change (an EMA), checkpointed as its partitions. ``gather_forward``: a frozen ZeRO-3
     role gathered whole once per forward (one collective; 1/N between calls). ``packed``: its token-sequence passes
     run packed (packing.py; the family must be in ``PACKABLE_FAMILIES``); ``token_budget``: tokens per micro-batch of
-    the updates that size them by tokens (0 = rows). ``placement``, ``lora``, ``optim``,
+    the updates that size them by tokens (0 = rows); ``router_aux_coef``: an MoE policy's router auxiliary loss
+    coefficient (moe.aux_term; 0 = off). ``placement``, ``lora``, ``optim``,
     ``gradient_checkpointing``: what the role builders below were asked for, for reports and exports."""
 
     name: str
@@ -191,6 +192,7 @@ class RoleSpec:
     gradient_checkpointing: bool = False
     packed: bool = False
     token_budget: int = 0
+    router_aux_coef: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         """What this spec builds, as plain data: the DeepSpeed config, placement, optimizer, LoRA, checkpointing."""
@@ -201,7 +203,7 @@ class RoleSpec:
                 "stateful": self.stateful, "gather_forward": self.gather_forward, "placement": plain(self.placement),
                 "lora": plain(self.lora), "optim": plain(self.optim),
                 "gradient_checkpointing": self.gradient_checkpointing, "packed": self.packed,
-                "token_budget": self.token_budget}
+                "token_budget": self.token_budget, "router_aux_coef": self.router_aux_coef}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

@@ -209,16 +209,22 @@ def prompts_of_demonstrations(input_ids: torch.Tensor, attention_mask: torch.Ten
 def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Any,
                     eos_token_id: int, pad_token_id: int, seed: int) -> dict[str, Any]:
     """The student's answers to left-padded prompts (collective; torch seeded with ``seed``): ``sequences``,
-    ``attention_mask``, ``action_mask`` (up to the first EOS) and ``context_length``."""
-    from multiengine.pipelines.rlhf.generation import generate
+    ``attention_mask``, ``action_mask`` (up to the first EOS), ``context_length`` and, with
+    ``settings.router_replay=rollout``, ``routing`` (the experts each token went to, for the student's pass)."""
+    from multiengine.pipelines.rlhf.generation import generate, generate_routed
     from multiengine.pipelines.rlhf.ppo import action_mask
 
     torch.manual_seed(seed)
-    response = generate(registry, prompt_ids, prompt_mask, settings, eos_token_id, pad_token_id, role=role)
+    routing = None
+    if settings.router_replay == "rollout":
+        response, routing, _ = generate_routed(registry, prompt_ids, prompt_mask, settings, eos_token_id,
+                                               pad_token_id, role=role)
+    else:
+        response = generate(registry, prompt_ids, prompt_mask, settings, eos_token_id, pad_token_id, role=role)
     action = action_mask(response, eos_token_id)
     return {"sequences": torch.cat([prompt_ids, response], dim=1),
             "attention_mask": torch.cat([prompt_mask, action.to(prompt_mask.dtype)], dim=1),
-            "action_mask": action, "context_length": prompt_ids.shape[1]}
+            "action_mask": action, "context_length": prompt_ids.shape[1], "routing": routing}
 
 
 def role_logits(registry: Any, role: str, batch: dict[str, torch.Tensor], vocab: int,

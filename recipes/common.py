@@ -19,6 +19,7 @@ from multiengine.recipes.language.config import RecipeConfigError, config_proble
 __all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "TOKEN_BUDGET_WHY",
            "ExportSettings",
            "StepRun", "check_data", "check_hf_generation", "check_model", "check_prompts_and_rewards",
+           "check_router_replay",
            "check_reward_columns", "check_role", "check_sft_run", "check_stage_batches", "check_tokenizer",
            "eval_generation", "lm_info", "lora_renamed", "old_keys", "policy_plan", "reward_plan", "sft_model"]
 
@@ -194,6 +195,8 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
     import torch
     from multiengine.engines.vllm_rollout import RolloutEngineError, check_supported
 
+    if cfg.generation.engine == "hf" and cfg.generation.router_replay != "off":
+        check_router_replay(cfg, role)
     if cfg.generation.engine != "vllm":
         return
     r, model = cfg.roles.rollout, cfg.roles[role].model
@@ -230,10 +233,42 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
 
 
 def check_hf_generation(cfg: Any, name: str) -> None:
-    """generation.engine=vllm only where a rollout role generates (recipe ``name`` samples evaluation answers only)."""
+    """generation.engine=vllm and router replay only where rollouts are trained on (recipe ``name`` samples
+    evaluation answers only)."""
     if cfg.generation.engine != "hf":
         raise config_problem("generation.engine", cfg.generation.engine, f"has no rollout engine in {name} (vLLM "
                              "generates the rollouts of rlhf_grpo, rlhf_ppo and distill)", "generation.engine=hf")
+    if cfg.generation.router_replay != "off":
+        raise config_problem("generation.router_replay", cfg.generation.router_replay, f"has no rollouts to "
+                             f"replay in {name} (it trains on its data, not on sampled answers)",
+                             "generation.router_replay=off")
+
+
+def check_router_replay(cfg: Any, role: str) -> None:
+    """generation.router_replay=rollout: ``roles.<role>`` (the policy that samples) is a mixture of experts, its
+    rollouts single-turn (an episode's turns are sampled as separate generations), and with replay_ref the ref has
+    the same routers."""
+    from multiengine.engines.moe import moe_shape
+    from multiengine.recipes.language.roles import _model_config
+
+    key, path = "generation.router_replay", cfg.roles[role].model_path()
+    config = _model_config(path)
+    if config is not None and moe_shape(config) is None:
+        raise config_problem(key, "rollout", f"replays an MoE router's choices; roles.{role}.model "
+                             f"({path or 'the built-in tiny model'}) is dense", f"{key}=off")
+    if getattr(getattr(cfg, "distill", None), "on_policy_fraction", 1.0) == 0:
+        raise config_problem(key, "rollout", "replays the student's own rollouts; distill.on_policy_fraction=0 "
+                             "trains on the data's answers only", f"{key}=off, or distill.on_policy_fraction > 0")
+    if getattr(getattr(cfg, "grpo", None), "env", ""):
+        raise config_problem(key, "rollout", "records one generation per rollout row; multi-turn episodes (grpo.env) "
+                             "are several", f"{key}=off")
+    if cfg.generation.replay_ref and "ref" in cfg.roles:
+        ref = _model_config(cfg.roles.ref.model_path() or path)
+        same = ref is None or config is None or (moe_shape(ref) == moe_shape(config) and ref.get(
+            "num_hidden_layers") == config.get("num_hidden_layers"))
+        if not same:
+            raise config_problem("generation.replay_ref", True, "replays the actor's routing in the ref, whose "
+                                 "routers differ", "generation.replay_ref=false")
 
 
 def sft_model(cfg: Any, run: StepRun, out_dir: str, assets: dict[str, str]) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from multiengine.engines import barrier, mean_over_ranks
+from multiengine.engines import barrier, mean_over_ranks, moe
 from multiengine.engines import planner as P
 from multiengine.engines.settings import Range, section, setting
 from multiengine.pipelines.checks import role_tokenizer
@@ -95,7 +95,7 @@ class Distill(Recipe):
                                    "output_dir/teacher first (teacher_sft)"),
                   "tokenizer": Key("", "the tokenizer of both roles; \"\" = the teacher folder's own")}),
              Role("student", "the trainable student", trainable=True, tokenizer_of="teacher", sequences=True,
-                  omit=("token_budget",), why=common.TOKEN_BUDGET_WHY, defaults={
+                  routed=True, omit=("token_budget",), why=common.TOKEN_BUDGET_WHY, defaults={
                   **common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 2e-3, "scheduler": "cosine",
                   "warmup_steps": 20, "micro_batch_size": 16,
                   "model": Key("", "a causal-LM folder or hub name; \"\" = a random tiny model with the teacher's "
@@ -202,7 +202,11 @@ class Distill(Recipe):
         registry, tok, d = self.registry, self.tokenizer, self.cfg.distill
         if not on_policy:
             teacher = role_logits(registry, "teacher", batch, self.vocab)  # frozen role: no graph
-            return d.offline_loss(role_logits(registry, "student", batch, self.vocab), teacher, batch["labels"])
+            with moe.tapped(registry["student"]) as tap:
+                student = role_logits(registry, "student", batch, self.vocab)
+            loss, parts = d.offline_loss(student, teacher, batch["labels"])
+            aux, figures = moe.aux_term(registry["student"], tap, batch["labels"] != -100)  # an MoE router's
+            return loss + aux, {**parts, **{k: torch.tensor(v) for k, v in figures.items()}}
         prompt_ids, prompt_mask = prompts_of_demonstrations(batch["input_ids"], batch["attention_mask"],
                                                             batch["labels"], tok.pad_token_id)
         # seeded by (seed, step, micro batch, rank) alone: a resumed run samples the same answers
@@ -213,10 +217,15 @@ class Distill(Recipe):
         seqs = {"input_ids": rollout["sequences"], "attention_mask": rollout["attention_mask"]}
         positions = position_ids_from_mask(rollout["attention_mask"])  # left-padded prompts
         teacher = role_logits(registry, "teacher", seqs, self.vocab, positions)  # the same forwards on every rank
-        student = role_logits(registry, "student", seqs, self.vocab, positions)
+        # the student on its answers, routed as they were sampled with generation.router_replay=rollout
+        with moe.tapped(registry["student"], rollout["routing"]) as tap:
+            student = role_logits(registry, "student", seqs, self.vocab, positions)
         action = rollout["action_mask"]
         loss = d.sampled_loss(student, teacher, rollout["context_length"], action)
-        return loss, {"divergence": loss.detach(), "sampled_length": action.sum(-1).float().mean()}
+        C = rollout["context_length"]
+        aux, figures = moe.aux_term(registry["student"], tap, torch.nn.functional.pad(action, (C, 0)))
+        return loss + aux, {"divergence": loss.detach(), "sampled_length": action.sum(-1).float().mean(),
+                            **{k: torch.tensor(v) for k, v in figures.items()}}
 
     def train_step(self) -> dict[str, float]:
         registry = self.registry

@@ -54,7 +54,7 @@ class DPOConfig(RunConfig):
 
 class RLHFDPO(Recipe):
     name = "rlhf_dpo"
-    roles = (Role("actor", "the policy being optimised", trainable=True, sequences=True,
+    roles = (Role("actor", "the policy being optimised", trainable=True, sequences=True, routed=True,
                   omit=("token_budget",), why=common.TOKEN_BUDGET_WHY,
                   defaults={**common.RLHF_TRAINABLE, "stage": 3, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine",
                             "warmup_steps": 10,

@@ -74,7 +74,7 @@ class RLHFGRPO(Recipe):
     name = "rlhf_grpo"
     roles = (
         Role("actor", "the policy (an SFT model); model \"\" = the tiny SFT actor trained first under output_dir/sft "
-                      "(actor_sft)", trainable=True, sequences=True,
+                      "(actor_sft)", trainable=True, sequences=True, routed=True,
              defaults={**common.RLHF_TRAINABLE, "dtype": "fp32", "lr": 1e-3, "micro_batch_size": 32}),
         Role("ref", "the frozen SFT policy (the actor's folder; none when grpo.kl_coef is 0)", follows="actor",
              weights="actor", omit=("tokenizer",), why=common.REF_TOKENIZER, sequences=True),

@@ -87,7 +87,7 @@ class RLHFPPO(Recipe):
     name = "rlhf_ppo"
     roles = (
         Role("actor", "the policy: step 1's export; model \"\" = the random tiny OPT (mechanics only)", trainable=True,
-             defaults=_TRAIN, sequences=True),
+             defaults=_TRAIN, sequences=True, routed=True),
         Role("critic", "the value model (LM body + value head); model \"\" = the reward model's (DeepSpeed-Chat), the "
                        "actor's when rewards are functions only", trainable=True, weights="reward", defaults=_TRAIN,
              sequences=True),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from multiengine.engines import mean_over_ranks
+from multiengine.engines import mean_over_ranks, moe
 from multiengine.engines.settings import Range, section, setting
 from multiengine.pipelines.rlhf.data import ResponseData, SFTCollator, load_stage, training_batches
 from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
@@ -47,7 +47,7 @@ class SFTConfig(RunConfig):
 class RLHFSFT(Recipe):
     name = "rlhf_sft"
     roles = (Role("actor", "the policy being fine-tuned; model \"\" = the random tiny OPT (tiny.*)", trainable=True,
-                  sequences=True,
+                  sequences=True, routed=True,
                   omit=("token_budget",), why=common.TOKEN_BUDGET_WHY,
                   defaults={**common.RLHF_TRAINABLE, "stage": 2, "dtype": "fp32", "lr": 1e-3, "scheduler": "cosine",
                             "warmup_steps": 20, "micro_batch_size": 16}),)
@@ -100,16 +100,21 @@ class RLHFSFT(Recipe):
     def train_step(self) -> dict[str, float]:
         registry = self.registry
         actor = registry["actor"]
-        losses = []
+        losses, routing = [], []
         for _ in range(actor.gradient_accumulation_steps()):
             # next micro batch of prompt + response + EOS (labels -100 on prompt and padding); token-mean
-            # cross-entropy on the response; backward; the optimizer steps at the accumulation boundary
+            # cross-entropy on the response (+ an MoE router's auxiliary loss over those tokens); backward; the
+            # optimizer steps at the accumulation boundary
             batch = {k: v.to(registry.device) for k, v in next(self.batches).items()}
-            loss = causal_lm_loss(actor, batch)
-            actor.backward(loss)
+            with moe.tapped(actor) as tap:
+                loss = causal_lm_loss(actor, batch)
+            aux, figures = moe.aux_term(actor, tap, batch["labels"] != -100)
+            actor.backward(loss + aux)
             actor.step()
             losses.append(loss.item())
-        return mean_over_ranks({"loss": statistics.fmean(losses), "lr": actor.get_lr()[0]})
+            routing.append(figures)
+        means = {k: statistics.fmean(f[k] for f in routing) for k in routing[0]}
+        return mean_over_ranks({"loss": statistics.fmean(losses), **means, "lr": actor.get_lr()[0]})
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines import EngineRegistry, all_reduce_sum, moe
 from multiengine.engines.settings import Choice, Range, Settings, setting
 
 from .losses import DPO_LOSSES, chosen_nll, dpo_loss
@@ -73,18 +73,22 @@ class DPOTrainer:
         """Mean DPO/IPO loss of a pair batch (policy forward with grad) and per-pair statistics."""
         s = self.settings
         ref_chosen, ref_rejected = self.reference_logprobs(batch)
-        chosen, rejected = pair_logprobs(self.registry[self.policy], batch)
+        engine = self.registry[self.policy]
+        with moe.tapped(engine) as tap:
+            chosen, rejected = pair_logprobs(engine, batch)
+        aux, figures = moe.aux_term(engine, tap, preference_response_mask(batch))  # an MoE router's, on the answers
         losses, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, s.beta,
                                                 s.label_smoothing, s.loss)
         stats = {"loss": losses.detach(), "accuracy": (r_chosen > r_rejected).float(),
                  "margin": r_chosen - r_rejected, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
-                 "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
+                 "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach(),
+                 **{k: torch.full_like(chosen, v) for k, v in figures.items()}}  # per pair, as the others
         if s.sft_coef > 0:
             B = chosen.shape[0]
             nll = chosen_nll(chosen, preference_response_mask(batch)[:B].sum(-1))
             stats["nll"] = nll.detach()
             losses = losses + s.sft_coef * nll
-        return losses.mean(), stats
+        return (losses + aux).mean(), stats
 
     def step(self, batch: Mapping[str, Any]) -> dict[str, float]:
         """One optimizer step on a batch of ``B`` pairs per rank, split into the policy engine's ``G``

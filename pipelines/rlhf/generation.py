@@ -15,14 +15,15 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from multiengine.engines import EngineRegistry
+from multiengine.engines import EngineRegistry, moe
 from multiengine.engines.settings import Choice, Range, Settings, setting
 
 from .ppo import truncate_after_eos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "generate", "position_ids_from_mask", "rollout_done", "vllm_generate"]
+__all__ = ["GenerationSettings", "generate", "generate_routed", "position_ids_from_mask", "rollout_done",
+           "vllm_generate"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class GenerationSettings(Settings):
     engine: str = setting("hf", "hf (transformers generate on the actor) | vllm (the rollout role's vLLM engine, its "
                                 "weights synced from the actor after each step: roles.rollout.*, docs/vllm.md)",
                           Choice("hf", "vllm"))
+    router_replay: str = setting("off", "MoE policies: off | rollout (the experts each token was routed to while "
+                                        "sampling are imposed in the trainer's passes over that rollout, docs/moe.md)",
+                                 Choice("off", "rollout"), when="engine=hf")
+    replay_ref: bool = setting(False, "the ref's log-probs on the rollout's routing too", when="router_replay=rollout")
     # greedy answers are the same settings with do_sample off (not a config key: a run samples, eval.greedy adds these)
     do_sample: bool = dataclasses.field(default=True, metadata={"hidden": True})
 
@@ -78,7 +83,18 @@ def generate(
     """
     if settings.engine == "vllm" and registry.rollout(role) is not None:  # roles without one: transformers
         return vllm_generate(registry, input_ids, attention_mask, settings, eos_token_id, pad_token_id, role)[0]
+    return _hf_generate(registry, input_ids, attention_mask, settings, (eos_token_id, pad_token_id), role)[0]
+
+
+def _hf_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 settings: GenerationSettings, ids: tuple[int, int], role: str, record: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """transformers ``generate`` on ``role`` (``ids``: EOS and pad); with ``record`` (an MoE model) also the experts
+    every token was routed to, ``[B, C + T, layers, k]``, and the ``[B, T]`` log-probs of the sampled tokens under
+    the logits that sampled them (over the temperature, as the trainer's)."""
+    eos_token_id, pad_token_id = ids
     r = registry.role(role)
+    record = record and bool(moe.routers(r.module))
     synced = settings.mode == "per_token" and r.backend == "deepspeed" and r.stage == 3 and registry.world_size > 1
     kwargs = dict(
         max_new_tokens=settings.max_new_tokens,
@@ -90,10 +106,30 @@ def generate(
     )
     if settings.do_sample:
         kwargs.update(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
-    with registry.generation(role, gather=settings.mode == "gather") as module:
-        out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    response = out[:, input_ids.shape[1]:]
-    return truncate_after_eos(response, eos_token_id, pad_token_id)
+    if record:
+        kwargs.update(output_logits=True, return_dict_in_generate=True)
+    with registry.generation(role, gather=settings.mode == "gather") as module, \
+            moe.tapped(module, record=record) as tap:
+        out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **moe.router_logits_off(module),
+                              **kwargs)
+    sequences = out.sequences if record else out
+    response = truncate_after_eos(sequences[:, input_ids.shape[1]:], eos_token_id, pad_token_id)
+    if not record or tap is None:
+        return response, None, None
+    routing = moe.generated_routing(tap.passes, input_ids.shape[0], sequences.shape[1])
+    logits = torch.stack(out.logits, dim=1).float() / settings.temperature  # [B, T, V]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, response.unsqueeze(-1).clamp(min=0)).squeeze(-1)
+    return response, routing, logprobs
+
+
+@torch.no_grad()
+def generate_routed(registry: EngineRegistry, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    settings: GenerationSettings, eos_token_id: int, pad_token_id: int, role: str = "actor"
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`generate` with transformers, and for an MoE model the experts each token was routed to (``[B, C + T,
+    layers, k]``, router replay's record) and the sampled tokens' log-probs (``[B, T]``, for the rollout-vs-trainer
+    mismatch); ``None, None`` for a dense one."""
+    return _hf_generate(registry, input_ids, attention_mask, settings, (eos_token_id, pad_token_id), role, True)
 
 
 def rollout_done(registry: EngineRegistry, role: str = "actor") -> dict[str, float]:

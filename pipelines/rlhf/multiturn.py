@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from multiengine.engines import moe
 from multiengine.engines.settings import config_problem
 
 if TYPE_CHECKING:
@@ -547,6 +548,8 @@ def prepare_arithmetic(root: str, seed: int = 0, hidden: int = 64, layers: int =
 
 def _engine_generate(module: Any, eos: int, pad: int, temperature: float, top_k: int, top_p: float,
                      do_sample: bool) -> Generate:
+    off = moe.router_logits_off(module)  # an MoE config's output_router_logits would break cached decoding
+
     @torch.no_grad()
     def generate(ids: list[int], max_new_tokens: int) -> list[int]:
         device = next(module.parameters()).device
@@ -555,7 +558,7 @@ def _engine_generate(module: Any, eos: int, pad: int, temperature: float, top_k:
                                       pad_token_id=pad, use_cache=True)
         if do_sample:
             kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
-        out = module.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+        out = module.generate(input_ids=x, attention_mask=torch.ones_like(x), **off, **kwargs)
         return out[0, len(ids):].tolist()
 
     return generate

@@ -15,7 +15,7 @@ from multiengine.engines import EngineRegistry, frozen_role, save_role, torch_dt
 from .models import ScalarHeadModel
 
 __all__ = ["add_lm_role", "add_reward_roles", "add_rollout", "causal_lm", "disable_dropout", "export_role",
-           "load_causal_lm", "load_scalar_model", "role_folder", "scalar_model", "tiny_assets"]
+           "load_causal_lm", "load_scalar_model", "role_folder", "router_aux_coef", "scalar_model", "tiny_assets"]
 
 
 def _config_without_dropout(path: str) -> Any:
@@ -119,7 +119,22 @@ def add_lm_role(registry: EngineRegistry, role: Any, path: str, seed: int, scala
         else causal_lm(path, dtype)
     built = role.spec(model, seed=seed, **spec)
     built.packed = packs(role.packing, path, f"roles.{role.name}.packing")
+    built.router_aux_coef = router_aux_coef(role, path)
     registry.add(built)
+
+
+def router_aux_coef(role: Any, path: str) -> float:
+    """The router auxiliary-loss coefficient of a policy role on the model at ``path``: its
+    ``router_aux_loss_coef``, or for -1 the model config's (0 for a dense model or a role without the key)."""
+    routed = getattr(getattr(role, "_decl", None), "routed", False)  # a policy (recipes/language/roles.Role)
+    coef = getattr(role, "router_aux_loss_coef", 0.0) if routed else 0.0
+    if coef != -1.0:
+        return float(coef)
+    from multiengine.engines.moe import moe_shape
+    from transformers import AutoConfig
+
+    shape = moe_shape(AutoConfig.from_pretrained(path))
+    return shape.aux_coef if shape is not None else 0.0
 
 
 def add_reward_roles(registry: EngineRegistry, models: list[Any], packing: str = "auto") -> None:

@@ -30,7 +30,7 @@ from multiengine.engines import EngineRegistry, all_reduce_sum
 from multiengine.engines.packing import lm_forward
 
 from . import ppo
-from .generation import GenerationSettings, generate, rollout_done, vllm_generate
+from .generation import GenerationSettings, generate_routed, rollout_done, vllm_generate
 from .rewards import RewardSource, compute_scores, reencoded
 from .scoring import role_logprobs, role_values, scoring_mode
 
@@ -42,7 +42,7 @@ Decode = Callable[[torch.Tensor], list[str]]
 
 _ROW_TENSORS = ("sequences", "attention_mask", "action_mask", "logprobs", "score", "ref_logprobs", "values",
                 "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index",
-                "rollout_logprobs")
+                "rollout_logprobs", "routing")
 
 
 @dataclass
@@ -65,7 +65,8 @@ class Experience:
     critic_sequences: torch.Tensor | None = None
     critic_attention_mask: torch.Tensor | None = None
     critic_index: torch.Tensor | None = None
-    rollout_logprobs: torch.Tensor | None = None  # [B, T] the rollout engine's (vLLM) of its sampled tokens; None: hf
+    rollout_logprobs: torch.Tensor | None = None  # [B, T] the sampler's (vLLM, or an MoE's generate) of its tokens
+    routing: torch.Tensor | None = None  # [B, L, layers, k] the experts each token went to while sampling (replay)
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
@@ -120,6 +121,8 @@ def concat_experiences(parts: list[Experience], pad_token_id: int, group_size: i
                 continue
             if key == "sequences":
                 value = _pad(value, left, right, pad_token_id)
+            elif key == "routing":  # [B, L, layers, k]: -1 = no record
+                value = _pad(value.permute(0, 2, 3, 1), left, right, -1).permute(0, 3, 1, 2)
             elif key == "attention_mask":
                 value = _pad(value, left, right)
             elif value.dim() == 2:  # [B, T]
@@ -218,13 +221,15 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     t0 = time.perf_counter()
     torch.manual_seed(sampling_seed(spec.seed, step, registry.rank) if sample_seed is None else sample_seed)
     eos, generation, critic = spec.eos_token_id, spec.generation, spec.critic
-    rollout_logprobs, sync = None, {}
+    rollout_logprobs, routing, sync = None, None, {}
     if generation.engine == "vllm":
         response, rollout_logprobs = vllm_generate(registry, prompt_ids, prompt_mask, generation, eos,
                                                    spec.pad_token_id, spec.actor)
         sync = rollout_done(registry, spec.actor)
-    else:
-        response = generate(registry, prompt_ids, prompt_mask, generation, eos, spec.pad_token_id, role=spec.actor)
+    else:  # an MoE actor's: the routing of every token and the sampled tokens' log-probs too (None when dense)
+        response, routing, rollout_logprobs = generate_routed(registry, prompt_ids, prompt_mask, generation, eos,
+                                                              spec.pad_token_id, role=spec.actor)
+    replay = routing if generation.router_replay == "rollout" else None
     t_gen = time.perf_counter() - t0
 
     # 2. sequences; actions = the prefix up to and including the first EOS (a pad id sampled before it is
@@ -238,10 +243,12 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     # 3. one forward per role, every rank
     logprobs = None
     if spec.old_logprobs:
-        logprobs = role_logprobs(registry, spec.actor, sequences, attention, C, generation.temperature) * action_f
+        logprobs = role_logprobs(registry, spec.actor, sequences, attention, C, generation.temperature,
+                                 replay) * action_f
     ref_logprobs = None
     if spec.ref is not None:
-        ref_logprobs = role_logprobs(registry, spec.ref, sequences, attention, C, generation.temperature) * action_f
+        ref_logprobs = role_logprobs(registry, spec.ref, sequences, attention, C, generation.temperature,
+                                     replay if generation.replay_ref else None) * action_f
     prompts = list(batch.get("prompts", []))
     messages = batch.get("prompt_messages")
     values, critic_rows = None, {}
@@ -269,6 +276,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
         logprobs=logprobs, score=score, ref_logprobs=ref_logprobs, values=values,
         reward_parts=parts, prompts=prompts, responses=texts, columns=columns, group_size=n_samples_per_prompt,
         **critic_rows, rollout_logprobs=None if rollout_logprobs is None else rollout_logprobs * action_f,
+        routing=replay,
         timings={"generation_s": t_gen, "experience_s": t_exp, "generation_steps": float(response.shape[1]), **sync},
     )
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from multiengine.engines import EngineRegistry, packing
+from multiengine.engines import EngineRegistry, moe, packing
 from multiengine.engines.packing import lm_forward
 
 from . import ppo
@@ -102,9 +102,11 @@ def lm_logprobs(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 @torch.no_grad()
 def role_logprobs(registry: EngineRegistry, role: str, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                  context_length: int, temperature: float = 1.0) -> torch.Tensor:
-    """``[B, T]`` log-probs of the response tokens under ``role`` (eval mode, no grad)."""
-    with scoring_mode(registry, role) as engine:
+                  context_length: int, temperature: float = 1.0, routing: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]`` log-probs of the response tokens under ``role`` (eval mode, no grad); an MoE role's tokens routed
+    to the experts ``routing`` (``[B, L, layers, k]``, router replay) gives."""
+    with scoring_mode(registry, role) as engine, moe.tapped(engine, routing) if routing is not None \
+            else contextlib.nullcontext():
         return lm_logprobs(engine, sequences, attention_mask, context_length, temperature)[0]
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from multiengine.engines import moe
 from multiengine.engines.packing import lm_forward, packs
 
 from .models import pairwise_loss
@@ -22,7 +23,7 @@ def causal_lm_loss(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = lm_forward(engine, batch["input_ids"], batch["attention_mask"])[:, :-1].float()
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
     out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                 use_cache=False)
+                 use_cache=False, **moe.router_logits_off(engine))  # an MoE's auxiliary loss: the caller's
     return out.loss
 
 

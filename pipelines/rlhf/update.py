@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from multiengine.engines import EngineRegistry, all_reduce_sum
+from multiengine.engines import EngineRegistry, all_reduce_sum, moe
 from multiengine.engines.packing import budget_split, lm_forward, token_budget
 
 from . import ppo
@@ -158,20 +158,25 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
             if train_actor and i < len(actor_micro):
                 mb = exp.rows(actor_micro[i].rows)
                 den = denominators[("actor", epoch, actor_micro[i].step)]
-                logp, token_entropy = lm_logprobs(actor_engine, mb.sequences, mb.attention_mask, C, temperature,
-                                                  entropy=True)
+                with moe.tapped(actor_engine, mb.routing) as tap:  # routing: router replay's record, or None
+                    logp, token_entropy = lm_logprobs(actor_engine, mb.sequences, mb.attention_mask, C, temperature,
+                                                      entropy=True)
+                # an MoE router's auxiliary loss over the trained tokens, a step's mean whatever its micro-batches
+                aux, figures = moe.aux_term(actor_engine, tap, torch.nn.functional.pad(mb.action_mask, (C, 0)))
+                for key, value in figures.items():
+                    add(key, value)
                 if one_pass:
                     mb.logprobs = logp.detach() * mb.action_mask
                     exp.logprobs[actor_micro[i].rows] = mb.logprobs
                 weights = None
-                if mb.rollout_logprobs is not None:  # sampled by vLLM: its log-probs against the trainer's old ones
+                if mb.rollout_logprobs is not None:  # the sampler's log-probs (vLLM, MoE) against the trainer's
                     add("rollout/logprob_mismatch", logprob_mismatch(mb.logprobs, mb.rollout_logprobs, mb.action_mask))
                     if s.rollout_is_cap:
                         weights = truncated_is_weights(mb.logprobs, mb.rollout_logprobs, s.rollout_is_cap)
                         add("rollout/is_weight_mean", ppo.masked_mean(weights, mb.action_mask))
                 pg_loss, pg_stats = policy_loss(s.objective, PolicyLossInputs(
                     logp, mb.logprobs, mb.advantages, mb.action_mask, aggregation, den, horizon, weights), s)
-                loss = pg_loss
+                loss = pg_loss + aux * (g_actor / actor_micro[i].count)
                 if kl_coef:
                     k_loss, k_mean = kl_loss(logp, mb.ref_logprobs, mb.action_mask, "k3", s.kl_clamp, aggregation,
                                              den, horizon)

@@ -308,6 +308,7 @@ class Recipe:
             raise config_problem("report_to", "wandb", f"needs wandb, but {WANDB_MISSING}", WANDB_FIX)
         if cfg.roles is not None:
             cfg.roles.check_packing()
+            cfg.roles.check_moe()
         cls.validate(cfg, world_size)
 
     def __init__(self, cfg: Any) -> None:

@@ -155,6 +155,9 @@ class TrainableRole(RoleConfig):
     grad_accum: int = setting(1, "micro batches per optimizer step", Range(1))
     token_budget: int = setting(0, "RL updates: tokens per rank per forward/backward, the step's rows spread over "
                                    "balanced micro-batches; 0 = micro_batch_size rows", Range(0))
+    router_aux_loss_coef: float = setting(-1.0, "MoE policies: the router's load-balancing loss in the trained loss, "
+                                                "this times it; -1 = the model config's router_aux_loss_coef, 0 = off",
+                                          Range(-1))
     lora: LoraSettings = section(LoraSettings, "LoRA adapters instead of full fine-tuning (lora.r > 0)")
 
     @property
@@ -255,6 +258,7 @@ class Role:
     why: str = ""
     rollout: bool = False  # an inference engine generating for the role it follows (RolloutRole's keys)
     sequences: bool = False  # a language model: its passes run over token sequences (the packing keys)
+    routed: bool = False  # a policy whose loss takes an MoE router's auxiliary loss (router_aux_loss_coef)
 
     @staticmethod
     def section(roles: Sequence[Role]) -> Node:
@@ -286,6 +290,10 @@ def _role_node(role: Role) -> Node:
     if not role.sequences:  # packing is for token sequences: refused for images, points, ...
         refused.update({k: f"roles.{role.name} runs no token-sequence passes" for k in _SEQUENCE_KEYS})
         role = dataclasses.replace(role, omit=(*role.omit, *_SEQUENCE_KEYS))
+    if role.trainable and not role.routed:
+        refused["router_aux_loss_coef"] = (f"roles.{role.name}'s loss takes no router auxiliary loss (the policy "
+                                           "losses do: SFT, DPO, the RL actor, distillation's student)")
+        role = dataclasses.replace(role, omit=(*role.omit, "router_aux_loss_coef"))
     if not role.trainable:
         refused.update({f.name: _FROZEN_NOTE.format(name=role.name, key=f.name)
                         for f in dataclasses.fields(TrainableRole) if f.init and f.name not in _FROZEN_FIELDS})
@@ -307,16 +315,22 @@ _FROZEN_FIELDS = {f.name for f in dataclasses.fields(FrozenRole)}
 def _model_type(path: str) -> str:
     """The ``model_type`` of a model folder's config.json; "opt" for "" (the built-in tiny model); "" when unknown
     here (a hub name: the build checks it)."""
+    config = _model_config(path)
+    return "" if config is None else str(config.get("model_type", ""))
+
+
+def _model_config(path: str) -> dict[str, Any] | None:
+    """A model folder's config.json as a dict; the built-in tiny OPT's keys for "" (dense); None when unknown here."""
     import json
     import os
 
     if not path:
-        return "opt"
+        return {"model_type": "opt"}
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
-        return ""
+        return None
     with open(config, encoding="utf-8") as f:
-        return str(json.load(f).get("model_type", ""))
+        return json.load(f)
 
 
 def roles_node(roles: Sequence[Role]) -> Node:
@@ -367,6 +381,25 @@ class Roles:
                                      f"that family's attention is not confined to packed sequences by position ids "
                                      f"(these pack: {packable})",
                                      f"set roles.{name}.packing=auto (packed where the family packs) or padded")
+
+    def check_moe(self) -> None:
+        """Refuse ``router_aux_loss_coef`` other than -1 (the model's) or >= 0, or set on a dense model, naming the
+        key, before any rank starts."""
+        from multiengine.engines.moe import moe_shape
+
+        for name, role in self._configs.items():
+            coef = getattr(role, "router_aux_loss_coef", -1.0)
+            if coef == -1.0 or not role._decl.routed:
+                continue
+            key = f"roles.{name}.router_aux_loss_coef"
+            if coef < 0:
+                raise config_problem(key, coef, "is neither -1 (the model config's coefficient) nor >= 0",
+                                     f"set {key}=-1, 0 (off) or a coefficient > 0")
+            config = _model_config(role.model_path())
+            if config is not None and moe_shape(config) is None:
+                where = role.model_path() or "the built-in tiny model"
+                raise config_problem(key, coef, f"applies to mixtures of experts; {where} is dense (no routers)",
+                                     f"leave {key} unset (-1)")
 
     def __getattr__(self, name: str) -> Any:
         configs = self.__dict__.get("_configs", {})

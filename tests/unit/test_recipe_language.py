@@ -211,6 +211,8 @@ def test_every_recipe_declares_its_roles(recipe):
         fields = {f.name for f in dataclasses.fields(kind)} - {o for o in role.omit if "." not in o}
         if not role.sequences:  # packing keys only for roles whose passes run over token sequences
             fields -= {"packing", "token_budget"}
+        if not role.routed:  # the router's auxiliary loss only where a policy loss takes it
+            fields -= {"router_aux_loss_coef"}
         assert set(keys[role.name].children) == fields, role.name
         for name in (role.follows, role.weights, role.tokenizer_of):
             assert not name or name in declared  # a declaration names only roles of its recipe
