@@ -210,13 +210,17 @@ def aux_term(engine: Any, tap: RouterTap | None, mask: torch.Tensor | None) -> t
     """The router's auxiliary loss term of a training pass under ``tap`` (``engine.router_aux_coef`` x the
     load-balancing loss over the trained tokens ``mask``, ``[B, L]``) and its figures: ``moe/aux_loss`` (unscaled)
     and ``moe/load_max`` / ``moe/load_min`` (the busiest / idlest expert's share x experts, a mean over layers: 1 at
-    balance). ``(0.0, {})`` without a tap (a dense model)."""
+    balance); with replay ``moe/replayed``, the share of those tokens given recorded routing. ``(0.0, {})`` without a
+    tap (a dense model)."""
     if tap is None or not tap.logits:
         return 0.0, {}
     aux = tap.aux_loss(mask)
     load = tap.load(mask) * tap.routers[0].num_experts
     figures = {"moe/aux_loss": float(aux.detach()), "moe/load_max": float(load.max(-1).values.mean()),
                "moe/load_min": float(load.min(-1).values.mean())}
+    if tap.routing is not None and mask is not None:  # router replay: the share of those tokens routed as recorded
+        given = (tap.routing[..., 0, 0] >= 0).to(mask.device) & mask.bool()
+        figures["moe/replayed"] = float(given.sum()) / max(float(mask.bool().sum()), 1.0)
     coef = float(getattr(engine, "router_aux_coef", 0.0) or 0.0)
     return (coef * aux if coef else 0.0), figures
 
