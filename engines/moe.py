@@ -140,10 +140,7 @@ class RouterTap:
                 use = given[:, 0] >= 0
                 self.replayed += int(use.sum()) if layer == 0 else 0
                 chosen = torch.where(use.unsqueeze(1), given, chosen)
-                probs = torch.softmax(logits.float(), dim=-1).gather(1, chosen)
-                if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises its top k
-                    probs = probs / probs.sum(-1, keepdim=True)
-                weights = torch.where(use.unsqueeze(1), probs.to(weights.dtype), weights)
+                weights = torch.where(use.unsqueeze(1), _weights(module, logits, chosen).to(weights.dtype), weights)
             self.logits.append(logits)
             self.indices.append(chosen.detach())
             if self.record and layer == len(self.routers) - 1:
@@ -181,6 +178,19 @@ class RouterTap:
 
     def _mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         return None if mask is None else self.to_pass(mask.reshape(-1).float(), 0.0)
+
+
+def _weights(router: torch.nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The weights ``router`` gives the experts ``chosen`` from its ``logits``, as its own forward computes them:
+    a softmax over the experts (or over the top k: the same once renormalised), renormalised over the top k unless
+    the config says not (Mixtral and GPT-OSS always do); DeepSeek-V3's sigmoid scores with their scaling factor."""
+    if hasattr(router, "e_score_correction_bias"):  # sigmoid routing (DeepSeek-V3)
+        w = logits.float().sigmoid().gather(1, chosen)
+        if router.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * router.routed_scaling_factor
+    w = torch.softmax(logits.float(), dim=-1).gather(1, chosen)
+    return w / w.sum(-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else w
 
 
 def tap_of(engine: Any) -> RouterTap | None:

@@ -202,3 +202,39 @@ def test_router_replay_brings_the_mismatch_down_to_the_dense_models():
     assert own_flips > 0 and replay_flips == 0  # replayed routing is the recorded one, token for token
     assert replay_mean <= dense_mean * 1.1 and replay_max <= dense_max * 1.5
     assert own_mean > replay_mean and own_max > 2 * replay_max
+
+
+ROUTERS = {  # every router kind transformers 5.x ships, beside FAMILIES': GPT-OSS's softmax over the top k,
+    # DeepSeek-V3's sigmoid scores with a scaling factor; Qwen3-MoE without renormalising its top k
+    "gpt_oss": dict(num_local_experts=4, head_dim=8, layer_types=["sliding_attention", "full_attention"],
+                    sliding_window=16),
+    "deepseek_v3": dict(n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=0,
+                        moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=4, n_shared_experts=1,
+                        routed_scaling_factor=2.5),
+    "qwen3_moe": dict(FAMILIES["qwen3_moe"], norm_topk_prob=False),
+    "mixtral": FAMILIES["mixtral"],
+}
+
+
+@pytest.mark.parametrize("family", ROUTERS)
+def test_replaying_a_models_own_routing_changes_nothing(family):
+    # the weights replay gives the imposed experts are the ones the router's own forward gives them
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_experts_per_tok=2,
+                                  **{"num_key_value_heads": 2, **ROUTERS[family]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = batch()
+    with torch.no_grad(), moe.tapped(model) as tap:
+        own = model(input_ids=ids, attention_mask=mask).logits
+    recorded = tap.chosen((3, 10))
+    with torch.no_grad(), moe.tapped(model, recorded) as tap:
+        replayed = model(input_ids=ids, attention_mask=mask).logits
+    assert tap.replayed == 30
+    assert torch.allclose(own, replayed, atol=1e-6)
+    other = (recorded + 1) % 4  # each token to the next experts: other logits
+    with torch.no_grad(), moe.tapped(model, other):
+        assert not torch.allclose(own, model(input_ids=ids, attention_mask=mask).logits, atol=1e-3)
