@@ -19,7 +19,7 @@ from multiengine.recipes.language.config import RecipeConfigError, config_proble
 __all__ = ["JUDGE_HEADLINE", "REF_TOKENIZER", "REWARD_HEADLINE", "RLHF_TRAINABLE", "TINY_RENAMED", "TOKEN_BUDGET_WHY",
            "ExportSettings",
            "StepRun", "check_data", "check_hf_generation", "check_model", "check_prompts_and_rewards",
-           "check_router_replay",
+           "check_router_replay", "check_scalar_export",
            "check_reward_columns", "check_role", "check_sft_run", "check_stage_batches", "check_tokenizer",
            "eval_generation", "lm_info", "lora_renamed", "old_keys", "policy_plan", "reward_plan", "sft_model"]
 
@@ -269,6 +269,21 @@ def check_router_replay(cfg: Any, role: str) -> None:
         if not same:
             raise config_problem("generation.replay_ref", True, "replays the actor's routing in the ref, whose "
                                  "routers differ", "generation.replay_ref=false")
+
+
+def check_scalar_export(key: str, path: str, what: str, fix: str) -> None:
+    """A trained reward model / critic (``what``) whose model folder ``path`` (``key``) is of a family transformers has
+    no ``*ForSequenceClassification`` class for trains, but its export (that class's folder) would fail at the end of
+    the run: refused, with ``fix`` (turning the export off) besides a family that has one."""
+    from multiengine.recipes.language.roles import _model_config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
+
+    family = (_model_config(path) or {}).get("model_type", "")
+    if family and family not in CLASSES:
+        raise config_problem(key, path, f"is of the {family} family, for which transformers has no "
+                             f"*ForSequenceClassification class: {what} could not be exported at the end of the run "
+                             "(export/ is that class's folder)", f"a model of a family with one (e.g. qwen3_moe, "
+                             f"mixtral, qwen2_moe), or {fix}")
 
 
 def sft_model(cfg: Any, run: StepRun, out_dir: str, assets: dict[str, str]) -> str:

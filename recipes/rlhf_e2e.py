@@ -122,6 +122,11 @@ class RLHFE2E(Recipe):
         if cfg.model.reward_pretrained and not cfg.reward.init_from_sft:
             common.check_tokenizer("model.reward_pretrained", "", "model.reward_pretrained",
                                    cfg.model.reward_pretrained)
+        if any(name == "reward" for name, _, _ in steps(cfg)):  # step 2 exports its reward model for step 3
+            key = "model.reward_pretrained" if cfg.model.reward_pretrained and not cfg.reward.init_from_sft else \
+                "model.pretrained"
+            common.check_scalar_export(key, getattr(cfg.model, key.split(".")[1]), "step 2's reward model",
+                                       "algorithm=dpo (no reward model)")
         shared = [f"seed={cfg.seed}", *cfg.data.overrides()]
         for name, recipe, stage in steps(cfg):
             report = common.check_data(cfg, stage, tok, eval_stage="eval" if stage == "ppo" else None)

@@ -147,6 +147,10 @@ class RLHFPPO(Recipe):
         common.check_model("roles.ref.model", r.ref.model)
         common.check_rollout(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
         models, _, critic_path, critic_tok = cls.reward_and_critic(cfg, r.actor.model, r.reward.model)
+        if cfg.export.enabled and cfg.export.critic:
+            what = "the critic" + ("" if r.critic.model else " (roles.critic.model \"\" takes this folder)")
+            common.check_scalar_export("roles.critic.model", critic_path, what,
+                                       "export.critic=false (the critic is not exported)")
         actor_tok, report = common.check_prompts_and_rewards(
             cfg, models, (("critic", critic_path, critic_tok, "roles.critic.tokenizer"),))
         ptx = None

@@ -70,6 +70,9 @@ class RLHFReward(Recipe):
         """Model folder, tokenizer vs vocabulary, preference data (formats, columns, rows, chat template, held-out
         pairs), and a micro batch of training pairs per rank on ``world_size`` ranks."""
         tok = common.check_role(cfg, "reward")
+        if cfg.export.enabled:
+            common.check_scalar_export("roles.reward.model", cfg.roles.reward.model_path(), "the reward model",
+                                       "export.enabled=false")
         cls.check_batches(cfg, common.check_data(cfg, "reward", tok, tokenizer_key="roles.reward.tokenizer"),
                           world_size)
 

@@ -186,6 +186,31 @@ def test_chat_roles_the_template_does_not_take_are_refused_naming_the_ones_it_ta
                                        "developer": False}
 
 
+# --- an OLMoE reward model or critic (transformers has no OLMoE sequence classifier) ---------------------------
+def test_an_olmoe_scalar_head_model_is_refused_only_where_it_would_be_exported(tmp_path):
+    from multiengine.pipelines.rlhf import tiny
+    from multiengine.recipes.language.cli import main
+
+    tiny.train_tokenizer(tiny.task_vocabulary(), tmp_path / "tok")
+    olmoe = tiny.build_tiny_causal_lm(tmp_path / "olmoe", tmp_path / "tok", hidden=16, layers=1, family="olmoe")
+    out = f"output_dir={tmp_path / 'out'}"
+    refused = [["rlhf_reward", f"roles.reward.model={olmoe}"], ["rlhf_ppo", f"roles.reward.model={olmoe}"],
+               ["rlhf_ppo", f"roles.critic.model={olmoe}"], ["rlhf_e2e", f"model.pretrained={olmoe}"]]
+    passed = [["rlhf_reward", f"roles.reward.model={olmoe}", "export.enabled=false"],  # trained, not exported
+              ["rlhf_ppo", f"roles.reward.model={olmoe}", "export.critic=false", f"roles.actor.model={olmoe}"],
+              ["rlhf_grpo", f"roles.reward.model={olmoe}", "reward.models=[{role: reward}]",  # a frozen scorer
+               f"roles.actor.model={olmoe}"],
+              ["rlhf_e2e", f"model.pretrained={olmoe}", "algorithm=dpo"]]  # no reward model
+    for args in refused + passed:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["validate", args[0], "--config", "tiny", *args[1:], out])
+        errors = [line for line in stderr.getvalue().splitlines() if line.startswith("error:")]
+        assert (code, len(errors)) == ((2, 1) if args in refused else (0, 0)), (args, stderr.getvalue()[-2000:])
+        if args in refused:
+            assert "olmoe family" in errors[0] and "*ForSequenceClassification" in errors[0], errors
+
+
 # =============================================================================================================
 # The table of bad inputs (docs/bad-inputs.md): every row is run here, in this process, and the docs table must be
 # what these runs print. A `multiengine` row must exit 2 with exactly one `error:` line naming its key or file and
@@ -395,6 +420,26 @@ ROWS = [
         "validate registry_demo --config tiny output_dir={locked}/run", "output_dir", "not writable", "{locked}"),
     cli("output-dir-not-writable-run", "config", "the same with `run` on 2 ranks: refused before launching",
         "run rlhf_e2e --config tiny --nproc-per-node 2 output_dir={locked}/e2e", "output_dir", "not writable"),
+    cli("moe-aux-dense", "config", "the router's aux-loss coefficient for a dense model",
+        "validate rlhf_sft --config tiny roles.actor.router_aux_loss_coef=0.01", "roles.actor.router_aux_loss_coef",
+        "dense"),
+    cli("moe-aux-negative", "config", "a negative aux-loss coefficient other than -1 (the model's)",
+        "validate rlhf_sft --config tiny roles.actor.model={d}/moe_model roles.actor.router_aux_loss_coef=-0.5",
+        "roles.actor.router_aux_loss_coef", "-0.5", "neither -1"),
+    cli("moe-aux-critic", "config", "the router's aux loss for a role whose loss has none (the critic)",
+        "validate rlhf_ppo --config tiny roles.critic.router_aux_loss_coef=0.01", "roles.critic.router_aux_loss_coef",
+        "no router auxiliary loss"),
+    cli("replay-no-rollouts", "config", "router replay in a recipe that samples no rollouts",
+        "validate rlhf_sft --config tiny generation.router_replay=rollout", "generation.router_replay",
+        "no rollouts"),
+    cli("replay-vllm", "config", "router replay with the vLLM engine (it records no routing)",
+        "validate rlhf_grpo --config tiny roles.actor.model={d}/moe_model generation.router_replay=rollout "
+        "generation.engine=vllm", "generation.router_replay", "generation.engine=hf"),
+    cli("replay-dense", "config", "router replay for a dense actor", "validate rlhf_grpo --config tiny "
+        "generation.router_replay=rollout", "generation.router_replay", "dense"),
+    cli("replay-multiturn", "config", "router replay of multi-turn episodes", "validate rlhf_grpo --config "
+        "tiny_multiturn roles.actor.model={d}/moe_model generation.router_replay=rollout", "generation.router_replay",
+        "grpo.env"),
     # --- data ------------------------------------------------------------------------------------------------
     cli("sft-missing-data", "data", "a data file that does not exist", "validate rlhf_sft --config tiny "
         "data.source={d}/nope.jsonl", "data.source", "nope.jsonl"),
@@ -473,6 +518,15 @@ ROWS = [
     cli("sft-pack-opt", "models", "packed passes asked of a family that cannot pack (the built-in tiny OPT)",
         "validate rlhf_sft --config tiny roles.actor.packing=packed", "roles.actor.packing", "opt model",
         "roles.actor.packing=auto"),
+    cli("vllm-moe", "models", "the vLLM engine for an MoE actor (the weight sync cannot load fused experts)",
+        "validate rlhf_grpo --config tiny roles.actor.model={d}/moe_model generation.engine=vllm", "generation.engine",
+        "mixture of experts", "generation.engine=hf"),
+    cli("reward-no-seqcls", "models", "training a reward model of a family transformers has no sequence classifier "
+        "for (its export would fail at the end)", "validate rlhf_reward --config tiny roles.reward.model="
+        "{d}/olmoe_model", "roles.reward.model", "olmoe", "*ForSequenceClassification", "qwen3_moe"),
+    cli("critic-no-seqcls", "models", "the same for PPO's critic (from the reward model's folder)", "validate "
+        "rlhf_ppo --config tiny roles.reward.model={d}/olmoe_model", "roles.critic.model", "olmoe",
+        "export.critic=false"),
     # --- rewards ---------------------------------------------------------------------------------------------
     cli("reward-fn-no-colon", "rewards", "a reward function without module:function",
         "validate rlhf_grpo --config tiny "
@@ -590,6 +644,8 @@ def write_data(d: Path) -> None:
     (d / "tf_folder" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     tiny.train_tokenizer(tiny.task_vocabulary(), d / "plain_tok")
     tiny.build_tiny_causal_lm(d / "plain_model", d / "plain_tok", hidden=16, layers=1)
+    for name, family in (("moe_model", "qwen3_moe"), ("olmoe_model", "olmoe")):  # transformers has no OLMoE classifier
+        tiny.build_tiny_causal_lm(d / name, d / "plain_tok", hidden=16, layers=1, family=family)
     tiny.train_tokenizer(tiny.task_vocabulary(), d / "chat_tok", chat_template=True)
     tiny.build_tiny_causal_lm(d / "chat_model", d / "chat_tok", hidden=16, layers=1)
     for name in ("text_only", "empty_images", "meta_only", "rowless", "corrupt"):
