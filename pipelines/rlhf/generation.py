@@ -10,6 +10,7 @@ on big models, DeepSpeedExamples#764), but no rank ever holds the whole actor. B
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def _hf_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_ma
     if record:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
     with registry.generation(role, gather=settings.mode == "gather") as module, \
-            moe.tapped(module, record=record) as tap:
+            moe.tapped(module, record=True) if record else contextlib.nullcontext() as tap:
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, **moe.router_logits_off(module),
                               **kwargs)
     sequences = out.sequences if record else out
