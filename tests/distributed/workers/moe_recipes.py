@@ -4,13 +4,17 @@ split files whose prompts differ in length (left padding in every generate) and,
 the experts they route to. Each family's PPO scores with its own reward export (OLMoE, which transformers gives
 no sequence-classification class: its causal-LM folder with a fresh head, the critic not exported). Then an SFT of
 the Mixtral actor on the built-in task and a GRPO from its export, whose judge must rise; Qwen2-MoE's GRPO once more
-with ``generation.router_replay=rollout``.
+with ``generation.router_replay=rollout``. Then: Mixtral's SFT and LoRA GRPO at ZeRO-2; Qwen3-MoE's PPO with
+replay (ref too); on-policy distillation of a 32-wide OLMoE student from the OLMoE model, replayed; Qwen2-MoE's
+replayed GRPO, 4 steps with a step-2 checkpoint and resumed from it; Qwen3-MoE's GRPO in bf16 with and without
+replay.
 
 Before each export, on both ranks, the trained engine's greedy answers to fixed prompts and its log-probs of them
 (a causal-LM role), or its scores of fixed sequences (a reward model or critic), are recorded: the test compares
 the exports loaded in plain transformers with them.
 
-argv: out_dir, a JSON file {family: base folder, "data": folder of split files, "dense": module folder}.
+argv: out_dir, a JSON file {family: base folder, "olmoe_student": the student's folder, "data": folder of split
+files, "dense": module folder}.
 """
 
 import json
@@ -37,7 +41,8 @@ SCORED = ["list 3 fruits : apple pear plum", "name 2 colors : red red", "give 4 
 EXPORTED = {"rlhf_sft": ("actor",), "rlhf_dpo": ("actor",), "rlhf_grpo": ("actor",), "rlhf_ppo": ("actor", "critic"),
             "rlhf_reward": ("reward",)}
 ROLES = {"rlhf_sft": ("actor",), "rlhf_reward": ("reward",), "rlhf_dpo": ("actor", "ref"),
-         "rlhf_grpo": ("actor", "ref"), "rlhf_ppo": ("actor", "critic", "ref", "reward")}
+         "rlhf_grpo": ("actor", "ref"), "rlhf_ppo": ("actor", "critic", "ref", "reward"),
+         "distill": ("teacher", "student")}
 RECORD: dict = {}
 
 
@@ -77,18 +82,19 @@ def recording(recipe: str):
 
         def export(self):
             RECORD.clear()
-            RECORD.update(record(self.registry, self.tokenizer, EXPORTED[self.name]))
+            RECORD.update(record(self.registry, self.tokenizer, EXPORTED.get(self.name, ())))
             return original(self)
 
         cls.export, cls._moe_recorded = export, True
     return cls
 
 
-def run(name: str, recipe: str, *overrides: str, links: dict | None = None) -> None:
+def run(name: str, recipe: str, *overrides: str, links: dict | None = None, stage: int = 3,
+        dtype: str = "fp32") -> None:
     folder = os.path.join(out, name)
     if links:
         link_into(folder, links)
-    settings = [f"roles.{r}.{k}" for r in ROLES[recipe] for k in ("stage=3", "dtype=fp32")]
+    settings = [f"roles.{r}.{k}" for r in ROLES[recipe] for k in (f"stage={stage}", f"dtype={dtype}")]
     cfg = checked_config(recipe, "tiny", [f"output_dir={folder}", *QUIET, *settings, *overrides])
     recording(recipe).main(cfg)
     torch.distributed.barrier()  # rank 0 writes summary.json and metrics.jsonl
@@ -101,6 +107,7 @@ def run(name: str, recipe: str, *overrides: str, links: dict | None = None) -> N
         with open(os.path.join(folder, "export", role, "config.json")) as f:
             exports[role] = {"path": os.path.join(folder, "export", role), "class": json.load(f)["architectures"][0]}
     RESULTS[name] = {"metrics": summary["metrics"], "stages": {k: v["stage"] for k, v in summary["roles"].items()},
+                     "requested": {k: v["requested_stage"] for k, v in summary["roles"].items()},
                      "step_keys": sorted({k for s in steps for k in s}),
                      "steps": sum(any(k.startswith("train/") for k in s) for s in steps),
                      "last_moe": {k: v for s in steps for k, v in s.items() if k.startswith("train/moe/")},
@@ -132,5 +139,30 @@ run("judge/grpo", "rlhf_grpo", f"roles.actor.model={actor}", "max_steps=16", *BU
 # qwen2_moe/grpo again with router replay: in fp32 the rollout routes as the trainer would, so nothing may change
 run("replay/grpo", "rlhf_grpo", f"roles.actor.model={F['qwen2_moe']}", "max_steps=2", "grpo.rollout_batch_size=4",
     "generation.router_replay=rollout", DENSE, *DATA, *EVAL)
+
+# ZeRO-2: Mixtral's SFT, and its GRPO with LoRA adapters on the actor (the ref: the base, also at stage 2)
+run("zero2/sft", "rlhf_sft", f"roles.actor.model={F['mixtral']}", "max_steps=2", *DATA, *EVAL, stage=2)
+run("zero2/grpo", "rlhf_grpo", f"roles.actor.model={F['mixtral']}", "max_steps=2", "grpo.rollout_batch_size=4",
+    "roles.actor.lora.r=4", DENSE, *DATA, *EVAL, stage=2)
+# PPO with router replay in the actor's and the ref's passes, scored by Qwen3-MoE's reward export
+run("replay/ppo", "rlhf_ppo", f"roles.actor.model={F['qwen3_moe']}",
+    f"roles.reward.model={os.path.join(out, 'qwen3_moe', 'reward', 'export', 'reward')}", "max_steps=2",
+    "ppo.rollout_batch_size=8", "roles.actor.micro_batch_size=4", "roles.critic.micro_batch_size=4", "ppo.epochs=1",
+    "generation.router_replay=rollout", "generation.replay_ref=true", *DATA, "eval.size=0")
+# on-policy distillation: an OLMoE teacher, a smaller OLMoE student sampling every step, its routing replayed
+run("replay/distill", "distill", f"roles.teacher.model={F['olmoe']}", f"roles.student.model={F['olmoe_student']}",
+    "max_steps=2", "distill.on_policy_fraction=1.0", "generation.router_replay=rollout", *DATA,
+    "data.max_response_len=8", "eval.size=0")
+# resume: Qwen2-MoE's GRPO with router replay, 4 steps with a checkpoint at step 2, then steps 3-4 again from it
+RESUME = [f"roles.actor.model={F['qwen2_moe']}", "max_steps=4", "grpo.rollout_batch_size=4",
+          "generation.router_replay=rollout", DENSE, *DATA, "eval.size=0"]
+run("resume/full", "rlhf_grpo", *RESUME, "checkpoint.every=2", "checkpoint.keep_last=2")
+run("resume/resumed", "rlhf_grpo", *RESUME,
+    f"resume_from={os.path.join(out, 'resume', 'full', 'checkpoints', 'step_00000002')}")
+# bf16 GRPO on Qwen3-MoE with and without router replay: the rollout's log-prob mismatch of each
+for replay in ("off", "rollout"):
+    run(f"bf16/{replay}", "rlhf_grpo", f"roles.actor.model={F['qwen3_moe']}", "max_steps=2",
+        "grpo.rollout_batch_size=4", f"generation.router_replay={replay}", DENSE, *DATA, "eval.size=0",
+        dtype="bf16")
 dump(RESULTS)
 finish()
