@@ -207,16 +207,16 @@ def prompts_of_demonstrations(input_ids: torch.Tensor, attention_mask: torch.Ten
 
 @torch.no_grad()
 def student_samples(registry: Any, role: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Any,
-                    eos_token_id: int, pad_token_id: int, seed: int) -> dict[str, Any]:
+                    eos_token_id: int, pad_token_id: int, seed: int, record: bool = False) -> dict[str, Any]:
     """The student's answers to left-padded prompts (collective; torch seeded with ``seed``): ``sequences``,
-    ``attention_mask``, ``action_mask`` (up to the first EOS), ``context_length`` and, with
-    ``settings.router_replay=rollout``, ``routing`` (the experts each token went to, for the student's pass)."""
+    ``attention_mask``, ``action_mask`` (up to the first EOS), ``context_length`` and ``routing``: with ``record``
+    (router replay) the experts each token of an MoE student went to, else None."""
     from multiengine.pipelines.rlhf.generation import generate, generate_routed
     from multiengine.pipelines.rlhf.ppo import action_mask
 
     torch.manual_seed(seed)
     routing = None
-    if settings.router_replay == "rollout":
+    if record:
         response, routing, _ = generate_routed(registry, prompt_ids, prompt_mask, settings, eos_token_id,
                                                pad_token_id, role=role)
     else:

@@ -233,15 +233,10 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
 
 
 def check_hf_generation(cfg: Any, name: str) -> None:
-    """generation.engine=vllm and router replay only where rollouts are trained on (recipe ``name`` samples
-    evaluation answers only)."""
+    """generation.engine=vllm only where a rollout role generates (recipe ``name`` samples evaluation answers only)."""
     if cfg.generation.engine != "hf":
         raise config_problem("generation.engine", cfg.generation.engine, f"has no rollout engine in {name} (vLLM "
                              "generates the rollouts of rlhf_grpo, rlhf_ppo and distill)", "generation.engine=hf")
-    if cfg.generation.router_replay != "off":
-        raise config_problem("generation.router_replay", cfg.generation.router_replay, f"has no rollouts to "
-                             f"replay in {name} (it trains on its data, not on sampled answers)",
-                             "generation.router_replay=off")
 
 
 def check_router_replay(cfg: Any, role: str) -> None:
@@ -262,7 +257,12 @@ def check_router_replay(cfg: Any, role: str) -> None:
     if getattr(getattr(cfg, "grpo", None), "env", ""):
         raise config_problem(key, "rollout", "records one generation per rollout row; multi-turn episodes (grpo.env) "
                              "are several", f"{key}=off")
-    if cfg.generation.replay_ref and "ref" in cfg.roles:
+    grpo = getattr(cfg, "grpo", None)
+    if cfg.generation.replay_ref and ("ref" not in cfg.roles or (grpo is not None and not grpo.kl_coef)):
+        raise config_problem("generation.replay_ref", True, "replays the rollout's routing in the ref, and this run "
+                             "builds none (distill has no ref; rlhf_grpo builds it for grpo.kl_coef > 0)",
+                             "generation.replay_ref=false")
+    if cfg.generation.replay_ref:
         ref = _model_config(cfg.roles.ref.model_path() or path)
         same = ref is None or config is None or (moe_shape(ref) == moe_shape(config) and ref.get(
             "num_hidden_layers") == config.get("num_hidden_layers"))

@@ -35,7 +35,7 @@ from multiengine.pipelines.distill import (
 from multiengine.pipelines.rlhf import tiny
 from multiengine.pipelines.rlhf.data import ResponseData, SFTCollator, load_stage, training_batches
 from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
-from multiengine.pipelines.rlhf.generation import GenerationSettings, position_ids_from_mask
+from multiengine.pipelines.rlhf.generation import RolloutGenerationSettings, position_ids_from_mask
 from multiengine.pipelines.rlhf.roles import add_lm_role, add_rollout, export_role, role_folder, tiny_assets
 from multiengine.pipelines.rlhf.rollout import sampling_seed
 from multiengine.recipes import common
@@ -65,8 +65,8 @@ class DistillConfig(RunConfig):
                                                "(docs/data.md)")
     distill: DistillSettings = section(DistillSettings, "the distillation loss (the same per-token divergence on "
                                                         "demonstrations and on the student's samples)")
-    generation: GenerationSettings = section(GenerationSettings, "sampling of evaluation answers and of the student's "
-                                                                 "on-policy responses")
+    generation: RolloutGenerationSettings = section(RolloutGenerationSettings, "sampling of evaluation answers and "
+                                                    "of the student's on-policy responses")
     eval: EvalSettings = section(EvalSettings, "held-out cross-entropy and sampled answers to the prompts of the "
                                                "evaluation rows (the teacher's once)", every=100, greedy=False)
     export: common.ExportSettings = section(common.ExportSettings, "export/student")
@@ -163,6 +163,7 @@ class Distill(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         teacher, student = cfg.roles.teacher, cfg.roles.student
+        self.replay = cfg.generation.router_replay == "rollout"  # the on-policy steps record the student's routing
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
         assets = tiny_assets(registry, self.path("tiny"), cfg, student.model, teacher.model)
         teacher_path = teacher.model or common.sft_model(cfg, cfg.teacher_sft, self.path("teacher"), assets)
@@ -213,7 +214,7 @@ class Distill(Recipe):
         seed = sampling_seed(self.cfg.seed, self.step * registry["student"].gradient_accumulation_steps() + micro,
                              registry.rank)
         rollout = student_samples(registry, "student", prompt_ids, prompt_mask, self.answers.sampled,
-                                  tok.eos_token_id, tok.pad_token_id, seed)
+                                  tok.eos_token_id, tok.pad_token_id, seed, self.replay)
         seqs = {"input_ids": rollout["sequences"], "attention_mask": rollout["attention_mask"]}
         positions = position_ids_from_mask(rollout["attention_mask"])  # left-padded prompts
         teacher = role_logits(registry, "teacher", seqs, self.vocab, positions)  # the same forwards on every rank

@@ -27,7 +27,7 @@ from multiengine.engines.settings import Range, section, setting
 from multiengine.pipelines.rlhf import multiturn
 from multiengine.pipelines.rlhf.data import PromptData, load_stage, prompt_stream, prompt_text
 from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
-from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.generation import RolloutGenerationSettings
 from multiengine.pipelines.rlhf.grpo import GRPOSettings, GRPOTrainer, judge_prompt_problem, plot_panels
 from multiengine.pipelines.rlhf.ppo_trainer import summary_timings
 from multiengine.pipelines.rlhf.retokenize import retokenizers
@@ -58,9 +58,9 @@ class GRPOConfig(RunConfig):
                                                         "roles.actor.model is empty")
     data: PromptData = section(PromptData, "prompts: prompt rows, or the prompts of any other RLHF format "
                                            "(docs/data.md)")
-    generation: GenerationSettings = section(GenerationSettings, "sampling of the rollouts and of the evaluation "
-                                                                 "answers (max_new_tokens: Dr. GRPO's normalising "
-                                                                 "constant)")
+    generation: RolloutGenerationSettings = section(RolloutGenerationSettings, "sampling of the rollouts and of the "
+                                                    "evaluation answers (max_new_tokens: Dr. GRPO's normalising "
+                                                    "constant)")
     grpo: GRPOSettings = section(GRPOSettings, "the critic-free estimator")
     reward: RewardSettings = section(RewardSettings, "the reward sources: reward-model roles and functions, summed "
                                                      "with weights")

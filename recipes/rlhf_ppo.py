@@ -22,7 +22,7 @@ from multiengine.engines import ShardedBatches, save_role
 from multiengine.engines.settings import Range, Settings, section, setting
 from multiengine.pipelines.rlhf.data import PromptData, SFTCollator, load_stage, prompt_stream
 from multiengine.pipelines.rlhf.evaluation import EvalSettings, policy_answers
-from multiengine.pipelines.rlhf.generation import GenerationSettings
+from multiengine.pipelines.rlhf.generation import RolloutGenerationSettings
 from multiengine.pipelines.rlhf.ppo_trainer import PPOSettings, PPOTrainer, plot_panels, summary_timings
 from multiengine.pipelines.rlhf.retokenize import retokenizers
 from multiengine.pipelines.rlhf.reward_sources import RewardSettings, with_retokenizers
@@ -70,8 +70,8 @@ class PPOConfig(RunConfig):
     tiny: TinySettings = section(TinySettings, "the random tiny OPT built under output_dir/tiny for roles whose model "
                                                "is \"\" (mechanics only)")
     data: PPOData = section(PPOData, "prompts: prompt rows, or the prompts of any other RLHF format (docs/data.md)")
-    generation: GenerationSettings = section(GenerationSettings, "sampling of the rollouts and of the evaluation "
-                                                                 "answers")
+    generation: RolloutGenerationSettings = section(RolloutGenerationSettings, "sampling of the rollouts and of the "
+                                                    "evaluation answers")
     ppo: PPOSettings = section(PPOSettings, "the PPO step")
     ema: EMASettings = section(EMASettings, "an exponential moving average of the actor")
     reward: RewardSettings = section(RewardSettings, "the reward sources: reward-model roles and functions, summed "

@@ -23,8 +23,8 @@ from .ppo import truncate_after_eos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "generate", "generate_routed", "position_ids_from_mask", "rollout_done",
-           "vllm_generate"]
+__all__ = ["GenerationSettings", "RolloutGenerationSettings", "generate", "generate_routed", "position_ids_from_mask",
+           "rollout_done", "vllm_generate"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,6 @@ class GenerationSettings(Settings):
     engine: str = setting("hf", "hf (transformers generate on the actor) | vllm (the rollout role's vLLM engine, its "
                                 "weights synced from the actor after each step: roles.rollout.*, docs/vllm.md)",
                           Choice("hf", "vllm"))
-    router_replay: str = setting("off", "MoE policies: off | rollout (the experts each token was routed to while "
-                                        "sampling are imposed in the trainer's passes over that rollout, docs/moe.md)",
-                                 Choice("off", "rollout"), when="engine=hf")
-    replay_ref: bool = setting(False, "the ref's log-probs on the rollout's routing too", when="router_replay=rollout")
     # greedy answers are the same settings with do_sample off (not a config key: a run samples, eval.greedy adds these)
     do_sample: bool = dataclasses.field(default=True, metadata={"hidden": True})
 
@@ -54,6 +50,17 @@ class GenerationSettings(Settings):
     def greedy(self) -> GenerationSettings:
         # dataclasses.replace: Settings.replace passes a changed field twice (engines/settings.py)
         return dataclasses.replace(self, do_sample=False)
+
+
+@dataclass(frozen=True)
+class RolloutGenerationSettings(GenerationSettings):
+    """:class:`GenerationSettings` of a recipe that trains on its rollouts (rlhf_grpo, rlhf_ppo, distill's on-policy
+    steps): also router replay for MoE policies."""
+
+    router_replay: str = setting("off", "MoE policies: off | rollout (the experts each token was routed to while "
+                                        "sampling are imposed in the trainer's passes over that rollout, docs/moe.md)",
+                                 Choice("off", "rollout"), when="engine=hf")
+    replay_ref: bool = setting(False, "the ref's log-probs on the rollout's routing too", when="router_replay=rollout")
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

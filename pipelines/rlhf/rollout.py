@@ -229,7 +229,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     else:  # an MoE actor's: the routing of every token and the sampled tokens' log-probs too (None when dense)
         response, routing, rollout_logprobs = generate_routed(registry, prompt_ids, prompt_mask, generation, eos,
                                                               spec.pad_token_id, role=spec.actor)
-    replay = routing if generation.router_replay == "rollout" else None
+    replay = routing if getattr(generation, "router_replay", "off") == "rollout" else None  # RolloutGenerationSettings
     t_gen = time.perf_counter() - t0
 
     # 2. sequences; actions = the prefix up to and including the first EOS (a pad id sampled before it is
@@ -248,7 +248,7 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     ref_logprobs = None
     if spec.ref is not None:
         ref_logprobs = role_logprobs(registry, spec.ref, sequences, attention, C, generation.temperature,
-                                     replay if generation.replay_ref else None) * action_f
+                                     replay if getattr(generation, "replay_ref", False) else None) * action_f
     prompts = list(batch.get("prompts", []))
     messages = batch.get("prompt_messages")
     values, critic_rows = None, {}

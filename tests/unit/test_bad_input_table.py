@@ -429,9 +429,12 @@ ROWS = [
     cli("moe-aux-critic", "config", "the router's aux loss for a role whose loss has none (the critic)",
         "validate rlhf_ppo --config tiny roles.critic.router_aux_loss_coef=0.01", "roles.critic.router_aux_loss_coef",
         "no router auxiliary loss"),
-    cli("replay-no-rollouts", "config", "router replay in a recipe that samples no rollouts",
-        "validate rlhf_sft --config tiny generation.router_replay=rollout", "generation.router_replay",
-        "no rollouts"),
+    cli("replay-no-rollouts", "config", "router replay in a recipe that samples no rollouts (not a key there)",
+        "validate rlhf_sft --config tiny generation.router_replay=rollout", "unknown config key",
+        "generation.router_replay"),
+    cli("replay-ref-none", "config", "replaying the routing in a ref the run does not build",
+        "validate rlhf_grpo --config tiny roles.actor.model={d}/moe_model generation.router_replay=rollout "
+        "generation.replay_ref=true grpo.kl_coef=0", "generation.replay_ref", "builds none"),
     cli("replay-vllm", "config", "router replay with the vLLM engine (it records no routing)",
         "validate rlhf_grpo --config tiny roles.actor.model={d}/moe_model generation.router_replay=rollout "
         "generation.engine=vllm", "generation.router_replay", "generation.engine=hf"),
