@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MoeShape", "RouterTap", "aux_term", "expert_load", "generated_routing", "is_moe", "load_balancing_loss",
-           "moe_shape", "router_logits_off", "routers", "set_leaf_modules", "tap_of", "tapped"]
+__all__ = ["MoeShape", "RouterTap", "aux_term", "expert_load", "generated_routing", "load_balancing_loss", "moe_shape",
+           "router_logits_off", "routers", "set_leaf_modules", "tap_of", "tapped"]
 
 # config attributes that hold the number of routed experts, per family
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -47,21 +47,21 @@ def moe_shape(config: Any) -> MoeShape | None:
     return MoeShape(experts, top_k, float(get("router_aux_loss_coef") or 0.0))
 
 
-def is_moe(config: Any) -> bool:
-    """Whether a transformers config is a mixture of experts (:func:`moe_shape`)."""
-    return moe_shape(config) is not None
-
-
 def _unwrapped(model: Any) -> torch.nn.Module:
-    module = getattr(model, "module", model)  # a DeepSpeed engine
-    return module
+    return getattr(model, "module", model)  # a DeepSpeed engine's model
 
 
 def routers(model: Any) -> list[torch.nn.Module]:
     """The router modules of a model (through a DeepSpeed engine or peft wrapper), in layer order: the modules with
-    ``top_k`` and ``num_experts`` whose class name ends in ``Router`` (transformers 5.x's ``*TopKRouter``)."""
-    return [m for m in _unwrapped(model).modules()
-            if type(m).__name__.lower().endswith("router") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+    ``top_k`` and ``num_experts`` whose class name ends in ``Router`` (transformers 5.x's ``*TopKRouter``). Found
+    once per model and kept on it: the training and scoring passes ask on every forward, dense models included."""
+    module = _unwrapped(model)
+    found = module.__dict__.get("_moe_routers")
+    if found is None:
+        found = [m for m in module.modules()
+                 if type(m).__name__.lower().endswith("router") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+        module.__dict__["_moe_routers"] = found
+    return found
 
 
 def set_leaf_modules(model: torch.nn.Module) -> list[str]:
@@ -70,7 +70,7 @@ def set_leaf_modules(model: torch.nn.Module) -> list[str]:
     Fused expert blocks (one module holding every expert's weights, transformers 5.x) need nothing. Returns the
     class names made leaves."""
     classes = {type(m) for m in model.modules()
-               if isinstance(getattr(m, "experts", None), torch.nn.ModuleList) and any(True for _ in routers(m))}
+               if isinstance(getattr(m, "experts", None), torch.nn.ModuleList) and routers(m)}
     if classes:
         from deepspeed.utils import set_z3_leaf_modules
 

@@ -254,10 +254,10 @@ def check_router_replay(cfg: Any, role: str) -> None:
     if getattr(getattr(cfg, "distill", None), "on_policy_fraction", 1.0) == 0:
         raise config_problem(key, "rollout", "replays the student's own rollouts; distill.on_policy_fraction=0 "
                              "trains on the data's answers only", f"{key}=off, or distill.on_policy_fraction > 0")
-    if getattr(getattr(cfg, "grpo", None), "env", ""):
+    grpo = getattr(cfg, "grpo", None)
+    if grpo is not None and grpo.env:
         raise config_problem(key, "rollout", "records one generation per rollout row; multi-turn episodes (grpo.env) "
                              "are several", f"{key}=off")
-    grpo = getattr(cfg, "grpo", None)
     if cfg.generation.replay_ref and ("ref" not in cfg.roles or (grpo is not None and not grpo.kl_coef)):
         raise config_problem("generation.replay_ref", True, "replays the rollout's routing in the ref, and this run "
                              "builds none (distill has no ref; rlhf_grpo builds it for grpo.kl_coef > 0)",

@@ -73,10 +73,10 @@ class DPOTrainer:
         """Mean DPO/IPO loss of a pair batch (policy forward with grad) and per-pair statistics."""
         s = self.settings
         ref_chosen, ref_rejected = self.reference_logprobs(batch)
-        engine = self.registry[self.policy]
+        engine, answers = self.registry[self.policy], preference_response_mask(batch)
         with moe.tapped(engine) as tap:
             chosen, rejected = pair_logprobs(engine, batch)
-        aux, figures = moe.aux_term(engine, tap, preference_response_mask(batch))  # an MoE router's, on the answers
+        aux, figures = moe.aux_term(engine, tap, answers)  # an MoE router's, on the answers
         losses, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, s.beta,
                                                 s.label_smoothing, s.loss)
         stats = {"loss": losses.detach(), "accuracy": (r_chosen > r_rejected).float(),
@@ -85,7 +85,7 @@ class DPOTrainer:
                  **{k: torch.full_like(chosen, v) for k, v in figures.items()}}  # per pair, as the others
         if s.sft_coef > 0:
             B = chosen.shape[0]
-            nll = chosen_nll(chosen, preference_response_mask(batch)[:B].sum(-1))
+            nll = chosen_nll(chosen, answers[:B].sum(-1))
             stats["nll"] = nll.detach()
             losses = losses + s.sft_coef * nll
         return (losses + aux).mean(), stats
