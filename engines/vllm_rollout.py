@@ -182,15 +182,16 @@ def weight_plan(module: torch.nn.Module) -> dict[str, list[tuple[str, str, torch
     return units
 
 
-def stream_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(checkpoint name, whole tensor)`` of ``module``, one sync unit at a time: ZeRO-3 partitions are gathered for
-    a unit (one coalesced collective) and released before the next, so the whole model is never held. LoRA weights
-    come merged. Collective under ZeRO-3: every rank iterates the same units."""
+def stream_units(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``[(checkpoint name, whole tensor), ...]`` of ``module``, one sync unit at a time, valid until the next unit:
+    ZeRO-3 partitions are gathered for a unit (one coalesced collective) and released before the next, so the whole
+    model is never held. LoRA weights come merged. Collective under ZeRO-3: every rank iterates the same units."""
     base, lora = _lora_layers(module)
     owned = {name: p for name, p in base.named_parameters()}
     for unit, weights in weight_plan(module).items():
         extra = [p for n, p in owned.items() if ".lora_" in n and sync_unit(n) == unit]
         with whole_parameters([p for *_, p in weights] + extra), torch.no_grad():
+            tensors = []
             for name, pname, param in weights:
                 tensor = param.detach()
                 owner, _, leaf = pname.partition(".base_layer.")
@@ -199,7 +200,14 @@ def stream_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
                     for adapter in layer.active_adapters:
                         if adapter in layer.lora_A:
                             tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-                yield name, tensor
+                tensors.append((name, tensor))
+            yield tensors
+
+
+def stream_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`stream_units`, one ``(checkpoint name, whole tensor)`` at a time."""
+    for unit in stream_units(module):
+        yield from unit
 
 
 class VLLMRollout:
@@ -267,13 +275,17 @@ class VLLMRollout:
     def sync(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
         """Load ``module``'s current weights (streamed: :func:`stream_weights`), then drop the prefix cache (its KV
         blocks came from the old weights). A failure midway leaves the engine broken: later calls raise."""
-        self._wake()
         self.check_module(module)
+        return self.load(stream_weights(module), version)
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]], version: int | None = None) -> SyncStats:
+        """Load ``(checkpoint name, tensor)`` pairs as they come (a module's, or a broadcast's on a rollout rank)."""
+        self._wake()
         count = nbytes = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count, nbytes
-            for name, tensor in stream_weights(module):
+            for name, tensor in weights:
                 count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
                 yield name, tensor
 

@@ -183,8 +183,70 @@ def run_step(recipe: str, config: str, overrides: list[str], out_dir: str, rerun
             settings._READS |= reads
 
 
-ROLLOUT_ROLE_HELP = ("the vLLM engine generating the {of}'s rollouts on every rank (generation.engine=vllm), its "
-                     "weights synced from the {of} after each optimizer step; docs/vllm.md")
+ROLLOUT_ROLE_HELP = ("the engine generating the {of}'s rollouts, its weights synced from the {of} after each step: "
+                     "vLLM on every rank (generation.engine=vllm, docs/vllm.md), or either engine on ranks of its "
+                     "own (roles.rollout.ranks, docs/async.md)")
+
+
+def trainer_ranks(cfg: Any, world_size: int) -> int:
+    """The ranks that train: the job's, less roles.rollout.ranks."""
+    return world_size - len(cfg.roles.rollout.ranks) if "rollout" in cfg.roles else world_size
+
+
+def check_placement(cfg: Any, world_size: int, multiturn: bool = False, dynamic: bool = False) -> None:
+    """roles.rollout.ranks: the job's last ranks, leaving trainer ranks it divides; what rollout ranks cannot run yet
+    (multi-turn episodes, dynamic sampling's rounds, router replay, a vLLM engine over several ranks) refused; and
+    rollout_is_cap only where rollouts carry their sampler's log-probs. Before any rank starts."""
+    from multiengine.engines.placement import layout_problem
+
+    ranks, g = list(cfg.roles.rollout.ranks), cfg.generation
+    section = "grpo" if hasattr(cfg, "grpo") else "ppo"
+    cap = getattr(cfg, section).rollout_is_cap if hasattr(cfg, section) else 0.0
+    if cap and g.engine != "vllm" and g.schedule == "sync" and not ranks and g.router_replay == "off":
+        raise config_problem(f"{section}.rollout_is_cap", cap, "corrects rollouts sampled by other weights or another "
+                             "engine, and this run has none (generation.engine=hf, schedule=sync, no rollout ranks)",
+                             "set generation.schedule=one_step_off/async, roles.rollout.ranks or "
+                             f"generation.engine=vllm; or drop {section}.rollout_is_cap")
+    if not ranks:
+        return
+    key = "roles.rollout.ranks"
+    problem = layout_problem(ranks, world_size)
+    if problem is not None:
+        raise config_problem(key, ranks, problem, f"e.g. {key}=[{world_size - 1}] with --nproc-per-node "
+                             f"{max(world_size, 2)}, or {key}=[] (rollouts on every rank)")
+    why = {"grpo.env": multiturn, "grpo.dynamic_sampling": dynamic,
+           "generation.router_replay": g.router_replay != "off",
+           "roles.rollout.tensor_parallel_size": g.engine == "vllm" and cfg.roles.rollout.tensor_parallel_size > 1}
+    for other, on in why.items():
+        if on:
+            raise config_problem(key, ranks, f"cannot run with {other} yet (rollout ranks generate single-turn "
+                                 "answers, one engine per rank, without routing records or extra rounds)",
+                                 f"{key}=[] (rollouts on every rank), or turn {other} off")
+
+
+def schedule_rollouts(run: Any, trainer: Any, actor_path: str, seq_len: int) -> None:
+    """generation.schedule and roles.rollout.ranks on ``trainer`` (a GRPOTrainer or PPOTrainer): a queue of
+    rollouts ahead of the update, generated here or on the rollout ranks (``run.bridge``); lockstep sync on every
+    rank keeps the trainer's own path."""
+    cfg = run.cfg
+    if run.bridge is None and cfg.generation.schedule == "sync":
+        return
+    from multiengine.pipelines.rlhf.rollout_ranks import RemoteRollouts
+
+    remote = None
+    if run.bridge is not None:
+        vllm = cfg.roles.rollout.engine_settings(seq_len, cfg.seed) if cfg.generation.engine == "vllm" else None
+        n = getattr(trainer.settings, "n_samples_per_prompt", 1)
+        remote = RemoteRollouts(run.bridge, run.registry, trainer.spec, n,
+                                {"folder": actor_path, "dtype": cfg.roles.actor.effective_dtype, "vllm": vllm})
+    trainer.schedule(cfg.generation.depth, run.prompts, remote)
+
+
+def stop_rollouts(run: Any) -> None:
+    """Tell the rollout ranks the run is over (they exit)."""
+    queue = getattr(getattr(run, "trainer", None), "queue", None)
+    if queue is not None:
+        queue.close()
 
 
 def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, int, int] | None = None) -> None:

@@ -127,6 +127,8 @@ class RLHFGRPO(Recipe):
                                  "roles.actor.micro_batch_size)", "change one of them")
         common.check_model("roles.ref.model", cfg.roles.ref.model)
         common.check_rollout(cfg, cls.sequence_length(cfg))
+        common.check_placement(cfg, world_size, multiturn=bool(g.env), dynamic=g.dynamic_sampling)
+        world_size = common.trainer_ranks(cfg, world_size)
         models, _ = cls.rewards_of(cfg, strict=False)
         _, report = common.check_prompts_and_rewards(cfg, models)
         common.check_sft_run(cfg, "actor_sft", "actor", world_size)
@@ -217,6 +219,7 @@ class RLHFGRPO(Recipe):
         self.trainer = registry.add_state("grpo", GRPOTrainer(
             registry, g, spec, r.actor.micro_batch_size, normalize_rewards=cfg.reward.normalize, rollout=self.episodes,
             more_prompts=(lambda: next(self.prompts)) if g.dynamic_sampling else None))
+        common.schedule_rollouts(self, self.trainer, actor_path, self.sequence_length(cfg))
         self.plot_panels = plot_panels(self.rewards, self.answers.judge is not None, self.reward_role, self.ref,
                                        self.episodes is not None)
 
@@ -224,7 +227,7 @@ class RLHFGRPO(Recipe):
     def train_step(self) -> dict[str, float]:
         # this rank's next prompts (a resumable stream); trainer.step samples n answers (or episodes) to each,
         # seeded by (seed, step, rank), scores them, forms group advantages and runs the policy update
-        return self.trainer.step(next(self.prompts), self.step)
+        return self.trainer.step(None if self.trainer.queue else next(self.prompts), self.step)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         """Sampled answers (seeded): judge score, held-out reward (sum and per source), KL to ref, with eval.greedy
@@ -258,6 +261,10 @@ class RLHFGRPO(Recipe):
 
     def plot_title(self) -> str:
         return f"{self.name}: {self.cfg.grpo.algorithm} ({self.registry.world_size} ranks)"
+
+    def close(self) -> None:
+        common.stop_rollouts(self)
+        super().close()
 
 
 RECIPE = RLHFGRPO

@@ -146,6 +146,8 @@ class RLHFPPO(Recipe):
                                  "set roles.actor.stage=3, or roles.ema.offload_params=false")
         common.check_model("roles.ref.model", r.ref.model)
         common.check_rollout(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
+        common.check_placement(cfg, world_size)
+        world_size = common.trainer_ranks(cfg, world_size)
         models, _, critic_path, critic_tok = cls.reward_and_critic(cfg, r.actor.model, r.reward.model)
         if cfg.export.enabled and cfg.export.critic:
             what = "the critic" + ("" if r.critic.model else " (roles.critic.model \"\" takes this folder)")
@@ -248,6 +250,8 @@ class RLHFPPO(Recipe):
         self.trainer = registry.add_state("ppo", PPOTrainer(
             registry, p, spec, r.actor.micro_batch_size, r.critic.micro_batch_size,
             normalize_rewards=cfg.reward.normalize, ema_decay=cfg.ema.decay if cfg.ema.enabled else None))
+        common.schedule_rollouts(self, self.trainer, actor_path,
+                                 cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
         self.plot_panels = plot_panels(self.rewards, self.answers.judge is not None)
 
     def _setup_data(self) -> None:
@@ -275,7 +279,7 @@ class RLHFPPO(Recipe):
         # (every rank, every role, one forward); per-token rewards = clipped score on the last action - beta * k1 KL;
         # GAE; whitening over all ranks; ppo.epochs x minibatches of actor step then critic step; EMA; KL controller.
         # The metrics come back as means over ranks.
-        return self.trainer.step(next(self.prompts), self.step, self.ptx)
+        return self.trainer.step(None if self.trainer.queue else next(self.prompts), self.step, self.ptx)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, the held-out reward
@@ -303,6 +307,10 @@ class RLHFPPO(Recipe):
                 "generation_mode": self.cfg.generation.mode,
                 **{f"{key}_mean": self.mean_step_metric(key) for key in summary_timings(self.cfg.generation.engine)},
                 **self.eval_figures(figures)}
+
+    def close(self) -> None:
+        common.stop_rollouts(self)
+        super().close()
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths,

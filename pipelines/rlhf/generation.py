@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from multiengine.engines import EngineRegistry, moe
@@ -23,8 +24,10 @@ from .ppo import truncate_after_eos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationSettings", "RolloutGenerationSettings", "generate", "generate_routed", "position_ids_from_mask",
-           "rollout_done", "vllm_generate"]
+SCHEDULES = ("sync", "one_step_off", "async")
+
+__all__ = ["SCHEDULES", "GenerationSettings", "RolloutGenerationSettings", "generate", "generate_routed",
+           "position_ids_from_mask", "engine_generate", "module_generate", "rollout_done", "vllm_generate"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,17 @@ class RolloutGenerationSettings(GenerationSettings):
                                         "sampling are imposed in the trainer's passes over that rollout, docs/moe.md)",
                                  Choice("off", "rollout"), when="engine=hf")
     replay_ref: bool = setting(False, "the ref's log-probs on the rollout's routing too", when="router_replay=rollout")
+    schedule: str = setting("sync", "sync (generate, then train on it) | one_step_off (step t+1's rollout is "
+                                    "generated with step t's weights while step t trains) | async (rollouts run up "
+                                    "to max_staleness steps ahead of the trainer); docs/async.md",
+                            Choice(*SCHEDULES))
+    max_staleness: int = setting(2, "async: how many steps older than the policy a trained sample may be (the "
+                                    "rollouts run this many steps ahead; 0 = sync)", Range(0), when="schedule=async")
+
+    @property
+    def depth(self) -> int:
+        """How many steps ahead of the trainer the rollouts run: 0 (sync), 1 (one_step_off), max_staleness."""
+        return {"sync": 0, "one_step_off": 1}.get(self.schedule, self.max_staleness)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -166,6 +180,13 @@ def vllm_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_m
     engine = registry.rollout(role)
     if engine is None:
         raise ValueError(f"generation.engine=vllm but role {role!r} has no rollout engine (registry.add_rollout).")
+    return engine_generate(engine, input_ids, attention_mask, settings, eos_token_id, pad_token_id)
+
+
+@torch.no_grad()
+def engine_generate(engine: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
+                    eos_token_id: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vllm_generate` on a vLLM ``engine`` (VLLMRollout) itself."""
     prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
     tokens, logps = engine.generate(prompts, settings.max_new_tokens, vllm_sampling(settings), seeds, [eos_token_id])
@@ -176,3 +197,20 @@ def vllm_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_m
         response[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         logprobs[i, :len(lps)] = torch.tensor(lps)
     return response.to(input_ids.device), logprobs.to(input_ids.device)
+
+
+@torch.no_grad()
+def module_generate(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    settings: GenerationSettings, eos_token_id: int, pad_token_id: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers ``generate`` on a plain ``module`` (a rollout rank's copy of the actor): the ``[B, T]`` responses
+    and the log-probs of the sampled tokens under the logits that sampled them (over the temperature)."""
+    out = module.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
+                          do_sample=settings.do_sample, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                          use_cache=True, output_logits=True, return_dict_in_generate=True,
+                          **(dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+                             if settings.do_sample else {}))
+    response = truncate_after_eos(out.sequences[:, input_ids.shape[1]:], eos_token_id, pad_token_id)
+    logits = torch.stack(out.logits, dim=1).float() / settings.temperature
+    logprobs = torch.log_softmax(logits, -1).gather(-1, response.unsqueeze(-1).clamp(min=0)).squeeze(-1)
+    return response, logprobs

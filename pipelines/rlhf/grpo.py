@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,8 @@ from .rollout import (
     rollout_metrics,
     step_timings,
 )
+from .rollout_ranks import RemoteRollouts
+from .schedule import ScheduledRollouts, score_answers
 from .update import train_on_experience
 
 __all__ = ["FlatGroupWatch", "GRPOSettings", "GRPOTrainer", "judge_prompt_problem", "plot_panels"]
@@ -102,7 +104,7 @@ class GRPOSettings(Settings):
     clip_reward: float = setting(5.0, "0 = no clipping", Range(0))
     no_eos_penalty: float = setting(0.0, "> 0: subtracted from the score of answers without EOS (single answers)",
                                     Range(0), when="env=")
-    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0), when="generation.engine=vllm")
+    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0))
     shuffle_minibatches: bool = setting(True, "seeded minibatch order")
     flat_warn_share: float = setting(0.8, "warn when more than this share of groups has all-equal rewards (1 = "
                                           "never) ...", Range(0, 1))
@@ -228,6 +230,7 @@ class GRPOTrainer:
         self.more_prompts, self.rollout = more_prompts, rollout
         self.sampler = DynamicSampler(s.rollout_batch_size, s.max_resample_rounds) if s.dynamic_sampling else None
         self.dynamic: dict[str, float] = {}  # the last step's dynamic sampling counts (this rank)
+        self.queue: ScheduledRollouts | None = None  # rollouts ahead of the update (schedule)
 
     def _sample(self, batch: dict[str, Any], step: int, seed: int) -> Experience:
         """One rollout with its score (and the overlong penalty)."""
@@ -237,6 +240,11 @@ class GRPOTrainer:
         else:
             exp = make_experience(self.registry, batch, step, self.spec, n_samples_per_prompt=s.n_samples_per_prompt,
                                   no_eos_penalty=s.no_eos_penalty, sample_seed=seed)
+        return self._penalize(exp)
+
+    def _penalize(self, exp: Experience) -> Experience:
+        """The overlong penalty (DAPO) added to the score."""
+        s = self.settings
         if s.overlong_buffer:
             penalty = overlong_penalty(exp.action_mask.sum(-1), self.spec.generation.max_new_tokens,
                                        s.overlong_buffer, s.overlong_penalty).to(exp.score.device)
@@ -271,10 +279,30 @@ class GRPOTrainer:
     def make_experience(self, batch: dict[str, Any], step: int) -> Experience:
         """Rollout (``rollout_batch_size`` prompts x ``n_samples_per_prompt`` rows) with rewards and
         advantages set (collective)."""
+        return self._advantages(self._rollout(batch, step))
+
+    def _rollout(self, batch: dict[str, Any], step: int) -> Experience:
+        """A scored rollout without advantages: ``step`` seeds its sampling (the batch's index with a queue)."""
         if self.sampler is not None:
-            exp = self._dynamic_rollout(batch, step)
-        else:
-            exp = self._sample(batch, step, round_seed(self.spec.seed, step, 0, self.registry.rank))
+            return self._dynamic_rollout(batch, step)
+        return self._sample(batch, step, round_seed(self.spec.seed, step, 0, self.registry.rank))
+
+    def schedule(self, depth: int, prompts: Iterator[dict[str, Any]], remote: RemoteRollouts | None = None) -> None:
+        """Rollouts ``depth`` steps ahead of the update (schedule.py; 0 = lockstep), drawn from ``prompts``;
+        ``remote``: generated on rollout ranks. :meth:`step` then takes no batch."""
+        if depth or remote is not None:  # the log-probs that generated a batch are kept apart from the update's
+            self.spec = dataclasses.replace(self.spec, old_logprobs=True)
+            if isinstance(self.rollout, MultiTurnRollouts):
+                self.rollout.spec = dataclasses.replace(self.rollout.spec, old_logprobs=True)
+        s = self.settings
+
+        def score(answers: dict[str, Any]) -> Experience:
+            return self._penalize(score_answers(self.registry, answers, self.spec, s.n_samples_per_prompt,
+                                                s.no_eos_penalty))
+
+        self.queue = ScheduledRollouts(self.registry, depth, prompts, self._rollout, score, remote)
+
+    def _advantages(self, exp: Experience) -> Experience:
         t0 = time.perf_counter()
         score = exp.score
         if self.normalizer is not None:
@@ -282,7 +310,7 @@ class GRPOTrainer:
             score = self.normalizer.normalize(score)
         exp.advantages, exp.rewards = critic_free_advantages(score, exp.logprobs, exp.ref_logprobs, exp.action_mask,
                                                              self.settings)
-        exp.timings["experience_s"] += time.perf_counter() - t0
+        exp.timings["experience_s"] = exp.timings.get("experience_s", 0.0) + time.perf_counter() - t0
         return exp
 
     def train_on(self, exp: Experience, step: int, stats: StepStats | None = None) -> dict[str, float]:
@@ -295,10 +323,12 @@ class GRPOTrainer:
         """Reward, KL, length and group statistics of a rollout, over all ranks (with ``stats``: added to it)."""
         return rollout_metrics(exp, self.spec.judge, stats)
 
-    def step(self, batch: dict[str, Any], step: int) -> dict[str, float]:
-        """One step: rollout, advantages, update. Returns the step's metrics (global means)."""
+    def step(self, batch: dict[str, Any] | None, step: int) -> dict[str, float]:
+        """One step: rollout, advantages, update. Returns the step's metrics (global means). With a :meth:`schedule`
+        ``batch`` is None: the queue draws the prompts."""
         t0 = time.perf_counter()
-        exp = self.make_experience(batch, step)
+        exp = self._advantages(self.queue.take(step, self.spec)) if self.queue is not None else \
+            self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
         if self.sampler is not None:  # global: dropped / seen groups over all ranks
             d = self.dynamic
@@ -310,8 +340,11 @@ class GRPOTrainer:
         self.train_on(exp, step, stats)
         t_train = time.perf_counter() - t1
         self.rollout_metrics(exp, stats)  # after the update: with one pass, the actor's log-probs come from it
+        queued = {}
+        if self.queue is not None:  # the batches in flight land; the step's generation is theirs
+            queued = self.queue.finish(exp, step)
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
-        metrics = {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings}
+        metrics = {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings, **queued}
         if "reward/flat_groups" in metrics:  # the same global value on every rank: the streaks agree
             warning = self.flat_watch.update(metrics["reward/flat_groups"], self.settings.n_samples_per_prompt,
                                              self.spec.generation.temperature)
@@ -323,7 +356,8 @@ class GRPOTrainer:
         return {"algorithm": self.settings.algorithm,
                 "normalizer": self.normalizer.state_dict() if self.normalizer is not None else None,
                 "flat_watch": self.flat_watch.state_dict(),
-                "dynamic": self.sampler.state_dict() if self.sampler is not None else None}
+                "dynamic": self.sampler.state_dict() if self.sampler is not None else None,
+                **({"queue": self.queue.state_dict()} if self.queue is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("algorithm", self.settings.algorithm) != self.settings.algorithm:
@@ -334,6 +368,8 @@ class GRPOTrainer:
         self.flat_watch.load_state_dict(state.get("flat_watch") or {})
         if self.sampler is not None and state.get("dynamic") is not None:
             self.sampler.load_state_dict(state["dynamic"])
+        if self.queue is not None and state.get("queue") is not None:
+            self.queue.load_state_dict(state["queue"])
 
 
 def judge_prompt_problem(sources: Sequence[RewardSource], prompts: Sequence[str]) -> str | None:

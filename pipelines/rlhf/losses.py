@@ -102,9 +102,10 @@ class PolicyLossInputs:
                               self.horizon)
 
 
-ROLLOUT_IS_HELP = ("0 = off; > 0: truncated importance sampling of rollouts from vLLM (TRL's "
+ROLLOUT_IS_HELP = ("0 = off; > 0: truncated importance sampling of rollouts sampled by other weights or another "
+                   "engine (vLLM, rollout ranks, one_step_off/async schedules; TRL's "
                    "vllm_importance_sampling_correction, verl's TIS): each token's policy loss x min(pi_old / "
-                   "pi_vllm, cap), e.g. 2.0")
+                   "pi_rollout, cap), e.g. 2.0")
 
 
 def logprob_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from . import ppo
 from .losses import ROLLOUT_IS_HELP
 from .rewards import RewardSource, RunningMoments, check_sources, reward_model
 from .rollout import Experience, RolloutSpec, StepStats, make_experience, rollout_metrics, sampling_seed, step_timings
+from .schedule import ScheduledRollouts, score_answers
 from .update import train_on_experience
 
 __all__ = ["DUAL_CLIP", "SUMMARY_TIMINGS", "PPOSettings", "PPOTrainer", "plot_panels", "summary_timings"]
@@ -53,7 +54,7 @@ class PPOSettings(Settings):
     ptx_coef: float = setting(0.0, "> 0: unsupervised (SFT data) loss mixed into the actor, as in DeepSpeed-Chat",
                               Range(0))
     critic_warmup_steps: int = setting(0, "first N steps train only the critic", Range(0))
-    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0), when="generation.engine=vllm")
+    rollout_is_cap: float = setting(0.0, ROLLOUT_IS_HELP, Range(0))
     shuffle_minibatches: bool = setting(True, "seeded minibatch order")
 
     # what the update reads beside the fields (update.train_on_experience): PPO's objective, its token mean, and
@@ -124,6 +125,7 @@ class PPOTrainer:
         self.ema_decay, self.ema = ema_decay, ema
         self.kl_ctl = settings.kl_controller()
         self.normalizer = RunningMoments() if normalize_rewards else None
+        self.queue: ScheduledRollouts | None = None  # rollouts ahead of the update (schedule)
 
     def sampling_seed(self, step: int) -> int:
         return sampling_seed(self.spec.seed, step, self.registry.rank)
@@ -132,8 +134,25 @@ class PPOTrainer:
     def make_experience(self, batch: dict[str, Any], step: int) -> Experience:
         """Generate, score with every role (actor and ref log-probs, critic values, reward sources), then per-token
         rewards (k1 KL penalty + clipped score on the last action), GAE and whitening; ``step`` seeds the sampling."""
+        return self._estimate(make_experience(self.registry, batch, step, self.spec,
+                                              no_eos_penalty=self.settings.no_eos_penalty))
+
+    def schedule(self, depth: int, prompts: Iterator[dict[str, Any]], remote: Any = None) -> None:
+        """Rollouts ``depth`` steps ahead of the update (schedule.py; 0 = lockstep), drawn from ``prompts``;
+        ``remote`` (a RemoteRollouts): generated on rollout ranks. :meth:`step` then takes no batch."""
         s = self.settings
-        exp = make_experience(self.registry, batch, step, self.spec, no_eos_penalty=s.no_eos_penalty)
+
+        def produce(batch: dict[str, Any], index: int) -> Experience:
+            return make_experience(self.registry, batch, index, self.spec, no_eos_penalty=s.no_eos_penalty)
+
+        def score(answers: dict[str, Any]) -> Experience:
+            return score_answers(self.registry, answers, self.spec, 1, s.no_eos_penalty)
+
+        self.queue = ScheduledRollouts(self.registry, depth, prompts, produce, score, remote)
+
+    def _estimate(self, exp: Experience) -> Experience:
+        """Per-token rewards, GAE and whitening of a scored rollout."""
+        s = self.settings
         t0 = time.perf_counter()
         score = exp.score
         if self.normalizer is not None:
@@ -144,7 +163,7 @@ class PPOTrainer:
                                           s.clip_reward)
         advantages, exp.returns = ppo.gae(exp.rewards, exp.values, exp.action_mask, s.gamma, s.lam)
         exp.advantages = ppo.masked_whiten(advantages, exp.action_mask) if s.whiten_advantages else advantages
-        exp.timings["experience_s"] += time.perf_counter() - t0
+        exp.timings["experience_s"] = exp.timings.get("experience_s", 0.0) + time.perf_counter() - t0
         return exp
 
     def train_on(self, exp: Experience, step: int, ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None,
@@ -155,11 +174,13 @@ class PPOTrainer:
                                    self.critic_micro_batch_size, train_actor=step >= self.settings.critic_warmup_steps,
                                    ptx_batches=ptx_batches, stats=stats)
 
-    def step(self, batch: dict[str, Any], step: int,
+    def step(self, batch: dict[str, Any] | None, step: int,
              ptx_batches: Iterator[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
-        """One PPO step: experience, update, EMA, KL-controller update. Returns the step's metrics."""
+        """One PPO step: experience, update, EMA, KL-controller update. Returns the step's metrics. With a
+        :meth:`schedule` ``batch`` is None: the queue draws the prompts."""
         t0 = time.perf_counter()
-        exp = self.make_experience(batch, step)
+        exp = self._estimate(self.queue.take(step, self.spec)) if self.queue is not None else \
+            self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
         self.rollout_metrics(exp, stats)
         t1 = time.perf_counter()
@@ -167,10 +188,11 @@ class PPOTrainer:
         t_train = time.perf_counter() - t1
         if self.ema_decay is not None:
             ema_update(self.registry[self.ema].module, self.registry[self.spec.actor].module, self.ema_decay)
+        queued = self.queue.finish(exp, step) if self.queue is not None else {}  # the batches in flight land
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
         metrics = stats.reduce()
         self.kl_ctl.update(metrics["kl"], exp.sequences.shape[0] * self.registry.world_size)
-        return {**metrics, "kl_coef": self.kl_ctl.value, **timings}
+        return {**metrics, "kl_coef": self.kl_ctl.value, **timings, **queued}
 
     def rollout_metrics(self, exp: Experience, stats: StepStats | None = None) -> dict[str, float]:
         """Reward, KL and length statistics of a rollout, over all ranks (with ``stats``: added to it)."""
@@ -180,9 +202,13 @@ class PPOTrainer:
         state: dict[str, Any] = {"kl_ctl": self.kl_ctl.state_dict()}
         if self.normalizer is not None:
             state["normalizer"] = self.normalizer.state_dict()
+        if self.queue is not None:
+            state["queue"] = self.queue.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.normalizer is not None and "normalizer" in state:
             self.normalizer.load_state_dict(state["normalizer"])
+        if self.queue is not None and state.get("queue") is not None:
+            self.queue.load_state_dict(state["queue"])

@@ -150,7 +150,7 @@ def add_reward_roles(registry: EngineRegistry, models: list[Any], packing: str =
 def add_rollout(registry: EngineRegistry, cfg: Any, path: str, seq_len: int, role: str = "actor") -> None:
     """With generation.engine=vllm: roles.rollout's vLLM engine on every rank, started from ``path`` (``role``'s
     initial folder) and synced from ``role`` before each rollout that follows an optimizer step."""
-    if cfg.generation.engine != "vllm":
+    if cfg.generation.engine != "vllm" or cfg.roles.rollout.ranks:  # rollout ranks build their own
         return
     from multiengine.engines.vllm_rollout import VLLMRollout
 

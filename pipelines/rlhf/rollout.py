@@ -42,7 +42,7 @@ Decode = Callable[[torch.Tensor], list[str]]
 
 _ROW_TENSORS = ("sequences", "attention_mask", "action_mask", "logprobs", "score", "ref_logprobs", "values",
                 "rewards", "advantages", "returns", "critic_sequences", "critic_attention_mask", "critic_index",
-                "rollout_logprobs", "routing")
+                "rollout_logprobs", "routing", "versions")
 
 
 @dataclass
@@ -67,6 +67,8 @@ class Experience:
     critic_index: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None  # [B, T] the sampler's (vLLM, or an MoE's generate) of its tokens
     routing: torch.Tensor | None = None  # [B, L, layers, k] the experts each token went to while sampling (replay)
+    versions: torch.Tensor | None = None  # [B] the policy version (updates behind it) that generated each row
+    scored_version: int | None = None  # the version whose log-probs ``logprobs`` holds (None: the generating one)
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [B] unweighted
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
@@ -204,12 +206,14 @@ def rollout_spec(answers: Any, tokenizer: Any, rewards: Sequence[RewardSource], 
 @torch.no_grad()
 def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, spec: RolloutSpec, *,
                     n_samples_per_prompt: int = 1, no_eos_penalty: float = 0.0,
-                    sample_seed: int | None = None) -> Experience:
+                    sample_seed: int | None = None, sampled: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> Experience:
     """Sample and score one rollout (collective): ``n_samples_per_prompt`` completions of each prompt of ``batch``
     (a :class:`PromptCollator` batch: left-padded ``input_ids`` / ``attention_mask`` ``[P, C]``, ``prompts`` texts,
     optionally ``columns``, the rows' other dataset columns passed to reward functions by name) in consecutive rows,
     one forward of each role of ``spec``, the score minus ``no_eos_penalty`` (0 = off) for answers without EOS.
-    ``sample_seed`` None = :func:`sampling_seed` of ``(spec.seed, step, rank)``. Returns an :class:`Experience` of
+    ``sample_seed`` None = :func:`sampling_seed` of ``(spec.seed, step, rank)``; ``sampled``: the responses ``[B, T]``
+    and their sampler's log-probs, generated elsewhere (rollout ranks), scored here. Returns an :class:`Experience` of
     ``P * n_samples_per_prompt`` rows without rewards/advantages."""
     device = registry.device
     batch = expand_prompts(batch, n_samples_per_prompt)
@@ -222,7 +226,9 @@ def make_experience(registry: EngineRegistry, batch: dict[str, Any], step: int, 
     torch.manual_seed(sampling_seed(spec.seed, step, registry.rank) if sample_seed is None else sample_seed)
     eos, generation, critic = spec.eos_token_id, spec.generation, spec.critic
     rollout_logprobs, routing, sync = None, None, {}
-    if generation.engine == "vllm":
+    if sampled is not None:
+        response, rollout_logprobs = (t.to(device) for t in sampled)
+    elif generation.engine == "vllm":
         response, rollout_logprobs = vllm_generate(registry, prompt_ids, prompt_mask, generation, eos,
                                                    spec.pad_token_id, spec.actor)
         sync = rollout_done(registry, spec.actor)

@@ -317,6 +317,7 @@ class Recipe:
         self.history: list[dict[str, Any]] = []  # evaluations, in order
         self.step_metrics: list[dict[str, float]] = []
         self.registry: EngineRegistry | None = None
+        self.bridge: Any = None  # with rollout ranks: the engines' Bridge to them (split_ranks)
         self.metrics: MetricsLogger | None = None
         self._saved_at: int | None = None
         self.nonfinite_skips = 0  # steps counted by the nonfinite policy (checkpointed)
@@ -593,7 +594,11 @@ class Recipe:
         t0 = time.perf_counter()
         if os.environ.get(KEY_READS_ENV) and not tracking_reads():  # tests: which keys the run read
             track_reads()
+        bridge = cls.split_ranks(cfg)
+        if bridge is not None and bridge.layout.is_rollout:  # a rollout rank: generation only, until told to stop
+            return cls.serve(cfg, bridge)
         run = cls(cfg)
+        run.bridge = bridge
         run.setup()
         report = None
         try:
@@ -611,6 +616,35 @@ class Recipe:
             if os.environ.get(KEY_READS_ENV):
                 run.write_key_reads()
         return {"metrics": summary["metrics"], "export": export, "report": report}
+
+    @classmethod
+    def split_ranks(cls, cfg: Any) -> Any:
+        """With rollout ranks (``roles.<rollout role>.ranks``, before any process group): this process's side of the
+        engines' Bridge (trainer ranks then see a world of their own), else None."""
+        rollout = next((r.name for r in cls.roles if r.rollout), None)
+        ranks = list(cfg.roles[rollout].ranks) if rollout and cfg.roles is not None else []
+        if not ranks:
+            return None
+        from multiengine.engines.placement import Bridge, split_world
+
+        return Bridge(split_world(ranks), cfg.dist_timeout_s or None)
+
+    @classmethod
+    def serve(cls, cfg: Any, bridge: Any) -> dict[str, Any]:
+        """A rollout rank's run: answer the trainer ranks until they stop (rollout_ranks.serve_rollouts)."""
+        from multiengine.engines.dist import _launched, watch_launcher
+        from multiengine.pipelines.rlhf.rollout_ranks import serve_rollouts
+
+        if _launched():
+            watch_launcher()
+        served = serve_rollouts(bridge)
+        logger.info("rollout rank %d: %d batches generated", bridge.layout.rank, served)
+        if os.environ.get(KEY_READS_ENV):
+            folder = os.path.join(str(cfg.output_dir), "logs")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"key-reads-rank{bridge.layout.rank}.json"), "w", encoding="utf-8") as f:
+                json.dump(sorted(reads_of(cfg)), f)
+        return {"metrics": {}, "export": {}, "report": None}
 
     def write_key_reads(self) -> None:
         """``logs/key-reads-rank<N>.json``: the keys of this run's config read from setup to summary."""

@@ -205,8 +205,9 @@ _VLLM = "generation.engine=vllm"
 
 @dataclass(frozen=True)
 class RolloutRole(Settings):
-    """An inference engine (vLLM) generating the actor's rollouts on every rank, its weights synced from the actor
-    after each optimizer step (docs/vllm.md); its keys apply with generation.engine=vllm."""
+    """An inference engine generating the actor's rollouts, its weights synced from the actor after each step: vLLM on
+    every rank (docs/vllm.md; its keys apply with generation.engine=vllm), or either engine on ranks of its own
+    (``ranks``, docs/async.md)."""
 
     dtype: str = setting("", "fp32 | bf16 | fp16; \"\" = the actor's dtype", Choice(*DTYPES, ""), when=_VLLM)
     kv_cache_gb: float = setting(1.0, "KV cache per rank, GiB (GPU: 0 = what gpu_memory_utilization leaves)",
@@ -218,6 +219,10 @@ class RolloutRole(Settings):
     gpu_memory_utilization: float = setting(0.3, "GPU: share of the device for the engine's weights + KV cache",
                                             Range(0, 1, min_exclusive=True), when=_VLLM)
     sleep: bool = setting(False, "GPU: free the engine's memory between rollouts (vLLM sleep mode)", when=_VLLM)
+    ranks: list[int] = setting([], "the ranks that only generate (the job's last ranks, e.g. [1] of 2, [6, 7] of 8; "
+                                   "each holds a whole copy of the actor: transformers, or vLLM with "
+                                   "generation.engine=vllm); [] = the rollouts are generated on every rank, in turn "
+                                   "with training (docs/async.md)", Each(Range(0)))
 
     def _bind(self, decl: Role, roles: Roles) -> None:
         object.__setattr__(self, "_decl", decl)
