@@ -997,8 +997,8 @@ def plan(roles: Sequence[RoleRequest], budget: Budget) -> Plan:
 def _message(p: Plan, host_limit: float | None) -> str:
     gpu = fmt_bytes(p.budget.gpu_bytes)
     if p.fits:
-        return (f"fits: {fmt_bytes(p.total)} of {gpu} per GPU on {p.budget.world_size} GPU(s) "
-                f"(peak during {p.transient_role} {p.transient_phase}).")
+        peak = f" (peak during {p.transient_role} {p.transient_phase})" if p.transient else ""
+        return f"fits: {fmt_bytes(p.total)} of {gpu} per GPU on {p.budget.world_size} GPU(s){peak}."
     biggest = max(p.roles, key=lambda r: r.chosen.accelerator_peak)
     o = biggest.chosen
     lines = [

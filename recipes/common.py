@@ -415,16 +415,28 @@ def reward_plan(cfg: Any, rows: int, assume: Mapping[str, str] | None) -> tuple[
     return out, infos
 
 
-def rollout_plan(cfg: Any, info: P.ModelInfo) -> list[P.RoleRequest]:
-    """With generation.engine=vllm: the rollout engine of every rank, whole weights (its share under tensor
-    parallelism) and its KV cache, resident for the whole run (sleep mode, GPU, frees them during updates)."""
-    if cfg.generation.engine != "vllm":
+def rollout_plan(cfg: Any, info: P.ModelInfo, rows: int = 0) -> list[P.RoleRequest]:
+    """The rollout engine of every rank, or of each rollout rank (roles.rollout.ranks). generation.engine=vllm: whole
+    weights (its share under tensor parallelism) and its KV cache, resident for the whole run (sleep mode, GPU, frees
+    them during updates). transformers on a rollout rank: a whole copy of the actor in its dtype, generating ``rows``
+    rows (one trainer rank's batch: it serves its trainer ranks in turn)."""
+    r, g, stage0 = cfg.roles.rollout, cfg.generation, plans.current_choice(0, False)
+    if r.ranks and g.engine == "hf":
+        dtype = cfg.roles.actor.effective_dtype
+        phases = plans.lm_phases(P.transformer_dims(info.config), dtype,
+                                 generate=(rows, cfg.data.max_prompt_len, g.max_new_tokens))
+        return [P.RoleRequest("rollout", info.params, dtype, phases=tuple(phases), choices=(stage0,), current=stage0,
+                              source=info.source,
+                              note=f"transformers generate on a whole copy of the actor: one trainer rank's {rows} "
+                                   "rows at a time")]
+    if g.engine != "vllm":
         return []
-    r = cfg.roles.rollout
     dtype = r.dtype or cfg.roles.actor.effective_dtype
     element = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
     kv = int(r.kv_cache_gb * 2**30)
-    stage0 = plans.current_choice(0, False)
+    if r.ranks:  # alone on its GPU: the KV cache shown as its own (resident) use
+        return [P.RoleRequest("rollout", info.params, dtype, phases=(("KV cache", kv),), choices=(stage0,),
+                              current=stage0, source=info.source, note="vLLM: whole weights + KV cache")]
     return [P.RoleRequest("rollout", info.params // r.tensor_parallel_size + kv // element, dtype, choices=(stage0,),
                           current=stage0, source=info.source,
                           note=f"vLLM: {info.params // r.tensor_parallel_size:,} parameters (tensor_parallel_size "
@@ -442,11 +454,14 @@ def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo
         infos = {**infos, "ref": lm_info(cfg, r.ref.model, "ref", assume) if r.ref.model else infos["actor"]}
     # an update micro-batch: micro_batch_size rows, or with a token budget the budget's tokens (update_shape)
     train = {name: plans.update_shape(r[name], infos[name], seq, rows) for name in ("actor", "critic") if name in infos}
-    phases = {"actor": plans.lm_role_phases(r.actor, infos["actor"], generate=(rollout, prompt, new),
+    # with rollout ranks the actor generates only the evaluation answers (eval.size > 0), on the trainer ranks
+    placed = tuple(r.rollout.ranks)
+    generate = eval_generation(cfg) if placed else (rollout, prompt, new)
+    phases = {"actor": plans.lm_role_phases(r.actor, infos["actor"], generate=generate,
                                             forward=(rows, seq), train=train["actor"][0], label="experience forward"),
               "ref": plans.lm_role_phases(r.ref, infos.get("ref", infos["actor"]), forward=(rollout, seq),
                                           label="experience forward")}
-    gathers = cfg.generation.mode == "gather" and cfg.generation.engine == "hf"  # vllm: the engine generates
+    gathers = cfg.generation.mode == "gather" and (cfg.generation.engine == "hf" or bool(placed))  # vllm generates
     options = {"actor": {"full_gather": ("generation",) if gathers else (),
                          "gather_hint": "generation.mode=per_token"},
                "ref": plans.gather_options(r.ref, "experience forward")}
@@ -457,7 +472,11 @@ def policy_plan(title: str, note: str, cfg: Any, infos: Mapping[str, P.ModelInfo
         options["critic"] = {"extra_trainable": P.transformer_dims(infos["critic"].config).hidden}
     budgets = [text for _, notes in train.values() for text in notes]
     plan = plans.declared_roles(cfg, infos, phases, title=title, notes=[note, *budgets, *rewards.notes], **options)
-    plan.roles += rewards.roles + rollout_plan(cfg, infos["actor"])
+    plan.roles += rewards.roles
+    if placed:  # the rollout engine on each rollout GPU, the roles above on the trainer GPUs (plans.plan_recipe)
+        plan.rollout, plan.rollout_ranks = plans.RecipePlan("", rollout_plan(cfg, infos["actor"], rows)), placed
+    else:
+        plan.roles += rollout_plan(cfg, infos["actor"])
     plan.keys.update(rewards.keys)
     plan.packed += rewards.packed
     return plan

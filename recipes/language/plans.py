@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,10 @@ class RecipePlan:
     packed: list[str] = field(default_factory=list)  # the roles whose token-sequence passes run packed (a note)
     # rlhf_e2e: the step's overrides list (e.g. "sft.overrides") that --write appends the placements to
     overrides_key: str | None = None
+    # roles.rollout.ranks: what each rollout GPU (the job's last ones) holds; the roles above are then partitioned
+    # over the other GPUs, the trainer GPUs
+    rollout: RecipePlan | None = None
+    rollout_ranks: tuple[int, ...] = ()
 
 
 def _is_pathlike(name: str) -> bool:
@@ -395,15 +399,52 @@ def placement_overrides(item: RecipePlan, placements: Mapping[str, P.Choice]) ->
 
 def plan_recipe(recipe: Any, cfg: Any, budget: P.Budget, assume: Mapping[str, str] | None = None
                 ) -> tuple[list[RecipePlan], list[P.Plan]]:
-    """The recipe's plans (:func:`recipe_plans`) laid out for ``budget``, each result with its plan's notes."""
-    items = recipe_plans(recipe, cfg, assume)
-    results = [P.plan(item.roles, budget) for item in items]
-    for item, result in zip(items, results):
+    """The recipe's plans (:func:`recipe_plans`) laid out for ``budget``, each result with its plan's notes; a plan
+    with rollout ranks as two: its roles on the trainer GPUs, its rollout engine on each rollout GPU."""
+    items, budgets, placed = [], [], []
+    for item in recipe_plans(recipe, cfg, assume):
+        if item.rollout is None:
+            items.append(item)
+            budgets.append(budget)
+            placed.append("")
+            continue
+        trainers, rollouts = placement_budgets(item.rollout_ranks, budget)
+        split = (f"{trainers.world_size} trainer GPUs + {rollouts.world_size} rollout GPUs (roles.rollout.ranks="
+                 f"{list(item.rollout_ranks)})")
+        items += [replace(item, title=f"{item.title}, {trainers.world_size} trainer GPUs"),
+                  replace(item.rollout, title=f"{item.title}, {rollouts.world_size} rollout GPUs")]
+        budgets += [trainers, rollouts]
+        placed += [f"{split}: the DeepSpeed roles are partitioned over the {trainers.world_size} trainer GPUs, and "
+                   "the rollout batch keys count per trainer GPU",
+                   f"{split}: each rollout GPU holds a whole rollout engine (no DeepSpeed role)"]
+    results = [P.plan(item.roles, b) for item, b in zip(items, budgets)]
+    for item, result, note in zip(items, results, placed):
+        result.notes.extend([note] if note else [])
         result.notes.extend(item.notes)
         if item.packed:
             result.notes.append(f"packed passes ({', '.join(item.packed)}): activations planned at the padded size, "
                                 "the most a pass holds (packed, it computes the rows' real tokens only)")
     return items, results
+
+
+def placement_budgets(ranks: Sequence[int], budget: P.Budget) -> tuple[P.Budget, P.Budget]:
+    """The trainer GPUs' and the rollout GPUs' budgets of ``budget`` with ``ranks`` (roles.rollout.ranks) generating:
+    the trainer GPUs are a DeepSpeed world of their own; a rollout GPU runs one process, with no NCCL (a gloo bridge
+    carries prompts, answers and weights). A config error naming the key when ``ranks`` cannot split the GPUs."""
+    from multiengine.engines.placement import layout_problem
+    from multiengine.engines.settings import config_problem
+
+    n, r = budget.world_size, len(ranks)
+    problem = layout_problem(list(ranks), n)
+    if problem is not None:
+        fixes = [f"--gpus {max(ranks) + 1}"] if layout_problem(list(ranks), max(ranks) + 1) is None else []
+        fixes += [f"roles.rollout.ranks={last}" for last in (list(range(n - k, n)) for k in (r, 1))
+                  if n > len(last) and layout_problem(last, n) is None][:1]
+        fix = " or ".join([*fixes, "roles.rollout.ranks=[] (rollouts on every rank)"])
+        raise config_problem("roles.rollout.ranks", list(ranks), f"does not fit --gpus {n}: {problem}", fix)
+    per_node = budget.ranks_per_node
+    return (replace(budget, world_size=n - r, gpus_per_node=min(per_node, n - r)),
+            replace(budget, world_size=r, gpus_per_node=min(per_node, r), nccl=0))
 
 
 def write_config(recipe: str, config: str | None, overrides: Sequence[str], planned: tuple[Sequence[RecipePlan],
