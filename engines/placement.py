@@ -65,7 +65,7 @@ def layout_problem(rollout: Sequence[int], world: int) -> str | None:
                 "trainer ranks keep ranks 0..N-1")
     trainers = world - len(ranks)
     if trainers % len(ranks):
-        return f"{len(ranks)} rollout ranks do not divide the {trainers} trainer ranks (each serves as many)"
+        return f"has {len(ranks)} rollout ranks, which do not divide the {trainers} trainer ranks (each serves as many)"
     return None
 
 

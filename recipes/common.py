@@ -212,8 +212,9 @@ def check_placement(cfg: Any, world_size: int, multiturn: bool = False, dynamic:
     key = "roles.rollout.ranks"
     problem = layout_problem(ranks, world_size)
     if problem is not None:
-        raise config_problem(key, ranks, problem, f"e.g. {key}=[{world_size - 1}] with --nproc-per-node "
-                             f"{max(world_size, 2)}, or {key}=[] (rollouts on every rank)")
+        world = max(world_size, 2)
+        raise config_problem(key, ranks, problem, f"e.g. {key}=[{world - 1}] with --nproc-per-node {world}, or "
+                             f"{key}=[] (rollouts on every rank)")
     why = {"grpo.env": multiturn, "grpo.dynamic_sampling": dynamic,
            "generation.router_replay": g.router_replay != "off",
            "roles.rollout.tensor_parallel_size": g.engine == "vllm" and cfg.roles.rollout.tensor_parallel_size > 1}
@@ -222,6 +223,18 @@ def check_placement(cfg: Any, world_size: int, multiturn: bool = False, dynamic:
             raise config_problem(key, ranks, f"cannot run with {other} yet (rollout ranks generate single-turn "
                                  "answers, one engine per rank, without routing records or extra rounds)",
                                  f"{key}=[] (rollouts on every rank), or turn {other} off")
+
+
+def check_lockstep(cfg: Any, what: str) -> None:
+    """Refuse generation.schedule and roles.rollout.ranks where ``what`` generates in lockstep only."""
+    if cfg.generation.schedule != "sync":
+        raise config_problem("generation.schedule", cfg.generation.schedule, f"is not available: {what} generate in "
+                             "lockstep with training (rlhf_grpo and rlhf_ppo run ahead, docs/async.md)",
+                             "generation.schedule=sync")
+    if cfg.roles.rollout.ranks:
+        raise config_problem("roles.rollout.ranks", list(cfg.roles.rollout.ranks), f"is not available: {what} "
+                             "generate on every rank (rlhf_grpo and rlhf_ppo have rollout ranks, docs/async.md)",
+                             "roles.rollout.ranks=[]")
 
 
 def schedule_rollouts(run: Any, trainer: Any, actor_path: str, seq_len: int) -> None:
@@ -240,6 +253,16 @@ def schedule_rollouts(run: Any, trainer: Any, actor_path: str, seq_len: int) -> 
         remote = RemoteRollouts(run.bridge, run.registry, trainer.spec, n,
                                 {"folder": actor_path, "dtype": cfg.roles.actor.effective_dtype, "vllm": vllm})
     trainer.schedule(cfg.generation.depth, run.prompts, remote)
+
+
+def rollouts_summary(run: Any) -> dict[str, Any]:
+    """With a rollout queue: its counts and the ledger of trained batches (a hash over their indices and versions,
+    this rank's; a resumed run that trained the same samples has the same)."""
+    queue = getattr(getattr(run, "trainer", None), "queue", None)
+    if queue is None:
+        return {}
+    return {"rollouts": {**queue.queue.counts(), "ledger": queue.queue.ledger,
+                         "schedule": run.cfg.generation.schedule, "ranks": list(run.cfg.roles.rollout.ranks)}}
 
 
 def stop_rollouts(run: Any) -> None:

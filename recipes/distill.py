@@ -120,6 +120,7 @@ class Distill(Recipe):
         a micro batch of training rows per rank (for the student, and for the SFT run that trains a missing
         teacher)."""
         teacher, student, d = cfg.roles.teacher, cfg.roles.student, cfg.distill
+        common.check_lockstep(cfg, "distill's on-policy steps")
         tok = common.check_role(cfg, "teacher")
         own = common.check_role(cfg, "student", student.tokenizer_path(), tok)
         if student.model and teacher.model:  # a tiny teacher trained at run time is checked when the models are built

@@ -257,7 +257,8 @@ class RLHFGRPO(Recipe):
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths, "rewards": [{"name": r.name, "weight": r.weight,
-                                                  "kind": "model" if r.role else "function"} for r in self.rewards]}
+                                                  "kind": "model" if r.role else "function"} for r in self.rewards],
+                **common.rollouts_summary(self)}
 
     def plot_title(self) -> str:
         return f"{self.name}: {self.cfg.grpo.algorithm} ({self.registry.world_size} ranks)"

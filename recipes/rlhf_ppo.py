@@ -314,7 +314,8 @@ class RLHFPPO(Recipe):
 
     def summary_extra(self) -> dict[str, Any]:
         return {"paths": self.paths,
-                "reencoded": {role: r is not None for role, r in self.retokenizers.items()}}
+                "reencoded": {role: r is not None for role, r in self.retokenizers.items()},
+                **common.rollouts_summary(self)}
 
 
 RECIPE = RLHFPPO
