@@ -252,6 +252,8 @@ def schedule_rollouts(run: Any, trainer: Any, actor_path: str, seq_len: int) -> 
         n = getattr(trainer.settings, "n_samples_per_prompt", 1)
         remote = RemoteRollouts(run.bridge, run.registry, trainer.spec, n,
                                 {"folder": actor_path, "dtype": cfg.roles.actor.effective_dtype, "vllm": vllm})
+        if run.registry.is_main:
+            logger.info("rollout rank %s: %s", remote.server, remote.engine)
     trainer.schedule(cfg.generation.depth, run.prompts, remote)
 
 
@@ -261,7 +263,8 @@ def rollouts_summary(run: Any) -> dict[str, Any]:
     queue = getattr(getattr(run, "trainer", None), "queue", None)
     if queue is None:
         return {}
-    return {"rollouts": {**queue.queue.counts(), "ledger": queue.queue.ledger,
+    engine = queue.remote.engine if queue.remote is not None else None
+    return {"rollouts": {**queue.queue.counts(), "ledger": queue.queue.ledger, "engine": engine,
                          "schedule": run.cfg.generation.schedule, "ranks": list(run.cfg.roles.rollout.ranks)}}
 
 

@@ -39,6 +39,7 @@ class RemoteRollouts:
         self.published: int | None = None  # the version the rollout ranks hold (None: the folder's)
         self.sync = {"sync_s": 0.0, "sync_bytes": 0.0}  # weight broadcasts since the last take_sync
         bridge.send({"kind": "start", "generation": spec.generation, **start}, self.server)
+        self.engine = bridge.recv(self.server)  # what the rollout rank built: engine, parameters, bytes
 
     def publish(self, version: int) -> None:
         """The actor's current weights to every rollout rank (collective over the trainer ranks under ZeRO-3)."""
@@ -117,12 +118,23 @@ def serve_rollouts(bridge: Bridge) -> int:
             start = messages[0]
             settings = start["generation"]  # type: ignore[index]
             engine, vllm = _build(start)  # type: ignore[arg-type]
+            for client in clients:
+                bridge.send(_describe(engine, vllm, bridge.layout.rank), client)
         elif kind == "weights":
             _load(engine, vllm, bridge.receive_weights(), messages[0]["version"])  # type: ignore[index]
         else:
             for client, msg in zip(clients, messages):
                 bridge.send(_generate(engine, vllm, settings, msg), client)  # type: ignore[arg-type]
                 served += 1
+
+
+def _describe(engine: Any, vllm: bool, rank: int) -> dict[str, Any]:
+    """The rollout rank's engine, for the trainer's log and summary."""
+    if vllm:
+        return {"rank": rank, "engine": "vllm", **engine.memory("rollout")}
+    params = list(engine.parameters())
+    return {"rank": rank, "engine": "transformers", "parameters": sum(p.numel() for p in params),
+            "bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
 def _generate(engine: Any, vllm: bool, settings: GenerationSettings, msg: dict[str, Any]) -> dict[str, Any]:
