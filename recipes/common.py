@@ -264,7 +264,8 @@ def rollouts_summary(run: Any) -> dict[str, Any]:
     if queue is None:
         return {}
     engine = queue.remote.engine if queue.remote is not None else None
-    return {"rollouts": {**queue.queue.counts(), "ledger": queue.queue.ledger, "engine": engine,
+    counts = {k.removeprefix("rollout/"): v for k, v in queue.queue.counts().items()}
+    return {"rollouts": {**counts, "ledger": queue.queue.ledger, "engine": engine,
                          "schedule": run.cfg.generation.schedule, "ranks": list(run.cfg.roles.rollout.ranks)}}
 
 
