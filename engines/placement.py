@@ -6,7 +6,8 @@ metric reduction lives there, as in a job of ``W-R`` ranks), and each rollout ra
 own. The :class:`Bridge` is a gloo process group over all ``W`` processes (its own rendezvous, never the default
 group): requests and replies go point to point over it, and the actor's weights go from trainer rank 0 to every
 rollout rank by broadcast on a second group (trainer rank 0 + the rollout ranks), one layer at a time, gathered from
-ZeRO-3 shards while they are sent (:func:`vllm_rollout.stream_weights`), so no rank holds the whole model at once.
+ZeRO-3 shards while they are sent (:func:`vllm_rollout.stream_units`), so no rank holds the whole model at once.
+Tensors cross the bridge in host memory (gloo).
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ class Bridge:
 
     def send_weights(self, units: Iterable[list[tuple[str, torch.Tensor]]]) -> WeightStats:
         """Trainer rank 0: each unit's ``(name, tensor)`` pairs to every rollout rank (one header and one flat
-        buffer per unit), then the end mark. Other trainer ranks call :meth:`drain_weights` with the same units
-        (ZeRO-3 gathers them together)."""
+        buffer per unit), then the end mark. The other trainer ranks iterate the same units without sending (ZeRO-3
+        gathers them together)."""
         stats, t0 = WeightStats(), time.perf_counter()
         for unit in units:
             tensors = [t.detach().to("cpu").contiguous() for _, t in unit]

@@ -260,20 +260,20 @@ def schedule_rollouts(run: Any, trainer: Any, actor_path: str, seq_len: int) -> 
 def rollouts_summary(run: Any) -> dict[str, Any]:
     """With a rollout queue: its counts and the ledger of trained batches (a hash over their indices and versions,
     this rank's; a resumed run that trained the same samples has the same)."""
-    queue = getattr(getattr(run, "trainer", None), "queue", None)
-    if queue is None:
+    scheduled = getattr(getattr(run, "trainer", None), "scheduled", None)
+    if scheduled is None:
         return {}
-    engine = queue.remote.engine if queue.remote is not None else None
-    counts = {k.removeprefix("rollout/"): v for k, v in queue.queue.counts().items()}
-    return {"rollouts": {**counts, "ledger": queue.queue.ledger, "engine": engine,
+    engine = scheduled.remote.engine if scheduled.remote is not None else None
+    counts = {k.removeprefix("rollout/"): v for k, v in scheduled.queue.counts().items()}
+    return {"rollouts": {**counts, "ledger": scheduled.queue.ledger, "engine": engine,
                          "schedule": run.cfg.generation.schedule, "ranks": list(run.cfg.roles.rollout.ranks)}}
 
 
 def stop_rollouts(run: Any) -> None:
     """Tell the rollout ranks the run is over (they exit)."""
-    queue = getattr(getattr(run, "trainer", None), "queue", None)
-    if queue is not None:
-        queue.close()
+    scheduled = getattr(getattr(run, "trainer", None), "scheduled", None)
+    if scheduled is not None:
+        scheduled.close()
 
 
 def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, int, int] | None = None) -> None:

@@ -227,7 +227,7 @@ class RLHFGRPO(Recipe):
     def train_step(self) -> dict[str, float]:
         # this rank's next prompts (a resumable stream); trainer.step samples n answers (or episodes) to each,
         # seeded by (seed, step, rank), scores them, forms group advantages and runs the policy update
-        return self.trainer.step(None if self.trainer.queue else next(self.prompts), self.step)
+        return self.trainer.step(None if self.trainer.scheduled else next(self.prompts), self.step)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         """Sampled answers (seeded): judge score, held-out reward (sum and per source), KL to ref, with eval.greedy

@@ -279,7 +279,7 @@ class RLHFPPO(Recipe):
         # (every rank, every role, one forward); per-token rewards = clipped score on the last action - beta * k1 KL;
         # GAE; whitening over all ranks; ppo.epochs x minibatches of actor step then critic step; EMA; KL controller.
         # The metrics come back as means over ranks.
-        return self.trainer.step(None if self.trainer.queue else next(self.prompts), self.step, self.ptx)
+        return self.trainer.step(None if self.trainer.scheduled else next(self.prompts), self.step, self.ptx)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         """Sampled answers (seeded, as in training) to the evaluation prompts: judge score, the held-out reward

@@ -230,7 +230,7 @@ class GRPOTrainer:
         self.more_prompts, self.rollout = more_prompts, rollout
         self.sampler = DynamicSampler(s.rollout_batch_size, s.max_resample_rounds) if s.dynamic_sampling else None
         self.dynamic: dict[str, float] = {}  # the last step's dynamic sampling counts (this rank)
-        self.queue: ScheduledRollouts | None = None  # rollouts ahead of the update (schedule)
+        self.scheduled: ScheduledRollouts | None = None  # rollouts ahead of the update (schedule)
 
     def _sample(self, batch: dict[str, Any], step: int, seed: int) -> Experience:
         """One rollout with its score (and the overlong penalty)."""
@@ -300,7 +300,7 @@ class GRPOTrainer:
             return self._penalize(score_answers(self.registry, answers, self.spec, s.n_samples_per_prompt,
                                                 s.no_eos_penalty))
 
-        self.queue = ScheduledRollouts(self.registry, depth, prompts, self._rollout, score, remote)
+        self.scheduled = ScheduledRollouts(self.registry, depth, prompts, self._rollout, score, remote)
 
     def _advantages(self, exp: Experience) -> Experience:
         t0 = time.perf_counter()
@@ -327,7 +327,7 @@ class GRPOTrainer:
         """One step: rollout, advantages, update. Returns the step's metrics (global means). With a :meth:`schedule`
         ``batch`` is None: the queue draws the prompts."""
         t0 = time.perf_counter()
-        exp = self._advantages(self.queue.take(step, self.spec)) if self.queue is not None else \
+        exp = self._advantages(self.scheduled.take(step, self.spec)) if self.scheduled is not None else \
             self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
         if self.sampler is not None:  # global: dropped / seen groups over all ranks
@@ -341,8 +341,8 @@ class GRPOTrainer:
         t_train = time.perf_counter() - t1
         self.rollout_metrics(exp, stats)  # after the update: with one pass, the actor's log-probs come from it
         queued = {}
-        if self.queue is not None:  # the batches in flight land; the step's generation is theirs
-            queued = self.queue.finish(exp, step)
+        if self.scheduled is not None:  # the batches in flight land; the step's generation is theirs
+            queued = self.scheduled.finish(exp, step)
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
         metrics = {**stats.reduce(), "kl_coef": self.settings.kl_coef, **timings, **queued}
         if "reward/flat_groups" in metrics:  # the same global value on every rank: the streaks agree
@@ -357,7 +357,7 @@ class GRPOTrainer:
                 "normalizer": self.normalizer.state_dict() if self.normalizer is not None else None,
                 "flat_watch": self.flat_watch.state_dict(),
                 "dynamic": self.sampler.state_dict() if self.sampler is not None else None,
-                **({"queue": self.queue.state_dict()} if self.queue is not None else {})}
+                **({"queue": self.scheduled.state_dict()} if self.scheduled is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("algorithm", self.settings.algorithm) != self.settings.algorithm:
@@ -368,8 +368,8 @@ class GRPOTrainer:
         self.flat_watch.load_state_dict(state.get("flat_watch") or {})
         if self.sampler is not None and state.get("dynamic") is not None:
             self.sampler.load_state_dict(state["dynamic"])
-        if self.queue is not None and state.get("queue") is not None:
-            self.queue.load_state_dict(state["queue"])
+        if self.scheduled is not None and state.get("queue") is not None:
+            self.scheduled.load_state_dict(state["queue"])
 
 
 def judge_prompt_problem(sources: Sequence[RewardSource], prompts: Sequence[str]) -> str | None:

@@ -125,7 +125,7 @@ class PPOTrainer:
         self.ema_decay, self.ema = ema_decay, ema
         self.kl_ctl = settings.kl_controller()
         self.normalizer = RunningMoments() if normalize_rewards else None
-        self.queue: ScheduledRollouts | None = None  # rollouts ahead of the update (schedule)
+        self.scheduled: ScheduledRollouts | None = None  # rollouts ahead of the update (schedule)
 
     def sampling_seed(self, step: int) -> int:
         return sampling_seed(self.spec.seed, step, self.registry.rank)
@@ -148,7 +148,7 @@ class PPOTrainer:
         def score(answers: dict[str, Any]) -> Experience:
             return score_answers(self.registry, answers, self.spec, 1, s.no_eos_penalty)
 
-        self.queue = ScheduledRollouts(self.registry, depth, prompts, produce, score, remote)
+        self.scheduled = ScheduledRollouts(self.registry, depth, prompts, produce, score, remote)
 
     def _estimate(self, exp: Experience) -> Experience:
         """Per-token rewards, GAE and whitening of a scored rollout."""
@@ -179,7 +179,7 @@ class PPOTrainer:
         """One PPO step: experience, update, EMA, KL-controller update. Returns the step's metrics. With a
         :meth:`schedule` ``batch`` is None: the queue draws the prompts."""
         t0 = time.perf_counter()
-        exp = self._estimate(self.queue.take(step, self.spec)) if self.queue is not None else \
+        exp = self._estimate(self.scheduled.take(step, self.spec)) if self.scheduled is not None else \
             self.make_experience(batch, step)
         stats = StepStats()  # every scalar metric of the step, reduced over ranks once, at the end
         self.rollout_metrics(exp, stats)
@@ -188,7 +188,7 @@ class PPOTrainer:
         t_train = time.perf_counter() - t1
         if self.ema_decay is not None:
             ema_update(self.registry[self.ema].module, self.registry[self.spec.actor].module, self.ema_decay)
-        queued = self.queue.finish(exp, step) if self.queue is not None else {}  # the batches in flight land
+        queued = self.scheduled.finish(exp, step) if self.scheduled is not None else {}  # the batches in flight land
         timings = step_timings(exp, t_train, time.perf_counter() - t0, stats)
         metrics = stats.reduce()
         self.kl_ctl.update(metrics["kl"], exp.sequences.shape[0] * self.registry.world_size)
@@ -202,13 +202,13 @@ class PPOTrainer:
         state: dict[str, Any] = {"kl_ctl": self.kl_ctl.state_dict()}
         if self.normalizer is not None:
             state["normalizer"] = self.normalizer.state_dict()
-        if self.queue is not None:
-            state["queue"] = self.queue.state_dict()
+        if self.scheduled is not None:
+            state["queue"] = self.scheduled.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.normalizer is not None and "normalizer" in state:
             self.normalizer.load_state_dict(state["normalizer"])
-        if self.queue is not None and state.get("queue") is not None:
-            self.queue.load_state_dict(state["queue"])
+        if self.scheduled is not None and state.get("queue") is not None:
+            self.scheduled.load_state_dict(state["queue"])

@@ -12,6 +12,7 @@ rank sends them: ``start`` (folder, settings), then ``weights`` / ``generate`` a
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -79,16 +80,25 @@ class RemoteRollouts:
         self.bridge.send({"kind": "stop"}, self.server)
 
 
+def _device() -> torch.device:
+    """This rollout rank's device: its GPU (LOCAL_RANK), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _build(start: dict[str, Any]) -> tuple[Any, bool]:
     """The rollout rank's engine: a vLLM engine, or the actor's folder as a transformers model."""
+    device = _device()
     if start.get("vllm") is not None:
         from multiengine.engines.vllm_rollout import VLLMRollout
 
-        return VLLMRollout(start["folder"], start["vllm"], "cpu"), True
+        return VLLMRollout(start["folder"], start["vllm"], device.type), True
     from transformers import AutoModelForCausalLM
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[start["dtype"]]
-    model = AutoModelForCausalLM.from_pretrained(start["folder"], dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(start["folder"], dtype=dtype).to(device).eval()
     return model, False
 
 
@@ -142,6 +152,8 @@ def _generate(engine: Any, vllm: bool, settings: GenerationSettings, msg: dict[s
     torch.manual_seed(msg["seed"])
     eos, pad = msg["ids"]
     run = engine_generate if vllm else module_generate
-    response, logprobs = run(engine, msg["input_ids"], msg["attention_mask"], settings, eos, pad)
-    return {"index": msg["index"], "response": response, "logprobs": logprobs,
+    device = torch.device("cpu") if vllm else next(engine.parameters()).device
+    response, logprobs = run(engine, msg["input_ids"].to(device), msg["attention_mask"].to(device), settings, eos,
+                             pad)
+    return {"index": msg["index"], "response": response.cpu(), "logprobs": logprobs.cpu(),
             "timings": {"generation_s": time.perf_counter() - t0, "generation_steps": float(response.shape[1])}}

@@ -224,7 +224,8 @@ def _cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace, override
                                    nodes=nodes, package=package, folder=folder)
         _output_dir_policy(args, cfg, clear=True)  # overwrite=true: cleared before any rank writes into it
         _write_validate_reads(cfg)
-        return launch_job(cmd, _launch_env(args.nproc_per_node, package), str(cfg.output_dir), args.nproc_per_node)
+        return launch_job(cmd, _launch_env(args.nproc_per_node, package, args.nnodes), str(cfg.output_dir),
+                          args.nproc_per_node)
     return _run_here(args, overrides)
 
 

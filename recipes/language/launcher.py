@@ -113,10 +113,15 @@ def build_launch_command(recipe: str, config_file: str | None, overrides: Sequen
     return cmd + list(overrides)
 
 
-def _launch_env(nproc_per_node: int, package: str) -> dict[str, str]:
+def _launch_env(nproc_per_node: int, package: str, nnodes: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # N ranks each using every core oversubscribe the CPU badly (torch's launcher would force 1).
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // nproc_per_node)))
+    if nnodes == 1:  # the rollout ranks' bridge (engines/placement.py): a rendezvous port of its own
+        from multiengine.engines.dist import free_port
+        from multiengine.engines.placement import BRIDGE_PORT_ENV
+
+        env.setdefault(BRIDGE_PORT_ENV, str(free_port()))
     if package != RECIPES_PACKAGE:
         # The ranks must import the recipe package the parent validated, wherever it was found.
         top = sys.modules[package.split(".")[0]]
