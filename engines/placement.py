@@ -13,8 +13,8 @@ Tensors cross the bridge in host memory (gloo).
 from __future__ import annotations
 
 import datetime
+import io
 import os
-import pickle
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -100,12 +100,20 @@ class WeightStats:
 
 
 def _payload(obj: object) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _object(data: torch.Tensor) -> object:
+    """A message back from its bytes: tensors, numbers, strings, dtypes and containers only (no pickled code)."""
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
 class Bridge:
     """The process groups between trainer and rollout ranks (gloo, CPU tensors; every process of the job makes one).
-    ``send``/``recv``: a Python object (tensors inside moved to CPU) to one rank; ``broadcast_weights``: named
+    ``send``/``recv``: a message of tensors, numbers, strings, dtypes, lists, tuples and dicts to one rank (read
+    back as torch.load(weights_only=True) reads: no code travels); ``broadcast_weights``: named
     tensors from trainer rank 0 to every rollout rank."""
 
     def __init__(self, layout: RankLayout, timeout_s: float | None = None) -> None:
@@ -133,7 +141,7 @@ class Bridge:
         self.group.recv([size], src, 0).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         self.group.recv([data], src, 1).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return _object(data)
 
     # --- weights ----------------------------------------------------------------------------------
     def _broadcast(self, tensor: torch.Tensor) -> None:
@@ -150,7 +158,7 @@ class Bridge:
         if data is None:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         self._broadcast(data)
-        return pickle.loads(data.numpy().tobytes())
+        return _object(data)
 
     def send_weights(self, units: Iterable[list[tuple[str, torch.Tensor]]]) -> WeightStats:
         """Trainer rank 0: each unit's ``(name, tensor)`` pairs to every rollout rank (one header and one flat

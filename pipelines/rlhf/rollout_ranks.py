@@ -11,6 +11,7 @@ rank sends them: ``start`` (folder, settings), then ``weights`` / ``generate`` a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -39,7 +40,10 @@ class RemoteRollouts:
         self.server = bridge.layout.server_of(registry.rank)
         self.published: int | None = None  # the version the rollout ranks hold (None: the folder's)
         self.sync = {"sync_s": 0.0, "sync_bytes": 0.0}  # weight broadcasts since the last take_sync
-        bridge.send({"kind": "start", "generation": spec.generation, **start}, self.server)
+        g = spec.generation
+        sampling = {k: getattr(g, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "do_sample")}
+        vllm = dataclasses.asdict(start["vllm"]) if start.get("vllm") is not None else None
+        bridge.send({"kind": "start", **start, "generation": sampling, "vllm": vllm}, self.server)
         self.engine = bridge.recv(self.server)  # what the rollout rank built: engine, parameters, bytes
 
     def publish(self, version: int) -> None:
@@ -92,9 +96,9 @@ def _build(start: dict[str, Any]) -> tuple[Any, bool]:
     """The rollout rank's engine: a vLLM engine, or the actor's folder as a transformers model."""
     device = _device()
     if start.get("vllm") is not None:
-        from multiengine.engines.vllm_rollout import VLLMRollout
+        from multiengine.engines.vllm_rollout import VLLMRollout, VLLMSettings
 
-        return VLLMRollout(start["folder"], start["vllm"], device.type), True
+        return VLLMRollout(start["folder"], VLLMSettings(**start["vllm"]), device.type), True
     from transformers import AutoModelForCausalLM
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[start["dtype"]]
@@ -126,7 +130,7 @@ def serve_rollouts(bridge: Bridge) -> int:
             return served
         if kind == "start":
             start = messages[0]
-            settings = start["generation"]  # type: ignore[index]
+            settings = GenerationSettings(**start["generation"])  # type: ignore[index]
             engine, vllm = _build(start)  # type: ignore[arg-type]
             for client in clients:
                 bridge.send(_describe(engine, vllm, bridge.layout.rank), client)
