@@ -164,6 +164,7 @@ class Distill(Recipe):
     def build(self) -> None:
         cfg, registry = self.cfg, self.registry
         teacher, student = cfg.roles.teacher, cfg.roles.student
+        common.check_lockstep(cfg, "distill's on-policy steps")  # also for runs that skipped validate
         self.replay = cfg.generation.router_replay == "rollout"  # the on-policy steps record the student's routing
         # 1. the teacher and student folders (tiny ones built here on first use) and their tokenizer
         assets = tiny_assets(registry, self.path("tiny"), cfg, student.model, teacher.model)

@@ -114,6 +114,7 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
     mean per-token estimate).
     """
     s, critic, temperature = settings, spec.critic, spec.generation.temperature
+    is_cap = s.rollout_is_cap  # truncated importance sampling of rows that carry their sampler's log-probs
     kl_coef, aggregation, horizon = s.kl_loss_coef, s.aggregation, spec.generation.max_new_tokens
     if exp.advantages is None:
         raise ValueError("the experience has no advantages: run an estimator first.")
@@ -171,8 +172,8 @@ def train_on_experience(registry: EngineRegistry, exp: Experience, step: int, se
                 weights = None
                 if mb.rollout_logprobs is not None:  # the sampler's log-probs (vLLM, MoE) against the trainer's
                     add("rollout/logprob_mismatch", logprob_mismatch(mb.logprobs, mb.rollout_logprobs, mb.action_mask))
-                    if s.rollout_is_cap:
-                        weights = truncated_is_weights(mb.logprobs, mb.rollout_logprobs, s.rollout_is_cap)
+                    if is_cap:
+                        weights = truncated_is_weights(mb.logprobs, mb.rollout_logprobs, is_cap)
                         add("rollout/is_weight_mean", ppo.masked_mean(weights, mb.action_mask))
                 pg_loss, pg_stats = policy_loss(s.objective, PolicyLossInputs(
                     logp, mb.logprobs, mb.advantages, mb.action_mask, aggregation, den, horizon, weights), s)
