@@ -4,10 +4,11 @@ Batch ``i`` is trained at step ``i`` (steps count from 0: the policy trained at 
 number of updates behind it). With ``depth`` k (``generation.schedule``: sync 0, one_step_off 1, async
 ``max_staleness``) the batch of step ``s + k`` is launched at step ``s``, before the update, with version ``s``'s
 weights, and lands after the update; so a trained sample is ``min(s, k)`` versions older than the policy that trains
-on it, never more (the rollouts wait for the trainer's weights). ``launch(prompts, index)`` starts a batch (on the
-trainer ranks: generates and scores it at once; with rollout ranks: sends the prompts) and ``land(handle)`` returns
-its :class:`Experience` (with rollout ranks: receives the answers and scores them). The prompt stream is drawn in the
-order of the batches, so depth 0 is exactly the lockstep run.
+on it, never more (the rollouts wait for the trainer's weights). ``launch(prompts, index, version)`` starts a batch
+(on the trainer ranks: generates and scores it at once; with rollout ranks: sends the prompts) and ``land(handle)``
+returns its :class:`Experience`, or with rollout ranks the answers received (scored when the batch is taken, with
+that step's weights). The prompt stream is drawn in the order of the batches, so depth 0 is exactly the lockstep
+run.
 
 The queue's state (landed batches not yet trained, counters, the ledger of trained samples) goes into every
 checkpoint; a checkpoint is taken between steps, when nothing is in flight, so a run killed at any moment resumes to
