@@ -292,7 +292,12 @@ def check_rollout(cfg: Any, seq_len: int, role: str = "actor", tiny: tuple[int, 
     if r.max_model_len and r.max_model_len < seq_len:
         raise config_problem("roles.rollout.max_model_len", r.max_model_len, f"is shorter than a rollout ({seq_len} "
                              "tokens: prompt + new tokens); vLLM would cut answers short", f"set it >= {seq_len}, or 0")
-    if model:
+    from multiengine.engines import known_models
+
+    if model and known_models.canonical(model) in known_models.MODELS:  # a built-in hub name: no hub round trips
+        known = known_models.MODELS[known_models.canonical(model)]
+        config = {**known.config, "architectures": [known.class_name]}
+    elif model:
         from transformers import AutoConfig
 
         try:
