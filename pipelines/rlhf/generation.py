@@ -118,16 +118,7 @@ def _hf_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_ma
     r = registry.role(role)
     record = record and bool(moe.routers(r.module))
     synced = settings.mode == "per_token" and r.backend == "deepspeed" and r.stage == 3 and registry.world_size > 1
-    kwargs = dict(
-        max_new_tokens=settings.max_new_tokens,
-        do_sample=settings.do_sample,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        synced_gpus=synced,
-        use_cache=True,
-    )
-    if settings.do_sample:
-        kwargs.update(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    kwargs = {**_generate_kwargs(settings, eos_token_id, pad_token_id), "synced_gpus": synced}
     if record:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
     with registry.generation(role, gather=settings.mode == "gather") as module, \
@@ -139,9 +130,23 @@ def _hf_generate(registry: EngineRegistry, input_ids: torch.Tensor, attention_ma
     if not record or tap is None:
         return response, None, None
     routing = moe.generated_routing(tap.passes, input_ids.shape[0], sequences.shape[1])
-    logits = torch.stack(out.logits, dim=1).float() / settings.temperature  # [B, T, V]
-    logprobs = torch.log_softmax(logits, -1).gather(-1, response.unsqueeze(-1).clamp(min=0)).squeeze(-1)
-    return response, routing, logprobs
+    return response, routing, _sampled_logprobs(out.logits, response, settings.temperature)
+
+
+def _generate_kwargs(settings: GenerationSettings, eos_token_id: int, pad_token_id: int) -> dict[str, Any]:
+    """transformers ``generate``'s sampling arguments for ``settings``."""
+    kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.do_sample,
+                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, use_cache=True)
+    if settings.do_sample:
+        kwargs.update(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    return kwargs
+
+
+def _sampled_logprobs(logits: tuple[torch.Tensor, ...], response: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, T]`` log-probs of the sampled tokens under the logits that sampled them (``generate``'s
+    ``output_logits``, one ``[B, V]`` per step), over the temperature as the trainer's."""
+    logprobs = torch.log_softmax(torch.stack(logits, dim=1).float() / temperature, -1)
+    return logprobs.gather(-1, response.unsqueeze(-1).clamp(min=0)).squeeze(-1)
 
 
 @torch.no_grad()
@@ -205,12 +210,7 @@ def module_generate(module: torch.nn.Module, input_ids: torch.Tensor, attention_
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers ``generate`` on a plain ``module`` (a rollout rank's copy of the actor): the ``[B, T]`` responses
     and the log-probs of the sampled tokens under the logits that sampled them (over the temperature)."""
-    out = module.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
-                          do_sample=settings.do_sample, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                          use_cache=True, output_logits=True, return_dict_in_generate=True,
-                          **(dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
-                             if settings.do_sample else {}))
+    out = module.generate(input_ids=input_ids, attention_mask=attention_mask, output_logits=True,
+                          return_dict_in_generate=True, **_generate_kwargs(settings, eos_token_id, pad_token_id))
     response = truncate_after_eos(out.sequences[:, input_ids.shape[1]:], eos_token_id, pad_token_id)
-    logits = torch.stack(out.logits, dim=1).float() / settings.temperature
-    logprobs = torch.log_softmax(logits, -1).gather(-1, response.unsqueeze(-1).clamp(min=0)).squeeze(-1)
-    return response, logprobs
+    return response, _sampled_logprobs(out.logits, response, settings.temperature)
